@@ -1,0 +1,276 @@
+"""Command-line grammar, verb dispatch and exit codes; the exec happens here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vllm_cpu_launch import __version__
+from vllm_cpu_launch.errors import (
+    EXIT_LIBRARY_MISSING,
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    LaunchError,
+)
+from vllm_cpu_launch.messages import emit
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from vllm_cpu_launch.libraries import Host
+    from vllm_cpu_launch.plan import Plan
+
+# Launcher options that take a value -> the key they fill.
+VALUED_OPTIONS = {
+    "--iomp": "iomp",
+    "--iomp-path": "iomp_path",
+    "--tcmalloc": "tcmalloc",
+    "--tcmalloc-path": "tcmalloc_path",
+    "--kmp-blocktime": "kmp_blocktime",
+    "--vllm": "vllm",
+    "--launcher-config": "config",
+}
+FLAG_OPTIONS = {
+    "--strict": "strict",
+    "--dry-run": "dry_run",
+    "--json": "json",
+    "-q": "quiet",
+    "--quiet": "quiet",
+    "-v": "verbose",
+    "--verbose": "verbose",
+    "-h": "help",
+    "--help": "help",
+    "--version": "version",
+}
+SETTING_KEYS = ("iomp", "iomp_path", "tcmalloc", "tcmalloc_path", "kmp_blocktime", "vllm")
+VERBS = ("doctor", "env", "verify", "systemd-unit", "exec")
+
+USAGE = """\
+usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
+       vllm-cpu-launch exec [OPTIONS] -- PROGRAM [ARGS...]
+       vllm-cpu-launch doctor [--json] [--measure]
+       vllm-cpu-launch env [--format shell|systemd|docker|json] [OPTIONS] [--] VLLM_SUBCOMMAND ...
+       vllm-cpu-launch verify [--json] PID
+       vllm-cpu-launch systemd-unit [UNIT OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
+"""
+
+HELP = (
+    USAGE
+    + """
+Start vLLM on CPU with Intel OpenMP (libiomp5.so) preloaded when speculative
+decoding is requested, then exec it: vLLM keeps the launcher's PID.
+Example: vllm-cpu-launch serve MODEL --speculative-config '{"method":"ngram",...}'
+Everything from the vLLM subcommand on is passed to vLLM unchanged;
+`vllm-cpu-launch serve --help` shows vLLM's help.
+
+options (before the vLLM subcommand; each has a VLLM_CPU_LAUNCH_* variable):
+  --iomp auto|always|never   preload libiomp5: auto = when SD is requested on x86-64
+  --iomp-path FILE           use this libiomp5.so (absolute path; still validated)
+  --tcmalloc auto|always|never
+                             preload tcmalloc: auto = when found, if iomp is preloaded
+  --tcmalloc-path FILE       use this tcmalloc library
+  --kmp-blocktime VALUE      set KMP_BLOCKTIME (default: keep yours, else 5)
+  --vllm EXECUTABLE          the vllm to start (default: beside this Python, else PATH)
+  --strict                   a wanted library that is missing is an error (exit 3)
+  --dry-run [--json]         print the plan, exec nothing
+  --launcher-config FILE     YAML settings (default ~/.config/vllm-cpu-launch/config.yaml)
+  -q, --quiet                no INFO line    -v, --verbose   explain every candidate
+  -h, --help                 this help       --version       the launcher's version
+
+exit codes: 0 ok, 1 verify found a problem, 2 usage or config error, 3 --strict and a
+library missing, 126 target not executable, 127 target not found; otherwise vLLM's own.
+"""
+)
+
+
+def parse_options(
+    args: Sequence[str],
+    valued: dict[str, str] = VALUED_OPTIONS,
+    flags: dict[str, str] = FLAG_OPTIONS,
+    repeatable: tuple[str, ...] = (),
+) -> tuple[dict[str, object], list[str]]:
+    """Options up to the first other word or `--`; return them and the rest, untouched."""
+    values: dict[str, object] = {}
+    index = 0
+    while index < len(args):
+        token = args[index]
+        if token == "--":
+            return values, list(args[index + 1 :])
+        if not token.startswith("-") or token == "-":
+            return values, list(args[index:])
+        name, has_value, value = token.partition("=")
+        if name in valued:
+            if not has_value:
+                if index + 1 >= len(args):
+                    raise LaunchError(EXIT_USAGE, f"{name} needs a value")
+                index += 1
+                value = args[index]
+            key = valued[name]
+            if key in repeatable:
+                previous = values.get(key, [])
+                values[key] = [*previous, value] if isinstance(previous, list) else [value]
+            else:
+                values[key] = value
+        elif name in flags and not has_value:
+            values[flags[name]] = True
+        else:
+            raise LaunchError(
+                EXIT_USAGE,
+                f"unknown launcher option {token!r}; vLLM's options go after the subcommand "
+                "(vllm-cpu-launch serve MODEL --option ...); see vllm-cpu-launch --help",
+            )
+        index += 1
+    return values, []
+
+
+def current_host() -> Host:
+    from vllm_cpu_launch.libraries import Host
+
+    return Host(
+        environ=os.environ,
+        machine=os.uname().machine,
+        euid=os.geteuid(),
+        launcher_prefix=sys.prefix,
+        search_path=tuple(sys.path),
+    )
+
+
+def plan_from_options(
+    values: dict[str, object], arguments: Sequence[str], program: str | None = None
+) -> Plan:
+    """The plan for `vllm ARGUMENTS` or, with `program`, for `exec -- PROGRAM ARGUMENTS`."""
+    from vllm_cpu_launch.plan import build_plan
+    from vllm_cpu_launch.settings import load_settings
+    from vllm_cpu_launch.speculative import SpeculativeRequest, detect
+    from vllm_cpu_launch.target import resolve_program, resolve_vllm
+
+    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
+    if values.get("strict"):
+        options["strict"] = True
+    settings = load_settings(options, os.environ)
+    if program is None:
+        target = resolve_vllm(settings.vllm, os.environ, sys.executable)
+        speculative = detect(arguments)
+        auto_iomp = speculative.requested
+    else:
+        target = resolve_program(program, os.environ)
+        speculative = SpeculativeRequest(False)
+        auto_iomp = True
+    plan = build_plan(settings, arguments, speculative, target, current_host(), auto_iomp)
+    if settings.strict and plan.missing:
+        for warning in plan.warnings:
+            emit("error", warning)
+        raise LaunchError(
+            EXIT_LIBRARY_MISSING,
+            f"--strict: {', '.join(plan.missing)} wanted but not found; not starting",
+        )
+    return plan
+
+
+def write_stdout(text: str) -> None:
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except (OSError, AttributeError, ValueError) as error:
+        raise LaunchError(EXIT_USAGE, f"cannot write to standard output: {error}") from None
+
+
+def report(plan: Plan, values: dict[str, object]) -> None:
+    """Warnings always; the INFO line unless quiet; notes and candidates when verbose."""
+    from vllm_cpu_launch.plan import summary_line
+
+    for warning in plan.warnings:
+        emit("warning", warning)
+    if not values.get("quiet"):
+        emit("info", summary_line(plan))
+    if values.get("verbose"):
+        for note in plan.notes:
+            emit("info", note)
+        for c in plan.candidates:
+            emit("info", f"{c.kind} candidate {c.path!r} from {c.origin}: {c.verdict}, {c.reason}")
+
+
+def execute(plan: Plan) -> None:
+    """Replace this process with the planned command; returns only by raising."""
+    environment = dict(os.environ)
+    environment.update(plan.env)
+    try:
+        os.execve(plan.command[0], list(plan.command), environment)
+    except FileNotFoundError as error:
+        raise LaunchError(EXIT_NOT_FOUND, f"cannot start {plan.command[0]}: {error}") from None
+    except OSError as error:
+        raise LaunchError(
+            EXIT_NOT_EXECUTABLE, f"cannot start {plan.command[0]}: {error.strerror}"
+        ) from None
+
+
+def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
+    plan = plan_from_options(values, arguments, program)
+    if values.get("json") and not values.get("dry_run"):
+        raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
+    if values.get("dry_run"):
+        from vllm_cpu_launch.plan import plan_as_json, render_text
+
+        if values.get("json"):
+            import json
+
+            write_stdout(json.dumps(plan_as_json(plan), indent=2))
+        else:
+            write_stdout(render_text(plan))
+        return 0
+    report(plan, values)
+    execute(plan)
+    return EXIT_NOT_EXECUTABLE  # not reached: execute() either replaces us or raises
+
+
+def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
+    if verb == "exec":
+        more, command = parse_options(rest)
+        if not command:
+            raise LaunchError(EXIT_USAGE, "exec needs a program: vllm-cpu-launch exec -- PROGRAM")
+        return run_plan({**values, **more}, command[1:], program=command[0])
+    if verb == "doctor":
+        from vllm_cpu_launch.doctor import main as doctor_main
+
+        return doctor_main(values, rest)
+    if verb == "env":
+        from vllm_cpu_launch.exports import main as env_main
+
+        return env_main(values, rest)
+    if verb == "verify":
+        from vllm_cpu_launch.verify import main as verify_main
+
+        return verify_main(values, rest)
+    from vllm_cpu_launch.systemd import main as systemd_main
+
+    return systemd_main(values, rest)
+
+
+def dispatch(argv: Sequence[str]) -> int:
+    values, rest = parse_options(argv)
+    if values.get("help"):
+        write_stdout(HELP.rstrip())
+        return 0
+    if values.get("version"):
+        write_stdout(f"vllm-cpu-launch {__version__}")
+        return 0
+    if not rest:
+        raise LaunchError(
+            EXIT_USAGE, "no vLLM subcommand given (e.g. serve MODEL); see vllm-cpu-launch --help"
+        )
+    if rest[0] in VERBS and "--" not in argv[: len(argv) - len(rest)]:
+        return run_verb(rest[0], values, rest[1:])
+    return run_plan(values, rest, program=None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point: the exit code, never a traceback for user errors."""
+    try:
+        return dispatch(sys.argv[1:] if argv is None else argv)
+    except LaunchError as error:
+        emit("error", error.message)
+        return error.code
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,19 @@
+"""The one exception the launcher raises for a user-facing failure."""
+
+from __future__ import annotations
+
+# Exit codes of ../shared/DESIGN.md.
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+EXIT_LIBRARY_MISSING = 3
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+
+class LaunchError(Exception):
+    """A failure the user can fix: printed as one line, exits with `code`."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,464 @@
+"""Find, validate and choose the libraries to preload: Intel OpenMP and tcmalloc.
+
+Discovery only stats and reads known places, in the order of DESIGN.md; it never
+scans the filesystem. Each place yields candidates lazily, so the usual case (the
+library in the vLLM environment) stops after a handful of system calls.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from vllm_cpu_launch.records import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+
+IOMP = "iomp"
+TCMALLOC = "tcmalloc"
+IOMP_NAMES = ("libiomp5.so",)
+TCMALLOC_NAMES = (
+    "libtcmalloc_minimal.so.4",
+    "libtcmalloc.so.4",
+    "libtcmalloc_minimal.so",
+    "libtcmalloc.so",
+)
+# vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
+MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
+FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llvm"))
+FLAVOR_RANK = {"intel": 0, "llvm": 1, None: 2}
+
+# ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
+ELF_MACHINES = {
+    "x86_64": 62,
+    "aarch64": 183,
+    "ppc64le": 21,
+    "s390x": 22,
+    "riscv64": 243,
+    "i686": 3,
+    "i386": 3,
+}
+MULTIARCH = {
+    "x86_64": "x86_64-linux-gnu",
+    "aarch64": "aarch64-linux-gnu",
+    "ppc64le": "powerpc64le-linux-gnu",
+    "s390x": "s390x-linux-gnu",
+    "riscv64": "riscv64-linux-gnu",
+}
+ELF_MACHINE_NAMES = {number: name for name, number in ELF_MACHINES.items()}
+ELF_TYPE_SHARED = 3
+LOADER_CACHE = "/etc/ld.so.cache"
+ONEAPI_ROOT = "/opt/intel/oneapi"
+
+
+@record
+class Host:
+    """What discovery needs to know of this process and machine."""
+
+    environ: Mapping[str, str]
+    machine: str  # os.uname().machine
+    euid: int
+    launcher_prefix: str  # sys.prefix of the launcher's own interpreter
+    search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
+    loader_cache: str = LOADER_CACHE
+    oneapi_root: str = ONEAPI_ROOT
+
+
+@record
+class Candidate:
+    """A library file considered for preloading, with the verdict and its reason."""
+
+    kind: str
+    path: str
+    origin: str
+    verdict: str  # "chosen", "rejected", or "usable" (valid but a better one was chosen)
+    reason: str
+    flavor: str | None = None
+
+
+@record
+class Place:
+    """One step of the search order: where it looked and which files it proposes."""
+
+    origin: str
+    paths: tuple[str, ...]
+
+
+# ---------------------------------------------------------------- validation
+
+
+def elf_problem(header: bytes, machine: str) -> str | None:
+    """Why an ELF header does not fit this machine, or None when it does."""
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return "not an ELF file"
+    bits = {1: 32, 2: 64}.get(header[4])
+    order = {1: "little", 2: "big"}.get(header[5])
+    if bits is None or order is None:
+        return "a corrupt ELF header"
+    wanted_bits = 32 if machine in ("i686", "i386") else 64
+    if bits != wanted_bits:
+        return f"a {bits}-bit ELF file; this {machine} host needs {wanted_bits}-bit"
+    elf_type = int.from_bytes(header[16:18], order)  # type: ignore[arg-type]
+    elf_machine = int.from_bytes(header[18:20], order)  # type: ignore[arg-type]
+    if elf_type != ELF_TYPE_SHARED:
+        return f"an ELF file of type {elf_type}, not a shared object"
+    wanted_machine = ELF_MACHINES.get(machine)
+    if wanted_machine is not None and elf_machine != wanted_machine:
+        built_for = ELF_MACHINE_NAMES.get(elf_machine, f"ELF machine {elf_machine}")
+        return f"built for {built_for}; this host is {machine}"
+    return None
+
+
+def openmp_flavor(content: bytes) -> str | None:
+    """Intel's or LLVM's OpenMP runtime, told apart by their embedded version banner."""
+    for marker, flavor in FLAVOR_MARKERS:
+        if marker in content:
+            return flavor
+    return None
+
+
+def unsafe_owner_or_mode(status: os.stat_result, euid: int, is_file: bool) -> str | None:
+    """Why a file or directory lets another user change what gets preloaded."""
+    if status.st_uid not in (0, euid):
+        return f"owned by uid {status.st_uid}, neither root nor this user"
+    writable = status.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable and (is_file or not status.st_mode & stat.S_ISVTX):
+        who = "others" if status.st_mode & stat.S_IWOTH else "its group"
+        return f"writable by {who}"
+    return None
+
+
+def insecure_reason(path: str, euid: int) -> str | None:
+    """Why `path` could be swapped by another user: the file or a directory above it.
+
+    Both the path as given and its resolved form are checked, since either chain of
+    directories decides what the loader opens. The file's own directory must not be
+    group/other-writable at all; higher ones may be when sticky (like /tmp).
+    """
+    real = os.path.realpath(path)
+    try:
+        problem = unsafe_owner_or_mode(os.stat(real), euid, is_file=True)
+        if problem:
+            return f"{real} is {problem}"
+        for chain_start in dict.fromkeys((os.path.dirname(path), os.path.dirname(real))):
+            directory = chain_start
+            nearest = True
+            while True:
+                status = os.stat(directory)
+                problem = unsafe_owner_or_mode(status, euid, is_file=nearest)
+                if problem:
+                    return f"directory {directory} is {problem}"
+                parent = os.path.dirname(directory)
+                if parent == directory:
+                    break
+                directory, nearest = parent, False
+    except OSError as error:
+        return f"cannot check its permissions: {error.strerror}"
+    return None
+
+
+def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
+    """(reason to reject or None, flavor) for one candidate file."""
+    if not path:
+        return "an empty path means the current directory to the loader", None
+    if not os.path.isabs(path):
+        return "a relative path depends on the working directory", None
+    if MARKER[kind] not in os.path.basename(path):
+        return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD", None
+    try:
+        status = os.stat(path)
+    except OSError as error:
+        if os.path.islink(path):
+            detail = "a symbolic link loop" if error.errno == 40 else "a dangling symbolic link"
+            return detail, None
+        return "does not exist" if isinstance(error, FileNotFoundError) else error.strerror, None
+    if not stat.S_ISREG(status.st_mode):
+        what = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
+        return what, None
+    try:
+        # O_NONBLOCK: should the file be swapped for a FIFO after the stat, the open
+        # must not wait for a writer.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as error:
+        return f"not readable: {error.strerror}", None
+    with os.fdopen(descriptor, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return "not a regular file", None
+        content = stream.read() if kind == IOMP else stream.read(64)
+    problem = elf_problem(content[:64], host.machine)
+    if problem:
+        return problem, None
+    problem = insecure_reason(path, host.euid)
+    if problem:
+        return f"unsafe to preload: {problem}", None
+    return None, (openmp_flavor(content) if kind == IOMP else None)
+
+
+# ---------------------------------------------------------------- places
+
+
+def files_named(origin: str, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
+    """The files with one of `names` that exist in `directories` (skipping unset ones)."""
+    paths = [
+        os.path.join(directory, name)
+        for directory in directories
+        if directory
+        for name in names
+        if os.path.lexists(os.path.join(directory, name))
+    ]
+    return Place(origin, tuple(paths))
+
+
+def preload_entries(value: str) -> list[str]:
+    """LD_PRELOAD's entries; the loader splits on colons and white space."""
+    return value.replace(":", " ").split()
+
+
+def ld_preload_place(kind: str, host: Host) -> Place:
+    entries = preload_entries(host.environ.get("LD_PRELOAD", ""))
+    return Place("ld-preload", tuple(e for e in entries if MARKER[kind] in os.path.basename(e)))
+
+
+def library_path_place(names: tuple[str, ...], host: Host) -> Place:
+    """LD_LIBRARY_PATH entries; an empty or relative one is proposed only to be rejected."""
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    paths: list[str] = []
+    for directory in value.split(":") if value else []:
+        if os.path.isabs(directory):
+            paths.extend(files_named("", [directory], names).paths)
+        else:  # "" is the current directory to the loader
+            paths.append(os.path.join(directory, names[0]) if directory else "")
+    return Place("ld-library-path", tuple(paths))
+
+
+def loader_cache_entries(cache_file: str) -> list[str]:
+    """Library paths listed in glibc's /etc/ld.so.cache (format 'glibc-ld.so.cache1.1').
+
+    Read directly rather than through `ldconfig -p`: no child process on the exec path.
+    """
+    try:
+        with open(cache_file, "rb") as stream:
+            data = stream.read()
+    except OSError:
+        return []
+    magic = b"glibc-ld.so.cache1.1"
+    start = data.find(magic)  # after the old-format table on older systems
+    if start < 0 or len(data) < start + 48:
+        return []
+    count = int.from_bytes(data[start + 20 : start + 24], "little")
+    paths = []
+    for index in range(count):
+        entry = start + 48 + 24 * index
+        if entry + 24 > len(data):
+            break
+        value = int.from_bytes(data[entry + 8 : entry + 12], "little")
+        end = data.find(b"\0", start + value)
+        if end > 0:
+            paths.append(data[start + value : end].decode("utf-8", "surrogateescape"))
+    return paths
+
+
+def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
+    wanted = set(names)
+    found = [p for p in loader_cache_entries(host.loader_cache) if os.path.basename(p) in wanted]
+    return Place("loader-cache", tuple(dict.fromkeys(found)))
+
+
+def version_key(name: str) -> tuple[int, ...]:
+    """'2024.2' -> (2024, 2); names that are not versions sort first."""
+    parts = name.split(".")
+    return tuple(int(part) for part in parts) if all(p.isdigit() for p in parts) else ()
+
+
+def oneapi_directories(host: Host) -> list[str | None]:
+    """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
+    compiler_root = os.path.join(host.oneapi_root, "compiler")
+    try:
+        versions = [n for n in os.listdir(compiler_root) if version_key(n)]
+    except OSError:
+        versions = []
+    newest = max(versions, key=version_key) if versions else None
+    roots: list[str | None] = [
+        host.environ.get("CMPLR_ROOT"),
+        os.path.join(host.environ["ONEAPI_ROOT"], "compiler", "latest")
+        if host.environ.get("ONEAPI_ROOT")
+        else None,
+        os.path.join(compiler_root, "latest"),
+        os.path.join(compiler_root, newest) if newest else None,
+    ]
+    directories: list[str | None] = []
+    for root in roots:
+        if root:
+            directories.append(os.path.join(root, "lib"))
+            directories.append(os.path.join(root, "linux", "compiler", "lib", "intel64_lin"))
+    return directories
+
+
+def distribution_files(distribution: str, search_path: Iterable[str], name: str) -> list[str]:
+    """Files called `name` that an installed distribution's RECORD lists.
+
+    The RECORD is read directly: importlib.metadata costs more to import than the
+    whole launcher, and this place is reached only when the earlier ones failed.
+    """
+    prefix = distribution.replace("-", "_") + "-"
+    found = []
+    for site in search_path:
+        if not os.path.isabs(site):
+            continue  # "" in sys.path is the working directory
+        try:
+            entries = os.listdir(site)
+        except OSError:
+            continue
+        for entry in entries:
+            if not (entry.startswith(prefix) and entry.endswith(".dist-info")):
+                continue
+            try:
+                with open(os.path.join(site, entry, "RECORD"), encoding="utf-8") as stream:
+                    for line in stream:
+                        relative = line.split(",", 1)[0]
+                        if os.path.basename(relative) == name:
+                            found.append(os.path.normpath(os.path.join(site, relative)))
+            except OSError:
+                continue
+    return found
+
+
+def system_directories(machine: str) -> list[str | None]:
+    """`/usr/local/lib*`, `/usr/lib/<multiarch>`, `/usr/lib64`, `/usr/lib`."""
+    try:
+        local = sorted(n for n in os.listdir("/usr/local") if n.startswith("lib"))
+    except OSError:
+        local = []
+    multiarch = MULTIARCH.get(machine)
+    return [
+        *(os.path.join("/usr/local", n) for n in local),
+        os.path.join("/usr/lib", multiarch) if multiarch else None,
+        "/usr/lib64",
+        "/usr/lib",
+    ]
+
+
+def lib_directory(prefix: str | None) -> str | None:
+    return os.path.join(prefix, "lib") if prefix else None
+
+
+def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
+    """Newer vLLM wheels bundle tcmalloc in `site-packages/vllm/libs/`."""
+    if not prefix:
+        return []
+    found = []
+    lib = os.path.join(prefix, "lib")
+    try:
+        pythons = [n for n in os.listdir(lib) if n.startswith("python3")]
+    except OSError:
+        return []
+    for python in pythons:
+        libs = os.path.join(lib, python, "site-packages", "vllm", "libs")
+        try:
+            found += [os.path.join(libs, n) for n in sorted(os.listdir(libs)) if "libtcmalloc" in n]
+        except OSError:
+            continue
+    return found
+
+
+def search_places(kind: str, host: Host, target_prefix: str | None) -> Iterator[Place]:
+    """The places to look, in DESIGN.md's order, each computed only when reached."""
+    names = IOMP_NAMES if kind == IOMP else TCMALLOC_NAMES
+    environ = host.environ
+    home = environ.get("HOME")
+    steps: list[Callable[[], Place]] = [
+        lambda: ld_preload_place(kind, host),
+        lambda: files_named("vllm-environment", [lib_directory(target_prefix)], names),
+        lambda: files_named("launcher-environment", [lib_directory(host.launcher_prefix)], names),
+        lambda: files_named("conda", [lib_directory(environ.get("CONDA_PREFIX"))], names),
+        lambda: files_named("virtualenv", [lib_directory(environ.get("VIRTUAL_ENV"))], names),
+    ]
+    if kind == IOMP:
+        steps += [
+            lambda: Place(
+                "intel-openmp-package",
+                tuple(distribution_files("intel-openmp", host.search_path, names[0])),
+            ),
+            lambda: files_named(
+                "user-local", [os.path.join(home, ".local", "lib") if home else None], names
+            ),
+            lambda: files_named("oneapi", oneapi_directories(host), names),
+        ]
+    else:
+        steps += [
+            lambda: Place("vllm-bundled", tuple(vllm_bundled_tcmalloc(target_prefix))),
+            lambda: files_named(
+                "user-local", [os.path.join(home, ".local", "lib") if home else None], names
+            ),
+        ]
+    steps += [
+        lambda: library_path_place(names, host),
+        lambda: loader_cache_place(names, host),
+        lambda: files_named("system", system_directories(host.machine), names),
+    ]
+    for step in steps:
+        yield step()
+
+
+# ---------------------------------------------------------------- choice
+
+
+@record
+class Search:
+    """The outcome of looking for one kind of library."""
+
+    kind: str
+    chosen: Candidate | None
+    candidates: tuple[Candidate, ...]
+    places: tuple[str, ...]  # the origins searched, for the 'not found' message
+
+
+def find_library(
+    kind: str,
+    host: Host,
+    target_prefix: str | None,
+    exhaustive: bool = False,
+) -> Search:
+    """Search the places in order; the first place with a usable file wins.
+
+    Within one place Intel's runtime is preferred over LLVM's. With `exhaustive`
+    (doctor) every place is examined and reported.
+    """
+    seen: set[str] = set()
+    candidates: list[Candidate] = []
+    searched: list[str] = []
+    chosen: Candidate | None = None
+    for place in search_places(kind, host, target_prefix):
+        searched.append(place.origin)
+        usable: list[Candidate] = []
+        for path in place.paths:
+            normalized = os.path.normpath(path) if path else path
+            if normalized in seen:
+                continue
+            seen.add(normalized)
+            reason, flavor = examine(path, kind, host)
+            verdict = "rejected" if reason else "usable"
+            candidate = Candidate(kind, path, place.origin, verdict, reason or "valid", flavor)
+            candidates.append(candidate)
+            if not reason:
+                usable.append(candidate)
+        if usable and chosen is None:
+            chosen = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2))
+            if not exhaustive:
+                break
+    if chosen is not None:
+        winner = chosen
+        chosen = Candidate(
+            kind, winner.path, winner.origin, "chosen", "first usable", winner.flavor
+        )
+        candidates = [chosen if c is winner else c for c in candidates]
+    return Search(kind, chosen, tuple(candidates), tuple(searched))
+
+
+def check_explicit(kind: str, path: str, host: Host) -> Candidate:
+    """An `--iomp-path`/`--tcmalloc-path` file: validated like any other."""
+    reason, flavor = examine(path, kind, host)
+    verdict = "rejected" if reason else "chosen"
+    return Candidate(kind, path, "explicit", verdict, reason or "given explicitly", flavor)

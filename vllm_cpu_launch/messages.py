@@ -1,0 +1,39 @@
+"""Launcher messages on stderr, with journald priorities when run under systemd."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PREFIX = "vllm-cpu-launch: "
+# sd-daemon(3) priority prefixes, which journald turns into log levels.
+PRIORITY = {"error": "<3>", "warning": "<4>", "info": "<6>", "debug": "<7>"}
+
+
+def stderr_is_journal(journal_stream: str | None) -> bool:
+    """True when stderr is the journal stream systemd announced in JOURNAL_STREAM."""
+    if not journal_stream:
+        return False
+    device, _, inode = journal_stream.partition(":")
+    try:
+        status = os.fstat(2)
+        return (status.st_dev, status.st_ino) == (int(device), int(inode))
+    except (OSError, ValueError):
+        return False
+
+
+def format_message(level: str, text: str, journal: bool) -> str:
+    """One line as it is written: priority (under journald), prefix, level word, text."""
+    label = "" if level == "info" else f"{level}: "
+    priority = PRIORITY[level] if journal else ""
+    return f"{priority}{PREFIX}{label}{text}"
+
+
+def emit(level: str, text: str) -> None:
+    """Write one message to stderr; a closed stderr is not an error worth dying for."""
+    line = format_message(level, text, stderr_is_journal(os.environ.get("JOURNAL_STREAM")))
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass

@@ -1,0 +1,240 @@
+"""The plan: what to exec and with which environment. Computed, never executed, here."""
+
+from __future__ import annotations
+
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.libraries import (
+    IOMP,
+    TCMALLOC,
+    Candidate,
+    Host,
+    Search,
+    check_explicit,
+    find_library,
+    preload_entries,
+)
+from vllm_cpu_launch.records import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any
+
+    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.speculative import SpeculativeRequest
+    from vllm_cpu_launch.target import Target
+
+# The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
+DEFAULT_KMP_BLOCKTIME = "5"
+IOMP_ARCHITECTURES = ("x86_64",)  # vLLM checks for libiomp on x86 only
+LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
+
+
+@record
+class Preload:
+    kind: str
+    path: str
+    flavor: str | None
+    origin: str
+
+
+@record
+class Plan:
+    """Everything the launcher will do, so it can be printed, tested and compared."""
+
+    command: tuple[str, ...]
+    speculative: SpeculativeRequest
+    preload: tuple[Preload, ...]
+    env: tuple[tuple[str, str], ...]  # only the variables the launcher sets or changes
+    warnings: tuple[str, ...]
+    notes: tuple[str, ...]  # details for --verbose
+    candidates: tuple[Candidate, ...]
+    missing: tuple[str, ...]  # kinds that were wanted and not found (--strict fails on them)
+
+
+def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """New LD_PRELOAD (additions first, caller's entries kept in order) and dropped entries.
+
+    A libgomp entry is dropped once an Intel/LLVM OpenMP runtime is in the list:
+    vLLM asserts that not both are preloaded (vllm/utils/ompmultiprocessing.py).
+    """
+    entries = preload_entries(current)
+    merged = [path for path in additions if path not in entries] + entries
+    has_iomp = any("libiomp" in e or "libomp" in e for e in merged)
+    dropped = tuple(e for e in merged if has_iomp and "libgomp" in e)
+    return ":".join(e for e in merged if e not in dropped), dropped
+
+
+def fix_hint(target: Target) -> str:
+    """The command that installs Intel OpenMP where the started program will find it."""
+    if target.interpreter and target.prefix:
+        return f"{target.interpreter} -m pip install intel-openmp  (into {target.prefix})"
+    return "pip install intel-openmp  (into the Python environment that runs vLLM)"
+
+
+def search_kind(kind: str, explicit: str | None, host: Host, target: Target) -> Search:
+    """Look for one library, or validate the one the user named (no fallback from it)."""
+    if explicit is None:
+        return find_library(kind, host, target.prefix)
+    candidate = check_explicit(kind, explicit, host)
+    if candidate.verdict != "chosen":
+        raise LaunchError(
+            EXIT_USAGE, f"{kind} library {explicit} cannot be preloaded: {candidate.reason}"
+        )
+    return Search(kind, candidate, (candidate,), ("explicit",))
+
+
+def missing_message(search: Search, target: Target, consequence: str) -> str:
+    rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
+    tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
+    return (
+        f"{LIBRARY_TITLES[search.kind]} not found (searched {', '.join(search.places)}"
+        f"{tried}); {consequence}. Fix: {fix_hint(target)}"
+    )
+
+
+def build_plan(
+    settings: Settings,
+    arguments: Sequence[str],
+    speculative: SpeculativeRequest,
+    target: Target,
+    host: Host,
+    auto_iomp: bool,
+) -> Plan:
+    """Decide what to preload and which variables to set for `target arguments...`.
+
+    `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
+    """
+    warnings: list[str] = []
+    notes: list[str] = []
+    missing: list[str] = []
+    searches: list[Search] = []
+    if speculative.note:
+        warnings.append(speculative.note)
+
+    wants_iomp = settings.iomp == "always" or (settings.iomp == "auto" and auto_iomp)
+    if wants_iomp and host.machine not in IOMP_ARCHITECTURES:
+        message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
+        (warnings if settings.iomp == "always" else notes).append(message)
+        wants_iomp = False
+    iomp: Candidate | None = None
+    if wants_iomp:
+        search = search_kind(IOMP, settings.iomp_path, host, target)
+        searches.append(search)
+        iomp = search.chosen
+        if iomp is None:
+            missing.append(IOMP)
+            consequence = (
+                "speculative decoding on CPU runs about 2x slower with GNU libgomp"
+                if speculative.requested
+                else "vLLM will use GNU libgomp"
+            )
+            warnings.append(missing_message(search, target, consequence))
+    elif settings.iomp == "auto" and not auto_iomp:
+        notes.append("no speculative decoding requested: Intel OpenMP not needed")
+
+    wants_tcmalloc = settings.tcmalloc == "always" or (
+        settings.tcmalloc == "auto" and iomp is not None
+    )
+    tcmalloc: Candidate | None = None
+    if wants_tcmalloc:
+        search = search_kind(TCMALLOC, settings.tcmalloc_path, host, target)
+        searches.append(search)
+        tcmalloc = search.chosen
+        if tcmalloc is None and settings.tcmalloc == "always":
+            missing.append(TCMALLOC)
+            warnings.append(missing_message(search, target, "vLLM will use glibc's malloc"))
+        elif tcmalloc is None:
+            notes.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
+
+    chosen = [c for c in (tcmalloc, iomp) if c is not None]
+    env: dict[str, str] = {}
+    current = host.environ.get("LD_PRELOAD", "")
+    if chosen:
+        composed, dropped = compose_ld_preload(current, [c.path for c in chosen])
+        for entry in dropped:
+            warnings.append(
+                f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both "
+                "libgomp and Intel OpenMP preloaded"
+            )
+        if composed != current:
+            env["LD_PRELOAD"] = composed
+    blocktime = settings.kmp_blocktime
+    if blocktime is None and iomp is not None and "KMP_BLOCKTIME" not in host.environ:
+        blocktime = DEFAULT_KMP_BLOCKTIME
+    if blocktime is not None and host.environ.get("KMP_BLOCKTIME") != blocktime:
+        env["KMP_BLOCKTIME"] = blocktime
+
+    return Plan(
+        command=(target.executable, *arguments),
+        speculative=speculative,
+        preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
+        env=tuple(env.items()),
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+        candidates=tuple(c for s in searches for c in s.candidates),
+        missing=tuple(missing),
+    )
+
+
+def plan_as_json(plan: Plan) -> dict[str, Any]:
+    """The plan in the JSON form of DESIGN.md (`--dry-run --json`, `env --format json`)."""
+    return {
+        "command": list(plan.command),
+        "speculative": {
+            "requested": plan.speculative.requested,
+            "source": plan.speculative.source,
+        },
+        "preload": [
+            {"kind": p.kind, "path": p.path, "flavor": p.flavor, "origin": p.origin}
+            for p in plan.preload
+        ],
+        "env": dict(plan.env),
+        "warnings": list(plan.warnings),
+        "candidates": [
+            {"kind": c.kind, "path": c.path, "verdict": c.verdict, "reason": c.reason}
+            for c in plan.candidates
+        ],
+    }
+
+
+def summary_line(plan: Plan) -> str:
+    """The one INFO line: what is preloaded, what is set, and why."""
+    why = (
+        f"speculative decoding requested by {plan.speculative.source}"
+        if plan.speculative.requested
+        else "no speculative decoding requested"
+    )
+    if not plan.preload and not plan.env:
+        return f"{why}; starting {plan.command[0]} unchanged"
+    parts = [f"preloading {p.path} ({p.flavor or p.kind}, from {p.origin})" for p in plan.preload]
+    parts += [f"{name}={value}" for name, value in plan.env if name != "LD_PRELOAD"]
+    return f"{why}; {'; '.join(parts)}"
+
+
+def render_text(plan: Plan) -> str:
+    """The plan for a person (`--dry-run`)."""
+    import shlex
+
+    speculative = (
+        f"requested ({plan.speculative.source})" if plan.speculative.requested else "not requested"
+    )
+    lines = [
+        f"command:     {shlex.join(plan.command)}",
+        f"speculative: {speculative}",
+    ]
+    for index, p in enumerate(plan.preload):
+        label = "preload:" if index == 0 else ""
+        lines.append(f"{label:<12} {p.kind} {p.path} ({p.flavor or 'flavor unknown'}, {p.origin})")
+    if not plan.preload:
+        lines.append("preload:     nothing")
+    for index, (name, value) in enumerate(plan.env):
+        label = "env:" if index == 0 else ""
+        lines.append(f"{label:<12} {name}={shlex.quote(value)}")
+    if not plan.env:
+        lines.append("env:         unchanged")
+    lines += [f"warning:     {w}" for w in plan.warnings]
+    lines += [f"note:        {n}" for n in plan.notes]
+    for c in plan.candidates:
+        lines.append(f"candidate:   {c.kind} {c.verdict:<8} {c.path or repr(c.path)}: {c.reason}")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""Launcher settings from options, VLLM_CPU_LAUNCH_* variables and YAML config files.
+
+Precedence, highest first: command-line option, environment variable,
+`--launcher-config` file (or the user's `$XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml`),
+`/etc/vllm-cpu-launch/config.yaml`, defaults. Every value is validated where it is
+read, so an error names the option, variable or file and key it came from.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.records import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+MODES = ("auto", "always", "never")
+SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
+CONFIG_VARIABLE = "VLLM_CPU_LAUNCH_CONFIG"
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
+@record
+class Settings:
+    """What the user asked of the launcher, after precedence and validation."""
+
+    iomp: str = "auto"
+    iomp_path: str | None = None
+    tcmalloc: str = "auto"
+    tcmalloc_path: str | None = None
+    kmp_blocktime: str | None = None
+    vllm: str | None = None
+    strict: bool = False
+    config_files: tuple[str, ...] = ()  # the files that were read, for doctor and -v
+
+
+def fail(where: str, problem: str) -> LaunchError:
+    return LaunchError(EXIT_USAGE, f"{where}: {problem}")
+
+
+def parse_mode(value: object, where: str) -> str:
+    if isinstance(value, str) and value in MODES:
+        return value
+    raise fail(where, f"{value!r} is not one of {', '.join(MODES)}")
+
+
+def parse_library_path(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise fail(where, "needs the absolute path of a library file")
+    if not os.path.isabs(value):
+        raise fail(
+            where,
+            f"{value!r} is relative; give an absolute path, since what is preloaded must "
+            "not depend on the working directory",
+        )
+    return value
+
+
+def parse_blocktime(value: object, where: str) -> str:
+    """KMP_BLOCKTIME: milliseconds (optionally with a `us`/`ms` unit) or `infinite`."""
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(text, str):
+        number = text.removesuffix("ms").removesuffix("us")
+        if text == "infinite" or (number.isascii() and number.isdigit()):
+            return text
+    raise fail(where, f"{value!r} is not a KMP_BLOCKTIME: use milliseconds like 5, or infinite")
+
+
+def parse_text(value: object, where: str) -> str:
+    if isinstance(value, str) and value:
+        return value
+    raise fail(where, "needs a non-empty value")
+
+
+def parse_bool(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.lower() in TRUE_WORDS
+    raise fail(where, f"{value!r} is not a yes/no value (use 1 or 0, true or false)")
+
+
+# key -> (option, environment variable, parser)
+KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
+    "iomp": ("--iomp", "VLLM_CPU_LAUNCH_IOMP", parse_mode),
+    "iomp_path": ("--iomp-path", "VLLM_CPU_LAUNCH_IOMP_PATH", parse_library_path),
+    "tcmalloc": ("--tcmalloc", "VLLM_CPU_LAUNCH_TCMALLOC", parse_mode),
+    "tcmalloc_path": ("--tcmalloc-path", "VLLM_CPU_LAUNCH_TCMALLOC_PATH", parse_library_path),
+    "kmp_blocktime": ("--kmp-blocktime", "VLLM_CPU_LAUNCH_KMP_BLOCKTIME", parse_blocktime),
+    "vllm": ("--vllm", "VLLM_CPU_LAUNCH_VLLM", parse_text),
+    "strict": ("--strict", "VLLM_CPU_LAUNCH_STRICT", parse_bool),
+}
+
+
+def user_config_path(environ: Mapping[str, str]) -> str | None:
+    base = environ.get("XDG_CONFIG_HOME") or (
+        os.path.join(environ["HOME"], ".config") if environ.get("HOME") else None
+    )
+    return os.path.join(base, "vllm-cpu-launch", "config.yaml") if base else None
+
+
+def read_config_file(path: str) -> dict[str, object]:
+    """A config file's settings, validated; any problem is an error naming the file."""
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read()
+    except FileNotFoundError:
+        raise fail(path, "config file not found") from None
+    except IsADirectoryError:
+        raise fail(path, "is a directory, not a config file") from None
+    except OSError as error:
+        raise fail(path, f"cannot read config file: {error.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise fail(path, f"config file is not UTF-8 text (byte {error.start})") from None
+    import yaml  # only when a config file exists: the exec path stays light
+
+    try:
+        content = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        detail = " ".join(str(error).split())
+        raise fail(path, f"invalid YAML: {detail}") from None
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise fail(path, f"must be a mapping of settings, not {type(content).__name__}")
+    values: dict[str, object] = {}
+    for key, value in content.items():
+        name = str(key).replace("-", "_")
+        if name not in KEYS:
+            allowed = ", ".join(k.replace("_", "-") for k in KEYS)
+            raise fail(path, f"unknown key {key!r}; allowed keys: {allowed}")
+        values[name] = KEYS[name][2](value, f"{path}: key {key!r}")
+    return values
+
+
+def load_settings(options: Mapping[str, object], environ: Mapping[str, str]) -> Settings:
+    """Merge the layers. `options` maps setting keys (and "config") to raw option values."""
+    explicit_config = options.get("config") or environ.get(CONFIG_VARIABLE)
+    if explicit_config is not None and not isinstance(explicit_config, str):
+        raise fail("--launcher-config", "needs a file name")
+    files = [SYSTEM_CONFIG, explicit_config or user_config_path(environ)]
+    values: dict[str, object] = {}
+    read: list[str] = []
+    for path in files:
+        if path is None or (path != explicit_config and not os.path.exists(path)):
+            continue
+        values.update(read_config_file(path))
+        read.append(path)
+    for key, (option, variable, parse) in KEYS.items():
+        if variable in environ:
+            values[key] = parse(environ[variable], variable)
+        if key in options:
+            values[key] = parse(options[key], option)
+    return Settings(**values, config_files=tuple(read))  # type: ignore[arg-type]
