@@ -44,6 +44,7 @@ class Plan:
 
     command: tuple[str, ...]
     speculative: SpeculativeRequest
+    reason: str  # why Intel OpenMP is wanted or not, for the INFO line
     preload: tuple[Preload, ...]
     env: tuple[tuple[str, str], ...]  # only the variables the launcher sets or changes
     warnings: tuple[str, ...]
@@ -105,6 +106,14 @@ def build_plan(
 
     `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
     """
+    if settings.iomp != "auto":
+        reason = f"--iomp {settings.iomp}"
+    elif speculative.requested:
+        reason = f"speculative decoding requested by {speculative.source}"
+    elif auto_iomp:
+        reason = "exec preloads Intel OpenMP unless --iomp never"
+    else:
+        reason = "no speculative decoding requested"
     warnings: list[str] = []
     notes: list[str] = []
     missing: list[str] = []
@@ -127,7 +136,7 @@ def build_plan(
             consequence = (
                 "speculative decoding on CPU runs about 2x slower with GNU libgomp"
                 if speculative.requested
-                else "vLLM will use GNU libgomp"
+                else "the program will use GNU libgomp"
             )
             warnings.append(missing_message(search, target, consequence))
     elif settings.iomp == "auto" and not auto_iomp:
@@ -168,6 +177,7 @@ def build_plan(
     return Plan(
         command=(target.executable, *arguments),
         speculative=speculative,
+        reason=reason,
         preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
         env=tuple(env.items()),
         warnings=tuple(warnings),
@@ -200,16 +210,11 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
 
 def summary_line(plan: Plan) -> str:
     """The one INFO line: what is preloaded, what is set, and why."""
-    why = (
-        f"speculative decoding requested by {plan.speculative.source}"
-        if plan.speculative.requested
-        else "no speculative decoding requested"
-    )
     if not plan.preload and not plan.env:
-        return f"{why}; starting {plan.command[0]} unchanged"
+        return f"{plan.reason}; starting {plan.command[0]} unchanged"
     parts = [f"preloading {p.path} ({p.flavor or p.kind}, from {p.origin})" for p in plan.preload]
     parts += [f"{name}={value}" for name, value in plan.env if name != "LD_PRELOAD"]
-    return f"{why}; {'; '.join(parts)}"
+    return f"{plan.reason}; {'; '.join(parts)}"
 
 
 def render_text(plan: Plan) -> str:
