@@ -105,7 +105,9 @@ def describe_target(executable: str, found_via: str, path_variable: str | None) 
             f"{executable} starts with #!{interpreter}, which does not exist; reinstall "
             "it in a working environment or choose another with --vllm",
         )
-    prefix = environment_prefix(interpreter) if interpreter else None
+    # A script's environment is its interpreter's; a program's own `bin/` names one too
+    # (`exec -- /venv/bin/python ...`).
+    prefix = environment_prefix(interpreter or executable)
     return Target(executable, found_via, interpreter, prefix)
 
 
