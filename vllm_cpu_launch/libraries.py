@@ -49,8 +49,8 @@ MULTIARCH = {
 }
 ELF_MACHINE_NAMES = {number: name for name, number in ELF_MACHINES.items()}
 ELF_TYPE_SHARED = 3
-LOADER_CACHE = "/etc/ld.so.cache"
-ONEAPI_ROOT = "/opt/intel/oneapi"
+LOADER_CACHE = "etc/ld.so.cache"
+ONEAPI_ROOT = "opt/intel/oneapi"
 
 
 @record
@@ -62,8 +62,9 @@ class Host:
     euid: int
     launcher_prefix: str  # sys.prefix of the launcher's own interpreter
     search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
-    loader_cache: str = LOADER_CACHE
-    oneapi_root: str = ONEAPI_ROOT
+    # Where the system places (/usr/lib..., /opt/intel, /etc/ld.so.cache) are: "/" but
+    # in tests, which lay out real Debian and oneAPI trees in a temporary directory.
+    root: str = "/"
 
 
 @record
@@ -260,9 +261,14 @@ def loader_cache_entries(cache_file: str) -> list[str]:
     return paths
 
 
+def system_path(host: Host, path: str) -> str:
+    """A system location under the host's root directory."""
+    return os.path.join(host.root, path.lstrip("/"))
+
+
 def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
-    wanted = set(names)
-    found = [p for p in loader_cache_entries(host.loader_cache) if os.path.basename(p) in wanted]
+    entries = loader_cache_entries(system_path(host, LOADER_CACHE))
+    found = [system_path(host, p) for p in entries if os.path.basename(p) in names]
     return Place("loader-cache", tuple(dict.fromkeys(found)))
 
 
@@ -274,7 +280,7 @@ def version_key(name: str) -> tuple[int, ...]:
 
 def oneapi_directories(host: Host) -> list[str | None]:
     """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
-    compiler_root = os.path.join(host.oneapi_root, "compiler")
+    compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
     try:
         versions = [n for n in os.listdir(compiler_root) if version_key(n)]
     except OSError:
@@ -325,18 +331,19 @@ def distribution_files(distribution: str, search_path: Iterable[str], name: str)
     return found
 
 
-def system_directories(machine: str) -> list[str | None]:
+def system_directories(host: Host) -> list[str | None]:
     """`/usr/local/lib*`, `/usr/lib/<multiarch>`, `/usr/lib64`, `/usr/lib`."""
+    usr_local = system_path(host, "/usr/local")
     try:
-        local = sorted(n for n in os.listdir("/usr/local") if n.startswith("lib"))
+        local = sorted(n for n in os.listdir(usr_local) if n.startswith("lib"))
     except OSError:
         local = []
-    multiarch = MULTIARCH.get(machine)
+    multiarch = MULTIARCH.get(host.machine)
     return [
-        *(os.path.join("/usr/local", n) for n in local),
-        os.path.join("/usr/lib", multiarch) if multiarch else None,
-        "/usr/lib64",
-        "/usr/lib",
+        *(os.path.join(usr_local, n) for n in local),
+        system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
+        system_path(host, "/usr/lib64"),
+        system_path(host, "/usr/lib"),
     ]
 
 
@@ -396,7 +403,7 @@ def search_places(kind: str, host: Host, target_prefix: str | None) -> Iterator[
     steps += [
         lambda: library_path_place(names, host),
         lambda: loader_cache_place(names, host),
-        lambda: files_named("system", system_directories(host.machine), names),
+        lambda: files_named("system", system_directories(host), names),
     ]
     for step in steps:
         yield step()
