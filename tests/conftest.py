@@ -1,0 +1,154 @@
+"""Shared fixtures: real libraries, venv-like trees, a recording stand-in for vllm."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = (sys.executable, "-m", "vllm_cpu_launch")
+# Debian packages with real LLVM OpenMP (and its libiomp5.so alias) and real tcmalloc.
+DEBIAN_PACKAGES = ("libomp5-14", "libomp-14-dev", "libtcmalloc-minimal4")
+DEB_CACHE = Path(
+    os.environ.get("VLLM_CPU_LAUNCH_TEST_DEBS")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-cpu-launch" / "debs"
+)
+# Records what the exec'd program really got: PID, argv bytes, environment, mapped runtimes.
+RECORDER = """\
+import json, os, sys
+maps = open("/proc/self/maps").read().splitlines()
+mapped = sorted({line.split()[-1] for line in maps if line.split()[-1].startswith("/")})
+record = {
+    "pid": os.getpid(),
+    "argv": [os.fsencode(a).hex() for a in sys.argv[1:]],
+    "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
+    "KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME"),
+    "mapped": [m for m in mapped if ".so" in m],
+}
+with open(os.environ["RECORD_TO"], "w") as stream:
+    json.dump(record, stream)
+sys.exit(int(os.environ.get("RECORD_EXIT", "0")))
+"""
+
+
+@pytest.fixture(scope="session")
+def real_iomp() -> Path:
+    """Intel's libiomp5.so from the `intel-openmp` wheel the test extra installs."""
+    path = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if not path.is_file():
+        pytest.fail(f"{path} missing: install the test extra (pip install -e '.[test]')")
+    return path
+
+
+@pytest.fixture(scope="session")
+def debian_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Debian tree (usr/lib/...) unpacked from the real packages, cached once."""
+    DEB_CACHE.mkdir(parents=True, exist_ok=True)
+    missing = [p for p in DEBIAN_PACKAGES if not list(DEB_CACHE.glob(f"{p}_*.deb"))]
+    if missing:
+        result = subprocess.run(
+            ["apt-get", "download", *missing],
+            cwd=DEB_CACHE,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if result.returncode != 0:
+            pytest.fail(f"apt-get download {' '.join(missing)} failed: {result.stderr.strip()}")
+    root = tmp_path_factory.mktemp("debian-root")
+    for deb in sorted(DEB_CACHE.glob("*.deb")):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, timeout=120)
+    return root
+
+
+def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The caller's environment without anything that would steer the launcher."""
+    steering = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CONDA_PREFIX", "VIRTUAL_ENV", "CMPLR_ROOT")
+    environ = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in steering
+        and not key.startswith(("KMP_", "VLLM_CPU_LAUNCH_", "ONEAPI_", "JOURNAL_"))
+    }
+    environ["XDG_CONFIG_HOME"] = str(tmp_path / "no-user-config")
+    environ["HOME"] = str(tmp_path / "home")
+    environ["PYTHONPATH"] = str(REPO)
+    environ.update(extra)
+    return environ
+
+
+def make_environment(root: Path, iomp: Path | None = None) -> Path:
+    """A directory laid out like a venv: bin/python, lib/ (with libiomp5.so if given)."""
+    (root / "bin").mkdir(parents=True)
+    (root / "lib").mkdir()
+    (root / "bin" / "python").symlink_to(sys.executable)
+    if iomp is not None:
+        shutil.copy2(iomp, root / "lib" / "libiomp5.so")
+    return root
+
+
+def install_recorder(environment: Path, name: str = "vllm") -> Path:
+    """A console script like pip's: `#!<env>/bin/python`, recording what it was given."""
+    script = environment / "bin" / name
+    script.write_text(f"#!{environment / 'bin' / 'python'}\n{RECORDER}")
+    script.chmod(0o755)
+    return script
+
+
+@pytest.fixture
+def vllm_env(tmp_path: Path, real_iomp: Path) -> Path:
+    """A vLLM-like environment holding the real libiomp5.so and a recording `vllm`."""
+    environment = make_environment(tmp_path / "vllm-env", real_iomp)
+    install_recorder(environment)
+    return environment
+
+
+def run_launcher(
+    args: Sequence[str],
+    environ: Mapping[str, str],
+    launcher: Sequence[str] = LAUNCHER,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*launcher, *args],
+        env=dict(environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def read_record(path: Path) -> dict[str, object]:
+    data: dict[str, object] = json.loads(path.read_text())
+    data["argv"] = [os.fsdecode(bytes.fromhex(a)) for a in data["argv"]]  # type: ignore[attr-defined]
+    return data
+
+
+@pytest.fixture
+def record_file(tmp_path: Path) -> Path:
+    return tmp_path / "record.json"
+
+
+@pytest.fixture
+def launch(
+    tmp_path: Path, record_file: Path
+) -> Iterator[Callable[..., tuple[subprocess.CompletedProcess[str], dict[str, object]]]]:
+    """Run the launcher for real and return its result and what the target recorded."""
+
+    def run(
+        args: Sequence[str], **extra: str
+    ) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+        environ = clean_environ(tmp_path, RECORD_TO=str(record_file), **extra)
+        result = run_launcher(args, environ)
+        record = read_record(record_file) if record_file.exists() else {}
+        return result, record
+
+    yield run

@@ -1,0 +1,276 @@
+"""Every exit code of DESIGN.md with its one-line message, and settings precedence."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_cpu_launch import settings as settings_module
+from vllm_cpu_launch.errors import LaunchError
+from vllm_cpu_launch.settings import load_settings
+
+from .conftest import clean_environ, install_recorder, make_environment, run_launcher
+
+NGRAM = '{"method":"ngram"}'
+
+
+def launcher(tmp_path: Path, args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
+    return run_launcher(args, clean_environ(tmp_path, **extra))
+
+
+def assert_one_error(result: subprocess.CompletedProcess[str], code: int, *parts: str) -> None:
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("vllm-cpu-launch: error: ")
+    for part in parts:
+        assert part in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "parts"),
+    [
+        (["--bogus", "serve", "m"], ("'--bogus'", "after the subcommand")),
+        (["--iomp", "maybe", "serve", "m"], ("--iomp", "'maybe'", "auto, always, never")),
+        (["--iomp"], ("--iomp needs a value",)),
+        (["--kmp-blocktime", "soon", "serve", "m"], ("--kmp-blocktime", "infinite")),
+        (["--iomp-path", "lib/libiomp5.so", "serve", "m"], ("relative", "absolute")),
+        (["--dry-run"], ("no vLLM subcommand",)),
+        (["--json", "serve", "m"], ("--json goes with --dry-run",)),
+        (["--strict=yes", "serve", "m"], ("'--strict=yes'",)),
+    ],
+)
+def test_usage_errors_exit_2(
+    tmp_path: Path, vllm_env: Path, args: list[str], parts: tuple[str, ...]
+) -> None:
+    result = launcher(tmp_path, args, VLLM_CPU_LAUNCH_VLLM=str(vllm_env / "bin" / "vllm"))
+    assert_one_error(result, 2, *parts)
+
+
+def test_bad_environment_variable_exits_2(tmp_path: Path, vllm_env: Path) -> None:
+    result = launcher(
+        tmp_path,
+        ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"],
+        VLLM_CPU_LAUNCH_TCMALLOC="yes",
+    )
+    assert_one_error(result, 2, "VLLM_CPU_LAUNCH_TCMALLOC", "'yes'")
+
+
+def test_explicit_library_that_fails_validation_exits_2(tmp_path: Path, vllm_env: Path) -> None:
+    text_file = tmp_path / "libiomp5.so"
+    text_file.write_text("not a library\n")
+    result = launcher(
+        tmp_path,
+        [
+            "--iomp-path",
+            str(text_file),
+            "--vllm",
+            str(vllm_env / "bin" / "vllm"),
+            "serve",
+            "m",
+            "-sc",
+            NGRAM,
+        ],
+    )
+    assert_one_error(result, 2, str(text_file), "not an ELF file")
+
+
+def test_explicit_library_is_used(tmp_path: Path, vllm_env: Path, real_iomp: Path) -> None:
+    result = launcher(
+        tmp_path,
+        [
+            "--dry-run",
+            "--json",
+            "--iomp-path",
+            str(real_iomp),
+            "--vllm",
+            str(vllm_env / "bin" / "vllm"),
+            "serve",
+            "m",
+            "-sc",
+            NGRAM,
+        ],
+    )
+    plan = json.loads(result.stdout)
+    assert plan["preload"] == [
+        {"kind": "iomp", "path": str(real_iomp), "flavor": "intel", "origin": "explicit"}
+    ]
+
+
+def bare_python(tmp_path: Path) -> Path:
+    """A Python whose environment holds no libiomp5 (unlike the test venv)."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")],
+        check=True,
+        timeout=120,
+    )
+    return tmp_path / "bare" / "bin" / "python"
+
+
+def test_strict_with_missing_library_exits_3(tmp_path: Path) -> None:
+    environment = make_environment(tmp_path / "env")
+    vllm = install_recorder(environment)
+    args = ["--strict", "--vllm", str(vllm), "serve", "m", "-sc", NGRAM]
+    result = run_launcher(
+        args,
+        clean_environ(tmp_path),
+        launcher=[str(bare_python(tmp_path)), "-m", "vllm_cpu_launch"],
+    )
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "--strict: iomp wanted but not found; not starting" in result.stderr
+    assert f"{environment / 'bin' / 'python'} -m pip install intel-openmp" in result.stderr
+
+
+def test_missing_library_warns_once_and_still_starts(tmp_path: Path, record_file: Path) -> None:
+    environment = make_environment(tmp_path / "env")
+    vllm = install_recorder(environment)
+    result = run_launcher(
+        ["--vllm", str(vllm), "serve", "m", "-sc", NGRAM],
+        clean_environ(tmp_path, RECORD_TO=str(record_file)),
+        launcher=[str(bare_python(tmp_path)), "-m", "vllm_cpu_launch"],
+    )
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "not found (searched ld-preload" in warnings[0]
+    assert json.loads(record_file.read_text())["LD_PRELOAD"] is None
+
+
+def test_target_not_found_exits_127(tmp_path: Path) -> None:
+    result = launcher(tmp_path, ["serve", "m"], PATH=str(tmp_path / "empty"))
+    assert_one_error(result, 127, "vllm not found", "--vllm")
+    result = launcher(tmp_path, ["--vllm", str(tmp_path / "nope"), "serve", "m"])
+    assert_one_error(result, 127, str(tmp_path / "nope"), "does not exist")
+
+
+def test_target_not_executable_exits_126(tmp_path: Path) -> None:
+    script = tmp_path / "vllm"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o644)
+    assert_one_error(launcher(tmp_path, ["--vllm", str(script), "serve", "m"]), 126, "chmod +x")
+
+
+def test_help_and_version(tmp_path: Path) -> None:
+    result = launcher(tmp_path, ["--help"])
+    assert result.returncode == 0 and "--iomp auto|always|never" in result.stdout
+    result = launcher(tmp_path, ["--version"])
+    assert result.returncode == 0 and result.stdout.startswith("vllm-cpu-launch ")
+
+
+def test_dry_run_prints_the_plan_and_execs_nothing(
+    tmp_path: Path, vllm_env: Path, record_file: Path
+) -> None:
+    args = ["--dry-run", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
+    result = launcher(tmp_path, args, RECORD_TO=str(record_file))
+    assert result.returncode == 0 and not record_file.exists()
+    assert f"LD_PRELOAD={vllm_env / 'lib' / 'libiomp5.so'}" in result.stdout
+
+
+# ---------------------------------------------------------------- settings
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_precedence_option_env_user_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    system = write_config(
+        tmp_path / "etc" / "config.yaml",
+        "iomp: never\ntcmalloc: never\nkmp-blocktime: 1\nstrict: true\n",
+    )
+    monkeypatch.setattr(settings_module, "SYSTEM_CONFIG", str(system))
+    write_config(
+        tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml", "tcmalloc: always\nkmp_blocktime: 2\n"
+    )
+    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "VLLM_CPU_LAUNCH_KMP_BLOCKTIME": "3"}
+    loaded = load_settings({"iomp": "always"}, environ)
+    assert (loaded.iomp, loaded.tcmalloc, loaded.kmp_blocktime, loaded.strict) == (
+        "always",
+        "always",
+        "3",
+        True,
+    )
+    assert loaded.config_files == (
+        str(system),
+        str(tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml"),
+    )
+    assert load_settings({"kmp_blocktime": "4"}, environ).kmp_blocktime == "4"
+
+
+def test_launcher_config_replaces_the_user_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(settings_module, "SYSTEM_CONFIG", str(tmp_path / "absent.yaml"))
+    write_config(tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml", "iomp: never\n")
+    chosen = write_config(tmp_path / "chosen.yaml", "iomp: always\n")
+    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    assert load_settings({"config": str(chosen)}, environ).iomp == "always"
+    assert load_settings({}, {**environ, "VLLM_CPU_LAUNCH_CONFIG": str(chosen)}).iomp == "always"
+    assert load_settings({}, environ).iomp == "never"
+
+
+@pytest.mark.parametrize(
+    ("text", "parts"),
+    [
+        ("iomp: sometimes\n", ("key 'iomp'", "'sometimes'")),
+        ("iomp: off\n", ("key 'iomp'", "False")),  # YAML 1.1 reads off as a boolean
+        ("colour: blue\n", ("unknown key 'colour'", "allowed keys: iomp, iomp-path")),
+        ("strict: maybe\n", ("key 'strict'", "yes/no")),
+        ("iomp-path: relative/libiomp5.so\n", ("key 'iomp-path'", "relative")),
+        ("[a, b]\n", ("must be a mapping",)),
+        ("iomp: [unclosed\n", ("invalid YAML",)),
+    ],
+)
+def test_bad_config_file_names_file_and_key(
+    tmp_path: Path, text: str, parts: tuple[str, ...]
+) -> None:
+    config = write_config(tmp_path / "bad.yaml", text)
+    result = launcher(tmp_path, ["--launcher-config", str(config), "serve", "m"])
+    assert_one_error(result, 2, str(config), *parts)
+
+
+def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError) as raised:
+        load_settings({"config": str(tmp_path / "missing.yaml")}, {})
+    assert raised.value.code == 2 and "config file not found" in raised.value.message
+
+
+def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:
+    """psutil, cpuinfo, yaml, dataclasses and inspect stay out of a plain launch."""
+    probe = (
+        "import sys;"
+        "from vllm_cpu_launch.cli import dispatch;"
+        "dispatch(sys.argv[1:]);"
+        "heavy = ('psutil', 'cpuinfo', 'yaml', 'dataclasses', 'inspect', 'typing');"
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    environ = clean_environ(tmp_path)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            probe,
+            "--dry-run",
+            "--json",
+            "--vllm",
+            str(vllm_env / "bin" / "vllm"),
+            "serve",
+            "m",
+            "-sc",
+            NGRAM,
+        ],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -1,0 +1,184 @@
+"""The plan: LD_PRELOAD and KMP_BLOCKTIME composition, and its JSON form."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_cpu_launch.libraries import Host
+from vllm_cpu_launch.plan import Preload, build_plan, compose_ld_preload, plan_as_json
+from vllm_cpu_launch.settings import Settings
+from vllm_cpu_launch.speculative import SpeculativeRequest, detect
+from vllm_cpu_launch.target import Target
+
+from .conftest import make_environment
+
+DEFAULTS = Settings()
+SD = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
+
+
+@pytest.mark.parametrize(
+    ("current", "additions", "expected", "dropped"),
+    [
+        ("", ["/a/libiomp5.so"], "/a/libiomp5.so", ()),
+        (
+            "/x/libfoo.so /y/libbar.so",
+            ["/a/libiomp5.so"],
+            "/a/libiomp5.so:/x/libfoo.so:/y/libbar.so",
+            (),
+        ),
+        ("/x/libfoo.so:/a/libiomp5.so", ["/a/libiomp5.so"], "/x/libfoo.so:/a/libiomp5.so", ()),
+        (
+            "/t/libgomp.so.1:/x/libfoo.so",
+            ["/a/libiomp5.so"],
+            "/a/libiomp5.so:/x/libfoo.so",
+            ("/t/libgomp.so.1",),
+        ),
+        (
+            " /x/libfoo.so \t",
+            ["/t/libtcmalloc_minimal.so.4", "/a/libiomp5.so"],
+            "/t/libtcmalloc_minimal.so.4:/a/libiomp5.so:/x/libfoo.so",
+            (),
+        ),
+    ],
+)
+def test_compose_ld_preload(
+    current: str, additions: list[str], expected: str, dropped: tuple[str, ...]
+) -> None:
+    assert compose_ld_preload(current, additions) == (expected, dropped)
+
+
+def make_host(tmp_path: Path, machine: str = "x86_64", **environ: str) -> Host:
+    (tmp_path / "root").mkdir(exist_ok=True)
+    return Host(environ, machine, os.geteuid(), str(tmp_path / "none"), (), str(tmp_path / "root"))
+
+
+def make_target(tmp_path: Path, real_iomp: Path) -> Target:
+    environment = make_environment(tmp_path / "env", real_iomp)
+    return Target(str(environment / "bin" / "vllm"), "--vllm", None, str(environment))
+
+
+def plan_for(
+    tmp_path: Path,
+    real_iomp: Path,
+    argv: list[str] = SD,
+    settings: Settings = DEFAULTS,
+    **env: str,
+) -> dict[str, object]:
+    target = make_target(tmp_path, real_iomp)
+    host = make_host(tmp_path, **env)
+    return plan_as_json(
+        build_plan(settings, argv, detect(argv), target, host, detect(argv).requested)
+    )
+
+
+def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp: Path) -> None:
+    plan = plan_for(tmp_path, real_iomp)
+    library = str(tmp_path / "env" / "lib" / "libiomp5.so")
+    assert plan == {
+        "command": [str(tmp_path / "env" / "bin" / "vllm"), *SD],
+        "speculative": {"requested": True, "source": "--speculative-config"},
+        "preload": [
+            {"kind": "iomp", "path": library, "flavor": "intel", "origin": "vllm-environment"}
+        ],
+        "env": {"LD_PRELOAD": library, "KMP_BLOCKTIME": "5"},
+        "warnings": [],
+        "candidates": [
+            {"kind": "iomp", "path": library, "verdict": "chosen", "reason": "first usable"}
+        ],
+    }
+
+
+def test_callers_blocktime_is_kept_and_option_overrides(tmp_path: Path, real_iomp: Path) -> None:
+    assert "KMP_BLOCKTIME" not in plan_for(tmp_path, real_iomp, KMP_BLOCKTIME="200")["env"]  # type: ignore[operator]
+    chosen = plan_for(
+        tmp_path / "b", real_iomp, settings=Settings(kmp_blocktime="0"), KMP_BLOCKTIME="200"
+    )
+    assert chosen["env"]["KMP_BLOCKTIME"] == "0"  # type: ignore[index]
+
+
+def test_no_sd_changes_nothing(tmp_path: Path, real_iomp: Path) -> None:
+    plan = plan_for(tmp_path, real_iomp, argv=["serve", "m"])
+    assert (plan["preload"], plan["env"], plan["warnings"]) == ([], {}, [])
+    assert plan["speculative"] == {"requested": False, "source": None}
+
+
+def test_iomp_always_without_sd(tmp_path: Path, real_iomp: Path) -> None:
+    plan = plan_for(tmp_path, real_iomp, argv=["serve", "m"], settings=Settings(iomp="always"))
+    assert plan["env"]["LD_PRELOAD"].endswith("/libiomp5.so")  # type: ignore[index]
+
+
+def test_iomp_never_with_sd(tmp_path: Path, real_iomp: Path) -> None:
+    assert plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"))["env"] == {}
+
+
+def test_gomp_entry_is_dropped_with_a_warning(tmp_path: Path, real_iomp: Path) -> None:
+    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD="/torch/lib/libgomp.so.1")
+    assert "libgomp" not in plan["env"]["LD_PRELOAD"]  # type: ignore[index]
+    assert any("removed /torch/lib/libgomp.so.1" in w for w in plan["warnings"])  # type: ignore[attr-defined]
+
+
+def test_not_x86_64_preloads_no_iomp(tmp_path: Path, real_iomp: Path) -> None:
+    target = make_target(tmp_path, real_iomp)
+    for machine in ("aarch64", "ppc64le"):
+        plan = build_plan(Settings(), SD, detect(SD), target, make_host(tmp_path, machine), True)
+        assert plan.preload == () and plan.env == () and plan.warnings == ()
+        assert any(machine in note for note in plan.notes)
+        forced = build_plan(
+            Settings(iomp="always"), SD, detect(SD), target, make_host(tmp_path, machine), True
+        )
+        assert forced.preload == () and any(machine in w for w in forced.warnings)
+
+
+def test_missing_library_warns_with_places_and_fix(tmp_path: Path) -> None:
+    environment = make_environment(tmp_path / "env")
+    target = Target(
+        str(environment / "bin" / "vllm"), "--vllm", "/env/bin/python3", str(environment)
+    )
+    plan = build_plan(Settings(), SD, detect(SD), target, make_host(tmp_path), True)
+    assert plan.missing == ("iomp",) and plan.env == ()
+    (warning,) = plan.warnings
+    assert "searched ld-preload, vllm-environment" in warning
+    assert "about 2x slower" in warning
+    assert f"/env/bin/python3 -m pip install intel-openmp  (into {environment})" in warning
+
+
+def test_tcmalloc_goes_first_when_found(tmp_path: Path, real_iomp: Path, debian_root: Path) -> None:
+    target = make_target(tmp_path, real_iomp)
+    host = Host({}, "x86_64", os.geteuid(), str(tmp_path / "none"), (), str(debian_root))
+    plan = build_plan(Settings(), SD, detect(SD), target, host, True)
+    tcmalloc = str(debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    assert dict(plan.env)["LD_PRELOAD"] == f"{tcmalloc}:{target.prefix}/lib/libiomp5.so"
+    never = build_plan(Settings(tcmalloc="never"), SD, detect(SD), target, host, True)
+    assert dict(never.env)["LD_PRELOAD"] == f"{target.prefix}/lib/libiomp5.so"
+
+
+def test_planning_again_from_the_planned_environment_changes_nothing(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    target = make_target(tmp_path, real_iomp)
+    first = build_plan(
+        Settings(), SD, detect(SD), target, make_host(tmp_path, LD_PRELOAD="/x/libfoo.so"), True
+    )
+    again = build_plan(
+        Settings(), SD, detect(SD), target, make_host(tmp_path, **dict(first.env)), True
+    )
+    assert again.env == ()
+    (chosen,) = first.preload
+    assert again.preload == (Preload(chosen.kind, chosen.path, chosen.flavor, "ld-preload"),)
+
+
+def test_malformed_sd_value_is_passed_on_with_a_note(tmp_path: Path, real_iomp: Path) -> None:
+    argv = ["serve", "m", "--speculative-config", "{bad"]
+    plan = plan_for(tmp_path, real_iomp, argv=argv)
+    assert plan["command"][1:] == argv  # type: ignore[index]
+    assert plan["env"]["LD_PRELOAD"]  # type: ignore[index]
+    assert any("not valid JSON" in w for w in plan["warnings"])  # type: ignore[attr-defined]
+
+
+def test_speculative_request_record_is_immutable() -> None:
+    request = SpeculativeRequest(True, "-sc")
+    with pytest.raises(AttributeError):
+        request.requested = False  # type: ignore[misc]

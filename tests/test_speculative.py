@@ -1,0 +1,164 @@
+"""SD detection in every form vLLM accepts, both ways (requested and not)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_cpu_launch.speculative import detect
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+REQUESTED = [
+    (["serve", "m", "--speculative-config", NGRAM], "--speculative-config"),
+    (["serve", "m", f"--speculative-config={NGRAM}"], "--speculative-config"),
+    (["serve", "m", "--speculative_config", NGRAM], "--speculative-config"),
+    (["serve", "m", "-sc", NGRAM], "-sc"),
+    (["serve", "m", f"-sc={NGRAM}"], "-sc"),
+    (["serve", "m", "--speculative-config.method", "ngram"], "--speculative-config.method"),
+    (["serve", "m", "--speculative_config.method=ngram"], "--speculative-config.method"),
+    (["serve", "m", "-sc.num_speculative_tokens", "3"], "-sc.num_speculative_tokens"),
+    (["serve", "m", "--spec-method", "ngram"], "--spec-method"),
+    (["serve", "m", "--spec_model", "draft"], "--spec-model"),
+    (["serve", "m", "--spec-tokens=4"], "--spec-tokens"),
+    (["serve", "m", "--speculative-model", "draft"], "--speculative-model"),
+    (["serve", "m", "--num-speculative-tokens", "5"], "--num-speculative-tokens"),
+    (["serve", "m", "--speculative", NGRAM], "--speculative-config"),  # argparse abbreviation
+    # The last value wins: null first, a config later.
+    (["serve", "m", "--speculative-config", "null", "-sc", NGRAM], "-sc"),
+    # Dotted keys are merged after the plain value, so they win over null.
+    (["serve", "m", "-sc", "null", "--speculative-config.method", "ngram"], None),
+    (["bench", "latency", "--model", "m", "--speculative-config", NGRAM], None),
+    (["run-batch", "-i", "in.jsonl", "-sc", NGRAM], None),
+]
+
+NOT_REQUESTED = [
+    ["serve", "m"],
+    ["serve", "m", "--speculative-config", "null"],
+    ["serve", "m", "--speculative-config", "None"],
+    ["serve", "m", "--speculative-config", ""],
+    ["serve", "m", "--speculative-config=null"],
+    ["serve", "m", "-sc", NGRAM, "--speculative-config", "null"],  # last wins
+    ["serve", "m", "--spec-method", "None"],
+    # Values that merely contain the option's text are values, not options.
+    ["serve", "m", "--chat-template", "{{ '--speculative-config' }} {\"method\": 1}"],
+    ["serve", "m", "--served-model-name", "x--speculative-config"],
+    ["serve", "m", "--chat-template=--speculative-config"],
+    # After `--` argparse sees only positionals.
+    ["serve", "m", "--", "--speculative-config", NGRAM],
+    # Options that only look alike.
+    ["serve", "m", "--spec", "x"],
+    ["serve", "m", "--speculative-decoding-acceptance-method", "x"],
+    ["serve", "m", "--speculate", "x"],
+    ["serve", "--config-format", "x.yaml"],
+]
+
+
+@pytest.mark.parametrize(("argv", "source"), REQUESTED)
+def test_requested(argv: list[str], source: str | None) -> None:
+    result = detect(argv)
+    assert result.requested, argv
+    assert result.note is None
+    if source is not None:
+        assert result.source == source
+
+
+@pytest.mark.parametrize("argv", NOT_REQUESTED)
+def test_not_requested(argv: list[str]) -> None:
+    result = detect(argv)
+    assert not result.requested, (argv, result)
+    assert result.note is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "m", "--speculative-config", "{method: ngram}"],
+        ["serve", "m", "-sc={"],
+        ["serve", "m", "--speculative-config"],  # value missing
+    ],
+)
+def test_malformed_json_counts_as_requested_with_a_note(argv: list[str]) -> None:
+    result = detect(argv)
+    assert result.requested
+    assert result.note is not None and "vLLM will report it" in result.note
+
+
+YAML_REQUESTED = [
+    "speculative_config:\n  method: ngram\n  num_speculative_tokens: 3\n",
+    "speculative-config:\n  method: ngram\n",
+    f"speculative_config: '{NGRAM}'\n",
+    "spec-method: ngram\n",
+    "speculative-config.method: ngram\n",
+]
+YAML_NOT_REQUESTED = [
+    "speculative_config: null\n",
+    "speculative-config:\n",
+    "port: 8000\nmodel: m\n",
+    "- a list\n",
+    "",
+]
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "vllm.yaml") -> str:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text", YAML_REQUESTED)
+def test_config_file_requested(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    result = detect(["serve", "m", "--config", path])
+    assert result.requested
+    assert result.source is not None and result.source.endswith(f" in {path}")
+    assert result.note is None
+
+
+@pytest.mark.parametrize("text", YAML_NOT_REQUESTED)
+def test_config_file_not_requested(tmp_path: Path, text: str) -> None:
+    result = detect(["serve", "m", "--config", write(tmp_path, text)])
+    assert not result.requested
+    assert result.note is None
+
+
+def test_command_line_wins_over_config_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "speculative_config:\n  method: ngram\n")
+    assert not detect(["serve", "m", "--config", path, "--speculative-config", "null"]).requested
+    path = write(tmp_path, "speculative_config: null\n", "off.yaml")
+    result = detect(["serve", "m", "--config", path, "-sc", NGRAM])
+    assert result.requested and result.source == "-sc"
+
+
+def test_config_file_only_in_vllms_form(tmp_path: Path) -> None:
+    """vLLM reads `--config FILE` (separate token, .yaml/.yml) and nothing else."""
+    path = write(tmp_path, "speculative_config:\n  method: ngram\n", "vllm.json")
+    assert not detect(["serve", "m", "--config", path]).requested
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("speculative_config: [unclosed\n", "not valid YAML"),
+        (b"\xff\xfe speculative_config", "cannot be read"),
+        (None, "cannot be read"),  # missing file
+    ],
+)
+def test_unreadable_config_file_counts_as_requested_with_a_note(
+    tmp_path: Path, content: str | bytes | None, problem: str
+) -> None:
+    path = str(tmp_path / "missing.yaml") if content is None else write(tmp_path, content)
+    result = detect(["serve", "m", "--config", path])
+    assert result.requested
+    assert result.note is not None and problem in result.note and path in result.note
+
+
+def test_non_utf8_arguments_do_not_break_detection() -> None:
+    odd = os.fsdecode(b"--chat-template=\xff\xfe")
+    assert not detect(["serve", "m", odd]).requested
+    assert detect(["serve", "m", odd, "-sc", NGRAM]).requested
