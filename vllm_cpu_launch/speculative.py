@@ -138,7 +138,7 @@ def judge_json(value: str | None, source: str) -> SpeculativeRequest:
 
     try:
         parsed = json.loads(value)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: `[[[[...` nested deeply
         return SpeculativeRequest(
             True, source, f"{source} is not valid JSON ({error}); vLLM will report it"
         )
@@ -158,8 +158,6 @@ def config_file_path(argv: Sequence[str]) -> str | None:
 
 def options_in_config_file(path: str) -> list[SpeculativeOption]:
     """The SD options a vLLM `--config` YAML file contributes, as vLLM would see them."""
-    import json
-
     import yaml  # only when the command line names a config file
 
     with open(path, encoding="utf-8") as stream:
@@ -172,8 +170,10 @@ def options_in_config_file(path: str) -> list[SpeculativeOption]:
         option = canonical_option(name)
         if option is None:
             continue
-        # vLLM's load_config_file: a mapping becomes JSON, anything else str(value).
-        text = json.dumps(value) if isinstance(value, dict) else str(value)
+        # vLLM's load_config_file turns a mapping into JSON, anything else into str(value).
+        # Only "is it null?" matters here, so containers stand for themselves unserialised:
+        # YAML aliases can nest a mapping whose JSON would not fit in memory.
+        text = "{}" if isinstance(value, dict) else "[]" if isinstance(value, list) else str(value)
         found.append(SpeculativeOption(option, dotted, text, f" in {path}"))
     return found
 
@@ -189,7 +189,7 @@ def detect(argv: Sequence[str]) -> SpeculativeRequest:
     except (OSError, UnicodeDecodeError) as error:
         problem = f"cannot be read ({error.__class__.__name__})"
     except Exception as error:  # yaml.YAMLError, without importing yaml up front
-        problem = f"is not valid YAML ({str(error).splitlines()[0]})"
+        problem = f"is not valid YAML ({(str(error).splitlines() or [repr(error)])[0]})"
     else:
         # The file's options come first: vLLM inserts them before the command line's.
         return decide(in_file + on_command_line)
