@@ -112,6 +112,47 @@ def elf_problem(header: bytes, machine: str) -> str | None:
     return None
 
 
+PT_LOAD = 1
+
+
+def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
+    """Why a fitting ELF file is cut short, or None when it is whole.
+
+    Its header tables and every loadable segment must lie within the file: the loader
+    maps them, and a truncated copy (an interrupted download or copy) is refused by the
+    loader or dies of SIGBUS when the missing pages are touched. `header` is the ELF
+    header (checked by elf_problem); the program headers are read from `descriptor`.
+    """
+    wide = header[4] == 2
+    order = "little" if header[5] == 1 else "big"
+    if len(header) < (64 if wide else 52):
+        return f"a truncated ELF file ({size} bytes, shorter than its own header)"
+
+    def number(data: bytes, offset: int, width: int) -> int:
+        return int.from_bytes(data[offset : offset + width], order)  # type: ignore[arg-type]
+
+    fields = (32, 40, 54, 56, 58, 60) if wide else (28, 32, 42, 44, 46, 48)
+    widths = (8, 8, 2, 2, 2, 2) if wide else (4, 4, 2, 2, 2, 2)
+    phoff, shoff, phentsize, phnum, shentsize, shnum = (
+        number(header, o, w) for o, w in zip(fields, widths, strict=True)
+    )
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    if end <= size and phentsize:
+        table = os.pread(descriptor, phentsize * phnum, phoff)
+        for start in range(0, len(table) - phentsize + 1, phentsize):
+            entry = table[start : start + phentsize]
+            if number(entry, 0, 4) != PT_LOAD:
+                continue
+            if wide:
+                offset, length = number(entry, 8, 8), number(entry, 32, 8)
+            else:
+                offset, length = number(entry, 4, 4), number(entry, 16, 4)
+            end = max(end, offset + length)
+    if end > size:
+        return f"a truncated ELF file ({size} bytes; its headers and segments need {end})"
+    return None
+
+
 def openmp_flavor(content: bytes) -> str | None:
     """Intel's or LLVM's OpenMP runtime, told apart by their embedded version banner."""
     for marker, flavor in FLAVOR_MARKERS:
@@ -166,6 +207,12 @@ def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
         return "an empty path means the current directory to the loader", None
     if not os.path.isabs(path):
         return "a relative path depends on the working directory", None
+    if any(character.isspace() or character == ":" for character in path):
+        return (
+            "its path holds a space or colon, which split LD_PRELOAD: the loader would "
+            "not preload it (link it from a path without them)",
+            None,
+        )
     if MARKER[kind] not in os.path.basename(path):
         return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD", None
     try:
@@ -185,12 +232,17 @@ def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
     except OSError as error:
         return f"not readable: {error.strerror}", None
     with os.fdopen(descriptor, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        opened = os.fstat(descriptor)
+        if not stat.S_ISREG(opened.st_mode):
             return "not a regular file", None
-        content = stream.read() if kind == IOMP else stream.read(64)
-    problem = elf_problem(content[:64], host.machine)
-    if problem:
-        return problem, None
+        header = stream.read(64)
+        problem = elf_problem(header, host.machine) or elf_truncation(
+            header, descriptor, opened.st_size
+        )
+        if problem:
+            return problem, None
+        # All of it (for the version banner) only once it is known to be a fitting ELF file.
+        content = header + stream.read() if kind == IOMP else header
     problem = insecure_reason(path, host.euid)
     if problem:
         return f"unsafe to preload: {problem}", None
