@@ -194,8 +194,14 @@ def report(plan: Plan, values: dict[str, object]) -> None:
 
 def execute(plan: Plan) -> None:
     """Replace this process with the planned command; returns only by raising."""
+    import signal
+
     environment = dict(os.environ)
     environment.update(plan.env)
+    # Python ignores SIGPIPE and SIGXFSZ at start-up, and ignored signals stay ignored
+    # across exec: hand the program the default dispositions a shell or subprocess would.
+    restored = (signal.SIGPIPE, signal.SIGXFSZ)
+    previous = [signal.signal(number, signal.SIG_DFL) for number in restored]
     try:
         os.execve(plan.command[0], list(plan.command), environment)
     except FileNotFoundError as error:
@@ -204,6 +210,9 @@ def execute(plan: Plan) -> None:
         raise LaunchError(
             EXIT_NOT_EXECUTABLE, f"cannot start {plan.command[0]}: {error.strerror}"
         ) from None
+    finally:  # only reached when the exec failed: a closed stderr must not kill us
+        for number, handler in zip(restored, previous, strict=True):
+            signal.signal(number, handler)
 
 
 def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
