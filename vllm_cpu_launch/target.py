@@ -36,6 +36,22 @@ def search_path(name: str, path_variable: str | None) -> str | None:
     return None
 
 
+def check_path_files(name: str, path_variable: str | None, described: str) -> None:
+    """Before saying `name` is not on PATH: a file there that cannot be executed is the
+    real problem, as for a shell ('Permission denied', exit 126)."""
+    for directory in (path_variable or os.defpath).split(os.pathsep):
+        candidate = os.path.join(directory, name)
+        if os.path.isabs(directory) and os.path.isfile(candidate):
+            check_executable(candidate, described)
+
+
+def describe_path(path_variable: str | None) -> str:
+    """PATH for a message; unset, it is the default the search used."""
+    if path_variable is None:
+        return f"PATH (unset, so {os.defpath})"
+    return f"PATH={path_variable}"
+
+
 def check_executable(path: str, described: str) -> None:
     """Raise the exit code a shell would give when `path` cannot be executed."""
     try:
@@ -121,8 +137,10 @@ def resolve_vllm(
             return describe_target(os.path.abspath(requested), "--vllm", path_variable)
         found = search_path(requested, path_variable)
         if found is None:
+            check_path_files(requested, path_variable, "vLLM executable")
             raise LaunchError(
-                EXIT_NOT_FOUND, f"--vllm {requested}: no such executable on PATH={path_variable}"
+                EXIT_NOT_FOUND,
+                f"--vllm {requested}: no such executable on {describe_path(path_variable)}",
             )
         return describe_target(found, "--vllm", path_variable)
     beside = os.path.join(os.path.dirname(launcher_executable), "vllm")
@@ -130,10 +148,11 @@ def resolve_vllm(
         return describe_target(beside, "launcher-environment", path_variable)
     found = search_path("vllm", path_variable)
     if found is None:
+        check_path_files("vllm", path_variable, "vLLM executable")
         raise LaunchError(
             EXIT_NOT_FOUND,
             f"vllm not found: looked beside the launcher's Python ({beside}) and on "
-            f"PATH={path_variable or ''}; install vLLM there or pass --vllm /path/to/vllm",
+            f"{describe_path(path_variable)}; install vLLM there or pass --vllm /path/to/vllm",
         )
     return describe_target(found, "PATH", path_variable)
 
@@ -145,7 +164,8 @@ def resolve_program(program: str, environ: Mapping[str, str]) -> Target:
         return describe_target(os.path.abspath(program), "program", path_variable)
     found = search_path(program, path_variable)
     if found is None:
+        check_path_files(program, path_variable, "program")
         raise LaunchError(
-            EXIT_NOT_FOUND, f"{program}: no such executable on PATH={path_variable or ''}"
+            EXIT_NOT_FOUND, f"{program}: no such executable on {describe_path(path_variable)}"
         )
     return describe_target(found, "program", path_variable)
