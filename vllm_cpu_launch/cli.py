@@ -170,6 +170,8 @@ def plan_from_options(
 
 
 def write_stdout(text: str) -> None:
+    if sys.stdout is None:  # started with file descriptor 1 closed
+        raise LaunchError(EXIT_USAGE, "cannot write to standard output: it is closed")
     try:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
