@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Write a tiny random-weight Llama with its own byte-level BPE tokenizer into a directory.
+
+The end-to-end test and the demo need a causal LM that vLLM can serve without a model hub:
+this one is made here, in seconds, from a fixed seed. Its answers are nonsense; its
+shapes (head_dim 64) are ones vLLM's CPU attention supports.
+
+Run it with the Python of the vLLM environment (it needs torch, transformers, tokenizers):
+    <vllm-env>/bin/python scripts/make_tiny_model.py OUTPUT_DIR
+Prints OUTPUT_DIR on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch  # type: ignore[import-not-found, unused-ignore]
+from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from transformers import (  # type: ignore[import-not-found, unused-ignore]
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+VOCAB_SIZE = 1024
+HIDDEN_SIZE = 128
+ATTENTION_HEADS = 2
+LAYERS = 2
+MAX_POSITIONS = 2048
+CORPUS_SENTENCES = 4000
+WORD_COUNT = 800
+SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def pseudo_words(rng: random.Random) -> list[str]:
+    """Made-up words of one to four syllables: varied enough for about VOCAB_SIZE merges."""
+    return ["".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(WORD_COUNT)]
+
+
+def generated_corpus(seed: int) -> list[str]:
+    """Sentences of pseudo-words, the training text for the tokenizer."""
+    rng = random.Random(seed)
+    words = pseudo_words(rng)
+    return [
+        " ".join(rng.choices(words, k=rng.randint(4, 16))) + "." for _ in range(CORPUS_SENTENCES)
+    ]
+
+
+def trained_tokenizer(seed: int) -> Tokenizer:
+    """A byte-level BPE (any text encodes) that adds BOS like Llama's tokenizer does."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(generated_corpus(seed), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, output: Path) -> PreTrainedTokenizerFast:
+    """tokenizer.json plus the transformers files vLLM reads (special tokens, chat template)."""
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=MAX_POSITIONS,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.save_pretrained(output)
+    return wrapped
+
+
+def save_model(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int) -> None:
+    """Random weights from a fixed seed, in bfloat16 (what vLLM on CPU computes in anyway)."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=ATTENTION_HEADS,
+        num_key_value_heads=ATTENTION_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(output)
+
+
+def make_tiny_model(output: Path, seed: int) -> Path:
+    """Write tokenizer and model into output (created if missing); return it."""
+    output.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_tokenizer(trained_tokenizer(seed), output)
+    save_model(tokenizer, output, seed)
+    return output
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Command line: where to write, and the seed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("output", type=Path, help="directory to write the model into")
+    parser.add_argument("--seed", type=int, default=0, help="seed for text and weights")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Make the model and print where it is."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        output = make_tiny_model(args.output.absolute(), args.seed)
+    except OSError as error:
+        print(f"make_tiny_model: error: {error}", file=sys.stderr)
+        return 1
+    print(output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

