@@ -1,9 +1,377 @@
-"""Placeholder until its issue lands."""
+"""`vllm-cpu-launch systemd-unit`: a service unit whose ExecStart runs the launcher.
+
+Escaping follows systemd.service(5) "Command lines" and systemd.syntax(7): a word is
+double-quoted when it holds anything but plain characters, with C-style escapes inside
+(`\\\\`, `\\"`, `\\n`, `\\xNN`); `%` becomes `%%` (specifiers) and, in ExecStart, `$`
+becomes `$$` (environment substitution). `EnvironmentFile=` values (used by `env
+--format systemd`) follow systemd.exec(5): double quotes, with `\\` before `"`, `\\`,
+`` ` `` and `$`; everything else, newlines included, is literal there.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import string
+import sys
+
+from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.messages import emit
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from vllm_cpu_launch.target import Target
+
+DEFAULT_NAME = "vllm-cpu-launch"
+UNIT_OPTIONS = {"--name": "unit_name", "--user": "unit_user", "--group": "unit_group"}
+ENV_OPTION = {"--env": "unit_env"}
+# Characters that need no quoting in a unit file's command line word (after `%` and `$`
+# are doubled): nothing that splits, quotes, escapes, or starts a comment or separator.
+PLAIN = frozenset(string.ascii_letters + string.digits + "_@%+=:,./-$")
+C_ESCAPES = {
+    "\\": "\\\\",
+    '"': '\\"',
+    "\n": "\\n",
+    "\t": "\\t",
+    "\r": "\\r",
+    "\a": "\\a",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\v": "\\v",
+}
+UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.\\-]*\Z")
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+LIMIT_NOFILE = 65535
+STOP_MARGIN_S = 60  # beyond vLLM's own --shutdown-timeout (drain), for the engine to exit
+DEFAULT_STOP_TIMEOUT_S = 120
+# Launcher options that are baked into ExecStart, in this order.
+BAKED_VALUED = (
+    ("iomp", "--iomp"),
+    ("iomp_path", "--iomp-path"),
+    ("tcmalloc", "--tcmalloc"),
+    ("tcmalloc_path", "--tcmalloc-path"),
+    ("kmp_blocktime", "--kmp-blocktime"),
+    ("vllm", "--vllm"),
+    ("config", "--launcher-config"),
+)
+BAKED_FLAGS = (("strict", "--strict"), ("quiet", "--quiet"), ("verbose", "--verbose"))
+PATH_KEYS = ("iomp_path", "tcmalloc_path", "config")
+
+USAGE = """\
+usage: vllm-cpu-launch systemd-unit [--name NAME] [--user USER] [--group GROUP]
+                                    [--env KEY=VALUE ...] [OPTIONS] [--] serve MODEL [ARGS...]
+       vllm-cpu-launch systemd-unit [UNIT OPTIONS] [OPTIONS] [--] exec [--] PROGRAM [ARGS...]
+
+Print a systemd service unit whose ExecStart runs this launcher (by absolute path) with
+the launcher OPTIONS given here and the vLLM command line, every word escaped as systemd
+requires. Save it as /etc/systemd/system/NAME.service.
+
+  --name NAME         unit, cache and state directory name (default vllm-cpu-launch)
+  --user USER         run as USER (default: DynamicUser=yes, a transient user)
+  --group GROUP       run with group GROUP
+  --env KEY=VALUE     an Environment= line for the service (repeatable)
+"""
+
+
+# ---------------------------------------------------------------- escaping
+
+
+def c_escape(text: str) -> str:
+    """C-style escapes as systemd's unescaper reads them; raw bytes (surrogates) as \\xNN."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if char in C_ESCAPES:
+            out.append(C_ESCAPES[char])
+        elif 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def quote_word(text: str) -> str:
+    """One word as systemd's word splitter reads it back (quotes only when needed)."""
+    if text and all(char in PLAIN for char in text):
+        return text
+    return f'"{c_escape(text)}"'
+
+
+def exec_word(argument: str) -> str:
+    """One ExecStart= argument: specifiers and variable substitution disarmed, quoted."""
+    return quote_word(argument.replace("%", "%%").replace("$", "$$"))
+
+
+def exec_line(argv: Sequence[str]) -> str:
+    """The value of ExecStart= that systemd turns back into exactly `argv`."""
+    return " ".join(exec_word(argument) for argument in argv)
+
+
+def environment_word(name: str, value: str) -> str:
+    """One Environment= assignment (`$` has no meaning there; `%` is a specifier)."""
+    return quote_word(f"{name}={value}".replace("%", "%%"))
+
+
+def environment_file_line(name: str, value: str) -> str:
+    """`NAME="value"` for an EnvironmentFile= (systemd.exec(5), double-quoted form)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LaunchError(
+            EXIT_USAGE, f"{name}'s value is not UTF-8 text, which an EnvironmentFile must be"
+        ) from None
+    escaped = "".join("\\" + char if char in '"\\`$' else char for char in value)
+    return f'{name}="{escaped}"'
+
+
+def plain_text(text: str) -> str:
+    """Free text for a unit setting such as Description=: one line, no specifiers."""
+    cleaned = "".join(char if char.isprintable() else "?" for char in text)
+    return cleaned.replace("%", "%%").rstrip("\\")
+
+
+# ---------------------------------------------------------------- the unit
+
+
+def launcher_command() -> list[str]:
+    """This launcher by absolute path: its console script, else `python -m`."""
+    python = os.path.abspath(sys.executable)
+    script = os.path.join(os.path.dirname(python), "vllm-cpu-launch")
+    if os.path.isfile(script) and os.access(script, os.X_OK):
+        return [script]
+    return [python, "-m", "vllm_cpu_launch"]
+
+
+def model_of(arguments: Sequence[str]) -> str | None:
+    """MODEL of `serve MODEL ...` (or its --model), for the description."""
+    if len(arguments) > 1 and arguments[0] == "serve" and not arguments[1].startswith("-"):
+        return arguments[1]
+    for index, token in enumerate(arguments):
+        if token == "--model" and index + 1 < len(arguments):
+            return arguments[index + 1]
+        if token.startswith("--model="):
+            return token.partition("=")[2]
+    return None
+
+
+def shutdown_timeout(arguments: Sequence[str]) -> int | None:
+    """vLLM's `--shutdown-timeout N` (seconds it drains requests on SIGTERM)."""
+    found: int | None = None
+    for index, token in enumerate(arguments):
+        value: str | None = None
+        if token in ("--shutdown-timeout", "--shutdown_timeout") and index + 1 < len(arguments):
+            value = arguments[index + 1]
+        elif token.startswith(("--shutdown-timeout=", "--shutdown_timeout=")):
+            value = token.partition("=")[2]
+        if value is not None and value.isascii() and value.isdigit():
+            found = int(value)
+    return found
+
+
+def baked_options(values: dict[str, object], target: Target | None) -> list[str]:
+    """The launcher options of ExecStart, with every path made absolute."""
+    options: list[str] = []
+    for key, option in BAKED_VALUED:
+        value = values.get(key)
+        if (
+            key == "vllm"
+            and target is not None
+            and (value is not None or target.found_via == "PATH")
+        ):
+            value = target.executable  # the same vLLM as now, whatever the service's PATH
+        if not isinstance(value, str):
+            continue
+        if key in PATH_KEYS or (key == "vllm" and os.sep in value):
+            value = os.path.abspath(value)
+        options += [option, value]
+    options += [option for key, option in BAKED_FLAGS if values.get(key)]
+    return options
+
+
+def environment_lines(values: dict[str, object], name: str) -> list[str]:
+    """Environment= for the caches vLLM, Hugging Face and torch write, then the user's."""
+    lines = [
+        "# vLLM, Hugging Face and torch write caches under HOME/XDG_CACHE_HOME: point them",
+        "# at the directories systemd creates for this unit (%S = /var/lib, %C = /var/cache).",
+        f"Environment=HOME=%S/{name}",
+        f"Environment=XDG_CACHE_HOME=%C/{name}",
+        f"Environment=HF_HOME=%C/{name}/huggingface",
+        f"Environment=VLLM_CACHE_ROOT=%C/{name}/vllm",
+    ]
+    extra = values.get("unit_env") or []
+    assert isinstance(extra, list)
+    for assignment in extra:
+        key, has_value, value = str(assignment).partition("=")
+        if not has_value or not VARIABLE_NAME.match(key):
+            raise LaunchError(
+                EXIT_USAGE, f"--env {assignment!r}: expected KEY=VALUE with KEY a variable name"
+            )
+        lines.append(f"Environment={environment_word(key, value)}")
+    return lines
+
+
+def render_unit(
+    values: dict[str, object],
+    command: Sequence[str],
+    arguments: Sequence[str],
+    target: Target | None,
+    description: str,
+) -> str:
+    """The unit file text for `launcher [options] -- command...`."""
+    name = str(values.get("unit_name") or DEFAULT_NAME)
+    drain = shutdown_timeout(arguments)
+    stop_timeout = DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S
+    user = values.get("unit_user")
+    group = values.get("unit_group")
+    argv = [*launcher_command(), *command, *baked_options(values, target), "--", *arguments]
+    lines = [
+        f"# {name}.service, written by vllm-cpu-launch {__version__} systemd-unit.",
+        f"# Install: save as /etc/systemd/system/{name}.service, then",
+        f"#   systemctl daemon-reload && systemctl enable --now {name}.service",
+        f"# Logs: journalctl -u {name}.service (launcher messages keep their levels)",
+        "[Unit]",
+        f"Description={plain_text(description)}",
+        "Wants=network-online.target",
+        "After=network-online.target",
+        "",
+        "[Service]",
+        "# exec: started once the launcher runs; it execs vLLM, which keeps the main PID.",
+        "Type=exec",
+        f"ExecStart={exec_line(argv)}",
+    ]
+    if isinstance(user, str):
+        lines.append(f"User={quote_word(user)}")
+    else:
+        lines.append("# No --user given: a transient user; the model must be world-readable.")
+        lines.append("DynamicUser=yes")
+    if isinstance(group, str):
+        lines.append(f"Group={quote_word(group)}")
+    lines += environment_lines(values, name)
+    lines += [
+        f"CacheDirectory={name}",
+        f"StateDirectory={name}",
+        f"WorkingDirectory=%S/{name}",
+        "Restart=on-failure",
+        "RestartSec=10s",
+        "# SIGTERM makes vLLM drain (its --shutdown-timeout) and stop its engine processes;",
+        "# mixed: only the main process gets SIGTERM, all of them SIGKILL at the timeout.",
+        "KillMode=mixed",
+        f"TimeoutStopSec={stop_timeout}s",
+        "# vLLM's API server and engine open many sockets and files.",
+        f"LimitNOFILE={LIMIT_NOFILE}",
+        "# Hardening that vLLM on CPU tolerates. Not MemoryDenyWriteExecute: torch compiles",
+        "# kernels at run time. /dev/shm stays writable for vLLM's shared-memory queues.",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only",
+        "PrivateTmp=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectControlGroups=yes",
+        "RestrictSUIDSGID=yes",
+        "LockPersonality=yes",
+        f"SyslogIdentifier={name}",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the verb
+
+
+def warn_unseen_variables() -> None:
+    """The caller's VLLM_CPU_LAUNCH_* variables do not reach the service."""
+    for variable in sorted(os.environ):
+        if variable.startswith("VLLM_CPU_LAUNCH_") and variable != "VLLM_CPU_LAUNCH_VLLM":
+            emit(
+                "warning",
+                f"{variable} is set here but the service will not see it; pass the option "
+                "to systemd-unit or put it in /etc/vllm-cpu-launch/config.yaml",
+            )
+
+
+def check_plan(
+    values: dict[str, object], arguments: Sequence[str], program: str | None
+) -> Target | None:
+    """Resolve the target and plan now, to warn early; None when the target is missing."""
+    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
+    from vllm_cpu_launch.plan import build_plan
+    from vllm_cpu_launch.settings import load_settings
+    from vllm_cpu_launch.speculative import SpeculativeRequest, detect
+    from vllm_cpu_launch.target import resolve_program, resolve_vllm
+
+    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
+    settings = load_settings(options, os.environ)
+    try:
+        if program is None:
+            target = resolve_vllm(settings.vllm, os.environ, sys.executable)
+        else:
+            target = resolve_program(program, os.environ)
+    except LaunchError as error:
+        emit("warning", f"{error.message}; the service will fail to start until this is fixed")
+        return None
+    if program is None:
+        speculative = detect(arguments)
+        auto_iomp = speculative.requested
+    else:
+        speculative, auto_iomp = SpeculativeRequest(False), True
+    plan = build_plan(settings, arguments, speculative, target, current_host(), auto_iomp)
+    for warning in plan.warnings:
+        emit("warning", warning)
+    return target
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    raise LaunchError(EXIT_USAGE, "systemd is not available yet")
+    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
+
+    valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, **ENV_OPTION}
+    more, rest = parse_options(args, valued, FLAG_OPTIONS, repeatable=("unit_env",))
+    merged = {**values, **more}
+    if merged.get("help"):
+        write_stdout(USAGE.rstrip())
+        return 0
+    for key, option in (("dry_run", "--dry-run"), ("json", "--json"), ("version", "--version")):
+        if merged.get(key):
+            raise LaunchError(EXIT_USAGE, f"systemd-unit prints a unit; {option} does not apply")
+    name = merged.get("unit_name")
+    if name is not None and not UNIT_NAME.match(str(name)):
+        raise LaunchError(
+            EXIT_USAGE, f"--name {name!r}: use letters, digits and : _ . - (a unit name)"
+        )
+    if not rest:
+        raise LaunchError(
+            EXIT_USAGE, "systemd-unit needs the vLLM command: systemd-unit -- serve MODEL [ARGS...]"
+        )
+    environment_lines(merged, DEFAULT_NAME)  # validates every --env before anything else
+    warn_unseen_variables()
+    if rest[0] == "exec":
+        exec_options, program_argv = parse_options(rest[1:])
+        if not program_argv:
+            raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
+        merged.update(exec_options)
+        target = check_plan(merged, program_argv[1:], program_argv[0])
+        program = target.executable if target is not None else program_argv[0]
+        arguments = [program, *program_argv[1:]]
+        # `exec` takes the launcher's options after it, and then the program.
+        description = f"{os.path.basename(program)} with Intel OpenMP (vllm-cpu-launch exec)"
+        unit = render_unit(merged, ["exec"], arguments, None, description)
+    else:
+        target = check_plan(merged, rest, None)
+        model = model_of(rest)
+        if model is not None and not os.path.isabs(model) and os.path.exists(model):
+            emit(
+                "warning",
+                f"model {model!r} is a relative path; the service runs in its state "
+                "directory: give an absolute path",
+            )
+        description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
+        unit = render_unit(merged, [], rest, target, description)
+    write_stdout(unit.rstrip("\n"))
+    return 0

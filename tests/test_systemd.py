@@ -1,0 +1,487 @@
+"""`systemd-unit`: units that systemd itself accepts, and ExecStart that round-trips.
+
+Three checks of the escaping: `systemd-analyze verify` on the generated and shipped
+units (it also checks that ExecStart's binary exists); the real systemd parsing the unit
+in test mode (`systemd --test`, run unprivileged as systemd demands, prints the argv
+it parsed); and a faithful unescaper of systemd.service(5) for generated inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO, clean_environ, run_launcher
+from vllm_cpu_launch.systemd import environment_word, exec_line
+
+SYSTEMD = "/lib/systemd/systemd"
+NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+SHIPPED = REPO / "scripts"
+CONSOLE_SCRIPT = Path(sys.executable).parent / "vllm-cpu-launch"
+TRICKY_ARGUMENTS = [
+    "",
+    " ",
+    "two words",
+    "100%",
+    "%n%%",
+    "$HOME",
+    "${HOME}",
+    "$$",
+    'say "hi"',
+    "it's",
+    "back\\slash",
+    "trailing\\",
+    "new\nline",
+    "tab\there",
+    ";",
+    "\\;",
+    "a;b",
+    "#not-a-comment",
+    "é ü 日本",
+    '{"method": "ngram", "num_speculative_tokens": 3}',
+    "--speculative-config.method=ngram",
+    "\x01control",
+]
+
+
+def need(tool: str) -> str:
+    found = shutil.which(tool) or (tool if os.path.exists(tool) else None)
+    if found is None:
+        pytest.fail(f"{tool} missing: scripts/test installs systemd (apt-get install systemd)")
+    return found
+
+
+@pytest.fixture
+def unit_dir() -> Iterator[Path]:
+    """A directory the unprivileged systemd test mode can read (tmp_path is 0700)."""
+    directory = Path(tempfile.mkdtemp(prefix="vllm-cpu-launch-units-"))
+    directory.chmod(0o755)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory)
+
+
+def generate(args: Sequence[str], tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    return run_launcher(["systemd-unit", *args], clean_environ(tmp_path, **extra))
+
+
+def verify_unit(path: Path, root: Path | None = None) -> subprocess.CompletedProcess[str]:
+    command = [need("systemd-analyze"), "verify"]
+    if root is not None:
+        command.append(f"--root={root}")
+    return subprocess.run(
+        [*command, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=path.parent,
+    )
+
+
+# ---------------------------------------------------------------- systemd's own parse
+
+
+def decode_dump_word(text: str, index: int) -> tuple[bytes, int]:
+    """One word of systemd's `Command Line:` dump (quote_command_line) -> bytes."""
+    simple = {"t": b"\t", "n": b"\n", "r": b"\r", "a": b"\a", "b": b"\b", "f": b"\f", "v": b"\v"}
+    if text[index] != '"':
+        end = text.find(" ", index)
+        end = len(text) if end < 0 else end
+        return os.fsencode(text[index:end]), end
+    out = bytearray()
+    index += 1
+    while text[index] != '"':
+        char = text[index]
+        if char != "\\":
+            out += os.fsencode(char)
+            index += 1
+            continue
+        following = text[index + 1]
+        if following in simple:
+            out += simple[following]
+            index += 2
+        elif following in "01234567":
+            out.append(int(text[index + 1 : index + 4], 8))
+            index += 4
+        else:  # \\ \" \$ \`
+            out += os.fsencode(following)
+            index += 2
+    return bytes(out), index + 1
+
+
+def systemd_parsed_argv(unit: Path) -> list[bytes]:
+    """ExecStart's argv as the real systemd parses the unit (test mode, no manager)."""
+    environ = {"SYSTEMD_UNIT_PATH": f"{unit.parent}:/lib/systemd/system", "LANG": "C.UTF-8"}
+    result = subprocess.run(
+        [*NOBODY, need(SYSTEMD), "--test", "--system", f"--unit={unit.name}"],
+        env=environ,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    output = os.fsdecode(result.stdout)
+    assert result.returncode == 0, os.fsdecode(result.stderr)
+    section = output.split(f"-> Unit {unit.name}:", 1)[1]
+    line = section.split("-> ExecStart:", 1)[1].split("Command Line: ", 1)[1].split("\n", 1)[0]
+    words, index = [], 0
+    while index < len(line):
+        word, index = decode_dump_word(line, index)
+        words.append(word)
+        index += 1  # the separating space
+    problems = [
+        entry
+        for entry in os.fsdecode(result.stderr).splitlines()
+        if str(unit) in entry and ("Ignoring" in entry or "rror" in entry)
+    ]
+    assert not problems, problems
+    return words
+
+
+def substitute_dollars(word: bytes) -> bytes:
+    """What systemd does to ExecStart words at exec time (every `$` was doubled)."""
+    return word.replace(b"$$", b"$")
+
+
+def test_execstart_round_trips_through_real_systemd(tmp_path: Path, unit_dir: Path) -> None:
+    arguments = ["serve", "/models/my model", *TRICKY_ARGUMENTS]
+    result = generate(
+        ["--name", "roundtrip", "--user", "vllm", "--", *arguments], tmp_path, PATH="/usr/bin:/bin"
+    )
+    assert result.returncode == 0, result.stderr
+    unit = unit_dir / "roundtrip.service"
+    unit.write_text(result.stdout)
+    parsed = [substitute_dollars(w) for w in systemd_parsed_argv(unit)]
+    assert parsed == [os.fsencode(w) for w in (str(CONSOLE_SCRIPT), "--", *arguments)], (
+        result.stdout
+    )
+
+
+def test_non_utf8_argument_round_trips(tmp_path: Path, unit_dir: Path) -> None:
+    raw = b"caf\xe9-\xff"  # Latin-1 bytes: not UTF-8
+    command = [sys.executable, "-m", "vllm_cpu_launch", "systemd-unit", "--user", "vllm", "--"]
+    result = subprocess.run(
+        [*command, "serve", "m", raw],
+        env=clean_environ(tmp_path),
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert b"\\xe9" in result.stdout  # the unit itself stays UTF-8 text
+    result.stdout.decode("utf-8")
+    unit = unit_dir / "bytes.service"
+    unit.write_bytes(result.stdout)
+    assert systemd_parsed_argv(unit)[-1] == raw
+
+
+# ---------------------------------------------------------------- a faithful unescaper
+
+
+def exec_time(word: str) -> str:
+    """systemd's substitution at exec time: `$$` is `$`, `$NAME`/`${NAME}` a variable."""
+    return re.sub(r"\$(\$|\{|[A-Za-z_])", lambda m: "$" if m[1] == "$" else "<VARIABLE>", word)
+
+
+def systemd_words(line: str) -> list[str]:
+    """extract_first_word(EXTRACT_UNQUOTE|EXTRACT_CUNESCAPE) over a whole ExecStart value,
+    then specifiers (`%%`) per word, then `$$` at exec time (systemd.service(5))."""
+    escapes = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
+    words: list[str] = []
+    index = 0
+    while True:
+        while index < len(line) and line[index] in " \t\n":
+            index += 1
+        if index >= len(line):
+            return [exec_time(w.replace("%%", "%")) for w in words]
+        word: list[str] = []
+        quote: str | None = None
+        while index < len(line) and (quote or line[index] not in " \t\n"):
+            char = line[index]
+            if char == "\\":
+                following = line[index + 1]
+                if following == "x":
+                    code = int(line[index + 2 : index + 4], 16)
+                    word.append(chr(code) if code < 0x80 else chr(0xDC00 + code))
+                    index += 4
+                    continue
+                word.append(escapes.get(following, following))
+                index += 2
+                continue
+            if quote is None and char in "\"'":
+                quote = char
+            elif char == quote:
+                quote = None
+            else:
+                word.append(char)
+            index += 1
+        words.append(
+            "".join(word).encode("utf-8", "surrogateescape").decode("utf-8", "surrogateescape")
+        )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(st.characters(exclude_categories=["Cs"]), max_size=12), max_size=6))
+def test_exec_line_round_trips_for_any_text(arguments: list[str]) -> None:
+    arguments = [a.replace("\0", "") for a in arguments]
+    line = exec_line(["/usr/bin/x", *arguments])
+    assert "\n" not in line
+    assert systemd_words(line) == ["/usr/bin/x", *arguments]
+
+
+def test_environment_assignment_keeps_dollars_and_doubles_percent(tmp_path: Path) -> None:
+    assert environment_word("A", "x y $Z 5%") == '"A=x y $Z 5%%"'
+    assert environment_word("A", "plain") == "A=plain"
+
+
+# ---------------------------------------------------------------- the unit itself
+
+
+def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path, vllm_env: Path) -> None:
+    result = generate(
+        [
+            "--name",
+            "vllm-qwen",
+            "--user",
+            "vllm",
+            "--group",
+            "vllm",
+            "--env",
+            "VLLM_CPU_KVCACHE_SPACE=4",
+            "--env",
+            "NOTE=50% of $HOME",
+            "--vllm",
+            str(vllm_env / "bin" / "vllm"),
+            "--kmp-blocktime",
+            "10",
+            "--strict",
+            "--",
+            "serve",
+            "/models/qwen",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3}',
+            "--shutdown-timeout",
+            "45",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    unit = tmp_path / "vllm-qwen.service"
+    unit.write_text(result.stdout)
+    checked = verify_unit(unit)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr == "" and checked.stdout == ""
+    text = result.stdout
+    execstart = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    assert systemd_words(execstart.removeprefix("ExecStart=")) == [
+        str(CONSOLE_SCRIPT),
+        "--kmp-blocktime",
+        "10",
+        "--vllm",
+        str(vllm_env / "bin" / "vllm"),
+        "--strict",
+        "--",
+        "serve",
+        "/models/qwen",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--shutdown-timeout",
+        "45",
+    ]
+    for setting in (
+        "Type=exec",
+        "User=vllm",
+        "Group=vllm",
+        "Environment=VLLM_CPU_KVCACHE_SPACE=4",
+        'Environment="NOTE=50%% of $HOME"',
+        "CacheDirectory=vllm-qwen",
+        "StateDirectory=vllm-qwen",
+        "Environment=HOME=%S/vllm-qwen",
+        "Environment=HF_HOME=%C/vllm-qwen/huggingface",
+        "Environment=VLLM_CACHE_ROOT=%C/vllm-qwen/vllm",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+        "Restart=on-failure",
+        "KillMode=mixed",
+        "TimeoutStopSec=105s",  # vLLM's 45 s drain plus a margin
+        "WantedBy=multi-user.target",
+    ):
+        assert setting in text.splitlines(), setting
+    limit = next(line for line in text.splitlines() if line.startswith("LimitNOFILE="))
+    assert int(limit.partition("=")[2]) >= 65535
+    assert "DynamicUser=yes" not in text
+
+
+def test_defaults_dynamic_user_and_python_m_when_no_console_script(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    # The vLLM-like environment has no console script: `python -m vllm_cpu_launch`.
+    python = vllm_env / "bin" / "python"
+    result = run_launcher(
+        ["--vllm", str(vllm_env / "bin" / "vllm"), "systemd-unit", "serve", "m"],
+        clean_environ(tmp_path),
+        launcher=(str(python), "-m", "vllm_cpu_launch"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "DynamicUser=yes" in result.stdout.splitlines()
+    assert "TimeoutStopSec=120s" in result.stdout.splitlines()
+    execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
+    assert systemd_words(execstart.removeprefix("ExecStart="))[:3] == [
+        str(python),
+        "-m",
+        "vllm_cpu_launch",
+    ]
+    unit = tmp_path / "vllm-cpu-launch.service"
+    unit.write_text(result.stdout)
+    checked = verify_unit(unit)
+    assert checked.returncode == 0 and checked.stderr == "", checked.stderr
+
+
+def test_vllm_found_on_path_is_pinned_by_absolute_path(tmp_path: Path, vllm_env: Path) -> None:
+    path = f"{vllm_env / 'bin'}:/usr/bin:/bin"
+    result = generate(["--user", "vllm", "serve", "m"], tmp_path, PATH=path)
+    assert result.returncode == 0, result.stderr
+    execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
+    words = systemd_words(execstart.removeprefix("ExecStart="))
+    assert words[1:3] == ["--vllm", str(vllm_env / "bin" / "vllm")]
+
+
+def test_missing_vllm_and_unseen_variables_are_warned(tmp_path: Path) -> None:
+    result = generate(
+        ["--user", "vllm", "serve", "m"],
+        tmp_path,
+        PATH="/usr/bin:/bin",
+        VLLM_CPU_LAUNCH_IOMP="always",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "vllm not found" in result.stderr
+    assert "VLLM_CPU_LAUNCH_IOMP is set here but the service will not see it" in result.stderr
+    assert result.stdout.startswith("# vllm-cpu-launch.service")
+
+
+def test_exec_unit_for_ray(tmp_path: Path, vllm_env: Path) -> None:
+    ray = vllm_env / "bin" / "ray"
+    ray.write_text(f"#!{vllm_env / 'bin' / 'python'}\n")
+    ray.chmod(0o755)
+    path = f"{vllm_env / 'bin'}:/usr/bin:/bin"
+    result = generate(
+        ["--name", "ray-head", "--user", "vllm", "exec", "--", "ray", "start", "--head", "--block"],
+        tmp_path,
+        PATH=path,
+    )
+    assert result.returncode == 0, result.stderr
+    execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
+    assert systemd_words(execstart.removeprefix("ExecStart=")) == [
+        str(CONSOLE_SCRIPT),
+        "exec",
+        "--",
+        str(ray),
+        "start",
+        "--head",
+        "--block",
+    ]
+    unit = tmp_path / "ray-head.service"
+    unit.write_text(result.stdout)
+    checked = verify_unit(unit)
+    assert checked.returncode == 0 and checked.stderr == "", checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--name", "bad name", "serve", "m"], "--name 'bad name'"),
+        (["--env", "NOEQUALS", "serve", "m"], "expected KEY=VALUE"),
+        (["--env", "1X=y", "serve", "m"], "expected KEY=VALUE"),
+        (["--user"], "--user needs a value"),
+        ([], "systemd-unit needs the vLLM command"),
+        (["--dry-run", "serve", "m"], "--dry-run does not apply"),
+        (["--iomp", "sometimes", "serve", "m"], "--iomp: 'sometimes' is not one of"),
+    ],
+)
+def test_usage_errors_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    result = generate(args, tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_help(tmp_path: Path) -> None:
+    result = generate(["--help"], tmp_path)
+    assert result.returncode == 0 and "usage: vllm-cpu-launch systemd-unit" in result.stdout
+
+
+# ---------------------------------------------------------------- the shipped units
+
+
+@pytest.fixture
+def system_root(tmp_path: Path) -> Path:
+    """A root with systemd's own units and an executable /usr/local/bin/vllm-cpu-launch."""
+    root = tmp_path / "root"
+    (root / "usr" / "lib" / "systemd").mkdir(parents=True)
+    shutil.copytree(
+        "/lib/systemd/system", root / "usr" / "lib" / "systemd" / "system", symlinks=True
+    )
+    (root / "usr" / "local" / "bin").mkdir(parents=True)
+    launcher = root / "usr" / "local" / "bin" / "vllm-cpu-launch"
+    launcher.write_text("#!/bin/sh\n")
+    launcher.chmod(0o755)
+    (root / "etc" / "systemd" / "system").mkdir(parents=True)
+    return root
+
+
+@pytest.mark.parametrize("name", ["vllm-cpu-launch.service", "vllm-cpu-launch@.service"])
+def test_shipped_units_pass_verify(system_root: Path, name: str) -> None:
+    need("systemd-analyze")
+    units = system_root / "etc" / "systemd" / "system"
+    shutil.copy(SHIPPED / name, units / name)
+    target = units / name.replace("@.", "@qwen.")
+    if target.name != name:
+        target.symlink_to(name)
+    checked = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={system_root}", target.name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr == "", checked.stderr
+
+
+def test_shipped_units_fail_verify_without_the_launcher(system_root: Path) -> None:
+    """The check above can fail: verify does look for ExecStart's binary."""
+    (system_root / "usr" / "local" / "bin" / "vllm-cpu-launch").unlink()
+    units = system_root / "etc" / "systemd" / "system"
+    shutil.copy(SHIPPED / "vllm-cpu-launch.service", units)
+    checked = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={system_root}", "vllm-cpu-launch.service"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert checked.returncode != 0
+    assert "vllm-cpu-launch is not executable" in checked.stderr
+
+
+def test_shipped_unit_execstart_parses_as_documented(unit_dir: Path) -> None:
+    unit = unit_dir / "shipped.service"
+    shutil.copy(SHIPPED / "vllm-cpu-launch.service", unit)
+    unit.chmod(0o644)
+    argv = systemd_parsed_argv(unit)
+    spec = argv[argv.index(b"--speculative-config") + 1]
+    assert re.fullmatch(rb"\{.*\}", spec) and b'"method": "ngram"' in spec
+    assert argv[:3] == [b"/usr/local/bin/vllm-cpu-launch", b"--", b"serve"]
