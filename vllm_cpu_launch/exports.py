@@ -1,9 +1,128 @@
-"""Placeholder until its issue lands."""
+"""`vllm-cpu-launch env`: the plan's environment, for those who cannot exec through us.
+
+`shell` prints `export` lines safe to `eval`, `systemd` an `EnvironmentFile=` body,
+`docker` Dockerfile `ENV` lines, `json` the plan itself (as `--dry-run --json`).
+
+The first three carry the final value of every variable the plan relies on: what it
+sets or changes, and also LD_PRELOAD and KMP_BLOCKTIME when the plan keeps the
+caller's value (a unit or an image does not inherit the caller's shell). `json` is the
+plan as DESIGN.md defines it: only what the launcher sets or changes.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from vllm_cpu_launch.plan import Plan
+
+FORMATS = ("shell", "systemd", "docker", "json")
+RELIED_ON = ("LD_PRELOAD", "KMP_BLOCKTIME")
+
+USAGE = """\
+usage: vllm-cpu-launch env [--format shell|systemd|docker|json] [OPTIONS] [--] VLLM_SUBCOMMAND ...
+
+Print the environment the launcher would give vLLM, for starting it another way:
+  shell    export lines:  eval "$(vllm-cpu-launch env serve MODEL ...)"
+  systemd  an EnvironmentFile= body (systemd.exec(5) quoting)
+  docker   ENV lines for a Dockerfile
+  json     the plan, as --dry-run --json prints it
+Warnings go to standard error; the launcher OPTIONS are those of a normal start.
+"""
+
+
+def final_environment(plan: Plan, caller: Mapping[str, str]) -> dict[str, str]:
+    """What the started program sees of the variables the plan sets or relies on."""
+    result = dict(plan.env)
+    if plan.preload:
+        for name in RELIED_ON:
+            if name not in result and name in caller:
+                result[name] = caller[name]
+    return result
+
+
+def shell_lines(environment: Mapping[str, str]) -> list[str]:
+    return [f"export {name}={shlex.quote(value)}" for name, value in environment.items()]
+
+
+def systemd_lines(environment: Mapping[str, str]) -> list[str]:
+    from vllm_cpu_launch.systemd import environment_file_line
+
+    return [environment_file_line(name, value) for name, value in environment.items()]
+
+
+def docker_value(name: str, value: str) -> str:
+    """A double-quoted Dockerfile word: JSON-style `\\"` and `\\\\`, and `\\$` (no expansion).
+
+    Docker's word lexer reads no other escapes, so control characters (a newline ends
+    the instruction) cannot be written.
+    """
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
+        raise LaunchError(
+            EXIT_USAGE, f"{name}'s value holds a control character, which a Dockerfile cannot hold"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LaunchError(EXIT_USAGE, f"{name}'s value is not UTF-8 text") from None
+    return json.dumps(value, ensure_ascii=False).replace("$", "\\$")
+
+
+def docker_lines(environment: Mapping[str, str]) -> list[str]:
+    return [f"ENV {name}={docker_value(name, value)}" for name, value in environment.items()]
+
+
+def render(plan: Plan, output_format: str, caller: Mapping[str, str]) -> str:
+    """The plan's environment in one of FORMATS."""
+    if output_format == "json":
+        from vllm_cpu_launch.plan import plan_as_json
+
+        return json.dumps(plan_as_json(plan), indent=2)
+    environment = final_environment(plan, caller)
+    if not environment:
+        return f"# vllm-cpu-launch: nothing to set ({plan.reason})"
+    renderers = {"shell": shell_lines, "systemd": systemd_lines, "docker": docker_lines}
+    return "\n".join(renderers[output_format](environment))
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    raise LaunchError(EXIT_USAGE, "exports is not available yet")
+    from vllm_cpu_launch.cli import (
+        FLAG_OPTIONS,
+        VALUED_OPTIONS,
+        parse_options,
+        plan_from_options,
+        report,
+        write_stdout,
+    )
+
+    more, command = parse_options(args, {**VALUED_OPTIONS, "--format": "format"}, FLAG_OPTIONS)
+    merged = {**values, **more}
+    if merged.get("help"):
+        write_stdout(USAGE.rstrip())
+        return 0
+    output_format = merged.get("format", "json" if merged.get("json") else "shell")
+    if output_format not in FORMATS:
+        raise LaunchError(
+            EXIT_USAGE, f"--format {output_format!r}: use one of {', '.join(FORMATS)}"
+        )
+    if merged.get("json") and output_format != "json":
+        raise LaunchError(EXIT_USAGE, f"--json contradicts --format {output_format}")
+    for key, option in (("dry_run", "--dry-run"), ("version", "--version")):
+        if merged.get(key):
+            raise LaunchError(EXIT_USAGE, f"env never starts anything; {option} does not apply")
+    if not command:
+        raise LaunchError(
+            EXIT_USAGE, "env needs the vLLM command line: vllm-cpu-launch env serve MODEL ..."
+        )
+    plan = plan_from_options(merged, command)
+    text = render(plan, str(output_format), os.environ)
+    report(plan, merged)
+    write_stdout(text)
+    return 0
