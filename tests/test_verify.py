@@ -1,0 +1,291 @@
+"""`verify PID`: real process trees with real OpenMP runtimes mapped.
+
+A script named `vllm` (run by Python, so its command line looks like a vLLM console
+script's) starts children as described by the test, each with its own LD_PRELOAD
+and, optionally, a runtime loaded late with ctypes; every process says "ready" only
+after its runtimes are mapped. Intel OpenMP is the real libiomp5.so of the
+intel-openmp wheel, GNU OpenMP the system's libgomp.so.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, clean_environ, run_launcher
+
+GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
+SD = '{"method": "ngram", "num_speculative_tokens": 3}'
+TREE = """\
+import ctypes, json, os, subprocess, sys, time
+CHILD = '''
+import ctypes, os, sys, time
+if os.environ.get("LOAD_LATE"):
+    ctypes.CDLL(os.environ["LOAD_LATE"])
+print("ready", flush=True)
+time.sleep(600)
+'''
+children = []
+for spec in json.loads(os.environ.get("CHILDREN", "[]")):
+    env = dict(os.environ)
+    for key, value in spec.get("env", {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    env.pop("CHILDREN", None)
+    command = [sys.executable, "-c", CHILD]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\\n"
+    children.append(child.pid)
+print("ready", *children, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def gomp() -> str:
+    if not os.path.exists(GOMP):
+        pytest.fail(f"{GOMP} missing: apt-get install libgomp1")
+    return GOMP
+
+
+@pytest.fixture
+def start_tree(tmp_path: Path) -> Iterator[Callable[..., list[int]]]:
+    """Start `vllm ARGS` with children; returns [root pid, child pids...]; kills them after."""
+    started: list[subprocess.Popen[str]] = []
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text(TREE)
+
+    def start(
+        args: list[str],
+        children: list[dict[str, Any]],
+        cwd: Path | None = None,
+        **environ: str | None,
+    ) -> list[int]:
+        env = clean_environ(tmp_path, CHILDREN=json.dumps(children))
+        for key, value in environ.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        process = subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            cwd=cwd,
+        )
+        started.append(process)
+        assert process.stdout is not None
+        words = process.stdout.readline().split()
+        assert words[:1] == ["ready"], words
+        return [process.pid, *map(int, words[1:])]
+
+    yield start
+    for process in started:
+        os.killpg(process.pid, signal.SIGKILL)  # the tree this test started, by its id
+        process.wait()
+
+
+def verify(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_launcher(["verify", *args], clean_environ(tmp_path))
+
+
+def verify_json(tmp_path: Path, pid: int) -> tuple[int, dict[str, Any]]:
+    result = verify(tmp_path, "--json", str(pid))
+    assert result.returncode in (0, 1), result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    return result.returncode, report
+
+
+def by_pid(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {p["pid"]: p for p in report["processes"]}
+
+
+SERVE_SD = ["serve", "m", "--speculative-config", SD]
+
+
+def test_sd_tree_with_intel_openmp_everywhere_is_ok(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    pids = start_tree(SERVE_SD, [{}, {}], LD_PRELOAD=str(real_iomp), KMP_BLOCKTIME="5")
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0 and report["ok"] is True
+    assert report["speculative"] == {"requested": True, "source": "--speculative-config"}
+    processes = by_pid(report)
+    assert sorted(processes) == sorted(pids)
+    for pid in pids:
+        process = processes[pid]
+        assert process["verdict"] == "ok", process
+        assert process["speculative"] is True  # children inherit the root's verdict
+        assert {"kind": "iomp", "path": str(real_iomp)} in process["runtimes"]
+        assert process["env"]["LD_PRELOAD"] == str(real_iomp)
+        assert process["env"]["KMP_BLOCKTIME"] == "5"
+    assert processes[pids[1]]["ppid"] == pids[0]
+    text = verify(tmp_path, str(pids[0]))
+    assert text.returncode == 0
+    assert "speculative decoding: requested (--speculative-config)" in text.stdout
+    assert "ok: 3 processes checked" in text.stdout
+
+
+def test_child_with_only_libgomp_fails(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path, gomp: str
+) -> None:
+    children = [{}, {"env": {"LD_PRELOAD": gomp}}]
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=str(real_iomp))
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 1 and report["ok"] is False
+    processes = by_pid(report)
+    assert processes[pids[0]]["verdict"] == "ok"
+    assert processes[pids[1]]["verdict"] == "ok"
+    bad = processes[pids[2]]
+    assert bad["verdict"] == "problem"
+    assert bad["runtimes"] == [{"kind": "gomp", "path": os.path.realpath(gomp)}]
+    assert "GNU libgomp only" in bad["reason"]
+    text = verify(tmp_path, str(pids[0]))
+    assert text.returncode == 1
+    assert "PROBLEM: 1 of 3 processes lack Intel OpenMP" in text.stdout
+
+
+def test_intel_openmp_loaded_late_beside_libgomp_fails(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path, gomp: str
+) -> None:
+    """Mapped but not preloaded: libgomp was bound first and serves the process."""
+    children = [{"env": {"LD_PRELOAD": gomp, "LOAD_LATE": str(real_iomp)}}]
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=str(real_iomp))
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 1
+    child = by_pid(report)[pids[1]]
+    assert {r["kind"] for r in child["runtimes"]} == {"iomp", "gomp"}
+    assert "not preloaded" in child["reason"]
+
+
+def test_sd_root_started_without_openmp_fails(
+    tmp_path: Path, start_tree: Callable[..., list[int]]
+) -> None:
+    pids = start_tree(SERVE_SD, [], LD_PRELOAD=None)
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 1
+    root = by_pid(report)[pids[0]]
+    assert root["runtimes"] == [] and root["verdict"] == "problem"
+    assert "without Intel OpenMP in LD_PRELOAD" in root["reason"]
+
+
+def test_children_without_openmp_are_skipped(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    children = [{"env": {"LD_PRELOAD": None}}]
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=str(real_iomp))
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0
+    assert by_pid(report)[pids[1]]["verdict"] == "skipped"
+
+
+def test_libgomp_is_fine_without_speculative_decoding(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    pids = start_tree(["serve", "m"], [{}], LD_PRELOAD=gomp)
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0 and report["speculative"]["requested"] is False
+    assert all(p["verdict"] == "ok" for p in report["processes"])
+
+
+def test_vllm_config_file_is_read_from_the_process_directory(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    """`--config FILE` is relative to the vLLM process's working directory, not verify's."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "serve.yaml").write_text("max_model_len: 512\nspeculative_config: null\n")
+    pids = start_tree(["serve", "m", "--config", "serve.yaml"], [], cwd=workdir, LD_PRELOAD=gomp)
+    code, report = verify_json(tmp_path, pids[0])  # run from the test's directory
+    assert report["speculative"]["requested"] is False, report["speculative"]
+    assert code == 0
+
+
+# ---------------------------------------------------------------- errors
+
+
+def unused_pid() -> int:
+    with open("/proc/sys/kernel/pid_max") as stream:
+        return int(stream.read()) + 1  # above pid_max: no process can have it
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["abc"], "verify: 'abc' is not a process ID"),
+        (["-5"], "unknown launcher option '-5'"),
+        (["0"], "verify: '0' is not a process ID"),
+        ([str(unused_pid())], f"verify: no process with PID {unused_pid()}"),
+        ([], "verify needs one PID"),
+        (["1", "2"], "verify needs one PID"),
+    ],
+)
+def test_usage_errors_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    result = verify(tmp_path, *args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def unprivileged_python() -> list[str]:
+    """An interpreter user nobody can run, with this checkout and its dependencies."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        probe = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", "1"],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        if probe.returncode == 0:
+            return [python]
+    pytest.fail("no Python that user nobody can run (is the venv under /root?)")
+
+
+def test_unprivileged_user_cannot_read_a_root_process(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("this test needs root, to verify a root process as user nobody")
+    pids = start_tree(SERVE_SD, [], LD_PRELOAD=str(real_iomp))
+    site = sysconfig.get_paths()["purelib"]
+    environ = {"PYTHONPATH": f"{REPO}:{site}", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    result = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            *unprivileged_python(),
+            "-m",
+            "vllm_cpu_launch",
+            "verify",
+            str(pids[0]),
+        ],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert f"cannot read /proc/{pids[0]}" in result.stderr and "permission denied" in result.stderr
+
+
+def test_help(tmp_path: Path) -> None:
+    result = verify(tmp_path, "--help")
+    assert result.returncode == 0 and "usage: vllm-cpu-launch verify" in result.stdout
