@@ -121,6 +121,13 @@ def describe_target(executable: str, found_via: str, path_variable: str | None) 
             f"{executable} starts with #!{interpreter}, which does not exist; reinstall "
             "it in a working environment or choose another with --vllm",
         )
+    if interpreter is not None and not (
+        os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)
+    ):
+        raise LaunchError(  # execve would only say "Exec format error" about the script
+            EXIT_NOT_EXECUTABLE,
+            f"{executable} starts with #!{interpreter}, which is not an executable file",
+        )
     # A script's environment is its interpreter's; a program's own `bin/` names one too
     # (`exec -- /venv/bin/python ...`).
     prefix = environment_prefix(interpreter or executable)
