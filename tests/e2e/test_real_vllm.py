@@ -231,32 +231,55 @@ def process_tree(server: Server) -> list[psutil.Process]:
     return [main, *main.children(recursive=True)]
 
 
-def describe(process: psutil.Process) -> str:
-    """PID and command line, for messages."""
-    return f"{process.pid} {' '.join(process.cmdline())[:120]}"
+@dataclass(frozen=True)
+class ProcessView:
+    """What one process shows in /proc: its title, mapped files and visible environment."""
+
+    pid: int
+    title: str
+    mapped: frozenset[str]
+    environment: Mapping[str, str]
+
+    def maps_iomp(self) -> bool:
+        """True when Intel OpenMP (libiomp5) is loaded in the process."""
+        return any(Path(path).name.startswith("libiomp5") for path in self.mapped)
+
+    def __str__(self) -> str:
+        return f"{self.pid} {self.title[:120]}"
 
 
-def mapped_files(process: psutil.Process) -> set[str]:
+def mapped_files(pid: int) -> frozenset[str]:
     """Paths of the files a process has mapped (its loaded libraries among them)."""
-    maps = Path(f"/proc/{process.pid}/maps").read_text(encoding="utf-8", errors="replace")
-    return {fields[-1] for fields in map(str.split, maps.splitlines()) if len(fields) >= 6}
+    maps = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+    return frozenset(fields[-1] for fields in map(str.split, maps.splitlines()) if len(fields) >= 6)
 
 
-def maps_iomp(process: psutil.Process) -> bool:
-    """True when Intel OpenMP (libiomp5) is loaded in the process."""
-    return any(Path(path).name.startswith("libiomp5") for path in mapped_files(process))
-
-
-def visible_environment(process: psutil.Process) -> dict[str, str]:
+def visible_environment(pid: int) -> dict[str, str]:
     """What /proc/PID/environ still shows (see the module docstring for what it may hide)."""
-    raw = Path(f"/proc/{process.pid}/environ").read_bytes()
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
     entries = (entry.decode("utf-8", "replace") for entry in raw.split(b"\0"))
     return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
-def worker_processes(processes: Sequence[psutil.Process]) -> list[psutil.Process]:
-    """vLLM's model workers, named VLLM::Worker by setproctitle."""
-    return [process for process in processes if "VLLM::Worker" in " ".join(process.cmdline())]
+def view(process: psutil.Process) -> ProcessView | None:
+    """A snapshot of the process, or None if it exited while being read."""
+    try:
+        return ProcessView(
+            process.pid,
+            " ".join(process.cmdline()),
+            mapped_files(process.pid),
+            visible_environment(process.pid),
+        )
+    except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError):
+        return None
+
+
+def tree_views(server: Server) -> list[ProcessView]:
+    """Snapshots of the server's main process (first) and every descendant still running."""
+    views = [view(process) for process in process_tree(server)]
+    if views[0] is None:
+        pytest.fail(f"the server's main process is gone\n{server.tail()}")
+    return [snapshot for snapshot in views if snapshot is not None]
 
 
 def listening_ports(process: psutil.Process) -> set[int]:
@@ -288,15 +311,16 @@ def metric_total(metrics: str, name: str) -> float:
     )
 
 
+def drafted_tokens(server: Server) -> float:
+    """Draft tokens proposed so far, as /metrics counts them."""
+    return metric_total(http_get(f"{server.url}/metrics", REQUEST_LIMIT_S), DRAFT_TOKENS_METRIC)
+
+
 def wait_for_drafts(server: Server) -> float:
     """Bounded wait until /metrics counts draft tokens; the last count seen."""
     deadline = time.monotonic() + METRICS_LIMIT_S
-    drafted = metric_total(http_get(f"{server.url}/metrics", REQUEST_LIMIT_S), DRAFT_TOKENS_METRIC)
-    while drafted == 0 and time.monotonic() < deadline:
+    while (drafted := drafted_tokens(server)) == 0 and time.monotonic() < deadline:
         time.sleep(POLL_INTERVAL_S)
-        drafted = metric_total(
-            http_get(f"{server.url}/metrics", REQUEST_LIMIT_S), DRAFT_TOKENS_METRIC
-        )
     return drafted
 
 
@@ -333,13 +357,13 @@ def session_members(session_id: int) -> list[psutil.Process]:
 @pytest.fixture
 def control(
     vllm_env: Path, tiny_model: Path, tmp_path: Path
-) -> Iterator[tuple[Server, list[psutil.Process]]]:
+) -> Iterator[tuple[Server, list[ProcessView]]]:
     """Plain `vllm serve`, up to the point where its worker has checked LD_PRELOAD."""
     server = start_server([str(vllm_env / "bin" / "vllm")], tiny_model, tmp_path)
     try:
         if not wait_for_log_text(server, SD_WARNING):
             pytest.fail(f"plain vllm serve never printed {SD_WARNING!r}\n{server.tail()}")
-        yield server, process_tree(server)
+        yield server, tree_views(server)
     finally:
         stop_everything(server)
 
@@ -360,13 +384,13 @@ def launched(
 
 
 def test_control_plain_vllm_warns_and_has_no_iomp(
-    control: tuple[Server, list[psutil.Process]],
+    control: tuple[Server, list[ProcessView]],
 ) -> None:
     server, processes = control
     log = server.log_text()
     assert IOMP_MISSING_WARNING in log, server.tail()
     assert SD_WARNING in log, server.tail()
-    assert not [describe(p) for p in processes if maps_iomp(p)], "iomp mapped without launcher"
+    assert [str(p) for p in processes if p.maps_iomp()] == [], "iomp loaded without launcher"
 
 
 def test_launcher_execs_into_the_api_server(launched: Server, vllm_env: Path) -> None:
@@ -378,28 +402,26 @@ def test_launcher_execs_into_the_api_server(launched: Server, vllm_env: Path) ->
 
 
 def test_iomp_mapped_in_api_server_and_every_child(launched: Server) -> None:
-    processes = process_tree(launched)
-    titles = " ".join(" ".join(process.cmdline()) for process in processes[1:])
+    processes = tree_views(launched)
+    titles = " ".join(process.title for process in processes[1:])
     assert "VLLM::EngineCore" in titles and "VLLM::Worker" in titles, titles
-    assert [describe(p) for p in processes if not maps_iomp(p)] == []
+    assert [str(p) for p in processes if not p.maps_iomp()] == []
 
 
 def test_no_process_preloads_libgomp(launched: Server) -> None:
-    processes = process_tree(launched)
-    api_server_preload = visible_environment(processes[0]).get("LD_PRELOAD", "")
-    assert "libiomp" in api_server_preload
-    preloads = {describe(p): visible_environment(p).get("LD_PRELOAD", "") for p in processes}
+    processes = tree_views(launched)
+    assert "libiomp" in processes[0].environment.get("LD_PRELOAD", "")
+    preloads = {str(p): p.environment.get("LD_PRELOAD", "") for p in processes}
     assert {name: value for name, value in preloads.items() if "libgomp" in value} == {}
 
 
 def test_vllm_gave_its_worker_intel_openmp_settings(launched: Server) -> None:
     # vLLM sets KMP_AFFINITY when it sees libiomp in LD_PRELOAD, GOMP_CPU_AFFINITY for libgomp.
-    workers = worker_processes(process_tree(launched))
+    workers = [p for p in tree_views(launched) if "VLLM::Worker" in p.title]
     assert workers
     for worker in workers:
-        environment = visible_environment(worker)
-        assert "KMP_AFFINITY" in environment, describe(worker)
-        assert "GOMP_CPU_AFFINITY" not in environment, describe(worker)
+        assert "KMP_AFFINITY" in worker.environment, str(worker)
+        assert "GOMP_CPU_AFFINITY" not in worker.environment, str(worker)
 
 
 def test_log_has_no_openmp_warnings(launched: Server) -> None:
@@ -429,5 +451,5 @@ def test_sigterm_stops_the_whole_tree(launched: Server) -> None:
     except subprocess.TimeoutExpired:
         pytest.fail(f"vLLM ignored SIGTERM for {STOP_LIMIT_S} s\n{launched.tail()}")
     assert exit_code == 0, launched.tail()
-    assert [describe(p) for p in survivors_after(descendants)] == []
+    assert [str(p) for p in survivors_after(descendants)] == []
     assert session_members(launched.process.pid) == []
