@@ -1,0 +1,124 @@
+"""Smoke tests of the benchmark scripts: each runs in a tiny mode and prints its ratio lines.
+
+Timings depend on the host and on whatever else runs there, so no speed is asserted:
+only that the scripts complete, compare their configurations and report the ratios.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+SKIP_E2E = "VLLM_CPU_LAUNCH_SKIP_E2E"
+
+
+def run_script(name: str, *arguments: str, limit_s: float = 600) -> str:
+    """Run scripts/NAME with this interpreter; its stdout, after checking it succeeded."""
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *arguments],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+        cwd=REPO,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "Traceback" not in completed.stderr, completed.stderr
+    return completed.stdout
+
+
+def load_script(name: str) -> ModuleType:
+    """Import a script as a module, for its pure helpers."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), SCRIPTS / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while decorating
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_overhead_prints_its_ratios() -> None:
+    if not (Path(sys.prefix) / "bin" / "vllm-cpu-launch").exists():
+        pytest.skip(f"no vllm-cpu-launch console script in {sys.prefix}")
+    output = run_script(
+        "bench_overhead.py", "--rounds", "1", "--venv", sys.prefix, "--torch-python", "none"
+    )
+    assert "ratio a/b (launcher / bare python exec):" in output
+    assert "target a/b <= 1.25:" in output
+    assert "ratio c/a (torch run_cpu / launcher): skipped:" in output
+    assert "ratio a_c/b" in output and "ratio a_dot/b" in output
+    assert "imported on the exec path: psutil " in output
+    assert "rerun: " in output
+
+
+def test_bench_discovery_prints_its_ratios() -> None:
+    output = run_script(
+        "bench_discovery.py",
+        "--rounds",
+        "1",
+        "--dirs",
+        "5",
+        "--files",
+        "300",
+        "--find-timeout",
+        "60",
+    )
+    for line in ("ratio wide/base", "ratio big/base", "ratio usual/base", "ratio find/base"):
+        assert line in output
+    assert "strace" in output  # the syscall table, or the reason it was skipped
+
+
+def e2e_ignored(config: pytest.Config) -> bool:
+    """True when this pytest run leaves out tests/e2e (--ignore, --ignore-glob)."""
+    e2e = (REPO / "tests" / "e2e").resolve()
+    ignored = [*(config.getoption("ignore") or []), *(config.getoption("ignore_glob") or [])]
+    return any(Path(str(path)).resolve() == e2e for path in ignored)
+
+
+@pytest.mark.skipif(os.environ.get(SKIP_E2E) == "1", reason=f"{SKIP_E2E}=1 skips real vLLM")
+def test_bench_vllm_prints_its_ratios(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    # Starts two real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
+    if e2e_ignored(pytestconfig):
+        pytest.skip("tests/e2e is ignored in this run, so is this real-vLLM smoke test")
+    report = tmp_path / "report.md"
+    report.write_text("# Benchmarks\n\nkept\n", encoding="utf-8")
+    arguments = ["--rounds", "1", "--threads", "1", "--sequential", "1", "--concurrency", "1"]
+    arguments += ["--per-stream", "1", "--max-tokens", "4", "--markdown", str(report)]
+    output = run_script("bench_vllm.py", *arguments, limit_s=2400)
+    assert "Ratios of the medians, launcher vs plain" in output
+    assert "| 1 | " in output
+    written = report.read_text(encoding="utf-8")
+    assert written.startswith("# Benchmarks\n\nkept\n")
+    assert "seq tok/s launcher/plain" in written
+
+
+def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
+    bench_vllm = load_script("bench_vllm.py")
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Title\n\nbefore\n", encoding="utf-8")
+    bench_vllm.update_markdown(path, "first\n")
+    bench_vllm.update_markdown(path, "second\n")
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("# Title\n\nbefore\n")
+    assert "second" in text and "first" not in text
+    assert text.count(bench_vllm.MARK_BEGIN) == 1
+
+
+def test_importtime_lines_are_parsed() -> None:
+    bench_overhead = load_script("bench_overhead.py")
+    stderr = (
+        "import time: self [us] | cumulative | imported package\n"
+        "import time:       100 |        100 |   enum\n"
+        "import time:       300 |        400 | re\n"
+        "unrelated line\n"
+    )
+    assert bench_overhead.parse_importtime(stderr) == [("enum", 100, 100, 1), ("re", 300, 400, 0)]
