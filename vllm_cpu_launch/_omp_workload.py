@@ -1,0 +1,142 @@
+"""Child of `ompmeasure`: time speculative-decoding-like steps and print one JSON line.
+
+Run by path with the target environment's Python (`python _omp_workload.py --steps N`),
+which has torch but not this package, so it uses the standard library and torch only.
+The OpenMP runtime under test is chosen by the parent through LD_PRELOAD and the
+OMP_*/KMP_* variables; this process reports which runtime it really got.
+"""
+
+import argparse
+import ctypes
+import importlib
+import json
+import os
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+# Run by path, Python puts this package's directory first on sys.path, where module
+# names such as `plan` or `settings` could shadow what torch imports.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
+# A small decoder verifying 1 + 3 draft tokens per step: every matmul, softmax and
+# reduction is big enough that torch runs it as an OpenMP parallel region (about 30 per
+# step, each well under a millisecond), with Python work between them as in vLLM.
+HIDDEN = 512
+HEAD_DIM = 64
+CONTEXT = 512
+FFN = 1408
+VOCAB = 8192
+LAYERS = 4
+DRAFT = 3
+NO_TORCH_EXIT = 3
+
+
+class Decoder:
+    """Random weights and an n-gram drafter: the shape of an SD step, not a real model."""
+
+    def __init__(self, torch: ModuleType) -> None:
+        self.torch = torch
+        torch.manual_seed(0)
+        heads = HIDDEN // HEAD_DIM
+        self.layers = [
+            {
+                "qkv": torch.randn(HIDDEN, 3 * HIDDEN) * 0.02,
+                "o": torch.randn(HIDDEN, HIDDEN) * 0.02,
+                "up": torch.randn(HIDDEN, 2 * FFN) * 0.02,
+                "down": torch.randn(FFN, HIDDEN) * 0.02,
+                "k": torch.randn(heads, CONTEXT, HEAD_DIM),
+                "v": torch.randn(heads, CONTEXT, HEAD_DIM),
+            }
+            for _ in range(LAYERS)
+        ]
+        self.embed = torch.randn(VOCAB, HIDDEN)
+        self.lm_head = torch.randn(HIDDEN, VOCAB) * 0.02
+        self.history: list[int] = torch.randint(0, VOCAB, (CONTEXT,)).tolist()
+
+    def propose(self) -> list[int]:
+        """Prompt-lookup drafting in plain Python, like vLLM's ngram proposer."""
+        tail = self.history[-2:]
+        for i in range(len(self.history) - 3, 0, -1):
+            if self.history[i - 1 : i + 1] == tail:
+                return self.history[i + 1 : i + 1 + DRAFT]
+        return self.history[-DRAFT:]
+
+    def step(self) -> None:
+        torch = self.torch
+        draft = self.propose()
+        tokens = [self.history[-1], *draft]
+        x = self.embed[torch.tensor(tokens)]
+        n, heads = len(tokens), HIDDEN // HEAD_DIM
+        for w in self.layers:
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            q = (h @ w["qkv"])[:, :HIDDEN].reshape(n, heads, HEAD_DIM).transpose(0, 1)
+            scores = torch.softmax(q @ w["k"].transpose(1, 2) * HEAD_DIM**-0.5, -1)
+            x = x + (scores @ w["v"]).transpose(0, 1).reshape(n, HIDDEN) @ w["o"]
+            gate, up = (x @ w["up"]).chunk(2, -1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ w["down"]
+        verified: list[int] = torch.softmax(x @ self.lm_head, -1).argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == verified[accepted]:
+            accepted += 1
+        self.history = self.history[accepted + 1 :] + verified[: accepted + 1]
+
+
+def openmp_libraries() -> tuple[list[str], str]:
+    """OpenMP libraries mapped in this process, and the one that serves GOMP_parallel.
+
+    torch's libgomp stays mapped even when libiomp5 is preloaded; what matters is
+    which library the dynamic linker binds torch's parallel regions to.
+    """
+    ranges: list[tuple[int, int, str]] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                low, high = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((low, high, fields[5].strip()))
+    names = ("libgomp", "libiomp", "libomp")
+    mapped = sorted({p for _, _, p in ranges if os.path.basename(p).startswith(names)})
+    try:
+        address = ctypes.cast(ctypes.CDLL(None).GOMP_parallel, ctypes.c_void_p).value or 0
+    except AttributeError:  # no GOMP_parallel in the global scope: no OpenMP to bind to
+        return mapped, ""
+    serving = next((p for low, high, p in ranges if low <= address < high), "")
+    return mapped, serving
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    args = parser.parse_args(argv)
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError as exc:
+        print(json.dumps({"error": "no-torch", "detail": f"{type(exc).__name__}: {exc}"}))
+        return NO_TORCH_EXIT
+    mapped, serving = openmp_libraries()
+    with torch.inference_mode():
+        decoder = Decoder(torch)
+        for _ in range(args.warmup):
+            decoder.step()
+        step_ms: list[float] = []
+        for _ in range(args.steps):
+            start = time.perf_counter_ns()
+            decoder.step()
+            step_ms.append((time.perf_counter_ns() - start) / 1e6)
+    result: dict[str, Any] = {
+        "torch": str(torch.__version__),
+        "threads": int(torch.get_num_threads()),
+        "openmp_libs": mapped,
+        "runtime_path": serving,
+        "step_ms": step_ms,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

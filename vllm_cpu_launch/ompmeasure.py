@@ -1,0 +1,327 @@
+"""Measure what libiomp5 is worth on this host for speculative-decoding-like work.
+
+vLLM maintainers saw SD on CPU run about 2x slower with GNU libgomp than with libiomp5,
+because SD runs many short parallel regions and the runtimes differ in how idle threads
+wait between them. Hosts differ (core count, load, kernel), so `doctor --measure` and
+`scripts/bench_omp.py` time the same workload under each runtime on the user's host.
+
+Each configuration runs in a fresh process of the target environment's Python (the
+runtime is fixed when the process starts), rounds interleave the configurations in a
+rotated order so drift in host load spreads over all of them, and every child reports
+which OpenMP runtime it really bound to, so a preload that did not take is reported
+as a problem rather than as a figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+WORKLOAD = Path(__file__).with_name("_omp_workload.py")
+DEFAULT_BLOCKTIMES = ("0", "5", "200")
+DEFAULT_ROUNDS = 3
+DEFAULT_STEPS = 60
+DEFAULT_WARMUP = 15
+DEFAULT_TIMEOUT = 300.0
+GOMP = "gomp"
+_NO_TORCH_EXIT = 3  # the child's exit status when torch does not import
+# Variables that change how either runtime waits or how many threads it runs; the
+# comparison is between the runtimes' defaults, as vLLM gets them from the launcher.
+_DROPPED_PREFIXES = ("OMP_", "KMP_", "GOMP_")
+_DROPPED = ("LD_PRELOAD", "MKL_NUM_THREADS")
+
+
+class OmpMeasureError(Exception):
+    """The measurement could not run; str() is one line that says why."""
+
+
+@dataclass(frozen=True)
+class OmpConfig:
+    """One runtime setting to time: no preload (torch's libgomp) or libiomp5 + KMP_BLOCKTIME."""
+
+    label: str
+    preload: str | None
+    kmp_blocktime: str | None
+
+
+@dataclass(frozen=True)
+class ConfigResult:
+    """Figures for one configuration over all rounds.
+
+    `round_ms` holds each round's median ms/step, in round order; `median_ms` is their
+    median and `min_ms`/`max_ms` their spread. `speedup` is gomp's ms/step divided by
+    this configuration's, paired within each round (median, min, max over rounds), so
+    2.0 means twice as fast as libgomp.
+    """
+
+    config: OmpConfig
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    speedup: float
+    speedup_min: float
+    speedup_max: float
+    round_ms: tuple[float, ...]
+    threads: int
+    runtime_path: str
+    openmp_libs: tuple[str, ...]
+    runtime_ok: bool
+
+
+@dataclass(frozen=True)
+class OmpMeasurement:
+    """A whole run; `problems` is empty when every child ran as configured.
+
+    `load_before` is the 1-minute load average before the first child: busy cores make
+    spinning threads wait for preempted ones, which changes the figures.
+    """
+
+    python: str
+    iomp_path: str
+    torch_version: str
+    threads: int
+    rounds: int
+    steps: int
+    warmup: int
+    order: tuple[tuple[str, ...], ...]
+    results: tuple[ConfigResult, ...]
+    problems: tuple[str, ...]
+    seconds: float
+    load_before: float
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one child reported."""
+
+    median_ms: float
+    threads: int
+    torch_version: str
+    runtime_path: str
+    openmp_libs: tuple[str, ...]
+
+
+def default_threads() -> int:
+    """All logical CPUs this process may run on (its affinity mask, as cgroups/taskset set)."""
+    return len(os.sched_getaffinity(0))
+
+
+def _configurations(iomp_path: str, blocktimes: Sequence[str]) -> tuple[OmpConfig, ...]:
+    iomp = (OmpConfig(f"iomp KMP_BLOCKTIME={b}", iomp_path, b) for b in blocktimes)
+    return (OmpConfig(GOMP, None, None), *iomp)
+
+
+def _interleaved_order(count: int, rounds: int) -> list[list[int]]:
+    """Round r runs every configuration once, the list rotated by r."""
+    return [[(r + i) % count for i in range(count)] for r in range(rounds)]
+
+
+def _child_env(config: OmpConfig, threads: int) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _DROPPED and not k.startswith(_DROPPED_PREFIXES)
+    }
+    env["OMP_NUM_THREADS"] = str(threads)
+    if config.preload is not None:
+        env["LD_PRELOAD"] = config.preload
+    if config.kmp_blocktime is not None:
+        env["KMP_BLOCKTIME"] = config.kmp_blocktime
+    return env
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _run_child(
+    python: str, config: OmpConfig, threads: int, steps: int, warmup: int, timeout: float
+) -> _Run:
+    cmd = [python, str(WORKLOAD), "--steps", str(steps), "--warmup", str(warmup)]
+    try:
+        proc = subprocess.run(
+            cmd,
+            env=_child_env(config, threads),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except OSError as exc:
+        raise OmpMeasureError(f"cannot run {python}: {exc.strerror or exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise OmpMeasureError(f"{config.label}: workload took over {timeout:g} s") from exc
+    out = _last_line(proc.stdout)
+    if proc.returncode == _NO_TORCH_EXIT and '"no-torch"' in out:
+        detail = json.loads(out)["detail"]
+        raise OmpMeasureError(
+            f"{python} cannot import torch ({detail}); use the vLLM environment's Python"
+        )
+    if proc.returncode != 0:
+        status = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        raise OmpMeasureError(
+            f"{config.label}: workload failed ({status}): {_last_line(proc.stderr)}"
+        )
+    try:
+        data = json.loads(out)
+        return _Run(
+            median_ms=statistics.median(float(ms) for ms in data["step_ms"]),
+            threads=int(data["threads"]),
+            torch_version=str(data["torch"]),
+            runtime_path=str(data["runtime_path"]),
+            openmp_libs=tuple(str(p) for p in data["openmp_libs"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OmpMeasureError(f"{config.label}: unreadable workload output: {out[:200]}") from exc
+
+
+def _runtime_ok(config: OmpConfig, run: _Run) -> bool:
+    """gomp must bind to a libgomp; iomp must bind to the preloaded file itself."""
+    if config.preload is None:
+        return "libgomp" in os.path.basename(run.runtime_path)
+    return bool(run.runtime_path) and os.path.realpath(run.runtime_path) == os.path.realpath(
+        config.preload
+    )
+
+
+def _problems(config: OmpConfig, runs: Sequence[_Run], threads: int) -> list[str]:
+    found: list[str] = []
+    wrong = sorted({r.runtime_path or "none" for r in runs if not _runtime_ok(config, r)})
+    if wrong:
+        want = config.preload or "torch's libgomp"
+        found.append(f"{config.label}: parallel regions ran on {', '.join(wrong)}, not {want}")
+    counts = sorted({r.threads for r in runs})
+    if counts != [threads]:
+        found.append(
+            f"{config.label}: torch used {', '.join(map(str, counts))} threads, not {threads}"
+        )
+    return found
+
+
+def measure_openmp(
+    python: str,
+    iomp_path: str,
+    *,
+    blocktimes: Sequence[str] = DEFAULT_BLOCKTIMES,
+    rounds: int = DEFAULT_ROUNDS,
+    steps: int = DEFAULT_STEPS,
+    warmup: int = DEFAULT_WARMUP,
+    threads: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    progress: Callable[[str], None] | None = None,
+) -> OmpMeasurement:
+    """Time the SD-like workload under libgomp and under `iomp_path` per KMP_BLOCKTIME.
+
+    `python` is the interpreter of the environment vLLM runs in (it must have torch);
+    `threads` defaults to all logical CPUs. Runs 1 + len(blocktimes) processes per round,
+    one after another. `progress` receives one line per finished process.
+    Raises OmpMeasureError (one-line message) when the workload cannot run.
+    """
+    if rounds < 1 or steps < 1 or warmup < 0:
+        raise ValueError("rounds and steps must be at least 1, warmup at least 0")
+    if len(set(blocktimes)) != len(blocktimes):
+        raise ValueError(f"duplicate KMP_BLOCKTIME values: {list(blocktimes)}")
+    if not os.path.isfile(iomp_path):
+        raise OmpMeasureError(f"no libiomp5 at {iomp_path}")
+    nthreads = default_threads() if threads is None else threads
+    configs = _configurations(iomp_path, blocktimes)
+    plan = _interleaved_order(len(configs), rounds)
+    runs: list[list[_Run]] = [[] for _ in configs]  # per configuration, in round order
+    load_before = os.getloadavg()[0]
+    start = time.monotonic()
+    for r, indices in enumerate(plan):
+        for i in indices:
+            run = _run_child(python, configs[i], nthreads, steps, warmup, timeout)
+            runs[i].append(run)
+            if progress is not None:
+                progress(f"round {r + 1}/{rounds}: {configs[i].label}: {run.median_ms:.3f} ms/step")
+    seconds = time.monotonic() - start
+    gomp_ms = [run.median_ms for run in runs[0]]
+    results: list[ConfigResult] = []
+    problems: list[str] = []
+    for config, config_runs in zip(configs, runs, strict=True):
+        ms = [run.median_ms for run in config_runs]
+        speedups = [g / m for g, m in zip(gomp_ms, ms, strict=True)]
+        first = config_runs[0]
+        results.append(
+            ConfigResult(
+                config=config,
+                median_ms=statistics.median(ms),
+                min_ms=min(ms),
+                max_ms=max(ms),
+                speedup=statistics.median(speedups),
+                speedup_min=min(speedups),
+                speedup_max=max(speedups),
+                round_ms=tuple(ms),
+                threads=first.threads,
+                runtime_path=first.runtime_path,
+                openmp_libs=first.openmp_libs,
+                runtime_ok=all(_runtime_ok(config, run) for run in config_runs),
+            )
+        )
+        problems.extend(_problems(config, config_runs, nthreads))
+    return OmpMeasurement(
+        python=python,
+        iomp_path=iomp_path,
+        torch_version=runs[0][0].torch_version,
+        threads=nthreads,
+        rounds=rounds,
+        steps=steps,
+        warmup=warmup,
+        order=tuple(tuple(configs[i].label for i in indices) for indices in plan),
+        results=tuple(results),
+        problems=tuple(problems),
+        seconds=seconds,
+        load_before=load_before,
+    )
+
+
+def to_json(measurement: OmpMeasurement) -> dict[str, Any]:
+    """A JSON-ready dict (tuples become lists), for `doctor --json`."""
+    return asdict(measurement)
+
+
+def render_table(measurement: OmpMeasurement) -> str:
+    """A human-readable table with the run's context and any problems."""
+    m = measurement
+    header = ("config", "ms/step", "spread", "vs gomp", "speedup spread", "threads", "runtime")
+    rows = [
+        (
+            r.config.label,
+            f"{r.median_ms:.3f}",
+            f"{r.min_ms:.3f}-{r.max_ms:.3f}",
+            f"{r.speedup:.2f}x",
+            f"{r.speedup_min:.2f}-{r.speedup_max:.2f}",
+            str(r.threads),
+            (os.path.basename(r.runtime_path) or "none") + ("" if r.runtime_ok else " MISMATCH"),
+        )
+        for r in m.results
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = [
+        f"OpenMP short-region benchmark: {m.rounds} rounds x {m.steps} steps "
+        f"(after {m.warmup} warm-up), {m.threads} threads, torch {m.torch_version}",
+        f"python {m.python}",
+        f"libiomp5 {m.iomp_path}",
+        "",
+        *(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in (header, *rows)
+        ),
+        "",
+        "ms/step: median over rounds of each round's median step; spread: lowest-highest round.",
+        "vs gomp: libgomp's time / this one's, paired within each round (>1 = faster).",
+        f"{m.seconds:.0f} s; host load average before the run: {m.load_before:.2f} on "
+        f"{os.cpu_count()} CPUs (other work skews the figures, libgomp's most).",
+    ]
+    lines.extend(f"problem: {p}" for p in m.problems)
+    return "\n".join(lines)
