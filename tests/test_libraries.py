@@ -294,3 +294,10 @@ def test_name_without_libiomp_is_rejected(tmp_path: Path, real_iomp: Path) -> No
     renamed = place_library(real_iomp, tmp_path / "omp-runtime.so")
     reason = examine(str(renamed), IOMP, host(tmp_path))[0]
     assert reason is not None and "lacks 'libiomp'" in reason
+
+
+def test_path_containing_libgomp_is_rejected(tmp_path: Path, real_iomp: Path) -> None:
+    """vLLM would read the substring as GNU OpenMP preloaded next to Intel's and assert."""
+    library = place_library(real_iomp, tmp_path / "libgomp-free" / "lib" / "libiomp5.so")
+    reason = examine(str(library), IOMP, host(tmp_path))[0]
+    assert reason is not None and "contains 'libgomp'" in reason

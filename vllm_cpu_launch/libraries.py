@@ -215,6 +215,10 @@ def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
         )
     if MARKER[kind] not in os.path.basename(path):
         return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD", None
+    if "libgomp" in path:
+        # vLLM tests LD_PRELOAD for the substring: it would see GNU OpenMP next to Intel's
+        # and refuse to start (vllm/utils/ompmultiprocessing.py).
+        return "its path contains 'libgomp', which vLLM would take for GNU OpenMP", None
     try:
         status = os.stat(path)
     except OSError as error:
