@@ -202,10 +202,11 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def title(pid: int) -> str:
-    """A process's command line as ps shows it (vLLM renames its children)."""
+def title(pid: int, vllm_env: Path) -> str:
+    """A process's command line as ps shows it (vLLM renames its children), paths shortened."""
     raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()[:90]
+    text = raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    return text.replace(f"{vllm_env}/", "$VLLM_ENV/")[:100]
 
 
 def mapped_iomp(pid: int) -> str | None:
@@ -218,9 +219,9 @@ def mapped_iomp(pid: int) -> str | None:
     return None
 
 
-def show_evidence(server_pid: int, log: Path) -> None:
+def show_evidence(server_pid: int, log: Path, vllm_env: Path) -> None:
     """The launcher's INFO line, and which vLLM processes have Intel OpenMP loaded."""
-    say("== evidence")
+    say(f"== evidence (VLLM_ENV={vllm_env})")
     for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
         if line.startswith("vllm-cpu-launch:"):
             say(f"   launcher said: {line}")
@@ -228,7 +229,7 @@ def show_evidence(server_pid: int, log: Path) -> None:
     for pid in process_tree(server_pid):
         with contextlib.suppress(OSError):
             library = mapped_iomp(pid) or "NOT LOADED"
-            say(f"   PID {pid:<7} {title(pid)}\n               libiomp5: {library}")
+            say(f"   PID {pid:<7} {title(pid, vllm_env)}\n               libiomp5: {library}")
 
 
 def ask(port: int) -> dict[str, Any]:
@@ -327,7 +328,7 @@ def demo(scratch: Path) -> None:
     log = scratch / "server.log"
     with running_server(command, scratch) as server:
         say(f"   healthy after {wait_until_healthy(server, port, log):.0f} s")
-        show_evidence(server.pid, log)
+        show_evidence(server.pid, log, vllm_env)
         show_answer(port, log)
         stop(server)
 
