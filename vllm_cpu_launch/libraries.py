@@ -15,6 +15,7 @@ from vllm_cpu_launch.records import record
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
+    from typing import BinaryIO
 
 IOMP = "iomp"
 TCMALLOC = "tcmalloc"
@@ -29,6 +30,8 @@ TCMALLOC_NAMES = (
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
 FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llvm"))
 FLAVOR_RANK = {"intel": 0, "llvm": 1, None: 2}
+FLAVOR_SCAN_CHUNK = 1 << 20
+FLAVOR_SCAN_LIMIT = 64 << 20
 
 # ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
 ELF_MACHINES = {
@@ -153,11 +156,23 @@ def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
     return None
 
 
-def openmp_flavor(content: bytes) -> str | None:
-    """Intel's or LLVM's OpenMP runtime, told apart by their embedded version banner."""
-    for marker, flavor in FLAVOR_MARKERS:
-        if marker in content:
-            return flavor
+def openmp_flavor(stream: BinaryIO) -> str | None:
+    """Intel's or LLVM's OpenMP runtime, told apart by their embedded version banner.
+
+    Read in chunks, up to FLAVOR_SCAN_LIMIT: the runtimes are 1-3 MB and carry the
+    banner in their read-only data; a huge file must not be read into memory.
+    """
+    overlap = max(len(marker) for marker, _ in FLAVOR_MARKERS) - 1
+    tail = b""
+    for _ in range(FLAVOR_SCAN_LIMIT // FLAVOR_SCAN_CHUNK):
+        chunk = stream.read(FLAVOR_SCAN_CHUNK)
+        if not chunk:
+            break
+        window = tail + chunk
+        for marker, flavor in FLAVOR_MARKERS:
+            if marker in window:
+                return flavor
+        tail = window[-overlap:]
     return None
 
 
@@ -245,12 +260,12 @@ def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
         )
         if problem:
             return problem, None
-        # All of it (for the version banner) only once it is known to be a fitting ELF file.
-        content = header + stream.read() if kind == IOMP else header
-    problem = insecure_reason(path, host.euid)
-    if problem:
-        return f"unsafe to preload: {problem}", None
-    return None, (openmp_flavor(content) if kind == IOMP else None)
+        problem = insecure_reason(path, host.euid)
+        if problem:
+            return f"unsafe to preload: {problem}", None
+        # The version banner is looked for only once it is known to be a fitting ELF file.
+        stream.seek(0)
+        return None, (openmp_flavor(stream) if kind == IOMP else None)
 
 
 # ---------------------------------------------------------------- places
