@@ -182,3 +182,12 @@ def test_speculative_request_record_is_immutable() -> None:
     request = SpeculativeRequest(True, "-sc")
     with pytest.raises(AttributeError):
         request.requested = False  # type: ignore[misc]
+
+
+def test_rejected_ld_preload_entry_is_kept_and_named(tmp_path: Path, real_iomp: Path) -> None:
+    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD="/gone/libiomp5.so")
+    assert plan["env"]["LD_PRELOAD"] == f"{tmp_path}/env/lib/libiomp5.so:/gone/libiomp5.so"  # type: ignore[index]
+    warnings = plan["warnings"]
+    assert isinstance(warnings, list) and len(warnings) == 1
+    warning = warnings[0]
+    assert "/gone/libiomp5.so stays as you set it" in warning and "does not exist" in warning

@@ -156,6 +156,12 @@ def build_plan(
         elif tcmalloc is None:
             notes.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
 
+    for candidate in (c for search in searches for c in search.candidates):
+        if candidate.origin == "ld-preload" and candidate.verdict == "rejected":
+            warnings.append(
+                f"your LD_PRELOAD entry {candidate.path} stays as you set it, but it is no "
+                f"usable {candidate.kind} library: {candidate.reason}"
+            )
     chosen = [c for c in (tcmalloc, iomp) if c is not None]
     env: dict[str, str] = {}
     current = host.environ.get("LD_PRELOAD", "")
