@@ -134,7 +134,11 @@ def judge(
         return "ok", f"speculative decoding not requested; runs {described}"
     if INTEL not in kinds and LLVM not in kinds:
         return "problem", f"runs GNU libgomp only ({described})"
-    if GNU in kinds and not preloaded_iomp:
+    # torch's own libgomp is mapped in every vLLM process; it only matters when Intel
+    # OpenMP was loaded after it. That shows in a visible LD_PRELOAD; vLLM's renamed
+    # processes (VLLM::Worker...) have their start-up environment overwritten by the
+    # process title, so an absent LD_PRELOAD there tells nothing.
+    if GNU in kinds and "LD_PRELOAD" in environment and not preloaded_iomp:
         return "problem", f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})"
     return "ok", described
 
@@ -160,6 +164,8 @@ def inspect(pid: int) -> dict[str, Any]:
             maps = read_proc(process.pid, "maps").decode("utf-8", "surrogateescape")
             environment = environment_of(read_proc(process.pid, "environ"))
             cmdline = process.cmdline()
+            while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
+                cmdline.pop()
             ppid = process.ppid()
         except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess):
             if is_root:

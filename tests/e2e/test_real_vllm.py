@@ -391,6 +391,23 @@ def test_control_plain_vllm_warns_and_has_no_iomp(
     assert IOMP_MISSING_WARNING in log, server.tail()
     assert SD_WARNING in log, server.tail()
     assert [str(p) for p in processes if p.maps_iomp()] == [], "iomp loaded without launcher"
+    code, report = verify(server)
+    assert code == 1, report
+    assert {p["verdict"] for p in report["processes"]} == {"problem"}
+
+
+def verify(server: Server) -> tuple[int, dict[str, Any]]:
+    """`vllm-cpu-launch verify --json PID` on the server, as an operator would run it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_cpu_launch", "verify", "--json", str(server.process.pid)],
+        capture_output=True,
+        text=True,
+        timeout=REQUEST_LIMIT_S,
+        check=False,
+    )
+    assert result.returncode in (0, 1), result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    return result.returncode, report
 
 
 def test_launcher_execs_into_the_api_server(launched: Server, vllm_env: Path) -> None:
@@ -422,6 +439,14 @@ def test_vllm_gave_its_worker_intel_openmp_settings(launched: Server) -> None:
     for worker in workers:
         assert "KMP_AFFINITY" in worker.environment, str(worker)
         assert "GOMP_CPU_AFFINITY" not in worker.environment, str(worker)
+
+
+def test_verify_finds_intel_openmp_in_every_process(launched: Server) -> None:
+    code, report = verify(launched)
+    assert code == 0, report
+    titles = " ".join(" ".join(p["cmdline"]) for p in report["processes"])
+    assert "VLLM::EngineCore" in titles and "VLLM::Worker" in titles, titles
+    assert {p["verdict"] for p in report["processes"]} == {"ok"}
 
 
 def test_log_has_no_openmp_warnings(launched: Server) -> None:
