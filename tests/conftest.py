@@ -11,6 +11,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
+
+# CI must be reproducible: the same examples every run (a developer's runs explore).
+hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = (sys.executable, "-m", "vllm_cpu_launch")
