@@ -134,45 +134,39 @@ def describe_target(executable: str, found_via: str, path_variable: str | None) 
     return Target(executable, found_via, interpreter, prefix)
 
 
+def locate(name: str, found_via: str, path_variable: str | None, not_found: str) -> Target:
+    """`name` as a path, else the first executable `name` on PATH; 127/126 as a shell."""
+    if os.sep in name:
+        return describe_target(os.path.abspath(name), found_via, path_variable)
+    found = search_path(name, path_variable)
+    if found is None:
+        described = "program" if found_via == "program" else "vLLM executable"
+        check_path_files(name, path_variable, described)
+        raise LaunchError(EXIT_NOT_FOUND, not_found)
+    return describe_target(found, found_via, path_variable)
+
+
 def resolve_vllm(
     requested: str | None, environ: Mapping[str, str], launcher_executable: str
 ) -> Target:
     """`--vllm`, else `vllm` beside the launcher's interpreter, else `vllm` on PATH."""
     path_variable = environ.get("PATH")
+    searched = describe_path(path_variable)
     if requested is not None:
-        if os.sep in requested:
-            return describe_target(os.path.abspath(requested), "--vllm", path_variable)
-        found = search_path(requested, path_variable)
-        if found is None:
-            check_path_files(requested, path_variable, "vLLM executable")
-            raise LaunchError(
-                EXIT_NOT_FOUND,
-                f"--vllm {requested}: no such executable on {describe_path(path_variable)}",
-            )
-        return describe_target(found, "--vllm", path_variable)
+        message = f"--vllm {requested}: no such executable on {searched}"
+        return locate(requested, "--vllm", path_variable, message)
     beside = os.path.join(os.path.dirname(launcher_executable), "vllm")
     if launcher_executable and os.path.lexists(beside):
         return describe_target(beside, "launcher-environment", path_variable)
-    found = search_path("vllm", path_variable)
-    if found is None:
-        check_path_files("vllm", path_variable, "vLLM executable")
-        raise LaunchError(
-            EXIT_NOT_FOUND,
-            f"vllm not found: looked beside the launcher's Python ({beside}) and on "
-            f"{describe_path(path_variable)}; install vLLM there or pass --vllm /path/to/vllm",
-        )
-    return describe_target(found, "PATH", path_variable)
+    message = (
+        f"vllm not found: looked beside the launcher's Python ({beside}) and on "
+        f"{searched}; install vLLM there or pass --vllm /path/to/vllm"
+    )
+    return locate("vllm", "PATH", path_variable, message)
 
 
 def resolve_program(program: str, environ: Mapping[str, str]) -> Target:
     """The PROGRAM of `vllm-cpu-launch exec -- PROGRAM`: a path, or a name on PATH."""
     path_variable = environ.get("PATH")
-    if os.sep in program:
-        return describe_target(os.path.abspath(program), "program", path_variable)
-    found = search_path(program, path_variable)
-    if found is None:
-        check_path_files(program, path_variable, "program")
-        raise LaunchError(
-            EXIT_NOT_FOUND, f"{program}: no such executable on {describe_path(path_variable)}"
-        )
-    return describe_target(found, "program", path_variable)
+    message = f"{program}: no such executable on {describe_path(path_variable)}"
+    return locate(program, "program", path_variable, message)
