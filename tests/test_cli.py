@@ -18,6 +18,11 @@ from .conftest import clean_environ, install_recorder, make_environment, run_lau
 NGRAM = '{"method":"ngram"}'
 
 
+def sd_launch(vllm_env: Path) -> list[str]:
+    """`--vllm <stand-in> serve m -sc <ngram>`: the usual tail of a launch."""
+    return ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
+
+
 def launcher(tmp_path: Path, args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
     return run_launcher(args, clean_environ(tmp_path, **extra))
 
@@ -66,16 +71,7 @@ def test_explicit_library_that_fails_validation_exits_2(tmp_path: Path, vllm_env
     text_file.write_text("not a library\n")
     result = launcher(
         tmp_path,
-        [
-            "--iomp-path",
-            str(text_file),
-            "--vllm",
-            str(vllm_env / "bin" / "vllm"),
-            "serve",
-            "m",
-            "-sc",
-            NGRAM,
-        ],
+        ["--iomp-path", str(text_file), *sd_launch(vllm_env)],
     )
     assert_one_error(result, 2, str(text_file), "not an ELF file")
 
@@ -83,18 +79,7 @@ def test_explicit_library_that_fails_validation_exits_2(tmp_path: Path, vllm_env
 def test_explicit_library_is_used(tmp_path: Path, vllm_env: Path, real_iomp: Path) -> None:
     result = launcher(
         tmp_path,
-        [
-            "--dry-run",
-            "--json",
-            "--iomp-path",
-            str(real_iomp),
-            "--vllm",
-            str(vllm_env / "bin" / "vllm"),
-            "serve",
-            "m",
-            "-sc",
-            NGRAM,
-        ],
+        ["--dry-run", "--json", "--iomp-path", str(real_iomp), *sd_launch(vllm_env)],
     )
     plan = json.loads(result.stdout)
     assert plan["preload"] == [

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import LAUNCHER, clean_environ, install_recorder, make_environment, read_record
+from .conftest import (
+    LAUNCHER,
+    clean_environ,
+    install_recorder,
+    make_environment,
+    read_record,
+    run_launcher,
+)
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 AWKWARD = [
@@ -130,13 +137,8 @@ def test_vllm_beside_the_launchers_python_is_found(tmp_path: Path, record_file: 
     install_recorder(environment)
     environ = clean_environ(tmp_path, RECORD_TO=str(record_file), PATH="/usr/bin:/bin")
     python = environment / "bin" / "python"
-    result = subprocess.run(
-        [str(python), "-m", "vllm_cpu_launch", "serve", "m", "-sc", NGRAM],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    result = run_launcher(
+        ["serve", "m", "-sc", NGRAM], environ, launcher=[str(python), "-m", "vllm_cpu_launch"]
     )
     assert result.returncode == 0, result.stderr
     assert read_record(record_file)["argv"] == ["serve", "m", "-sc", NGRAM]
@@ -156,14 +158,8 @@ def test_console_script(tmp_path: Path, vllm_env: Path, record_file: Path) -> No
     if not script.exists():
         pytest.fail(f"{script} missing: install the package (pip install -e .)")
     environ = clean_environ(tmp_path, RECORD_TO=str(record_file))
-    result = subprocess.run(
-        [str(script), "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    args = ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
+    result = run_launcher(args, environ, launcher=[str(script)])
     assert result.returncode == 0, result.stderr
     assert read_record(record_file)["LD_PRELOAD"] == str(vllm_env / "lib" / "libiomp5.so")
 
