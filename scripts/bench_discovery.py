@@ -7,12 +7,12 @@ plans `vllm-cpu-launch --dry-run --json --vllm T/bin/vllm serve M --speculative-
 whose own environment holds no libiomp5) with libiomp5.so only in the *last*
 `LD_LIBRARY_PATH` entry, so every earlier place is visited:
 
-  base   LD_LIBRARY_PATH = DIR_WITH_LIB; the target env's lib/ is empty
-  wide   LD_LIBRARY_PATH = 1,000 existing empty directories, then DIR_WITH_LIB
-  big    a directory of 100,000 files is the target env's lib/ and the first
-         LD_LIBRARY_PATH entry, then DIR_WITH_LIB
-  usual  the library in the target env's lib/ (the common case; found first)
-  find   `find / -xdev -iname libiomp5.so`, what vLLM's docs suggest (time-bounded)
+  base     LD_LIBRARY_PATH = DIR_WITH_LIB; the target env's lib/ is empty
+  wide     LD_LIBRARY_PATH = 1,000 existing empty directories, then DIR_WITH_LIB
+  bigpath  a directory of 100,000 files as the first LD_LIBRARY_PATH entry
+  biglib   the same directory as the target env's lib/ (LD_LIBRARY_PATH as in base)
+  usual    the library in the target env's lib/ (the common case; found first)
+  find     `find / -xdev -iname libiomp5.so`, what vLLM's docs suggest (time-bounded)
 
 `LD_LIBRARY_PATH` is handed to the planning interpreter through another variable and set
 in its os.environ, so the dynamic loader's own search while starting Python is not timed.
@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,10 +152,16 @@ def worker_configs(layout: Layout, directories: int, files: int) -> list[Worker]
             wide,
         ),
         (
-            "big",
-            f"{files}-file dir as target lib/ and 1st LD_LIBRARY_PATH entry",
-            layout.big_env,
+            "bigpath",
+            f"{files}-file dir as the 1st LD_LIBRARY_PATH entry",
+            layout.small_env,
             f"{layout.big_lib}:{library}",
+        ),
+        (
+            "biglib",
+            f"{files}-file dir as the target env's lib/",
+            layout.big_env,
+            library,
         ),
         ("usual", "library in the target env's lib/ (common case)", layout.usual_env, library),
     ]
@@ -175,50 +182,52 @@ def worker_env(layout: Layout, library_path: str | None) -> dict[str, str]:
     return env
 
 
+def run_watched(
+    command: Sequence[str], limit_s: float, env: dict[str, str] | None, cwd: Path
+) -> tuple[int, str, str, float, bool]:
+    """(exit code, stdout, stderr, wall seconds, killed by the watchdog) of one command.
+
+    Not subprocess.run(timeout=...): its wait polls with growing sleeps and would round
+    the wall time up; a watchdog thread kills the command at the limit instead.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            list(command), stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd
+        )
+        watchdog = threading.Timer(limit_s, process.kill)
+        watchdog.start()
+        try:
+            code = process.wait()
+        finally:
+            watchdog.cancel()
+        wall = time.perf_counter() - started
+        out.seek(0)
+        err.seek(0)
+        return code, out.read(), err.read(), wall, wall >= limit_s
+
+
 def run_worker(
     python: str, layout: Layout, worker: Worker
 ) -> tuple[float, float, dict[str, object]]:
     """(in-process plan seconds, whole-process seconds, the worker's report)."""
     _key, _label, target_env, library_path = worker
     command = worker_command(python, target_env)
-    started = time.perf_counter()
-    try:
-        completed = subprocess.run(
-            command,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            env=worker_env(layout, library_path),
-            cwd=layout.root,
-            timeout=WORKER_TIME_LIMIT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"planning took over {WORKER_TIME_LIMIT_S} s") from None
-    wall = time.perf_counter() - started
-    if completed.returncode != 0:
-        lines = completed.stderr.strip().splitlines() or ["no message"]
+    env = worker_env(layout, library_path)
+    code, out, err, wall, killed = run_watched(command, WORKER_TIME_LIMIT_S, env, layout.root)
+    if killed:
+        raise BenchError(f"planning took over {WORKER_TIME_LIMIT_S} s")
+    if code != 0 or not out.strip():
+        lines = err.strip().splitlines() or ["no message"]
         raise BenchError(f"the planning interpreter failed: {lines[-1]}")
-    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    report = json.loads(out.strip().splitlines()[-1])
     return float(report["seconds"]), wall, report
 
 
 def run_find(timeout: float, cwd: Path) -> float:
     """Seconds for the find of vLLM's docs; `timeout` when it did not finish."""
-    started = time.perf_counter()
-    try:
-        subprocess.run(
-            FIND_COMMAND,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=cwd,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return timeout
-    return time.perf_counter() - started
+    _code, _out, _err, wall, killed = run_watched(FIND_COMMAND, timeout, None, cwd)
+    return timeout if killed else wall
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -310,9 +319,9 @@ def report_strace(
     imports_only = summarize_counts(strace_counts(command, env, layout.root, 300))
     imported_from = listed_directories(command, env, layout.root)
     print("\nsystem calls (strace -f -c), planning interpreter minus one that only imports:")
-    print(f"{'config':<7} {'getdents64':>10} {'stat-family':>11} {'openat':>7} {'all':>7}")
+    print(f"{'config':<8} {'getdents64':>10} {'stat-family':>11} {'openat':>7} {'all':>7}")
     print(
-        f"{'imports':<7} {imports_only[0]:>10} {imports_only[1]:>11} {imports_only[2]:>7} "
+        f"{'imports':<8} {imports_only[0]:>10} {imports_only[1]:>11} {imports_only[2]:>7} "
         f"{imports_only[3]:>7}  (absolute, subtracted below)"
     )
     listings: dict[str, dict[str, int]] = {}
@@ -320,7 +329,7 @@ def report_strace(
         command, env = worker_command(python, target_env), worker_env(layout, library_path)
         counts = summarize_counts(strace_counts(command, env, layout.root, 300))
         own = [value - base for value, base in zip(counts, imports_only, strict=True)]
-        print(f"{key:<7} {own[0]:>10} {own[1]:>11} {own[2]:>7} {own[3]:>7}")
+        print(f"{key:<8} {own[0]:>10} {own[1]:>11} {own[2]:>7} {own[3]:>7}")
         listed = listed_directories(command, env, layout.root)
         listings[key] = {
             path: n - imported_from.get(path, 0)
@@ -333,7 +342,7 @@ def report_strace(
     )
     elapsed = time.perf_counter() - started
     print(
-        f"{'find':<7} {find[0]:>10} {find[1]:>11} {find[2]:>7} {find[3]:>7}  "
+        f"{'find':<8} {find[0]:>10} {find[1]:>11} {find[2]:>7} {find[3]:>7}  "
         f"(whole process, {elapsed:.1f} s under strace)"
     )
     print("directories the plan listed (getdents64 calls beyond the imports' own):")
@@ -398,25 +407,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"{len(workers) + (not args.no_find)} configurations x {args.rounds} rounds")
             plan, wall, origins = measure(args, layout, workers)
             print(f"planning interpreter: {args.python}; library: {iomp}")
-            header = f"{'config':<7} {'plan ms':>9} {'q1-q3 ms':>17} {'process ms':>10}"
+            header = f"{'config':<8} {'plan ms':>9} {'q1-q3 ms':>17} {'process ms':>10}"
             print(f"\n{header}  found via / what")
             for key, label, *_ in workers:
                 q1, q2, q3 = quartiles(plan[key])
                 whole = statistics.median(wall[key])
                 print(
-                    f"{key:<7} {q2 * 1e3:9.3f} {q1 * 1e3:8.3f}-{q3 * 1e3:<8.3f} {whole * 1e3:10.1f}"
+                    f"{key:<8} {q2 * 1e3:9.3f} {q1 * 1e3:8.3f}-{q3 * 1e3:<8.3f} {whole * 1e3:10.1f}"
                     f"  {origins[key]}: {label}"
                 )
             if not args.no_find:
                 q1, q2, q3 = quartiles(plan["find"])
                 capped = " (hit the timeout)" if max(plan["find"]) >= args.find_timeout else ""
                 print(
-                    f"{'find':<7} {q2 * 1e3:9.1f} {q1 * 1e3:8.1f}-{q3 * 1e3:<8.1f} {q2 * 1e3:10.1f}"
+                    f"{'find':<8} {q2 * 1e3:9.1f} {q1 * 1e3:8.1f}-{q3 * 1e3:<8.1f} {q2 * 1e3:10.1f}"
                     f"  {shlex.join(FIND_COMMAND)}{capped}"
                 )
             base = statistics.median(plan["base"])
             print()
-            for key in ("wide", "big", "usual"):
+            for key in ("wide", "bigpath", "biglib", "usual"):
                 print(f"ratio {key}/base (plan time): {statistics.median(plan[key]) / base:.2f}")
             if not args.no_find:
                 find = statistics.median(plan["find"])

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -216,34 +218,53 @@ def torch_available(python: str) -> str | None:
 Config = tuple[str, str, list[str], dict[str, str]]  # key, label, argv, environment
 
 
-def time_once(argv: Sequence[str], env: dict[str, str]) -> float:
-    """Seconds from spawn to exit; a failing configuration stops the benchmark."""
+def time_once(argv: Sequence[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds from spawn to exit, CPU seconds of the process and its children).
+
+    CPU time (user + system, from the waited children's rusage) is far less disturbed
+    than wall time when other work shares the machine. A failing configuration stops
+    the benchmark.
+    """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    completed = subprocess.run(
+    process = subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
-        timeout=RUN_TIME_LIMIT_S,
-        check=False,
     )
+    # Not wait(timeout=...): that polls with growing sleeps (0.5, 1, 2, 4 ... ms) and
+    # would round every measurement up to those steps. A watchdog bounds the wait.
+    watchdog = threading.Timer(RUN_TIME_LIMIT_S, process.kill)
+    watchdog.start()
+    try:
+        returncode = process.wait()
+    finally:
+        watchdog.cancel()
     elapsed = time.perf_counter() - started
-    if completed.returncode != 0:
-        raise BenchError(f"{shlex.join(argv)} exited with {completed.returncode}")
-    return elapsed
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if returncode != 0:
+        raise BenchError(f"{shlex.join(argv)} exited with {returncode}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return elapsed, cpu
 
 
-def measure(configs: Sequence[Config], rounds: int) -> dict[str, list[float]]:
+Samples = dict[str, list[float]]
+
+
+def measure(configs: Sequence[Config], rounds: int) -> tuple[Samples, Samples]:
     """One warm-up round, then `rounds` rounds with every configuration once, rotated."""
-    samples: dict[str, list[float]] = {key: [] for key, *_ in configs}
+    wall: Samples = {key: [] for key, *_ in configs}
+    cpu: Samples = {key: [] for key, *_ in configs}
     for round_index in range(rounds + 1):
         shift = round_index % len(configs)
         for key, _label, argv, env in [*configs[shift:], *configs[:shift]]:
-            elapsed = time_once(argv, env)
+            elapsed, used = time_once(argv, env)
             if round_index > 0:
-                samples[key].append(elapsed)
-    return samples
+                wall[key].append(elapsed)
+                cpu[key].append(used)
+    return wall, cpu
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -317,24 +338,34 @@ def report_imports(
     print(f"  imported on the exec path: {presence}")
 
 
-def print_table(configs: Sequence[Config], samples: dict[str, list[float]]) -> dict[str, float]:
+def print_table(configs: Sequence[Config], wall: Samples, cpu: Samples) -> dict[str, float]:
     medians = {}
-    print(f"\n{'config':<6} {'median ms':>9} {'q1-q3 ms':>15} {'min ms':>7}  what")
+    print(f"\n{'config':<6} {'median ms':>9} {'q1-q3 ms':>15} {'min ms':>7} {'CPU ms':>7}  what")
     for key, label, _argv, _env in configs:
-        q1, q2, q3 = quartiles(samples[key])
+        q1, q2, q3 = quartiles(wall[key])
         medians[key] = q2
-        low = min(samples[key])
+        low = min(wall[key])
+        used = statistics.median(cpu[key])
         print(
-            f"{key:<6} {q2 * 1e3:9.2f} {q1 * 1e3:7.2f}-{q3 * 1e3:<7.2f} {low * 1e3:7.2f}  {label}"
+            f"{key:<6} {q2 * 1e3:9.2f} {q1 * 1e3:7.2f}-{q3 * 1e3:<7.2f} {low * 1e3:7.2f} "
+            f"{used * 1e3:7.2f}  {label}"
         )
+    print("(wall time: median, quartiles, minimum; CPU ms: median user+system time)")
     return medians
 
 
-def print_ratios(medians: dict[str, float], torch_skip: str | None) -> None:
+def print_ratios(
+    medians: dict[str, float], wall: Samples, cpu: Samples, torch_skip: str | None
+) -> None:
     a, b = medians["a"], medians["b"]
     verdict = "met" if a / b <= TARGET_RATIO else "MISSED"
     print(f"\nratio a/b (launcher / bare python exec): {a / b:.2f}")
     print(f"  target a/b <= {TARGET_RATIO}: {verdict}")
+    print(f"  same ratio of minimum wall times: {min(wall['a']) / min(wall['b']):.2f}")
+    print(
+        "  same ratio of median CPU times: "
+        f"{statistics.median(cpu['a']) / statistics.median(cpu['b']):.2f}"
+    )
     if torch_skip is None:
         print(f"ratio c/a (torch run_cpu / launcher): {medians['c'] / a:.1f}")
     else:
@@ -487,11 +518,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             env = clean_environment(workdir)
             configs, launcher_argv, torch_skip = build_configs(venv, program, env, torch_python)
             say(f"{len(configs)} configurations x {args.rounds} rounds (+1 warm-up)")
-            samples = measure(configs, args.rounds)
+            wall, cpu = measure(configs, args.rounds)
             print(f"machine: {describe_machine()}", flush=True)
             print(f"launcher environment: {venv}; target: {program} -> {TRIVIAL_PROGRAM}")
-            medians = print_table(configs, samples)
-            print_ratios(medians, torch_skip)
+            medians = print_table(configs, wall, cpu)
+            print_ratios(medians, wall, cpu, torch_skip)
             if not args.no_importtime:
                 floor_argv = next(argv for key, _l, argv, _e in configs if key == "b")
                 report_imports(launcher_argv, floor_argv, env)

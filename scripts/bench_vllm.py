@@ -357,6 +357,34 @@ def worker_openmp(server: Server) -> str:
     return "no worker found"
 
 
+ROLES = ("api", "engine", "worker")
+
+
+def tree_cpu(server: Server) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the API server, EngineCore and Worker."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for pid in children_of(server.process.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as stream:
+                cmdline = stream.read()
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as stream:
+                fields = stream.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if pid == server.process.pid:
+            role = "api"
+        elif b"VLLM::Worker" in cmdline:
+            role = "worker"
+        elif b"VLLM::EngineCore" in cmdline:
+            role = "engine"
+        else:
+            continue
+        # After the ')': state is field 3 of stat, utime and stime are fields 14 and 15.
+        used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
 def omp_core_ids(log: str) -> str:
     """The cores vLLM bound its OpenMP threads to, from its 'core ids=[...]' log line."""
     for line in log.splitlines():
@@ -387,6 +415,7 @@ class Phase:
     requests: list[Request] = field(default_factory=list)
     wall_s: float = 0.0
     server_tpot_ms: float = float("nan")  # vLLM's own per-request TPOT, mean over the phase
+    cores: dict[str, float] = field(default_factory=dict)  # CPU-s per wall-s, by process role
 
     @property
     def tokens_per_s(self) -> float:
@@ -447,8 +476,10 @@ def stream_completion(url: str, max_tokens: int) -> Request:
     return Request(tokens, first - started, (last - first) / (tokens - 1))
 
 
-def run_phase(url: str, streams: int, per_stream: int, max_tokens: int) -> Phase:
+def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) -> Phase:
     """`streams` clients at once, each sending `per_stream` requests one after another."""
+    url = server.url
+    cpu_before = tree_cpu(server)
     tpot_sum = metric_total(url, TPOT_METRIC + "_sum")
     tpot_count = metric_total(url, TPOT_METRIC + "_count")
     phase = Phase()
@@ -477,6 +508,11 @@ def run_phase(url: str, streams: int, per_stream: int, max_tokens: int) -> Phase
     for thread in threads:
         thread.join(timeout=REQUEST_LIMIT_S * per_stream)
     phase.wall_s = time.perf_counter() - started
+    cpu_after = tree_cpu(server)
+    phase.cores = {
+        role: (cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0)) / phase.wall_s
+        for role in ROLES
+    }
     if errors or any(thread.is_alive() for thread in threads):
         raise BenchError(f"load failed: {errors[0] if errors else 'a client did not finish'}")
     count = metric_total(url, TPOT_METRIC + "_count") - tpot_count
@@ -510,6 +546,7 @@ class Run:
     sd_warning: bool
     launcher_info: str
     load_before: float
+    startup_cpu: dict[str, float]  # CPU seconds by role when /health first answered
 
 
 def measure_one(
@@ -526,12 +563,13 @@ def measure_one(
     active.append(server)
     try:
         startup = wait_until_healthy(server, started)
+        startup_cpu = tree_cpu(server)
         for _ in range(WARMUP_REQUESTS):
             stream_completion(server.url, args.max_tokens)
         drafted = metric_total(server.url, DRAFT_METRIC)
         accepted = metric_total(server.url, ACCEPTED_METRIC)
-        sequential = run_phase(server.url, 1, args.sequential, args.max_tokens)
-        concurrent = run_phase(server.url, args.concurrency, args.per_stream, args.max_tokens)
+        sequential = run_phase(server, 1, args.sequential, args.max_tokens)
+        concurrent = run_phase(server, args.concurrency, args.per_stream, args.max_tokens)
         drafted = metric_total(server.url, DRAFT_METRIC) - drafted
         accepted = metric_total(server.url, ACCEPTED_METRIC) - accepted
         openmp = worker_openmp(server)
@@ -550,6 +588,7 @@ def measure_one(
         SD_WARNING in log,
         launcher_line(log),
         load_before,
+        startup_cpu,
     )
 
 
@@ -647,6 +686,28 @@ def markdown(
             f"{per_round(group, 'seq_server_tpot', 2)}; {per_round(group, 'seq_tps', 0)}; "
             f"{per_round(group, 'conc_server_tpot', 2)}; {per_round(group, 'conc_tps', 0)}"
         )
+    lines += [
+        "",
+        "Where the CPU went (medians over rounds; worker / EngineCore / API server): CPU "
+        "seconds used up to the first healthy `/health`, and CPU-seconds per second (cores "
+        f"busy, of {os.cpu_count()}) during each load phase:",
+        "",
+        "| OpenMP threads | start | start-up CPU s | seq phase cores | conc phase cores |",
+        "|---|---|---|---|---|",
+    ]
+    for config, group in by_config.items():
+        startup = " / ".join(
+            f"{statistics.median(r.startup_cpu.get(role, 0.0) for r in group):.0f}"
+            for role in ("worker", "engine", "api")
+        )
+        seq, conc = (
+            " / ".join(
+                f"{statistics.median(getattr(r, phase).cores.get(role, 0.0) for r in group):.2f}"
+                for role in ("worker", "engine", "api")
+            )
+            for phase in ("sequential", "concurrent")
+        )
+        lines.append(f"| {config.threads} | {config.how} | {startup} | {seq} | {conc} |")
     info = next((r.launcher_info for r in runs if r.launcher_info), "")
     if info:
         lines += ["", f"Launcher's INFO line: `{info}`"]
@@ -678,9 +739,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="OpenMP thread settings, comma-separated from {1, all} (default 1,all)",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    parser.add_argument("--sequential", type=int, default=8, help="sequential requests")
+    parser.add_argument("--sequential", type=int, default=24, help="sequential requests")
     parser.add_argument("--concurrency", type=int, default=4, help="concurrent clients")
-    parser.add_argument("--per-stream", type=int, default=2, help="requests per client")
+    parser.add_argument("--per-stream", type=int, default=16, help="requests per client")
     parser.add_argument("--vllm-env", type=Path, help="vLLM environment (default: vllm_env.py)")
     parser.add_argument("--model", type=Path, help="model directory (default: a tiny one)")
     parser.add_argument("--markdown", type=Path, help="also write the report into this file")
