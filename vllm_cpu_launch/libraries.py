@@ -15,7 +15,6 @@ from vllm_cpu_launch.records import record
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
-    from typing import BinaryIO
 
 IOMP = "iomp"
 TCMALLOC = "tcmalloc"
@@ -29,9 +28,10 @@ TCMALLOC_NAMES = (
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
 FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llvm"))
+BANNER = b" OMP version"  # what both markers end with
 FLAVOR_RANK = {"intel": 0, "llvm": 1, None: 2}
-FLAVOR_SCAN_CHUNK = 1 << 20
 FLAVOR_SCAN_LIMIT = 64 << 20
+PYTHON_MINORS = range(8, 20)  # Python 3.8 to 3.19: the versions a vLLM wheel may be built for
 
 # ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
 ELF_MACHINES = {
@@ -156,23 +156,25 @@ def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
     return None
 
 
-def openmp_flavor(stream: BinaryIO) -> str | None:
+def openmp_flavor(descriptor: int) -> str | None:
     """Intel's or LLVM's OpenMP runtime, told apart by their embedded version banner.
 
-    Read in chunks, up to FLAVOR_SCAN_LIMIT: the runtimes are 1-3 MB and carry the
-    banner in their read-only data; a huge file must not be read into memory.
+    Searched in a read-only mapping (no copy of the file), in one pass for the text the
+    banners share, up to FLAVOR_SCAN_LIMIT: the runtimes are 1-3 MB; a huge file is
+    not scanned to its end.
     """
-    overlap = max(len(marker) for marker, _ in FLAVOR_MARKERS) - 1
-    tail = b""
-    for _ in range(FLAVOR_SCAN_LIMIT // FLAVOR_SCAN_CHUNK):
-        chunk = stream.read(FLAVOR_SCAN_CHUNK)
-        if not chunk:
-            break
-        window = tail + chunk
-        for marker, flavor in FLAVOR_MARKERS:
-            if marker in window:
-                return flavor
-        tail = window[-overlap:]
+    import mmap  # 0.4 ms, only once a candidate has passed the cheaper checks
+
+    longest = max(len(marker) for marker, _ in FLAVOR_MARKERS)
+    with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
+        position = mapped.find(BANNER, 0, FLAVOR_SCAN_LIMIT)
+        while position >= 0:
+            start = max(0, position + len(BANNER) - longest)
+            around = mapped[start : position + len(BANNER)]
+            for marker, flavor in FLAVOR_MARKERS:
+                if around.endswith(marker):
+                    return flavor
+            position = mapped.find(BANNER, position + 1, FLAVOR_SCAN_LIMIT)
     return None
 
 
@@ -264,8 +266,7 @@ def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
         if problem:
             return f"unsafe to preload: {problem}", None
         # The version banner is looked for only once it is known to be a fitting ELF file.
-        stream.seek(0)
-        return None, (openmp_flavor(stream) if kind == IOMP else None)
+        return None, (openmp_flavor(descriptor) if kind == IOMP else None)
 
 
 # ---------------------------------------------------------------- places
@@ -305,7 +306,7 @@ def library_path_place(names: tuple[str, ...], host: Host) -> Place:
     return Place("ld-library-path", tuple(paths))
 
 
-def loader_cache_entries(cache_file: str) -> list[str]:
+def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[str]:
     """Library paths listed in glibc's /etc/ld.so.cache (format 'glibc-ld.so.cache1.1').
 
     Read directly rather than through `ldconfig -p`: no child process on the exec path.
@@ -315,6 +316,8 @@ def loader_cache_entries(cache_file: str) -> list[str]:
             data = stream.read()
     except OSError:
         return []
+    if names and not any(name.encode() in data for name in names):
+        return []  # the usual case, decided without parsing hundreds of entries
     magic = b"glibc-ld.so.cache1.1"
     start = data.find(magic)  # after the old-format table on older systems
     if start < 0 or len(data) < start + 48:
@@ -338,7 +341,7 @@ def system_path(host: Host, path: str) -> str:
 
 
 def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
-    entries = loader_cache_entries(system_path(host, LOADER_CACHE))
+    entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
     found = [system_path(host, p) for p in entries if os.path.basename(p) in names]
     return Place("loader-cache", tuple(dict.fromkeys(found)))
 
@@ -423,17 +426,16 @@ def lib_directory(prefix: str | None) -> str | None:
 
 
 def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
-    """Newer vLLM wheels bundle tcmalloc in `site-packages/vllm/libs/`."""
+    """Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
+
+    The Python versions are tried by name rather than found by listing `lib/`, which in
+    a conda environment holds thousands of files.
+    """
     if not prefix:
         return []
     found = []
-    lib = os.path.join(prefix, "lib")
-    try:
-        pythons = [n for n in os.listdir(lib) if n.startswith("python3")]
-    except OSError:
-        return []
-    for python in pythons:
-        libs = os.path.join(lib, python, "site-packages", "vllm", "libs")
+    for minor in PYTHON_MINORS:
+        libs = os.path.join(prefix, "lib", f"python3.{minor}", "site-packages", "vllm", "libs")
         try:
             found += [os.path.join(libs, n) for n in sorted(os.listdir(libs)) if "libtcmalloc" in n]
         except OSError:
