@@ -301,3 +301,42 @@ def test_path_containing_libgomp_is_rejected(tmp_path: Path, real_iomp: Path) ->
     library = place_library(real_iomp, tmp_path / "libgomp-free" / "lib" / "libiomp5.so")
     reason = examine(str(library), IOMP, host(tmp_path))[0]
     assert reason is not None and "contains 'libgomp'" in reason
+
+
+def test_every_hop_of_a_link_chain_is_checked(tmp_path: Path, real_iomp: Path) -> None:
+    """x -> ../y/libiomp5.so -> ../z/libiomp5.so: whoever can write y can swap the 2nd link."""
+    place_library(real_iomp, tmp_path / "z" / "libiomp5.so")
+    for name, target in (("y", "../z/libiomp5.so"), ("x", "../y/libiomp5.so")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "libiomp5.so").symlink_to(target)
+    first = tmp_path / "x" / "libiomp5.so"
+    assert examine(str(first), IOMP, host(tmp_path))[0] is None
+    (tmp_path / "y").chmod(0o777)
+    reason = examine(str(first), IOMP, host(tmp_path))[0]
+    assert reason is not None and f"directory {tmp_path / 'y'} is writable by others" in reason
+
+
+def test_a_directory_link_on_the_way_is_followed(tmp_path: Path, real_iomp: Path) -> None:
+    """a/lib -> ../open/dirlink -> ../z: the open directory is searched on the way."""
+    place_library(real_iomp, tmp_path / "z" / "libiomp5.so")
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open" / "dirlink").symlink_to("../z")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "lib").symlink_to("../open/dirlink")
+    library = tmp_path / "a" / "lib" / "libiomp5.so"
+    assert examine(str(library), IOMP, host(tmp_path))[0] is None
+    (tmp_path / "open").chmod(0o777)
+    reason = examine(str(library), IOMP, host(tmp_path))[0]
+    assert reason is not None and f"directory {tmp_path / 'open'} is writable by others" in reason
+
+
+def test_rules_for_a_user_other_than_root(tmp_path: Path, real_iomp: Path) -> None:
+    """Not root: a group-writable venv (umask 002) or another user's files are fine,
+    since that user's Python code runs in vLLM anyway; a world-writable place is not."""
+    library = place_library(real_iomp, tmp_path / "env" / "lib" / "libiomp5.so")
+    user = Host({}, "x86_64", 1000, str(tmp_path / "none"), (), str(tmp_path))
+    library.parent.chmod(0o775)
+    assert examine(str(library), IOMP, user) == (None, "intel")  # owned by root, not 1000
+    library.parent.chmod(0o777)
+    reason = examine(str(library), IOMP, user)[0]
+    assert reason is not None and "writable by others" in reason

@@ -7,6 +7,7 @@ library in the vLLM environment) stops after a handful of system calls.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -31,6 +32,7 @@ FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llv
 BANNER = b" OMP version"  # what both markers end with
 FLAVOR_RANK = {"intel": 0, "llvm": 1, None: 2}
 FLAVOR_SCAN_LIMIT = 64 << 20
+MAX_LINK_HOPS = 40  # the kernel's own limit before ELOOP
 PYTHON_MINORS = range(8, 20)  # Python 3.8 to 3.19: the versions a vLLM wheel may be built for
 
 # ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
@@ -179,40 +181,68 @@ def openmp_flavor(descriptor: int) -> str | None:
 
 
 def unsafe_owner_or_mode(status: os.stat_result, euid: int, is_file: bool) -> str | None:
-    """Why a file or directory lets another user change what gets preloaded."""
-    if status.st_uid not in (0, euid):
-        return f"owned by uid {status.st_uid}, neither root nor this user"
-    writable = status.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable and (is_file or not status.st_mode & stat.S_ISVTX):
+    """Why a file or directory lets another user change what gets preloaded.
+
+    As root (DESIGN.md): it must be root's and writable by neither group nor others.
+    As another user, whose own Python code runs in vLLM anyway: not writable by all.
+    A sticky directory (like /tmp) is fine above the library's own directory.
+    """
+    as_root = euid == 0
+    if as_root and status.st_uid != 0:
+        return f"owned by uid {status.st_uid}, not root"
+    mask = (stat.S_IWGRP | stat.S_IWOTH) if as_root else stat.S_IWOTH
+    if status.st_mode & mask and (is_file or not status.st_mode & stat.S_ISVTX):
         who = "others" if status.st_mode & stat.S_IWOTH else "its group"
         return f"writable by {who}"
     return None
 
 
-def insecure_reason(path: str, euid: int) -> str | None:
-    """Why `path` could be swapped by another user: the file or a directory above it.
+def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
+    """(directories searched, links followed, file reached) on the way to `path`.
 
-    Both the path as given and its resolved form are checked, since either chain of
-    directories decides what the loader opens. The file's own directory must not be
-    group/other-writable at all; higher ones may be when sticky (like /tmp).
+    Resolved one component at a time, as the kernel does, so that a directory which
+    only an intermediate symbolic link passes through is seen as well.
     """
-    real = os.path.realpath(path)
+    directories: dict[str, None] = {}
+    links: list[str] = []
+    current = "/"
+    pending = [part for part in path.split("/") if part]
+    while pending:
+        name = pending.pop(0)
+        if name in (".", ".."):
+            current = os.path.dirname(current) if name == ".." else current
+            continue
+        directories[current] = None
+        candidate = os.path.join(current, name)
+        if not os.path.islink(candidate):
+            current = candidate
+            continue
+        if len(links) >= MAX_LINK_HOPS:
+            raise OSError(errno.ELOOP, "too many levels of symbolic links")
+        links.append(candidate)
+        target = os.readlink(candidate)
+        current = "/" if target.startswith("/") else current
+        pending[:0] = [part for part in target.split("/") if part]
+    return list(directories), links, current
+
+
+def insecure_reason(path: str, euid: int) -> str | None:
+    """Why `path` could be swapped by another user: the file, a link on the way to it,
+    or any directory searched on the way (see unsafe_owner_or_mode)."""
     try:
+        directories, links, real = lookup_steps(path)
         problem = unsafe_owner_or_mode(os.stat(real), euid, is_file=True)
         if problem:
             return f"{real} is {problem}"
-        for chain_start in dict.fromkeys((os.path.dirname(path), os.path.dirname(real))):
-            directory = chain_start
-            nearest = True
-            while True:
-                status = os.stat(directory)
-                problem = unsafe_owner_or_mode(status, euid, is_file=nearest)
-                if problem:
-                    return f"directory {directory} is {problem}"
-                parent = os.path.dirname(directory)
-                if parent == directory:
-                    break
-                directory, nearest = parent, False
+        for link in links:  # a link's own mode means nothing; who may replace it does
+            owner = os.lstat(link).st_uid
+            if euid == 0 and owner != 0:
+                return f"symbolic link {link} is owned by uid {owner}, not root"
+        home = os.path.dirname(real)
+        for directory in directories:
+            problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home)
+            if problem:
+                return f"directory {directory} is {problem}"
     except OSError as error:
         return f"cannot check its permissions: {error.strerror}"
     return None
