@@ -13,7 +13,7 @@ from vllm_cpu_launch import settings as settings_module
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.settings import load_settings
 
-from .conftest import clean_environ, install_recorder, make_environment, run_launcher
+from .conftest import clean_environ, install_recorder, make_environment, read_record, run_launcher
 
 NGRAM = '{"method":"ngram"}'
 
@@ -259,3 +259,33 @@ def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> No
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_json_without_dry_run_is_a_usage_error_before_anything_else(tmp_path: Path) -> None:
+    result = launcher(tmp_path, ["--json", "--vllm", str(tmp_path / "nowhere"), "serve", "m"])
+    assert_one_error(result, 2, "--json goes with --dry-run")
+
+
+def test_exec_help(tmp_path: Path) -> None:
+    result = launcher(tmp_path, ["exec", "--help"])
+    assert result.returncode == 0 and "exec [OPTIONS] -- PROGRAM" in result.stdout
+
+
+def test_bad_explicit_library_is_an_error_even_without_sd(tmp_path: Path, vllm_env: Path) -> None:
+    missing = tmp_path / "gone" / "libiomp5.so"
+    args = ["--iomp-path", str(missing), "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"]
+    assert_one_error(launcher(tmp_path, args), 2, str(missing), "does not exist")
+
+
+def test_dangling_vllm_beside_the_launcher_falls_back_to_path(
+    tmp_path: Path, vllm_env: Path, record_file: Path
+) -> None:
+    environment = make_environment(tmp_path / "launcher-env")
+    (environment / "bin" / "vllm").symlink_to(tmp_path / "removed-vllm")
+    result = run_launcher(
+        ["serve", "m"],
+        clean_environ(tmp_path, RECORD_TO=str(record_file), PATH=f"{vllm_env / 'bin'}:/usr/bin"),
+        launcher=[str(environment / "bin" / "python"), "-m", "vllm_cpu_launch"],
+    )
+    assert result.returncode == 0, result.stderr
+    assert read_record(record_file)["argv"] == ["serve", "m"]

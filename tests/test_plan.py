@@ -36,8 +36,14 @@ SD = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
             "/a/libiomp5.so:/x/libfoo.so",
             ("/t/libgomp.so.1",),
         ),
+        (  # glibc splits on spaces and colons only: a tab belongs to the entry
+            "/x/lib\tfoo.so",
+            ["/a/libiomp5.so"],
+            "/a/libiomp5.so:/x/lib\tfoo.so",
+            (),
+        ),
         (
-            " /x/libfoo.so \t",
+            " /x/libfoo.so ",
             ["/t/libtcmalloc_minimal.so.4", "/a/libiomp5.so"],
             "/t/libtcmalloc_minimal.so.4:/a/libiomp5.so:/x/libfoo.so",
             (),

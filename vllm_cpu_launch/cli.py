@@ -221,9 +221,9 @@ def execute(plan: Plan) -> None:
 
 
 def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
-    plan = plan_from_options(values, arguments, program)
     if values.get("json") and not values.get("dry_run"):
         raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
+    plan = plan_from_options(values, arguments, program)
     if values.get("dry_run"):
         from vllm_cpu_launch.plan import plan_as_json, render_text
 
@@ -242,6 +242,9 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
 def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
     if verb == "exec":
         more, command = parse_options(rest)
+        if more.get("help"):
+            write_stdout(USAGE.rstrip())
+            return 0
         if not command:
             raise LaunchError(EXIT_USAGE, "exec needs a program: vllm-cpu-launch exec -- PROGRAM")
         return run_plan({**values, **more}, command[1:], program=command[0])

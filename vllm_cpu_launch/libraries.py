@@ -254,7 +254,7 @@ def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
         return "an empty path means the current directory to the loader", None
     if not os.path.isabs(path):
         return "a relative path depends on the working directory", None
-    if any(character.isspace() or character == ":" for character in path):
+    if " " in path or ":" in path:
         return (
             "its path holds a space or colon, which split LD_PRELOAD: the loader would "
             "not preload it (link it from a path without them)",
@@ -315,8 +315,11 @@ def files_named(origin: str, directories: Iterable[str | None], names: tuple[str
 
 
 def preload_entries(value: str) -> list[str]:
-    """LD_PRELOAD's entries; the loader splits on colons and white space."""
-    return value.replace(":", " ").split()
+    """LD_PRELOAD's entries, split where glibc's loader splits them: spaces and colons.
+
+    Tabs and other white space are part of an entry to the loader (rtld.c, " :").
+    """
+    return [entry for entry in value.replace(":", " ").split(" ") if entry]
 
 
 def ld_preload_place(kind: str, host: Host) -> Place:

@@ -73,16 +73,21 @@ def fix_hint(target: Target) -> str:
     return "pip install intel-openmp  (into the Python environment that runs vLLM)"
 
 
-def search_kind(kind: str, explicit: str | None, host: Host, target: Target) -> Search:
-    """Look for one library, or validate the one the user named (no fallback from it)."""
-    if explicit is None:
-        return find_library(kind, host, target.prefix)
-    candidate = check_explicit(kind, explicit, host)
+def validated_explicit(kind: str, path: str, host: Host) -> Candidate:
+    """An `--iomp-path`/`--tcmalloc-path` library; a bad one is an error, never skipped."""
+    candidate = check_explicit(kind, path, host)
     if candidate.verdict != "chosen":
         raise LaunchError(
-            EXIT_USAGE, f"{kind} library {explicit} cannot be preloaded: {candidate.reason}"
+            EXIT_USAGE, f"{kind} library {path} cannot be preloaded: {candidate.reason}"
         )
-    return Search(kind, candidate, (candidate,), ("explicit",))
+    return candidate
+
+
+def search_kind(kind: str, explicit: Candidate | None, host: Host, target: Target) -> Search:
+    """Look for one library, unless the user named one (no fallback from it)."""
+    if explicit is None:
+        return find_library(kind, host, target.prefix)
+    return Search(kind, explicit, (explicit,), ("explicit",))
 
 
 def missing_message(search: Search, target: Target, consequence: str) -> str:
@@ -121,6 +126,9 @@ def build_plan(
     if speculative.note:
         warnings.append(speculative.note)
 
+    # A bad path given is an error even when that library turns out not to be wanted.
+    named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
+    explicit = {kind: validated_explicit(kind, path, host) for kind, path in named.items() if path}
     wants_iomp = settings.iomp == "always" or (settings.iomp == "auto" and auto_iomp)
     if wants_iomp and host.machine not in IOMP_ARCHITECTURES:
         message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
@@ -128,7 +136,7 @@ def build_plan(
         wants_iomp = False
     iomp: Candidate | None = None
     if wants_iomp:
-        search = search_kind(IOMP, settings.iomp_path, host, target)
+        search = search_kind(IOMP, explicit.get(IOMP), host, target)
         searches.append(search)
         iomp = search.chosen
         if iomp is None:
@@ -147,7 +155,7 @@ def build_plan(
     )
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
-        search = search_kind(TCMALLOC, settings.tcmalloc_path, host, target)
+        search = search_kind(TCMALLOC, explicit.get(TCMALLOC), host, target)
         searches.append(search)
         tcmalloc = search.chosen
         if tcmalloc is None and settings.tcmalloc == "always":

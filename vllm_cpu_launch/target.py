@@ -156,7 +156,7 @@ def resolve_vllm(
         message = f"--vllm {requested}: no such executable on {searched}"
         return locate(requested, "--vllm", path_variable, message)
     beside = os.path.join(os.path.dirname(launcher_executable), "vllm")
-    if launcher_executable and os.path.lexists(beside):
+    if launcher_executable and os.path.exists(beside):  # a dangling link: go on to PATH
         return describe_target(beside, "launcher-environment", path_variable)
     message = (
         f"vllm not found: looked beside the launcher's Python ({beside}) and on "
