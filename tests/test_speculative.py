@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -95,6 +96,9 @@ YAML_REQUESTED = [
 ]
 YAML_NOT_REQUESTED = [
     "speculative_config: null\n",
+    "speculative-config: false\n",  # vLLM's load_config_file drops a false flag
+    "speculative-config: []\n",  # and an empty list
+    "spec-method: false\n",
     "speculative-config:\n",
     "port: 8000\nmodel: m\n",
     "- a list\n",
@@ -162,3 +166,40 @@ def test_non_utf8_arguments_do_not_break_detection() -> None:
     odd = os.fsdecode(b"--chat-template=\xff\xfe")
     assert not detect(["serve", "m", odd]).requested
     assert detect(["serve", "m", odd, "-sc", NGRAM]).requested
+
+
+def test_config_file_true_flag_counts_with_a_note(tmp_path: Path) -> None:
+    """`speculative-config: true` becomes a bare option, which vLLM rejects."""
+    result = detect(["serve", "m", "--config", write(tmp_path, "speculative-config: true\n")])
+    assert result.requested and result.note is not None and "has no value" in result.note
+
+
+def speculators_model(directory: Path, with_speculators: bool) -> Path:
+    directory.mkdir()
+    config: dict[str, object] = {"architectures": ["LlamaForCausalLM"]}
+    if with_speculators:
+        config["speculators_config"] = {"algorithm": "eagle3", "proposal_methods": []}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("form", ["positional", "--model", "--model="])
+def test_a_speculators_checkpoint_requests_sd_by_itself(tmp_path: Path, form: str) -> None:
+    """vLLM turns SD on for a model whose config.json has speculators_config."""
+    model = str(speculators_model(tmp_path / "eagle", True))
+    argv = {
+        "positional": ["serve", model],
+        "--model": ["serve", "--model", model],
+        "--model=": ["bench", "latency", f"--model={model}"],
+    }[form]
+    result = detect(argv)
+    assert result.requested
+    assert result.source == f"{model}/config.json (speculators_config)"
+    # Whatever the command line says: vLLM builds the SD config from the checkpoint.
+    assert detect([*argv, "--speculative-config", "null"]).requested
+
+
+def test_an_ordinary_model_directory_or_hub_name_is_no_request(tmp_path: Path) -> None:
+    model = str(speculators_model(tmp_path / "plain", False))
+    assert not detect(["serve", model]).requested
+    assert not detect(["serve", "meta-llama/Llama-3.1-8B"]).requested

@@ -80,8 +80,3 @@ def record(cls: type[_T]) -> type[_T]:
         setattr(cls, name, method)
     setattr(cls, "__match_args__", names)  # noqa: B010 (mypy rejects the plain assignment)
     return cls
-
-
-def field_names(instance: object) -> tuple[str, ...]:
-    """The fields of a record, in declaration order (for renderers)."""
-    return tuple(type(instance).__match_args__)  # type: ignore[attr-defined]

@@ -10,6 +10,8 @@ speculative decoding. argparse also accepts unambiguous abbreviations of long op
 
 from __future__ import annotations
 
+import os
+
 from vllm_cpu_launch.records import record
 
 TYPE_CHECKING = False
@@ -18,16 +20,10 @@ if TYPE_CHECKING:
 
 # Options whose value is the speculative config (JSON).
 CONFIG_OPTIONS = ("--speculative-config", "-sc")
-# Options that request speculative decoding by themselves; `--speculative-model` and
-# `--num-speculative-tokens` were removed around vLLM 0.8 but live on in old scripts.
-SHORTHAND_OPTIONS = (
-    "--spec-method",
-    "--spec-model",
-    "--spec-tokens",
-    "--speculative-model",
-    "--num-speculative-tokens",
-)
 # Shortest prefixes argparse would still expand to one of these options (allow_abbrev).
+# The options that request SD by themselves are the others: `--spec-*`, and the old
+# `--speculative-model`/`--num-speculative-tokens` (removed around vLLM 0.8, still in
+# old scripts).
 ABBREVIATION_MINIMUM = {
     "--speculative-config": "--specu",
     "--spec-method": "--spec-me",
@@ -37,6 +33,7 @@ ABBREVIATION_MINIMUM = {
     "--num-speculative-tokens": "--num-s",
 }
 NO_VALUE = ("", "None")
+CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few kB
 
 
 @record
@@ -170,16 +167,68 @@ def options_in_config_file(path: str) -> list[SpeculativeOption]:
         option = canonical_option(name)
         if option is None:
             continue
-        # vLLM's load_config_file turns a mapping into JSON, anything else into str(value).
-        # Only "is it null?" matters here, so containers stand for themselves unserialised:
-        # YAML aliases can nest a mapping whose JSON would not fit in memory.
-        text = "{}" if isinstance(value, dict) else "[]" if isinstance(value, list) else str(value)
-        found.append(SpeculativeOption(option, dotted, text, f" in {path}"))
+        if value is False or value == []:
+            continue  # vLLM's load_config_file drops a false flag and an empty list
+        found.append(SpeculativeOption(option, dotted, config_value_text(value), f" in {path}"))
     return found
 
 
+def config_value_text(value: object) -> str | None:
+    """The command-line value vLLM's load_config_file makes of a YAML value.
+
+    `true` becomes a bare `--key` (no value), a list `--key item...` (the first item is
+    the value), a mapping its JSON: only whether it is null matters here, so a mapping
+    stands for itself unserialised, since YAML aliases can nest one whose JSON would not
+    fit in memory.
+    """
+    if value is True:
+        return None
+    if isinstance(value, list):
+        return str(value[0])
+    return "{}" if isinstance(value, dict) else str(value)
+
+
+def model_of(argv: Sequence[str]) -> str | None:
+    """The model of a vLLM command line: `serve MODEL`, else the last `--model`."""
+    if len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-"):
+        return argv[1]
+    model = None
+    for index, token in enumerate(argv):
+        if token == "--":
+            break
+        if token == "--model" and index + 1 < len(argv):
+            model = argv[index + 1]
+        elif token.startswith("--model="):
+            model = token.partition("=")[2]
+    return model
+
+
+def speculators_checkpoint(model: str | None) -> str | None:
+    """`MODEL/config.json` when it holds `speculators_config`: vLLM then turns SD on by
+    itself (maybe_override_with_speculators), whatever the command line says."""
+    if not model:
+        return None
+    config = os.path.join(model, "config.json")
+    try:
+        with open(config, "rb") as stream:
+            content = stream.read(CONFIG_JSON_LIMIT)
+    except OSError:
+        return None  # not a local directory (a hub name) or no config.json
+    return config if b'"speculators_config"' in content else None
+
+
 def detect(argv: Sequence[str]) -> SpeculativeRequest:
-    """Is SD requested by this vLLM command line (subcommand first) or its --config file?"""
+    """Is SD requested by this vLLM command line (subcommand first), its --config file,
+    or the model itself (a local speculators checkpoint)?"""
+    request = requested_by_arguments(argv)
+    if request.requested:
+        return request
+    config = speculators_checkpoint(model_of(argv))
+    return SpeculativeRequest(True, f"{config} (speculators_config)") if config else request
+
+
+def requested_by_arguments(argv: Sequence[str]) -> SpeculativeRequest:
+    """SD as the command line and its --config file ask for it."""
     on_command_line = list(options_on_command_line(argv))
     path = config_file_path(argv)
     if path is None:
