@@ -265,7 +265,7 @@ def test_hostile_entries_in_ld_preload_are_rejected(tmp_path: Path) -> None:
     assert reasons == {
         str(hostile / "libiomp5.so"): "a 32-bit ELF file; this x86_64 host needs 64-bit",
         str(missing): "does not exist",
-        "libiomp5.so": "a relative path depends on the working directory",
+        "libiomp5.so": "a bare name, which the loader looks up itself: give the absolute path",
     }
     chosen = str(tmp_path / "env" / "lib" / "libiomp5.so")
     assert plan["preload"][0]["path"] == chosen

@@ -9,7 +9,7 @@ import pytest
 
 from vllm_cpu_launch.libraries import Host
 from vllm_cpu_launch.plan import Preload, build_plan, compose_ld_preload, plan_as_json
-from vllm_cpu_launch.settings import Settings
+from vllm_cpu_launch.settings import Settings, blocktime_milliseconds
 from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 from vllm_cpu_launch.target import Target
 
@@ -197,3 +197,19 @@ def test_rejected_ld_preload_entry_is_kept_and_named(tmp_path: Path, real_iomp: 
     assert isinstance(warnings, list) and len(warnings) == 1
     warning = warnings[0]
     assert "/gone/libiomp5.so stays as you set it" in warning and "does not exist" in warning
+
+
+@pytest.mark.parametrize("value", ["0", "0ms", "infinite", "1000", "soon"])
+def test_a_slow_or_wasteful_caller_blocktime_is_kept_with_a_warning(
+    tmp_path: Path, real_iomp: Path, value: str
+) -> None:
+    plan = plan_for(tmp_path, real_iomp, KMP_BLOCKTIME=value)
+    assert "KMP_BLOCKTIME" not in plan["env"]  # type: ignore[operator]
+    warnings = plan["warnings"]
+    assert isinstance(warnings, list) and len(warnings) == 1
+    assert f"KMP_BLOCKTIME={value}" in warnings[0] or repr(value) in warnings[0]
+
+
+@pytest.mark.parametrize(("value", "valid"), [("5", True), ("500us", True), ("5usms", False)])
+def test_blocktime_units(value: str, valid: bool) -> None:
+    assert (blocktime_milliseconds(value) is not None) == valid

@@ -15,6 +15,7 @@ import sys
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.settings import blocktime_problem
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ VARIABLE_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
 # is unset (--gpu-memory-utilization, which on CPU means CPU memory).
 VLLM_MEMORY_FRACTION = 0.92
 TINY_HOST_CPUS = 4
-LARGE_BLOCKTIME_MS = 200
 
 USAGE = """\
 usage: vllm-cpu-launch doctor [--json] [--measure]
@@ -380,31 +380,6 @@ def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, s
 
 def flag_set(cpu: dict[str, Any], flag: str) -> bool:
     return bool(cpu["flags"].get(flag))
-
-
-def blocktime_problem(value: str) -> str | None:
-    """What is odd about a KMP_BLOCKTIME value, or None."""
-    number = value.removesuffix("ms")
-    if value == "infinite":
-        return (
-            "KMP_BLOCKTIME=infinite: idle OpenMP threads never sleep and keep every core "
-            "busy; vLLM's own workers use 5"
-        )
-    if value.endswith("us") and value[:-2].isdigit():
-        return None
-    if not (number.isascii() and number.isdigit()):
-        return f"KMP_BLOCKTIME={value!r} is not a number of milliseconds; the runtime ignores it"
-    if int(number) == 0:
-        return (
-            "KMP_BLOCKTIME=0: threads sleep at once after each parallel region, losing what "
-            "Intel OpenMP gains for speculative decoding; the launcher's default is 5"
-        )
-    if int(number) > LARGE_BLOCKTIME_MS:
-        return (
-            f"KMP_BLOCKTIME={value}: idle threads spin for {number} ms and burn CPU the API "
-            "server and other processes need; vLLM's own workers use 5"
-        )
-    return None
 
 
 # ---------------------------------------------------------------- assembly

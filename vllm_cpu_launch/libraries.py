@@ -252,6 +252,8 @@ def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
     """(reason to reject or None, flavor) for one candidate file."""
     if not path:
         return "an empty path means the current directory to the loader", None
+    if "/" not in path:
+        return "a bare name, which the loader looks up itself: give the absolute path", None
     if not os.path.isabs(path):
         return "a relative path depends on the working directory", None
     if " " in path or ":" in path:

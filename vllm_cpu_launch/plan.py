@@ -14,6 +14,7 @@ from vllm_cpu_launch.libraries import (
     preload_entries,
 )
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.settings import blocktime_problem
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -183,8 +184,12 @@ def build_plan(
         if composed != current:
             env["LD_PRELOAD"] = composed
     blocktime = settings.kmp_blocktime
-    if blocktime is None and iomp is not None and "KMP_BLOCKTIME" not in host.environ:
-        blocktime = DEFAULT_KMP_BLOCKTIME
+    callers = host.environ.get("KMP_BLOCKTIME")
+    if blocktime is None and iomp is not None:
+        if callers is None:
+            blocktime = DEFAULT_KMP_BLOCKTIME
+        elif problem := blocktime_problem(callers):  # the caller's is kept, but said
+            warnings.append(f"{problem} (yours is kept; --kmp-blocktime 5 overrides it)")
     if blocktime is not None and host.environ.get("KMP_BLOCKTIME") != blocktime:
         env["KMP_BLOCKTIME"] = blocktime
 

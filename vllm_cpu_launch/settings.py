@@ -22,6 +22,7 @@ SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
 CONFIG_VARIABLE = "VLLM_CPU_LAUNCH_CONFIG"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
+LARGE_BLOCKTIME_MS = 200
 
 
 @record
@@ -45,7 +46,11 @@ def fail(where: str, problem: str) -> LaunchError:
 def parse_mode(value: object, where: str) -> str:
     if isinstance(value, str) and value in MODES:
         return value
-    raise fail(where, f"{value!r} is not one of {', '.join(MODES)}")
+    hint = " (YAML reads off/no/on/yes as true or false: write never or always)"
+    raise fail(
+        where,
+        f"{value!r} is not one of {', '.join(MODES)}{hint if isinstance(value, bool) else ''}",
+    )
 
 
 def parse_library_path(value: object, where: str) -> str:
@@ -60,20 +65,47 @@ def parse_library_path(value: object, where: str) -> str:
     return value
 
 
+def blocktime_milliseconds(text: str) -> float | None:
+    """KMP_BLOCKTIME in milliseconds (`5`, `5ms`, `500us`, `infinite`); None if invalid."""
+    if text == "infinite":
+        return float("inf")
+    for unit, scale in (("ms", 1.0), ("us", 0.001), ("", 1.0)):
+        if text.endswith(unit):
+            number = text[: len(text) - len(unit)]
+            return int(number) * scale if number.isascii() and number.isdigit() else None
+    return None
+
+
+def blocktime_problem(value: str) -> str | None:
+    """What is slow or wasteful about a KMP_BLOCKTIME value, or None."""
+    milliseconds = blocktime_milliseconds(value)
+    if milliseconds is None:
+        return f"KMP_BLOCKTIME={value!r} is not a number of milliseconds; the runtime ignores it"
+    if milliseconds == 0:
+        return (
+            f"KMP_BLOCKTIME={value}: threads sleep at once after each parallel region, losing what "
+            "Intel OpenMP gains for speculative decoding; the launcher's default is 5"
+        )
+    if milliseconds > LARGE_BLOCKTIME_MS:
+        return (
+            f"KMP_BLOCKTIME={value}: idle threads spin that long and burn CPU the API server "
+            "and other processes need; vLLM's own workers use 5"
+        )
+    return None
+
+
 def parse_blocktime(value: object, where: str) -> str:
     """KMP_BLOCKTIME: milliseconds (optionally with a `us`/`ms` unit) or `infinite`."""
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-    if isinstance(text, str):
-        number = text.removesuffix("ms").removesuffix("us")
-        if text == "infinite" or (number.isascii() and number.isdigit()):
-            return text
+    if isinstance(text, str) and blocktime_milliseconds(text) is not None:
+        return text
     raise fail(where, f"{value!r} is not a KMP_BLOCKTIME: use milliseconds like 5, or infinite")
 
 
 def parse_text(value: object, where: str) -> str:
     if isinstance(value, str) and value:
         return value
-    raise fail(where, "needs a non-empty value")
+    raise fail(where, f"needs a non-empty text (a path or a name), not {value!r}")
 
 
 def parse_bool(value: object, where: str) -> bool:
