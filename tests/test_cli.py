@@ -228,37 +228,28 @@ def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
 
 
 def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:
-    """psutil, cpuinfo, yaml, dataclasses and inspect stay out of a plain launch."""
+    """psutil, cpuinfo, yaml, dataclasses, inspect, typing stay out of a real launch.
+
+    The modules are read at the moment of the exec, which the probe intercepts: what the
+    launcher imported up to there is all it will ever import.
+    """
     probe = (
-        "import sys;"
-        "from vllm_cpu_launch.cli import dispatch;"
-        "dispatch(sys.argv[1:]);"
-        "heavy = ('psutil', 'cpuinfo', 'yaml', 'dataclasses', 'inspect', 'typing');"
-        "print(sorted(m for m in heavy if m in sys.modules))"
+        "import os, sys\n"
+        "def report(*_):\n"
+        "    heavy = ('psutil', 'cpuinfo', 'yaml', 'dataclasses', 'inspect', 'typing')\n"
+        "    print(sorted(m for m in heavy if m in sys.modules), flush=True)\n"
+        "    os._exit(0)\n"
+        "os.execve = report\n"
+        "from vllm_cpu_launch.cli import main\n"
+        "main(sys.argv[1:])\n"
     )
-    environ = clean_environ(tmp_path)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            probe,
-            "--dry-run",
-            "--json",
-            "--vllm",
-            str(vllm_env / "bin" / "vllm"),
-            "serve",
-            "m",
-            "-sc",
-            NGRAM,
-        ],
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    for request in (["-sc", NGRAM], ["--speculative-config.method", "ngram"], []):
+        launch = [sys.executable, "-c", probe, "-q", *sd_launch(vllm_env)[:-2], *request]
+        result = subprocess.run(
+            launch, env=clean_environ(tmp_path), capture_output=True, text=True, timeout=60
+        )
+        assert (result.returncode, result.stderr) == (0, ""), result.stderr
+        assert result.stdout.strip() == "[]"
 
 
 def test_json_without_dry_run_is_a_usage_error_before_anything_else(tmp_path: Path) -> None:
