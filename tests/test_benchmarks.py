@@ -38,6 +38,8 @@ def run_script(name: str, *arguments: str, limit_s: float = 600) -> str:
 
 def load_script(name: str) -> ModuleType:
     """Import a script as a module, for its pure helpers."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))  # where a script finds its sibling modules when run
     spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), SCRIPTS / name)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
