@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from script_cli import ScriptError, exit_code, narrator
+from script_cli import ScriptError, bounded_run, exit_code, narrator
 
 REPO = Path(__file__).resolve().parent.parent
 SD_JSON = '{"method":"ngram","num_speculative_tokens":3}'
@@ -239,19 +239,15 @@ def run_strace(
 ) -> str:
     """strace's report (`-o`) for `command` and its children."""
     with tempfile.NamedTemporaryFile("r", suffix=".strace", dir=cwd) as output:
-        try:
-            subprocess.run(
-                ["strace", "-f", *options, "-o", output.name, "--", *command],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=env,
-                cwd=cwd,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise ScriptError(f"strace of {shlex.join(command)} took over {timeout} s") from None
+        bounded_run(
+            ["strace", "-f", *options, "-o", output.name, "--", *command],
+            f"strace of {shlex.join(command)}",
+            timeout,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+        )
         return output.read()
 
 
