@@ -32,11 +32,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench_stats import interleaved, quartiles, ratio_line, rerun_line, timed_run
 from script_cli import ScriptError, bounded_run, exit_code, narrator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -188,17 +188,7 @@ def run_watched(
     the wall time up; a watchdog thread kills the command at the limit instead.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        started = time.perf_counter()
-        process = subprocess.Popen(
-            list(command), stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd
-        )
-        watchdog = threading.Timer(limit_s, process.kill)
-        watchdog.start()
-        try:
-            code = process.wait()
-        finally:
-            watchdog.cancel()
-        wall = time.perf_counter() - started
+        code, wall = timed_run(command, limit_s, env, cwd=cwd, stdout=out, stderr=err)
         out.seek(0)
         err.seek(0)
         return code, out.read(), err.read(), wall, wall >= limit_s
@@ -225,13 +215,6 @@ def run_find(timeout: float, cwd: Path) -> float:
     """Seconds for the find of vLLM's docs; `timeout` when it did not finish."""
     _code, _out, _err, wall, killed = run_watched(FIND_COMMAND, timeout, None, cwd)
     return timeout if killed else wall
-
-
-def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
 
 
 def run_strace(
@@ -374,19 +357,17 @@ def measure(
     plan: dict[str, list[float]] = {key: [] for key in keys}
     wall: dict[str, list[float]] = {key: [] for key in keys}
     origins: dict[str, object] = {}
-    for round_index in range(args.rounds + 1):
-        shift = round_index % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            if key == "find":
-                seconds = run_find(args.find_timeout, layout.root)
-                in_process, whole = seconds, seconds
-            else:
-                worker = next(w for w in workers if w[0] == key)
-                in_process, whole, report = run_worker(args.python, layout, worker)
-                origins[key] = report["origin"]
-            if round_index > 0:
-                plan[key].append(in_process)
-                wall[key].append(whole)
+    for round_index, key in interleaved(keys, args.rounds + 1):
+        if key == "find":
+            seconds = run_find(args.find_timeout, layout.root)
+            in_process, whole = seconds, seconds
+        else:
+            worker = next(w for w in workers if w[0] == key)
+            in_process, whole, report = run_worker(args.python, layout, worker)
+            origins[key] = report["origin"]
+        if round_index > 0:  # round 0 is the warm-up
+            plan[key].append(in_process)
+            wall[key].append(whole)
     return plan, wall, origins
 
 
@@ -419,16 +400,16 @@ def bench(arguments: Sequence[str]) -> None:
         base = statistics.median(plan["base"])
         print()
         for key in ("wide", "bigpath", "biglib", "usual"):
-            print(f"ratio {key}/base (plan time): {statistics.median(plan[key]) / base:.2f}")
+            print(ratio_line(f"{key}/base", "plan time", statistics.median(plan[key]) / base))
         if not args.no_find:
             find = statistics.median(plan["find"])
-            print(f"ratio find/base (find / plan time): {find / base:.0f}")
+            print(ratio_line("find/base", "find / plan time", find / base, 0))
             base_wall = statistics.median(wall["base"])
-            print(f"ratio find/base-process (find / planning process): {find / base_wall:.1f}")
+            what = "find / planning process"
+            print(ratio_line("find/base-process", what, find / base_wall, 1))
         if not args.no_strace:
             report_strace(args.python, layout, workers, args.find_timeout)
-    rerun = [sys.executable, "scripts/bench_discovery.py", *arguments]
-    print(f"\nrerun: cd {REPO} && {shlex.join(rerun)}")
+    print("\n" + rerun_line("bench_discovery.py", arguments))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,11 +31,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench_stats import interleaved, quartiles, ratio_line, rerun_line, timed_run
 from script_cli import ScriptError, checked_output, exit_code, narrator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,23 +205,7 @@ def time_once(argv: Sequence[str], env: dict[str, str]) -> tuple[float, float]:
     the benchmark.
     """
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    # Not wait(timeout=...): that polls with growing sleeps (0.5, 1, 2, 4 ... ms) and
-    # would round every measurement up to those steps. A watchdog bounds the wait.
-    watchdog = threading.Timer(RUN_TIME_LIMIT_S, process.kill)
-    watchdog.start()
-    try:
-        returncode = process.wait()
-    finally:
-        watchdog.cancel()
-    elapsed = time.perf_counter() - started
+    returncode, elapsed = timed_run(argv, RUN_TIME_LIMIT_S, env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if returncode != 0:
         raise ScriptError(f"{shlex.join(argv)} exited with {returncode}")
@@ -237,21 +220,12 @@ def measure(configs: Sequence[Config], rounds: int) -> tuple[Samples, Samples]:
     """One warm-up round, then `rounds` rounds with every configuration once, rotated."""
     wall: Samples = {key: [] for key, *_ in configs}
     cpu: Samples = {key: [] for key, *_ in configs}
-    for round_index in range(rounds + 1):
-        shift = round_index % len(configs)
-        for key, _label, argv, env in [*configs[shift:], *configs[:shift]]:
-            elapsed, used = time_once(argv, env)
-            if round_index > 0:
-                wall[key].append(elapsed)
-                cpu[key].append(used)
+    for round_index, (key, _label, argv, env) in interleaved(configs, rounds + 1):
+        elapsed, used = time_once(argv, env)
+        if round_index > 0:  # round 0 is the warm-up
+            wall[key].append(elapsed)
+            cpu[key].append(used)
     return wall, cpu
-
-
-def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
 
 
 def parse_importtime(stderr: str) -> list[tuple[str, int, int, int]]:
@@ -339,23 +313,21 @@ def print_ratios(
 ) -> None:
     a, b = medians["a"], medians["b"]
     verdict = "met" if a / b <= TARGET_RATIO else "MISSED"
-    print(f"\nratio a/b (launcher / bare python exec): {a / b:.2f}")
+    print("\n" + ratio_line("a/b", "launcher / bare python exec", a / b))
     print(f"  target a/b <= {TARGET_RATIO}: {verdict}")
     print(f"  same ratio of minimum wall times: {min(wall['a']) / min(wall['b']):.2f}")
     print(
         "  same ratio of median CPU times: "
         f"{statistics.median(cpu['a']) / statistics.median(cpu['b']):.2f}"
     )
-    if torch_skip is None:
-        print(f"ratio c/a (torch run_cpu / launcher): {medians['c'] / a:.1f}")
-    else:
-        print(f"ratio c/a (torch run_cpu / launcher): skipped: {torch_skip}")
+    torch_ratio = medians["c"] / a if torch_skip is None else f"skipped: {torch_skip}"
+    print(ratio_line("c/a", "torch run_cpu / launcher", torch_ratio, 1))
     for key, what in (
         ("a_c", "launcher without pip's wrapper"),
         ("a_dot", "launcher importing neither re nor json"),
         ("a_m", "python -m vllm_cpu_launch"),
     ):
-        print(f"ratio {key}/b ({what} / floor): {medians[key] / b:.2f}")
+        print(ratio_line(f"{key}/b", f"{what} / floor", medians[key] / b))
     print("where the time of (a) goes (differences of the medians above, ms):")
     shares = (
         ("interpreter start + exec of the target", "b", None),
@@ -506,8 +478,7 @@ def bench(arguments: Sequence[str]) -> None:
         if not args.no_importtime:
             floor_argv = next(argv for key, _l, argv, _e in configs if key == "b")
             report_imports(launcher_argv, floor_argv, env)
-    rerun = [sys.executable, "scripts/bench_overhead.py", *arguments]
-    print(f"\nrerun: cd {REPO} && {shlex.join(rerun)}")
+    print("\n" + rerun_line("bench_overhead.py", arguments))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from bench_stats import interleaved
 from script_cli import ScriptError, exit_code, last_line, narrator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -755,19 +756,17 @@ def bench(args: argparse.Namespace, command: str) -> None:
                 "1-2 minutes on 2 CPUs"
             )
             runs: list[Run] = []
-            for round_index in range(args.rounds):
-                shift = round_index % len(configs)
-                for config in configs[shift:] + configs[:shift]:
-                    say(f"round {round_index + 1}: starting {config.name}")
-                    where = scratch / f"r{round_index}-{config.how}-{config.threads}"
-                    run = measure_one(config, env, model, where, args, active)
-                    say(
-                        f"  {config.name}: healthy after {run.startup_s:.0f} s, seq TPOT "
-                        f"{run.sequential.server_tpot_ms:.2f} ms (server), "
-                        f"{run.sequential.tokens_per_s:.0f} tok/s; concurrent "
-                        f"{run.concurrent.tokens_per_s:.0f} tok/s; worker {run.openmp}"
-                    )
-                    runs.append(run)
+            for round_index, config in interleaved(configs, args.rounds):
+                say(f"round {round_index + 1}: starting {config.name}")
+                where = scratch / f"r{round_index}-{config.how}-{config.threads}"
+                run = measure_one(config, env, model, where, args, active)
+                say(
+                    f"  {config.name}: healthy after {run.startup_s:.0f} s, seq TPOT "
+                    f"{run.sequential.server_tpot_ms:.2f} ms (server), "
+                    f"{run.sequential.tokens_per_s:.0f} tok/s; concurrent "
+                    f"{run.concurrent.tokens_per_s:.0f} tok/s; worker {run.openmp}"
+                )
+                runs.append(run)
             runs.sort(key=lambda r: configs.index(r.config))
             report = markdown(runs, args, command, env, started)
     finally:
