@@ -18,21 +18,17 @@ run); `--markdown FILE` also puts it between markers in FILE (docs/benchmarks.md
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,24 +37,35 @@ from typing import Any
 
 from bench_stats import interleaved
 from script_cli import ScriptError, exit_code, last_line, narrator
+from vllm_server import (
+    ACCEPTED_TOKENS_METRIC,
+    DRAFT_TOKENS_METRIC,
+    ENV_SETUP_LIMIT_S,
+    LOOPBACK,
+    MODEL_LIMIT_S,
+    REQUEST_LIMIT_S,
+    SD_WARNING,
+    Server,
+    ServerError,
+    command_line,
+    completion_payload,
+    isolated_environment,
+    json_request,
+    make_model_command,
+    mapped_files,
+    metric_total,
+    prepare_env_command,
+    process_tree,
+    start_server,
+    stop_session,
+    wait_until_healthy,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
-SPECULATIVE_CONFIG = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3}'
-SERVED_MODEL_NAME = "tiny-llama"
-# Repetitive, so the ngram proposer finds matches from the first step.
-PROMPT = "ab ba " * 8
-SD_WARNING = "Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD"
-DRAFT_METRIC = "vllm:spec_decode_num_draft_tokens_total"
-ACCEPTED_METRIC = "vllm:spec_decode_num_accepted_tokens_total"
 TPOT_METRIC = "vllm:request_time_per_output_token_seconds"  # histogram: _sum, _count
 MARK_BEGIN = "<!-- bench_vllm: begin -->"
 MARK_END = "<!-- bench_vllm: end -->"
-ENV_SETUP_LIMIT_S = 1800
-MODEL_LIMIT_S = 300
 STARTUP_LIMIT_S = 420
-REQUEST_LIMIT_S = 120
-STOP_LIMIT_S = 60
 POLL_INTERVAL_S = 0.5
 WARMUP_REQUESTS = 2
 INTERESTING_FLAGS = (
@@ -72,8 +79,6 @@ INTERESTING_FLAGS = (
     "amx_int8",
     "hypervisor",
 )
-# Direct connections only: a proxy from the environment must not see loopback traffic.
-LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 say = narrator("bench_vllm")
@@ -88,8 +93,7 @@ def prepare_env(explicit: Path | None) -> Path:
             raise ScriptError(f"{explicit}/bin/vllm does not exist")
         return explicit.absolute()
     say("preparing the vLLM environment (scripts/vllm_env.py; minutes on first use)")
-    command = [sys.executable, str(SCRIPTS / "vllm_env.py")]
-    return Path(last_line(command, "scripts/vllm_env.py", ENV_SETUP_LIMIT_S))
+    return Path(last_line(prepare_env_command(), "scripts/vllm_env.py", ENV_SETUP_LIMIT_S))
 
 
 def prepare_model(explicit: Path | None, env: Path, scratch: Path) -> Path:
@@ -98,8 +102,7 @@ def prepare_model(explicit: Path | None, env: Path, scratch: Path) -> Path:
             raise ScriptError(f"{explicit} holds no config.json: not a model directory")
         return explicit.absolute()
     say("making the tiny model (scripts/make_tiny_model.py)")
-    python = str(env / "bin" / "python")
-    command = [python, str(SCRIPTS / "make_tiny_model.py"), str(scratch / "model")]
+    command = make_model_command(env, scratch / "model")
     return Path(last_line(command, "scripts/make_tiny_model.py", MODEL_LIMIT_S))
 
 
@@ -157,176 +160,49 @@ class Config:
         return f"{self.how}/{self.threads}"
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_text(self) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")
-
-    def tail(self, lines: int = 5) -> str:
-        return " | ".join(self.log_text().strip().splitlines()[-lines:])
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def tail(server: Server, lines: int = 5) -> str:
+    """The end of the server's log on one line, for error messages."""
+    return " | ".join(server.log_text().strip().splitlines()[-lines:])
 
 
 def server_environment(config: Config, scratch: Path) -> dict[str, str]:
     """The caller's environment minus OpenMP/launcher/vLLM-CPU settings, plus the bench's."""
-    dropped = ("KMP_", "OMP_", "GOMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_")
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ("LD_PRELOAD", "PYTHONPATH", "PYTHONHOME") and not key.startswith(dropped)
-    }
+    dropped = ("LD_PRELOAD", "PYTHONPATH", "PYTHONHOME")
+    prefixes = ("KMP_", "OMP_", "GOMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_")
     cpus = os.cpu_count() or 1
     reserved = 0 if config.threads == "all" else max(cpus - 1, 0)
-    env.update(
-        {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),  # cold for every start
-            "XDG_CONFIG_HOME": str(scratch / "config"),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved),
-        }
-    )
-    return env
+    return {
+        **isolated_environment(scratch, dropped, prefixes),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved),
+    }
 
 
-def start_server(config: Config, env: Path, model: Path, scratch: Path) -> Server:
-    port = free_loopback_port()
+def launch(config: Config, env: Path, model: Path, scratch: Path) -> Server:
+    """The server of one configuration, in scratch (its cwd; cold cache and config there)."""
     vllm = str(env / "bin" / "vllm")
-    serve = [
-        "serve",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        SERVED_MODEL_NAME,
-        "--speculative-config",
-        SPECULATIVE_CONFIG,
-    ]
     if config.how == "plain":
-        command = [vllm, *serve]
+        prefix = [vllm]
     else:
         # This checkout's launcher, whatever the interpreter: it execs vLLM in place.
         code = (
             f"import sys; sys.path.insert(0, {str(REPO)!r}); "
             "from vllm_cpu_launch.cli import main; sys.exit(main())"
         )
-        command = [sys.executable, "-c", code, "--vllm", vllm, *serve]
+        prefix = [sys.executable, "-c", code, "--vllm", vllm]
     scratch.mkdir(parents=True)
-    log = scratch / "server.log"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=server_environment(config, scratch),
-            cwd=scratch,
-            start_new_session=True,
-        )
-    return Server(process, port, log)
-
-
-def http_get(url: str, limit_s: float) -> str:
-    with LOOPBACK.open(url, timeout=limit_s) as response:
-        body: bytes = response.read()
-        return body.decode("utf-8", "replace")
-
-
-def wait_until_healthy(server: Server, started: float) -> float:
-    """Seconds from `started` until /health answers; a one-line error otherwise."""
-    while time.monotonic() - started < STARTUP_LIMIT_S:
-        if server.process.poll() is not None:
-            raise ScriptError(f"server exited with {server.process.returncode}: {server.tail()}")
-        try:
-            http_get(f"{server.url}/health", 5)
-            return time.monotonic() - started
-        except (OSError, http.client.HTTPException):
-            time.sleep(POLL_INTERVAL_S)
-    raise ScriptError(f"no /health within {STARTUP_LIMIT_S} s: {server.tail()}")
-
-
-def session_members(session: int) -> list[int]:
-    """PIDs in the session the server was started in (its whole tree, whatever it forked)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == session:
-                    members.append(int(entry))
-            except (ProcessLookupError, PermissionError):
-                continue
-    return members
-
-
-def stop_server(server: Server) -> None:
-    """SIGTERM to the server's process group, bounded wait, then SIGKILL whatever is left."""
-    session = server.process.pid
-    if server.process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(session, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.process.wait(timeout=STOP_LIMIT_S)
-    deadline = time.monotonic() + STOP_LIMIT_S
-    while time.monotonic() < deadline:
-        left = [pid for pid in session_members(session) if pid != os.getpid()]
-        if not left:
-            break
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-        time.sleep(POLL_INTERVAL_S)
-    if server.process.poll() is None:
-        server.process.kill()
-        server.process.wait(timeout=STOP_LIMIT_S)
-
-
-def children_of(pid: int) -> list[int]:
-    tree, frontier = [pid], [pid]
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="utf-8") as stream:
-                    parents[int(entry)] = int(stream.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        tree += frontier
-    return tree
+    return start_server(prefix, model, scratch, server_environment(config, scratch), cwd=scratch)
 
 
 def worker_openmp(server: Server) -> str:
     """Which OpenMP runtime vLLM's model worker has mapped (its /proc/PID/maps)."""
-    for pid in children_of(server.process.pid):
+    for pid in process_tree(server.process.pid):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as stream:
-                if b"VLLM::Worker" not in stream.read():
-                    continue
-            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as stream:
-                maps = stream.read()
+            if "VLLM::Worker" not in command_line(pid):
+                continue
+            mapped = mapped_files(pid)
         except OSError:
             continue
-        names = {Path(line.split()[-1]).name for line in maps.splitlines() if "/" in line}
+        names = {Path(path).name for path in mapped}
         iomp = any(name.startswith("libiomp5") for name in names)
         gomp = any(name.startswith("libgomp") for name in names)
         if iomp:
@@ -342,19 +218,18 @@ def tree_cpu(server: Server) -> dict[str, float]:
     """CPU seconds (user + system) so far of the API server, EngineCore and Worker."""
     ticks = os.sysconf("SC_CLK_TCK")
     used: dict[str, float] = {}
-    for pid in children_of(server.process.pid):
+    for pid in process_tree(server.process.pid):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as stream:
-                cmdline = stream.read()
+            title = command_line(pid)
             with open(f"/proc/{pid}/stat", encoding="utf-8") as stream:
                 fields = stream.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         if pid == server.process.pid:
             role = "api"
-        elif b"VLLM::Worker" in cmdline:
+        elif "VLLM::Worker" in title:
             role = "worker"
-        elif b"VLLM::EngineCore" in cmdline:
+        elif "VLLM::EngineCore" in title:
             role = "engine"
         else:
             continue
@@ -423,20 +298,10 @@ def sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
 
 def stream_completion(url: str, max_tokens: int) -> Request:
     """One streamed completion of exactly max_tokens tokens (ignore_eos), timed per chunk."""
-    payload = {
-        "model": SERVED_MODEL_NAME,
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
+    payload = completion_payload(
+        max_tokens, ignore_eos=True, stream=True, stream_options={"include_usage": True}
     )
+    request = json_request(f"{url}/v1/completions", payload)
     started = time.perf_counter()
     first = last = None
     tokens = 0
@@ -499,16 +364,6 @@ def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) ->
     return phase
 
 
-def metric_total(url: str, name: str) -> float:
-    text = http_get(f"{url}/metrics", REQUEST_LIMIT_S)
-    total = 0.0
-    for line in text.splitlines():
-        fields = line.split()
-        if fields and not line.startswith("#") and fields[0].split("{")[0] == name:
-            total += float(fields[-1])
-    return total
-
-
 # ---------------------------------------------------------------- one start
 
 
@@ -537,23 +392,26 @@ def measure_one(
 ) -> Run:
     load_before = os.getloadavg()[0]
     started = time.monotonic()
-    server = start_server(config, env, model, scratch)
+    server = launch(config, env, model, scratch)
     active.append(server)
     try:
-        startup = wait_until_healthy(server, started)
+        try:
+            startup = wait_until_healthy(server, STARTUP_LIMIT_S, POLL_INTERVAL_S, started=started)
+        except ServerError as error:
+            raise ScriptError(f"{error}: {tail(server)}") from None
         startup_cpu = tree_cpu(server)
         for _ in range(WARMUP_REQUESTS):
             stream_completion(server.url, args.max_tokens)
-        drafted = metric_total(server.url, DRAFT_METRIC)
-        accepted = metric_total(server.url, ACCEPTED_METRIC)
+        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC)
+        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC)
         sequential = run_phase(server, 1, args.sequential, args.max_tokens)
         concurrent = run_phase(server, args.concurrency, args.per_stream, args.max_tokens)
-        drafted = metric_total(server.url, DRAFT_METRIC) - drafted
-        accepted = metric_total(server.url, ACCEPTED_METRIC) - accepted
+        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC) - drafted
+        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC) - accepted
         openmp = worker_openmp(server)
         log = server.log_text()
     finally:
-        stop_server(server)
+        stop_session(server, POLL_INTERVAL_S)
         active.remove(server)
     return Run(
         config,
@@ -771,7 +629,7 @@ def bench(args: argparse.Namespace, command: str) -> None:
             report = markdown(runs, args, command, env, started)
     finally:
         for server in list(active):
-            stop_server(server)
+            stop_session(server, POLL_INTERVAL_S)
     print(report)
     if args.markdown is not None:
         update_markdown(args.markdown, report)
