@@ -359,6 +359,23 @@ def test_vllm_found_on_path_is_pinned_by_absolute_path(tmp_path: Path, vllm_env:
     assert words[1:3] == ["--vllm", str(vllm_env / "bin" / "vllm")]
 
 
+def test_vllm_from_a_variable_or_user_config_is_pinned_too(tmp_path: Path, vllm_env: Path) -> None:
+    """The service sees neither the caller's variables nor their config file."""
+    vllm = str(vllm_env / "bin" / "vllm")
+    result = generate(["serve", "m"], tmp_path, VLLM_CPU_LAUNCH_VLLM=vllm)
+    assert result.returncode == 0, result.stderr
+    execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
+    assert systemd_words(execstart.removeprefix("ExecStart="))[1:3] == ["--vllm", vllm]
+    user_config = tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml"
+    user_config.parent.mkdir(parents=True)
+    user_config.write_text(f"vllm: {vllm}\niomp: always\n")
+    result = generate(["serve", "m"], tmp_path, XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    assert result.returncode == 0, result.stderr
+    execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
+    assert systemd_words(execstart.removeprefix("ExecStart="))[1:3] == ["--vllm", vllm]
+    assert f"settings from {user_config} apply here but not to the service" in result.stderr
+
+
 def test_missing_vllm_and_unseen_variables_are_warned(tmp_path: Path) -> None:
     result = generate(
         ["--user", "vllm", "serve", "m"],

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.target import Target
 
 # Launcher options that take a value -> the key they fill.
 VALUED_OPTIONS = {
@@ -137,10 +139,10 @@ def current_host() -> Host:
     )
 
 
-def plan_from_options(
+def prepare_launch(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
-) -> Plan:
-    """The plan for `vllm ARGUMENTS` or, with `program`, for `exec -- PROGRAM ARGUMENTS`."""
+) -> tuple[Settings, Target, Plan]:
+    """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
     from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.settings import load_settings
     from vllm_cpu_launch.speculative import SpeculativeRequest, detect
@@ -159,6 +161,14 @@ def plan_from_options(
         speculative = SpeculativeRequest(False)
         auto_iomp = True
     plan = build_plan(settings, arguments, speculative, target, current_host(), auto_iomp)
+    return settings, target, plan
+
+
+def plan_from_options(
+    values: dict[str, object], arguments: Sequence[str], program: str | None = None
+) -> Plan:
+    """The plan to exec or print; with --strict, a wanted library missing is fatal."""
+    settings, _, plan = prepare_launch(values, arguments, program)
     if settings.strict and plan.missing:
         for warning in plan.warnings:
             emit("error", warning)

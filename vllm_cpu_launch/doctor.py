@@ -416,8 +416,12 @@ def build_report(
         "memory": memory_section(),
         "vllm": vllm_section(target, target_error, environ),
         "libraries": {
-            IOMP: library_section(find_library(IOMP, host, prefix, exhaustive=True)),
-            TCMALLOC: library_section(find_library(TCMALLOC, host, prefix, exhaustive=True)),
+            IOMP: library_section(
+                find_library(IOMP, host, prefix, exhaustive=True, explicit=settings.iomp_path)
+            ),
+            TCMALLOC: library_section(
+                find_library(TCMALLOC, host, prefix, True, explicit=settings.tcmalloc_path)
+            ),
         },
         "environment": caller_variables(environ),
         "settings": settings_section(settings, settings_error),

@@ -535,12 +535,25 @@ def find_library(
     host: Host,
     target_prefix: str | None,
     exhaustive: bool = False,
+    explicit: str | None = None,
 ) -> Search:
     """Search the places in order; the first place with a usable file wins.
 
     Within one place Intel's runtime is preferred over LLVM's. With `exhaustive`
-    (doctor) every place is examined and reported.
+    (doctor) every place is examined and reported. An `explicit` file (--iomp-path)
+    is the only candidate: there is no falling back from what the user named.
     """
+    if explicit is not None:
+        reason, flavor = examine(explicit, kind, host)
+        given = Candidate(
+            kind,
+            explicit,
+            "explicit",
+            "rejected" if reason else "chosen",
+            reason or "given",
+            flavor,
+        )
+        return Search(kind, None if reason else given, (given,), ("explicit",))
     seen: set[str] = set()
     candidates: list[Candidate] = []
     searched: list[str] = []
@@ -570,10 +583,3 @@ def find_library(
         )
         candidates = [chosen if c is winner else c for c in candidates]
     return Search(kind, chosen, tuple(candidates), tuple(searched))
-
-
-def check_explicit(kind: str, path: str, host: Host) -> Candidate:
-    """An `--iomp-path`/`--tcmalloc-path` file: validated like any other."""
-    reason, flavor = examine(path, kind, host)
-    verdict = "rejected" if reason else "chosen"
-    return Candidate(kind, path, "explicit", verdict, reason or "given explicitly", flavor)

@@ -9,7 +9,6 @@ from vllm_cpu_launch.libraries import (
     Candidate,
     Host,
     Search,
-    check_explicit,
     find_library,
     preload_entries,
 )
@@ -74,21 +73,13 @@ def fix_hint(target: Target) -> str:
     return "pip install intel-openmp  (into the Python environment that runs vLLM)"
 
 
-def validated_explicit(kind: str, path: str, host: Host) -> Candidate:
+def validated_explicit(kind: str, path: str, host: Host) -> Search:
     """An `--iomp-path`/`--tcmalloc-path` library; a bad one is an error, never skipped."""
-    candidate = check_explicit(kind, path, host)
-    if candidate.verdict != "chosen":
-        raise LaunchError(
-            EXIT_USAGE, f"{kind} library {path} cannot be preloaded: {candidate.reason}"
-        )
-    return candidate
-
-
-def search_kind(kind: str, explicit: Candidate | None, host: Host, target: Target) -> Search:
-    """Look for one library, unless the user named one (no fallback from it)."""
-    if explicit is None:
-        return find_library(kind, host, target.prefix)
-    return Search(kind, explicit, (explicit,), ("explicit",))
+    search = find_library(kind, host, None, explicit=path)
+    if search.chosen is None:
+        reason = search.candidates[0].reason
+        raise LaunchError(EXIT_USAGE, f"{kind} library {path} cannot be preloaded: {reason}")
+    return search
 
 
 def missing_message(search: Search, target: Target, consequence: str) -> str:
@@ -137,7 +128,7 @@ def build_plan(
         wants_iomp = False
     iomp: Candidate | None = None
     if wants_iomp:
-        search = search_kind(IOMP, explicit.get(IOMP), host, target)
+        search = explicit.get(IOMP) or find_library(IOMP, host, target.prefix)
         searches.append(search)
         iomp = search.chosen
         if iomp is None:
@@ -156,7 +147,7 @@ def build_plan(
     )
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
-        search = search_kind(TCMALLOC, explicit.get(TCMALLOC), host, target)
+        search = explicit.get(TCMALLOC) or find_library(TCMALLOC, host, target.prefix)
         searches.append(search)
         tcmalloc = search.chosen
         if tcmalloc is None and settings.tcmalloc == "always":

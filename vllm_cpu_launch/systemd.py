@@ -16,7 +16,7 @@ import string
 import sys
 
 from vllm_cpu_launch import __version__
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
 
 TYPE_CHECKING = False
@@ -178,12 +178,10 @@ def baked_options(values: dict[str, object], target: Target | None) -> list[str]
     options: list[str] = []
     for key, option in BAKED_VALUED:
         value = values.get(key)
-        if (
-            key == "vllm"
-            and target is not None
-            and (value is not None or target.found_via == "PATH")
-        ):
-            value = target.executable  # the same vLLM as now, whatever the service's PATH
+        if key == "vllm" and target is not None and target.found_via != "launcher-environment":
+            # The same vLLM as now, whether --vllm, a variable, a config file or PATH
+            # found it: the service sees none of the last three as they are here.
+            value = target.executable
         if not isinstance(value, str):
             continue
         if key in PATH_KEYS or (key == "vllm" and os.sep in value):
@@ -300,31 +298,26 @@ def warn_unseen_variables() -> None:
 def check_plan(
     values: dict[str, object], arguments: Sequence[str], program: str | None
 ) -> Target | None:
-    """Resolve the target and plan now, to warn early; None when the target is missing."""
-    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
-    from vllm_cpu_launch.plan import build_plan
-    from vllm_cpu_launch.settings import load_settings
-    from vllm_cpu_launch.speculative import SpeculativeRequest, detect
-    from vllm_cpu_launch.target import resolve_program, resolve_vllm
+    """Plan now, to warn early about what the service will meet; None without a target."""
+    from vllm_cpu_launch.cli import prepare_launch
+    from vllm_cpu_launch.settings import SYSTEM_CONFIG
 
-    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
-    settings = load_settings(options, os.environ)
     try:
-        if program is None:
-            target = resolve_vllm(settings.vllm, os.environ, sys.executable)
-        else:
-            target = resolve_program(program, os.environ)
+        settings, target, plan = prepare_launch(values, arguments, program)
     except LaunchError as error:
+        if error.code not in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
+            raise
         emit("warning", f"{error.message}; the service will fail to start until this is fixed")
         return None
-    if program is None:
-        speculative = detect(arguments)
-        auto_iomp = speculative.requested
-    else:
-        speculative, auto_iomp = SpeculativeRequest(False), True
-    plan = build_plan(settings, arguments, speculative, target, current_host(), auto_iomp)
     for warning in plan.warnings:
         emit("warning", warning)
+    for path in settings.config_files:
+        if path != SYSTEM_CONFIG and path != values.get("config"):
+            emit(
+                "warning",
+                f"settings from {path} apply here but not to the service (it has its own "
+                f"HOME); pass --launcher-config {path} or use {SYSTEM_CONFIG}",
+            )
     return target
 
 
