@@ -28,12 +28,10 @@ from typing import Any
 import psutil
 import pytest
 
-# scripts/vllm_server.py starts and drives the server, for the demo and benchmarks too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
+# scripts/vllm_server.py (on sys.path through conftest) starts and drives the server, for
+# the demo and benchmarks too.
 from vllm_server import (
     DRAFT_TOKENS_METRIC,
-    ENV_SETUP_LIMIT_S,
     MODEL_LIMIT_S,
     REQUEST_LIMIT_S,
     SD_WARNING,
@@ -47,7 +45,6 @@ from vllm_server import (
     killed_on_exit,
     make_model_command,
     metric_total,
-    prepare_env_command,
     process_tree,
     session_members,
     snapshot,
@@ -56,8 +53,9 @@ from vllm_server import (
     wait_until_healthy,
 )
 
+from .conftest import SKIP_VARIABLE, run_script
+
 REPO = Path(__file__).resolve().parents[2]
-SKIP_VARIABLE = "VLLM_CPU_LAUNCH_SKIP_E2E"
 IOMP_MISSING_WARNING = "libiomp is not found in LD_PRELOAD"
 MAX_TOKENS = 32
 STARTUP_LIMIT_S = 300
@@ -68,25 +66,6 @@ LOG_TAIL_LINES = 60
 pytestmark = pytest.mark.skipif(
     os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
 )
-
-
-def run_script(command: Sequence[str], limit_s: float) -> str:
-    """Run one of the repo's scripts and return the last line it printed (its result)."""
-    try:
-        completed = subprocess.run(
-            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=limit_s
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{' '.join(command)} did not finish within {limit_s:.0f} s")
-    if completed.returncode != 0 or not completed.stdout.strip():
-        pytest.fail(f"{' '.join(command)} failed ({completed.returncode}):\n{completed.stderr}")
-    return completed.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="session")
-def vllm_env() -> Path:
-    """The cached vLLM CPU environment, built on first use."""
-    return Path(run_script(prepare_env_command(), ENV_SETUP_LIMIT_S))
 
 
 @pytest.fixture(scope="session")
