@@ -53,20 +53,28 @@ def real_iomp() -> Path:
     return path
 
 
+def apt_get(arguments: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["apt-get", *arguments],
+        cwd=DEB_CACHE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 @pytest.fixture(scope="session")
 def debian_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real Debian tree (usr/lib/...) unpacked from the real packages, cached once."""
     DEB_CACHE.mkdir(parents=True, exist_ok=True)
     missing = [p for p in DEBIAN_PACKAGES if not list(DEB_CACHE.glob(f"{p}_*.deb"))]
     if missing:
-        result = subprocess.run(
-            ["apt-get", "download", *missing],
-            cwd=DEB_CACHE,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        result = apt_get(["download", *missing])
+        if result.returncode != 0 and os.geteuid() == 0:
+            # A fresh machine may have no package lists yet.
+            apt_get(["update", "-qq"])
+            result = apt_get(["download", *missing])
         if result.returncode != 0:
             pytest.fail(f"apt-get download {' '.join(missing)} failed: {result.stderr.strip()}")
     root = tmp_path_factory.mktemp("debian-root")
