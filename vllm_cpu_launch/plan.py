@@ -17,7 +17,7 @@ from vllm_cpu_launch.settings import blocktime_problem
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from typing import Any
 
     from vllm_cpu_launch.settings import Settings
@@ -91,6 +91,47 @@ def missing_message(search: Search, target: Target, consequence: str) -> str:
     )
 
 
+def why(settings: Settings, speculative: SpeculativeRequest, auto_iomp: bool) -> str:
+    """Why Intel OpenMP is wanted or not, for the INFO line."""
+    if settings.iomp != "auto":
+        return f"--iomp {settings.iomp}"
+    if speculative.requested:
+        return f"speculative decoding requested by {speculative.source}"
+    if auto_iomp:
+        return "exec preloads Intel OpenMP unless --iomp never"
+    return "no speculative decoding requested"
+
+
+def environment_changes(
+    environ: Mapping[str, str],
+    chosen: Sequence[Candidate],
+    kmp_blocktime: str | None,
+    warnings: list[str],
+) -> dict[str, str]:
+    """LD_PRELOAD and KMP_BLOCKTIME as they must change (only what changes)."""
+    env: dict[str, str] = {}
+    current = environ.get("LD_PRELOAD", "")
+    if chosen:
+        composed, dropped = compose_ld_preload(current, [c.path for c in chosen])
+        for entry in dropped:
+            warnings.append(
+                f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both "
+                "libgomp and Intel OpenMP preloaded"
+            )
+        if composed != current:
+            env["LD_PRELOAD"] = composed
+    callers = environ.get("KMP_BLOCKTIME")
+    iomp_preloaded = any(c.kind == IOMP for c in chosen)
+    if kmp_blocktime is None and iomp_preloaded:
+        if callers is None:
+            kmp_blocktime = DEFAULT_KMP_BLOCKTIME
+        elif problem := blocktime_problem(callers):  # the caller's is kept, but said
+            warnings.append(f"{problem} (yours is kept; --kmp-blocktime 5 overrides it)")
+    if kmp_blocktime is not None and callers != kmp_blocktime:
+        env["KMP_BLOCKTIME"] = kmp_blocktime
+    return env
+
+
 def build_plan(
     settings: Settings,
     arguments: Sequence[str],
@@ -103,14 +144,6 @@ def build_plan(
 
     `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
     """
-    if settings.iomp != "auto":
-        reason = f"--iomp {settings.iomp}"
-    elif speculative.requested:
-        reason = f"speculative decoding requested by {speculative.source}"
-    elif auto_iomp:
-        reason = "exec preloads Intel OpenMP unless --iomp never"
-    else:
-        reason = "no speculative decoding requested"
     warnings: list[str] = []
     notes: list[str] = []
     missing: list[str] = []
@@ -163,31 +196,11 @@ def build_plan(
                 f"usable {candidate.kind} library: {candidate.reason}"
             )
     chosen = [c for c in (tcmalloc, iomp) if c is not None]
-    env: dict[str, str] = {}
-    current = host.environ.get("LD_PRELOAD", "")
-    if chosen:
-        composed, dropped = compose_ld_preload(current, [c.path for c in chosen])
-        for entry in dropped:
-            warnings.append(
-                f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both "
-                "libgomp and Intel OpenMP preloaded"
-            )
-        if composed != current:
-            env["LD_PRELOAD"] = composed
-    blocktime = settings.kmp_blocktime
-    callers = host.environ.get("KMP_BLOCKTIME")
-    if blocktime is None and iomp is not None:
-        if callers is None:
-            blocktime = DEFAULT_KMP_BLOCKTIME
-        elif problem := blocktime_problem(callers):  # the caller's is kept, but said
-            warnings.append(f"{problem} (yours is kept; --kmp-blocktime 5 overrides it)")
-    if blocktime is not None and host.environ.get("KMP_BLOCKTIME") != blocktime:
-        env["KMP_BLOCKTIME"] = blocktime
-
+    env = environment_changes(host.environ, chosen, settings.kmp_blocktime, warnings)
     return Plan(
         command=(target.executable, *arguments),
         speculative=speculative,
-        reason=reason,
+        reason=why(settings, speculative, auto_iomp),
         preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
         env=tuple(env.items()),
         warnings=tuple(warnings),
