@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -81,6 +82,56 @@ def debian_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for deb in sorted(DEB_CACHE.glob("*.deb")):
         subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, timeout=120)
     return root
+
+
+NOBODY = 65534  # the uid tests switch to where root would read everything
+AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+
+
+@pytest.fixture(scope="session")
+def nobody_launcher() -> Iterator[list[str]]:
+    """`python -m vllm_cpu_launch` as uid 65534 can run it (prefix it with AS_NOBODY).
+
+    Root reads everything, so unreadable files and processes need another user. That user
+    may not enter the checkout or its venv (CI may clone into `mktemp -d`, mode 0700), so
+    the package and psutil (for verify) are copied to a directory anyone can read, for an
+    interpreter outside /root that uid 65534 can run.
+    """
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the launcher as uid 65534")
+    import psutil
+
+    public = Path(tempfile.mkdtemp(prefix="vcl-nobody-"))
+    try:
+        for package in (REPO / "vllm_cpu_launch", Path(psutil.__file__).parent):
+            ignore = shutil.ignore_patterns("__pycache__")
+            shutil.copytree(package, public / package.name, ignore=ignore)
+        subprocess.run(["chmod", "-R", "a+rX", str(public)], check=True, timeout=60)
+        launcher = None
+        for python in (sys.executable, "/usr/bin/python3"):
+            command = [python, "-c", "import psutil, vllm_cpu_launch"]
+            probe = subprocess.run(
+                [*AS_NOBODY, *command],
+                env={"PYTHONPATH": str(public), "PATH": "/usr/bin:/bin"},
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+            if probe.returncode == 0:
+                launcher = [python, "-c", NOBODY_ENTRY, str(public)]
+                break
+        if launcher is None:
+            pytest.fail("no Python that uid 65534 can run with the launcher and psutil")
+        yield launcher
+    finally:
+        shutil.rmtree(public)
+
+
+# The entry for uid 65534: the public copy first on sys.path, then the launcher's main().
+NOBODY_ENTRY = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from vllm_cpu_launch.cli import main; raise SystemExit(main())"
+)
 
 
 def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -18,16 +18,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 LAUNCHER: tuple[str, ...] = (PYTHON, "-m", "vllm_cpu_launch")
 # The real Intel OpenMP of the `intel-openmp` wheel in the test venv; it is also the
 # launcher's own environment's library (origin "launcher-environment").
 REAL_IOMP = Path(sys.prefix) / "lib" / "libiomp5.so"
-NOBODY = 65534
-AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
 GUARD = 120.0  # seconds; a hang guard, never a speed assertion
 ERROR_PREFIX = "vllm-cpu-launch: error: "
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
@@ -226,13 +222,6 @@ def patch_elf(
         data[18:20] = e_machine.to_bytes(2, "little")
     destination.write_bytes(bytes(data))
     return destination
-
-
-def require_root_and_setpriv() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the test changes owners and switches to uid 65534")
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
 
 
 @contextmanager

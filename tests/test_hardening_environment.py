@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import AS_NOBODY
 from .hardening_support import (
-    AS_NOBODY,
     ERROR_PREFIX,
     GUARD,
     LAUNCHER,
@@ -21,7 +21,6 @@ from .hardening_support import (
     public_directory,
     read_record,
     record_argv,
-    require_root_and_setpriv,
     run,
     single_error,
     text,
@@ -268,11 +267,13 @@ def place_config(path: Path, content: bytes) -> None:
 
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("problem", list(PROBLEMS))
-def test_bad_config_file_exits_2_naming_file_and_key(source: str, problem: str) -> None:
+def test_bad_config_file_exits_2_naming_file_and_key(
+    source: str, problem: str, request: pytest.FixtureRequest
+) -> None:
     content, message, key = PROBLEMS[problem]
     as_nobody = problem == "unreadable" and os.geteuid() == 0
-    if as_nobody:
-        require_root_and_setpriv()
+    # Root reads everything: an unreadable file needs another user.
+    launcher = request.getfixturevalue("nobody_launcher") if as_nobody else LAUNCHER
     with public_directory() as root:  # uid 65534 must reach it in the "unreadable" case
         vllm = fake_vllm(root / "env")
         (root / "env" / "bin" / "python").unlink()
@@ -293,7 +294,7 @@ def test_bad_config_file_exits_2_naming_file_and_key(source: str, problem: str) 
             path = root / "home" / ".config" / "vllm-cpu-launch" / "config.yaml"
             del environ["XDG_CONFIG_HOME"]
         place_config(path, content)
-        result = run(args, environ, prefix=AS_NOBODY if as_nobody else ())
+        result = run(args, environ, launcher, prefix=AS_NOBODY if as_nobody else ())
         if problem == "missing" and source in ("XDG_CONFIG_HOME", "HOME/.config"):
             # The user file is optional: without it the launcher plans as usual.
             assert result.returncode == 0, text(result.stderr)

@@ -16,12 +16,11 @@ import pytest
 
 from vllm_cpu_launch.libraries import IOMP, Host, find_library
 
+from .conftest import AS_NOBODY, NOBODY
 from .hardening_support import (
-    AS_NOBODY,
     GUARD,
     LAUNCHER,
     NGRAM,
-    NOBODY,
     REAL_IOMP,
     base_environ,
     dry_run_plan,
@@ -29,7 +28,6 @@ from .hardening_support import (
     isolated_launcher,
     patch_elf,
     public_directory,
-    require_root_and_setpriv,
     run,
     single_error,
     text,
@@ -298,9 +296,8 @@ def test_fifo_given_with_iomp_path_is_an_error_not_a_hang(tmp_path: Path) -> Non
     assert f"{tmp_path / 'libiomp5.so'} cannot be preloaded: not a regular file" in line
 
 
-def test_unreadable_library_as_an_unprivileged_user(tmp_path: Path) -> None:
+def test_unreadable_library_as_an_unprivileged_user(nobody_launcher: list[str]) -> None:
     """Root reads everything, so this runs the launcher as uid 65534 (setpriv)."""
-    require_root_and_setpriv()
     with public_directory() as root:
         vllm = fake_vllm(root / "env")
         (root / "env" / "bin" / "python").unlink()
@@ -309,7 +306,7 @@ def test_unreadable_library_as_an_unprivileged_user(tmp_path: Path) -> None:
         lib.chmod(0o600)
         environ = base_environ(root / "home")
         args = ["--vllm", str(vllm), "serve", "m", "-sc", NGRAM]
-        plan = dry_run_plan(args, environ, prefix=AS_NOBODY)
+        plan = dry_run_plan(args, environ, nobody_launcher, prefix=AS_NOBODY)
     assert_rejected_then_safe_one_chosen(plan, lib, "not readable: Permission denied")
 
 

@@ -21,11 +21,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import REPO, clean_environ, run_launcher
+from tests.conftest import AS_NOBODY, REPO, clean_environ, run_launcher
 from vllm_cpu_launch.systemd import environment_word, exec_line
 
 SYSTEMD = "/lib/systemd/systemd"
-NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
 SHIPPED = REPO / "scripts"
 CONSOLE_SCRIPT = Path(sys.executable).parent / "vllm-cpu-launch"
 TRICKY_ARGUMENTS = [
@@ -125,7 +124,7 @@ def systemd_parsed_argv(unit: Path) -> list[bytes]:
     """ExecStart's argv as the real systemd parses the unit (test mode, no manager)."""
     environ = {"SYSTEMD_UNIT_PATH": f"{unit.parent}:/lib/systemd/system", "LANG": "C.UTF-8"}
     result = subprocess.run(
-        [*NOBODY, need(SYSTEMD), "--test", "--system", f"--unit={unit.name}"],
+        [*AS_NOBODY, need(SYSTEMD), "--test", "--system", f"--unit={unit.name}"],
         env=environ,
         capture_output=True,
         timeout=120,

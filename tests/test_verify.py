@@ -14,14 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, clean_environ, run_launcher
+from tests.conftest import AS_NOBODY, clean_environ, run_launcher
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -240,41 +239,13 @@ def test_usage_errors_exit_2(tmp_path: Path, args: list[str], message: str) -> N
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
-def unprivileged_python() -> list[str]:
-    """An interpreter user nobody can run, with this checkout and its dependencies."""
-    for python in (sys.executable, "/usr/bin/python3"):
-        probe = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", "1"],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
-        if probe.returncode == 0:
-            return [python]
-    pytest.fail("no Python that user nobody can run (is the venv under /root?)")
-
-
 def test_unprivileged_user_cannot_read_a_root_process(
-    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+    start_tree: Callable[..., list[int]], real_iomp: Path, nobody_launcher: list[str]
 ) -> None:
-    if os.geteuid() != 0:
-        pytest.fail("this test needs root, to verify a root process as user nobody")
     pids = start_tree(SERVE_SD, [], LD_PRELOAD=str(real_iomp))
-    site = sysconfig.get_paths()["purelib"]
-    environ = {"PYTHONPATH": f"{REPO}:{site}", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     result = subprocess.run(
-        [
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            *unprivileged_python(),
-            "-m",
-            "vllm_cpu_launch",
-            "verify",
-            str(pids[0]),
-        ],
-        env=environ,
+        [*AS_NOBODY, *nobody_launcher, "verify", str(pids[0])],
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         capture_output=True,
         text=True,
         timeout=120,
