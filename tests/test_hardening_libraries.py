@@ -297,17 +297,31 @@ def test_fifo_given_with_iomp_path_is_an_error_not_a_hang(tmp_path: Path) -> Non
 
 
 def test_unreadable_library_as_an_unprivileged_user(nobody_launcher: list[str]) -> None:
-    """Root reads everything, so this runs the launcher as uid 65534 (setpriv)."""
+    """Root reads everything, so this runs the launcher as uid 65534 (setpriv). That user
+    may not reach the test venv's library either, so the readable one is on
+    LD_LIBRARY_PATH in a directory anyone can enter."""
     with public_directory() as root:
         vllm = fake_vllm(root / "env")
         (root / "env" / "bin" / "python").unlink()
         (root / "env" / "bin" / "python").symlink_to("/bin/sh")  # uid 65534 can stat it
         lib = root / "env" / "lib" / "libiomp5.so"
         lib.chmod(0o600)
-        environ = base_environ(root / "home")
+        readable = root / "readable" / "libiomp5.so"
+        readable.parent.mkdir()
+        copy_real(readable)
+        environ = base_environ(root / "home", LD_LIBRARY_PATH=str(readable.parent))
         args = ["--vllm", str(vllm), "serve", "m", "-sc", NGRAM]
         plan = dry_run_plan(args, environ, nobody_launcher, prefix=AS_NOBODY)
-    assert_rejected_then_safe_one_chosen(plan, lib, "not readable: Permission denied")
+    by_path = {c["path"]: c for c in plan["candidates"]}
+    assert by_path[str(lib)]["verdict"] == "rejected"
+    assert "not readable: Permission denied" in by_path[str(lib)]["reason"]
+    # The search went on to a readable one: the launcher's own, where uid 65534 can reach
+    # the checkout's venv, else the one on LD_LIBRARY_PATH.
+    (chosen,) = plan["preload"]
+    assert (chosen["path"], chosen["origin"]) in {
+        (str(REAL_IOMP), "launcher-environment"),
+        (str(readable), "ld-library-path"),
+    }
 
 
 # ------------------------------------------------------------------ LD_LIBRARY_PATH
