@@ -141,14 +141,16 @@ def start_server(
     *,
     port: int | None = None,
     cwd: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> Server:
-    """Start `PREFIX serve MODEL ...` (on `port`, else a free one) in a session of its own,
-    stdout and stderr to scratch/server.log."""
+    """Start `PREFIX serve MODEL ... EXTRA` (on `port`, else a free one) in a session of its
+    own, stdout and stderr to scratch/server.log. `extra` holds what a deployment adds to the
+    operator's command line: the parallel options of one node of several, say."""
     port = free_loopback_port() if port is None else port
     log = scratch / "server.log"
     with log.open("wb") as log_file:
         process = subprocess.Popen(
-            [*prefix, *serve_arguments(model, port)],
+            [*prefix, *serve_arguments(model, port), *extra],
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

@@ -1,11 +1,14 @@
-"""The real vLLM CPU environment, shared by the end-to-end tests."""
+"""The real vLLM CPU environment, the tiny model and the checks the end-to-end tests share."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +16,30 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SKIP_VARIABLE = "VLLM_CPU_LAUNCH_SKIP_E2E"
 sys.path.insert(0, str(SCRIPTS))
 
-from vllm_server import ENV_SETUP_LIMIT_S, prepare_env_command  # noqa: E402
+# scripts/vllm_server.py starts and drives the server, for the demo and benchmarks too.
+from vllm_server import (  # noqa: E402
+    DRAFT_TOKENS_METRIC,
+    ENV_SETUP_LIMIT_S,
+    MODEL_LIMIT_S,
+    REQUEST_LIMIT_S,
+    ProcessView,
+    Server,
+    ServerError,
+    completion_payload,
+    http_post_json,
+    make_model_command,
+    metric_total,
+    prepare_env_command,
+    process_tree,
+    snapshot,
+    wait_until_healthy,
+)
+
+MAX_TOKENS = 32
+STARTUP_LIMIT_S = 300
+METRICS_LIMIT_S = 30
+POLL_INTERVAL_S = 1.0
+LOG_TAIL_LINES = 60
 
 
 def run_script(command: Sequence[str], limit_s: float) -> str:
@@ -33,3 +59,64 @@ def run_script(command: Sequence[str], limit_s: float) -> str:
 def vllm_env() -> Path:
     """The cached vLLM CPU environment, built on first use."""
     return Path(run_script(prepare_env_command(), ENV_SETUP_LIMIT_S))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama made by the vLLM environment's own Python (one per session)."""
+    output = tmp_path_factory.mktemp("tiny-model")
+    return Path(run_script(make_model_command(vllm_env, output), MODEL_LIMIT_S))
+
+
+def tail(server: Server) -> str:
+    """The end of the server log, for failure messages."""
+    return server.tail(LOG_TAIL_LINES)
+
+
+def wait_for_health(server: Server, limit_s: float = STARTUP_LIMIT_S) -> float:
+    """Bounded wait for /health; seconds it took. Fails with the log tail if it never comes."""
+    try:
+        return wait_until_healthy(server, limit_s, POLL_INTERVAL_S)
+    except ServerError as error:
+        pytest.fail(f"{error}\n{tail(server)}")
+
+
+def tree_views(server: Server) -> list[ProcessView]:
+    """Snapshots of the server's main process (first) and every descendant still running."""
+    views = [snapshot(pid) for pid in process_tree(server.process.pid)]
+    if views[0] is None:
+        pytest.fail(f"the server's main process is gone\n{tail(server)}")
+    return [view for view in views if view is not None]
+
+
+def complete(server: Server) -> dict[str, Any]:
+    """One greedy completion of the repetitive prompt, always MAX_TOKENS long."""
+    payload = completion_payload(MAX_TOKENS, ignore_eos=True)
+    return http_post_json(f"{server.url}/v1/completions", payload, REQUEST_LIMIT_S)
+
+
+def drafted_tokens(server: Server) -> float:
+    """Draft tokens proposed so far, as /metrics counts them."""
+    return metric_total(server.url, DRAFT_TOKENS_METRIC)
+
+
+def wait_for_drafts(server: Server) -> float:
+    """Bounded wait until /metrics counts draft tokens; the last count seen."""
+    deadline = time.monotonic() + METRICS_LIMIT_S
+    while (drafted := drafted_tokens(server)) == 0 and time.monotonic() < deadline:
+        time.sleep(POLL_INTERVAL_S)
+    return drafted
+
+
+def verify(server: Server) -> tuple[int, dict[str, Any]]:
+    """`vllm-cpu-launch verify --json PID` on the server, as an operator would run it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_cpu_launch", "verify", "--json", str(server.process.pid)],
+        capture_output=True,
+        text=True,
+        timeout=REQUEST_LIMIT_S,
+        check=False,
+    )
+    assert result.returncode in (0, 1), result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    return result.returncode, report

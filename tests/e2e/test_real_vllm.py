@@ -15,7 +15,6 @@ when it spawned them remain. For those processes the proof is what is mapped
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +22,6 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -32,52 +30,37 @@ import pytest
 # the demo and benchmarks too.
 from vllm_server import (
     DRAFT_TOKENS_METRIC,
-    MODEL_LIMIT_S,
-    REQUEST_LIMIT_S,
     SD_WARNING,
     STOP_LIMIT_S,
     ProcessView,
     Server,
-    ServerError,
-    completion_payload,
-    http_post_json,
     isolated_environment,
     killed_on_exit,
-    make_model_command,
-    metric_total,
     process_tree,
     session_members,
-    snapshot,
     start_server,
     survivors,
-    wait_until_healthy,
 )
 
-from .conftest import SKIP_VARIABLE, run_script
+from .conftest import (
+    MAX_TOKENS,
+    POLL_INTERVAL_S,
+    SKIP_VARIABLE,
+    STARTUP_LIMIT_S,
+    complete,
+    tail,
+    tree_views,
+    verify,
+    wait_for_drafts,
+    wait_for_health,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 IOMP_MISSING_WARNING = "libiomp is not found in LD_PRELOAD"
-MAX_TOKENS = 32
-STARTUP_LIMIT_S = 300
-METRICS_LIMIT_S = 30
-POLL_INTERVAL_S = 1.0
-LOG_TAIL_LINES = 60
 
 pytestmark = pytest.mark.skipif(
     os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
 )
-
-
-@pytest.fixture(scope="session")
-def tiny_model(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama made by the vLLM environment's own Python."""
-    output = tmp_path_factory.mktemp("tiny-model")
-    return Path(run_script(make_model_command(vllm_env, output), MODEL_LIMIT_S))
-
-
-def tail(server: Server) -> str:
-    """The end of the server log, for failure messages."""
-    return server.tail(LOG_TAIL_LINES)
 
 
 @contextlib.contextmanager
@@ -87,14 +70,6 @@ def serving(prefix: Sequence[str], model: Path, scratch: Path) -> Iterator[Serve
     env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_"))
     with killed_on_exit(start_server(prefix, model, scratch, env, cwd=REPO)) as server:
         yield server
-
-
-def wait_for_health(server: Server) -> float:
-    """Bounded wait for /health; seconds it took. Fails with the log tail if it never comes."""
-    try:
-        return wait_until_healthy(server, STARTUP_LIMIT_S, POLL_INTERVAL_S)
-    except ServerError as error:
-        pytest.fail(f"{error}\n{tail(server)}")
 
 
 def wait_for_log_text(server: Server, text: str) -> bool:
@@ -109,14 +84,6 @@ def wait_for_log_text(server: Server, text: str) -> bool:
     return False
 
 
-def tree_views(server: Server) -> list[ProcessView]:
-    """Snapshots of the server's main process (first) and every descendant still running."""
-    views = [snapshot(pid) for pid in process_tree(server.process.pid)]
-    if views[0] is None:
-        pytest.fail(f"the server's main process is gone\n{tail(server)}")
-    return [view for view in views if view is not None]
-
-
 def listening_ports(process: psutil.Process) -> set[int]:
     """TCP ports the process listens on."""
     return {
@@ -124,25 +91,6 @@ def listening_ports(process: psutil.Process) -> set[int]:
         for connection in process.net_connections(kind="tcp")
         if connection.status == psutil.CONN_LISTEN
     }
-
-
-def complete(server: Server) -> dict[str, Any]:
-    """One greedy completion of the repetitive prompt, always MAX_TOKENS long."""
-    payload = completion_payload(MAX_TOKENS, ignore_eos=True)
-    return http_post_json(f"{server.url}/v1/completions", payload, REQUEST_LIMIT_S)
-
-
-def drafted_tokens(server: Server) -> float:
-    """Draft tokens proposed so far, as /metrics counts them."""
-    return metric_total(server.url, DRAFT_TOKENS_METRIC)
-
-
-def wait_for_drafts(server: Server) -> float:
-    """Bounded wait until /metrics counts draft tokens; the last count seen."""
-    deadline = time.monotonic() + METRICS_LIMIT_S
-    while (drafted := drafted_tokens(server)) == 0 and time.monotonic() < deadline:
-        time.sleep(POLL_INTERVAL_S)
-    return drafted
 
 
 @pytest.fixture
@@ -179,20 +127,6 @@ def test_control_plain_vllm_warns_and_has_no_iomp(
     code, report = verify(server)
     assert code == 1, report
     assert {p["verdict"] for p in report["processes"]} == {"problem"}
-
-
-def verify(server: Server) -> tuple[int, dict[str, Any]]:
-    """`vllm-cpu-launch verify --json PID` on the server, as an operator would run it."""
-    result = subprocess.run(
-        [sys.executable, "-m", "vllm_cpu_launch", "verify", "--json", str(server.process.pid)],
-        capture_output=True,
-        text=True,
-        timeout=REQUEST_LIMIT_S,
-        check=False,
-    )
-    assert result.returncode in (0, 1), result.stderr
-    report: dict[str, Any] = json.loads(result.stdout)
-    return result.returncode, report
 
 
 def test_launcher_execs_into_the_api_server(launched: Server, vllm_env: Path) -> None:
