@@ -84,7 +84,7 @@ def test_nothing_to_set_is_a_comment(tmp_path: Path, vllm_env: Path) -> None:
     assert (
         result.stdout == "# vllm-cpu-launch: nothing to set (no speculative decoding requested)\n"
     )
-    for output_format in ("systemd", "docker"):
+    for output_format in ("systemd", "docker", "kubernetes"):
         other = run_env(tmp_path, vllm_env, "--format", output_format, "serve", "m")
         assert other.stdout == result.stdout
 

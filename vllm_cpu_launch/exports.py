@@ -1,9 +1,10 @@
 """`vllm-cpu-launch env`: the plan's environment, for those who cannot exec through us.
 
 `shell` prints `export` lines safe to `eval`, `systemd` an `EnvironmentFile=` body,
-`docker` Dockerfile `ENV` lines, `json` the plan itself (as `--dry-run --json`).
+`docker` Dockerfile `ENV` lines, `kubernetes` a container's `env:` list (YAML), `json`
+the plan itself (as `--dry-run --json`).
 
-The first three carry the final value of every variable the plan relies on: what it
+The first four carry the final value of every variable the plan relies on: what it
 sets or changes, and also LD_PRELOAD and KMP_BLOCKTIME when the plan keeps the
 caller's value (a unit or an image does not inherit the caller's shell). `json` is the
 plan as DESIGN.md defines it: only what the launcher sets or changes.
@@ -23,16 +24,18 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.plan import Plan
 
-FORMATS = ("shell", "systemd", "docker", "json")
+FORMATS = ("shell", "systemd", "docker", "kubernetes", "json")
 RELIED_ON = ("LD_PRELOAD", "KMP_BLOCKTIME")
 
 USAGE = """\
-usage: vllm-cpu-launch env [--format shell|systemd|docker|json] [OPTIONS] [--] VLLM_SUBCOMMAND ...
+usage: vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json]
+                           [OPTIONS] [--] VLLM_SUBCOMMAND ...
 
 Print the environment the launcher would give vLLM, for starting it another way:
   shell    export lines:  eval "$(vllm-cpu-launch env serve MODEL ...)"
   systemd  an EnvironmentFile= body (systemd.exec(5) quoting)
   docker   ENV lines for a Dockerfile
+  kubernetes  a container's env: list (YAML, every value a quoted string)
   json     the plan, as --dry-run --json prints it
 Warnings go to standard error; the launcher OPTIONS are those of a normal start.
 """
@@ -79,6 +82,42 @@ def docker_lines(environment: Mapping[str, str]) -> list[str]:
     return [f"ENV {name}={docker_value(name, value)}" for name, value in environment.items()]
 
 
+class _Quoted(str):
+    """A YAML scalar written double-quoted: Kubernetes wants strings, and `5` or `yes`
+    unquoted would be read as a number or a boolean."""
+
+
+def kubernetes_value(value: str) -> str:
+    """`$` doubled: Kubernetes expands `$(NAME)` in an env value and reads `$$` as one `$`
+    (EnvVar.value in its API), so every `$` doubled reaches the container unchanged."""
+    return value.replace("$", "$$")
+
+
+def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
+    """`env:` and its list, `- name: N` / `value: "V"` (YAML double-quoted, its escapes for
+    control characters), for a container spec."""
+    import yaml  # only here: the exec path never imports yaml
+
+    class Dumper(yaml.SafeDumper):
+        """SafeDumper that writes _Quoted values double-quoted."""
+
+    def quoted(dumper: yaml.SafeDumper, value: _Quoted) -> yaml.ScalarNode:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style='"')
+
+    Dumper.add_representer(_Quoted, quoted)
+    entries = []
+    for name, value in environment.items():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise LaunchError(EXIT_USAGE, f"{name}'s value is not UTF-8 text") from None
+        entries.append({"name": name, "value": _Quoted(kubernetes_value(value))})
+    text = yaml.dump(
+        {"env": entries}, Dumper=Dumper, allow_unicode=True, sort_keys=False, width=2**31
+    )
+    return text.splitlines()
+
+
 def render(plan: Plan, output_format: str, caller: Mapping[str, str]) -> str:
     """The plan's environment in one of FORMATS."""
     if output_format == "json":
@@ -88,7 +127,12 @@ def render(plan: Plan, output_format: str, caller: Mapping[str, str]) -> str:
     environment = final_environment(plan, caller)
     if not environment:
         return f"# vllm-cpu-launch: nothing to set ({plan.reason})"
-    renderers = {"shell": shell_lines, "systemd": systemd_lines, "docker": docker_lines}
+    renderers = {
+        "shell": shell_lines,
+        "systemd": systemd_lines,
+        "docker": docker_lines,
+        "kubernetes": kubernetes_lines,
+    }
     return "\n".join(renderers[output_format](environment))
 
 
