@@ -105,9 +105,9 @@ def test_directory_named_vllm_on_path_is_skipped_like_a_shell_does(tmp_path: Pat
 @pytest.mark.parametrize(
     ("interpreter", "expected"),
     [
-        ("/nonexistent/bin/python3", "#!/nonexistent/bin/python3, which does not exist"),
-        ("{tmp}/text-file", "#!{tmp}/text-file, which is not an executable file"),
-        ("{tmp}", "#!{tmp}, which is not an executable file"),  # a directory
+        ("/nonexistent/bin/python3", "interpreter /nonexistent/bin/python3, which does not exist"),
+        ("{tmp}/text-file", "interpreter {tmp}/text-file, which is not an executable file"),
+        ("{tmp}", "interpreter {tmp}, which is not an executable file"),  # a directory
         (None, "Exec format error"),  # neither ELF nor #!: execve refuses it
     ],
     ids=["missing-interpreter", "interpreter-not-executable", "interpreter-directory", "no-#!"],
@@ -135,7 +135,7 @@ def test_unrunnable_script_exits_126(
 
 
 def test_env_shebang_naming_a_missing_program_is_the_programs_own_127(tmp_path: Path) -> None:
-    """`#!/usr/bin/env NAME`: the launcher execs env, which reports NAME and exits 127."""
+    """`#!/usr/bin/env NAME` with no NAME on PATH: 127, as env would exit, naming NAME."""
     vllm = tmp_path / "env" / "bin" / "vllm"
     vllm.parent.mkdir(parents=True)
     vllm.write_text("#!/usr/bin/env no-such-python-hardening\n")

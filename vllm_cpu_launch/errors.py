@@ -13,7 +13,8 @@ EXIT_NOT_FOUND = 127
 class LaunchError(Exception):
     """A failure the user can fix: printed as one line, exits with `code`."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, subject: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.subject = subject  # the file the failure is about, where there is one

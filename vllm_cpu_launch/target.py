@@ -7,33 +7,104 @@ import stat
 
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchError
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.wrappers import read_wrapper, search_path
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-SHEBANG_BYTES = 1024
+    from vllm_cpu_launch.wrappers import Wrapper
+
+ENVIRONMENT_MARKERS = ("pyvenv.cfg", "conda-meta")  # venv/virtualenv/uv/pipx; conda
 
 
 @record
 class Target:
-    """The program to exec and the environment whose libraries should serve it."""
+    """The program to exec and the Python environment whose libraries should serve it.
+
+    Decided from what installers leave on disk (see decide_environment), never by
+    running Python: `evidence` says what was used, `disagreement` where two pieces of
+    evidence pointed at different environments.
+    """
 
     executable: str  # absolute path
-    found_via: str  # "--vllm", "launcher-environment" or "PATH"
-    interpreter: str | None = None  # from the `#!` line, when it is a script
-    prefix: str | None = None  # that interpreter's environment (venv or conda root)
+    found_via: str  # "--vllm", "launcher-environment", "PATH" or "program"
+    interpreter: str | None = None  # the Python the script's wrapper runs, when it names one
+    prefix: str | None = None  # that interpreter's environment (venv, conda or base prefix)
+    user_base: str | None = None  # set for a `pip install --user` script: its user base
+    evidence: str = ""
+    disagreement: str | None = None
 
 
-def search_path(name: str, path_variable: str | None) -> str | None:
-    """The first executable `name` on PATH (like the shell), else None."""
-    for directory in (path_variable or os.defpath).split(os.pathsep):
-        if not directory or not os.path.isabs(directory):
-            continue  # the current directory is no place to pick a server from
-        candidate = os.path.join(directory, name)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+def environment_of(path: str) -> tuple[str | None, str]:
+    """(prefix, marker) of the environment `path` (an interpreter or a script) lies in.
+
+    Environments keep programs in `<prefix>/bin/`; `pyvenv.cfg` marks a venv (pip,
+    virtualenv, uv, pipx), `conda-meta/` a conda prefix. A `bin/` without either is a
+    base interpreter's prefix (marker ""). The path is not resolved: a venv's
+    `bin/python` links to the base interpreter, whose prefix is not the venv's.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(directory) != "bin":
+        return None, ""
+    prefix = os.path.dirname(directory)
+    for marker in ENVIRONMENT_MARKERS:
+        if os.path.exists(os.path.join(prefix, marker)):
+            return prefix, marker
+    return prefix, ""
+
+
+def location_environment(executable: str) -> tuple[str | None, str]:
+    """The marked environment the script itself lies in, as installed or behind links
+    (pipx and `uv tool` link `~/.local/bin/NAME` into their own venvs)."""
+    for path in dict.fromkeys((executable, os.path.realpath(executable))):
+        prefix, marker = environment_of(path)
+        if marker:
+            return prefix, marker
+    return None, ""
+
+
+def python_user_base(environ: Mapping[str, str]) -> str | None:
+    """The user base as Python computes it on Linux: PYTHONUSERBASE, else `~/.local`."""
+    if environ.get("PYTHONUSERBASE"):
+        return environ["PYTHONUSERBASE"]
+    home = environ.get("HOME")
+    return os.path.join(home, ".local") if home else None
+
+
+def decide_environment(
+    executable: str, wrapper: Wrapper, environ: Mapping[str, str]
+) -> tuple[str | None, str | None, str, str | None]:
+    """(prefix, user base, evidence, disagreement) for the program at `executable`.
+
+    The interpreter the wrapper runs decides, since its environment is the one whose
+    site-packages vLLM imports; the script's location is the evidence when the wrapper
+    names none (or the program is no script, like `exec -- /venv/bin/python`).
+    """
+    located, located_marker = location_environment(executable)
+    if wrapper.interpreter is None:
+        if located:
+            return located, None, f"the {located_marker} of the environment it lies in", None
+        prefix, _ = environment_of(executable)
+        return prefix, None, "its own bin/ directory" if prefix else "none", None
+    prefix, marker = environment_of(wrapper.interpreter)
+    how = {"direct": "its #! line", "env": "its #!/usr/bin/env and PATH"}.get(
+        wrapper.form, "its /bin/sh trampoline"
+    )
+    evidence = f"{how} names {wrapper.interpreter}" + (f" ({marker})" if marker else "")
+    disagreement = None
+    if located and located != prefix:
+        disagreement = (
+            f"{executable} lies in the environment {located}, but {how} runs "
+            f"{wrapper.interpreter} (environment {prefix or '?'}); using the latter, "
+            "which is what will run"
+        )
+    user_base = None
+    base = python_user_base(environ)
+    if not marker and base and os.path.dirname(executable) == os.path.join(base, "bin"):
+        user_base = base  # a `pip install --user` script (venvs have no user site)
+        evidence += f"; a user install in {base}"
+    return prefix, user_base, evidence, disagreement
 
 
 def check_path_files(name: str, path_variable: str | None, described: str) -> None:
@@ -57,93 +128,85 @@ def check_executable(path: str, described: str) -> None:
     try:
         status = os.stat(path)
     except FileNotFoundError:
-        raise LaunchError(EXIT_NOT_FOUND, f"{described} {path} does not exist") from None
+        raise LaunchError(
+            EXIT_NOT_FOUND, f"{described} {path} does not exist", subject=path
+        ) from None
     except OSError as error:
         raise LaunchError(
-            EXIT_NOT_EXECUTABLE, f"{described} {path} cannot be used: {error.strerror}"
+            EXIT_NOT_EXECUTABLE,
+            f"{described} {path} cannot be used: {error.strerror}",
+            subject=path,
         ) from None
     if not stat.S_ISREG(status.st_mode):
-        raise LaunchError(EXIT_NOT_EXECUTABLE, f"{described} {path} is not a regular file")
+        raise LaunchError(
+            EXIT_NOT_EXECUTABLE, f"{described} {path} is not a regular file", subject=path
+        )
     if not os.access(path, os.X_OK):
         raise LaunchError(
             EXIT_NOT_EXECUTABLE,
             f"{described} {path} is not executable; fix it with: chmod +x {path}",
+            subject=path,
         )
 
 
-def read_interpreter(executable: str, path_variable: str | None) -> str | None:
-    """The interpreter a script's `#!` line names, following pip's two forms.
-
-    pip writes `#!/abs/python` or, for paths too long or with spaces,
-    `#!/bin/sh` followed by `'''exec' "/abs/python" "$0" "$@"`.
-    """
-    try:
-        with open(executable, "rb") as stream:
-            head = stream.read(SHEBANG_BYTES)
-    except OSError:
-        return None
-    if not head.startswith(b"#!"):
-        return None
-    lines = head.decode("utf-8", "surrogateescape").splitlines()
-    words = lines[0][2:].split()
-    if not words:
-        return None
-    interpreter = words[0]
-    if os.path.basename(interpreter) == "env":
-        names = [word for word in words[1:] if not word.startswith("-")]
-        return search_path(names[0], path_variable) if names else None
-    if os.path.basename(interpreter) == "sh" and len(lines) > 1:
-        second = lines[1]
-        if second.startswith("'''exec' \""):
-            return second[len("'''exec' \"") :].partition('"')[0]
-    return interpreter
-
-
-def environment_prefix(interpreter: str) -> str | None:
-    """`/env/bin/python3` -> `/env`: venvs and conda keep the interpreter in `bin/`.
-
-    The path is not resolved: a venv's `bin/python` links to the base interpreter,
-    whose prefix is not the venv's.
-    """
-    directory = os.path.dirname(os.path.abspath(interpreter))
-    if os.path.basename(directory) != "bin":
-        return None
-    return os.path.dirname(directory)
-
-
-def describe_target(executable: str, found_via: str, path_variable: str | None) -> Target:
-    """Check that the executable can run and read its environment from the `#!` line."""
-    check_executable(executable, "vLLM executable" if found_via != "program" else "program")
-    interpreter = read_interpreter(executable, path_variable)
-    if interpreter is not None and not os.path.exists(interpreter):
+def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, str]) -> None:
+    """Fail as the kernel or the wrapper would, but say why: the interpreter is gone
+    (a moved or deleted environment), not executable, or not on PATH."""
+    if wrapper.form == "env" and wrapper.interpreter is None:
+        raise LaunchError(
+            EXIT_NOT_FOUND,
+            f"{executable} runs {wrapper.detail!r} from PATH (#!/usr/bin/env), but "
+            f"{describe_path(environ.get('PATH'))} has none; put its environment's bin/ "
+            "first on PATH, or choose another vLLM with --vllm",
+            subject=executable,
+        )
+    interpreter = wrapper.interpreter
+    if interpreter is None:
+        return
+    if not os.path.lexists(interpreter):
+        located, _ = location_environment(executable)
+        moved = (
+            f"its environment {located} was moved or its Python removed after install "
+            "(a venv cannot be moved): recreate the environment where it now lives"
+            if located
+            else "reinstall it in a working environment"
+        )
         raise LaunchError(
             EXIT_NOT_EXECUTABLE,
-            f"{executable} starts with #!{interpreter}, which does not exist; reinstall "
-            "it in a working environment or choose another with --vllm",
+            f"{executable} runs the interpreter {interpreter}, which does not exist: "
+            f"{moved}, or choose another vLLM with --vllm",
+            subject=executable,
         )
-    if interpreter is not None and not (
-        os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)
-    ):
+    if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         raise LaunchError(  # execve would only say "Exec format error" about the script
             EXIT_NOT_EXECUTABLE,
-            f"{executable} starts with #!{interpreter}, which is not an executable file",
+            f"{executable} runs the interpreter {interpreter}, which is not an executable file",
+            subject=executable,
         )
-    # A script's environment is its interpreter's; a program's own `bin/` names one too
-    # (`exec -- /venv/bin/python ...`).
-    prefix = environment_prefix(interpreter or executable)
-    return Target(executable, found_via, interpreter, prefix)
 
 
-def locate(name: str, found_via: str, path_variable: str | None, not_found: str) -> Target:
+def describe_target(executable: str, found_via: str, environ: Mapping[str, str]) -> Target:
+    """Check that the executable can run and decide the environment it runs in."""
+    check_executable(executable, "vLLM executable" if found_via != "program" else "program")
+    wrapper = read_wrapper(executable, environ.get("PATH"))
+    check_interpreter(executable, wrapper, environ)
+    prefix, user_base, evidence, disagreement = decide_environment(executable, wrapper, environ)
+    return Target(
+        executable, found_via, wrapper.interpreter, prefix, user_base, evidence, disagreement
+    )
+
+
+def locate(name: str, found_via: str, environ: Mapping[str, str], not_found: str) -> Target:
     """`name` as a path, else the first executable `name` on PATH; 127/126 as a shell."""
+    path_variable = environ.get("PATH")
     if os.sep in name:
-        return describe_target(os.path.abspath(name), found_via, path_variable)
+        return describe_target(os.path.abspath(name), found_via, environ)
     found = search_path(name, path_variable)
     if found is None:
         described = "program" if found_via == "program" else "vLLM executable"
         check_path_files(name, path_variable, described)
         raise LaunchError(EXIT_NOT_FOUND, not_found)
-    return describe_target(found, found_via, path_variable)
+    return describe_target(found, found_via, environ)
 
 
 def resolve_vllm(
@@ -154,19 +217,18 @@ def resolve_vllm(
     searched = describe_path(path_variable)
     if requested is not None:
         message = f"--vllm {requested}: no such executable on {searched}"
-        return locate(requested, "--vllm", path_variable, message)
+        return locate(requested, "--vllm", environ, message)
     beside = os.path.join(os.path.dirname(launcher_executable), "vllm")
     if launcher_executable and os.path.exists(beside):  # a dangling link: go on to PATH
-        return describe_target(beside, "launcher-environment", path_variable)
+        return describe_target(beside, "launcher-environment", environ)
     message = (
         f"vllm not found: looked beside the launcher's Python ({beside}) and on "
         f"{searched}; install vLLM there or pass --vllm /path/to/vllm"
     )
-    return locate("vllm", "PATH", path_variable, message)
+    return locate("vllm", "PATH", environ, message)
 
 
 def resolve_program(program: str, environ: Mapping[str, str]) -> Target:
     """The PROGRAM of `vllm-cpu-launch exec -- PROGRAM`: a path, or a name on PATH."""
-    path_variable = environ.get("PATH")
-    message = f"{program}: no such executable on {describe_path(path_variable)}"
-    return locate(program, "program", path_variable, message)
+    message = f"{program}: no such executable on {describe_path(environ.get('PATH'))}"
+    return locate(program, "program", environ, message)
