@@ -85,6 +85,7 @@ def test_report_of_a_vllm_environment(tmp_path: Path, vllm_with_metadata: Path) 
             "verdict": "chosen",
             "reason": "first usable",
             "flavor": "intel",
+            "fix": "",
         }
     ]
     # exhaustive: the launcher's own libiomp5 is listed too, as usable

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, Host, examine, find_library
+from vllm_cpu_launch.target import Target
 
 MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"
 pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 ELF fixtures")
@@ -37,6 +38,11 @@ def host(
     )
 
 
+def in_environment(prefix: Path) -> Target:
+    """The target of a vLLM installed in the environment at `prefix`."""
+    return Target(str(prefix / "bin" / "vllm"), "--vllm", str(prefix / "bin" / "python"), str(prefix))
+
+
 def place_library(source: Path, destination: Path) -> Path:
     destination.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(source, destination)
@@ -50,7 +56,7 @@ def test_target_environment_wins_over_launcher_conda_and_venv(
     for prefix in ("vllm-env", "launcher-env", "conda", "venv"):
         place_library(real_iomp, tmp_path / prefix / "lib" / "libiomp5.so")
     environ = {"CONDA_PREFIX": str(tmp_path / "conda"), "VIRTUAL_ENV": str(tmp_path / "venv")}
-    search = find_library(IOMP, host(tmp_path, environ), str(target))
+    search = find_library(IOMP, host(tmp_path, environ), in_environment(target))
     assert search.chosen is not None
     assert search.chosen.path == str(target / "lib" / "libiomp5.so")
     assert (search.chosen.origin, search.chosen.flavor) == ("vllm-environment", "intel")
@@ -72,7 +78,7 @@ def test_activated_environments(
 
 def test_launcher_environment(tmp_path: Path, real_iomp: Path) -> None:
     library = place_library(real_iomp, tmp_path / "launcher-env" / "lib" / "libiomp5.so")
-    search = find_library(IOMP, host(tmp_path), str(tmp_path / "vllm-env-without-lib"))
+    search = find_library(IOMP, host(tmp_path), in_environment(tmp_path / "vllm-env-without-lib"))
     assert search.chosen is not None
     assert (search.chosen.path, search.chosen.origin) == (str(library), "launcher-environment")
 
@@ -89,7 +95,7 @@ def test_user_local(tmp_path: Path, real_iomp: Path) -> None:
     library = place_library(real_iomp, tmp_path / "home" / ".local" / "lib" / "libiomp5.so")
     search = find_library(IOMP, host(tmp_path, {"HOME": str(tmp_path / "home")}), None)
     assert search.chosen is not None
-    assert (search.chosen.path, search.chosen.origin) == (str(library), "user-local")
+    assert (search.chosen.path, search.chosen.origin) == (str(library), "user-base")
 
 
 def test_oneapi_latest_symlink_kept_as_found(tmp_path: Path, real_iomp: Path) -> None:
@@ -166,7 +172,7 @@ def test_tcmalloc_from_debian_tree(tmp_path: Path, debian_root: Path) -> None:
 
 
 def test_nothing_found_lists_every_place(tmp_path: Path) -> None:
-    search = find_library(IOMP, host(tmp_path), str(tmp_path / "vllm-env"))
+    search = find_library(IOMP, host(tmp_path), in_environment(tmp_path / "vllm-env"))
     assert search.chosen is None and search.candidates == ()
     assert search.places == (
         "ld-preload",
@@ -175,7 +181,7 @@ def test_nothing_found_lists_every_place(tmp_path: Path) -> None:
         "conda",
         "virtualenv",
         "intel-openmp-package",
-        "user-local",
+        "user-base",
         "oneapi",
         "ld-library-path",
         "loader-cache",
@@ -206,7 +212,7 @@ def test_wrong_elf_is_rejected_and_search_goes_on(
 ) -> None:
     bad = patched_copy(real_iomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so", offset, value)
     good = place_library(real_iomp, tmp_path / "launcher-env" / "lib" / "libiomp5.so")
-    search = find_library(IOMP, host(tmp_path), str(tmp_path / "vllm-env"))
+    search = find_library(IOMP, host(tmp_path), in_environment(tmp_path / "vllm-env"))
     assert search.chosen is not None and search.chosen.path == str(good)
     rejected = search.candidates[0]
     assert (rejected.path, rejected.verdict) == (str(bad), "rejected")
@@ -215,10 +221,10 @@ def test_wrong_elf_is_rejected_and_search_goes_on(
 
 def test_foreign_architecture_host_accepts_its_own_elf(tmp_path: Path, real_iomp: Path) -> None:
     """On an aarch64 host the real x86-64 library is the foreign one."""
-    reason, _ = examine(str(real_iomp), IOMP, host(tmp_path, machine="aarch64"))
+    reason, _, _ = examine(str(real_iomp), IOMP, host(tmp_path, machine="aarch64"))
     assert reason == "built for x86_64; this host is aarch64"
     arm = patched_copy(real_iomp, tmp_path / "arm" / "libiomp5.so", 18, (183).to_bytes(2, "little"))
-    assert examine(str(arm), IOMP, host(tmp_path, machine="aarch64")) == (None, "intel")
+    assert examine(str(arm), IOMP, host(tmp_path, machine="aarch64")) == (None, "intel", "")
 
 
 @pytest.mark.parametrize(
@@ -236,7 +242,7 @@ def test_writable_by_others_is_rejected(
 ) -> None:
     library = place_library(real_iomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so")
     (library if which == "file" else library.parent).chmod(mode)
-    search = find_library(IOMP, host(tmp_path), str(tmp_path / "vllm-env"))
+    search = find_library(IOMP, host(tmp_path), in_environment(tmp_path / "vllm-env"))
     assert search.chosen is None
     assert reason in search.candidates[0].reason
     assert search.candidates[0].reason.startswith("unsafe to preload")
@@ -284,7 +290,7 @@ def test_ld_preload_entry_is_a_candidate_first(tmp_path: Path, real_iomp: Path) 
     preloaded = place_library(real_iomp, tmp_path / "mine" / "libiomp5.so")
     place_library(real_iomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so")
     environ = {"LD_PRELOAD": f"/usr/lib/libfoo.so {preloaded}"}
-    search = find_library(IOMP, host(tmp_path, environ), str(tmp_path / "vllm-env"))
+    search = find_library(IOMP, host(tmp_path, environ), in_environment(tmp_path / "vllm-env"))
     assert search.chosen is not None
     assert (search.chosen.path, search.chosen.origin) == (str(preloaded), "ld-preload")
 
@@ -336,7 +342,7 @@ def test_rules_for_a_user_other_than_root(tmp_path: Path, real_iomp: Path) -> No
     library = place_library(real_iomp, tmp_path / "env" / "lib" / "libiomp5.so")
     user = Host({}, "x86_64", 1000, str(tmp_path / "none"), (), str(tmp_path))
     library.parent.chmod(0o775)
-    assert examine(str(library), IOMP, user) == (None, "intel")  # owned by root, not 1000
+    assert examine(str(library), IOMP, user) == (None, "intel", "")  # owned by root, not 1000
     library.parent.chmod(0o777)
     reason = examine(str(library), IOMP, user)[0]
     assert reason is not None and "writable by others" in reason

@@ -13,7 +13,7 @@ from vllm_cpu_launch.settings import Settings, blocktime_milliseconds
 from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 from vllm_cpu_launch.target import Target
 
-from .conftest import make_environment
+from .conftest import install_recorder, make_environment
 
 DEFAULTS = Settings()
 SD = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
@@ -63,7 +63,7 @@ def make_host(tmp_path: Path, machine: str = "x86_64", **environ: str) -> Host:
 
 def make_target(tmp_path: Path, real_iomp: Path) -> Target:
     environment = make_environment(tmp_path / "env", real_iomp)
-    return Target(str(environment / "bin" / "vllm"), "--vllm", None, str(environment))
+    return Target(str(install_recorder(environment)), "--vllm", None, str(environment))
 
 
 def plan_for(
@@ -140,15 +140,14 @@ def test_not_x86_64_preloads_no_iomp(tmp_path: Path, real_iomp: Path) -> None:
 
 def test_missing_library_warns_with_places_and_fix(tmp_path: Path) -> None:
     environment = make_environment(tmp_path / "env")
-    target = Target(
-        str(environment / "bin" / "vllm"), "--vllm", "/env/bin/python3", str(environment)
-    )
+    python = environment / "bin" / "python"
+    target = Target(str(install_recorder(environment)), "--vllm", str(python), str(environment))
     plan = build_plan(Settings(), SD, detect(SD), target, make_host(tmp_path), True)
     assert plan.missing == ("iomp",) and plan.env == ()
     (warning,) = plan.warnings
     assert "searched ld-preload, vllm-environment" in warning
     assert "about 2x slower" in warning
-    assert f"/env/bin/python3 -m pip install intel-openmp  (into {environment})" in warning
+    assert f"{python} -m pip install intel-openmp  (into {environment})" in warning
 
 
 def test_tcmalloc_goes_first_when_found(tmp_path: Path, real_iomp: Path, debian_root: Path) -> None:

@@ -169,6 +169,8 @@ def plan_from_options(
 ) -> Plan:
     """The plan to exec or print; with --strict, a wanted library missing is fatal."""
     settings, _, plan = prepare_launch(values, arguments, program)
+    if settings.strict and plan.unsafe:
+        raise LaunchError(EXIT_NOT_EXECUTABLE, f"--strict: not starting: {plan.unsafe[0]}")
     if settings.strict and plan.missing:
         for warning in plan.warnings:
             emit("error", warning)

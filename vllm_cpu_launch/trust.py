@@ -1,0 +1,110 @@
+"""One trust rule for what the launcher runs as root: the library and the program alike.
+
+`LD_PRELOAD` injects code into the server, and the server's own script and interpreter
+are code too. Either may come only from a place that no user other than root and the
+program's owner can change (DESIGN.md, "Safety").
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+MAX_LINK_HOPS = 40  # the kernel's own limit before ELOOP
+
+
+def unsafe_owner_or_mode(
+    status: os.stat_result, euid: int, is_file: bool, trusted: frozenset[int] = frozenset()
+) -> tuple[str, str] | None:
+    """(why, which chmod/chown) when a file or directory lets an untrusted user change
+    what runs, or None.
+
+    One rule for the library and the program it is preloaded into (DESIGN.md). As root:
+    owned by root or by a `trusted` uid (the owner of the vLLM being started, whose code
+    root runs anyway), and writable by neither group nor others. As another user, whose
+    own Python code runs in vLLM anyway: not writable by all. A sticky directory (like
+    /tmp) is fine above the file's own directory.
+    """
+    as_root = euid == 0
+    if as_root and status.st_uid != 0 and status.st_uid not in trusted:
+        owners = " nor the owner of the vLLM being started" if trusted else ""
+        return f"owned by uid {status.st_uid}, neither root{owners}", "chown root"
+    mask = (stat.S_IWGRP | stat.S_IWOTH) if as_root else stat.S_IWOTH
+    if status.st_mode & mask and (is_file or not status.st_mode & stat.S_ISVTX):
+        who = "others" if status.st_mode & stat.S_IWOTH else "its group"
+        return f"writable by {who}", "chmod go-w" if as_root else "chmod o-w"
+    return None
+
+
+def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
+    """(directories searched, links followed, file reached) on the way to `path`.
+
+    Resolved one component at a time, as the kernel does, so that a directory which
+    only an intermediate symbolic link passes through is seen as well.
+    """
+    directories: dict[str, None] = {}
+    links: list[str] = []
+    current = "/"
+    pending = [part for part in path.split("/") if part]
+    while pending:
+        name = pending.pop(0)
+        if name in (".", ".."):
+            current = os.path.dirname(current) if name == ".." else current
+            continue
+        directories[current] = None
+        candidate = os.path.join(current, name)
+        if not os.path.islink(candidate):
+            current = candidate
+            continue
+        if len(links) >= MAX_LINK_HOPS:
+            raise OSError(errno.ELOOP, "too many levels of symbolic links")
+        links.append(candidate)
+        target = os.readlink(candidate)
+        current = "/" if target.startswith("/") else current
+        pending[:0] = [part for part in target.split("/") if part]
+    return list(directories), links, current
+
+
+def insecure_reason(
+    path: str, euid: int, trusted: frozenset[int] = frozenset()
+) -> tuple[str, str] | None:
+    """(why, fix) when `path` could be swapped by an untrusted user: the file, a link on
+    the way to it, or any directory searched on the way (see unsafe_owner_or_mode).
+    The fix is the one command that removes the first problem found."""
+    try:
+        directories, links, real = lookup_steps(path)
+        problem = unsafe_owner_or_mode(os.stat(real), euid, True, trusted)
+        if problem:
+            return f"{real} is {problem[0]}", f"{problem[1]} {quoted(real)}"
+        for link in links:  # a link's own mode means nothing; who may replace it does
+            owner = os.lstat(link).st_uid
+            if euid == 0 and owner != 0 and owner not in trusted:
+                why = f"symbolic link {link} is owned by uid {owner}, not root"
+                return why, f"chown -h root {quoted(link)}"
+        home = os.path.dirname(real)
+        for directory in directories:
+            problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home, trusted)
+            if problem:
+                why = f"directory {directory} is {problem[0]}"
+                return why, f"{problem[1]} {quoted(directory)}"
+    except OSError as error:
+        return f"cannot check its permissions: {error.strerror}", ""
+    return None
+
+
+def quoted(path: str) -> str:
+    import shlex  # only once a problem is found: it imports `re`, too dear for the exec path
+
+    return shlex.quote(path)
+
+
+def owners(paths: tuple[str, ...]) -> frozenset[int]:
+    """The uids owning these files (after links): whoever owns the program root runs."""
+    found = set()
+    for path in paths:
+        try:
+            found.add(os.stat(path).st_uid)
+        except OSError:
+            continue
+    return frozenset(found)
