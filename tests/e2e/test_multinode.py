@@ -6,11 +6,11 @@ backend, and each is started here as an operator would, one launcher per node:
 - data parallel: a primary (`--data-parallel-size 2 --data-parallel-size-local 1
   --data-parallel-address 127.0.0.1 --data-parallel-rpc-port P`, serves the API) and a
   `--headless --data-parallel-start-rank 1` secondary, each node with its own engine core;
-- tensor parallel (and pipeline parallel) across nodes: `--nnodes 2 --node-rank 0|1
-  --master-addr 127.0.0.1 --master-port P`, rank 1 `--headless` (workers only).
+- tensor parallel 2 across nodes: `--nnodes 2 --node-rank 0|1 --master-addr 127.0.0.1
+  --master-port P`, rank 1 `--headless` (workers only).
 
-Ray is refused by vLLM on CPU (its CPU platform has no `ray_device_key`); that refusal is
-shown by test_ray_refusal.py. Each pair serves the tiny model with ngram speculative
+What vLLM refuses (Ray on CPU; pipeline parallel with speculative decoding) is shown by
+test_multinode_refusals.py. Each pair serves the tiny model with ngram speculative
 decoding; the pairs run one after the other (module-scoped fixture with one parameter per
 mode: pytest tears one pair down before it starts the next). Set VLLM_CPU_LAUNCH_SKIP_E2E=1
 to skip this module.
@@ -22,9 +22,7 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -34,12 +32,9 @@ from vllm_server import (
     SD_WARNING,
     STOP_LIMIT_S,
     Server,
-    free_loopback_port,
-    isolated_environment,
     kill_session,
     process_tree,
     session_members,
-    start_server,
     survivors,
 )
 
@@ -54,75 +49,11 @@ from .conftest import (
     wait_for_drafts,
     wait_for_health,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-# Two vLLM trees share 2 CPUs here: allow more than one server's start-up time.
-CLUSTER_STARTUP_LIMIT_S = 420
+from .nodes import CLUSTER_STARTUP_LIMIT_S, Cluster, start_cluster
 
 pytestmark = pytest.mark.skipif(
     os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
 )
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """Two nodes of one vLLM deployment: the primary serves the API, the secondary is headless."""
-
-    mode: str
-    primary: Server
-    secondary: Server
-
-    @property
-    def nodes(self) -> dict[str, Server]:
-        """Both nodes by role, for messages that say which one failed."""
-        return {"primary": self.primary, "secondary": self.secondary}
-
-    def tails(self) -> str:
-        """The end of both logs."""
-        return "\n".join(tail(server) for server in self.nodes.values())
-
-
-def node_arguments(mode: str, rank: int, ports: dict[str, int]) -> list[str]:
-    """The parallel options of node `rank` (0 primary, 1 headless) in `mode`, as vLLM 0.32
-    documents them for a two-node deployment; the head's address is loopback here."""
-    headless = ["--headless"] if rank else []
-    if mode == "data-parallel":
-        shared = [
-            "--data-parallel-size",
-            "2",
-            "--data-parallel-size-local",
-            "1",
-            "--data-parallel-address",
-            "127.0.0.1",
-            "--data-parallel-rpc-port",
-            str(ports["rpc"]),
-        ]
-        return [*shared, *headless, *(["--data-parallel-start-rank", "1"] if rank else [])]
-    size_option = {"tensor-parallel": "--tensor-parallel-size"}[mode]
-    return [
-        size_option,
-        "2",
-        "--distributed-executor-backend",
-        "mp",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        str(rank),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(ports["master"]),
-        *headless,
-    ]
-
-
-def start_node(vllm_env: Path, model: Path, scratch: Path, arguments: list[str]) -> Server:
-    """One node: the launcher (default settings) starting `serve MODEL ... ARGUMENTS`, in an
-    environment without OpenMP or launcher settings, its log and vLLM cache under scratch."""
-    scratch.mkdir()
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_"))
-    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
-    return start_server(launcher, model, scratch, env, cwd=REPO, extra=arguments)
 
 
 @pytest.fixture(scope="module", params=["data-parallel", "tensor-parallel"])
@@ -135,14 +66,9 @@ def cluster(
     """Both nodes of one mode, the primary healthy (it answers only once the secondary has
     joined); every process of both sessions killed on the way out, whatever happened."""
     mode: str = request.param
-    scratch = tmp_path_factory.mktemp(mode)
-    ports = {"rpc": free_loopback_port(), "master": free_loopback_port()}
     started: list[Server] = []
     try:
-        for rank, role in enumerate(("primary", "secondary")):
-            arguments = node_arguments(mode, rank, ports)
-            started.append(start_node(vllm_env, tiny_model, scratch / role, arguments))
-        pair = Cluster(mode, *started)
+        pair = start_cluster(mode, vllm_env, tiny_model, tmp_path_factory.mktemp(mode), started)
         seconds = wait_for_health(pair.primary, CLUSTER_STARTUP_LIMIT_S)
         if pair.secondary.process.poll() is not None:
             pytest.fail(f"the headless node exited\n{pair.tails()}")
