@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import clean_environ, run_launcher
+from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.exports import docker_lines, kubernetes_lines
 
 REPO = Path(__file__).resolve().parent.parent
@@ -279,6 +280,14 @@ def test_kubernetes_values_are_quoted_strings_that_read_back() -> None:
     assert {value.style for value in values} == {'"'}, text
     entries = yaml.safe_load(text)["env"]
     assert {e["name"]: kubernetes_reads(e["value"]) for e in entries} == environment
+
+
+def test_kubernetes_control_characters_escaped_and_non_utf8_refused() -> None:
+    lines = kubernetes_lines({"A": "tab\tnew\nline\x01"})
+    assert all(line.isprintable() for line in lines), lines  # written as YAML escapes
+    assert yaml.safe_load("\n".join(lines))["env"][0]["value"] == "tab\tnew\nline\x01"
+    with pytest.raises(LaunchError, match="A's value is not UTF-8 text"):
+        kubernetes_lines({"A": os.fsdecode(b"\xff")})
 
 
 def test_env_format_kubernetes_validates_in_a_deployment(
