@@ -40,7 +40,8 @@ def host(
 
 def in_environment(prefix: Path) -> Target:
     """The target of a vLLM installed in the environment at `prefix`."""
-    return Target(str(prefix / "bin" / "vllm"), "--vllm", str(prefix / "bin" / "python"), str(prefix))
+    python = str(prefix / "bin" / "python")
+    return Target(str(prefix / "bin" / "vllm"), "--vllm", python, str(prefix))
 
 
 def place_library(source: Path, destination: Path) -> Path:

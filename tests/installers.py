@@ -1,0 +1,258 @@
+"""vLLM stand-ins installed by the real installers, the way people install vLLM.
+
+Each installer writes its own wrapper for the stand-in's `vllm` console script and puts
+intel-openmp where it puts everything else: nothing here lays out an environment by
+hand, except the conda prefix (conda itself cannot be fetched here), which is a real
+Python prefix with `conda-meta/` into which the real pip installs.
+
+All installs are offline: the wheels (the stand-in, built here by pip, and
+intel-openmp with its one dependency, downloaded once and cached like the vLLM
+environment) come from a local wheelhouse through PIP_FIND_LINKS/UV_FIND_LINKS, so a
+"Fix:" the launcher prints is run exactly as printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from vllm_cpu_launch.records import record
+
+from .conftest import RECORDER, REPO
+
+IOMP_WHEELS = ("intel-openmp==2024.2.1", "intel-cmplr-lib-ur==2024.2.1")
+WHEEL_CACHE = (
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-cpu-launch" / "wheels"
+)
+STANDIN = "vllm-recorder"  # the stand-in distribution; its console script is `vllm`
+BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)  # no intel-openmp there
+TOOLS = Path(sys.executable).parent  # uv, virtualenv and pipx from the test extra
+INSTALL_LIMIT_S = 600.0
+# Longer than the kernel's 127/255-byte #! limits: installers switch to /bin/sh trampolines.
+LONG = "x" * 150
+
+
+def run_tool(command: list[str], environ: Mapping[str, str]) -> str:
+    """Run an installer; its failure is the test's failure, with what it said."""
+    result = subprocess.run(
+        command,
+        env=dict(environ),
+        capture_output=True,
+        text=True,
+        timeout=INSTALL_LIMIT_S,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr}")
+    return result.stdout
+
+
+def build_wheelhouse(directory: Path) -> Path:
+    """intel-openmp's wheels (downloaded once, cached) and the stand-in, built by pip."""
+    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    if len(list(WHEEL_CACHE.glob("intel_*.whl"))) < len(IOMP_WHEELS):
+        download = [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
+        run_tool([*download, "-d", str(WHEEL_CACHE), *IOMP_WHEELS], os.environ)
+    directory.mkdir(parents=True)
+    for wheel in WHEEL_CACHE.glob("intel_*.whl"):
+        (directory / wheel.name).symlink_to(wheel)
+    source = directory.parent / "standin-source"
+    package = source / "vllm_recorder"
+    package.mkdir(parents=True)
+    body = "".join(f"    {line}\n" for line in RECORDER.splitlines())
+    (package / "__init__.py").write_text(f"def main():\n{body}")
+    (source / "pyproject.toml").write_text(
+        "[build-system]\nrequires = ['setuptools>=61']\nbuild-backend = 'setuptools.build_meta'\n"
+        f"[project]\nname = '{STANDIN}'\nversion = '1.0'\n"
+        "[project.scripts]\nvllm = 'vllm_recorder:main'\n"
+    )
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]  # setuptools from PyPI
+    run_tool([*build, "-w", str(directory), str(source)], os.environ)
+    return directory
+
+
+def offline(environ: Mapping[str, str], wheelhouse: Path) -> dict[str, str]:
+    """The installers' environment: the wheelhouse instead of an index, tools on PATH."""
+    return {
+        **environ,
+        "PATH": f"{TOOLS}:{environ.get('PATH', os.defpath)}",
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(wheelhouse),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "UV_NO_INDEX": "1",
+        "UV_FIND_LINKS": str(wheelhouse),
+        "UV_LINK_MODE": "copy",  # a hard link would share (and chown) uv's cache files
+        "UV_CACHE_DIR": str(Path.home() / ".cache" / "uv"),
+        "UV_PYTHON_DOWNLOADS": "never",
+    }
+
+
+@record
+class Installed:
+    """A stand-in vLLM as an installer left it."""
+
+    vllm: Path  # the console script as a user runs it
+    library: Path  # where the installer put libiomp5.so (whether or not it did)
+    environ: dict[str, str]  # the variables the install used (PIPX_HOME, PYTHONUSERBASE...)
+
+
+def packages(with_iomp: bool) -> list[str]:
+    return [STANDIN, "intel-openmp"] if with_iomp else [STANDIN]
+
+
+def pip_venv(root: Path, environ: dict[str, str], with_iomp: bool) -> Installed:
+    run_tool([BASE_PYTHON, "-m", "venv", str(root)], environ)
+    run_tool([str(root / "bin" / "python"), "-m", "pip", "install", *packages(with_iomp)], environ)
+    return Installed(root / "bin" / "vllm", root / "lib" / "libiomp5.so", {})
+
+
+def pip_venv_without_pip(root: Path, environ: dict[str, str], with_iomp: bool) -> Installed:
+    """`python -m venv --without-pip`, the stand-in installed into it by an outside pip."""
+    run_tool([BASE_PYTHON, "-m", "venv", "--without-pip", str(root)], environ)
+    python = str(root / "bin" / "python")
+    run_tool(
+        [sys.executable, "-m", "pip", "--python", python, "install", *packages(with_iomp)], environ
+    )
+    return Installed(root / "bin" / "vllm", root / "lib" / "libiomp5.so", {})
+
+
+def virtualenv(root: Path, environ: dict[str, str], with_iomp: bool) -> Installed:
+    run_tool([str(TOOLS / "virtualenv"), "-q", str(root)], environ)
+    run_tool([str(root / "bin" / "pip"), "install", *packages(with_iomp)], environ)
+    return Installed(root / "bin" / "vllm", root / "lib" / "libiomp5.so", {})
+
+
+def uv_venv(root: Path, environ: dict[str, str], with_iomp: bool, *flags: str) -> Installed:
+    run_tool([str(TOOLS / "uv"), "venv", "-q", "--python", BASE_PYTHON, *flags, str(root)], environ)
+    python = str(root / "bin" / "python")
+    run_tool(
+        [str(TOOLS / "uv"), "pip", "install", "-q", "--python", python, *packages(with_iomp)],
+        environ,
+    )
+    return Installed(root / "bin" / "vllm", root / "lib" / "libiomp5.so", {})
+
+
+def uv_relocatable_moved(root: Path, environ: dict[str, str], with_iomp: bool) -> Installed:
+    """A relocatable venv keeps working after a move: its trampoline is relative."""
+    first = uv_venv(root.with_name(root.name + "-before-move"), environ, with_iomp, "--relocatable")
+    shutil.move(first.vllm.parent.parent, root)
+    return Installed(root / "bin" / "vllm", root / "lib" / "libiomp5.so", {})
+
+
+def uv_tool(root: Path, environ: dict[str, str], with_iomp: bool) -> Installed:
+    """`uv tool install`: its own pip-less venv, a link in UV_TOOL_BIN_DIR."""
+    variables = {"UV_TOOL_DIR": str(root / "tools"), "UV_TOOL_BIN_DIR": str(root / "bin")}
+    extra = ["--with", "intel-openmp"] if with_iomp else []
+    command = [str(TOOLS / "uv"), "tool", "install", "-q", "--python", BASE_PYTHON, *extra, STANDIN]
+    run_tool(command, {**environ, **variables})
+    library = root / "tools" / STANDIN / "lib" / "libiomp5.so"
+    return Installed(root / "bin" / "vllm", library, variables)
+
+
+def pipx(root: Path, environ: dict[str, str], with_iomp: bool) -> Installed:
+    """`pipx install` then `pipx inject`: a venv under PIPX_HOME, a link in PIPX_BIN_DIR."""
+    variables = {"PIPX_HOME": str(root / "pipx"), "PIPX_BIN_DIR": str(root / "bin")}
+    merged = {**environ, **variables}
+    run_tool([str(TOOLS / "pipx"), "install", "--python", BASE_PYTHON, STANDIN], merged)
+    if with_iomp:
+        run_tool([str(TOOLS / "pipx"), "inject", STANDIN, "intel-openmp"], merged)
+    library = root / "pipx" / "venvs" / STANDIN / "lib" / "libiomp5.so"
+    return Installed(root / "bin" / "vllm", library, variables)
+
+
+def pip_user(root: Path, environ: dict[str, str], with_iomp: bool, custom: bool) -> Installed:
+    """`pip install --user`, into ~/.local or into PYTHONUSERBASE."""
+    variables = {"PYTHONUSERBASE": str(root / "userbase")} if custom else {}
+    base = root / "userbase" if custom else Path(environ["HOME"]) / ".local"
+    command = [BASE_PYTHON, "-m", "pip", "install", "--user", *packages(with_iomp)]
+    run_tool(command, {**environ, **variables})
+    return Installed(base / "bin" / "vllm", base / "lib" / "libiomp5.so", variables)
+
+
+def conda_prefix(
+    root: Path, environ: dict[str, str], with_iomp: bool, env_shebang: bool
+) -> Installed:
+    """A conda-style prefix: a real Python of its own (the base interpreter's binary,
+    its standard library linked in, its own empty site-packages) and `conda-meta/`;
+    the real pip installs into it. With `env_shebang`, the script's first line becomes
+    what conda writes for prefixes too long for `#!`: `#!/usr/bin/env python3.N`
+    (conda/core/portability.py, replace_long_shebang)."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(os.path.realpath(BASE_PYTHON), root / "bin" / version)
+    (root / "bin" / "python").symlink_to(version)
+    library = root / "lib" / version
+    (library / "site-packages").mkdir(parents=True)
+    for entry in stdlib.iterdir():
+        if entry.name != "site-packages":
+            (library / entry.name).symlink_to(entry)
+    (root / "conda-meta").mkdir()
+    (root / "conda-meta" / "history").write_text(
+        f"==> 2026-12-01 00:00:00 <==\n+defaults::{version}\n"
+    )
+    python = str(root / "bin" / version)
+    run_tool(
+        [sys.executable, "-m", "pip", "--python", python, "install", *packages(with_iomp)], environ
+    )
+    script = root / "bin" / "vllm"
+    if env_shebang:
+        lines = script.read_text().splitlines(keepends=True)
+        script.write_text(f"#!/usr/bin/env {version}\n" + "".join(lines[1:]))
+    variables = {"PATH": f"{root / 'bin'}:{environ['PATH']}"} if env_shebang else {}
+    return Installed(script, root / "lib" / "libiomp5.so", variables)
+
+
+def externally_managed_user(root: Path, environ: dict[str, str], with_iomp: bool) -> Installed:
+    """Debian's own python3 (PEP 668 marker): vLLM with `--user --break-system-packages`."""
+    command = ["/usr/bin/python3", "-m", "pip", "install", "--user", "--break-system-packages"]
+    run_tool([*command, *packages(with_iomp)], environ)
+    base = Path(environ["HOME"]) / ".local"
+    return Installed(base / "bin" / "vllm", base / "lib" / "libiomp5.so", {})
+
+
+Installer = Callable[[Path, dict[str, str], bool], Installed]
+# Every layout of the conformance suite: name -> (where to install under tmp, installer).
+LAYOUTS: dict[str, tuple[str, Installer]] = {
+    "pip-venv": ("venv", pip_venv),
+    "pip-venv-long-path": (f"{LONG}/venv", pip_venv),
+    "virtualenv": ("virtualenv", virtualenv),
+    "virtualenv-long-path": (f"{LONG}/virtualenv", virtualenv),
+    "uv-venv": ("uv", lambda r, e, i: uv_venv(r, e, i)),
+    "uv-venv-long-path": (f"{LONG}/uv", lambda r, e, i: uv_venv(r, e, i)),
+    "uv-relocatable": ("uv-reloc", lambda r, e, i: uv_venv(r, e, i, "--relocatable")),
+    "uv-relocatable-moved": ("uv-moved", uv_relocatable_moved),
+    "uv-tool": ("uv-tool", uv_tool),
+    "pipx": ("pipx", pipx),
+    "pip-user": ("user", lambda r, e, i: pip_user(r, e, i, custom=False)),
+    "pip-user-custom-base": ("user", lambda r, e, i: pip_user(r, e, i, custom=True)),
+    "conda-prefix": ("conda", lambda r, e, i: conda_prefix(r, e, i, env_shebang=False)),
+    "conda-long-prefix-env-shebang": (
+        f"{LONG}/conda",
+        lambda r, e, i: conda_prefix(r, e, i, env_shebang=True),
+    ),
+}
+
+
+def install_launcher(root: Path) -> list[str]:
+    """The launcher installed by pipx from this checkout, in a venv of its own without
+    intel-openmp, so that a library found proves the target's environment was found,
+    not the launcher's. (Its dependencies come from PyPI or pip's cache.)"""
+    variables = {"PIPX_HOME": str(root / "pipx"), "PIPX_BIN_DIR": str(root / "bin")}
+    command = [str(TOOLS / "pipx"), "install", "--python", BASE_PYTHON, str(REPO)]
+    run_tool(command, {**os.environ, **variables})
+    return [str(root / "bin" / "vllm-cpu-launch")]
+
+
+def plan_json(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert result.returncode == 0, result.stderr
+    plan: dict[str, Any] = json.loads(result.stdout)
+    return plan
