@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from typing import Any
 
 from vllm_cpu_launch.records import record
 
-from .conftest import RECORDER, REPO
+from .conftest import RECORDER, REPO, run_launcher
 
 IOMP_WHEELS = ("intel-openmp==2024.2.1", "intel-cmplr-lib-ur==2024.2.1")
 WHEEL_CACHE = (
@@ -35,6 +36,9 @@ STANDIN = "vllm-recorder"  # the stand-in distribution; its console script is `v
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)  # no intel-openmp there
 TOOLS = Path(sys.executable).parent  # uv, virtualenv and pipx from the test extra
 INSTALL_LIMIT_S = 600.0
+NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
+SD = ["serve", "m", "--speculative-config", NGRAM]
+FIX = re.compile(r"Fix: (.+?)(?:  \(|$)")  # the command, before "  (where...)" if any
 # Longer than the kernel's 127/255-byte #! limits: installers switch to /bin/sh trampolines.
 LONG = "x" * 150
 
@@ -130,8 +134,10 @@ def virtualenv(root: Path, environ: dict[str, str], with_iomp: bool) -> Installe
     return Installed(root / "bin" / "vllm", root / "lib" / "libiomp5.so", {})
 
 
-def uv_venv(root: Path, environ: dict[str, str], with_iomp: bool, *flags: str) -> Installed:
-    run_tool([str(TOOLS / "uv"), "venv", "-q", "--python", BASE_PYTHON, *flags, str(root)], environ)
+def uv_venv(
+    root: Path, environ: dict[str, str], with_iomp: bool, *flags: str, python: str = BASE_PYTHON
+) -> Installed:
+    run_tool([str(TOOLS / "uv"), "venv", "-q", "--python", python, *flags, str(root)], environ)
     python = str(root / "bin" / "python")
     run_tool(
         [str(TOOLS / "uv"), "pip", "install", "-q", "--python", python, *packages(with_iomp)],
@@ -252,7 +258,14 @@ def install_launcher(root: Path) -> list[str]:
     return [str(root / "bin" / "vllm-cpu-launch")]
 
 
-def plan_json(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+def dry_run(launcher: list[str], environ: dict[str, str], *args: str) -> dict[str, Any]:
+    """The launcher's plan (--dry-run --json) for an SD `serve`."""
+    result = run_launcher(["--dry-run", "--json", *args, *SD], environ, launcher)
     assert result.returncode == 0, result.stderr
     plan: dict[str, Any] = json.loads(result.stdout)
     return plan
+
+
+def chosen_iomp(plan: dict[str, Any]) -> dict[str, str]:
+    (iomp,) = (p for p in plan["preload"] if p["kind"] == "iomp")
+    return dict(iomp)

@@ -11,33 +11,31 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from .conftest import clean_environ, read_record, run_launcher
 from .installers import (
+    FIX,
     LAYOUTS,
+    SD,
     Installed,
     build_wheelhouse,
+    chosen_iomp,
+    dry_run,
     externally_managed_user,
     install_launcher,
     offline,
     pip_venv,
     pip_venv_without_pip,
-    plan_json,
     uv_venv,
 )
 
 pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 intel-openmp")
-NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
-SD = ["serve", "m", "--speculative-config", NGRAM]
-FIX = re.compile(r"Fix: (.+?)  \(")
 
 
 @pytest.fixture(scope="session")
@@ -65,15 +63,6 @@ def install(layout: str, tmp_path: Path, environ: dict[str, str], with_iomp: boo
     installed = installer(tmp_path / where, environ, with_iomp)
     environ.update(installed.environ)
     return installed
-
-
-def dry_run(launcher: list[str], environ: dict[str, str], *args: str) -> dict[str, Any]:
-    return plan_json(run_launcher(["--dry-run", "--json", *args, *SD], environ, launcher))
-
-
-def chosen_iomp(plan: dict[str, Any]) -> dict[str, str]:
-    (iomp,) = (p for p in plan["preload"] if p["kind"] == "iomp")
-    return dict(iomp)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

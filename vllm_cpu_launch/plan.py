@@ -71,8 +71,10 @@ def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]
     """An `--iomp-path`/`--tcmalloc-path` library; a bad one is an error, never skipped."""
     search = find_library(kind, host, None, explicit=path, trusted=trusted)
     if search.chosen is None:
-        reason = search.candidates[0].reason
-        raise LaunchError(EXIT_USAGE, f"{kind} library {path} cannot be preloaded: {reason}")
+        given = search.candidates[0]
+        fix = f"; Fix: {given.fix}" if given.fix else ""
+        message = f"{kind} library {path} cannot be preloaded: {given.reason}{fix}"
+        raise LaunchError(EXIT_USAGE, message)
     return search
 
 
