@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_launch.libraries import Host
-from vllm_cpu_launch.plan import Preload, build_plan, compose_ld_preload, plan_as_json
+from vllm_cpu_launch.plan import (
+    Preload,
+    build_plan,
+    compose_ld_preload,
+    plan_as_json,
+    render_text,
+)
 from vllm_cpu_launch.settings import Settings, blocktime_milliseconds
 from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 from vllm_cpu_launch.target import Target
@@ -156,6 +162,8 @@ def test_tcmalloc_goes_first_when_found(tmp_path: Path, real_iomp: Path, debian_
     plan = build_plan(Settings(), SD, detect(SD), target, host, True)
     tcmalloc = str(debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     assert dict(plan.env)["LD_PRELOAD"] == f"{tcmalloc}:{target.prefix}/lib/libiomp5.so"
+    text = render_text(plan)  # tcmalloc has no flavour: none is claimed "unknown"
+    assert f"tcmalloc {tcmalloc} (system)" in text and "flavor unknown" not in text
     never = build_plan(Settings(tcmalloc="never"), SD, detect(SD), target, host, True)
     assert dict(never.env)["LD_PRELOAD"] == f"{target.prefix}/lib/libiomp5.so"
 

@@ -21,7 +21,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import AS_NOBODY, REPO, clean_environ, run_launcher
+from tests.conftest import (
+    AS_NOBODY,
+    REPO,
+    clean_environ,
+    install_recorder,
+    make_environment,
+    run_launcher,
+)
 from vllm_cpu_launch.systemd import environment_word, exec_line
 
 SYSTEMD = "/lib/systemd/systemd"
@@ -311,7 +318,6 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path, vllm_env: 
         "Environment=VLLM_CACHE_ROOT=%C/vllm-qwen/vllm",
         "ProtectSystem=strict",
         "ProtectHome=read-only",
-        "PrivateTmp=yes",
         "NoNewPrivileges=yes",
         "Restart=on-failure",
         "KillMode=mixed",
@@ -322,6 +328,47 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path, vllm_env: 
     limit = next(line for line in text.splitlines() if line.startswith("LimitNOFILE="))
     assert int(limit.partition("=")[2]) >= 65535
     assert "DynamicUser=yes" not in text
+
+
+def test_private_tmp_is_left_out_for_a_deployment_under_tmp(tmp_path: Path, vllm_env: Path) -> None:
+    """PrivateTmp=yes gives the service an empty /tmp: a vLLM there would vanish."""
+    if not str(vllm_env).startswith("/tmp/"):
+        pytest.skip(f"pytest's temporary directory {tmp_path} is not under /tmp")
+    result = generate(["--vllm", str(vllm_env / "bin" / "vllm"), "--", "serve", "/m"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "PrivateTmp=yes" not in lines and "ProtectSystem=strict" in lines
+    assert any(line.startswith("# No PrivateTmp=yes:") for line in lines)
+    (warning,) = (w for w in result.stderr.splitlines() if "PrivateTmp" in w)
+    assert str(vllm_env / "bin" / "vllm") in warning and "left out of the unit" in warning
+    unit = tmp_path / "vllm.service"
+    unit.write_text(result.stdout)
+    assert verify_unit(unit).returncode == 0
+
+
+def test_private_tmp_is_kept_when_nothing_the_service_needs_is_under_tmp(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """The launcher as `python -m` of an interpreter outside /tmp, vLLM under ~/.cache."""
+    cache = Path.home() / ".cache" / "vllm-cpu-launch"
+    cache.mkdir(parents=True, exist_ok=True)
+    outside = Path(tempfile.mkdtemp(prefix="systemd-unit-", dir=cache))
+    try:
+        environment = make_environment(outside / "env", real_iomp)
+        vllm = install_recorder(environment)
+        python = getattr(sys, "_base_executable", sys.executable)
+        assert not python.startswith(("/tmp/", "/var/tmp/"))
+        command = [python, "-m", "vllm_cpu_launch", "systemd-unit", "--vllm", str(vllm)]
+        result = run_launcher(
+            ["--", "serve", "/m", "-sc", '{"method":"ngram"}'],
+            clean_environ(tmp_path),
+            command,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "PrivateTmp=yes" in result.stdout.splitlines()
+        assert "PrivateTmp" not in result.stderr
+    finally:
+        shutil.rmtree(outside)
 
 
 def test_defaults_dynamic_user_and_python_m_when_no_console_script(

@@ -260,3 +260,18 @@ def test_unprivileged_user_cannot_read_a_root_process(
 def test_help(tmp_path: Path) -> None:
     result = verify(tmp_path, "--help")
     assert result.returncode == 0 and "usage: vllm-cpu-launch verify" in result.stdout
+
+
+def test_a_long_command_is_cut_with_a_marker_and_whole_in_json(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """The SD JSON's closing quote must not silently vanish at column 100."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
+    args = ["serve", "/srv/models/" + "m" * 60, "--speculative-config", spec]
+    pids = start_tree(args, [], LD_PRELOAD=str(real_iomp))
+    _, report = verify_json(tmp_path, pids[0])
+    assert by_pid(report)[pids[0]]["cmdline"][-len(args) :] == args
+    text = verify(tmp_path, str(pids[0])).stdout
+    (line,) = (line for line in text.splitlines() if line.lstrip().startswith(str(pids[0])))
+    assert "... [" in line and "more characters; --json shows them all]" in line
+    assert len(line.partition("... [")[0]) <= 100 + len(f"{pids[0]:>7}  ok       ")

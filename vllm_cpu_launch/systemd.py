@@ -138,6 +138,9 @@ def plain_text(text: str) -> str:
 # ---------------------------------------------------------------- the unit
 
 
+PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp")
+
+
 def launcher_command() -> list[str]:
     """This launcher by absolute path: its console script, else `python -m`."""
     python = os.path.abspath(sys.executable)
@@ -213,14 +216,27 @@ def environment_lines(values: dict[str, object], name: str) -> list[str]:
     return lines
 
 
+def hidden_by_private_tmp(paths: Sequence[str]) -> list[str]:
+    """The paths PrivateTmp=yes would hide: the service gets an empty /tmp and /var/tmp."""
+    hidden = []
+    for path in dict.fromkeys(paths):
+        for form in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
+            if any(form == top or form.startswith(top + "/") for top in PRIVATE_TMP_DIRS):
+                hidden.append(path)
+                break
+    return hidden
+
+
 def render_unit(
     values: dict[str, object],
     command: Sequence[str],
     arguments: Sequence[str],
     target: Target | None,
     description: str,
+    private_tmp: bool = True,
 ) -> str:
-    """The unit file text for `launcher [options] -- command...`."""
+    """The unit file text for `launcher [options] -- command...`; without `private_tmp`,
+    PrivateTmp is left out (with a comment saying why)."""
     name = str(values.get("unit_name") or DEFAULT_NAME)
     drain = shutdown_timeout(arguments)
     stop_timeout = DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S
@@ -267,7 +283,9 @@ def render_unit(
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
         "ProtectHome=read-only",
-        "PrivateTmp=yes",
+        "PrivateTmp=yes"
+        if private_tmp
+        else "# No PrivateTmp=yes: the launcher, vLLM or a library it preloads is under /tmp.",
         "ProtectKernelTunables=yes",
         "ProtectKernelModules=yes",
         "ProtectControlGroups=yes",
@@ -297,8 +315,9 @@ def warn_unseen_variables() -> None:
 
 def check_plan(
     values: dict[str, object], arguments: Sequence[str], program: str | None
-) -> Target | None:
-    """Plan now, to warn early about what the service will meet; None without a target."""
+) -> tuple[Target | None, list[str]]:
+    """Plan now, to warn early about what the service will meet: the target (None
+    without one) and the files the service will need (programs, environment, libraries)."""
     from vllm_cpu_launch.cli import prepare_launch
     from vllm_cpu_launch.settings import SYSTEM_CONFIG
 
@@ -308,7 +327,7 @@ def check_plan(
         if error.code not in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
             raise
         emit("warning", f"{error.message}; the service will fail to start until this is fixed")
-        return None
+        return None, []
     for warning in plan.warnings:
         emit("warning", warning)
     for path in settings.config_files:
@@ -318,7 +337,21 @@ def check_plan(
                 f"settings from {path} apply here but not to the service (it has its own "
                 f"HOME); pass --launcher-config {path} or use {SYSTEM_CONFIG}",
             )
-    return target
+    programs = (target.executable, target.interpreter, target.prefix)
+    needed = [p for p in programs if p] + [p.path for p in plan.preload]
+    return target, needed
+
+
+def tmp_ok(needed: Sequence[str]) -> bool:
+    """Whether the unit may have PrivateTmp=yes; warns about what it would hide."""
+    hidden = hidden_by_private_tmp([*launcher_command()[:1], *needed])
+    if hidden:
+        emit(
+            "warning",
+            f"{', '.join(hidden)} under /tmp would be hidden from the service by "
+            "PrivateTmp=yes: left out of the unit; install outside /tmp to keep it",
+        )
+    return not hidden
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
@@ -349,14 +382,14 @@ def main(values: dict[str, object], args: list[str]) -> int:
         if not program_argv:
             raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
         merged.update(exec_options)
-        target = check_plan(merged, program_argv[1:], program_argv[0])
+        target, needed = check_plan(merged, program_argv[1:], program_argv[0])
         program = target.executable if target is not None else program_argv[0]
         arguments = [program, *program_argv[1:]]
         # `exec` takes the launcher's options after it, and then the program.
         description = f"{os.path.basename(program)} with Intel OpenMP (vllm-cpu-launch exec)"
-        unit = render_unit(merged, ["exec"], arguments, None, description)
+        unit = render_unit(merged, ["exec"], arguments, None, description, tmp_ok(needed))
     else:
-        target = check_plan(merged, rest, None)
+        target, needed = check_plan(merged, rest, None)
         model = model_of(rest)
         if model is not None and not os.path.isabs(model) and os.path.exists(model):
             emit(
@@ -365,6 +398,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
                 "directory: give an absolute path",
             )
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
-        unit = render_unit(merged, [], rest, target, description)
+        model_path = [model] if model and os.path.isabs(model) else []
+        unit = render_unit(merged, [], rest, target, description, tmp_ok(needed + model_path))
     write_stdout(unit.rstrip("\n"))
     return 0

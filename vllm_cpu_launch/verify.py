@@ -205,6 +205,17 @@ def inspect(pid: int) -> dict[str, Any]:
     }
 
 
+COMMAND_WIDTH = 100
+
+
+def shortened(command: str) -> str:
+    """A long command cut with a visible marker; --json keeps it whole."""
+    if len(command) <= COMMAND_WIDTH:
+        return command
+    rest = len(command) - COMMAND_WIDTH
+    return f"{command[:COMMAND_WIDTH]}... [{rest} more characters; --json shows them all]"
+
+
 def render_text(report: dict[str, Any]) -> str:
     import shlex
 
@@ -214,7 +225,7 @@ def render_text(report: dict[str, Any]) -> str:
         + (f"requested ({speculative['source']})" if speculative["requested"] else "not requested")
     ]
     for process in report["processes"]:
-        command = shlex.join(process["cmdline"])[:100] or "?"
+        command = shortened(shlex.join(process["cmdline"])) or "?"
         lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {command}")
         lines.append(f"{'':>9}{process['reason']}")
         variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in process["env"].items())
