@@ -186,6 +186,8 @@ def build_plan(
     searches: list[Search] = []
     if speculative.note:
         warnings.append(speculative.note)
+    if target.prefix:
+        notes.append(f"vLLM's environment: {target.prefix} ({target.evidence})")
     if target.disagreement:
         warnings.append(target.disagreement)
     trusted, problems = target_trust(target, host.euid)
