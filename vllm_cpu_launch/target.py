@@ -91,7 +91,9 @@ def decide_environment(
     how = {"direct": "its #! line", "env": "its #!/usr/bin/env and PATH"}.get(
         wrapper.form, "its /bin/sh trampoline"
     )
-    evidence = f"{how} names {wrapper.interpreter}" + (f", beside {marker}" if marker else "")
+    evidence = f"{how} names {wrapper.interpreter}" + (
+        f", in an environment marked by {marker}" if marker else ""
+    )
     disagreement = None
     if located and located != prefix:
         disagreement = (
