@@ -88,7 +88,7 @@ def decide_environment(
         prefix, _ = environment_of(executable)
         return prefix, None, "its own bin/ directory" if prefix else "none", None
     prefix, marker = environment_of(wrapper.interpreter)
-    how = {"direct": "its #! line", "env": "its #!/usr/bin/env and PATH"}.get(
+    how = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"}.get(
         wrapper.form, "its /bin/sh trampoline"
     )
     evidence = f"{how} names {wrapper.interpreter}" + (
