@@ -53,7 +53,8 @@ USAGE = """\
 usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
        vllm-cpu-launch exec [OPTIONS] -- PROGRAM [ARGS...]
        vllm-cpu-launch doctor [--json] [--measure]
-       vllm-cpu-launch env [--format shell|systemd|docker|json] [OPTIONS] [--] VLLM_SUBCOMMAND ...
+       vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json] [OPTIONS]
+                           [--] VLLM_SUBCOMMAND ...
        vllm-cpu-launch verify [--json] PID
        vllm-cpu-launch systemd-unit [UNIT OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
 """
