@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from vllm_cpu_launch.speculative import detect
+from vllm_cpu_launch.speculative import detect, parse_json
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
 
@@ -203,3 +205,29 @@ def test_an_ordinary_model_directory_or_hub_name_is_no_request(tmp_path: Path) -
     model = str(speculators_model(tmp_path / "plain", False))
     assert not detect(["serve", model]).requested
     assert not detect(["serve", "meta-llama/Llama-3.1-8B"]).requested
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    max_leaves=20,
+)
+
+
+@given(value=JSON_VALUES, spaces=st.sampled_from(["", " ", "\n\t ", "\r\n"]))
+def test_parse_json_returns_what_json_loads_returns(value: object, spaces: str) -> None:
+    text = spaces + json.dumps(value) + spaces
+    assert parse_json(text) == json.loads(text)
+
+
+@given(text=st.text(max_size=40) | st.sampled_from(["{", "[1,]", '{"a":1} x', "nul", "NaN"]))
+def test_parse_json_fails_exactly_where_json_loads_fails(text: str) -> None:
+    try:
+        expected: object = json.loads(text)
+    except ValueError as error:
+        with pytest.raises(ValueError) as raised:
+            parse_json(text)
+        assert str(raised.value) == str(error)
+    else:
+        parsed = parse_json(text)
+        assert parsed == expected or (parsed != parsed and expected != expected)  # NaN

@@ -16,7 +16,7 @@ from vllm_cpu_launch.records import record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
 # Options whose value is the speculative config (JSON).
 CONFIG_OPTIONS = ("--speculative-config", "-sc")
@@ -125,16 +125,61 @@ def decide(options: Iterable[SpeculativeOption]) -> SpeculativeRequest:
     return judge_json(last_config.value, last_config.source)
 
 
+JSON_WHITESPACE = " \t\n\r"
+JSON_CONSTANTS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+class ScannerContext:
+    """What CPython's C JSON scanner reads from a JSONDecoder: json.loads' defaults."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = JSON_CONSTANTS.__getitem__
+
+
+def c_scanner() -> Callable[[str, int], tuple[object, int]] | None:
+    """CPython's C JSON scanner with json.loads' settings; None elsewhere."""
+    try:
+        from _json import make_scanner
+    except ImportError:  # another Python implementation
+        return None
+    return make_scanner(ScannerContext)  # type: ignore[arg-type]  # duck-typed decoder
+
+
+def parse_json(text: str) -> object:
+    """`json.loads(text)`, without importing `json` for a valid text.
+
+    `json` imports `re` and compiles its patterns: 1-7 ms of the exec path, more than
+    the launcher's own work. CPython's C scanner (`_json`, which `json` itself uses) is
+    called directly; anything it does not accept in full goes to `json.loads`, so the
+    result and the error are json.loads' own (tests/test_speculative.py compares them).
+    """
+    scanner = c_scanner()
+    if scanner is not None:
+        start = len(text) - len(text.lstrip(JSON_WHITESPACE))
+        try:
+            value, end = scanner(text, start)
+        except (StopIteration, ValueError):
+            pass  # invalid: json.loads below says why
+        else:
+            if not text[end:].strip(JSON_WHITESPACE):
+                return value
+    import json  # only for what the scanner refused: its message names the problem
+
+    return json.loads(text)
+
+
 def judge_json(value: str | None, source: str) -> SpeculativeRequest:
     """`--speculative-config VALUE`: requested unless VALUE is empty, None or null."""
     if value is None:
         return SpeculativeRequest(True, source, f"{source} has no value; vLLM will report it")
     if value in NO_VALUE:
         return SpeculativeRequest(False, source)
-    import json  # only here: the JSON decoder costs milliseconds at start-up
-
     try:
-        parsed = json.loads(value)
+        parsed = parse_json(value)
     except (ValueError, RecursionError) as error:  # RecursionError: `[[[[...` nested deeply
         return SpeculativeRequest(
             True, source, f"{source} is not valid JSON ({error}); vLLM will report it"
