@@ -10,6 +10,9 @@ timed end to end, from spawn to the target's exit:
   b    `python -c` that execs the target with the launcher's environment (the floor)
   c    `python -m torch.backends.xeon.run_cpu --no-python T/bin/vllm ...` (PyTorch's
        launcher; needs an interpreter with torch, skipped otherwise)
+  w_pip  pip's console-script wrapper around a `main` that only execs the target with
+       the same environment changes: the floor no launcher behind pip's wrapper can beat
+  a_uv, w_uv  the same two, installed by uv (whose wrapper imports nothing)
 and, to show where the time goes: the floor plus `import re`, plus `import json`; the
 launcher as `python -m vllm_cpu_launch`; as `python -c` without pip's wrapper; and as
 `python -c` with dotted SD options (`--speculative-config.method ngram`), which need
@@ -17,7 +20,8 @@ no JSON decoder and so import neither `json` nor `re`; and the target alone.
 
 Configurations are interleaved within each round (order rotated per round) and
 summarised by medians; ratios compare configurations of the same run. Nothing is
-asserted: the target a/b <= 1.25 is reported as met or missed.
+asserted: the targets a/w_pip <= 1.25 and a_uv/w_uv <= 1.25 (issue 12) are reported as
+met or missed, as is a/b.
 """
 
 from __future__ import annotations
@@ -125,6 +129,71 @@ def prepare_venv(venv: Path) -> None:
             say(f"reinstalling this checkout into {venv} (non-editable)")
             install = [*pip, "--force-reinstall", "--no-deps", str(copy)]
             checked_output(install, "pip install <repo>", SETUP_TIME_LIMIT_S)
+
+
+EXEC_FLOOR = "vllm-cpu-launch-exec-floor"  # the wrapper floors' distribution
+
+
+def exec_floor_source(workdir: Path, program: str, changes: dict[str, str]) -> Path:
+    """A distribution whose console script `exec-floor ARGS` only execs `program ARGS`
+    with the launcher's environment changes (baked in, as the floor `b` has them)."""
+    source = workdir / "exec-floor"
+    package = source / "exec_floor"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import os\nimport sys\n\n\ndef main():\n"
+        "    environment = dict(os.environ)\n"
+        f"    environment.update({changes!r})\n"
+        f"    os.execve({program!r}, [{program!r}, *sys.argv[1:]], environment)\n"
+    )
+    (source / "pyproject.toml").write_text(
+        "[build-system]\nrequires = ['setuptools>=61']\n"
+        "build-backend = 'setuptools.build_meta'\n"
+        f"[project]\nname = '{EXEC_FLOOR}'\nversion = '1.0'\n"
+        "[project.scripts]\nexec-floor = 'exec_floor:main'\n"
+    )
+    return source
+
+
+def find_uv() -> str | None:
+    """uv beside this interpreter (the test extra installs it), else on PATH."""
+    beside = Path(sys.executable).parent / "uv"
+    return str(beside) if beside.exists() else shutil.which("uv")
+
+
+def install_wrapper_floors(venv: Path, uv_venv: Path | None, uv: str | None, source: Path) -> None:
+    """The exec-only `main` behind pip's wrapper (in `venv`) and uv's (in `uv_venv`)."""
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    pip_install = [*pip, "--disable-pip-version-check", "--force-reinstall", str(source)]
+    checked_output(pip_install, "pip install exec-floor", SETUP_TIME_LIMIT_S)
+    if uv is not None and uv_venv is not None:
+        uv_install = [
+            uv,
+            "pip",
+            "install",
+            "--quiet",
+            "--compile-bytecode",
+            "--reinstall",
+            "--python",
+        ]
+        command = [*uv_install, str(uv_venv / "bin" / "python"), str(source)]
+        checked_output(command, "uv pip install exec-floor", SETUP_TIME_LIMIT_S)
+
+
+def prepare_uv_venv(venv: Path, uv: str) -> None:
+    """A clean uv-made venv with this checkout installed non-editable by uv."""
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-src-") as source:
+        copy = Path(source) / "src"
+        shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(*COPY_IGNORE))
+        if not (venv / "bin" / "python").exists():
+            say(f"creating {venv} with uv and this checkout (non-editable)")
+            create = [uv, "venv", "--quiet", "--python", sys.executable, str(venv)]
+            checked_output(create, "uv venv", SETUP_TIME_LIMIT_S)
+        # --compile-bytecode: uv writes no .pyc by default (pip does), and where
+        # PYTHONDONTWRITEBYTECODE is set every start would compile the launcher anew.
+        install = [uv, "pip", "install", "--quiet", "--compile-bytecode", "--reinstall"]
+        command = [*install, "--python", str(venv / "bin" / "python"), str(copy)]
+        checked_output(command, "uv pip install <repo>", SETUP_TIME_LIMIT_S)
 
 
 def make_target(workdir: Path, venv: Path) -> Path:
@@ -312,8 +381,21 @@ def print_ratios(
     medians: dict[str, float], wall: Samples, cpu: Samples, torch_skip: str | None
 ) -> None:
     a, b = medians["a"], medians["b"]
+    print()
+    for key, floor, what in (
+        ("a", "w_pip", "launcher behind pip's wrapper / pip's wrapper around an exec-only main"),
+        ("a_uv", "w_uv", "launcher behind uv's wrapper / uv's wrapper around an exec-only main"),
+    ):
+        if key not in medians:
+            print(ratio_line(f"{key}/{floor}", what, "skipped: no uv (pip install uv)"))
+            continue
+        value = medians[key] / medians[floor]
+        print(ratio_line(f"{key}/{floor}", what, value))
+        verdict = "met" if value <= TARGET_RATIO else "MISSED"
+        print(f"  target {key}/{floor} <= {TARGET_RATIO}: {verdict}")
+        print(f"  same ratio of median CPU times: {ratio_of_medians(cpu, key, floor):.2f}")
     verdict = "met" if a / b <= TARGET_RATIO else "MISSED"
-    print("\n" + ratio_line("a/b", "launcher / bare python exec", a / b))
+    print(ratio_line("a/b", "launcher / bare python exec", a / b))
     print(f"  target a/b <= {TARGET_RATIO}: {verdict}")
     print(f"  same ratio of minimum wall times: {min(wall['a']) / min(wall['b']):.2f}")
     print(
@@ -343,8 +425,16 @@ def print_ratios(
         print(f"  {value * 1e3:6.2f}  {what} ({formula})")
 
 
+def ratio_of_medians(samples: Samples, numerator: str, denominator: str) -> float:
+    return statistics.median(samples[numerator]) / statistics.median(samples[denominator])
+
+
 def build_configs(
-    venv: Path, program: Path, env: dict[str, str], torch_python: str | None
+    venv: Path,
+    program: Path,
+    env: dict[str, str],
+    torch_python: str | None,
+    uv_venv: Path | None,
 ) -> tuple[list[Config], list[str], str | None]:
     python = str(venv / "bin" / "python")
     script = str(venv / "bin" / "vllm-cpu-launch")
@@ -396,7 +486,28 @@ def build_configs(
             env,
         ),
         ("t", "the target alone, with the launcher's env changes", target_argv, target_env),
+        (
+            "w_pip",
+            "pip's wrapper around an exec-only main (the floor for a)",
+            [str(venv / "bin" / "exec-floor"), *vllm_args],
+            env,
+        ),
     ]
+    if uv_venv is not None:
+        configs += [
+            (
+                "a_uv",
+                "vllm-cpu-launch console script installed by uv (its wrapper imports nothing)",
+                [str(uv_venv / "bin" / "vllm-cpu-launch"), *launcher_args],
+                env,
+            ),
+            (
+                "w_uv",
+                "uv's wrapper around an exec-only main (the floor for a_uv)",
+                [str(uv_venv / "bin" / "exec-floor"), *vllm_args],
+                env,
+            ),
+        ]
     torch_skip = "no interpreter with torch (pass --torch-python)" if torch_python is None else None
     if torch_python is not None:
         torch_skip = torch_available(torch_python)
@@ -456,11 +567,15 @@ def bench(arguments: Sequence[str]) -> None:
     torch_python = args.torch_python or default_torch_python()
     if torch_python == "none":
         torch_python = None
+    uv = find_uv()
+    uv_venv = default_venv().with_name("bench-overhead-uv-venv") if uv else None
     if args.venv is None:
         venv = default_venv()
         prepare_venv(venv)
     else:
         venv = args.venv.absolute()
+    if uv is not None and uv_venv is not None:
+        prepare_uv_venv(uv_venv, uv)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as temporary:
         workdir = Path(temporary)
         # Not the checkout: `python -c`/`-m` put the working directory on sys.path,
@@ -468,7 +583,14 @@ def bench(arguments: Sequence[str]) -> None:
         os.chdir(workdir)
         program = make_target(workdir, venv)
         env = clean_environment(workdir)
-        configs, launcher_argv, torch_skip = build_configs(venv, program, env, torch_python)
+        script = str(venv / "bin" / "vllm-cpu-launch")
+        launcher_args = ["--vllm", str(program), "serve", "M", "--speculative-config", SD_JSON]
+        changes = launcher_env_changes(script, launcher_args, env)
+        floor_source = exec_floor_source(workdir, str(program), changes)
+        install_wrapper_floors(venv, uv_venv, uv, floor_source)
+        configs, launcher_argv, torch_skip = build_configs(
+            venv, program, env, torch_python, uv_venv
+        )
         say(f"{len(configs)} configurations x {args.rounds} rounds (+1 warm-up)")
         wall, cpu = measure(configs, args.rounds)
         print(f"machine: {describe_machine()}", flush=True)
