@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from vllm_cpu_launch.libraries import IOMP, Host, find_library
+from vllm_cpu_launch.libraries import find_library
+from vllm_cpu_launch.places import IOMP, Host
 
 from .conftest import AS_NOBODY, NOBODY
 from .hardening_support import (

@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vllm_cpu_launch.libraries import Host, preload_entries
+from vllm_cpu_launch.places import Host, preload_entries
 from vllm_cpu_launch.plan import build_plan, compose_ld_preload
 from vllm_cpu_launch.settings import Settings
 from vllm_cpu_launch.speculative import SpeculativeRequest, detect

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.libraries import IOMP, TCMALLOC, Host, examine, find_library
+from vllm_cpu_launch.libraries import examine, find_library
+from vllm_cpu_launch.places import IOMP, TCMALLOC, Host
 from vllm_cpu_launch.target import Target
 
 MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.libraries import Host
+from vllm_cpu_launch.places import Host
 from vllm_cpu_launch.plan import (
     Preload,
     build_plan,

@@ -19,7 +19,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from vllm_cpu_launch.libraries import Host
+    from vllm_cpu_launch.places import Host
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.settings import Settings
     from vllm_cpu_launch.target import Target
@@ -129,7 +129,7 @@ def parse_options(
 
 
 def current_host() -> Host:
-    from vllm_cpu_launch.libraries import Host
+    from vllm_cpu_launch.places import Host
 
     return Host(
         environ=os.environ,

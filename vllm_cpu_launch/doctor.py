@@ -341,7 +341,7 @@ def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, s
             "apt-get install libtcmalloc-minimal4",
         )
     preload = env.get("LD_PRELOAD", "")
-    from vllm_cpu_launch.libraries import preload_entries
+    from vllm_cpu_launch.places import preload_entries
 
     gomp = [e for e in preload_entries(preload) if "libgomp" in e]
     if gomp:
@@ -410,7 +410,8 @@ def build_report(
     values: dict[str, object], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], Target | None]:
     from vllm_cpu_launch.cli import SETTING_KEYS, current_host
-    from vllm_cpu_launch.libraries import IOMP, TCMALLOC, find_library
+    from vllm_cpu_launch.libraries import find_library
+    from vllm_cpu_launch.places import IOMP, TCMALLOC
     from vllm_cpu_launch.plan import target_trust
     from vllm_cpu_launch.settings import Settings, load_settings
     from vllm_cpu_launch.target import resolve_vllm

@@ -3,15 +3,8 @@
 from __future__ import annotations
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.libraries import (
-    IOMP,
-    TCMALLOC,
-    Candidate,
-    Host,
-    Search,
-    find_library,
-    preload_entries,
-)
+from vllm_cpu_launch.libraries import Candidate, Search, find_library
+from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.settings import blocktime_problem
 

@@ -1,0 +1,279 @@
+"""Where to look for a library: the places of DESIGN.md's search order, as data.
+
+Discovery only stats and reads known places, in the order of DESIGN.md; it never
+scans the filesystem. Each place yields candidates lazily, so the usual case (the
+library in the vLLM environment) stops after a handful of system calls.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_cpu_launch.records import record
+from vllm_cpu_launch.target import python_user_base
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+
+    from vllm_cpu_launch.target import Target
+
+IOMP = "iomp"
+TCMALLOC = "tcmalloc"
+IOMP_NAMES = ("libiomp5.so",)
+TCMALLOC_NAMES = (
+    "libtcmalloc_minimal.so.4",
+    "libtcmalloc.so.4",
+    "libtcmalloc_minimal.so",
+    "libtcmalloc.so",
+)
+# vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
+MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
+PYTHON_MINORS = range(8, 20)  # Python 3.8 to 3.19: the versions a vLLM wheel may be built for
+
+MULTIARCH = {
+    "x86_64": "x86_64-linux-gnu",
+    "aarch64": "aarch64-linux-gnu",
+    "ppc64le": "powerpc64le-linux-gnu",
+    "s390x": "s390x-linux-gnu",
+    "riscv64": "riscv64-linux-gnu",
+}
+LOADER_CACHE = "etc/ld.so.cache"
+ONEAPI_ROOT = "opt/intel/oneapi"
+
+
+@record
+class Host:
+    """What discovery needs to know of this process and machine."""
+
+    environ: Mapping[str, str]
+    machine: str  # os.uname().machine
+    euid: int
+    launcher_prefix: str  # sys.prefix of the launcher's own interpreter
+    search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
+    # Where the system places (/usr/lib..., /opt/intel, /etc/ld.so.cache) are: "/" but
+    # in tests, which lay out real Debian and oneAPI trees in a temporary directory.
+    root: str = "/"
+
+
+@record
+class Place:
+    """One step of the search order: where it looked and which files it proposes."""
+
+    origin: str
+    paths: tuple[str, ...]
+
+
+def files_named(origin: str, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
+    """The files with one of `names` that exist in `directories` (skipping unset ones)."""
+    paths = [
+        os.path.join(directory, name)
+        for directory in directories
+        if directory
+        for name in names
+        if os.path.lexists(os.path.join(directory, name))
+    ]
+    return Place(origin, tuple(paths))
+
+
+def preload_entries(value: str) -> list[str]:
+    """LD_PRELOAD's entries, split where glibc's loader splits them: spaces and colons.
+
+    Tabs and other white space are part of an entry to the loader (rtld.c, " :").
+    """
+    return [entry for entry in value.replace(":", " ").split(" ") if entry]
+
+
+def ld_preload_place(kind: str, host: Host) -> Place:
+    entries = preload_entries(host.environ.get("LD_PRELOAD", ""))
+    return Place("ld-preload", tuple(e for e in entries if MARKER[kind] in os.path.basename(e)))
+
+
+def library_path_place(names: tuple[str, ...], host: Host) -> Place:
+    """LD_LIBRARY_PATH entries; an empty or relative one is proposed only to be rejected."""
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    paths: list[str] = []
+    for directory in value.split(":") if value else []:
+        if os.path.isabs(directory):
+            paths.extend(files_named("", [directory], names).paths)
+        else:  # "" is the current directory to the loader
+            paths.append(os.path.join(directory, names[0]) if directory else "")
+    return Place("ld-library-path", tuple(paths))
+
+
+def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[str]:
+    """Library paths listed in glibc's /etc/ld.so.cache (format 'glibc-ld.so.cache1.1').
+
+    Read directly rather than through `ldconfig -p`: no child process on the exec path.
+    """
+    try:
+        with open(cache_file, "rb") as stream:
+            data = stream.read()
+    except OSError:
+        return []
+    if names and not any(name.encode() in data for name in names):
+        return []  # the usual case, decided without parsing hundreds of entries
+    magic = b"glibc-ld.so.cache1.1"
+    start = data.find(magic)  # after the old-format table on older systems
+    if start < 0 or len(data) < start + 48:
+        return []
+    count = int.from_bytes(data[start + 20 : start + 24], "little")
+    paths = []
+    for index in range(count):
+        entry = start + 48 + 24 * index
+        if entry + 24 > len(data):
+            break
+        value = int.from_bytes(data[entry + 8 : entry + 12], "little")
+        end = data.find(b"\0", start + value)
+        if end > 0:
+            paths.append(data[start + value : end].decode("utf-8", "surrogateescape"))
+    return paths
+
+
+def system_path(host: Host, path: str) -> str:
+    """A system location under the host's root directory."""
+    return os.path.join(host.root, path.lstrip("/"))
+
+
+def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
+    entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
+    found = [system_path(host, p) for p in entries if os.path.basename(p) in names]
+    return Place("loader-cache", tuple(dict.fromkeys(found)))
+
+
+def version_key(name: str) -> tuple[int, ...]:
+    """'2024.2' -> (2024, 2); names that are not versions sort first."""
+    parts = name.split(".")
+    return tuple(int(part) for part in parts) if all(p.isdigit() for p in parts) else ()
+
+
+def oneapi_directories(host: Host) -> list[str | None]:
+    """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
+    compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
+    try:
+        versions = [n for n in os.listdir(compiler_root) if version_key(n)]
+    except OSError:
+        versions = []
+    newest = max(versions, key=version_key) if versions else None
+    roots: list[str | None] = [
+        host.environ.get("CMPLR_ROOT"),
+        os.path.join(host.environ["ONEAPI_ROOT"], "compiler", "latest")
+        if host.environ.get("ONEAPI_ROOT")
+        else None,
+        os.path.join(compiler_root, "latest"),
+        os.path.join(compiler_root, newest) if newest else None,
+    ]
+    directories: list[str | None] = []
+    for root in roots:
+        if root:
+            directories.append(os.path.join(root, "lib"))
+            directories.append(os.path.join(root, "linux", "compiler", "lib", "intel64_lin"))
+    return directories
+
+
+def distribution_files(distribution: str, search_path: Iterable[str], name: str) -> list[str]:
+    """Files called `name` that an installed distribution's RECORD lists.
+
+    The RECORD is read directly: importlib.metadata costs more to import than the
+    whole launcher, and this place is reached only when the earlier ones failed.
+    """
+    prefix = distribution.replace("-", "_") + "-"
+    found = []
+    for site in search_path:
+        if not os.path.isabs(site):
+            continue  # "" in sys.path is the working directory
+        try:
+            entries = os.listdir(site)
+        except OSError:
+            continue
+        for entry in entries:
+            if not (entry.startswith(prefix) and entry.endswith(".dist-info")):
+                continue
+            try:
+                with open(os.path.join(site, entry, "RECORD"), encoding="utf-8") as stream:
+                    for line in stream:
+                        relative = line.split(",", 1)[0]
+                        if os.path.basename(relative) == name:
+                            found.append(os.path.normpath(os.path.join(site, relative)))
+            except OSError:
+                continue
+    return found
+
+
+def system_directories(host: Host) -> list[str | None]:
+    """`/usr/local/lib*`, `/usr/lib/<multiarch>`, `/usr/lib64`, `/usr/lib`."""
+    usr_local = system_path(host, "/usr/local")
+    try:
+        local = sorted(n for n in os.listdir(usr_local) if n.startswith("lib"))
+    except OSError:
+        local = []
+    multiarch = MULTIARCH.get(host.machine)
+    return [
+        *(os.path.join(usr_local, n) for n in local),
+        system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
+        system_path(host, "/usr/lib64"),
+        system_path(host, "/usr/lib"),
+    ]
+
+
+def lib_directory(prefix: str | None) -> str | None:
+    return os.path.join(prefix, "lib") if prefix else None
+
+
+def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
+    """Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
+
+    The Python versions are tried by name rather than found by listing `lib/`, which in
+    a conda environment holds thousands of files.
+    """
+    if not prefix:
+        return []
+    found = []
+    for minor in PYTHON_MINORS:
+        libs = os.path.join(prefix, "lib", f"python3.{minor}", "site-packages", "vllm", "libs")
+        try:
+            found += [os.path.join(libs, n) for n in sorted(os.listdir(libs)) if "libtcmalloc" in n]
+        except OSError:
+            continue
+    return found
+
+
+def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Place]:
+    """The places to look, in DESIGN.md's order, each computed only when reached.
+
+    The vLLM environment is its user base (for a `pip install --user` vLLM, where pip
+    put intel-openmp too) and its prefix; later, the user base Python would use.
+    """
+    names = IOMP_NAMES if kind == IOMP else TCMALLOC_NAMES
+    environ = host.environ
+    target_prefix = target.prefix if target else None
+    target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
+    user_lib = [lib_directory(python_user_base(environ))]
+    steps: list[Callable[[], Place]] = [
+        lambda: ld_preload_place(kind, host),
+        lambda: files_named("vllm-environment", target_lib, names),
+        lambda: files_named("launcher-environment", [lib_directory(host.launcher_prefix)], names),
+        lambda: files_named("conda", [lib_directory(environ.get("CONDA_PREFIX"))], names),
+        lambda: files_named("virtualenv", [lib_directory(environ.get("VIRTUAL_ENV"))], names),
+    ]
+    if kind == IOMP:
+        steps += [
+            lambda: Place(
+                "intel-openmp-package",
+                tuple(distribution_files("intel-openmp", host.search_path, names[0])),
+            ),
+            lambda: files_named("user-base", user_lib, names),
+            lambda: files_named("oneapi", oneapi_directories(host), names),
+        ]
+    else:
+        steps += [
+            lambda: Place("vllm-bundled", tuple(vllm_bundled_tcmalloc(target_prefix))),
+            lambda: files_named("user-base", user_lib, names),
+        ]
+    steps += [
+        lambda: library_path_place(names, host),
+        lambda: loader_cache_place(names, host),
+        lambda: files_named("system", system_directories(host), names),
+    ]
+    for step in steps:
+        yield step()
