@@ -121,14 +121,19 @@ def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[
 
 
 def why(settings: Settings, speculative: SpeculativeRequest, auto_iomp: bool) -> str:
-    """Why Intel OpenMP is wanted or not, for the INFO line."""
+    """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it)."""
+    tuned = settings.tuned
     if settings.iomp != "auto":
-        return f"--iomp {settings.iomp}"
-    if speculative.requested:
-        return f"speculative decoding requested by {speculative.source}"
-    if auto_iomp:
-        return "exec preloads Intel OpenMP unless --iomp never"
-    return "no speculative decoding requested"
+        reason = f"--iomp {settings.iomp}"
+    elif speculative.requested:
+        reason = f"speculative decoding requested by {speculative.source}"
+    elif auto_iomp:
+        reason = "exec preloads Intel OpenMP unless --iomp never"
+    else:
+        reason = "no speculative decoding requested"
+    if tuned is None:
+        return reason
+    return f"{reason} (from tune {tuned.when}: {tuned.result})"
 
 
 def environment_changes(
@@ -289,6 +294,7 @@ def render_text(plan: Plan) -> str:
     lines = [
         f"command:     {shlex.join(plan.command)}",
         f"speculative: {speculative}",
+        f"reason:      {plan.reason}",
     ]
     for index, p in enumerate(plan.preload):
         label = "preload:" if index == 0 else ""

@@ -23,6 +23,19 @@ CONFIG_VARIABLE = "VLLM_CPU_LAUNCH_CONFIG"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 LARGE_BLOCKTIME_MS = 200
+# The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`).
+TUNED_FIELDS = ("when", "iomp", "result", "rounds", "command")
+
+
+@record
+class Tuned:
+    """What `tune --write` measured: it chose `iomp` at `when`; `result` says by what margin."""
+
+    when: str  # ISO 8601 UTC time, e.g. 2026-12-01T10:02Z
+    iomp: str  # the value it wrote (auto: within the noise, the default kept)
+    result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
+    rounds: int
+    command: str  # the `vllm bench latency` command line it measured
 
 
 @record
@@ -37,6 +50,8 @@ class Settings:
     vllm: str | None = None
     strict: bool = False
     config_files: tuple[str, ...] = ()  # the files that were read, for doctor and -v
+    # The tune record of the file the `iomp` in effect came from, when it chose that value.
+    tuned: Tuned | None = None
 
 
 def fail(where: str, problem: str) -> LaunchError:
@@ -116,6 +131,33 @@ def parse_bool(value: object, where: str) -> bool:
     raise fail(where, f"{value!r} is not a yes/no value (use 1 or 0, true or false)")
 
 
+def parse_tuned(value: object, where: str) -> Tuned:
+    """A `tuned:` record: a mapping of exactly TUNED_FIELDS, each of its type."""
+    if not isinstance(value, dict):
+        raise fail(where, f"must be a mapping of {', '.join(TUNED_FIELDS)}, not {value!r}")
+    fields: dict[str, object] = {}
+    for key, item in value.items():
+        if key not in TUNED_FIELDS:
+            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {', '.join(TUNED_FIELDS)}")
+        fields[key] = item
+    missing = [key for key in TUNED_FIELDS if key not in fields]
+    if missing:
+        raise fail(where, f"lacks {', '.join(missing)}")
+    when = fields["when"]
+    if not isinstance(when, str):  # YAML reads an unquoted time as a timestamp
+        when = when.isoformat() if hasattr(when, "isoformat") else when
+    rounds = fields["rounds"]
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise fail(f"{where}.rounds", f"{rounds!r} is not a positive number of rounds")
+    return Tuned(
+        when=parse_text(when, f"{where}.when"),
+        iomp=parse_mode(fields["iomp"], f"{where}.iomp"),
+        result=parse_text(fields["result"], f"{where}.result"),
+        rounds=rounds,
+        command=parse_text(fields["command"], f"{where}.command"),
+    )
+
+
 # key -> (option, environment variable, parser)
 KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
     "iomp": ("--iomp", "VLLM_CPU_LAUNCH_IOMP", parse_mode),
@@ -126,6 +168,8 @@ KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
     "vllm": ("--vllm", "VLLM_CPU_LAUNCH_VLLM", parse_text),
     "strict": ("--strict", "VLLM_CPU_LAUNCH_STRICT", parse_bool),
 }
+# Keys only a config file holds.
+CONFIG_ONLY_KEYS: dict[str, Callable[[object, str], object]] = {"tuned": parse_tuned}
 
 
 def user_config_path(environ: Mapping[str, str]) -> str | None:
@@ -164,10 +208,11 @@ def read_config_file(path: str) -> dict[str, object]:
     values: dict[str, object] = {}
     for key, value in content.items():
         name = str(key).replace("-", "_")
-        if name not in KEYS:
-            allowed = ", ".join(k.replace("_", "-") for k in KEYS)
+        parse = KEYS[name][2] if name in KEYS else CONFIG_ONLY_KEYS.get(name)
+        if parse is None:
+            allowed = ", ".join(k.replace("_", "-") for k in (*KEYS, *CONFIG_ONLY_KEYS))
             raise fail(path, f"unknown key {key!r}; allowed keys: {allowed}")
-        values[name] = KEYS[name][2](value, f"{path}: key {key!r}")
+        values[name] = parse(value, f"{path}: key {key!r}")
     return values
 
 
@@ -179,14 +224,24 @@ def load_settings(options: Mapping[str, object], environ: Mapping[str, str]) -> 
     files = [SYSTEM_CONFIG, explicit_config or user_config_path(environ)]
     values: dict[str, object] = {}
     read: list[str] = []
+    tuned: object = None  # the tune record of the file that gave `iomp`, if it had one
     for path in files:
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
-        values.update(read_config_file(path))
+        content = read_config_file(path)
+        if "iomp" in content:
+            tuned = content.get("tuned")
+        content.pop("tuned", None)
+        values.update(content)
         read.append(path)
     for key, (option, variable, parse) in KEYS.items():
         if variable in environ:
             values[key] = parse(environ[variable], variable)
         if key in options:
             values[key] = parse(options[key], option)
-    return Settings(**values, config_files=tuple(read))  # type: ignore[arg-type]
+    # A tuned config value is a config value: an option or variable that sets iomp wins,
+    # and a record whose choice was edited since no longer explains it.
+    overridden = "iomp" in options or KEYS["iomp"][1] in environ
+    if overridden or not isinstance(tuned, Tuned) or tuned.iomp != values.get("iomp"):
+        tuned = None
+    return Settings(**values, config_files=tuple(read), tuned=tuned)  # type: ignore[arg-type]
