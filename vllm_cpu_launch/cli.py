@@ -47,7 +47,7 @@ FLAG_OPTIONS = {
     "--version": "version",
 }
 SETTING_KEYS = ("iomp", "iomp_path", "tcmalloc", "tcmalloc_path", "kmp_blocktime", "vllm")
-VERBS = ("doctor", "env", "verify", "systemd-unit", "exec")
+VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune")
 
 USAGE = """\
 usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
@@ -57,6 +57,7 @@ usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
                            [--] VLLM_SUBCOMMAND ...
        vllm-cpu-launch verify [--json] PID
        vllm-cpu-launch systemd-unit [UNIT OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
+       vllm-cpu-launch tune [--write] [TUNE OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
 """
 
 HELP = (
@@ -66,7 +67,8 @@ Start vLLM on CPU with Intel OpenMP (libiomp5.so) preloaded when speculative
 decoding is requested, then exec it: vLLM keeps the launcher's PID.
 Example: vllm-cpu-launch serve MODEL --speculative-config '{"method":"ngram",...}'
 Everything from the vLLM subcommand on is passed to vLLM unchanged;
-`vllm-cpu-launch serve --help` shows vLLM's help.
+`vllm-cpu-launch serve --help` shows vLLM's help. `tune` measures libgomp against
+libiomp5 with vLLM's own `vllm bench latency` on your command (see tune --help).
 
 options (before the vLLM subcommand; each has a VLLM_CPU_LAUNCH_* variable):
   --iomp auto|always|never   preload libiomp5: auto = when SD is requested on x86-64
@@ -273,6 +275,10 @@ def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
         from vllm_cpu_launch.verify import main as verify_main
 
         return verify_main(values, rest)
+    if verb == "tune":
+        from vllm_cpu_launch.tune import main as tune_main
+
+        return tune_main(values, rest)
     from vllm_cpu_launch.systemd import main as systemd_main
 
     return systemd_main(values, rest)

@@ -1,0 +1,428 @@
+"""`tune` without vLLM: the argv it measures, the noise rule, the config it writes, the
+reason later plans give, and the whole verb run against a stand-in `vllm` that writes
+`vllm bench latency`'s JSON (the real benchmark runs in tests/e2e/test_tune.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from vllm_cpu_launch.errors import LaunchError
+from vllm_cpu_launch.plan import why
+from vllm_cpu_launch.settings import Settings, Tuned, load_settings, read_config_file
+from vllm_cpu_launch.speculative import detect
+from vllm_cpu_launch.tune import (
+    BENCH_OPTIONS,
+    CANDIDATES,
+    Summary,
+    bench_arguments,
+    decide,
+    merged_config,
+    rotated,
+    table,
+)
+
+from .conftest import clean_environ, make_environment, run_launcher
+
+NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
+BENCH = {key: default for key, default in BENCH_OPTIONS.values()}
+GOMP, IOMP = CANDIDATES
+# A stand-in `vllm`: records its argv and preload, then answers like `vllm bench latency`.
+# FAKE_BENCH picks the story: which runtime is faster, both alike, a failure or a hang.
+FAKE_BENCH = """\
+import json, os, subprocess, sys, time
+args = sys.argv[1:]
+story = os.environ["FAKE_BENCH"]
+runs = os.path.join(os.environ["FAKE_RECORD"], "runs.jsonl")
+iomp = "libiomp" in os.environ.get("LD_PRELOAD", "")
+with open(runs, "a") as stream:
+    stream.write(json.dumps({"argv": args, "iomp": iomp,
+                             "blocktime": os.environ.get("KMP_BLOCKTIME")}) + "\\n")
+count = sum(1 for _ in open(runs))
+if story == "fail":
+    print("vllm.exceptions.VLLMValidationError: Token id 9554 is out of vocabulary")
+    sys.exit(1)
+if story == "hang":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(os.path.join(os.environ["FAKE_RECORD"], "child.pid"), "w").write(str(child.pid))
+    time.sleep(600)
+if story == "gomp-faster":
+    latency = 0.2 if iomp else 0.1
+elif story == "iomp-faster":
+    latency = 0.1 if iomp else 0.2
+else:  # alike: each run differs from the last by more than the candidates do
+    latency = 0.1 + 0.01 * (count % 3)
+out = args[args.index("--output-json") + 1]
+json.dump({"latencies": [latency, latency * 1.01, latency * 0.99]}, open(out, "w"))
+"""
+
+
+# ---------------------------------------------------------------- the command measured
+
+
+def test_serve_becomes_bench_latency_without_the_serve_only_options() -> None:
+    serve = [
+        "serve",
+        "/models/m",
+        "--host",
+        "0.0.0.0",
+        "--port=8000",
+        "--api_key",
+        "k1",
+        "k2",
+        "--enable-log-requests",
+        "--served-model-name",
+        "m",
+        "--speculative-config",
+        NGRAM,
+        "--chat-template",
+        "--not-an-option-but-a-value",
+        "-tp",
+        "1",
+    ]
+    arguments, dropped = bench_arguments(serve, BENCH, "/tmp/out.json")
+    assert dropped == [
+        "--host",
+        "0.0.0.0",
+        "--port=8000",
+        "--api_key",
+        "k1",
+        "k2",
+        "--enable-log-requests",
+        "--chat-template",
+        "--not-an-option-but-a-value",
+    ]
+    assert arguments == [
+        "bench",
+        "latency",
+        "--model",
+        "/models/m",
+        "--served-model-name",
+        "m",
+        "--speculative-config",
+        NGRAM,
+        "-tp",
+        "1",
+        "--batch-size",
+        "1",
+        "--input-len",
+        "64",
+        "--output-len",
+        "128",
+        "--num-iters",
+        "5",
+        "--num-iters-warmup",
+        "1",
+        "--output-json",
+        "/tmp/out.json",
+    ]
+
+
+def test_model_given_as_option_is_kept_and_a_missing_one_is_a_usage_error() -> None:
+    arguments, _ = bench_arguments(["serve", "--model=/m", "-sc", NGRAM], BENCH, "o.json")
+    assert arguments[2:5] == ["--model=/m", "-sc", NGRAM]
+    for serve in (["serve"], ["serve", "-sc", NGRAM], ["chat", "m"], []):
+        with pytest.raises(LaunchError) as raised:
+            bench_arguments(serve, BENCH, "o.json")
+        assert raised.value.code == 2
+
+
+def test_rounds_rotate_the_order() -> None:
+    names = [(r, c.name) for r, c in rotated(CANDIDATES, 3)]
+    assert names == [
+        (0, "libgomp"),
+        (0, "libiomp5"),
+        (1, "libiomp5"),
+        (1, "libgomp"),
+        (2, "libgomp"),
+        (2, "libiomp5"),
+    ]
+
+
+# ---------------------------------------------------------------- the noise rule
+
+
+def test_a_winner_must_beat_the_larger_range() -> None:
+    clear = decide([Summary(GOMP, (0.10, 0.11, 0.10)), Summary(IOMP, (0.19, 0.20, 0.21))], IOMP)
+    assert clear.winner == GOMP and clear.iomp == "never"
+    assert clear.result == "libgomp 2.00x faster than libiomp5, spread 0.02 s"
+    noisy = decide([Summary(GOMP, (0.10, 0.14)), Summary(IOMP, (0.11, 0.12))], IOMP)
+    assert noisy.winner is None and noisy.iomp == "auto"
+    assert noisy.result.startswith("within the noise, default kept: libiomp5 1.04x faster")
+    default_wins = decide([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], IOMP)
+    assert default_wins.winner == IOMP and default_wins.iomp == "auto"  # auto already does it
+    without_sd = decide([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], GOMP)
+    assert without_sd.iomp == "always"
+    once = decide([Summary(GOMP, (0.1,)), Summary(IOMP, (0.2, 0.2))], IOMP)
+    assert once.winner is None and "fewer than 2 runs" in once.result
+
+
+def test_table_shows_median_quartiles_range_and_speed() -> None:
+    text = table([Summary(GOMP, (0.1, 0.3, 0.2)), Summary(IOMP, (0.1, 0.1, 0.1))])
+    header, gomp, iomp = text.splitlines()
+    assert "median s" in header and "q1-q3 s" in header and "speed vs libgomp" in header
+    assert gomp.split()[:6] == ["libgomp", "never", "3", "0.2000", "0.1500-0.2500", "0.1000-0.3000"]
+    assert gomp.split()[6] == "1.00x"
+    assert iomp.split()[-1] == "2.00x"
+
+
+# ---------------------------------------------------------------- the config
+
+
+TUNED = {
+    "when": "2026-12-01T10:02Z",
+    "iomp": "never",
+    "result": "libgomp 1.12x faster than libiomp5, spread 0.03 s",
+    "rounds": 3,
+    "command": "vllm bench latency --model m",
+}
+
+
+def test_merge_keeps_other_keys_and_comments_and_replaces_an_old_result() -> None:
+    old = (
+        "# mine\nstrict: true\niomp: always   # was\ntuned:\n  when: x\n  iomp: always\n"
+        "kmp-blocktime: 5\n"
+    )
+    text = merged_config(old, {"iomp": "never", "tuned": TUNED})
+    assert "# mine" in text and "was" not in text
+    assert yaml.safe_load(text) == {
+        "strict": True,
+        "iomp": "never",
+        "tuned": TUNED,
+        "kmp-blocktime": 5,
+    }
+    flow = merged_config("{strict: true, iomp: always}\n", {"iomp": "never"})
+    assert yaml.safe_load(flow) == {"strict": True, "iomp": "never"}
+    assert yaml.safe_load(merged_config("", {"iomp": "auto"})) == {"iomp": "auto"}
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("record", "parts"),
+    [
+        ({**TUNED, "colour": "blue"}, ("tuned'.colour", "unknown key", "when, iomp")),
+        ({k: v for k, v in TUNED.items() if k != "result"}, ("key 'tuned'", "lacks result")),
+        ({**TUNED, "iomp": "sometimes"}, ("tuned'.iomp", "'sometimes'")),
+        ({**TUNED, "rounds": 0}, ("tuned'.rounds", "positive")),
+        ({**TUNED, "result": ""}, ("tuned'.result", "non-empty")),
+        ("yesterday", ("key 'tuned'", "must be a mapping")),
+    ],
+)
+def test_a_bad_tune_record_names_file_and_key(
+    tmp_path: Path, record: object, parts: tuple[str, ...]
+) -> None:
+    config = write(tmp_path / "c.yaml", yaml.safe_dump({"iomp": "never", "tuned": record}))
+    with pytest.raises(LaunchError) as raised:
+        read_config_file(str(config))
+    assert raised.value.code == 2 and str(config) in raised.value.message
+    for part in parts:
+        assert part in raised.value.message
+
+
+def test_the_record_explains_iomp_only_while_it_is_the_value_in_effect(tmp_path: Path) -> None:
+    config = write(tmp_path / "c.yaml", yaml.safe_dump({"iomp": "never", "tuned": TUNED}))
+    options = {"config": str(config)}
+    tuned = load_settings(options, {}).tuned
+    assert tuned == Tuned(**TUNED)  # type: ignore[arg-type]
+    assert load_settings({**options, "iomp": "never"}, {}).tuned is None  # an option decided
+    assert load_settings(options, {"VLLM_CPU_LAUNCH_IOMP": "never"}).tuned is None
+    edited = write(tmp_path / "e.yaml", yaml.safe_dump({"iomp": "always", "tuned": TUNED}))
+    assert load_settings({"config": str(edited)}, {}).tuned is None
+    # YAML reads an unquoted time as a timestamp: it is taken as text.
+    unquoted = write(
+        tmp_path / "u.yaml", yaml.safe_dump({"iomp": "never", "tuned": TUNED}).replace("'", "")
+    )
+    assert load_settings({"config": str(unquoted)}, {}).tuned is not None
+
+
+def test_the_reason_says_it_came_from_a_tune() -> None:
+    sd = detect(["serve", "m", "-sc", NGRAM])
+    tuned = Tuned(**TUNED)  # type: ignore[arg-type]
+    assert why(Settings(iomp="never", tuned=tuned), sd, True) == (
+        "--iomp never (from tune 2026-12-01T10:02Z: libgomp 1.12x faster than libiomp5, "
+        "spread 0.03 s)"
+    )
+    kept = Tuned(**{**TUNED, "iomp": "auto", "result": "within the noise, default kept: x"})  # type: ignore[arg-type]
+    assert why(Settings(tuned=kept), sd, True).startswith(
+        "speculative decoding requested by -sc (from tune 2026-12-01T10:02Z: within the noise"
+    )
+
+
+# ---------------------------------------------------------------- the verb, end to end
+
+
+@pytest.fixture
+def bench_env(tmp_path: Path, real_iomp: Path) -> Path:
+    """A vLLM-like environment with the real libiomp5.so and a stand-in `vllm bench`."""
+    environment = make_environment(tmp_path / "vllm-env", real_iomp)
+    script = environment / "bin" / "vllm"
+    script.write_text(f"#!{environment / 'bin' / 'python'}\n{FAKE_BENCH}")
+    script.chmod(0o755)
+    return environment
+
+
+def tune(
+    tmp_path: Path, bench_env: Path, story: str, *args: str
+) -> subprocess.CompletedProcess[str]:
+    record = tmp_path / "record"
+    record.mkdir(exist_ok=True)
+    environ = clean_environ(tmp_path, FAKE_BENCH=story, FAKE_RECORD=str(record))
+    vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
+    return run_launcher([*vllm, "tune", *args], environ)
+
+
+def runs(tmp_path: Path) -> list[dict[str, Any]]:
+    lines = (tmp_path / "record" / "runs.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+SERVE = ["serve", "/models/m", "--port", "8000", "-sc", NGRAM]
+USER_CONFIG = ("no-user-config", "vllm-cpu-launch", "config.yaml")
+
+
+def test_tune_writes_the_winner_and_the_next_plan_follows_it(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    user_config = tmp_path.joinpath(*USER_CONFIG)
+    write(user_config, "# my settings\ntcmalloc: never\n")
+    result = tune(tmp_path, bench_env, "gomp-faster", "--write", "--rounds", "2", "--", *SERVE)
+    assert result.returncode == 0, result.stderr
+    progress = [line for line in result.stderr.splitlines() if " run " in f" {line}"]
+    assert [line.split(":")[1].split()[-1] for line in progress] == [
+        "libgomp",
+        "libiomp5",
+        "libiomp5",
+        "libgomp",
+    ]
+    assert "not passed to vllm bench latency (serve-only options): --port 8000" in result.stderr
+    measured = runs(tmp_path)
+    assert [run["iomp"] for run in measured] == [False, True, True, False]
+    assert {run["blocktime"] for run in measured if run["iomp"]} == {"5"}
+    assert all(run["argv"][:4] == ["bench", "latency", "--model", "/models/m"] for run in measured)
+    assert "libgomp 2.00x faster than libiomp5" in result.stdout
+    assert "best is --iomp never" in result.stdout
+    config = read_config_file(str(user_config))
+    assert config["iomp"] == "never" and config["tcmalloc"] == "never"
+    record = config["tuned"]
+    assert isinstance(record, Tuned) and record.rounds == 2
+    assert record.command.startswith("vllm bench latency --model /models/m -sc")
+    assert user_config.read_text().startswith("# my settings\n")
+
+    plan = run_launcher(
+        ["--vllm", str(bench_env / "bin" / "vllm"), "--dry-run", *SERVE], clean_environ(tmp_path)
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert "preload:     nothing" in plan.stdout
+    assert (
+        f"reason:      --iomp never (from tune {record.when}: libgomp 2.00x faster" in plan.stdout
+    )
+
+
+def test_within_the_noise_the_default_is_kept_and_said(tmp_path: Path, bench_env: Path) -> None:
+    config = tmp_path / "chosen.yaml"  # --launcher-config: made by --write
+    result = tune(
+        tmp_path,
+        bench_env,
+        "alike",
+        "--write",
+        "--launcher-config",
+        str(config),
+        "--rounds",
+        "3",
+        *SERVE,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "within the noise, default kept" in result.stdout
+    assert "keeping the default (libiomp5)" in result.stdout
+    written = read_config_file(str(config))
+    assert written["iomp"] == "auto"
+    plan = run_launcher(
+        [
+            "--vllm",
+            str(bench_env / "bin" / "vllm"),
+            "--launcher-config",
+            str(config),
+            "--dry-run",
+            *SERVE,
+        ],
+        clean_environ(tmp_path),
+    )
+    assert "preload:     iomp" in plan.stdout
+    assert "(from tune " in plan.stdout and "within the noise" in plan.stdout
+
+
+def test_without_write_nothing_is_written(tmp_path: Path, bench_env: Path) -> None:
+    result = tune(tmp_path, bench_env, "iomp-faster", "--rounds", "2", *SERVE)
+    assert result.returncode == 0, result.stderr
+    assert "the default (libiomp5) is best" in result.stdout
+    assert "not written" in result.stdout
+    assert not tmp_path.joinpath(*USER_CONFIG).exists()
+
+
+def test_the_time_limit_kills_the_run_and_its_children(tmp_path: Path, bench_env: Path) -> None:
+    result = tune(tmp_path, bench_env, "hang", "--time-limit", "3", *SERVE)
+    assert result.returncode == 1, result.stderr
+    assert "time limit of 3 s reached during run 1/6 (killed)" in result.stderr
+    assert "not every candidate ran once" in result.stderr
+    child = int((tmp_path / "record" / "child.pid").read_text())
+    assert process_state(child) in (None, "Z")  # gone, or dead and not yet reaped by init
+
+
+def process_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return stat.rpartition(")")[2].split()[0]
+
+
+def test_a_failed_run_shows_why_and_keeps_its_log(tmp_path: Path, bench_env: Path) -> None:
+    result = tune(tmp_path, bench_env, "fail", *SERVE)
+    assert result.returncode == 1
+    last = result.stderr.splitlines()[-1]
+    assert "vllm bench latency failed (exit code 1)" in last
+    assert "random prompt token ids below 10000" in last
+    log = Path(last.rpartition("log: ")[2])
+    assert "out of vocabulary" in log.read_text()
+    assert not tmp_path.joinpath(*USER_CONFIG).exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "part"),
+    [
+        (["--rounds", "0", *SERVE], "--rounds '0': needs a positive whole number"),
+        (["--time-limit", "soon", *SERVE], "--time-limit 'soon': needs a positive number"),
+        (["--num-iters", "2.5", *SERVE], "--num-iters '2.5'"),
+        (["--iomp", "never", *SERVE], "tune does not take --iomp"),
+        (["--dry-run", *SERVE], "tune does not take --dry-run"),
+        (["--write"], "tune measures a `serve` command"),
+        (["serve", "--port", "1"], "tune needs the model"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(
+    tmp_path: Path, bench_env: Path, args: list[str], part: str
+) -> None:
+    result = tune(tmp_path, bench_env, "iomp-faster", *args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"vllm-cpu-launch: error: {result.stderr[24:].strip()}"]
+    assert part in result.stderr
+    assert not (tmp_path / "record" / "runs.jsonl").exists()
+
+
+def test_a_broken_config_is_reported_not_overwritten(tmp_path: Path, bench_env: Path) -> None:
+    config = write(tmp_path / "c.yaml", "colour: blue\n")
+    result = tune(
+        tmp_path, bench_env, "gomp-faster", "--write", "--launcher-config", str(config), *SERVE
+    )
+    assert result.returncode == 2 and "unknown key 'colour'" in result.stderr
+    assert config.read_text() == "colour: blue\n"
