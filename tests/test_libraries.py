@@ -229,6 +229,15 @@ def test_foreign_architecture_host_accepts_its_own_elf(tmp_path: Path, real_iomp
     assert examine(str(arm), IOMP, host(tmp_path, machine="aarch64")) == (None, "intel", "")
 
 
+def test_flavor_without_section_headers_is_found_by_the_whole_file_scan(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """Without section headers (e_shoff 0, as sstrip leaves a library) there is no
+    .rodata to search first: the banner is still found, in the whole file."""
+    stripped = patched_copy(real_iomp, tmp_path / "s" / "libiomp5.so", 40, bytes(8))
+    assert examine(str(stripped), IOMP, host(tmp_path)) == (None, "intel", "")
+
+
 @pytest.mark.parametrize(
     ("mode", "which", "reason"),
     [

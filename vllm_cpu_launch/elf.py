@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import mmap
+
 FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llvm"))
 BANNER = b" OMP version"  # what both markers end with
 FLAVOR_SCAN_LIMIT = 64 << 20
@@ -47,6 +51,12 @@ def elf_problem(header: bytes, machine: str) -> str | None:
 PT_LOAD = 1
 
 
+def field(data: bytes, offset: int, width: int, header: bytes) -> int:
+    """An integer field of an ELF structure, in the file's byte order (the header's EI_DATA)."""
+    order = "little" if header[5] == 1 else "big"
+    return int.from_bytes(data[offset : offset + width], order)  # type: ignore[arg-type]
+
+
 def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
     """Why a fitting ELF file is cut short, or None when it is whole.
 
@@ -56,12 +66,11 @@ def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
     header (checked by elf_problem); the program headers are read from `descriptor`.
     """
     wide = header[4] == 2
-    order = "little" if header[5] == 1 else "big"
     if len(header) < (64 if wide else 52):
         return f"a truncated ELF file ({size} bytes, shorter than its own header)"
 
     def number(data: bytes, offset: int, width: int) -> int:
-        return int.from_bytes(data[offset : offset + width], order)  # type: ignore[arg-type]
+        return field(data, offset, width, header)
 
     fields = (32, 40, 54, 56, 58, 60) if wide else (28, 32, 42, 44, 46, 48)
     widths = (8, 8, 2, 2, 2, 2) if wide else (4, 4, 2, 2, 2, 2)
@@ -85,23 +94,63 @@ def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
     return None
 
 
-def openmp_flavor(descriptor: int) -> str | None:
+def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int] | None:
+    """(file offset, end) of the section called `name`, from the section headers of a
+    whole ELF file (elf_truncation has checked they lie within it), or None."""
+    wide = header[4] == 2
+    offsets = (40, 58, 60, 62) if wide else (32, 46, 48, 50)
+    widths = (8, 2, 2, 2) if wide else (4, 2, 2, 2)
+    shoff, shentsize, shnum, shstrndx = (
+        field(header, o, w, header) for o, w in zip(offsets, widths, strict=True)
+    )
+    if not shoff or not shnum or shstrndx >= shnum or shentsize < (64 if wide else 40):
+        return None
+    table = os.pread(descriptor, shentsize * shnum, shoff)
+    # sh_name at 0; sh_offset and sh_size at 24 and 32 (64-bit), 16 and 20 (32-bit).
+    at, width = (24, 8) if wide else (16, 4)
+
+    def placed(index: int) -> tuple[int, int, int]:
+        entry = table[index * shentsize : (index + 1) * shentsize]
+        start = field(entry, at, width, header)
+        return field(entry, 0, 4, header), start, start + field(entry, at + width, width, header)
+
+    _, names_start, names_end = placed(shstrndx)
+    names = os.pread(descriptor, min(names_end - names_start, 1 << 20), names_start)
+    wanted = name + b"\0"
+    for index in range(shnum):
+        name_at, start, end = placed(index)
+        if names[name_at : name_at + len(wanted)] == wanted:
+            return start, end
+    return None
+
+
+def openmp_flavor(descriptor: int, header: bytes) -> str | None:
     """Intel's or LLVM's OpenMP runtime, told apart by their embedded version banner.
 
-    Searched in a read-only mapping (no copy of the file), in one pass for the text the
-    banners share, up to FLAVOR_SCAN_LIMIT: the runtimes are 1-3 MB; a huge file is
-    not scanned to its end.
+    Searched in a read-only mapping (no copy of the file): first in `.rodata`, where
+    the banner is a constant (0.1 ms instead of 0.6 for libiomp5.so, whose banner lies
+    2 MB in), then, should a build keep it elsewhere, the whole file up to
+    FLAVOR_SCAN_LIMIT (the runtimes are 1-3 MB; a huge file is not scanned to its end).
     """
     import mmap  # 0.4 ms, only once a candidate has passed the cheaper checks
 
-    longest = max(len(marker) for marker, _ in FLAVOR_MARKERS)
+    rodata = section_range(header, descriptor, b".rodata")
     with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
-        position = mapped.find(BANNER, 0, FLAVOR_SCAN_LIMIT)
-        while position >= 0:
-            start = max(0, position + len(BANNER) - longest)
-            around = mapped[start : position + len(BANNER)]
-            for marker, flavor in FLAVOR_MARKERS:
-                if around.endswith(marker):
-                    return flavor
-            position = mapped.find(BANNER, position + 1, FLAVOR_SCAN_LIMIT)
+        for start, end in ([rodata] if rodata else []) + [(0, FLAVOR_SCAN_LIMIT)]:
+            flavor = banner_flavor(mapped, start, end)
+            if flavor is not None:
+                return flavor
+    return None
+
+
+def banner_flavor(mapped: bytes | mmap.mmap, start: int, end: int) -> str | None:
+    """The flavour of the first version banner between `start` and `end`."""
+    longest = max(len(marker) for marker, _ in FLAVOR_MARKERS)
+    position = mapped.find(BANNER, start, end)
+    while position >= 0:
+        around = mapped[max(0, position + len(BANNER) - longest) : position + len(BANNER)]
+        for marker, flavor in FLAVOR_MARKERS:
+            if around.endswith(marker):
+                return flavor
+        position = mapped.find(BANNER, position + 1, end)
     return None

@@ -85,7 +85,7 @@ def examine(
         if unsafe:
             return f"unsafe to preload: {unsafe[0]}", None, unsafe[1]
         # The version banner is looked for only once it is known to be a fitting ELF file.
-        return None, (openmp_flavor(descriptor) if kind == IOMP else None), ""
+        return None, (openmp_flavor(descriptor, header) if kind == IOMP else None), ""
 
 
 @record
