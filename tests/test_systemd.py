@@ -29,7 +29,7 @@ from tests.conftest import (
     make_environment,
     run_launcher,
 )
-from vllm_cpu_launch.systemd import environment_word, exec_line
+from vllm_cpu_launch.systemd_syntax import environment_word, exec_line
 
 SYSTEMD = "/lib/systemd/systemd"
 SHIPPED = REPO / "scripts"

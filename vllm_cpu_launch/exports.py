@@ -56,7 +56,7 @@ def shell_lines(environment: Mapping[str, str]) -> list[str]:
 
 
 def systemd_lines(environment: Mapping[str, str]) -> list[str]:
-    from vllm_cpu_launch.systemd import environment_file_line
+    from vllm_cpu_launch.systemd_syntax import environment_file_line
 
     return [environment_file_line(name, value) for name, value in environment.items()]
 

@@ -1,23 +1,23 @@
 """`vllm-cpu-launch systemd-unit`: a service unit whose ExecStart runs the launcher.
 
-Escaping follows systemd.service(5) "Command lines" and systemd.syntax(7): a word is
-double-quoted when it holds anything but plain characters, with C-style escapes inside
-(`\\\\`, `\\"`, `\\n`, `\\xNN`); `%` becomes `%%` (specifiers) and, in ExecStart, `$`
-becomes `$$` (environment substitution). `EnvironmentFile=` values (used by `env
---format systemd`) follow systemd.exec(5): double quotes, with `\\` before `"`, `\\`,
-`` ` `` and `$`; everything else, newlines included, is literal there.
+The unit's syntax (quoting, escapes) is systemd_syntax.py's.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import string
 import sys
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.systemd_syntax import (
+    environment_word,
+    exec_line,
+    plain_text,
+    quote_word,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -28,20 +28,6 @@ if TYPE_CHECKING:
 DEFAULT_NAME = "vllm-cpu-launch"
 UNIT_OPTIONS = {"--name": "unit_name", "--user": "unit_user", "--group": "unit_group"}
 ENV_OPTION = {"--env": "unit_env"}
-# Characters that need no quoting in a unit file's command line word (after `%` and `$`
-# are doubled): nothing that splits, quotes, escapes, or starts a comment or separator.
-PLAIN = frozenset(string.ascii_letters + string.digits + "_@%+=:,./-$")
-C_ESCAPES = {
-    "\\": "\\\\",
-    '"': '\\"',
-    "\n": "\\n",
-    "\t": "\\t",
-    "\r": "\\r",
-    "\a": "\\a",
-    "\b": "\\b",
-    "\f": "\\f",
-    "\v": "\\v",
-}
 UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.\\-]*\Z")
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 LIMIT_NOFILE = 65535
@@ -74,65 +60,6 @@ requires. Save it as /etc/systemd/system/NAME.service.
   --group GROUP       run with group GROUP
   --env KEY=VALUE     an Environment= line for the service (repeatable)
 """
-
-
-# ---------------------------------------------------------------- escaping
-
-
-def c_escape(text: str) -> str:
-    """C-style escapes as systemd's unescaper reads them; raw bytes (surrogates) as \\xNN."""
-    out = []
-    for char in text:
-        code = ord(char)
-        if char in C_ESCAPES:
-            out.append(C_ESCAPES[char])
-        elif 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif code < 0x20 or code == 0x7F:
-            out.append(f"\\x{code:02x}")
-        else:
-            out.append(char)
-    return "".join(out)
-
-
-def quote_word(text: str) -> str:
-    """One word as systemd's word splitter reads it back (quotes only when needed)."""
-    if text and all(char in PLAIN for char in text):
-        return text
-    return f'"{c_escape(text)}"'
-
-
-def exec_word(argument: str) -> str:
-    """One ExecStart= argument: specifiers and variable substitution disarmed, quoted."""
-    return quote_word(argument.replace("%", "%%").replace("$", "$$"))
-
-
-def exec_line(argv: Sequence[str]) -> str:
-    """The value of ExecStart= that systemd turns back into exactly `argv`."""
-    return " ".join(exec_word(argument) for argument in argv)
-
-
-def environment_word(name: str, value: str) -> str:
-    """One Environment= assignment (`$` has no meaning there; `%` is a specifier)."""
-    return quote_word(f"{name}={value}".replace("%", "%%"))
-
-
-def environment_file_line(name: str, value: str) -> str:
-    """`NAME="value"` for an EnvironmentFile= (systemd.exec(5), double-quoted form)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise LaunchError(
-            EXIT_USAGE, f"{name}'s value is not UTF-8 text, which an EnvironmentFile must be"
-        ) from None
-    escaped = "".join("\\" + char if char in '"\\`$' else char for char in value)
-    return f'{name}="{escaped}"'
-
-
-def plain_text(text: str) -> str:
-    """Free text for a unit setting such as Description=: one line, no specifiers."""
-    cleaned = "".join(char if char.isprintable() else "?" for char in text)
-    return cleaned.replace("%", "%%").rstrip("\\")
 
 
 # ---------------------------------------------------------------- the unit
