@@ -56,7 +56,7 @@ Exit code 0: doctor explains, it does not judge.
 def build_report(
     values: dict[str, object], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], Target | None]:
-    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
+    from vllm_cpu_launch.launch import SETTING_KEYS, current_host
     from vllm_cpu_launch.libraries import find_library
     from vllm_cpu_launch.places import IOMP, TCMALLOC
     from vllm_cpu_launch.plan import target_trust
@@ -215,7 +215,7 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 
     more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"})
     merged = {**values, **more}

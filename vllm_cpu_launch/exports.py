@@ -137,7 +137,7 @@ def render(plan: Plan, output_format: str, caller: Mapping[str, str]) -> str:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import (
+    from vllm_cpu_launch.launch import (
         FLAG_OPTIONS,
         VALUED_OPTIONS,
         parse_options,

@@ -245,7 +245,7 @@ def check_plan(
 ) -> tuple[Target | None, list[str]]:
     """Plan now, to warn early about what the service will meet: the target (None
     without one) and the files the service will need (programs, environment, libraries)."""
-    from vllm_cpu_launch.cli import prepare_launch
+    from vllm_cpu_launch.launch import prepare_launch
     from vllm_cpu_launch.settings import SYSTEM_CONFIG
 
     try:
@@ -282,7 +282,7 @@ def tmp_ok(needed: Sequence[str]) -> bool:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
 
     valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, **ENV_OPTION}
     more, rest = parse_options(args, valued, FLAG_OPTIONS, repeatable=("unit_env",))

@@ -481,7 +481,7 @@ def candidate_plans(
     values: dict[str, object], arguments: Sequence[str]
 ) -> tuple[dict[Candidate, Plan], Candidate]:
     """Each candidate's plan (the --dry-run code path), and the default candidate."""
-    from vllm_cpu_launch.cli import plan_from_options
+    from vllm_cpu_launch.launch import plan_from_options
     from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING
 
     plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CANDIDATES}
@@ -508,7 +508,7 @@ def candidate_plans(
 
 
 def parse(values: dict[str, object], args: list[str]) -> tuple[dict[str, object], list[str]]:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options
+    from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options
 
     valued = {**VALUED_OPTIONS, **TUNE_VALUED}
     more, rest = parse_options(args, valued, {**FLAG_OPTIONS, "--write": "write"})
@@ -516,7 +516,7 @@ def parse(values: dict[str, object], args: list[str]) -> tuple[dict[str, object]
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import write_stdout
+    from vllm_cpu_launch.launch import write_stdout
     from vllm_cpu_launch.settings import CONFIG_VARIABLE, user_config_path
 
     merged, serve = parse(values, args)
@@ -565,7 +565,7 @@ def measure(
     workdir: str,
 ) -> int:
     """Plan, run the rounds, print the table, write the config with --write."""
-    from vllm_cpu_launch.cli import write_stdout
+    from vllm_cpu_launch.launch import write_stdout
 
     arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
     plans, default = candidate_plans(merged, arguments)

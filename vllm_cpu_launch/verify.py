@@ -249,7 +249,7 @@ def parse_pid(text: str) -> int:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 
     more, rest = parse_options(args, {}, FLAG_OPTIONS)
     merged = {**values, **more}
