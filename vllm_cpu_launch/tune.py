@@ -481,8 +481,8 @@ def candidate_plans(
     values: dict[str, object], arguments: Sequence[str]
 ) -> tuple[dict[Candidate, Plan], Candidate]:
     """Each candidate's plan (the --dry-run code path), and the default candidate."""
-    from vllm_cpu_launch.launch import plan_from_options
     from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING
+    from vllm_cpu_launch.launch import plan_from_options
 
     plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CANDIDATES}
     by_name = {c.name: c for c in CANDIDATES}

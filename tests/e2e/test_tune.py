@@ -1,0 +1,249 @@
+"""`tune` against the real vLLM 0.32 on the tiny model: correctness only, no timing asserted.
+
+One tune (2 rounds, tiny iteration counts, ngram SD, `--write` into an isolated
+XDG_CONFIG_HOME) runs `vllm bench latency` under both candidates; the tests check that
+every run happened, the table, the config it wrote and that a later `--dry-run` follows
+it. A second check holds the translation of `serve` into `bench latency` and the
+serve-only table against vLLM's own parsers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# scripts/ is on sys.path (conftest.py): the server helpers the other e2e tests use.
+from vllm_server import SPECULATIVE_CONFIG, isolated_environment, process_tree
+
+from vllm_cpu_launch.settings import Tuned, read_config_file
+from vllm_cpu_launch.tune import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
+
+from .conftest import SKIP_VARIABLE, run_script
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM tests"
+)
+
+# `vllm bench latency` prompts are random token ids below 10000 (vllm/benchmarks/latency.py):
+# the tiny model's embeddings are widened to a vocabulary that holds them.
+WIDEN_MODEL = """
+import shutil, sys
+import torch
+from transformers import AutoModelForCausalLM
+source, output = sys.argv[1], sys.argv[2]
+shutil.copytree(source, output)
+model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.bfloat16)
+torch.manual_seed(0)
+model.resize_token_embeddings(10240, mean_resizing=False)
+model.save_pretrained(output)
+print(output)
+"""
+# Runs in the vLLM environment: the serve-only options, and both parses compared.
+PARSERS = """
+import json, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.benchmarks.latency import add_cli_args
+
+serve = make_arg_parser(FlexibleArgumentParser())
+bench = FlexibleArgumentParser()
+add_cli_args(bench)
+bench_options = {s for a in bench._actions for s in a.option_strings}
+serve_only = {
+    s: (0 if a.nargs == 0 else "+" if a.nargs == "+" else 1)
+    for a in serve._actions
+    for s in a.option_strings
+    if s not in bench_options
+}
+data = json.load(sys.stdin)
+served = vars(serve.parse_args(data["serve"]))
+benched = vars(bench.parse_args(data["bench"]))
+common = sorted(k for k in served if k in benched and served[k] != benched[k])
+print(json.dumps({
+    "serve_only": serve_only,
+    "differ": common,
+    "model_tag": served["model_tag"],
+    "bench_model": benched["model"],
+}))
+"""
+TUNE_LIMIT_S = 420  # tune's own --time-limit; it kills its runs when it is reached
+WAIT_LIMIT_S = TUNE_LIMIT_S + 120
+ROUNDS = 2
+BENCH_SIZE = ["--input-len", "16", "--output-len", "16", "--num-iters", "2"]
+LAUNCHER = [sys.executable, "-m", "vllm_cpu_launch"]
+
+
+@pytest.fixture(scope="module")
+def wide_model(vllm_env: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("wide-model") / "model"
+    python = str(vllm_env / "bin" / "python")
+    return Path(run_script([python, "-c", WIDEN_MODEL, str(tiny_model), str(output)], 300))
+
+
+def serve_command(model: Path) -> list[str]:
+    return [
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--speculative-config",
+        SPECULATIVE_CONFIG,
+    ]
+
+
+def kill_tree(process: subprocess.Popen[str]) -> None:
+    """SIGKILL to the launcher and every descendant (each benchmark run has its own session)."""
+    for pid in reversed(process_tree(process.pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tuned(
+    vllm_env: Path, wide_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], dict[str, str], Path]:
+    """One real `tune --write`: its result, its environment and the user config it wrote."""
+    scratch = tmp_path_factory.mktemp("tune")
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_"))
+    command = [
+        *LAUNCHER,
+        "--vllm",
+        str(vllm_env / "bin" / "vllm"),
+        "tune",
+        "--write",
+        "--rounds",
+        str(ROUNDS),
+        "--time-limit",
+        str(TUNE_LIMIT_S),
+        *BENCH_SIZE,
+        "--",
+        *serve_command(wide_model),
+    ]
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=WAIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        pytest.fail(f"tune did not finish within {WAIT_LIMIT_S} s")
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    assert result.returncode == 0, stderr[-4000:]
+    config = scratch / "config" / "vllm-cpu-launch" / "config.yaml"
+    return result, env, config
+
+
+def test_every_candidate_ran_every_round(
+    tuned: tuple[subprocess.CompletedProcess[str], dict[str, str], Path],
+) -> None:
+    result, _, _ = tuned
+    progress = [line for line in result.stderr.splitlines() if ": run " in line]
+    assert len(progress) == 2 * ROUNDS, result.stderr
+    names = [line.split(" s over ")[0].split(")")[1].split(":")[0].strip() for line in progress]
+    assert names == ["libgomp", "libiomp5", "libiomp5", "libgomp"]
+    assert (
+        "not passed to vllm bench latency (serve-only options): --host 127.0.0.1 --port 8000"
+        in (result.stderr)
+    )
+    # The libiomp5 runs are the launcher's plan: vLLM's own libiomp5, in LD_PRELOAD.
+    assert "libiomp5: --iomp always; environment: LD_PRELOAD=" in result.stderr
+    assert "libgomp: --iomp never; environment: unchanged" in result.stderr
+
+
+def test_the_table_has_both_candidates_and_a_result(
+    tuned: tuple[subprocess.CompletedProcess[str], dict[str, str], Path],
+) -> None:
+    result, _, _ = tuned
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("measured: vllm bench latency --model ")
+    assert lines[1].startswith("default:  libiomp5")
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("lib")}
+    assert set(rows) == {"libgomp", "libiomp5"}
+    assert all(row[2] == str(ROUNDS) and float(row[3]) > 0 for row in rows.values())
+    assert rows["libgomp"][-1] == "1.00x"
+    assert any(line.startswith("result: ") for line in lines)
+    assert lines[-1].startswith("wrote: iomp: ")
+
+
+def test_a_later_dry_run_follows_the_written_result(
+    tuned: tuple[subprocess.CompletedProcess[str], dict[str, str], Path],
+    vllm_env: Path,
+    wide_model: Path,
+) -> None:
+    result, env, config = tuned
+    settings = read_config_file(str(config))
+    record = settings["tuned"]
+    assert isinstance(record, Tuned) and record.rounds == ROUNDS
+    assert record.iomp == settings["iomp"] and record.result in result.stdout
+    assert record.command.startswith(f"vllm bench latency --model {wide_model} ")
+    plan = subprocess.run(
+        [
+            *LAUNCHER,
+            "--vllm",
+            str(vllm_env / "bin" / "vllm"),
+            "--dry-run",
+            *serve_command(wide_model),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert plan.returncode == 0, plan.stderr
+    preloads_iomp = "preload:     iomp " in plan.stdout
+    assert preloads_iomp == (record.iomp != "never")  # auto: SD is requested
+    assert f"(from tune {record.when}: {record.result})" in plan.stdout
+
+
+def test_bench_translation_agrees_with_vllms_parsers(vllm_env: Path) -> None:
+    serve = [
+        *serve_command(Path("/models/m")),
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        "k1",
+        "--max-model-len",
+        "512",
+        "--enable-log-requests",
+        "--uvicorn-log-level=debug",
+        "-tp",
+        "1",
+    ]
+    bench = {key: default for key, default in BENCH_OPTIONS.values()}
+    arguments, _ = bench_arguments(serve, bench, "/tmp/latency.json")
+    result = subprocess.run(
+        [str(vllm_env / "bin" / "python"), "-c", PARSERS],
+        input=json.dumps({"serve": serve[1:], "bench": arguments[2:]}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    # --config is no parser option of either: FlexibleArgumentParser expands it for both.
+    expected = {name: arity for name, arity in parsed["serve_only"].items() if name != "--config"}
+    assert expected == SERVE_ONLY
+    assert parsed["model_tag"] == parsed["bench_model"] == "/models/m"
+    # serve keeps the model as model_tag; the benchmark turns prefix caching off itself.
+    assert parsed["differ"] == ["enable_prefix_caching", "model"]
