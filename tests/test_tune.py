@@ -5,7 +5,9 @@ reason later plans give, and the whole verb run against a stand-in `vllm` that w
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from vllm_cpu_launch.tune import (
     table,
 )
 
-from .conftest import clean_environ, make_environment, run_launcher
+from .conftest import LAUNCHER, clean_environ, make_environment, run_launcher
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 BENCH = {key: default for key, default in BENCH_OPTIONS.values()}
@@ -376,6 +378,26 @@ def test_the_time_limit_kills_the_run_and_its_children(tmp_path: Path, bench_env
     assert "not every candidate ran once" in result.stderr
     child = int((tmp_path / "record" / "child.pid").read_text())
     assert process_state(child) in (None, "Z")  # gone, or dead and not yet reaped by init
+
+
+def test_sigterm_stops_the_run_and_its_children(tmp_path: Path, bench_env: Path) -> None:
+    record = tmp_path / "record"
+    record.mkdir()
+    environ = clean_environ(tmp_path, FAKE_BENCH="hang", FAKE_RECORD=str(record))
+    command = [*LAUNCHER, "--vllm", str(bench_env / "bin" / "vllm"), "tune", *SERVE]
+    with subprocess.Popen(command, env=environ, stderr=subprocess.PIPE, text=True) as process:
+        pid_file = record / "child.pid"
+        for _ in range(600):  # bounded wait for the run to be under way (not a timing check)
+            if (pid_file.exists() and pid_file.read_text()) or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        stderr = process.stderr.read() if process.stderr else ""
+    assert process_state(int(pid_file.read_text())) in (None, "Z")
+    assert "Traceback" not in stderr
+    logs = stderr.partition("(logs in ")[2].partition(")")[0]
+    assert logs and not Path(logs).exists()  # the scratch directory went with it
 
 
 def process_state(pid: int) -> str | None:

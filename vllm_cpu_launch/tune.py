@@ -177,6 +177,7 @@ DEFAULT_ROUNDS = 3
 DEFAULT_TIME_LIMIT_S = 1800.0
 MIN_RUNS_FOR_A_WINNER = 2
 KILL_WAIT_S = 30
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 LOG_TAIL_LINES = 15
 VOCABULARY_HINT = (
     "vllm bench latency draws random prompt token ids below 10000; this model's vocabulary "
@@ -542,6 +543,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
         merged["config"] = os.devnull  # --write makes it; until then it holds nothing
     bench_arguments(serve, bench, "")  # usage errors before anything is made
     workdir = tempfile.mkdtemp(prefix="vllm-cpu-launch-tune-")
+    # SIGTERM/SIGHUP (systemd, a closed terminal) unwind like Ctrl-C: the run in progress
+    # is killed with its whole session on the way out, as on every other exit.
+    previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
     try:
         code = measure(merged, serve, bench, rounds, limit_s, config_path, workdir)
     except LaunchError as error:
@@ -551,8 +555,15 @@ def main(values: dict[str, object], args: list[str]) -> int:
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def stop(number: int, _frame: object) -> None:
+    raise SystemExit(128 + number)
 
 
 def measure(
