@@ -278,7 +278,9 @@ def tune(
 ) -> subprocess.CompletedProcess[str]:
     record = tmp_path / "record"
     record.mkdir(exist_ok=True)
-    environ = clean_environ(tmp_path, FAKE_BENCH=story, FAKE_RECORD=str(record))
+    environ = clean_environ(
+        tmp_path, FAKE_BENCH=story, FAKE_RECORD=str(record), TMPDIR=str(tmp_path)
+    )  # a failed run's logs are kept: under tmp_path, not /tmp
     vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
     return run_launcher([*vllm, "tune", *args], environ)
 
