@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_env import default_env_path
 
-from vllm_cpu_launch.ompmeasure import (
+from vllm_cpu_launch.verbs.doctor.measure import (
     DEFAULT_BLOCKTIMES,
     DEFAULT_STEPS,
     DEFAULT_WARMUP,

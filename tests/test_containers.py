@@ -25,7 +25,7 @@ import yaml
 
 from tests.conftest import clean_environ, run_launcher
 from vllm_cpu_launch.errors import LaunchError
-from vllm_cpu_launch.exports import docker_lines, kubernetes_lines
+from vllm_cpu_launch.verbs.env import docker_lines, kubernetes_lines
 
 REPO = Path(__file__).resolve().parent.parent
 CONTAINERFILE = REPO / "docs" / "examples" / "Containerfile"

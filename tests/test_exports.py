@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import clean_environ, run_launcher
-from vllm_cpu_launch.exports import docker_value
 from vllm_cpu_launch.systemd_syntax import environment_file_line
+from vllm_cpu_launch.verbs.env import docker_value
 
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
 GENERATOR = "/usr/lib/systemd/user-environment-generators/30-systemd-environment-d-generator"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.ompmeasure import (
+from vllm_cpu_launch.verbs.doctor.measure import (
     GOMP,
     OmpMeasureError,
     OmpMeasurement,

@@ -18,7 +18,7 @@ from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.plan import why
 from vllm_cpu_launch.settings import Settings, Tuned, load_settings, read_config_file
 from vllm_cpu_launch.speculative import detect
-from vllm_cpu_launch.tune import (
+from vllm_cpu_launch.verbs.tune import (
     BENCH_OPTIONS,
     CANDIDATES,
     Summary,

@@ -62,22 +62,22 @@ def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
     if verb == "exec":
         return run_exec(values, rest)
     if verb == "doctor":
-        from vllm_cpu_launch.doctor import main as doctor_main
+        from vllm_cpu_launch.verbs.doctor import main as doctor_main
 
         return doctor_main(values, rest)
     if verb == "env":
-        from vllm_cpu_launch.exports import main as env_main
+        from vllm_cpu_launch.verbs.env import main as env_main
 
         return env_main(values, rest)
     if verb == "verify":
-        from vllm_cpu_launch.verify import main as verify_main
+        from vllm_cpu_launch.verbs.verify import main as verify_main
 
         return verify_main(values, rest)
     if verb == "tune":
-        from vllm_cpu_launch.tune import main as tune_main
+        from vllm_cpu_launch.verbs.tune import main as tune_main
 
         return tune_main(values, rest)
-    from vllm_cpu_launch.systemd import main as systemd_main
+    from vllm_cpu_launch.verbs.systemd_unit import main as systemd_main
 
     return systemd_main(values, rest)
 

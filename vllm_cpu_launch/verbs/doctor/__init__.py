@@ -3,7 +3,7 @@
 It explains and never judges: the exit code is 0 whatever it finds (2 for a usage
 error). `--json` prints the same report as one stable JSON object, whose keys are
 documented in docs/operating.md; `--measure` adds a benchmark of OpenMP runtimes
-(vllm_cpu_launch.ompmeasure) in the vLLM environment.
+(vllm_cpu_launch.verbs.doctor.measure) in the vLLM environment.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import os
 import sys
 
 from vllm_cpu_launch import __version__
-from vllm_cpu_launch.doctor_advice import recommend
-from vllm_cpu_launch.doctor_probe import (
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.verbs.doctor.advice import recommend
+from vllm_cpu_launch.verbs.doctor.probe import (
     GIB,
     NODE_ROOT,
     caller_variables,
@@ -26,7 +27,6 @@ from vllm_cpu_launch.doctor_probe import (
     settings_section,
     vllm_section,
 )
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, An
     from vllm_cpu_launch.messages import emit
 
     try:
-        from vllm_cpu_launch.ompmeasure import (
+        from vllm_cpu_launch.verbs.doctor.measure import (
             OmpMeasureError,
             measure_openmp,
             render_table,

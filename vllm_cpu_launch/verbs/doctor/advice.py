@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from vllm_cpu_launch.doctor_probe import GIB
 from vllm_cpu_launch.settings import blocktime_problem
+from vllm_cpu_launch.verbs.doctor.probe import GIB
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
