@@ -282,3 +282,26 @@ def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     result = run_launcher(args, clean_environ(tmp_path))
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_a_tune_result_in_effect_is_reported(tmp_path: Path, vllm_env: Path) -> None:
+    """The config `tune --write` leaves (written by tune's own writer) shows in doctor."""
+    from vllm_cpu_launch.verbs.tune import write_config
+
+    record = {
+        "when": "2026-12-01T10:02Z",
+        "iomp": "never",
+        "result": "libgomp 1.12x faster than libiomp5, spread 0.03 s",
+        "rounds": 3,
+        "command": "vllm bench latency --model m",
+    }
+    config = tmp_path / "no-user-config" / "vllm-cpu-launch" / "config.yaml"
+    write_config(str(config), {"iomp": "never", "tuned": record})
+    result, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"))
+    assert result.returncode == 0, result.stderr
+    assert report["settings"]["tuned"] == record
+    assert report["settings"]["values"]["iomp"] == "never"
+    text = run_launcher(
+        ["--vllm", str(vllm_env / "bin" / "vllm"), "doctor"], clean_environ(tmp_path)
+    ).stdout
+    assert "tuned    iomp=never at 2026-12-01T10:02Z: libgomp 1.12x faster" in text

@@ -92,6 +92,7 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
     assert plan == {
         "command": [str(tmp_path / "env" / "bin" / "vllm"), *SD],
         "speculative": {"requested": True, "source": "--speculative-config"},
+        "reason": "speculative decoding requested by --speculative-config",
         "preload": [
             {"kind": "iomp", "path": library, "flavor": "intel", "origin": "vllm-environment"}
         ],

@@ -262,6 +262,7 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
             "requested": plan.speculative.requested,
             "source": plan.speculative.source,
         },
+        "reason": plan.reason,
         "preload": [
             {"kind": p.kind, "path": p.path, "flavor": p.flavor, "origin": p.origin}
             for p in plan.preload

@@ -200,6 +200,9 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         for key, value in settings["values"].items()
     )
     lines.append(f"  values   {shown}")
+    if settings["tuned"]:
+        tuned = settings["tuned"]
+        lines.append(f"  tuned    iomp={tuned['iomp']} at {tuned['when']}: {tuned['result']}")
     if settings["error"]:
         lines.append(f"  error    {settings['error']}")
     lines.append("")

@@ -214,6 +214,15 @@ def settings_section(settings: Settings, error: str | None) -> dict[str, Any]:
             "vllm": settings.vllm,
             "strict": settings.strict,
         },
+        "tuned": None
+        if settings.tuned is None
+        else {
+            "when": settings.tuned.when,
+            "iomp": settings.tuned.iomp,
+            "result": settings.tuned.result,
+            "rounds": settings.tuned.rounds,
+            "command": settings.tuned.command,
+        },
     }
 
 
