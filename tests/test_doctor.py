@@ -286,7 +286,7 @@ def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
 
 def test_a_tune_result_in_effect_is_reported(tmp_path: Path, vllm_env: Path) -> None:
     """The config `tune --write` leaves (written by tune's own writer) shows in doctor."""
-    from vllm_cpu_launch.verbs.tune import write_config
+    from vllm_cpu_launch.verbs.tune.config import write_config
 
     record = {
         "when": "2026-12-01T10:02Z",

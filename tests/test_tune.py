@@ -18,16 +18,9 @@ from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.plan import why
 from vllm_cpu_launch.settings import Settings, Tuned, load_settings, read_config_file
 from vllm_cpu_launch.speculative import detect
-from vllm_cpu_launch.verbs.tune import (
-    BENCH_OPTIONS,
-    CANDIDATES,
-    Summary,
-    bench_arguments,
-    decide,
-    merged_config,
-    rotated,
-    table,
-)
+from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
+from vllm_cpu_launch.verbs.tune.config import merged_config
+from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, decide, rotated, table
 
 from .conftest import LAUNCHER, clean_environ, make_environment, run_launcher
 

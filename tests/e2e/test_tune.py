@@ -23,7 +23,7 @@ import pytest
 from vllm_server import SPECULATIVE_CONFIG, isolated_environment, process_tree
 
 from vllm_cpu_launch.settings import Tuned, read_config_file
-from vllm_cpu_launch.verbs.tune import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
+from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
 
 from .conftest import SKIP_VARIABLE, run_script
 

@@ -10,24 +10,30 @@ config, where it is a config value like any other (option > variable > config).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shlex
 import shutil
 import signal
-import statistics
-import subprocess
 import tempfile
 import time
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
-from vllm_cpu_launch.records import record
+from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
+from vllm_cpu_launch.verbs.tune.config import tuned_record, write_config
+from vllm_cpu_launch.verbs.tune.runner import run_once
+from vllm_cpu_launch.verbs.tune.verdict import (
+    CANDIDATES,
+    Candidate,
+    Summary,
+    decide,
+    rotated,
+    table,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
     from vllm_cpu_launch.plan import Plan
 
@@ -70,104 +76,6 @@ ran once, 2 usage or config error, 3 libiomp5 not found, 126/127 vLLM not starta
 a benchmark run that fails ends the tune with vLLM's exit code (its log is kept).
 """
 
-# Options of `vllm serve` (vLLM 0.32.0) that `vllm bench latency` rejects, with what
-# follows them: 0 = a flag, 1 = one value, "+" = values up to the next option. Checked
-# against vLLM's real parsers by tests/e2e/test_tune.py.
-SERVE_ONLY: dict[str, int | str] = {
-    **dict.fromkeys(
-        (
-            "--allowed-headers",
-            "--allowed-methods",
-            "--allowed-origins",
-            "--anthropic-disabled-thinking-effort",
-            "--api-server-count",
-            "-asc",
-            "--chat-template",
-            "--chat-template-content-format",
-            "--cohere-format",
-            "--data-parallel-supervisor-port",
-            "--default-chat-template-kwargs",
-            "--disable-access-log-for-endpoints",
-            "--dp-supervisor-probe-failure-threshold",
-            "--dp-supervisor-probe-interval-s",
-            "--dp-supervisor-probe-timeout-s",
-            "--fingerprint-mode",
-            "--fingerprint-value",
-            "--grpc-port",
-            "--h11-max-header-count",
-            "--h11-max-incomplete-event-size",
-            "--host",
-            "--max-log-len",
-            "--middleware",
-            "--port",
-            "--response-role",
-            "--root-path",
-            "--sse-keep-alive-interval",
-            "--ssl-ca-certs",
-            "--ssl-cert-reqs",
-            "--ssl-certfile",
-            "--ssl-ciphers",
-            "--ssl-keyfile",
-            "--tool-call-parser",
-            "--tool-parser-plugin",
-            "--tool-server",
-            "--tool-strict-level",
-            "--uds",
-            "--uvicorn-log-level",
-        ),
-        1,
-    ),
-    "--api-key": "+",
-    "--lora-modules": "+",
-    **dict.fromkeys(
-        (
-            "--allow-credentials",
-            "--cohere-is-reasoning-model",
-            "--disable-fastapi-docs",
-            "--disable-uvicorn-access-log",
-            "--enable-auto-tool-choice",
-            "--enable-flash-late-interaction",
-            "--enable-force-include-usage",
-            "--enable-log-deltas",
-            "--enable-log-outputs",
-            "--enable-log-requests",
-            "--enable-offline-docs",
-            "--enable-per-request-metrics",
-            "--enable-prompt-tokens-details",
-            "--enable-request-id-headers",
-            "--enable-scale-out",
-            "--enable-server-load-tracking",
-            "--enable-ssl-refresh",
-            "--enable-tokenizer-info-endpoint",
-            "--exclude-tools-when-tool-choice-none",
-            "--grpc",
-            "--headless",
-            "--log-error-stack",
-            "--return-tokens-as-token-ids",
-            "--tokens-only",
-            "--trust-request-chat-template",
-            "--trust-request-mm-kwargs",
-        ),
-        0,
-    ),
-}
-# Their negations (argparse's BooleanOptionalAction), which --grpc and --headless lack.
-SERVE_ONLY.update(
-    {
-        "--no-" + name[2:]: 0
-        for name, arity in list(SERVE_ONLY.items())
-        if arity == 0 and name not in ("--grpc", "--headless")
-    }
-)
-
-# tune's own options -> (key, default, parser name); the bench ones go to vLLM as they are.
-BENCH_OPTIONS = {
-    "--batch-size": ("batch_size", 1),
-    "--input-len": ("input_len", 64),
-    "--output-len": ("output_len", 128),
-    "--num-iters": ("num_iters", 5),
-    "--num-iters-warmup": ("num_iters_warmup", 1),
-}
 TUNE_VALUED = {
     "--rounds": "rounds",
     "--time-limit": "time_limit",
@@ -175,294 +83,7 @@ TUNE_VALUED = {
 }
 DEFAULT_ROUNDS = 3
 DEFAULT_TIME_LIMIT_S = 1800.0
-MIN_RUNS_FOR_A_WINNER = 2
-KILL_WAIT_S = 30
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-LOG_TAIL_LINES = 15
-VOCABULARY_HINT = (
-    "vllm bench latency draws random prompt token ids below 10000; this model's vocabulary "
-    "is smaller"
-)
-
-
-@record
-class Candidate:
-    name: str  # libgomp | libiomp5
-    iomp: str  # the --iomp value that makes it
-
-
-CANDIDATES = (Candidate("libgomp", "never"), Candidate("libiomp5", "always"))
-
-
-@record
-class Summary:
-    """One candidate's runs: each run's median latency (seconds), in the order they ran."""
-
-    candidate: Candidate
-    runs: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.runs)
-
-    @property
-    def quartiles(self) -> tuple[float, float]:
-        if len(self.runs) < 2:
-            return self.runs[0], self.runs[0]
-        q1, _, q3 = statistics.quantiles(self.runs, n=4, method="inclusive")
-        return q1, q3
-
-    @property
-    def spread(self) -> float:
-        """The range of the runs' medians: with 2-5 rounds, quartiles understate the noise."""
-        return max(self.runs) - min(self.runs)
-
-
-@record
-class Verdict:
-    winner: Candidate | None  # None: within the noise (or too few runs)
-    iomp: str  # what --write stores: the winner's --iomp when it is not the default, else auto
-    result: str  # one line: who was faster, by how much, against what spread
-
-
-# ---------------------------------------------------------------- the command measured
-
-
-def option_name(token: str) -> str:
-    """`--api_key=x` -> `--api-key`: vLLM's parser turns underscores into dashes before `.`."""
-    name = token.partition("=")[0]
-    if not name.startswith("--"):
-        return name
-    head, dot, tail = name[2:].partition(".")
-    return "--" + head.replace("_", "-") + dot + tail
-
-
-def bench_arguments(
-    serve: Sequence[str], bench: Mapping[str, int], output_json: str
-) -> tuple[list[str], list[str]]:
-    """(`bench latency ...` argv, the serve-only tokens dropped) for `serve MODEL ARGS...`."""
-    if not serve or serve[0] != "serve":
-        raise LaunchError(EXIT_USAGE, "tune measures a `serve` command: tune [--] serve MODEL ...")
-    rest = list(serve[1:])
-    if rest and not rest[0].startswith("-"):
-        kept = ["--model", rest.pop(0)]
-    elif any(option_name(token) == "--model" for token in rest):
-        kept = []
-    else:
-        raise LaunchError(EXIT_USAGE, "tune needs the model: tune [--] serve MODEL [ARGS...]")
-    dropped: list[str] = []
-    index = 0
-    while index < len(rest):
-        token = rest[index]
-        arity = SERVE_ONLY.get(option_name(token)) if token.startswith("-") else None
-        if arity is None:
-            kept.append(token)
-            index += 1
-            continue
-        end = index + 1
-        if "=" not in token and arity == 1:
-            end = min(index + 2, len(rest))
-        elif "=" not in token and arity == "+":
-            while end < len(rest) and not rest[end].startswith("-"):
-                end += 1
-        dropped += rest[index:end]
-        index = end
-    ours = [item for option, (key, _) in BENCH_OPTIONS.items() for item in (option, bench[key])]
-    arguments = ["bench", "latency", *kept, *map(str, ours), "--output-json", output_json]
-    return arguments, dropped
-
-
-def rotated(items: Sequence[Candidate], rounds: int) -> Iterator[tuple[int, Candidate]]:
-    """(round, candidate) for every round, the order rotated by one each round, so that
-    drift on the machine spreads over all candidates (as scripts/bench_stats.py does)."""
-    for round_index in range(rounds):
-        shift = round_index % len(items)
-        for item in [*items[shift:], *items[:shift]]:
-            yield round_index, item
-
-
-# ---------------------------------------------------------------- the verdict
-
-
-def decide(summaries: Sequence[Summary], default: Candidate) -> Verdict:
-    """The noise rule of the help text: a winner must beat the other by more than the
-    larger of the two ranges, with MIN_RUNS_FOR_A_WINNER runs each."""
-    ranked = sorted(summaries, key=lambda s: s.median)
-    fast, slow = ranked[0], ranked[-1]
-    if min(len(s.runs) for s in summaries) < MIN_RUNS_FOR_A_WINNER:
-        return Verdict(None, "auto", "fewer than 2 runs each, no noise estimate: default kept")
-    noise = max(fast.spread, slow.spread)
-    ratio = slow.median / fast.median
-    comparison = f"{fast.candidate.name} {ratio:.2f}x faster than {slow.candidate.name}"
-    if slow.median - fast.median <= noise:
-        return Verdict(
-            None, "auto", f"within the noise, default kept: {comparison}, spread {noise:.3g} s"
-        )
-    winner = fast.candidate
-    iomp = "auto" if winner == default else winner.iomp
-    return Verdict(winner, iomp, f"{comparison}, spread {noise:.3g} s")
-
-
-def table(summaries: Sequence[Summary], baseline: str = "libgomp") -> str:
-    """Median, quartiles and range of the runs' median latencies; speed against libgomp."""
-    base = next((s.median for s in summaries if s.candidate.name == baseline), None)
-    lines = [
-        f"{'candidate':<10} {'--iomp':<7} {'runs':>4} {'median s':>10} {'q1-q3 s':>17} "
-        f"{'min-max s':>17} {'speed vs ' + baseline:>17}"
-    ]
-    for s in summaries:
-        q1, q3 = s.quartiles
-        speed = f"{base / s.median:.2f}x" if base else "-"
-        lines.append(
-            f"{s.candidate.name:<10} {s.candidate.iomp:<7} {len(s.runs):>4} {s.median:>10.4f} "
-            f"{f'{q1:.4f}-{q3:.4f}':>17} {f'{min(s.runs):.4f}-{max(s.runs):.4f}':>17} {speed:>17}"
-        )
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- the user's config
-
-
-def tuned_record(verdict: Verdict, when: str, rounds: int, command: str) -> dict[str, object]:
-    return {
-        "when": when,
-        "iomp": verdict.iomp,
-        "result": verdict.result,
-        "rounds": rounds,
-        "command": command,
-    }
-
-
-def top_level_key(line: str) -> str | None:
-    """The key of a `key: ...` line at the top level of a block mapping, else None."""
-    if not line or line[0] in " \t#-" or ":" not in line:
-        return None
-    key = line.partition(":")[0].strip().strip("'\"")
-    return key.replace("-", "_") if key and " " not in key else None
-
-
-def merged_config(old_text: str, updates: Mapping[str, object]) -> str:
-    """The config text with `updates` (top-level keys) replaced or added, everything else
-    kept as written (comments too). Where the file's form defeats a line edit, checked by
-    parsing both, the whole file is written from its parsed content instead."""
-    import yaml
-
-    old = yaml.safe_load(old_text) if old_text.strip() else {}
-    old = old if isinstance(old, dict) else {}
-    wanted = {**{str(k).replace("-", "_"): v for k, v in old.items()}, **updates}
-    kept: list[str] = []
-    skipping = False
-    for line in old_text.splitlines():
-        key = top_level_key(line)
-        if key is not None:
-            skipping = key in updates
-        elif line[:1] not in (" ", "\t"):
-            skipping = False
-        if not skipping:
-            kept.append(line)
-    while kept and not kept[-1].strip():
-        kept.pop()
-    added = yaml.safe_dump(dict(updates), sort_keys=False, width=4096, allow_unicode=True)
-    text = "\n".join([*kept, added]) if kept else added
-    try:
-        parsed = yaml.safe_load(text)
-    except yaml.YAMLError:
-        parsed = None
-    if (
-        isinstance(parsed, dict)
-        and {str(k).replace("-", "_"): v for k, v in parsed.items()} == wanted
-    ):
-        return text
-    return yaml.safe_dump(wanted, sort_keys=False, width=4096, allow_unicode=True)
-
-
-def write_config(path: str, updates: Mapping[str, object]) -> None:
-    """Merge `updates` into the config file at path (made if missing), atomically; the file
-    must be valid before (it is not overwritten otherwise) and is checked after."""
-    from vllm_cpu_launch.settings import read_config_file
-
-    real = os.path.realpath(path)
-    old_text, mode = "", 0o644
-    if os.path.exists(real):
-        read_config_file(real)  # a broken config is reported, not replaced
-        with open(real, encoding="utf-8") as stream:
-            old_text = stream.read()
-        mode = os.stat(real).st_mode & 0o7777
-    text = merged_config(old_text, updates)
-    directory = os.path.dirname(real)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=".config.yaml.", dir=directory)
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                stream.write(text)
-            os.chmod(temporary, mode)
-            os.replace(temporary, real)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-    except OSError as error:
-        raise LaunchError(
-            EXIT_USAGE, f"{path}: cannot write the launcher config: {error}"
-        ) from None
-    read_config_file(real)
-
-
-# ---------------------------------------------------------------- running the benchmark
-
-
-def kill_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL to the run's session (vLLM's engine core and workers too); bounded wait."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=KILL_WAIT_S)
-
-
-def log_tail(path: str) -> list[str]:
-    with open(path, encoding="utf-8", errors="replace") as stream:
-        return stream.read().splitlines()[-LOG_TAIL_LINES:]
-
-
-def run_once(plan: Plan, log_path: str, output_json: str, limit_s: float) -> float | None:
-    """One benchmark run: the median of its latencies, or None when limit_s ran out (the
-    run's whole session is killed). A failed run raises, with its log's last lines shown."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(output_json)
-    environment = {**os.environ, **dict(plan.env)}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            list(plan.command),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=environment,
-            start_new_session=True,
-        )
-    try:
-        code = process.wait(timeout=max(limit_s, 0.0))
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        kill_group(process)  # leftovers of a finished run, or all of an unfinished one
-    latencies: object = None
-    if code == 0:
-        with contextlib.suppress(OSError, ValueError), open(output_json, encoding="utf-8") as f:
-            latencies = json.load(f).get("latencies")
-    if code == 0 and isinstance(latencies, list) and latencies:
-        return float(statistics.median(float(value) for value in latencies))
-    tail = log_tail(log_path)
-    for line in tail:
-        emit("error", f"  {line}")
-    hint = f" ({VOCABULARY_HINT})" if any("out of vocabulary" in line for line in tail) else ""
-    what = f"exit code {code}" if code else f"no latencies in {output_json}"
-    raise LaunchError(
-        code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
-        f"vllm bench latency failed ({what}){hint}; log: {log_path}",
-        subject=os.path.dirname(log_path),
-    )
-
 
 # ---------------------------------------------------------------- the verb
 

@@ -1,0 +1,76 @@
+"""One benchmark run: started in its own session, bounded, killed with its processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+
+from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError
+from vllm_cpu_launch.messages import emit
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from vllm_cpu_launch.plan import Plan
+
+KILL_WAIT_S = 30
+LOG_TAIL_LINES = 15
+VOCABULARY_HINT = (
+    "vllm bench latency draws random prompt token ids below 10000; this model's vocabulary "
+    "is smaller"
+)
+
+
+def kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to the run's session (vLLM's engine core and workers too); bounded wait."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=KILL_WAIT_S)
+
+
+def log_tail(path: str) -> list[str]:
+    with open(path, encoding="utf-8", errors="replace") as stream:
+        return stream.read().splitlines()[-LOG_TAIL_LINES:]
+
+
+def run_once(plan: Plan, log_path: str, output_json: str, limit_s: float) -> float | None:
+    """One benchmark run: the median of its latencies, or None when limit_s ran out (the
+    run's whole session is killed). A failed run raises, with its log's last lines shown."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(output_json)
+    environment = {**os.environ, **dict(plan.env)}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            list(plan.command),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+    try:
+        code = process.wait(timeout=max(limit_s, 0.0))
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        kill_group(process)  # leftovers of a finished run, or all of an unfinished one
+    latencies: object = None
+    if code == 0:
+        with contextlib.suppress(OSError, ValueError), open(output_json, encoding="utf-8") as f:
+            latencies = json.load(f).get("latencies")
+    if code == 0 and isinstance(latencies, list) and latencies:
+        return float(statistics.median(float(value) for value in latencies))
+    tail = log_tail(log_path)
+    for line in tail:
+        emit("error", f"  {line}")
+    hint = f" ({VOCABULARY_HINT})" if any("out of vocabulary" in line for line in tail) else ""
+    what = f"exit code {code}" if code else f"no latencies in {output_json}"
+    raise LaunchError(
+        code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
+        f"vllm bench latency failed ({what}){hint}; log: {log_path}",
+        subject=os.path.dirname(log_path),
+    )
