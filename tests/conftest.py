@@ -19,6 +19,8 @@ hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     hypothesis_settings.load_profile("ci")
 
+# The installers' fixtures (wheelhouse, pipx_launcher, offline_environ) live beside them.
+pytest_plugins = ("tests.installers",)
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = (sys.executable, "-m", "vllm_cpu_launch")
 # Debian packages with real LLVM OpenMP (and its libiomp5.so alias) and real tcmalloc.
@@ -166,6 +168,21 @@ def install_recorder(environment: Path, name: str = "vllm") -> Path:
     script.write_text(f"#!{environment / 'bin' / 'python'}\n{RECORDER}")
     script.chmod(0o755)
     return script
+
+
+# A directory name with every character the env formats must quote, `$(HOME)` for
+# Kubernetes' expansion among them (no space: the loader splits LD_PRELOAD at spaces, so a
+# preloaded path never holds one).
+WEIRD_DIR = "we'i\"rd$x`\\%é;#$(HOME)"
+
+
+@pytest.fixture
+def weird_iomp(tmp_path: Path, real_iomp: Path) -> Path:
+    """The real libiomp5.so under a directory whose name needs quoting everywhere."""
+    directory = tmp_path / WEIRD_DIR
+    directory.mkdir()
+    shutil.copy2(real_iomp, directory / "libiomp5.so")
+    return directory / "libiomp5.so"
 
 
 @pytest.fixture

@@ -20,13 +20,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from vllm_cpu_launch.records import record
 
-from .conftest import RECORDER, REPO, run_launcher
+from .conftest import RECORDER, REPO, clean_environ, run_launcher
 
 IOMP_WHEELS = ("intel-openmp==2024.2.1", "intel-cmplr-lib-ur==2024.2.1")
 WHEEL_CACHE = (
@@ -269,3 +271,27 @@ def dry_run(launcher: list[str], environ: dict[str, str], *args: str) -> dict[st
 def chosen_iomp(plan: dict[str, Any]) -> dict[str, str]:
     (iomp,) = (p for p in plan["preload"] if p["kind"] == "iomp")
     return dict(iomp)
+
+
+# ---------------------------------------------------------------- fixtures (conftest.py plugin)
+
+
+@pytest.fixture(scope="session")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_wheelhouse(tmp_path_factory.mktemp("installers") / "wheelhouse")
+
+
+@pytest.fixture(scope="session")
+def pipx_launcher(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return install_launcher(tmp_path_factory.mktemp("launcher") / "venv")
+
+
+@pytest.fixture
+def offline_environ(tmp_path: Path, wheelhouse: Path) -> Iterator[dict[str, str]]:
+    """The caller's environment for installers and the launcher: offline, HOME in tmp_path."""
+    (tmp_path / "home").mkdir()
+    yield offline(clean_environ(tmp_path), wheelhouse)
+    # Installed environments are large (intel-openmp is 260 MB unpacked): drop them now.
+    for child in tmp_path.iterdir():
+        if child.name != "home":
+            shutil.rmtree(child, ignore_errors=True)

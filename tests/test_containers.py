@@ -49,9 +49,6 @@ HOSTILE_VALUES = [
     "é ü 日本",
     "",
 ]
-# A preloaded path with the characters the formats must quote (no space: the loader splits
-# LD_PRELOAD at spaces, so a preloaded path never holds one).
-WEIRD_DIR = "we'i\"rd$x`\\%é;#$(HOME)"
 # The caller's KMP_BLOCKTIME, which the plan keeps (with a warning) and the formats carry.
 HOSTILE_BLOCKTIME = '7 "q" $HOME \\ x'
 BUILD_LIMIT_S = 300
@@ -141,15 +138,6 @@ def test_docker_lines_read_back_byte_for_byte_by_buildah(
     containerfile = scratch_containerfile(tmp_path / "context", docker_lines(environment))
     built = image_env(build(buildah, containerfile))
     assert {name: built.get(name) for name in environment} == environment
-
-
-@pytest.fixture
-def weird_iomp(tmp_path: Path, real_iomp: Path) -> Path:
-    """The real libiomp5.so under a directory whose name needs quoting everywhere."""
-    directory = tmp_path / WEIRD_DIR
-    directory.mkdir()
-    shutil.copy2(real_iomp, directory / "libiomp5.so")
-    return directory / "libiomp5.so"
 
 
 def launcher_env(tmp_path: Path, vllm_env: Path, output_format: str, *options: str) -> str:

@@ -24,9 +24,6 @@ from vllm_cpu_launch.verbs.env import docker_value
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
 GENERATOR = "/usr/lib/systemd/user-environment-generators/30-systemd-environment-d-generator"
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
-# A directory name with every character the formats must quote (no space: the loader
-# splits LD_PRELOAD at spaces, so a preloaded path never holds one).
-WEIRD_DIR = "we'i\"rd$x`\\%é;#"
 
 
 def env_command(vllm_env: Path, *args: str) -> list[str]:
@@ -44,14 +41,6 @@ def plan_env(tmp_path: Path, vllm_env: Path, *args: str, **extra: str) -> dict[s
     assert result.returncode == 0, result.stderr
     environment: dict[str, str] = json.loads(result.stdout)["env"]
     return environment
-
-
-@pytest.fixture
-def weird_iomp(tmp_path: Path, real_iomp: Path) -> Path:
-    directory = tmp_path / WEIRD_DIR
-    directory.mkdir()
-    shutil.copy2(real_iomp, directory / "libiomp5.so")
-    return directory / "libiomp5.so"
 
 
 # ---------------------------------------------------------------- shell

@@ -13,22 +13,18 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import AS_NOBODY, NOBODY, clean_environ, run_launcher
+from .conftest import AS_NOBODY, NOBODY, run_launcher
 from .hardening_support import public_directory
 from .installers import (
     FIX,
     SD,
     Installed,
-    build_wheelhouse,
     chosen_iomp,
     dry_run,
-    install_launcher,
-    offline,
     uv_venv,
 )
 
@@ -39,33 +35,22 @@ pytestmark = [
 OTHER = NOBODY - 1  # a third user, neither root nor the vLLM's owner
 
 
-@pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_wheelhouse(tmp_path_factory.mktemp("trust") / "wheelhouse")
-
-
-@pytest.fixture(scope="module")
-def launcher(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return install_launcher(tmp_path_factory.mktemp("trust-launcher") / "venv")
-
-
 @pytest.fixture
-def environ(tmp_path: Path, wheelhouse: Path) -> dict[str, str]:
-    (tmp_path / "home").mkdir()
-    return offline(clean_environ(tmp_path), wheelhouse)
-
-
-@pytest.fixture
-def installed(environ: dict[str, str]) -> Iterator[Installed]:
+def installed(offline_environ: dict[str, str]) -> Iterator[Installed]:
     """A uv venv with the stand-in and intel-openmp, in a directory uid 65534 can enter,
     on Debian's python3 (which uid 65534 can run, unlike a Python under /root)."""
     with public_directory() as public:
-        yield uv_venv(public / "venv", environ, True, python="/usr/bin/python3")
+        yield uv_venv(public / "venv", offline_environ, True, python="/usr/bin/python3")
 
 
-def run_fix(command: str, environ: dict[str, str]) -> None:
+def run_fix(command: str, offline_environ: dict[str, str]) -> None:
     result = subprocess.run(
-        ["sh", "-c", command], env=environ, capture_output=True, text=True, timeout=60, check=False
+        ["sh", "-c", command],
+        env=offline_environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, f"{command}\n{result.stderr}"
 
@@ -82,89 +67,91 @@ def vllm_args(installed: Installed) -> list[str]:
 
 
 def test_a_library_writable_by_its_group_is_refused_and_chmod_fixes_it(
-    installed: Installed, environ: dict[str, str], launcher: list[str]
+    installed: Installed, offline_environ: dict[str, str], pipx_launcher: list[str]
 ) -> None:
     installed.library.parent.chmod(0o775)
-    plan = dry_run(launcher, environ, *vllm_args(installed))
+    plan = dry_run(pipx_launcher, offline_environ, *vllm_args(installed))
     assert plan["preload"] == []
     fix = printed_fix(plan, "not found")
     assert fix == f"chmod go-w {installed.library.parent}"
     report = json.loads(
-        run_launcher([*vllm_args(installed), "doctor", "--json"], environ, launcher).stdout
+        run_launcher(
+            [*vllm_args(installed), "doctor", "--json"], offline_environ, pipx_launcher
+        ).stdout
     )
     advice = {r["id"]: r for r in report["recommendations"]}
     assert advice["trust-intel-openmp"]["command"] == fix
     assert "install-intel-openmp" not in advice  # change the mode, not the library
-    run_fix(fix, environ)
-    assert chosen_iomp(dry_run(launcher, environ, *vllm_args(installed)))["path"] == str(
-        installed.library
-    )
+    run_fix(fix, offline_environ)
+    assert chosen_iomp(dry_run(pipx_launcher, offline_environ, *vllm_args(installed)))[
+        "path"
+    ] == str(installed.library)
 
 
 def test_root_starting_another_users_vllm_trusts_that_users_library_and_says_so(
-    installed: Installed, environ: dict[str, str], launcher: list[str]
+    installed: Installed, offline_environ: dict[str, str], pipx_launcher: list[str]
 ) -> None:
     prefix = installed.vllm.parent.parent
     subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(prefix)], check=True, timeout=60)
-    plan = dry_run(launcher, environ, *vllm_args(installed))
+    plan = dry_run(pipx_launcher, offline_environ, *vllm_args(installed))
     assert chosen_iomp(plan)["path"] == str(installed.library)
     (warning,) = plan["warnings"]
     assert f"running as root a vLLM owned by uid {NOBODY} ({installed.vllm})" in warning
 
-    strict = run_launcher(["--strict", *vllm_args(installed), *SD], environ, launcher)
+    strict = run_launcher(["--strict", *vllm_args(installed), *SD], offline_environ, pipx_launcher)
     assert strict.returncode == 126
     (line,) = strict.stderr.splitlines()
     assert line.startswith("vllm-cpu-launch: error: --strict: not starting: running as root")
 
     # A third user's library in that environment is refused; chown is the fix.
     os.chown(installed.library, OTHER, OTHER)
-    plan = dry_run(launcher, environ, *vllm_args(installed))
+    plan = dry_run(pipx_launcher, offline_environ, *vllm_args(installed))
     assert plan["preload"] == []
     rejected = {c["path"]: c["reason"] for c in plan["candidates"]}
     assert f"owned by uid {OTHER}, neither root nor the owner" in rejected[str(installed.library)]
     fix = printed_fix(plan, "not found")
     assert fix == f"chown root {installed.library}"
-    run_fix(fix, environ)
-    assert chosen_iomp(dry_run(launcher, environ, *vllm_args(installed)))["path"] == str(
-        installed.library
-    )
+    run_fix(fix, offline_environ)
+    assert chosen_iomp(dry_run(pipx_launcher, offline_environ, *vllm_args(installed)))[
+        "path"
+    ] == str(installed.library)
 
 
 def test_a_vllm_script_others_can_change_is_reported_and_refused_with_strict(
-    installed: Installed, environ: dict[str, str], launcher: list[str]
+    installed: Installed, offline_environ: dict[str, str], pipx_launcher: list[str]
 ) -> None:
     installed.vllm.chmod(0o775)
-    plan = dry_run(launcher, environ, *vllm_args(installed))
+    plan = dry_run(pipx_launcher, offline_environ, *vllm_args(installed))
     assert chosen_iomp(plan)["path"] == str(installed.library)  # the library itself is fine
     fix = printed_fix(plan, "(what runs the server) is unsafe")
     assert fix == f"chmod go-w {installed.vllm}"
-    strict = run_launcher(["--strict", *vllm_args(installed), *SD], environ, launcher)
+    strict = run_launcher(["--strict", *vllm_args(installed), *SD], offline_environ, pipx_launcher)
     assert strict.returncode == 126 and "writable by its group" in strict.stderr
-    run_fix(fix, environ)
-    assert dry_run(launcher, environ, *vllm_args(installed))["warnings"] == []
+    run_fix(fix, offline_environ)
+    assert dry_run(pipx_launcher, offline_environ, *vllm_args(installed))["warnings"] == []
 
 
 def test_as_another_user_only_what_everyone_may_write_is_refused(
-    installed: Installed, environ: dict[str, str], nobody_launcher: list[str]
+    installed: Installed, offline_environ: dict[str, str], nobody_launcher: list[str]
 ) -> None:
     """uid 65534 runs its own group-writable venv (umask 002): fine, its code runs anyway;
     a world-writable lib/ is not, and `chmod o-w` (what is printed) fixes it. The library
-    is named with --iomp-path: the public launcher copy's own environment has one too."""
+    is named with --iomp-path: the public pipx_launcher copy's own environment has one too."""
     prefix = installed.vllm.parent.parent
     subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(prefix)], check=True, timeout=60)
     installed.library.parent.chmod(0o775)
     as_nobody = [*AS_NOBODY, *nobody_launcher]
-    environ = {**environ, "HOME": str(prefix)}
+    offline_environ = {**offline_environ, "HOME": str(prefix)}
     args = [*vllm_args(installed), "--iomp-path", str(installed.library)]
-    plan = dry_run(as_nobody, environ, *args)
+    plan = dry_run(as_nobody, offline_environ, *args)
     assert chosen_iomp(plan)["path"] == str(installed.library)
     assert plan["warnings"] == []
     installed.library.parent.chmod(0o777)
-    refused = run_launcher(["--dry-run", *args, *SD], environ, as_nobody)
+    refused = run_launcher(["--dry-run", *args, *SD], offline_environ, as_nobody)
     assert refused.returncode == 2
     (line,) = refused.stderr.splitlines()
     assert f"directory {installed.library.parent} is writable by others" in line
     match = FIX.search(line)
     assert match and match.group(1) == f"chmod o-w {installed.library.parent}", line
-    run_fix(match.group(1), environ)
-    assert chosen_iomp(dry_run(as_nobody, environ, *args))["path"] == str(installed.library)
+    run_fix(match.group(1), offline_environ)
+    assert chosen_iomp(dry_run(as_nobody, offline_environ, *args))["path"] == str(installed.library)
