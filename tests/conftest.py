@@ -32,8 +32,10 @@ DEB_CACHE = Path(
 # Records what the exec'd program really got: PID, argv bytes, environment, mapped runtimes.
 RECORDER = """\
 import json, os, sys
-maps = open("/proc/self/maps").read().splitlines()
-mapped = sorted({line.split()[-1] for line in maps if line.split()[-1].startswith("/")})
+# Bytes, split as the kernel writes the lines: a path may hold U+00A0 or other white space.
+maps = [line.split(maxsplit=5) for line in open("/proc/self/maps", "rb").read().split(b"\\n")]
+paths = {fields[5].decode("utf-8", "surrogateescape") for fields in maps if len(fields) == 6}
+mapped = sorted(path for path in paths if path.startswith("/"))
 record = {
     "pid": os.getpid(),
     "argv": [os.fsencode(a).hex() for a in sys.argv[1:]],

@@ -232,6 +232,8 @@ Installer = Callable[[Path, dict[str, str], bool], Installed]
 LAYOUTS: dict[str, tuple[str, Installer]] = {
     "pip-venv": ("venv", pip_venv),
     "pip-venv-long-path": (f"{LONG}/venv", pip_venv),
+    # U+00A0 is white space to Python's str.split(), not to the kernel or the loader.
+    "pip-venv-no-break-space": ("no\u00a0break/venv", pip_venv),
     "virtualenv": ("virtualenv", virtualenv),
     "virtualenv-long-path": (f"{LONG}/virtualenv", virtualenv),
     "uv-venv": ("uv", lambda r, e, i: uv_venv(r, e, i)),

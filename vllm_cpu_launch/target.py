@@ -29,11 +29,12 @@ class Target:
 
     executable: str  # absolute path
     found_via: str  # "--vllm", "launcher-environment", "PATH" or "program"
-    interpreter: str | None = None  # the Python the script's wrapper runs, when it names one
+    interpreter: str | None = None  # the Python that runs vLLM, when the evidence names one
     prefix: str | None = None  # that interpreter's environment (venv, conda or base prefix)
     user_base: str | None = None  # set for a `pip install --user` script: its user base
     evidence: str = ""
     disagreement: str | None = None
+    runner: str | None = None  # what the #! line runs (the Python, or a shell), checked too
 
 
 def environment_of(path: str) -> tuple[str | None, str]:
@@ -74,39 +75,48 @@ def python_user_base(environ: Mapping[str, str]) -> str | None:
 
 def decide_environment(
     executable: str, wrapper: Wrapper, environ: Mapping[str, str]
-) -> tuple[str | None, str | None, str, str | None]:
-    """(prefix, user base, evidence, disagreement) for the program at `executable`.
+) -> tuple[str | None, str | None, str | None, str, str | None]:
+    """(Python, prefix, user base, evidence, disagreement) for the program at `executable`.
 
-    The interpreter the wrapper runs decides, since its environment is the one whose
+    The Python the wrapper runs decides, since its environment is the one whose
     site-packages vLLM imports; the script's location is the evidence when the wrapper
-    names none (or the program is no script, like `exec -- /venv/bin/python`).
+    names no Python (a shell script, an unreadable form, or no script at all, like
+    `exec -- /venv/bin/python`), and then that environment's `bin/python` is its Python.
     """
     located, located_marker = location_environment(executable)
-    if wrapper.interpreter is None:
+    if wrapper.python is None:
         if located:
-            return located, None, f"the {located_marker} of the environment it lies in", None
+            beside = os.path.join(located, "bin", "python")
+            python = beside if os.path.exists(beside) else None
+            return (
+                python,
+                located,
+                None,
+                f"the {located_marker} of the environment it lies in",
+                None,
+            )
         prefix, _ = environment_of(executable)
-        return prefix, None, "its own bin/ directory" if prefix else "none", None
-    prefix, marker = environment_of(wrapper.interpreter)
+        return None, prefix, None, "its own bin/ directory" if prefix else "none", None
+    python = wrapper.python
+    prefix, marker = environment_of(python)
     how = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"}.get(
         wrapper.form, "its /bin/sh trampoline"
     )
-    evidence = f"{how} names {wrapper.interpreter}" + (
+    evidence = f"{how} names {python}" + (
         f", in an environment marked by {marker}" if marker else ""
     )
     disagreement = None
     if located and located != prefix:
         disagreement = (
             f"{executable} lies in the environment {located}, but {how} runs "
-            f"{wrapper.interpreter} (environment {prefix or '?'}); using the latter, "
-            "which is what will run"
+            f"{python} (environment {prefix or '?'}); using the latter, which is what will run"
         )
     user_base = None
     base = python_user_base(environ)
     if not marker and base and os.path.dirname(executable) == os.path.join(base, "bin"):
         user_base = base  # a `pip install --user` script (venvs have no user site)
         evidence += f"; a user install in {base}"
-    return prefix, user_base, evidence, disagreement
+    return python, prefix, user_base, evidence, disagreement
 
 
 def check_path_files(name: str, path_variable: str | None, described: str) -> None:
@@ -154,10 +164,10 @@ def check_executable(path: str, described: str) -> None:
 def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, str]) -> None:
     """Fail as the kernel or the wrapper would, but say why: the interpreter is gone
     (a moved or deleted environment), not executable, or not on PATH."""
-    if wrapper.form == "env" and wrapper.interpreter is None:
+    if wrapper.detail and wrapper.interpreter is None and wrapper.form in ("env", "sh-trampoline"):
         raise LaunchError(
             EXIT_NOT_FOUND,
-            f"{executable} runs {wrapper.detail!r} from PATH (#!/usr/bin/env), but "
+            f"{executable} runs {wrapper.detail!r} from PATH, but "
             f"{describe_path(environ.get('PATH'))} has none; put its environment's bin/ "
             "first on PATH, or choose another vLLM with --vllm",
             subject=executable,
@@ -192,9 +202,18 @@ def describe_target(executable: str, found_via: str, environ: Mapping[str, str])
     check_executable(executable, "vLLM executable" if found_via != "program" else "program")
     wrapper = read_wrapper(executable, environ.get("PATH"))
     check_interpreter(executable, wrapper, environ)
-    prefix, user_base, evidence, disagreement = decide_environment(executable, wrapper, environ)
+    python, prefix, user_base, evidence, disagreement = decide_environment(
+        executable, wrapper, environ
+    )
     return Target(
-        executable, found_via, wrapper.interpreter, prefix, user_base, evidence, disagreement
+        executable,
+        found_via,
+        python,
+        prefix,
+        user_base,
+        evidence,
+        disagreement,
+        runner=wrapper.interpreter,
     )
 
 

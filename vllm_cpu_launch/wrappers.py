@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 HEAD_BYTES = 4096  # a wrapper's first two lines; a long venv path fits many times
 TRAMPOLINE = "'''exec' "
 SHELLS = ("sh", "bash", "dash")
+PYTHON_NAMES = ("python", "pypy")  # how the names of Python interpreters begin
+MAX_NESTING = 8  # `$(` within `$(`: installers nest two; deeper is not theirs
 
 
 @record
@@ -34,17 +36,26 @@ class Wrapper:
     """What a script's first lines say about the interpreter that runs it."""
 
     form: str  # "direct", "env", "sh-trampoline", "not-a-script", "unreadable", "unknown"
-    interpreter: str | None  # the interpreter's path, when the form names one
-    detail: str = ""  # for "env": the name looked up; for "unknown": what was not understood
+    interpreter: str | None  # the program the script runs: a Python, or a shell
+    # A name looked up on PATH ("env", a bare trampoline word), or what was not understood.
+    detail: str = ""
+
+    @property
+    def python(self) -> str | None:
+        """The interpreter when it is a Python (a shell script names none)."""
+        name = os.path.basename(self.interpreter or "")
+        return self.interpreter if name.startswith(PYTHON_NAMES) else None
 
 
 class WordError(ValueError):
     """A shell word this reader does not evaluate (it never guesses)."""
 
 
-def substitution_end(text: str, start: int) -> int:
+def substitution_end(text: str, start: int, depth: int = 1) -> int:
     """The index after the `)` that closes the `$(` at `start`, with the shell's quoting
     (a nested `$(` inside double quotes is a new quoting context)."""
+    if depth > MAX_NESTING:
+        raise WordError(f"$( nested more than {MAX_NESTING} deep")
     index, quote = start + 2, ""
     while index < len(text):
         char = text[index]
@@ -53,7 +64,7 @@ def substitution_end(text: str, start: int) -> int:
         elif char == "\\":
             index += 1
         elif text.startswith("$(", index):
-            index = substitution_end(text, index)
+            index = substitution_end(text, index, depth + 1)
             continue
         elif char == '"':
             quote = "" if quote else '"'
@@ -161,23 +172,31 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
         return Wrapper("unreadable", None, error.strerror or str(error))
     if not head.startswith(b"#!"):
         return Wrapper("not-a-script", None)
-    lines = head.decode("utf-8", "surrogateescape").splitlines()
-    words = lines[0][2:].split()
+    # Lines end at b"\n" only, and the kernel splits the #! line at spaces and tabs only
+    # (a path may hold any other white space, U+00A0 included).
+    first, second = (
+        line.decode("utf-8", "surrogateescape") for line in [*head.split(b"\n", 2), b""][:2]
+    )
+    words = [word for word in first[2:].replace("\t", " ").split(" ") if word]
     if not words:
         return Wrapper("unknown", None, "an empty #! line")
     interpreter = words[0]
+    if not interpreter.startswith("/"):
+        return Wrapper("unknown", None, f"a relative #! interpreter {interpreter!r}")
     if os.path.basename(interpreter) == "env":
-        names = [word for word in words[1:] if not word.startswith("-")]
+        # `env [-S] [-i] [NAME=VALUE...] PROGRAM`: the first word that is neither.
+        names = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
         if not names:
-            return Wrapper("unknown", None, lines[0])
+            return Wrapper("unknown", None, first)
         return Wrapper("env", search_path(names[0], path_variable), names[0])
     if os.path.basename(interpreter) in SHELLS and len(words) == 1:
-        second = lines[1] if len(lines) > 1 else ""
         if not second.startswith(TRAMPOLINE):
             return Wrapper("direct", interpreter)  # a shell script proper
         try:
             python, _ = read_word(second, len(TRAMPOLINE), script)
-        except WordError as error:
+        except (WordError, RecursionError) as error:
             return Wrapper("unknown", None, f"{second.strip()} ({error})")
-        return Wrapper("sh-trampoline", os.path.abspath(python) if python else None)
+        if "/" not in python:  # a bare name: the shell looks it up on PATH
+            return Wrapper("sh-trampoline", search_path(python, path_variable), python)
+        return Wrapper("sh-trampoline", os.path.abspath(python))
     return Wrapper("direct", interpreter)
