@@ -90,6 +90,8 @@ FIX_LAYOUTS = {
         "pip-user",
         "pip-user-custom-base",
         "externally-managed",
+        "conda-prefix",
+        "conda-long-prefix-env-shebang",
     ],
 )
 def test_the_printed_fix_installs_the_library_where_the_next_plan_finds_it(

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -155,3 +157,40 @@ def test_as_another_user_only_what_everyone_may_write_is_refused(
     assert match and match.group(1) == f"chmod o-w {installed.library.parent}", line
     run_fix(match.group(1), offline_environ)
     assert chosen_iomp(dry_run(as_nobody, offline_environ, *args))["path"] == str(installed.library)
+
+
+def test_a_library_in_a_shared_sticky_directory_is_fixed_by_installing_not_by_chmod(
+    offline_environ: dict[str, str], pipx_launcher: list[str], real_iomp: Path
+) -> None:
+    """`chmod go-w /tmp` would break /tmp for everyone: for a library in a sticky,
+    world-writable directory the printed fix installs intel-openmp where vLLM runs."""
+    with public_directory() as public:
+        bare = uv_venv(public / "venv", offline_environ, False, python="/usr/bin/python3")
+        shared = public / "shared"
+        shared.mkdir()
+        shared.chmod(0o1777)
+        shutil.copy2(real_iomp, shared / "libiomp5.so")
+        offline_environ["LD_LIBRARY_PATH"] = str(shared)
+        plan = dry_run(pipx_launcher, offline_environ, *vllm_args(bare))
+        assert plan["preload"] == []
+        rejected = {c["path"]: c["reason"] for c in plan["candidates"]}
+        assert "writable by others" in rejected[str(shared / "libiomp5.so")]
+        fix = printed_fix(plan, "not found")
+        assert not fix.startswith("chmod") and "intel-openmp" in fix, fix
+        run_fix(fix, offline_environ)
+        iomp = chosen_iomp(dry_run(pipx_launcher, offline_environ, *vllm_args(bare)))
+        assert iomp["path"] == str(bare.library)
+
+
+def test_several_problems_are_not_promised_away_by_one_chmod(
+    installed: Installed, offline_environ: dict[str, str], pipx_launcher: list[str]
+) -> None:
+    """A third user's library in a group-writable lib/: two problems, so no single
+    chmod/chown is printed as making it trusted; the fix is to install a trusted copy."""
+    os.chown(installed.library, OTHER, OTHER)
+    installed.library.parent.chmod(0o775)
+    plan = dry_run(pipx_launcher, offline_environ, *vllm_args(installed))
+    rejected = {c["path"]: c["reason"] for c in plan["candidates"]}
+    assert "(and 1 more)" in rejected[str(installed.library)]
+    fix = printed_fix(plan, "not found")
+    assert not fix.startswith(("chmod", "chown")) and "intel-openmp" in fix, fix

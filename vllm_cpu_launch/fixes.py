@@ -1,8 +1,9 @@
 """The command that installs Intel OpenMP where the started vLLM will find it.
 
 Each installer's environment needs its own: pip where the environment has pip, uv
-where it was made by uv without pip, pipx's `inject` for a pipx venv, `--user` (with
-`--break-system-packages` under PEP 668) for a base interpreter. Every command printed
+where it was made by uv without pip, ensurepip first in another pip-less venv or conda
+prefix, pipx's `inject` for a pipx venv, `--user` (with `--break-system-packages` under
+PEP 668) for a base interpreter. Every command printed
 here is run by tests/test_installers.py in an environment the real installer made.
 Read only when a library is missing: the exec path never gets here.
 """
@@ -64,10 +65,11 @@ def install_command(target: Target) -> tuple[str, str]:
         managed = " --break-system-packages" if externally_managed(prefix) else ""
         return f"{quoted} -m pip install --user{managed} {PACKAGE}", f"into {target.user_base}"
     venv = os.path.exists(os.path.join(prefix, "pyvenv.cfg"))
+    own_packages = venv or os.path.isdir(os.path.join(prefix, "conda-meta"))
     if venv and os.path.exists(os.path.join(prefix, "pipx_metadata.json")):
         name = shlex.quote(os.path.basename(prefix))
         return f"pipx inject {name} {PACKAGE}", f"into pipx's venv {prefix}"
-    if venv and not has_pip(prefix):
+    if own_packages and not has_pip(prefix):
         if made_by_uv(prefix):
             return f"uv pip install --python {quoted} {PACKAGE}", f"into {prefix} (no pip there)"
         install = f"{quoted} -m ensurepip && {quoted} -m pip install {PACKAGE}"

@@ -141,9 +141,12 @@ def prepare_launch(
 def plan_from_options(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> Plan:
-    """The plan to exec or print; with --strict, a wanted library missing is fatal."""
+    """The plan to exec or print; with --strict, a target the trust rule reports or a
+    wanted library missing is fatal."""
     settings, _, plan = prepare_launch(values, arguments, program)
     if settings.strict and plan.unsafe:
+        for problem in plan.unsafe[1:]:
+            emit("error", problem)
         raise LaunchError(EXIT_NOT_EXECUTABLE, f"--strict: not starting: {plan.unsafe[0]}")
     if settings.strict and plan.missing:
         for warning in plan.warnings:

@@ -100,7 +100,9 @@ def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[
     """
     from vllm_cpu_launch.trust import insecure_reason, owners
 
-    programs = tuple(p for p in (target.executable, target.interpreter) if p)
+    programs = tuple(
+        dict.fromkeys(p for p in (target.executable, target.runner, target.interpreter) if p)
+    )
     trusted = owners(programs) if euid == 0 else frozenset()
     problems = []
     for path in programs:

@@ -31,9 +31,12 @@ def unsafe_owner_or_mode(
         owners = " nor the owner of the vLLM being started" if trusted else ""
         return f"owned by uid {status.st_uid}, neither root{owners}", "chown root"
     mask = (stat.S_IWGRP | stat.S_IWOTH) if as_root else stat.S_IWOTH
-    if status.st_mode & mask and (is_file or not status.st_mode & stat.S_ISVTX):
+    sticky = bool(status.st_mode & stat.S_ISVTX)
+    if status.st_mode & mask and (is_file or not sticky):
         who = "others" if status.st_mode & stat.S_IWOTH else "its group"
-        return f"writable by {who}", "chmod go-w" if as_root else "chmod o-w"
+        # A sticky directory (/tmp, /dev/shm) is meant to be shared: no chmod fixes that.
+        fix = "" if sticky else "chmod go-w" if as_root else "chmod o-w"
+        return f"writable by {who}", fix
     return None
 
 
@@ -71,26 +74,39 @@ def insecure_reason(
 ) -> tuple[str, str] | None:
     """(why, fix) when `path` could be swapped by an untrusted user: the file, a link on
     the way to it, or any directory searched on the way (see unsafe_owner_or_mode).
-    The fix is the one command that removes the first problem found."""
+
+    The fix is one chmod/chown, given only when it removes the one problem found; with
+    several problems, or a shared (sticky) directory, there is none ("").
+    """
+    problems: list[tuple[str, str]] = []
     try:
         directories, links, real = lookup_steps(path)
         problem = unsafe_owner_or_mode(os.stat(real), euid, True, trusted)
         if problem:
-            return f"{real} is {problem[0]}", f"{problem[1]} {quoted(real)}"
+            problems.append((f"{real} is {problem[0]}", command(problem[1], real)))
         for link in links:  # a link's own mode means nothing; who may replace it does
             owner = os.lstat(link).st_uid
             if euid == 0 and owner != 0 and owner not in trusted:
                 why = f"symbolic link {link} is owned by uid {owner}, not root"
-                return why, f"chown -h root {quoted(link)}"
+                problems.append((why, command("chown -h root", link)))
         home = os.path.dirname(real)
         for directory in directories:
             problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home, trusted)
             if problem:
                 why = f"directory {directory} is {problem[0]}"
-                return why, f"{problem[1]} {quoted(directory)}"
+                problems.append((why, command(problem[1], directory)))
     except OSError as error:
         return f"cannot check its permissions: {error.strerror}", ""
-    return None
+    if not problems:
+        return None
+    if len(problems) > 1:
+        return f"{problems[0][0]} (and {len(problems) - 1} more)", ""
+    return problems[0]
+
+
+def command(change: str, path: str) -> str:
+    """`CHANGE PATH` quoted for a shell, or "" when there is no change to make."""
+    return f"{change} {quoted(path)}" if change else ""
 
 
 def quoted(path: str) -> str:
