@@ -7,7 +7,7 @@ import stat
 
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchError
 from vllm_cpu_launch.records import record
-from vllm_cpu_launch.wrappers import read_wrapper, search_path
+from vllm_cpu_launch.wrappers import path_files, read_wrapper, search_path
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -122,10 +122,13 @@ def decide_environment(
 def check_path_files(name: str, path_variable: str | None, described: str) -> None:
     """Before saying `name` is not on PATH: a file there that cannot be executed is the
     real problem, as for a shell ('Permission denied', exit 126)."""
-    for directory in (path_variable or os.defpath).split(os.pathsep):
-        candidate = os.path.join(directory, name)
-        if os.path.isabs(directory) and os.path.isfile(candidate):
-            check_executable(candidate, described)
+    for candidate in path_files(name, path_variable):
+        check_executable(candidate, described)
+
+
+def described(found_via: str) -> str:
+    """What the messages call the target: exec's PROGRAM, else the vLLM executable."""
+    return "program" if found_via == "program" else "vLLM executable"
 
 
 def describe_path(path_variable: str | None) -> str:
@@ -199,7 +202,7 @@ def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, s
 
 def describe_target(executable: str, found_via: str, environ: Mapping[str, str]) -> Target:
     """Check that the executable can run and decide the environment it runs in."""
-    check_executable(executable, "vLLM executable" if found_via != "program" else "program")
+    check_executable(executable, described(found_via))
     wrapper = read_wrapper(executable, environ.get("PATH"))
     check_interpreter(executable, wrapper, environ)
     python, prefix, user_base, evidence, disagreement = decide_environment(
@@ -224,8 +227,7 @@ def locate(name: str, found_via: str, environ: Mapping[str, str], not_found: str
         return describe_target(os.path.abspath(name), found_via, environ)
     found = search_path(name, path_variable)
     if found is None:
-        described = "program" if found_via == "program" else "vLLM executable"
-        check_path_files(name, path_variable, described)
+        check_path_files(name, path_variable, described(found_via))
         raise LaunchError(EXIT_NOT_FOUND, not_found)
     return describe_target(found, found_via, environ)
 

@@ -22,7 +22,7 @@ from vllm_cpu_launch.records import record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
 HEAD_BYTES = 4096  # a wrapper's first two lines; a long venv path fits many times
 TRAMPOLINE = "'''exec' "
@@ -149,15 +149,18 @@ def run_substitution(body: str, script: str) -> str:
     return SUBSTITUTIONS[command](words[1])
 
 
+def path_files(name: str, path_variable: str | None) -> Iterator[str]:
+    """The files called `name` in PATH's absolute directories, in order (unset PATH: the
+    default a shell uses). The current directory is no place to pick a server from."""
+    for directory in (path_variable or os.defpath).split(os.pathsep):
+        candidate = os.path.join(directory, name)
+        if os.path.isabs(directory) and os.path.isfile(candidate):
+            yield candidate
+
+
 def search_path(name: str, path_variable: str | None) -> str | None:
     """The first executable `name` on PATH (like the shell), else None."""
-    for directory in (path_variable or os.defpath).split(os.pathsep):
-        if not directory or not os.path.isabs(directory):
-            continue  # the current directory is no place to pick a server from
-        candidate = os.path.join(directory, name)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+    return next((f for f in path_files(name, path_variable) if os.access(f, os.X_OK)), None)
 
 
 def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
