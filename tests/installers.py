@@ -275,6 +275,25 @@ def chosen_iomp(plan: dict[str, Any]) -> dict[str, str]:
     return dict(iomp)
 
 
+def run_fix(command: str, offline_environ: dict[str, str]) -> None:
+    result = subprocess.run(
+        ["sh", "-c", command],
+        env=offline_environ,
+        capture_output=True,
+        text=True,
+        timeout=INSTALL_LIMIT_S,
+        check=False,
+    )
+    assert result.returncode == 0, f"{command}\n{result.stderr}"
+
+
+def printed_fix(plan: dict[str, Any], needle: str) -> str:
+    (warning,) = (w for w in plan["warnings"] if needle in w)
+    match = FIX.search(warning)
+    assert match, warning
+    return match.group(1)
+
+
 # ---------------------------------------------------------------- fixtures (conftest.py plugin)
 
 

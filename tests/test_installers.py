@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from .conftest import read_record, run_launcher
 from .installers import (
-    FIX,
     LAYOUTS,
     SD,
     Installed,
@@ -28,6 +26,8 @@ from .installers import (
     externally_managed_user,
     pip_venv,
     pip_venv_without_pip,
+    printed_fix,
+    run_fix,
     uv_venv,
 )
 
@@ -105,24 +105,13 @@ def test_the_printed_fix_installs_the_library_where_the_next_plan_finds_it(
     offline_environ["PATH"] = f"{installed.vllm.parent}:{offline_environ['PATH']}"
     plan = dry_run(pipx_launcher, offline_environ)
     assert plan["preload"] == []
-    (warning,) = (w for w in plan["warnings"] if "not found" in w)
-    match = FIX.search(warning)
-    assert match, warning
-    fix = match.group(1)
+    fix = printed_fix(plan, "not found")
 
     report = json.loads(run_launcher(["doctor", "--json"], offline_environ, pipx_launcher).stdout)
     advice = {r["id"]: r for r in report["recommendations"]}
     assert advice["install-intel-openmp"]["command"] == fix  # one source for both
 
-    result = subprocess.run(
-        ["sh", "-c", fix],
-        env=offline_environ,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, f"{fix}\n{result.stderr}"
+    run_fix(fix, offline_environ)
     iomp = chosen_iomp(dry_run(pipx_launcher, offline_environ))
     assert iomp["path"] == str(installed.library)
 

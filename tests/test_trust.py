@@ -15,7 +15,6 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -27,6 +26,8 @@ from .installers import (
     Installed,
     chosen_iomp,
     dry_run,
+    printed_fix,
+    run_fix,
     uv_venv,
 )
 
@@ -43,25 +44,6 @@ def installed(offline_environ: dict[str, str]) -> Iterator[Installed]:
     on Debian's python3 (which uid 65534 can run, unlike a Python under /root)."""
     with public_directory() as public:
         yield uv_venv(public / "venv", offline_environ, True, python="/usr/bin/python3")
-
-
-def run_fix(command: str, offline_environ: dict[str, str]) -> None:
-    result = subprocess.run(
-        ["sh", "-c", command],
-        env=offline_environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, f"{command}\n{result.stderr}"
-
-
-def printed_fix(plan: dict[str, Any], needle: str) -> str:
-    (warning,) = (w for w in plan["warnings"] if needle in w)
-    match = FIX.search(warning)
-    assert match, warning
-    return match.group(1)
 
 
 def vllm_args(installed: Installed) -> list[str]:
