@@ -3,9 +3,9 @@
 Each installer's environment needs its own: pip where the environment has pip, uv
 where it was made by uv without pip, ensurepip first in another pip-less venv or conda
 prefix, pipx's `inject` for a pipx venv, `--user` (with `--break-system-packages` under
-PEP 668) for a base interpreter. Every command printed
-here is run by tests/test_installers.py in an environment the real installer made.
-Read only when a library is missing: the exec path never gets here.
+PEP 668) for a base interpreter. Each form printed here is run by
+tests/test_installers.py in an environment the real installer made. Read only when a
+library is missing: the exec path never gets here.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def unsafe_owner_or_mode(
     """
     as_root = euid == 0
     if as_root and status.st_uid != 0 and status.st_uid not in trusted:
-        owners = " nor the owner of the vLLM being started" if trusted else ""
-        return f"owned by uid {status.st_uid}, neither root{owners}", "chown root"
+        whose = "neither root nor the owner of the vLLM being started" if trusted else "not root"
+        return f"owned by uid {status.st_uid}, {whose}", "chown root"
     mask = (stat.S_IWGRP | stat.S_IWOTH) if as_root else stat.S_IWOTH
     sticky = bool(status.st_mode & stat.S_ISVTX)
     if status.st_mode & mask and (is_file or not sticky):
