@@ -1,23 +1,37 @@
 #!/usr/bin/env python3
-"""Real vLLM with ngram speculative decoding, plain and through the launcher (issue 5, part 3).
+"""Real vLLM with ngram speculative decoding: where each OpenMP/malloc setting helps or hurts.
 
-The same tiny random Llama is served by `vllm serve` (vLLM then preloads GNU libgomp for
-its workers) and by `vllm-cpu-launch --vllm ENV/bin/vllm serve` (Intel OpenMP preloaded),
-with 1 OpenMP thread (vLLM's default on 2 CPUs: one CPU reserved) and with all CPUs
-(`VLLM_CPU_NUM_OF_RESERVED_CPU=0`). Starts alternate, configuration order rotating per
-round. For each start: seconds to a healthy `/health`, then after a short warm-up a fixed
-streaming load on `/v1/completions` (greedy, `ignore_eos`, fixed output length), first
-sequential, then concurrent: time per output token (TPOT, after the first token) and output
-tokens per second. Every server runs in its own session with its own cold VLLM_CACHE_ROOT
-and is killed before the next starts; every wait is bounded.
+A map over model size (`--models`: the tiny random Llama and a compute-bound one of ~105M
+parameters, both made locally by scripts/make_tiny_model.py), the worker's OpenMP threads
+(`--threads`: vLLM's default reservation, or all CPUs with VLLM_CPU_NUM_OF_RESERVED_CPU=0),
+client concurrency (`--concurrency`, measured one after another on the same server) and
+the runtime settings a launcher can choose (`--settings`, SETTINGS below): plain
+`vllm serve` (vLLM preloads GNU libgomp), and the launcher of this checkout with Intel
+OpenMP as vLLM's workers tune it, with tcmalloc beside libgomp or libiomp5 (the vLLM
+Docker image's recipe), and with libiomp5 under VLLM_CPU_OMP_THREADS_BIND=nobind, the only
+mode in which the launcher's KMP_BLOCKTIME reaches the worker (vLLM then sets no KMP_*,
+OMP_NUM_THREADS or affinity, so the worker's team spans every CPU whatever is reserved).
 
-Prints a Markdown report (machine, command, table, ratios launcher vs plain of the same
-run); `--markdown FILE` also puts it between markers in FILE (docs/benchmarks.md).
+Starts alternate, the order rotating per round (bench_stats.interleaved). For each start:
+seconds to a healthy `/health`, then after a short warm-up, per concurrency level, clients
+stream greedy `ignore_eos` completions for `--phase-seconds`: vLLM's own mean time per
+output token over the phase (`vllm:request_time_per_output_token_seconds`), output tokens
+per second, and the CPU each vLLM process used. Every server runs in its own session and is
+killed before the next starts; every wait is bounded. The starts of a model share one
+VLLM_CACHE_ROOT, filled by an unmeasured start first: every measured start finds the same
+warm compile cache (30 s to healthy instead of 50 s here; the compiled code does not depend
+on the runtime preloaded).
+
+Prints a Markdown report (machine, command, tables, ratios against plain vLLM of the same
+run with the per-round spread); `--markdown FILE` puts it between markers in FILE,
+`--json FILE` keeps every measurement, `--plot FILE.png` draws TPOT per configuration
+(matplotlib), and `--from-json FILE` redraws report and plot from a kept run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -29,8 +43,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -68,6 +82,7 @@ MARK_END = "<!-- bench_vllm: end -->"
 STARTUP_LIMIT_S = 420
 POLL_INTERVAL_S = 0.5
 WARMUP_REQUESTS = 2
+DEBIAN_TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 INTERESTING_FLAGS = (
     "avx2",
     "avx512f",
@@ -79,9 +94,82 @@ INTERESTING_FLAGS = (
     "amx_int8",
     "hypervisor",
 )
+ROLES = ("worker", "engine", "api")
 
 
 say = narrator("bench_vllm")
+
+
+# ---------------------------------------------------------------- what is measured
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A runtime configuration: which libraries are preloaded, and how the worker binds."""
+
+    key: str
+    iomp: bool
+    tcmalloc: bool
+    blocktime: str | None = None  # the launcher's --kmp-blocktime
+    nobind: bool = False  # VLLM_CPU_OMP_THREADS_BIND=nobind
+
+    @property
+    def plain(self) -> bool:
+        """Plain `vllm serve`, no launcher: vLLM preloads libgomp itself."""
+        return not (self.iomp or self.tcmalloc)
+
+    @property
+    def baseline(self) -> str:
+        """The plain setting this one is compared with: as bound as it is."""
+        return "libgomp-nobind" if self.nobind else "libgomp"
+
+    def launcher_options(self, tcmalloc_path: Path) -> list[str]:
+        tcmalloc = ["--tcmalloc", "always", "--tcmalloc-path", str(tcmalloc_path)]
+        options = ["--iomp", "always" if self.iomp else "never"]
+        options += tcmalloc if self.tcmalloc else ["--tcmalloc", "never"]
+        return options + (["--kmp-blocktime", self.blocktime] if self.blocktime else [])
+
+
+SETTINGS = {
+    s.key: s
+    for s in (
+        Setting("libgomp", iomp=False, tcmalloc=False),
+        Setting("libgomp+tcmalloc", iomp=False, tcmalloc=True),
+        Setting("libiomp5", iomp=True, tcmalloc=False),
+        Setting("libiomp5+tcmalloc", iomp=True, tcmalloc=True),
+        Setting("libgomp-nobind", iomp=False, tcmalloc=False, nobind=True),
+        Setting("libiomp5-nobind-bt0", iomp=True, tcmalloc=False, blocktime="0", nobind=True),
+        Setting("libiomp5-nobind-bt200", iomp=True, tcmalloc=False, blocktime="200", nobind=True),
+    )
+}
+THREADS = {"default": "vLLM's default reservation", "all": "all CPUs (reserved 0, or nobind)"}
+NOBIND = "nobind"  # the threads column of nobind settings: the team spans every CPU
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    threads: str  # "default", "all", or NOBIND
+    setting: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.threads}/{self.setting}"
+
+
+def grid(models: Sequence[str], threads: Sequence[str], settings: Sequence[str]) -> list[Config]:
+    """Every bound setting at every thread count; a nobind one once (reservation is moot)."""
+    configs = []
+    for model in models:
+        for key in settings:
+            counts = [NOBIND] if SETTINGS[key].nobind else threads
+            configs += [Config(model, count, key) for count in counts]
+    return configs
+
+
+def baseline_of(config: Config) -> Config:
+    """Plain vLLM with the same OpenMP threads and binding: what config is compared with."""
+    return Config(config.model, config.threads, SETTINGS[config.setting].baseline)
 
 
 # ---------------------------------------------------------------- set-up
@@ -96,13 +184,9 @@ def prepare_env(explicit: Path | None) -> Path:
     return Path(last_line(prepare_env_command(), "scripts/vllm_env.py", ENV_SETUP_LIMIT_S))
 
 
-def prepare_model(explicit: Path | None, env: Path, scratch: Path) -> Path:
-    if explicit is not None:
-        if not (explicit / "config.json").exists():
-            raise ScriptError(f"{explicit} holds no config.json: not a model directory")
-        return explicit.absolute()
-    say("making the tiny model (scripts/make_tiny_model.py)")
-    command = make_model_command(env, scratch / "model")
+def prepare_model(size: str, env: Path, scratch: Path) -> Path:
+    say(f"making the {size} model (scripts/make_tiny_model.py --size {size})")
+    command = [*make_model_command(env, scratch / f"model-{size}"), "--size", size]
     return Path(last_line(command, "scripts/make_tiny_model.py", MODEL_LIMIT_S))
 
 
@@ -115,6 +199,18 @@ def versions(env: Path) -> str:
         return last_line([str(env / "bin" / "python"), "-c", code], "version query", 120)
     except ScriptError:
         return "versions unknown"
+
+
+def parameter_count(model: Path) -> str:
+    """Parameters of a made model, from its config.json (Llama shapes, untied embeddings)."""
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    layer = 4 * hidden * hidden + 3 * hidden * inner + 2 * hidden
+    total = config["num_hidden_layers"] * layer + 2 * config["vocab_size"] * hidden + hidden
+    return (
+        f"{total / 1e6:.1f}M parameters (hidden {hidden}, {config['num_hidden_layers']} layers, "
+        f"{config['num_attention_heads']} heads)"
+    )
 
 
 def describe_machine() -> dict[str, str]:
@@ -150,37 +246,29 @@ def describe_machine() -> dict[str, str]:
 # ---------------------------------------------------------------- servers
 
 
-@dataclass(frozen=True)
-class Config:
-    how: str  # "plain" or "launcher"
-    threads: str  # "1" or "all"
-
-    @property
-    def name(self) -> str:
-        return f"{self.how}/{self.threads}"
-
-
 def tail(server: Server, lines: int = 5) -> str:
     """The end of the server's log on one line, for error messages."""
     return " | ".join(server.log_text().strip().splitlines()[-lines:])
 
 
-def server_environment(config: Config, scratch: Path) -> dict[str, str]:
-    """The caller's environment minus OpenMP/launcher/vLLM-CPU settings, plus the bench's."""
+def server_environment(config: Config, scratch: Path, cache: Path) -> dict[str, str]:
+    """The caller's environment minus OpenMP/launcher/vLLM-CPU settings, plus the config's."""
     dropped = ("LD_PRELOAD", "PYTHONPATH", "PYTHONHOME")
     prefixes = ("KMP_", "OMP_", "GOMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_")
-    cpus = os.cpu_count() or 1
-    reserved = 0 if config.threads == "all" else max(cpus - 1, 0)
-    return {
-        **isolated_environment(scratch, dropped, prefixes),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved),
-    }
+    env = {**isolated_environment(scratch, dropped, prefixes), "VLLM_CACHE_ROOT": str(cache)}
+    if config.threads == "all":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    # Explicit either way: the launcher's own map rules (evidence.py) leave both as given.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind" if SETTINGS[config.setting].nobind else "auto"
+    return env
 
 
-def launch(config: Config, env: Path, model: Path, scratch: Path) -> Server:
-    """The server of one configuration, in scratch (its cwd; cold cache and config there)."""
+def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path) -> Server:
+    """The server of one configuration, in scratch (its cwd; its config directory there)."""
+    env, model, cache = paths["env"], paths[config.model], paths[f"{config.model}-cache"]
     vllm = str(env / "bin" / "vllm")
-    if config.how == "plain":
+    setting = SETTINGS[config.setting]
+    if setting.plain:
         prefix = [vllm]
     else:
         # This checkout's launcher, whatever the interpreter: it execs vLLM in place.
@@ -188,30 +276,28 @@ def launch(config: Config, env: Path, model: Path, scratch: Path) -> Server:
             f"import sys; sys.path.insert(0, {str(REPO)!r}); "
             "from vllm_cpu_launch.cli import main; sys.exit(main())"
         )
-        prefix = [sys.executable, "-c", code, "--vllm", vllm]
+        prefix = [sys.executable, "-c", code, *setting.launcher_options(tcmalloc), "--vllm", vllm]
     scratch.mkdir(parents=True)
-    return start_server(prefix, model, scratch, server_environment(config, scratch), cwd=scratch)
+    environment = server_environment(config, scratch, cache)
+    return start_server(prefix, model, scratch, environment, cwd=scratch)
 
 
-def worker_openmp(server: Server) -> str:
-    """Which OpenMP runtime vLLM's model worker has mapped (its /proc/PID/maps)."""
+def worker_libraries(server: Server) -> str:
+    """The OpenMP runtime (and tcmalloc) vLLM's model worker has mapped (/proc/PID/maps)."""
     for pid in process_tree(server.process.pid):
         try:
             if "VLLM::Worker" not in command_line(pid):
                 continue
-            mapped = mapped_files(pid)
+            names = {Path(path).name for path in mapped_files(pid)}
         except OSError:
             continue
-        names = {Path(path).name for path in mapped}
         iomp = any(name.startswith("libiomp5") for name in names)
         gomp = any(name.startswith("libgomp") for name in names)
-        if iomp:
-            return "libiomp5" + (" (+libgomp mapped)" if gomp else "")
-        return "libgomp" if gomp else "neither"
+        found = "libiomp5" if iomp else "libgomp" if gomp else "no OpenMP"
+        if any(name.startswith("libtcmalloc") for name in names):
+            found += " + tcmalloc"
+        return found
     return "no worker found"
-
-
-ROLES = ("api", "engine", "worker")
 
 
 def tree_cpu(server: Server) -> dict[str, float]:
@@ -243,7 +329,7 @@ def omp_core_ids(log: str) -> str:
     for line in log.splitlines():
         if "core ids=" in line:
             return line.split("core ids=", 1)[1].strip()
-    return "?"
+    return "unbound"
 
 
 def launcher_line(log: str) -> str:
@@ -257,31 +343,17 @@ def launcher_line(log: str) -> str:
 
 
 @dataclass
-class Request:
-    tokens: int
-    first_token_s: float  # time to first token
-    tpot_s: float  # (last - first token) / (tokens - 1)
-
-
-@dataclass
 class Phase:
-    requests: list[Request] = field(default_factory=list)
+    streams: int
+    tokens: int = 0
+    requests: int = 0
     wall_s: float = 0.0
-    server_tpot_ms: float = float("nan")  # vLLM's own per-request TPOT, mean over the phase
+    tpot_ms: float = float("nan")  # vLLM's own per-request TPOT, mean over the phase
     cores: dict[str, float] = field(default_factory=dict)  # CPU-s per wall-s, by process role
 
     @property
     def tokens_per_s(self) -> float:
-        return sum(r.tokens for r in self.requests) / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def tpot_ms(self) -> float:
-        """Client-side TPOT over the phase: all inter-token time / all tokens after the first.
-
-        A mean, not a median of requests: with SD, tokens arrive in bursts and a request
-        whose tokens came in one burst would have a per-request TPOT near zero."""
-        spans = sum(r.tpot_s * (r.tokens - 1) for r in self.requests)
-        return spans / sum(r.tokens - 1 for r in self.requests) * 1e3
+        return self.tokens / self.wall_s if self.wall_s else 0.0
 
 
 def sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
@@ -296,47 +368,43 @@ def sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
         yield event
 
 
-def stream_completion(url: str, max_tokens: int) -> Request:
-    """One streamed completion of exactly max_tokens tokens (ignore_eos), timed per chunk."""
+def stream_completion(url: str, max_tokens: int) -> int:
+    """One streamed completion of exactly max_tokens tokens (ignore_eos); its token count."""
     payload = completion_payload(
         max_tokens, ignore_eos=True, stream=True, stream_options={"include_usage": True}
     )
     request = json_request(f"{url}/v1/completions", payload)
-    started = time.perf_counter()
-    first = last = None
     tokens = 0
     with LOOPBACK.open(request, timeout=REQUEST_LIMIT_S) as response:
         for event in sse_events(response):
-            now = time.perf_counter()
-            if event.get("choices"):
-                first = now if first is None else first
-                last = now
             usage = event.get("usage")
             if usage:
                 tokens = int(usage["completion_tokens"])
-    if first is None or last is None or tokens < 2:
+    if tokens < 2:
         raise ScriptError(f"a streamed completion returned {tokens} tokens")
-    return Request(tokens, first - started, (last - first) / (tokens - 1))
+    return tokens
 
 
-def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) -> Phase:
-    """`streams` clients at once, each sending `per_stream` requests one after another."""
+def run_phase(server: Server, streams: int, seconds: float, max_tokens: int) -> Phase:
+    """`streams` clients at once, each sending requests one after another for `seconds`."""
     url = server.url
     cpu_before = tree_cpu(server)
     tpot_sum = metric_total(url, TPOT_METRIC + "_sum")
     tpot_count = metric_total(url, TPOT_METRIC + "_count")
-    phase = Phase()
+    phase = Phase(streams)
     errors: list[str] = []
     gate = threading.Barrier(streams + 1)
     lock = threading.Lock()
+    deadline = [0.0]
 
     def client() -> None:
         try:
             gate.wait(timeout=REQUEST_LIMIT_S)
-            for _ in range(per_stream):
-                result = stream_completion(url, max_tokens)
+            while time.perf_counter() < deadline[0]:
+                tokens = stream_completion(url, max_tokens)
                 with lock:
-                    phase.requests.append(result)
+                    phase.tokens += tokens
+                    phase.requests += 1
         except (OSError, http.client.HTTPException, ScriptError, ValueError) as error:
             with lock:
                 errors.append(str(error))
@@ -346,10 +414,11 @@ def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) ->
     threads = [threading.Thread(target=client, daemon=True) for _ in range(streams)]
     for thread in threads:
         thread.start()
-    gate.wait(timeout=REQUEST_LIMIT_S)
     started = time.perf_counter()
+    deadline[0] = started + seconds
+    gate.wait(timeout=REQUEST_LIMIT_S)
     for thread in threads:
-        thread.join(timeout=REQUEST_LIMIT_S * per_stream)
+        thread.join(timeout=seconds + REQUEST_LIMIT_S)
     phase.wall_s = time.perf_counter() - started
     cpu_after = tree_cpu(server)
     phase.cores = {
@@ -360,7 +429,7 @@ def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) ->
         raise ScriptError(f"load failed: {errors[0] if errors else 'a client did not finish'}")
     count = metric_total(url, TPOT_METRIC + "_count") - tpot_count
     if count > 0:
-        phase.server_tpot_ms = (metric_total(url, TPOT_METRIC + "_sum") - tpot_sum) / count * 1e3
+        phase.tpot_ms = (metric_total(url, TPOT_METRIC + "_sum") - tpot_sum) / count * 1e3
     return phase
 
 
@@ -370,184 +439,326 @@ def run_phase(server: Server, streams: int, per_stream: int, max_tokens: int) ->
 @dataclass
 class Run:
     config: Config
+    round: int
     startup_s: float
-    sequential: Phase
-    concurrent: Phase
+    phases: list[Phase]
     acceptance: float
-    openmp: str
+    worker: str
     core_ids: str
     sd_warning: bool
     launcher_info: str
     load_before: float
-    startup_cpu: dict[str, float]  # CPU seconds by role when /health first answered
+
+    def phase(self, streams: int) -> Phase:
+        return next(p for p in self.phases if p.streams == streams)
 
 
-def measure_one(
+@contextlib.contextmanager
+def warmed_up(
     config: Config,
-    env: Path,
-    model: Path,
+    paths: dict[str, Path],
     scratch: Path,
     args: argparse.Namespace,
     active: list[Server],
-) -> Run:
-    load_before = os.getloadavg()[0]
+) -> Iterator[tuple[Server, float]]:
+    """A healthy server of config after its warm-up requests, with its seconds to healthy;
+    stopped on the way out."""
     started = time.monotonic()
-    server = launch(config, env, model, scratch)
+    server = launch(config, paths, scratch, args.tcmalloc_path)
     active.append(server)
     try:
         try:
             startup = wait_until_healthy(server, STARTUP_LIMIT_S, POLL_INTERVAL_S, started=started)
         except ServerError as error:
-            raise ScriptError(f"{error}: {tail(server)}") from None
-        startup_cpu = tree_cpu(server)
+            raise ScriptError(f"{config.name}: {error}: {tail(server)}") from None
         for _ in range(WARMUP_REQUESTS):
             stream_completion(server.url, args.max_tokens)
-        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC)
-        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC)
-        sequential = run_phase(server, 1, args.sequential, args.max_tokens)
-        concurrent = run_phase(server, args.concurrency, args.per_stream, args.max_tokens)
-        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC) - drafted
-        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC) - accepted
-        openmp = worker_openmp(server)
-        log = server.log_text()
+        yield server, startup
     finally:
         stop_session(server, POLL_INTERVAL_S)
         active.remove(server)
+
+
+def measure_one(
+    config: Config,
+    round_index: int,
+    paths: dict[str, Path],
+    scratch: Path,
+    args: argparse.Namespace,
+    active: list[Server],
+) -> Run:
+    """One start of config, measured at every concurrency level."""
+    load_before = os.getloadavg()[0]
+    with warmed_up(config, paths, scratch, args, active) as (server, startup):
+        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC)
+        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC)
+        phases = [
+            run_phase(server, streams, args.phase_seconds, args.max_tokens)
+            for streams in args.concurrency_levels
+        ]
+        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC) - drafted
+        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC) - accepted
+        worker = worker_libraries(server)
+        log = server.log_text()
     return Run(
         config,
+        round_index,
         startup,
-        sequential,
-        concurrent,
+        phases,
         accepted / drafted if drafted else float("nan"),
-        openmp,
+        worker,
         omp_core_ids(log),
         SD_WARNING in log,
         launcher_line(log),
         load_before,
-        startup_cpu,
     )
+
+
+def runs_from_json(data: dict[str, Any]) -> list[Run]:
+    """The runs of a `--json` file, as measured."""
+    runs = []
+    for item in data["runs"]:
+        phases = [Phase(**phase) for phase in item.pop("phases")]
+        runs.append(Run(config=Config(**item.pop("config")), phases=phases, **item))
+    return runs
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Plain vLLM's TPOT / this configuration's (> 1: faster than plain), paired by round."""
+
+    median: float
+    low: float
+    high: float
+
+    @property
+    def verdict(self) -> str:
+        """`loss`/`gain` when every round agrees (a sign test: 4 rounds, p = 1/16), else `=`."""
+        return "loss" if self.high < 1 else "gain" if self.low > 1 else "="
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} ({self.low:.2f}-{self.high:.2f}) {self.verdict}"
+
+
+def speedup(runs: Sequence[Run], baseline: Sequence[Run], streams: int, metric: str) -> Ratio:
+    """How much better than plain, round by round: plain's TPOT / this one's ("tpot"), or
+    this one's tokens per second / plain's ("tok/s")."""
+
+    def better(run: Run, plain: Run) -> float:
+        ours, theirs = run.phase(streams), plain.phase(streams)
+        if metric == "tpot":
+            return theirs.tpot_ms / ours.tpot_ms
+        return ours.tokens_per_s / theirs.tokens_per_s
+
+    plain = {run.round: run for run in baseline}
+    paired = [better(run, plain[run.round]) for run in runs if run.round in plain]
+    return Ratio(statistics.median(paired), min(paired), max(paired))
+
+
+def spread(values: Sequence[float]) -> str:
+    """`median (min-max)`."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 # ---------------------------------------------------------------- report
 
 
-def median_of(runs: Sequence[Run], value: str) -> float:
-    getters: dict[str, Callable[[Run], float]] = {
-        "startup": lambda r: r.startup_s,
-        "seq_tpot": lambda r: r.sequential.tpot_ms,
-        "seq_server_tpot": lambda r: r.sequential.server_tpot_ms,
-        "conc_server_tpot": lambda r: r.concurrent.server_tpot_ms,
-        "seq_tps": lambda r: r.sequential.tokens_per_s,
-        "conc_tpot": lambda r: r.concurrent.tpot_ms,
-        "conc_tps": lambda r: r.concurrent.tokens_per_s,
-        "acceptance": lambda r: r.acceptance,
-    }
-    return statistics.median(getters[value](run) for run in runs)
+def ratio_table(
+    pairs: Sequence[tuple[Config, Config]],
+    by_config: dict[Config, list[Run]],
+    levels: Sequence[int],
+) -> list[str]:
+    """Rows of speedup() per concurrency level, TPOT then tok/s, for (config, baseline)
+    pairs measured in this run."""
+    lines = [
+        "Paired by round, `median (min-max)`, > 1 = better than the baseline: TPOT "
+        "baseline/this and tok/s this/baseline; `loss`/`gain` when every round agrees.",
+        "",
+        "| threads | setting | baseline | "
+        + " | ".join(f"{m} C={c}" for m in ("TPOT", "tok/s") for c in levels)
+        + " |",
+        "|---|---|---|" + "---|" * (2 * len(levels)),
+    ]
+    for config, baseline in pairs:
+        if config not in by_config or baseline not in by_config:
+            continue
+        cells = [
+            str(speedup(by_config[config], by_config[baseline], c, metric))
+            for metric in ("tpot", "tok/s")
+            for c in levels
+        ]
+        lines.append(
+            f"| {config.threads} | {config.setting} | {baseline.threads}/{baseline.setting} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
 
 
-def per_round(runs: Sequence[Run], value: str, digits: int) -> str:
-    return " / ".join(f"{median_of([run], value):.{digits}f}" for run in runs)
-
-
-def markdown(
-    runs: Sequence[Run], args: argparse.Namespace, command: str, env: Path, started: float
-) -> str:
-    machine = describe_machine()
+def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
     configs = list(dict.fromkeys(run.config for run in runs))
     by_config = {c: [r for r in runs if r.config == c] for c in configs}
+    levels: list[int] = meta["concurrency"]
+    machine = meta["machine"]
     loads = [run.load_before for run in runs]
     lines = [
-        "## vLLM serving with ngram speculative decoding: plain vs launcher (`bench_vllm.py`)",
+        "## vLLM with ngram speculative decoding: the map (`bench_vllm.py`)",
         "",
         f"- Machine: {machine['cpu']}, {machine['cpus']} CPUs, {machine['memory']}, "
         f"{machine['kernel']}; CPU flags: {machine['flags']}",
-        f"- Software: {versions(env)}; Python {platform.python_version()}",
-        f"- Command: `{command}`",
-        f"- Ran {time.strftime('%Y-%m-%d %H:%M', time.localtime(started))}, "
-        f"{(time.time() - started) / 60:.0f} min; 1-min load average before each start: "
-        f"{min(loads):.1f}-{max(loads):.1f} (other work shared the machine)",
-        f"- Load per start, after {WARMUP_REQUESTS} warm-up requests: greedy completions of "
-        f"exactly {args.max_tokens} tokens (`ignore_eos`, streamed); sequential: "
-        f"{args.sequential} requests; concurrent: {args.concurrency} clients x "
-        f"{args.per_stream} requests. TPOT client = time from first to last streamed token "
-        "/ tokens after the first, over the phase; TPOT server = mean of vLLM's "
-        f"`{TPOT_METRIC}` over the phase; tok/s = output tokens / phase wall time.",
-        f"- {args.rounds} round(s); each cell is the median over rounds (per-round values "
-        "below the table); start-up = spawn to first 200 on `/health`, cold VLLM_CACHE_ROOT.",
+        f"- Software: {meta['versions']}; Python {meta['python']}",
+        f"- Command: `{meta['command']}`",
+        f"- Ran {meta['started']}, {meta['minutes']:.0f} min, {len(runs)} vLLM starts; "
+        f"1-min load average before each start: {min(loads):.1f}-{max(loads):.1f}",
+        *(f"- Model `{name}`: {text}" for name, text in meta["models"].items()),
+        f"- Load per start, after {WARMUP_REQUESTS} warm-up requests: for each concurrency "
+        f"level C in {levels}, C clients stream greedy completions of exactly "
+        f"{meta['max_tokens']} tokens (`ignore_eos`) one after another for "
+        f"{meta['phase_seconds']:.0f} s. TPOT = mean of vLLM's own `{TPOT_METRIC}` over the "
+        "phase (ms); tok/s = output tokens / phase wall time.",
+        f"- {meta['rounds']} rounds, the order of the starts rotated each round; cells are "
+        "`median (min-max)` over rounds. Threads: `default` = vLLM's default reservation "
+        "(one CPU per local rank kept for the front end), `all` = "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU=0, both bound by vLLM (VLLM_CPU_OMP_THREADS_BIND "
+        "`auto`, its default); `nobind` = VLLM_CPU_OMP_THREADS_BIND=nobind (vLLM binds "
+        "nothing and sets no OMP_*/KMP_*; the team spans every CPU).",
         "",
-        "| OpenMP threads | start | start-up s | seq TPOT ms client / server | seq tok/s "
-        "| conc TPOT ms client / server | conc tok/s | SD acceptance | worker maps "
-        "| SD warning in log |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for config, group in by_config.items():
-        lines.append(
-            f"| {config.threads} ({group[0].core_ids}) | {config.how} "
-            f"| {median_of(group, 'startup'):.0f} | {median_of(group, 'seq_tpot'):.2f} / "
-            f"{median_of(group, 'seq_server_tpot'):.2f} | {median_of(group, 'seq_tps'):.0f} "
-            f"| {median_of(group, 'conc_tpot'):.2f} / {median_of(group, 'conc_server_tpot'):.2f} "
-            f"| {median_of(group, 'conc_tps'):.0f} | {median_of(group, 'acceptance'):.2f} "
-            f"| {group[0].openmp} | {'yes' if any(r.sd_warning for r in group) else 'no'} |"
-        )
-    lines += [
-        "",
-        "Ratios of the medians, launcher vs plain of this run (> 1 means the launcher is better):",
-        "",
-        "| OpenMP threads | start-up plain/launcher | seq TPOT (server) plain/launcher "
-        "| seq tok/s launcher/plain | conc TPOT (server) plain/launcher "
-        "| conc tok/s launcher/plain |",
-        "|---|---|---|---|---|---|",
-    ]
-    for threads in dict.fromkeys(c.threads for c in configs):
-        plain = by_config.get(Config("plain", threads))
-        launched = by_config.get(Config("launcher", threads))
-        if not plain or not launched:
-            continue
-        cells = [
-            median_of(plain, "startup") / median_of(launched, "startup"),
-            median_of(plain, "seq_server_tpot") / median_of(launched, "seq_server_tpot"),
-            median_of(launched, "seq_tps") / median_of(plain, "seq_tps"),
-            median_of(plain, "conc_server_tpot") / median_of(launched, "conc_server_tpot"),
-            median_of(launched, "conc_tps") / median_of(plain, "conc_tps"),
+    for model in dict.fromkeys(c.model for c in configs):
+        mine = [c for c in configs if c.model == model]
+        header = " | ".join(f"TPOT ms C={c}" for c in levels)
+        header += " | " + " | ".join(f"tok/s C={c}" for c in levels)
+        lines += [
+            f"### Model `{model}`",
+            "",
+            f"| threads (cores) | setting | worker maps | start-up s | {header} |",
+            "|---|---|---|---|" + "---|" * (2 * len(levels)),
         ]
-        lines.append(f"| {threads} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    lines += [
-        "",
-        "Per round (start-up s; seq TPOT server ms; seq tok/s; conc TPOT server ms; conc tok/s):",
-        "",
-    ]
-    for config, group in by_config.items():
-        lines.append(
-            f"- {config.name}: {per_round(group, 'startup', 0)}; "
-            f"{per_round(group, 'seq_server_tpot', 2)}; {per_round(group, 'seq_tps', 0)}; "
-            f"{per_round(group, 'conc_server_tpot', 2)}; {per_round(group, 'conc_tps', 0)}"
-        )
-    lines += [
-        "",
-        "Where the CPU went (medians over rounds; worker / EngineCore / API server): CPU "
-        "seconds used up to the first healthy `/health`, and CPU-seconds per second (cores "
-        f"busy, of {os.cpu_count()}) during each load phase:",
-        "",
-        "| OpenMP threads | start | start-up CPU s | seq phase cores | conc phase cores |",
-        "|---|---|---|---|---|",
-    ]
-    for config, group in by_config.items():
-        startup = " / ".join(
-            f"{statistics.median(r.startup_cpu.get(role, 0.0) for r in group):.0f}"
-            for role in ("worker", "engine", "api")
-        )
-        seq, conc = (
-            " / ".join(
-                f"{statistics.median(getattr(r, phase).cores.get(role, 0.0) for r in group):.2f}"
-                for role in ("worker", "engine", "api")
+        for config in mine:
+            group = by_config[config]
+            tpots = [spread([r.phase(c).tpot_ms for r in group]) for c in levels]
+            rates = [
+                f"{statistics.median(r.phase(c).tokens_per_s for r in group):.0f}" for c in levels
+            ]
+            lines.append(
+                f"| {config.threads} ({group[0].core_ids}) | {config.setting} | {group[0].worker} "
+                f"| {statistics.median(r.startup_s for r in group):.0f} | "
+                + " | ".join(tpots + rates)
+                + " |"
             )
-            for phase in ("sequential", "concurrent")
-        )
-        lines.append(f"| {config.threads} | {config.how} | {startup} | {seq} | {conc} |")
-    info = next((r.launcher_info for r in runs if r.launcher_info), "")
-    if info:
-        lines += ["", f"Launcher's INFO line: `{info}`"]
+        against_plain = [(c, baseline_of(c)) for c in mine if not SETTINGS[c.setting].plain]
+        as_installed = Config(model, "default", "libgomp")
+        lines += [
+            "",
+            "Against plain vLLM as installed (libgomp, vLLM's default reservation and binding):",
+            "",
+            *ratio_table([(c, as_installed) for c in mine if c != as_installed], by_config, levels),
+            "",
+            "Against plain vLLM with the same threads and binding (libgomp, or libgomp-nobind):",
+            "",
+            *ratio_table(against_plain, by_config, levels),
+            "",
+            "Reserving no CPU (`all`) against vLLM's default reservation, same setting:",
+            "",
+            *ratio_table(
+                [(c, Config(model, "default", c.setting)) for c in mine if c.threads == "all"],
+                by_config,
+                levels,
+            ),
+            "",
+            "Where the CPU went during each phase (cores busy of "
+            f"{machine['cpus']}, median; worker / EngineCore / API server):",
+            "",
+            "| threads | setting | " + " | ".join(f"C={c}" for c in levels) + " |",
+            "|---|---|" + "---|" * len(levels),
+        ]
+        for config in mine:
+            group = by_config[config]
+            cells = [
+                " / ".join(
+                    f"{statistics.median(r.phase(c).cores.get(role, 0.0) for r in group):.2f}"
+                    for role in ROLES
+                )
+                for c in levels
+            ]
+            lines.append(f"| {config.threads} | {config.setting} | " + " | ".join(cells) + " |")
+        lines.append("")
+    warned = sorted({r.config.setting for r in runs if r.sd_warning})
+    acceptance = [r.acceptance for r in runs]
+    lines += [
+        f"SD acceptance over all starts: {spread(acceptance)}; vLLM's SD warning printed by: "
+        f"{', '.join(warned) or 'none'}.",
+    ]
+    infos = dict.fromkeys(r.launcher_info for r in runs if r.launcher_info)
+    lines += ["", "The launcher's INFO lines:", "", *(f"- `{info}`" for info in infos)]
     return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
+    """TPOT per configuration: a panel per model and thread setting, bars per concurrency,
+    whiskers from the fastest to the slowest round."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ScriptError(
+            "--plot needs matplotlib; Fix: python -m pip install -e '.[bench]'"
+        ) from None
+    levels: list[int] = meta["concurrency"]
+    models = list(dict.fromkeys(r.config.model for r in runs))
+    panels = ["default", "all"]
+    figure, axes = plt.subplots(
+        len(models), len(panels), figsize=(13, 4.2 * len(models)), squeeze=False
+    )
+    for row, model in enumerate(models):
+        for column, threads in enumerate(panels):
+            axis = axes[row][column]
+            wanted = (threads, NOBIND) if threads == "all" else (threads,)
+            configs = list(dict.fromkeys(r.config for r in runs if r.config.model == model))
+            configs = [c for c in configs if c.threads in wanted]
+            if not configs:
+                axis.set_visible(False)
+                continue
+            width = 0.8 / max(len(configs), 1)
+            for index, config in enumerate(configs):
+                group = [r for r in runs if r.config == config]
+                medians, lows, highs = [], [], []
+                for level in levels:
+                    values = [r.phase(level).tpot_ms for r in group]
+                    middle = statistics.median(values)
+                    medians.append(middle)
+                    lows.append(middle - min(values))
+                    highs.append(max(values) - middle)
+                positions = [
+                    i + (index - (len(configs) - 1) / 2) * width for i in range(len(levels))
+                ]
+                label = config.setting + (" (nobind)" if config.threads == NOBIND else "")
+                colour = f"C{list(SETTINGS).index(config.setting)}"  # the same in every panel
+                axis.bar(
+                    positions,
+                    medians,
+                    width,
+                    yerr=[lows, highs],
+                    capsize=2,
+                    label=label,
+                    color=colour,
+                )
+            axis.set_xticks(range(len(levels)), [f"C={c}" for c in levels])
+            axis.set_title(f"{model} model, threads: {THREADS[threads]}")
+            axis.set_ylabel("TPOT ms (vLLM's own, lower is better)")
+            axis.legend(fontsize=7)
+    figure.suptitle(
+        f"{meta['versions']}, ngram SD, on {meta['machine']['cpu']}, "
+        f"{meta['machine']['cpus']} CPUs: median of {meta['rounds']} rounds, whiskers min-max"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
 
 
 def update_markdown(path: Path, section: str) -> None:
@@ -566,30 +777,55 @@ def update_markdown(path: Path, section: str) -> None:
 # ---------------------------------------------------------------- main
 
 
+def listed(
+    parser: argparse.ArgumentParser, option: str, text: str, allowed: Sequence[str]
+) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or any(item not in allowed for item in items):
+        parser.error(f"{option} takes a comma-separated list from {', '.join(allowed)}")
+    return list(dict.fromkeys(items))
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="starts per configuration")
+    parser.add_argument("--rounds", type=int, default=4, help="starts per configuration")
+    parser.add_argument("--models", default="tiny,100m", help="tiny,100m (default both)")
+    parser.add_argument("--threads", default="default,all", help="default,all (default both)")
     parser.add_argument(
-        "--threads",
-        default="1,all",
-        help="OpenMP thread settings, comma-separated from {1, all} (default 1,all)",
+        "--settings", default=",".join(SETTINGS), help=f"from {', '.join(SETTINGS)} (default all)"
     )
+    parser.add_argument("--concurrency", default="1,4,8", help="client counts (default 1,4,8)")
+    parser.add_argument("--phase-seconds", type=float, default=8.0, help="load per level")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    parser.add_argument("--sequential", type=int, default=24, help="sequential requests")
-    parser.add_argument("--concurrency", type=int, default=4, help="concurrent clients")
-    parser.add_argument("--per-stream", type=int, default=16, help="requests per client")
+    parser.add_argument(
+        "--tcmalloc-path",
+        type=Path,
+        default=Path(DEBIAN_TCMALLOC),
+        help=f"tcmalloc for the +tcmalloc settings (default {DEBIAN_TCMALLOC})",
+    )
     parser.add_argument("--vllm-env", type=Path, help="vLLM environment (default: vllm_env.py)")
-    parser.add_argument("--model", type=Path, help="model directory (default: a tiny one)")
     parser.add_argument("--markdown", type=Path, help="also write the report into this file")
+    parser.add_argument("--json", type=Path, help="also keep every measurement in this file")
+    parser.add_argument("--plot", type=Path, help="draw TPOT per configuration into this PNG")
+    parser.add_argument("--from-json", type=Path, help="report (and plot) a kept run; no vLLM")
     args = parser.parse_args(argv)
-    threads = [t.strip() for t in args.threads.split(",") if t.strip()]
-    if not threads or any(t not in ("1", "all") for t in threads):
-        parser.error("--threads takes 1, all or 1,all")
-    args.thread_settings = threads
-    if min(args.rounds, args.sequential, args.concurrency, args.per_stream) < 1:
-        parser.error("--rounds, --sequential, --concurrency and --per-stream must be >= 1")
+    args.model_sizes = listed(parser, "--models", args.models, ("tiny", "100m"))
+    args.thread_settings = listed(parser, "--threads", args.threads, tuple(THREADS))
+    args.setting_keys = listed(parser, "--settings", args.settings, tuple(SETTINGS))
+    try:
+        args.concurrency_levels = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        parser.error("--concurrency takes whole numbers, comma-separated")
+    if min(args.rounds, *args.concurrency_levels) < 1 or args.phase_seconds <= 0:
+        parser.error("--rounds and --concurrency must be >= 1, --phase-seconds > 0")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2")
+    needs_tcmalloc = any(SETTINGS[key].tcmalloc for key in args.setting_keys)
+    if needs_tcmalloc and not args.from_json and not args.tcmalloc_path.is_file():
+        parser.error(
+            f"--tcmalloc-path {args.tcmalloc_path} does not exist; Fix: apt-get install "
+            "libtcmalloc-minimal4, or name another file, or leave out the +tcmalloc --settings"
+        )
     return args
 
 
@@ -597,44 +833,75 @@ def terminate(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def bench(args: argparse.Namespace, command: str) -> None:
-    """Every configuration for every round, the report printed (and written), servers stopped."""
+def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str, Any]]:
+    """Every configuration for every round, servers stopped; the runs and what they ran on."""
     active: list[Server] = []
     started = time.time()
     try:
         with tempfile.TemporaryDirectory(prefix="bench-vllm-") as temporary:
             scratch = Path(temporary)
-            env = prepare_env(args.vllm_env)
-            model = prepare_model(args.model, env, scratch)
-            configs = [
-                Config(how, t) for t in args.thread_settings for how in ("plain", "launcher")
-            ]
-            say(
-                f"{len(configs)} configurations x {args.rounds} rounds; each start takes about "
-                "1-2 minutes on 2 CPUs"
-            )
+            paths = {"env": prepare_env(args.vllm_env)}
+            for size in args.model_sizes:
+                paths[size] = prepare_model(size, paths["env"], scratch)
+                paths[f"{size}-cache"] = scratch / f"vllm-cache-{size}"
+                say(f"filling the compile cache of the {size} model (one unmeasured start)")
+                warm = Config(size, args.thread_settings[0], "libgomp")
+                with warmed_up(warm, paths, scratch / f"warm-{size}", args, active):
+                    pass
+            configs = grid(args.model_sizes, args.thread_settings, args.setting_keys)
+            total = len(configs) * args.rounds
+            say(f"{len(configs)} configurations x {args.rounds} rounds = {total} starts")
             runs: list[Run] = []
-            for round_index, config in interleaved(configs, args.rounds):
-                say(f"round {round_index + 1}: starting {config.name}")
-                where = scratch / f"r{round_index}-{config.how}-{config.threads}"
-                run = measure_one(config, env, model, where, args, active)
+            for number, (round_index, config) in enumerate(interleaved(configs, args.rounds), 1):
+                say(f"start {number}/{total}, round {round_index + 1}: {config.name}")
+                where = scratch / f"r{round_index}-{number}"
+                run = measure_one(config, round_index, paths, where, args, active)
                 say(
-                    f"  {config.name}: healthy after {run.startup_s:.0f} s, seq TPOT "
-                    f"{run.sequential.server_tpot_ms:.2f} ms (server), "
-                    f"{run.sequential.tokens_per_s:.0f} tok/s; concurrent "
-                    f"{run.concurrent.tokens_per_s:.0f} tok/s; worker {run.openmp}"
+                    f"  healthy after {run.startup_s:.0f} s; TPOT "
+                    + ", ".join(f"C={p.streams} {p.tpot_ms:.2f} ms" for p in run.phases)
+                    + f"; worker {run.worker}"
                 )
                 runs.append(run)
-            runs.sort(key=lambda r: configs.index(r.config))
-            report = markdown(runs, args, command, env, started)
+            models = {size: parameter_count(paths[size]) for size in args.model_sizes}
     finally:
         for server in list(active):
             stop_session(server, POLL_INTERVAL_S)
+    runs.sort(key=lambda r: (configs.index(r.config), r.round))
+    meta = {
+        "command": command,
+        "machine": describe_machine(),
+        "versions": versions(paths["env"]),
+        "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+        "minutes": (time.time() - started) / 60,
+        "models": models,
+        "concurrency": args.concurrency_levels,
+        "phase_seconds": args.phase_seconds,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+    }
+    return runs, meta
+
+
+def bench(args: argparse.Namespace, command: str) -> None:
+    if args.from_json is not None:
+        data = json.loads(args.from_json.read_text(encoding="utf-8"))
+        runs, meta = runs_from_json(data), data["meta"]
+    else:
+        runs, meta = measure(args, command)
+        if args.json is not None:
+            kept = {"meta": meta, "runs": [asdict(run) for run in runs]}
+            args.json.write_text(json.dumps(kept, indent=1) + "\n", encoding="utf-8")
+            say(f"kept every measurement in {args.json}")
+    report = markdown(runs, meta)
     print(report)
     if args.markdown is not None:
         update_markdown(args.markdown, report)
         say(f"wrote the report into {args.markdown}")
-    print(f"rerun: cd {REPO} && {command}")
+    if args.plot is not None:
+        plot(runs, meta, args.plot)
+        say(f"drew {args.plot}")
+    print(f"rerun: cd {REPO} && {meta['command']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

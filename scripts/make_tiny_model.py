@@ -3,10 +3,11 @@
 
 The end-to-end test and the demo need a causal LM that vLLM can serve without a model hub:
 this one is made here, in seconds, from a fixed seed. Its answers are nonsense; its
-shapes (head_dim 64) are ones vLLM's CPU attention supports.
+shapes (head_dim 64) are ones vLLM's CPU attention supports. `--size 100m` writes the
+compute-bound model of the benchmark map (scripts/bench_vllm.py) the same way.
 
 Run it with the Python of the vLLM environment (it needs torch, transformers, tokenizers):
-    <vllm-env>/bin/python scripts/make_tiny_model.py OUTPUT_DIR
+    <vllm-env>/bin/python scripts/make_tiny_model.py OUTPUT_DIR [--size tiny|100m]
 Prints OUTPUT_DIR on stdout.
 """
 
@@ -35,9 +36,10 @@ from transformers import (  # type: ignore[import-not-found, unused-ignore]
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 VOCAB_SIZE = 1024
-HIDDEN_SIZE = 128
-ATTENTION_HEADS = 2
-LAYERS = 2
+# name -> (hidden size, intermediate size, layers, attention heads); head_dim 64 in both.
+# "tiny" decodes in ~1 ms a token on 2 CPUs, so Python work in vLLM's processes dominates;
+# "100m" (about 105M parameters) takes ~6 ms there, most of it the model's own compute.
+SIZES = {"tiny": (128, 256, 2, 2), "100m": (1024, 2816, 8, 16)}
 MAX_POSITIONS = 2048
 CORPUS_SENTENCES = 4000
 WORD_COUNT = 800
@@ -95,15 +97,16 @@ def save_tokenizer(tokenizer: Tokenizer, output: Path) -> PreTrainedTokenizerFas
     return wrapped
 
 
-def save_model(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int) -> None:
+def save_model(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int, size: str) -> None:
     """Random weights from a fixed seed, in bfloat16 (what vLLM on CPU computes in anyway)."""
+    hidden, intermediate, layers, heads = SIZES[size]
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=2 * HIDDEN_SIZE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=ATTENTION_HEADS,
-        num_key_value_heads=ATTENTION_HEADS,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -115,11 +118,11 @@ def save_model(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int) -> N
     model.save_pretrained(output)
 
 
-def make_tiny_model(output: Path, seed: int) -> Path:
+def make_tiny_model(output: Path, seed: int, size: str = "tiny") -> Path:
     """Write tokenizer and model into output (created if missing); return it."""
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = save_tokenizer(trained_tokenizer(seed), output)
-    save_model(tokenizer, output, seed)
+    save_model(tokenizer, output, seed, size)
     return output
 
 
@@ -128,6 +131,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("output", type=Path, help="directory to write the model into")
     parser.add_argument("--seed", type=int, default=0, help="seed for text and weights")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="tiny", help="model shape (default: tiny)"
+    )
     return parser.parse_args(argv)
 
 
@@ -135,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Make the model and print where it is."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        output = make_tiny_model(args.output.absolute(), args.seed)
+        output = make_tiny_model(args.output.absolute(), args.seed, args.size)
     except OSError as error:
         print(f"make_tiny_model: error: {error}", file=sys.stderr)
         return 1

@@ -88,20 +88,33 @@ def e2e_ignored(config: pytest.Config) -> bool:
 
 
 @pytest.mark.skipif(os.environ.get(SKIP_E2E) == "1", reason=f"{SKIP_E2E}=1 skips real vLLM")
-def test_bench_vllm_prints_its_ratios(tmp_path: Path, pytestconfig: pytest.Config) -> None:
-    # Starts two real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
+def test_bench_vllm_maps_and_redraws(
+    tmp_path: Path, pytestconfig: pytest.Config, debian_root: Path
+) -> None:
+    # Starts three real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
     if e2e_ignored(pytestconfig):
         pytest.skip("tests/e2e is ignored in this run, so is this real-vLLM smoke test")
-    report = tmp_path / "report.md"
+    report, kept, picture = tmp_path / "report.md", tmp_path / "map.json", tmp_path / "map.png"
     report.write_text("# Benchmarks\n\nkept\n", encoding="utf-8")
-    arguments = ["--rounds", "1", "--threads", "1", "--sequential", "1", "--concurrency", "1"]
-    arguments += ["--per-stream", "1", "--max-tokens", "4", "--markdown", str(report)]
-    output = run_script("bench_vllm.py", *arguments, limit_s=2400)
-    assert "Ratios of the medians, launcher vs plain" in output
-    assert "| 1 | " in output
+    tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    arguments = ["--rounds", "1", "--models", "tiny", "--threads", "all", "--concurrency", "1,2"]
+    arguments += ["--settings", "libgomp,libiomp5+tcmalloc", "--tcmalloc-path", str(tcmalloc)]
+    arguments += ["--phase-seconds", "1", "--max-tokens", "4", "--markdown", str(report)]
+    output = run_script(
+        "bench_vllm.py", *arguments, "--json", str(kept), "--plot", str(picture), limit_s=2400
+    )
+    # The worker really mapped what each setting preloads, and the ratio row compares them.
+    assert "| all ([0, 1]) | libgomp | libgomp |" in output
+    assert "| all ([0, 1]) | libiomp5+tcmalloc | libiomp5 + tcmalloc |" in output
+    assert "| all | libiomp5+tcmalloc | " in output
     written = report.read_text(encoding="utf-8")
     assert written.startswith("# Benchmarks\n\nkept\n")
-    assert "seq tok/s launcher/plain" in written
+    body = output.split("rerun:")[0]
+    assert body.strip() in written
+    assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    # The kept measurements redraw the same report without starting vLLM.
+    redrawn = run_script("bench_vllm.py", "--from-json", str(kept), "--plot", str(picture))
+    assert redrawn == output
 
 
 def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
