@@ -70,14 +70,20 @@ def build_wheelhouse(directory: Path) -> Path:
     directory.mkdir(parents=True)
     for wheel in WHEEL_CACHE.glob("intel_*.whl"):
         (directory / wheel.name).symlink_to(wheel)
-    source = directory.parent / "standin-source"
+    return standin_wheel(directory, STANDIN, "1.0")
+
+
+def standin_wheel(directory: Path, name: str, version: str) -> Path:
+    """Build, with pip, a distribution NAME==VERSION whose console script `vllm` is the
+    recorder, into directory (the wheelhouse); returns directory."""
+    source = directory.parent / f"standin-source-{name}-{version}"
     package = source / "vllm_recorder"
     package.mkdir(parents=True)
     body = "".join(f"    {line}\n" for line in RECORDER.splitlines())
     (package / "__init__.py").write_text(f"def main():\n{body}")
     (source / "pyproject.toml").write_text(
         "[build-system]\nrequires = ['setuptools>=61']\nbuild-backend = 'setuptools.build_meta'\n"
-        f"[project]\nname = '{STANDIN}'\nversion = '1.0'\n"
+        f"[project]\nname = '{name}'\nversion = '{version}'\n"
         "[project.scripts]\nvllm = 'vllm_recorder:main'\n"
     )
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]  # setuptools from PyPI

@@ -18,6 +18,7 @@ GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 KEYS = {
     "schema",
     "launcher",
+    "map",
     "cpu",
     "cores",
     "numa",
@@ -206,22 +207,6 @@ def test_recommendations_follow_the_callers_variables(
         assert identifier in ids(report), report["recommendations"]
     for identifier in absent:
         assert identifier not in ids(report), report["recommendations"]
-
-
-def test_reserved_cpu_advice_depends_on_usable_cpus(tmp_path: Path, vllm_env: Path) -> None:
-    pinned = ["taskset", "-c", "0", sys.executable, "-m", "vllm_cpu_launch"]
-    _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"), launcher=tuple(pinned))
-    assert report["cores"]["usable"] == 1
-    advice = next(a for a in report["recommendations"] if a["id"] == "reserved-cpu")
-    assert advice["command"] == "export VLLM_CPU_NUM_OF_RESERVED_CPU=0"
-    _, report = doctor(
-        tmp_path,
-        "--vllm",
-        str(vllm_env / "bin" / "vllm"),
-        launcher=tuple(pinned),
-        env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-    )
-    assert "reserved-cpu" not in ids(report)
 
 
 def test_config_files_in_effect_and_a_bad_one(tmp_path: Path, vllm_env: Path) -> None:

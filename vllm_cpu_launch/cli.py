@@ -39,12 +39,15 @@ Everything from the vLLM subcommand on is passed to vLLM unchanged;
 libiomp5 with vLLM's own `vllm bench latency` on your command (see tune --help).
 
 options (before the vLLM subcommand; each has a VLLM_CPU_LAUNCH_* variable):
-  --iomp auto|always|never   preload libiomp5: auto = when SD is requested on x86-64
+  --iomp auto|always|never   preload libiomp5: auto = when SD is requested on x86-64,
+                             but on a host the benchmark map measured (2 CPUs, vLLM
+                             0.32) what measured fastest there (docs/benchmarks.md)
   --iomp-path FILE           use this libiomp5.so (absolute path; still validated)
   --tcmalloc auto|always|never
                              preload tcmalloc: auto = when found, if iomp is preloaded
   --tcmalloc-path FILE       use this tcmalloc library
-  --kmp-blocktime VALUE      set KMP_BLOCKTIME (default: keep yours, else 5)
+  --kmp-blocktime VALUE      set KMP_BLOCKTIME (default: keep yours, else 5; 200 under
+                             VLLM_CPU_OMP_THREADS_BIND=nobind on the map's host)
   --vllm EXECUTABLE          the vllm to start (default: beside this Python, else PATH)
   --strict                   a wanted library that is missing is an error (exit 3)
   --dry-run [--json]         print the plan, exec nothing

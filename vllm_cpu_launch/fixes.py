@@ -13,21 +13,13 @@ from __future__ import annotations
 import os
 import shlex
 
+from vllm_cpu_launch.target import python_libraries
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 
 PACKAGE = "intel-openmp"
-
-
-def python_libraries(prefix: str) -> list[str]:
-    """`<prefix>/lib/python3.N` directories (a handful of names, not a listing of lib/)."""
-    lib = os.path.join(prefix, "lib")
-    return [
-        os.path.join(lib, f"python3.{minor}")
-        for minor in range(8, 20)
-        if os.path.isdir(os.path.join(lib, f"python3.{minor}"))
-    ]
 
 
 def externally_managed(prefix: str) -> bool:

@@ -110,6 +110,7 @@ def current_host() -> Host:
         euid=os.geteuid(),
         launcher_prefix=sys.prefix,
         search_path=tuple(sys.path),
+        cpus=len(os.sched_getaffinity(0)),
     )
 
 

@@ -54,6 +54,7 @@ class Host:
     # Where the system places (/usr/lib..., /opt/intel, /etc/ld.so.cache) are: "/" but
     # in tests, which lay out real Debian and oneAPI trees in a temporary directory.
     root: str = "/"
+    cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
 
 
 @record

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.evidence import BIND_VARIABLE, map_choice, map_host
 from vllm_cpu_launch.libraries import Candidate, Search, find_library
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
@@ -143,6 +144,7 @@ def environment_changes(
     chosen: Sequence[Candidate],
     kmp_blocktime: str | None,
     warnings: list[str],
+    default_blocktime: str = DEFAULT_KMP_BLOCKTIME,
 ) -> dict[str, str]:
     """LD_PRELOAD and KMP_BLOCKTIME as they must change (only what changes)."""
     env: dict[str, str] = {}
@@ -160,9 +162,11 @@ def environment_changes(
     iomp_preloaded = any(c.kind == IOMP for c in chosen)
     if kmp_blocktime is None and iomp_preloaded:
         if callers is None:
-            kmp_blocktime = DEFAULT_KMP_BLOCKTIME
+            kmp_blocktime = default_blocktime
         elif problem := blocktime_problem(callers):  # the caller's is kept, but said
-            warnings.append(f"{problem} (yours is kept; --kmp-blocktime 5 overrides it)")
+            warnings.append(
+                f"{problem} (yours is kept; --kmp-blocktime {default_blocktime} overrides it)"
+            )
     if kmp_blocktime is not None and callers != kmp_blocktime:
         env["KMP_BLOCKTIME"] = kmp_blocktime
     return env
@@ -200,6 +204,17 @@ def build_plan(
         kind: validated_explicit(kind, path, host, trusted) for kind, path in named.items() if path
     }
     wants_iomp = settings.iomp == "always" or (settings.iomp == "auto" and auto_iomp)
+    # Where the benchmark map measured this host and vLLM, its rules decide (evidence.py).
+    measured = (
+        map_host(host.environ, host.cpus, target.prefix, arguments)
+        if speculative.requested
+        else None
+    )
+    choice = map_choice(measured) if measured else None
+    reasons = [why(settings, speculative, auto_iomp)]
+    if choice and not choice.iomp and settings.iomp == "auto":
+        reasons.append(choice.reason)
+        wants_iomp = False
     if wants_iomp and host.machine not in IOMP_ARCHITECTURES:
         message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
         (warnings if settings.iomp == "always" else notes).append(message)
@@ -220,9 +235,13 @@ def build_plan(
     elif settings.iomp == "auto" and not auto_iomp:
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
+    # How the map measured Intel OpenMP fastest here goes with it, whoever chose it.
+    tuned_iomp = choice if choice and choice.iomp and iomp is not None else None
     wants_tcmalloc = settings.tcmalloc == "always" or (
-        settings.tcmalloc == "auto" and iomp is not None
+        settings.tcmalloc == "auto" and iomp is not None and tuned_iomp is None
     )
+    if tuned_iomp and settings.tcmalloc == "auto":
+        notes.append("tcmalloc not preloaded: the map measured this libiomp5 setting without it")
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
         search = explicit.get(TCMALLOC) or find_library(TCMALLOC, host, target, trusted=trusted)
@@ -241,11 +260,18 @@ def build_plan(
                 f"usable {candidate.kind} library: {candidate.reason}"
             )
     chosen = [c for c in (tcmalloc, iomp) if c is not None]
-    env = environment_changes(host.environ, chosen, settings.kmp_blocktime, warnings)
+    default_blocktime = (tuned_iomp and tuned_iomp.blocktime) or DEFAULT_KMP_BLOCKTIME
+    env = environment_changes(
+        host.environ, chosen, settings.kmp_blocktime, warnings, default_blocktime
+    )
+    if tuned_iomp:
+        reasons.append(tuned_iomp.reason)
+        if tuned_iomp.nobind:
+            env[BIND_VARIABLE] = "nobind"
     return Plan(
         command=(target.executable, *arguments),
         speculative=speculative,
-        reason=why(settings, speculative, auto_iomp),
+        reason="; ".join(reasons),
         preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
         env=tuple(env.items()),
         warnings=tuple(warnings),

@@ -37,6 +37,16 @@ class Target:
     runner: str | None = None  # what the #! line runs (the Python, or a shell), checked too
 
 
+def python_libraries(prefix: str) -> list[str]:
+    """`<prefix>/lib/python3.N` directories (a handful of names, not a listing of lib/)."""
+    lib = os.path.join(prefix, "lib")
+    return [
+        os.path.join(lib, f"python3.{minor}")
+        for minor in range(8, 20)
+        if os.path.isdir(os.path.join(lib, f"python3.{minor}"))
+    ]
+
+
 def environment_of(path: str) -> tuple[str | None, str]:
     """(prefix, marker) of the environment `path` (an interpreter or a script) lies in.
 

@@ -42,6 +42,8 @@ from vllm_server import (
     survivors,
 )
 
+from vllm_cpu_launch.evidence import NOBIND_BLOCKTIME, map_host
+
 from .conftest import (
     MAX_TOKENS,
     POLL_INTERVAL_S,
@@ -64,10 +66,14 @@ pytestmark = pytest.mark.skipif(
 
 
 @contextlib.contextmanager
-def serving(prefix: Sequence[str], model: Path, scratch: Path) -> Iterator[Server]:
+def serving(
+    prefix: Sequence[str], model: Path, scratch: Path, **variables: str
+) -> Iterator[Server]:
     """`PREFIX serve MODEL ...` in its own session, output to scratch/server.log, in an
-    environment without OpenMP or launcher settings; its session killed on the way out."""
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_"))
+    environment without OpenMP or launcher settings (but `variables`); its session killed
+    on the way out."""
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_"))
+    env.update(variables)
     with killed_on_exit(start_server(prefix, model, scratch, env, cwd=REPO)) as server:
         yield server
 
@@ -108,10 +114,15 @@ def control(
 def launched(
     vllm_env: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """The same server started through the launcher, healthy."""
+    """The same server started through the launcher with Intel OpenMP as vLLM binds and
+    tunes it, healthy: `--iomp always` with VLLM_CPU_OMP_THREADS_BIND=auto, which on a host
+    the benchmark map measured is what the user must set to get it (auto would keep
+    libgomp; test_auto_follows_the_map_here covers auto)."""
     scratch = tmp_path_factory.mktemp("launched")
-    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
-    with serving(launcher, tiny_model, scratch) as server:
+    vllm = str(vllm_env / "bin" / "vllm")
+    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--iomp", "always", "--vllm", vllm]
+    bound = {"VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    with serving(launcher, tiny_model, scratch, **bound) as server:
         print(f"launched server healthy after {wait_for_health(server):.0f} s")
         yield server
 
@@ -197,3 +208,26 @@ def test_sigterm_stops_the_whole_tree(launched: Server) -> None:
     assert exit_code == 0, tail(launched)
     assert survivors(descendants, POLL_INTERVAL_S) == []
     assert session_members(launched.process.pid) == []
+
+
+def test_auto_follows_the_map_here(vllm_env: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """`--iomp auto` on the real vLLM CPU build: where the map measured this host (the
+    launcher reads the environment's dist-info), the worker gets libiomp5 unbound with the
+    measured KMP_BLOCKTIME; elsewhere libiomp5 as vLLM binds and tunes it."""
+    vllm = str(vllm_env / "bin" / "vllm")
+    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", vllm]
+    measured = map_host({}, len(os.sched_getaffinity(0)), str(vllm_env))
+    with serving(launcher, tiny_model, tmp_path) as server:
+        wait_for_health(server)
+        processes = tree_views(server)
+        complete(server)
+        log = server.log_text()
+    assert [str(p) for p in processes if not p.maps_iomp()] == []
+    api = processes[0].environment
+    if measured is not None:
+        assert api.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind", log[-2000:]
+        assert api.get("KMP_BLOCKTIME") == NOBIND_BLOCKTIME
+        assert "core ids=" not in log  # vLLM bound nothing
+    else:
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in api and api.get("KMP_BLOCKTIME") == "5"
+    assert SD_WARNING not in log

@@ -14,6 +14,7 @@ import sys
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.evidence import MAP_CPUS, MAP_VLLM
 from vllm_cpu_launch.verbs.doctor.advice import recommend
 from vllm_cpu_launch.verbs.doctor.probe import (
     GIB,
@@ -22,6 +23,7 @@ from vllm_cpu_launch.verbs.doctor.probe import (
     cores_section,
     cpu_section,
     library_section,
+    map_section,
     memory_section,
     numa_section,
     settings_section,
@@ -93,6 +95,7 @@ def build_report(
         },
         "environment": caller_variables(environ),
         "settings": settings_section(settings, settings_error),
+        "map": map_section(environ, host.cpus, target),
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
     report["recommendations"] = recommend(report, target)
@@ -205,6 +208,20 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         lines.append(f"  tuned    iomp={tuned['iomp']} at {tuned['when']}: {tuned['result']}")
     if settings["error"]:
         lines.append(f"  error    {settings['error']}")
+    lines.append("")
+    measured = report["map"]
+    if measured["measured"]:
+        does = ["preloads libiomp5" if measured["iomp"] == "libiomp5" else "keeps libgomp"]
+        does += ["sets VLLM_CPU_OMP_THREADS_BIND=nobind"] if measured["nobind"] else []
+        blocktime = measured["kmp_blocktime"]
+        does += [f"KMP_BLOCKTIME={blocktime} by default"] if blocktime else []
+        lines.append(f"benchmark map: measured here; with SD the launcher {', '.join(does)}")
+        lines.append(f"  because  {measured['reason']}")
+    else:
+        lines.append(
+            f"benchmark map: not measured here (it covers {MAP_CPUS} CPUs with vLLM "
+            f"{MAP_VLLM}); with SD, auto preloads Intel OpenMP as vLLM advises"
+        )
     lines.append("")
     if measure_text:
         lines += [measure_text, ""]

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 # vLLM 0.32 reserves this fraction of a NUMA node's memory when VLLM_CPU_KVCACHE_SPACE
 # is unset (--gpu-memory-utilization, which on CPU means CPU memory).
 VLLM_MEMORY_FRACTION = 0.92
-TINY_HOST_CPUS = 4
 
 
 Advice = tuple[str, str, str]  # (stable id, sentence, command or "")
@@ -62,8 +61,8 @@ def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advi
     found), or LLVM's (Intel's is what vLLM measured)."""
     from vllm_cpu_launch.fixes import install_command
 
-    if report["cpu"]["arch"] != "x86_64":
-        return
+    if report["cpu"]["arch"] != "x86_64" or report["map"]["iomp"] == "libgomp":
+        return  # not preloaded here (the benchmark map): nothing to install or fix
     iomp = report["libraries"]["iomp"]
     command, where = install_command(target) if target else ("", "where vLLM runs")
     unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
@@ -106,7 +105,8 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
 
 
 def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    if report["libraries"]["tcmalloc"]["chosen"] is None:
+    # Where the map measured the host, auto preloads no tcmalloc (evidence.py).
+    if report["libraries"]["tcmalloc"]["chosen"] is None and not report["map"]["measured"]:
         text = (
             "no tcmalloc found: vLLM warns when libtcmalloc is not preloaded; the launcher "
             "preloads it with Intel OpenMP when found"
@@ -166,15 +166,27 @@ def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Adv
         yield "kvcache-space", text, ""
 
 
-def reserved_cpu(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    usable = report["cores"]["usable"]
-    if usable <= TINY_HOST_CPUS and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in report["environment"]:
-        text = (
-            f"only {usable} CPUs here: vLLM reserves one per local rank for its front end, so "
-            f"a single worker gets {max(usable - 1, 1)} OpenMP thread(s); setting 0 gives it "
-            "all of them (vLLM warns that this is below its minimum)"
-        )
-        yield "reserved-cpu", text, "export VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+def map_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """Where the map measured this host and only the user's explicit binding makes the
+    launcher keep libgomp, unsetting it gets what measured no slower than plain vLLM in
+    any cell (evidence.NOBIND_VS_INSTALLED). Not for a reservation: against libgomp with
+    no CPU reserved, the unbound libiomp5 measured slower on the tiny model."""
+    from vllm_cpu_launch.evidence import (
+        BIND_VARIABLE,
+        NOBIND_VS_INSTALLED,
+        RESERVED_VARIABLE,
+        figures,
+    )
+
+    env = report["environment"]
+    if report["map"]["iomp"] != "libgomp" or env.get(RESERVED_VARIABLE):
+        return
+    text = (
+        f"with speculative decoding on this host, unset {BIND_VARIABLE}: the launcher then "
+        f"uses libiomp5 unbound, which measured {figures(NOBIND_VS_INSTALLED)} of plain "
+        "vLLM's speed (docs/benchmarks.md, the map)"
+    )
+    yield "map-binding", text, f"unset {BIND_VARIABLE}"
 
 
 def omp_num_threads(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
@@ -199,7 +211,7 @@ RULES: tuple[Callable[[dict[str, Any], Target | None], Iterator[Advice]], ...] =
     libgomp_preloaded,
     kmp_blocktime,
     kvcache_space,
-    reserved_cpu,
+    map_binding,
     omp_num_threads,
 )
 

