@@ -112,6 +112,18 @@ def standin_vllms(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path) ->
     return scripts
 
 
+def json_on(cpus: str, tmp_path: Path, command: Sequence[str], **variables: str) -> Any:
+    """The launcher's JSON answer to `command`, run pinned to these CPUs, in a clean
+    environment with `variables` (VLLM_CPU_OMP_THREADS_BIND only when given)."""
+    pinned = ["taskset", "-c", cpus, sys.executable, "-m", "vllm_cpu_launch"]
+    environ = clean_environ(tmp_path)
+    environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    environ.update(variables)
+    result = run_launcher(command, environ, pinned)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 def plan_on(
     cpus: str,
     vllm: Path,
@@ -120,16 +132,9 @@ def plan_on(
     vllm_args: Sequence[str] = (),
     **variables: str,
 ) -> Any:
-    """The launcher's --dry-run --json plan for an SD serve (launcher options args, vLLM's
-    vllm_args), pinned to these CPUs."""
-    pinned = ["taskset", "-c", cpus, sys.executable, "-m", "vllm_cpu_launch"]
-    environ = clean_environ(tmp_path)
-    environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    environ.update(variables)
+    """The --dry-run --json plan for an SD serve (launcher options args, vLLM's vllm_args)."""
     command = ["--vllm", str(vllm), "--dry-run", "--json", *args, *SD, *vllm_args]
-    result = run_launcher(command, environ, pinned)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return json_on(cpus, tmp_path, command, **variables)
 
 
 def kinds(plan: Any) -> list[str]:
@@ -235,13 +240,7 @@ def test_one_worker_on_one_node_is_read_as_vllm_spells_it(
 
 def doctor_on(cpus: str, vllm: Path, tmp_path: Path, **variables: str) -> Any:
     """doctor --json pinned to these CPUs."""
-    pinned = ["taskset", "-c", cpus, sys.executable, "-m", "vllm_cpu_launch"]
-    environ = clean_environ(tmp_path)
-    environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    environ.update(variables)
-    result = run_launcher(["--vllm", str(vllm), "doctor", "--json"], environ, pinned)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return json_on(cpus, tmp_path, ["--vllm", str(vllm), "doctor", "--json"], **variables)
 
 
 def test_doctor_says_what_the_map_says_and_its_command_works(
