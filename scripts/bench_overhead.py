@@ -54,7 +54,7 @@ TRIVIAL_PROGRAM = "/bin/true"
 SETUP_TIME_LIMIT_S = 900
 RUN_TIME_LIMIT_S = 120
 IMPORTTIME_RUNS = 5
-# Heavy or unwanted on the exec path (DESIGN.md): reported, never asserted.
+# Heavy or unwanted on the exec path (docs/design.md): reported, never asserted.
 WATCHED_MODULES = (
     "psutil",
     "cpuinfo",

@@ -117,8 +117,9 @@ def isolated_environment(
     return {**inherited, **offline_settings(scratch), "XDG_CONFIG_HOME": str(scratch / "config")}
 
 
-def serve_arguments(model: Path, port: int) -> list[str]:
-    """`serve MODEL ...` as an operator would type it, with ngram speculative decoding."""
+def serve_arguments(model: Path, port: int, speculative: bool = True) -> list[str]:
+    """`serve MODEL ...` as an operator would type it, with ngram speculative decoding
+    (without, where `speculative` is false)."""
     return [
         "serve",
         str(model),
@@ -128,8 +129,7 @@ def serve_arguments(model: Path, port: int) -> list[str]:
         str(port),
         "--served-model-name",
         SERVED_MODEL_NAME,
-        "--speculative-config",
-        SPECULATIVE_CONFIG,
+        *(["--speculative-config", SPECULATIVE_CONFIG] if speculative else []),
     ]
 
 
@@ -142,15 +142,17 @@ def start_server(
     port: int | None = None,
     cwd: Path | None = None,
     extra: Sequence[str] = (),
+    speculative: bool = True,
 ) -> Server:
     """Start `PREFIX serve MODEL ... EXTRA` (on `port`, else a free one) in a session of its
     own, stdout and stderr to scratch/server.log. `extra` holds what a deployment adds to the
-    operator's command line: the parallel options of one node of several, say."""
+    operator's command line: the parallel options of one node of several, say; without
+    `speculative`, the command requests no speculative decoding."""
     port = free_loopback_port() if port is None else port
     log = scratch / "server.log"
     with log.open("wb") as log_file:
         process = subprocess.Popen(
-            [*prefix, *serve_arguments(model, port), *extra],
+            [*prefix, *serve_arguments(model, port, speculative), *extra],
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

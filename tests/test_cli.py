@@ -1,4 +1,4 @@
-"""Every exit code of DESIGN.md with its one-line message, and settings precedence."""
+"""Every exit code of docs/design.md with its one-line message, and settings precedence."""
 
 from __future__ import annotations
 

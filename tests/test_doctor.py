@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, clean_environ, make_environment, run_launcher
+from tests.installers import BASE_PYTHON, STANDIN, offline, run_tool
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 KEYS = {
     "schema",
     "launcher",
     "map",
+    "plugin",
     "cpu",
     "cores",
     "numa",
@@ -290,3 +292,38 @@ def test_a_tune_result_in_effect_is_reported(tmp_path: Path, vllm_env: Path) -> 
         ["--vllm", str(vllm_env / "bin" / "vllm"), "doctor"], clean_environ(tmp_path)
     ).stdout
     assert "tuned    iomp=never at 2026-12-01T10:02Z: libgomp 1.12x faster" in text
+
+
+def test_doctor_says_whether_vllm_will_load_the_plugin(tmp_path: Path, wheelhouse: Path) -> None:
+    """A venv made by venv, a vLLM stand-in installed by its pip; then this checkout
+    installed into it by the same pip, as a user installs the plugin."""
+    venv = tmp_path / "venv"
+    python = str(venv / "bin" / "python")
+    run_tool([BASE_PYTHON, "-m", "venv", str(venv)], os.environ)
+    run_tool([python, "-m", "pip", "install", STANDIN], offline(os.environ, wheelhouse))
+    vllm = str(venv / "bin" / "vllm")
+    _, before = doctor(tmp_path, "--vllm", vllm)
+    assert before["plugin"] == {
+        "installed": None,
+        "loads": False,
+        "reason": "not installed where this vLLM imports from (its site-packages, PYTHONPATH)",
+    }
+    run_tool([python, "-m", "pip", "install", "-q", "--no-deps", str(REPO)], os.environ)
+    _, report = doctor(tmp_path, "--vllm", vllm)
+    installed = report["plugin"]["installed"]
+    assert Path(installed).parent == Path(sysconfig.get_path("purelib", vars={"base": str(venv)}))
+    assert Path(installed).name.startswith("vllm_cpu_launch-")
+    assert report["plugin"]["loads"] is True
+    text = run_launcher(["--vllm", vllm, "doctor"], clean_environ(tmp_path)).stdout
+    assert f"  plugin   {report['plugin']['reason']}\n           {installed}\n" in text
+    cases = {
+        "other": False,
+        "other,vllm_cpu_launch": True,
+        "": False,  # vLLM: the empty allowlist names no plugin
+    }
+    for allowed, loads in cases.items():
+        _, report = doctor(tmp_path, "--vllm", vllm, env={"VLLM_PLUGINS": allowed})
+        assert report["plugin"]["loads"] is loads, allowed
+    _, report = doctor(tmp_path, "--vllm", vllm, env={"VLLM_CPU_LAUNCH_PLUGIN": "0"})
+    assert report["plugin"]["loads"] is False
+    assert report["plugin"]["reason"] == ("installed, but switched off by VLLM_CPU_LAUNCH_PLUGIN=0")

@@ -19,6 +19,7 @@ from tests.conftest import REPO, clean_environ, run_launcher
 from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
 from tests.test_benchmarks import load_script
 from vllm_cpu_launch import evidence
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 
 MAP_JSON = REPO / "docs" / "bench_vllm_map.json"
 BOUND = ("default", "all")
@@ -179,7 +180,8 @@ def test_where_the_user_has_vllm_bind_the_launcher_keeps_libgomp(
     standin_vllms: dict[str, Path], tmp_path: Path, variables: dict[str, str]
 ) -> None:
     plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, **variables)
-    assert plan["preload"] == [] and plan["env"] == {}
+    # Only the mark that tells vLLM's plugin to keep libgomp too.
+    assert plan["preload"] == [] and plan["env"] == {PLANNED_VARIABLE: "launcher"}
     assert "not preloading Intel OpenMP: on 2 CPUs with vLLM 0.32.0" in plan["reason"]
     assert evidence.figures(evidence.BOUND_IOMP) in plan["reason"]
     # What the reason offers works: --iomp always preloads it, as vLLM binds and tunes it.

@@ -369,6 +369,7 @@ def test_planning_from_the_planned_environment_changes_nothing(
         target,
         planning_host(environ, empty),
         speculative.requested,
+        one_worker=True,
     )
     planned = {**environ, **dict(first.env)}
     second = build_plan(
@@ -378,6 +379,7 @@ def test_planning_from_the_planned_environment_changes_nothing(
         target,
         planning_host(planned, empty),
         speculative.requested,
+        one_worker=True,
     )
     assert second.env == ()
     assert [p.path for p in second.preload] == [p.path for p in first.preload]

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.places import Host
 from vllm_cpu_launch.plan import (
+    Plan,
     Preload,
     build_plan,
     compose_ld_preload,
@@ -23,6 +25,13 @@ from .conftest import install_recorder, make_environment
 
 DEFAULTS = Settings()
 SD = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
+# Where a plan keeps libgomp for SD or refuses Intel OpenMP, for vLLM's plugin.
+MARK = (PLANNED_VARIABLE, "launcher")
+
+
+def plan_sd(target: Target, host: Host, settings: Settings = DEFAULTS) -> Plan:
+    """The plan for `vllm serve m` with ngram SD, one worker."""
+    return build_plan(settings, SD, detect(SD), target, host, True, one_worker=True)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +91,9 @@ def plan_for(
     target = make_target(tmp_path, real_iomp)
     host = make_host(tmp_path, **env)
     return plan_as_json(
-        build_plan(settings, argv, detect(argv), target, host, detect(argv).requested)
+        build_plan(
+            settings, argv, detect(argv), target, host, detect(argv).requested, one_worker=True
+        )
     )
 
 
@@ -124,7 +135,7 @@ def test_iomp_always_without_sd(tmp_path: Path, real_iomp: Path) -> None:
 
 
 def test_iomp_never_with_sd(tmp_path: Path, real_iomp: Path) -> None:
-    assert plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"))["env"] == {}
+    assert plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"))["env"] == dict([MARK])
 
 
 def test_gomp_entry_is_dropped_with_a_warning(tmp_path: Path, real_iomp: Path) -> None:
@@ -136,12 +147,10 @@ def test_gomp_entry_is_dropped_with_a_warning(tmp_path: Path, real_iomp: Path) -
 def test_not_x86_64_preloads_no_iomp(tmp_path: Path, real_iomp: Path) -> None:
     target = make_target(tmp_path, real_iomp)
     for machine in ("aarch64", "ppc64le"):
-        plan = build_plan(Settings(), SD, detect(SD), target, make_host(tmp_path, machine), True)
-        assert plan.preload == () and plan.env == () and plan.warnings == ()
+        plan = plan_sd(target, make_host(tmp_path, machine))
+        assert plan.preload == () and plan.env == (MARK,) and plan.warnings == ()
         assert any(machine in note for note in plan.notes)
-        forced = build_plan(
-            Settings(iomp="always"), SD, detect(SD), target, make_host(tmp_path, machine), True
-        )
+        forced = plan_sd(target, make_host(tmp_path, machine), Settings(iomp="always"))
         assert forced.preload == () and any(machine in w for w in forced.warnings)
 
 
@@ -149,8 +158,8 @@ def test_missing_library_warns_with_places_and_fix(tmp_path: Path) -> None:
     environment = make_environment(tmp_path / "env")
     python = environment / "bin" / "python"
     target = Target(str(install_recorder(environment)), "--vllm", str(python), str(environment))
-    plan = build_plan(Settings(), SD, detect(SD), target, make_host(tmp_path), True)
-    assert plan.missing == ("iomp",) and plan.env == ()
+    plan = plan_sd(target, make_host(tmp_path))
+    assert plan.missing == ("iomp",) and plan.env == (MARK,)
     (warning,) = plan.warnings
     assert "searched ld-preload, vllm-environment" in warning
     assert "about 2x slower" in warning
@@ -160,12 +169,12 @@ def test_missing_library_warns_with_places_and_fix(tmp_path: Path) -> None:
 def test_tcmalloc_goes_first_when_found(tmp_path: Path, real_iomp: Path, debian_root: Path) -> None:
     target = make_target(tmp_path, real_iomp)
     host = Host({}, "x86_64", os.geteuid(), str(tmp_path / "none"), (), str(debian_root))
-    plan = build_plan(Settings(), SD, detect(SD), target, host, True)
+    plan = plan_sd(target, host)
     tcmalloc = str(debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     assert dict(plan.env)["LD_PRELOAD"] == f"{tcmalloc}:{target.prefix}/lib/libiomp5.so"
     text = render_text(plan)  # tcmalloc has no flavour: none is claimed "unknown"
     assert f"tcmalloc {tcmalloc} (system)" in text and "flavor unknown" not in text
-    never = build_plan(Settings(tcmalloc="never"), SD, detect(SD), target, host, True)
+    never = plan_sd(target, host, Settings(tcmalloc="never"))
     assert dict(never.env)["LD_PRELOAD"] == f"{target.prefix}/lib/libiomp5.so"
 
 
@@ -173,12 +182,8 @@ def test_planning_again_from_the_planned_environment_changes_nothing(
     tmp_path: Path, real_iomp: Path
 ) -> None:
     target = make_target(tmp_path, real_iomp)
-    first = build_plan(
-        Settings(), SD, detect(SD), target, make_host(tmp_path, LD_PRELOAD="/x/libfoo.so"), True
-    )
-    again = build_plan(
-        Settings(), SD, detect(SD), target, make_host(tmp_path, **dict(first.env)), True
-    )
+    first = plan_sd(target, make_host(tmp_path, LD_PRELOAD="/x/libfoo.so"))
+    again = plan_sd(target, make_host(tmp_path, **dict(first.env)))
     assert again.env == ()
     (chosen,) = first.preload
     assert again.preload == (Preload(chosen.kind, chosen.path, chosen.flavor, "ld-preload"),)

@@ -42,8 +42,11 @@ for spec in json.loads(os.environ.get("CHILDREN", "[]")):
         else:
             env[key] = value
     env.pop("CHILDREN", None)
-    command = [sys.executable, "-c", CHILD]
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    # A title takes argv[0]'s place in /proc/PID/cmdline, as vLLM's setproctitle does.
+    command = [spec.get("title", sys.executable), "-c", CHILD]
+    child = subprocess.Popen(
+        command, executable=sys.executable, env=env, stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout.readline() == "ready\\n"
     children.append(child.pid)
 print("ready", *children, flush=True)
@@ -136,7 +139,7 @@ def test_sd_tree_with_intel_openmp_everywhere_is_ok(
     text = verify(tmp_path, str(pids[0]))
     assert text.returncode == 0
     assert "speculative decoding: requested (--speculative-config)" in text.stdout
-    assert "ok: 3 processes checked" in text.stdout
+    assert "ok: 3 processes judged, 3 checked" in text.stdout
 
 
 def test_child_with_only_libgomp_fails(
@@ -155,7 +158,7 @@ def test_child_with_only_libgomp_fails(
     assert "GNU libgomp only" in bad["reason"]
     text = verify(tmp_path, str(pids[0]))
     assert text.returncode == 1
-    assert "PROBLEM: 1 of 3 processes lack Intel OpenMP" in text.stdout
+    assert "PROBLEM: 1 of 3 judged processes lack Intel OpenMP" in text.stdout
 
 
 def test_intel_openmp_loaded_late_beside_libgomp_fails(
@@ -274,4 +277,40 @@ def test_a_long_command_is_cut_with_a_marker_and_whole_in_json(
     text = verify(tmp_path, str(pids[0])).stdout
     (line,) = (line for line in text.splitlines() if line.lstrip().startswith(str(pids[0])))
     assert "... [" in line and "more characters; --json shows them all]" in line
-    assert len(line.partition("... [")[0]) <= 100 + len(f"{pids[0]:>7}  ok       ")
+    assert len(line.partition("... [")[0]) <= 100 + len(f"{pids[0]:>7}  ok       api-server: ")
+
+
+def test_where_vllm_runs_engine_and_workers_only_they_are_judged(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path, gomp: str
+) -> None:
+    """As with vLLM's plugin: the API server keeps libgomp, the processes titled
+    VLLM::EngineCore and VLLM::Worker_TP0 started with Intel OpenMP preloaded."""
+    iomp = {"LD_PRELOAD": str(real_iomp)}
+    children = [
+        {"title": "VLLM::EngineCore", "env": iomp},
+        {"title": "VLLM::Worker_TP0", "env": iomp},
+        {"title": "VLLM::DPCoordinator", "env": {"LD_PRELOAD": gomp}},
+    ]
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp)
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0, report
+    processes = by_pid(report)
+    roles = [(processes[pid]["role"], processes[pid]["verdict"]) for pid in pids]
+    assert roles == [
+        ("api-server", "reported"),
+        ("engine-core", "ok"),
+        ("worker", "ok"),
+        ("other", "reported"),
+    ]
+    assert processes[pids[0]]["reason"] == (
+        f"GNU libgomp {os.path.realpath(gomp)}; runs no model code, so not judged"
+    )
+    text = verify(tmp_path, str(pids[0]))
+    assert "ok: 2 processes judged, 4 checked" in text.stdout
+    assert f"{pids[1]:>7}  ok       engine-core: VLLM::EngineCore -c" in text.stdout
+    # A worker on libgomp is a problem, whatever the API server has.
+    children[1]["env"] = {"LD_PRELOAD": gomp}
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=str(real_iomp))
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 1
+    assert [p["verdict"] for p in report["processes"]] == ["reported", "ok", "problem", "reported"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Exit codes of ../shared/DESIGN.md.
+# Exit codes of docs/design.md.
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
 EXIT_LIBRARY_MISSING = 3

@@ -91,10 +91,14 @@ def single_worker(arguments: Sequence[str]) -> bool:
 
 
 def map_host(
-    environ: Mapping[str, str], cpus: int, prefix: str | None, arguments: Sequence[str] = ()
+    environ: Mapping[str, str], cpus: int, prefix: str | None, one_worker: bool
 ) -> MapHost | None:
-    """This host, vLLM and command, where the map measured them; None elsewhere."""
-    if cpus != MAP_CPUS or not prefix or not single_worker(arguments):
+    """This host, vLLM and command, where the map measured them; None elsewhere.
+
+    `one_worker`: the command runs one worker on one node, as the launcher reads it from
+    the command line (single_worker) and the plugin from vLLM's parallel config.
+    """
+    if cpus != MAP_CPUS or not prefix or not one_worker:
         return None
     release = vllm_release(prefix)
     if release is None or release.split(".")[:2] != MAP_VLLM.split("."):

@@ -118,6 +118,7 @@ def prepare_launch(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> tuple[Settings, Target, Plan]:
     """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
+    from vllm_cpu_launch.evidence import single_worker
     from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.settings import load_settings
     from vllm_cpu_launch.speculative import SpeculativeRequest, detect
@@ -135,7 +136,11 @@ def prepare_launch(
         target = resolve_program(program, os.environ)
         speculative = SpeculativeRequest(False)
         auto_iomp = True
-    plan = build_plan(settings, arguments, speculative, target, current_host(), auto_iomp)
+    host = current_host()
+    one_worker = single_worker(arguments)
+    plan = build_plan(
+        settings, arguments, speculative, target, host, auto_iomp, one_worker=one_worker
+    )
     return settings, target, plan
 
 

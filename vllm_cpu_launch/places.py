@@ -1,6 +1,6 @@
-"""Where to look for a library: the places of DESIGN.md's search order, as data.
+"""Where to look for a library: the places of docs/design.md's search order, as data.
 
-Discovery only stats and reads known places, in the order of DESIGN.md; it never
+Discovery only stats and reads known places, in the order of docs/design.md; it never
 scans the filesystem. Each place yields candidates lazily, so the usual case (the
 library in the vLLM environment) stops after a handful of system calls.
 """
@@ -240,7 +240,7 @@ def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
 
 
 def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Place]:
-    """The places to look, in DESIGN.md's order, each computed only when reached.
+    """The places to look, in docs/design.md's order, each computed only when reached.
 
     The vLLM environment is its user base (for a `pip install --user` vLLM, where pip
     put intel-openmp too) and its prefix; later, the user base Python would use.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.evidence import BIND_VARIABLE, map_choice, map_host
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.libraries import Candidate, Search, find_library
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
@@ -97,7 +98,7 @@ def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[
     As root, the owner of the vLLM script and of its interpreter already decides what
     code runs as root: a library of the same owner adds no trust, so it is accepted;
     the same check that refuses a library writable by others finds such a script or
-    interpreter, which is reported (and refused with --strict). See DESIGN.md.
+    interpreter, which is reported (and refused with --strict). See docs/design.md.
     """
     from vllm_cpu_launch.trust import insecure_reason, owners
 
@@ -179,10 +180,16 @@ def build_plan(
     target: Target,
     host: Host,
     auto_iomp: bool,
+    *,
+    one_worker: bool,
+    planner: str = "launcher",
 ) -> Plan:
     """Decide what to preload and which variables to set for `target arguments...`.
 
     `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
+    `one_worker`: one worker on one node (where the benchmark map's rules may apply).
+    `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
+    libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
     """
     warnings: list[str] = []
     notes: list[str] = []
@@ -206,7 +213,7 @@ def build_plan(
     wants_iomp = settings.iomp == "always" or (settings.iomp == "auto" and auto_iomp)
     # Where the benchmark map measured this host and vLLM, its rules decide (evidence.py).
     measured = (
-        map_host(host.environ, host.cpus, target.prefix, arguments)
+        map_host(host.environ, host.cpus, target.prefix, one_worker)
         if speculative.requested
         else None
     )
@@ -268,6 +275,11 @@ def build_plan(
         reasons.append(tuned_iomp.reason)
         if tuned_iomp.nobind:
             env[BIND_VARIABLE] = "nobind"
+    # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
+    # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
+    keeps_gomp = iomp is None and (speculative.requested or settings.iomp == "never")
+    if keeps_gomp and host.environ.get(PLANNED_VARIABLE) != planner:
+        env[PLANNED_VARIABLE] = planner
     return Plan(
         command=(target.executable, *arguments),
         speculative=speculative,
@@ -283,7 +295,7 @@ def build_plan(
 
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
-    """The plan in the JSON form of DESIGN.md (`--dry-run --json`, `env --format json`)."""
+    """The plan in the JSON form of docs/design.md (`--dry-run --json`, `env --format json`)."""
     return {
         "command": list(plan.command),
         "speculative": {
@@ -304,12 +316,15 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
     }
 
 
-def summary_line(plan: Plan) -> str:
-    """The one INFO line: what is preloaded, what is set, and why."""
-    if not plan.preload and not plan.env:
-        return f"{plan.reason}; starting {plan.command[0]} unchanged"
+def summary_line(plan: Plan, unchanged: str | None = None) -> str:
+    """The one INFO line: what is preloaded, what is set, and why (the plan's own mark,
+    PLANNED_VARIABLE, is bookkeeping: --dry-run shows it). `unchanged`: what to say
+    when nothing else changes (default: starting the command unchanged)."""
     parts = [f"preloading {p.path} ({p.flavor or p.kind}, from {p.origin})" for p in plan.preload]
-    parts += [f"{name}={value}" for name, value in plan.env if name != "LD_PRELOAD"]
+    shown = ("LD_PRELOAD", PLANNED_VARIABLE)
+    parts += [f"{name}={value}" for name, value in plan.env if name not in shown]
+    if not parts:
+        parts = [unchanged or f"starting {plan.command[0]} unchanged"]
     return f"{plan.reason}; {'; '.join(parts)}"
 
 

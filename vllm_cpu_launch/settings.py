@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.handoff import PLUGIN_VARIABLE
 from vllm_cpu_launch.records import record
 
 TYPE_CHECKING = False
@@ -49,6 +50,7 @@ class Settings:
     kmp_blocktime: str | None = None
     vllm: str | None = None
     strict: bool = False
+    plugin: bool = True  # vLLM's plugin applies the plan (docs/design.md, "The plugin")
     config_files: tuple[str, ...] = ()  # the files that were read, for doctor and -v
     # The tune record of the file the `iomp` in effect came from, when it chose that value.
     tuned: Tuned | None = None
@@ -158,7 +160,7 @@ def parse_tuned(value: object, where: str) -> Tuned:
     )
 
 
-# key -> (option, environment variable, parser)
+# key -> (option, environment variable, parser); "" where the launcher takes no option.
 KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
     "iomp": ("--iomp", "VLLM_CPU_LAUNCH_IOMP", parse_mode),
     "iomp_path": ("--iomp-path", "VLLM_CPU_LAUNCH_IOMP_PATH", parse_library_path),
@@ -167,6 +169,8 @@ KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
     "kmp_blocktime": ("--kmp-blocktime", "VLLM_CPU_LAUNCH_KMP_BLOCKTIME", parse_blocktime),
     "vllm": ("--vllm", "VLLM_CPU_LAUNCH_VLLM", parse_text),
     "strict": ("--strict", "VLLM_CPU_LAUNCH_STRICT", parse_bool),
+    # Read by vLLM's plugin only: the launcher plans whatever it says.
+    "plugin": ("", PLUGIN_VARIABLE, parse_bool),
 }
 # Keys only a config file holds.
 CONFIG_ONLY_KEYS: dict[str, Callable[[object, str], object]] = {"tuned": parse_tuned}

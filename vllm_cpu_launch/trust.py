@@ -2,7 +2,7 @@
 
 `LD_PRELOAD` injects code into the server, and the server's own script and interpreter
 are code too. Either may come only from a place that no user other than root and the
-program's owner can change (DESIGN.md, "Safety").
+program's owner can change (docs/design.md, "Safety").
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def unsafe_owner_or_mode(
     """(why, which chmod/chown) when a file or directory lets an untrusted user change
     what runs, or None.
 
-    One rule for the library and the program it is preloaded into (DESIGN.md). As root:
+    One rule for the library and the program it is preloaded into (docs/design.md). As root:
     owned by root or by a `trusted` uid (the owner of the vLLM being started, whose code
     root runs anyway), and writable by neither group nor others. As another user, whose
     own Python code runs in vLLM anyway: not writable by all. A sticky directory (like

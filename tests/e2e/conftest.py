@@ -37,6 +37,10 @@ from vllm_server import (  # noqa: E402
 
 MAX_TOKENS = 32
 STARTUP_LIMIT_S = 300
+PLUGIN_INSTALL_LIMIT_S = 300
+PROBE = Path(__file__).resolve().parent / "probe_plugin"
+# Where the probe plugin (probe_plugin/vllm_cpu_launch_probe.py) writes its records.
+PROBE_VARIABLE = "VLLM_CPU_LAUNCH_TEST_PROBE"
 METRICS_LIMIT_S = 30
 POLL_INTERVAL_S = 1.0
 LOG_TAIL_LINES = 60
@@ -59,6 +63,33 @@ def run_script(command: Sequence[str], limit_s: float) -> str:
 def vllm_env() -> Path:
     """The cached vLLM CPU environment, built on first use."""
     return Path(run_script(prepare_env_command(), ENV_SETUP_LIMIT_S))
+
+
+@pytest.fixture(scope="session")
+def plugin_path(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory for PYTHONPATH where the vLLM environment's own pip installed this
+    checkout (vLLM's plugin) and the tests' probe plugin, each with its entry point, as a
+    user's `pip install` would; the environment itself stays as plain vLLM for the others."""
+    target = tmp_path_factory.mktemp("plugins")
+    command = [str(vllm_env / "bin" / "python"), "-m", "pip", "install", "--no-deps"]
+    command += ["--no-input", "--target", str(target), str(SCRIPTS.parent), str(PROBE)]
+    try:
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=PLUGIN_INSTALL_LIMIT_S
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(command)} did not finish within {PLUGIN_INSTALL_LIMIT_S} s")
+    if completed.returncode != 0:
+        pytest.fail(f"{' '.join(command)} failed:\n{completed.stderr}")
+    return target
+
+
+def probe_records(path: Path) -> dict[int, dict[str, Any]]:
+    """What each vLLM process the probe plugin was loaded in started with, by PID."""
+    if not path.exists():
+        return {}
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return {record["pid"]: record for record in records}
 
 
 @pytest.fixture(scope="session")
@@ -110,8 +141,13 @@ def wait_for_drafts(server: Server) -> float:
 
 def verify(server: Server) -> tuple[int, dict[str, Any]]:
     """`vllm-cpu-launch verify --json PID` on the server, as an operator would run it."""
+    return verify_pid(server.process.pid)
+
+
+def verify_pid(pid: int) -> tuple[int, dict[str, Any]]:
+    """`vllm-cpu-launch verify --json PID`: its exit code (0 or 1) and its report."""
     result = subprocess.run(
-        [sys.executable, "-m", "vllm_cpu_launch", "verify", "--json", str(server.process.pid)],
+        [sys.executable, "-m", "vllm_cpu_launch", "verify", "--json", str(pid)],
         capture_output=True,
         text=True,
         timeout=REQUEST_LIMIT_S,

@@ -71,23 +71,36 @@ def node_arguments(mode: str, rank: int, ports: dict[str, int]) -> list[str]:
     ]
 
 
-def start_node(vllm_env: Path, model: Path, scratch: Path, arguments: list[str]) -> Server:
-    """One node: the launcher (default settings) starting `serve MODEL ... ARGUMENTS`, in an
-    environment without OpenMP or launcher settings, its log and vLLM cache under scratch."""
+def start_node(
+    vllm_env: Path, model: Path, scratch: Path, arguments: list[str], plugin: Path | None
+) -> Server:
+    """One node starting `serve MODEL ... ARGUMENTS`, in an environment without OpenMP or
+    launcher settings, its log and vLLM cache under scratch: through the launcher (default
+    settings), or, with `plugin` (a directory holding it, for PYTHONPATH), as plain `vllm`."""
     scratch.mkdir()
     env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_"))
-    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
+    vllm = str(vllm_env / "bin" / "vllm")
+    if plugin is not None:
+        env["PYTHONPATH"] = str(plugin)
+        return start_server([vllm], model, scratch, env, cwd=REPO, extra=arguments)
+    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", vllm]
     return start_server(launcher, model, scratch, env, cwd=REPO, extra=arguments)
 
 
 def start_cluster(
-    mode: str, vllm_env: Path, model: Path, scratch: Path, started: list[Server]
+    mode: str,
+    vllm_env: Path,
+    model: Path,
+    scratch: Path,
+    started: list[Server],
+    plugin: Path | None = None,
 ) -> Cluster:
     """Both nodes of `mode` (the primary first), on fresh loopback ports, logs under
-    scratch/primary and scratch/secondary; each node is appended to `started` as soon as it
-    runs, so the caller's teardown stops it whatever happens next."""
+    scratch/primary and scratch/secondary, through the launcher or (`plugin`) plain `vllm`
+    with the plugin; each node is appended to `started` as soon as it runs, so the caller's
+    teardown stops it whatever happens next."""
     ports = {"rpc": free_loopback_port(), "master": free_loopback_port()}
     for rank, role in enumerate(("primary", "secondary")):
         arguments = node_arguments(mode, rank, ports)
-        started.append(start_node(vllm_env, model, scratch / role, arguments))
+        started.append(start_node(vllm_env, model, scratch / role, arguments, plugin))
     return Cluster(mode, *started[-2:])

@@ -38,6 +38,8 @@ from vllm_server import (
     survivors,
 )
 
+from vllm_cpu_launch.verbs.verify import MODEL_ROLES
+
 from .conftest import (
     MAX_TOKENS,
     POLL_INTERVAL_S,
@@ -111,7 +113,9 @@ def test_verify_passes_on_both_nodes(cluster: Cluster) -> None:
     for role, server in cluster.nodes.items():
         code, report = verify(server)
         assert code == 0, (role, report)
-        assert {p["verdict"] for p in report["processes"]} == {"ok"}, role
+        judged = {p["verdict"] for p in report["processes"] if p["role"] in MODEL_ROLES.values()}
+        assert judged == {"ok"}, role
+        assert {p["verdict"] for p in report["processes"]} <= {"ok", "reported"}, role
 
 
 def test_no_openmp_warning_on_either_node(cluster: Cluster) -> None:

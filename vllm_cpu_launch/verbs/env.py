@@ -7,7 +7,7 @@ the plan itself (as `--dry-run --json`).
 The first four carry the final value of every variable the plan relies on: what it
 sets or changes, and also LD_PRELOAD and KMP_BLOCKTIME when the plan keeps the
 caller's value (a unit or an image does not inherit the caller's shell). `json` is the
-plan as DESIGN.md defines it: only what the launcher sets or changes.
+plan as docs/design.md defines it: only what the launcher sets or changes.
 """
 
 from __future__ import annotations

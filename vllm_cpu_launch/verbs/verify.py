@@ -4,9 +4,12 @@ For the process and all its descendants it reads which OpenMP runtimes are mappe
 (/proc/PID/maps), the LD_PRELOAD/KMP_* variables the process started with
 (/proc/PID/environ), and whether its command line requests speculative decoding
 (children inherit the verdict of their parent: vLLM's workers are spawned with a
-command line of their own). Exit 1 when SD is requested and a process that runs
-OpenMP work (or the vLLM process itself) lacks Intel OpenMP; 0 when all is well;
-2 when the process cannot be found or read.
+command line of their own). The processes that run model code are judged: vLLM's
+engine cores and workers (by the titles vLLM gives them), or, where there are none (an
+engine in the front end), the process itself; the others, the API server first, are
+reported, since vLLM's plugin cannot change the runtime of the process that loads it.
+Exit 1 when SD is requested and a judged process lacks Intel OpenMP; 0 when all is
+well; 2 when the process cannot be found or read.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -29,16 +33,29 @@ INTEL = "iomp"  # Intel's libiomp5
 LLVM = "llvm"  # LLVM's libomp (Debian's libiomp5.so resolves to it): same KMP_* interface
 GNU = "gomp"
 RUNTIME_TITLES = {INTEL: "Intel OpenMP", LLVM: "LLVM OpenMP", GNU: "GNU libgomp"}
-VARIABLES = ("LD_PRELOAD", "KMP_BLOCKTIME", "KMP_AFFINITY", "OMP_NUM_THREADS")
+VARIABLES = (
+    "LD_PRELOAD",
+    "KMP_BLOCKTIME",
+    "KMP_AFFINITY",
+    "OMP_NUM_THREADS",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    PLANNED_VARIABLE,
+)
+# What vLLM calls its processes (setproctitle "VLLM::NAME", vllm/utils/system_utils.py):
+# the engine core and the workers run the model; the API server and the DP coordinator
+# do not.
+MODEL_ROLES = {"EngineCore": "engine-core", "Worker": "worker"}
 
 USAGE = """\
 usage: vllm-cpu-launch verify [--json] PID
 
 Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and all its
 descendants: which OpenMP runtime each has loaded, the LD_PRELOAD/KMP_* it started
-with, and whether speculative decoding is requested. Exit 0 when every process that
-runs OpenMP work has Intel OpenMP (or SD is not requested), 1 when one lacks it,
-2 when PID cannot be found or read (run as vLLM's user or as root).
+with, and whether speculative decoding is requested. The processes that run the model
+are judged (vLLM's engine cores and workers; where there are none, PID itself); the
+API server and other helpers are reported. Exit 0 when every judged process has Intel
+OpenMP (or SD is not requested), 1 when one lacks it, 2 when PID cannot be found or
+read (run as vLLM's user or as root).
 """
 
 
@@ -121,7 +138,7 @@ def judge(
     kinds = [kind for kind, _ in runtimes]
     preload = environment.get("LD_PRELOAD", "")
     preloaded_iomp = "libiomp" in preload or "libomp" in preload
-    described = ", ".join(f"{RUNTIME_TITLES[k]} {p}" for k, p in runtimes)
+    described = described_runtimes(runtimes)
     if not runtimes:
         if not is_root:
             return "skipped", "no OpenMP runtime loaded"
@@ -143,6 +160,41 @@ def judge(
     return "ok", described
 
 
+def role_of(cmdline: Sequence[str], is_root: bool) -> str:
+    """engine-core or worker (model code), api-server (PID itself, or so titled), other."""
+    title = cmdline[0] if cmdline else ""
+    prefix, separator, name = title.partition("::")
+    if separator and prefix and " " not in prefix:  # a vLLM process title
+        for start, role in MODEL_ROLES.items():
+            if name.startswith(start):
+                return role
+        if name.startswith("APIServer"):
+            return "api-server"
+    return "api-server" if is_root else "other"
+
+
+def read_process(process: psutil.Process) -> tuple[str, dict[str, str], list[str], int] | None:
+    """(maps, environment, command line, parent PID) of a process; None if it is gone."""
+    import psutil
+
+    try:
+        maps = read_proc(process.pid, "maps").decode("utf-8", "surrogateescape")
+        environment = environment_of(read_proc(process.pid, "environ"))
+        cmdline = process.cmdline()
+        ppid = process.ppid()
+    except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except PermissionError:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"verify: cannot read /proc/{process.pid} (maps, environ): permission denied; "
+            "run verify as the user vLLM runs as, or as root",
+        ) from None
+    while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
+        cmdline.pop()
+    return maps, environment, cmdline, ppid
+
+
 def inspect(pid: int) -> dict[str, Any]:
     """The verify report for PID and its descendants (see docs/operating.md)."""
     import psutil
@@ -157,41 +209,39 @@ def inspect(pid: int) -> dict[str, Any]:
             EXIT_USAGE, f"verify: cannot read process {pid}: permission denied"
         ) from None
     root_request = speculative_of(root)
-    processes = []
+    seen = []
     for process in [root, *descendants]:
         is_root = process.pid == pid
-        try:
-            maps = read_proc(process.pid, "maps").decode("utf-8", "surrogateescape")
-            environment = environment_of(read_proc(process.pid, "environ"))
-            cmdline = process.cmdline()
-            while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
-                cmdline.pop()
-            ppid = process.ppid()
-        except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess):
+        read = read_process(process)
+        if read is None:
             if is_root:
-                raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited") from None
+                raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited")
             continue  # a child that ended meanwhile
-        except psutil.ZombieProcess:
-            continue
-        except PermissionError:
-            raise LaunchError(
-                EXIT_USAGE,
-                f"verify: cannot read /proc/{process.pid} (maps, environ): permission denied; "
-                "run verify as the user vLLM runs as, or as root",
-            ) from None
+        maps, environment, cmdline, ppid = read
         request = root_request
         if not is_root and not request.requested:
             request = speculative_of(process)
+        role = role_of(cmdline, is_root)
+        seen.append((process.pid, ppid, cmdline, role, maps, environment, request.requested))
+    # Where vLLM runs the model in engine-core and worker processes, only they are judged.
+    split = any(role in MODEL_ROLES.values() for _, _, _, role, *_ in seen)
+    processes = []
+    for process_id, ppid, cmdline, role, maps, environment, wanted in seen:
         runtimes = mapped_runtimes(maps)
-        verdict, reason = judge(runtimes, environment, is_root, request.requested)
+        if split and role not in MODEL_ROLES.values():
+            runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
+            verdict, reason = "reported", f"{runs}; runs no model code, so not judged"
+        else:
+            verdict, reason = judge(runtimes, environment, process_id == pid, wanted)
         processes.append(
             {
-                "pid": process.pid,
+                "pid": process_id,
                 "ppid": ppid,
                 "cmdline": cmdline,
+                "role": role,
                 "runtimes": [{"kind": kind, "path": path} for kind, path in runtimes],
                 "env": environment,
-                "speculative": request.requested,
+                "speculative": wanted,
                 "verdict": verdict,
                 "reason": reason,
             }
@@ -203,6 +253,10 @@ def inspect(pid: int) -> dict[str, Any]:
         "ok": not problems,
         "processes": processes,
     }
+
+
+def described_runtimes(runtimes: Sequence[tuple[str, str]]) -> str:
+    return ", ".join(f"{RUNTIME_TITLES[kind]} {path}" for kind, path in runtimes)
 
 
 COMMAND_WIDTH = 100
@@ -226,19 +280,20 @@ def render_text(report: dict[str, Any]) -> str:
     ]
     for process in report["processes"]:
         command = shortened(shlex.join(process["cmdline"])) or "?"
-        lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {command}")
+        lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {process['role']}: {command}")
         lines.append(f"{'':>9}{process['reason']}")
         variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in process["env"].items())
         lines.append(f"{'':>9}{variables or 'no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set'}")
     problems = sum(p["verdict"] == "problem" for p in report["processes"])
-    total = len(report["processes"])
+    judged = sum(p["verdict"] != "reported" for p in report["processes"])
     if problems:
         lines.append(
-            f"PROBLEM: {problems} of {total} processes lack Intel OpenMP while speculative "
-            "decoding is requested; start vLLM through vllm-cpu-launch"
+            f"PROBLEM: {problems} of {judged} judged processes lack Intel OpenMP while "
+            "speculative decoding is requested; start vLLM through vllm-cpu-launch, or "
+            "install vllm-cpu-launch into vLLM's environment (its plugin)"
         )
     else:
-        lines.append(f"ok: {total} processes checked")
+        lines.append(f"ok: {judged} processes judged, {len(report['processes'])} checked")
     return "\n".join(lines)
 
 

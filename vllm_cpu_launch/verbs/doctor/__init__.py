@@ -26,6 +26,7 @@ from vllm_cpu_launch.verbs.doctor.probe import (
     map_section,
     memory_section,
     numa_section,
+    plugin_section,
     settings_section,
     vllm_section,
 )
@@ -87,6 +88,7 @@ def build_report(
         "numa": numa_section(),
         "memory": memory_section(),
         "vllm": vllm_section(target, target_error, environ),
+        "plugin": plugin_section(target, environ, settings),
         "libraries": {
             kind: library_section(
                 find_library(kind, host, target, True, explicit=path, trusted=trusted)
@@ -178,6 +180,10 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     else:
         lines.append(f"vLLM       not found: {vllm['error']}")
         lines.append("           (everything else below is still about this host)")
+    plugin = report["plugin"]
+    lines.append(f"  plugin   {plugin['reason']}")
+    if plugin["installed"]:
+        lines.append(f"  {'':<9}{plugin['installed']}")
     titles = {"iomp": "Intel OpenMP (libiomp5.so)", "tcmalloc": "tcmalloc"}
     for kind, section in report["libraries"].items():
         lines.append("")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import glob
 import os
 
+from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -148,6 +150,52 @@ def vllm_distributions(directories: list[str]) -> list[dict[str, str]]:
     return found
 
 
+def import_directories(target: Target, environ: Mapping[str, str]) -> list[str]:
+    """Where the target's Python imports distributions from: its site-packages and, as
+    the vllm process inherits it, PYTHONPATH (a harness may add metadata there)."""
+    directories = site_packages(target.prefix) if target.prefix else []
+    return directories + [p for p in environ.get("PYTHONPATH", "").split(":") if os.path.isabs(p)]
+
+
+def plugin_installation(directories: list[str]) -> str | None:
+    """The dist-info whose entry points declare this launcher's vLLM plugin, if any."""
+    declaration = f"{PLUGIN_NAME} = vllm_cpu_launch.plugin:register"
+    for directory in directories:
+        for dist_info in sorted(glob.glob(os.path.join(directory, "vllm_cpu_launch-*.dist-info"))):
+            text = read_text(os.path.join(dist_info, "entry_points.txt")) or ""
+            group = text.partition("[vllm.general_plugins]")[2].partition("[")[0]
+            if declaration in group.splitlines():
+                return dist_info
+    return None
+
+
+def plugin_section(
+    target: Target | None, environ: Mapping[str, str], settings: Settings
+) -> dict[str, Any]:
+    """Whether vLLM's plugin (vllm_cpu_launch/plugin.py) is installed where the vLLM found
+    imports from, and whether vLLM will load and follow it: vLLM's VLLM_PLUGINS allowlist
+    and the launcher's own switch decide."""
+    if target is None:
+        return {"installed": None, "loads": False, "reason": "no vLLM found to look in"}
+    installed = plugin_installation(import_directories(target, environ))
+    allowed = environ.get("VLLM_PLUGINS")
+    loads = False
+    if installed is None:
+        reason = "not installed where this vLLM imports from (its site-packages, PYTHONPATH)"
+    elif allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        reason = f"installed, but VLLM_PLUGINS={allowed} does not name {PLUGIN_NAME}"
+    elif not settings.plugin:
+        if PLUGIN_VARIABLE in environ:
+            where = f"{PLUGIN_VARIABLE}={environ[PLUGIN_VARIABLE]}"
+        else:
+            where = f"plugin: off in {', '.join(settings.config_files)}"
+        reason = f"installed, but switched off by {where}"
+    else:
+        loads = True
+        reason = "installed: vLLM loads it in every process, and it plans each start on CPU"
+    return {"installed": installed, "loads": loads, "reason": reason}
+
+
 def vllm_section(
     target: Target | None, failure: LaunchError | None, environ: Mapping[str, str]
 ) -> dict[str, Any]:
@@ -160,10 +208,7 @@ def vllm_section(
             "executable": failure.subject if failure else None,
             "error": failure.message if failure else None,
         }
-    directories = site_packages(target.prefix) if target.prefix else []
-    # PYTHONPATH reaches the vllm process too (a harness may add metadata there).
-    directories += [p for p in environ.get("PYTHONPATH", "").split(":") if os.path.isabs(p)]
-    distributions = vllm_distributions(directories)
+    distributions = vllm_distributions(import_directories(target, environ))
     version = distributions[0]["version"] if distributions else None
     return {
         "found": True,
@@ -231,7 +276,7 @@ def map_section(environ: Mapping[str, str], cpus: int, target: Target | None) ->
     whether it measured them, and what the launcher does for SD here because of it."""
     from vllm_cpu_launch.evidence import map_choice, map_host
 
-    host = map_host(environ, cpus, target.prefix if target else None)
+    host = map_host(environ, cpus, target.prefix if target else None, one_worker=True)
     if host is None:
         return {
             "measured": False,

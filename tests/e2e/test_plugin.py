@@ -1,0 +1,358 @@
+"""End to end: vLLM's own plugin entry point gives a plain vLLM 0.32.0 (vllm-cpu) the plan.
+
+The vLLM environment's own pip installs this checkout (and the tests' probe plugin,
+tests/e2e/probe_plugin) into a directory on PYTHONPATH (conftest.plugin_path); then vLLM
+is started as users start it, with no launcher: `vllm serve`, an offline `LLM(...)`
+script, a `--headless` data-parallel node. The probe plugin records what each vLLM process
+inherited (the engine core and workers overwrite their /proc/PID/environ with their title);
+/proc/PID/maps shows what each really loaded. The launcher with the plugin installed is in
+test_real_vllm.py. Set VLLM_CPU_LAUNCH_SKIP_E2E=1 to skip this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from vllm_server import (
+    SD_WARNING,
+    SPECULATIVE_CONFIG,
+    STOP_LIMIT_S,
+    ProcessView,
+    Server,
+    isolated_environment,
+    kill_session,
+    killed_on_exit,
+    start_server,
+)
+
+from .conftest import (
+    MAX_TOKENS,
+    POLL_INTERVAL_S,
+    PROBE_VARIABLE,
+    SKIP_VARIABLE,
+    STARTUP_LIMIT_S,
+    complete,
+    probe_records,
+    tail,
+    tree_views,
+    verify,
+    verify_pid,
+    wait_for_drafts,
+    wait_for_health,
+)
+from .nodes import CLUSTER_STARTUP_LIMIT_S, start_cluster
+
+REPO = Path(__file__).resolve().parents[2]
+OFFLINE_SCRIPT = Path(__file__).resolve().parent / "offline_generate.py"
+GENERATED = "generated 16 tokens"
+# The plugin's line as vLLM's logger prints it: "(APIServer pid=N) INFO 12-02 ... [plugin.py:N]".
+PLUGIN_LINE = re.compile(
+    r"^\((\w+) pid=\d+\) (INFO|WARNING) .*\[plugin\.py:\d+\] vllm-cpu-launch plugin: (.*)$"
+)
+MODEL_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
+)
+
+
+def plain_environment(scratch: Path, plugin_path: Path, **variables: str) -> dict[str, str]:
+    """What a user's shell gives vLLM: no OpenMP or launcher settings, the plugins on
+    PYTHONPATH, the probe's record file under scratch, and `variables`."""
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_"))
+    env.update(PYTHONPATH=str(plugin_path), **{PROBE_VARIABLE: str(scratch / "probe.jsonl")})
+    env.update(variables)
+    return env
+
+
+@contextlib.contextmanager
+def plain_serve(
+    vllm_env: Path,
+    model: Path,
+    scratch: Path,
+    plugin_path: Path,
+    speculative: bool = True,
+    **variables: str,
+) -> Iterator[Server]:
+    """`vllm serve MODEL ...` started as users start it, with the plugin installed."""
+    env = plain_environment(scratch, plugin_path, **variables)
+    vllm = [str(vllm_env / "bin" / "vllm")]
+    server = start_server(vllm, model, scratch, env, cwd=REPO, speculative=speculative)
+    with killed_on_exit(server):
+        yield server
+
+
+def plugin_lines(log: str) -> list[tuple[str, str, str]]:
+    """(process, level, text) of each line the plugin logged through vLLM's logger."""
+    found = []
+    for line in log.splitlines():
+        if match := PLUGIN_LINE.match(line):
+            process, level, text = match.groups()
+            found.append((process, level, text))
+    return found
+
+
+def model_processes(views: Sequence[ProcessView]) -> list[ProcessView]:
+    """The engine cores and workers: the processes that run the model."""
+    return [view for view in views if view.title.startswith(MODEL_TITLES)]
+
+
+def model_records(server: Server, probe: Path) -> dict[str, set[str | None]]:
+    """Bounded wait until a worker is up and the probe has its record; then the LD_PRELOAD
+    the engine cores and the workers started with, by title."""
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"vLLM exited\n{tail(server)}")
+        views = model_processes(tree_views(server))
+        records = probe_records(probe)
+        if any(v.title.startswith("VLLM::Worker") for v in views) and all(
+            v.pid in records for v in views
+        ):
+            found: dict[str, set[str | None]] = {}
+            for view in views:
+                title = view.title.split("::")[1].split("_")[0].split()[0]
+                found.setdefault(title, set()).add(records[view.pid]["LD_PRELOAD"])
+            return found
+        time.sleep(POLL_INTERVAL_S)
+    pytest.fail(f"no worker recorded within {STARTUP_LIMIT_S} s\n{tail(server)}")
+
+
+def wait_for_text(path: Path, text: str, process: subprocess.Popen[bytes]) -> str:
+    """Bounded wait until the log file holds `text`; its text. Fails if the process exits."""
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    while time.monotonic() < deadline:
+        content = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+        if text in content:
+            return content
+        if process.poll() is not None:
+            break
+        time.sleep(POLL_INTERVAL_S)
+    last = path.read_text(encoding="utf-8", errors="replace").splitlines()[-60:]
+    pytest.fail(f"{text!r} not seen in {path}\n" + "\n".join(last))
+
+
+@contextlib.contextmanager
+def offline_script(
+    command: Sequence[str], scratch: Path, env: dict[str, str]
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A user's script with vLLM's offline API, its output and vLLM's log (which vLLM
+    writes to stdout) in scratch/server.log, in a session of its own; closing its stdin
+    ends it."""
+    with (scratch / "server.log").open("wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+        process.wait(timeout=STOP_LIMIT_S)
+
+
+def offline_command(vllm_env: Path, model: Path) -> list[str]:
+    return [str(vllm_env / "bin" / "python"), str(OFFLINE_SCRIPT), str(model), SPECULATIVE_CONFIG]
+
+
+# ---------------------------------------------------------------- plain `vllm serve`
+
+
+@pytest.fixture(scope="module")
+def plugged(
+    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Path]]:
+    """Plain `vllm serve MODEL --speculative-config ...` with the plugin installed, healthy;
+    the probe's record file."""
+    scratch = tmp_path_factory.mktemp("plugged")
+    with plain_serve(vllm_env, tiny_model, scratch, plugin_path) as server:
+        print(f"plain vllm serve with the plugin healthy after {wait_for_health(server):.0f} s")
+        yield server, scratch / "probe.jsonl"
+
+
+@pytest.fixture(scope="module")
+def vllm_alone(
+    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, set[str | None]], str]:
+    """The same command with VLLM_PLUGINS=probe (vLLM's allowlist keeps ours out): what
+    vLLM alone gives its engine core and workers, and its log up to the worker's warning."""
+    scratch = tmp_path_factory.mktemp("alone")
+    with plain_serve(vllm_env, tiny_model, scratch, plugin_path, VLLM_PLUGINS="probe") as server:
+        records = model_records(server, scratch / "probe.jsonl")
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        while SD_WARNING not in server.log_text() and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+        return records, server.log_text()
+
+
+def test_plain_serve_runs_the_model_on_intel_openmp(plugged: tuple[Server, Path]) -> None:
+    server, _ = plugged
+    views = tree_views(server)
+    models = model_processes(views)
+    titles = " ".join(view.title for view in models)
+    assert "VLLM::EngineCore" in titles and "VLLM::Worker" in titles, titles
+    assert [str(view) for view in models if not view.maps_iomp()] == []
+    # The API server loaded torch's libgomp before any plugin ran: only an exec changes it.
+    assert not views[0].maps_iomp()
+
+
+def test_engine_and_workers_start_with_the_plan_and_no_libgomp(
+    plugged: tuple[Server, Path], vllm_env: Path
+) -> None:
+    server, probe = plugged
+    library = str(vllm_env / "lib" / "libiomp5.so")
+    assert model_records(server, probe) == {"EngineCore": {library}, "Worker": {library}}
+
+
+def test_the_plugin_says_what_it_did_in_vllms_log(plugged: tuple[Server, Path]) -> None:
+    server, _ = plugged
+    log = server.log_text()
+    lines = plugin_lines(log)
+    assert len(lines) == 1, lines  # the front end only: every child stood down at once
+    (process, level, text) = lines[0]
+    assert (process, level) == ("APIServer", "INFO")
+    assert text.startswith("speculative decoding requested by vLLM's speculative_config")
+    assert "preloading " in text and "libiomp5.so (intel, from vllm-environment)" in text
+    assert SD_WARNING not in log and "libiomp is not found in LD_PRELOAD" not in log
+
+
+def test_completions_answer_and_drafts_are_counted(plugged: tuple[Server, Path]) -> None:
+    server, _ = plugged
+    answer = complete(server)
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert wait_for_drafts(server) > 0
+
+
+def test_verify_judges_the_model_processes_and_reports_the_api_server(
+    plugged: tuple[Server, Path],
+) -> None:
+    server, _ = plugged
+    code, report = verify(server)
+    assert code == 0, report
+    verdicts = {(p["role"], p["verdict"]) for p in report["processes"]}
+    assert {("engine-core", "ok"), ("worker", "ok"), ("api-server", "reported")} <= verdicts
+    assert {verdict for _, verdict in verdicts} <= {"ok", "reported"}
+
+
+def test_vllms_allowlist_switches_it_off(
+    vllm_alone: tuple[dict[str, set[str | None]], str],
+) -> None:
+    records, log = vllm_alone
+    assert plugin_lines(log) == []
+    assert SD_WARNING in log
+    preloads = records["EngineCore"] | records["Worker"]
+    assert preloads and all(p and "libgomp" in p and "libiomp" not in p for p in preloads)
+
+
+def test_the_launchers_switch_turns_it_off(
+    vllm_env: Path,
+    tiny_model: Path,
+    plugin_path: Path,
+    tmp_path: Path,
+    vllm_alone: tuple[dict[str, set[str | None]], str],
+) -> None:
+    with plain_serve(
+        vllm_env, tiny_model, tmp_path, plugin_path, VLLM_CPU_LAUNCH_PLUGIN="off"
+    ) as server:
+        assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone[0]
+        assert plugin_lines(server.log_text()) == []
+
+
+def test_without_sd_the_children_get_exactly_what_vllm_makes(
+    vllm_env: Path,
+    tiny_model: Path,
+    plugin_path: Path,
+    tmp_path: Path,
+    vllm_alone: tuple[dict[str, set[str | None]], str],
+) -> None:
+    with plain_serve(vllm_env, tiny_model, tmp_path, plugin_path, speculative=False) as server:
+        assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone[0]
+        ((_, level, text),) = plugin_lines(server.log_text())
+    assert level == "INFO" and text.startswith("no speculative decoding requested")
+
+
+# ---------------------------------------------------------------- the offline API
+
+
+def test_an_offline_llm_script_runs_its_engine_on_intel_openmp(
+    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
+) -> None:
+    env = plain_environment(tmp_path, plugin_path)
+    with offline_script(offline_command(vllm_env, tiny_model), tmp_path, env) as script:
+        wait_for_text(tmp_path / "server.log", GENERATED, script)
+        code, report = verify_pid(script.pid)
+        script.stdin.close()  # type: ignore[union-attr]
+        assert script.wait(timeout=STOP_LIMIT_S) == 0
+    assert code == 0, report
+    roles = {p["role"]: p for p in report["processes"]}
+    assert roles["engine-core"]["verdict"] == roles["worker"]["verdict"] == "ok"
+    assert roles["api-server"]["verdict"] == "reported"  # the script's own process
+    (line,) = plugin_lines((tmp_path / "server.log").read_text(encoding="utf-8"))
+    assert line[:2] == ("MainProcess", "INFO") and "preloading " in line[2]
+
+
+def test_an_engine_in_the_script_gets_a_command_that_works(
+    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
+) -> None:
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0: nothing to preload from inside; the plugin says
+    so with the launcher's command, which is then run as pasted."""
+    env = plain_environment(tmp_path, plugin_path, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # where pip put vllm-cpu-launch
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    with offline_script(offline_command(vllm_env, tiny_model), first, env) as script:
+        log = wait_for_text(first / "server.log", "start it with: ", script)
+    ((_, level, text),) = plugin_lines(log)
+    assert level == "WARNING" and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in text
+    command = shlex.split(text.split("start it with: ", 1)[1])
+    assert command[:3] == ["vllm-cpu-launch", "exec", "--"]
+    with offline_script(command, second, env) as fixed:
+        wait_for_text(second / "server.log", GENERATED, fixed)
+        code, report = verify_pid(fixed.pid)
+        fixed.stdin.close()  # type: ignore[union-attr]
+        assert fixed.wait(timeout=STOP_LIMIT_S) == 0
+    assert code == 0, report
+    (process,) = report["processes"][:1]
+    assert process["role"] == "api-server" and process["verdict"] == "ok", report
+    assert plugin_lines((second / "server.log").read_text(encoding="utf-8")) == []
+
+
+# ---------------------------------------------------------------- a headless node
+
+
+def test_a_headless_data_parallel_node_gets_it_too(
+    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
+) -> None:
+    started: list[Server] = []
+    try:
+        pair = start_cluster(
+            "data-parallel", vllm_env, tiny_model, tmp_path, started, plugin=plugin_path
+        )
+        wait_for_health(pair.primary, CLUSTER_STARTUP_LIMIT_S)
+        for role, server in pair.nodes.items():
+            models = model_processes(tree_views(server))
+            assert any(v.title.startswith("VLLM::EngineCore") for v in models), role
+            assert [str(v) for v in models if not v.maps_iomp()] == [], role
+            code, report = verify(server)
+            assert code == 0, (role, report)
+            assert SD_WARNING not in server.log_text(), f"{role}\n{tail(server)}"
+            assert len(plugin_lines(server.log_text())) == 1, role
+        assert complete(pair.primary)["usage"]["completion_tokens"] == MAX_TOKENS
+    finally:
+        for server in started:
+            kill_session(server)

@@ -1,0 +1,264 @@
+"""vLLM's plugin (vllm_cpu_launch/plugin.py): what it decides, where vLLM cannot be real here.
+
+The real vLLM CPU build loads the plugin in tests/e2e/test_plugin.py. Here a stand-in
+`vllm.platforms` (a file on disk, with vLLM's interface: `current_platform.is_cpu()` and
+the classmethod `check_and_update_config(vllm_config)`) stands for the cases this machine
+cannot be: a CUDA platform, and the ones that are cheaper to reach without starting vLLM.
+Each case runs in a fresh interpreter, as each vLLM process is one; the plugin is the one
+installed in this venv (its entry point, as vLLM finds it), and the library it finds is
+the real libiomp5.so the intel-openmp wheel put into this venv.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import clean_environ
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_VARIABLE
+from vllm_cpu_launch.plugin import in_process_message, one_worker, standing_down
+
+PLATFORMS = """\
+import os
+
+
+class Platform:
+    device = {device!r}
+
+    def is_cpu(self):
+        if self.device == "broken":
+            raise RuntimeError("a platform that fails")
+        return self.device == "cpu"
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config):
+        # vLLM decides its children's LD_PRELOAD here: record what it sees.
+        vllm_config.seen.append(os.environ.get("LD_PRELOAD"))
+        return "vLLM's own result"
+
+
+current_platform = Platform()
+"""
+# What vLLM does in a process: load the plugin (more than once, as several entry points
+# may), then build configurations, each calling check_and_update_config.
+HARNESS = """\
+import json, logging, os, sys, types
+from importlib.metadata import entry_points
+
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append([record.levelname, record.getMessage()])
+vllm_logger = logging.getLogger("vllm")
+vllm_logger.addHandler(Keep())
+vllm_logger.setLevel(logging.DEBUG)
+
+(plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_cpu_launch"]
+register = plugin.load()
+register()
+register()
+from vllm.platforms import current_platform
+
+case = json.loads(sys.argv[1])
+config = types.SimpleNamespace(seen=[])
+if case["sd"]:
+    config.speculative_config = types.SimpleNamespace(method="ngram")
+else:
+    config.speculative_config = None
+if case.get("parallel", True):
+    config.parallel_config = types.SimpleNamespace(
+        tensor_parallel_size=case.get("tp", 1), pipeline_parallel_size=1, data_parallel_size=1
+    )
+results = [type(current_platform).check_and_update_config(config) for _ in range(2)]
+wrapped = getattr(type(current_platform).check_and_update_config, "_vllm_cpu_launch_wrapped", False)
+names = ("LD_PRELOAD", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_LAUNCH_PLANNED")
+print(json.dumps({
+    "results": results,
+    "seen": config.seen,
+    "wrapped": wrapped,
+    "env": {name: os.environ.get(name) for name in names},
+    "records": records,
+}))
+"""
+LIBRARY = str(Path(sys.prefix) / "lib" / "libiomp5.so")
+PREFIX = "vllm-cpu-launch plugin: "
+
+
+def run_vllm_process(
+    tmp_path: Path,
+    variables: dict[str, str] | None = None,
+    *,
+    device: str = "cpu",
+    sd: bool = True,
+    case: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One vLLM process (the stand-in platform `device`, a configuration with SD or not,
+    and `case`'s parallel settings) with the plugin; what happened."""
+    package = tmp_path / "standin" / "vllm"
+    (package / "platforms").mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "platforms" / "__init__.py").write_text(PLATFORMS.format(device=device))
+    environ = clean_environ(tmp_path, **(variables or {}))
+    environ["PYTHONPATH"] = f"{package.parent}:{environ['PYTHONPATH']}"
+    completed = subprocess.run(
+        [sys.executable, "-c", HARNESS, json.dumps({"sd": sd, **(case or {})})],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    outcome: dict[str, Any] = json.loads(completed.stdout)
+    assert outcome["results"] == ["vLLM's own result"] * 2
+    return outcome
+
+
+def said(outcome: dict[str, Any], level: str) -> list[str]:
+    return [text for kind, text in outcome["records"] if kind == level]
+
+
+def test_the_entry_point_is_installed_as_vllm_looks_for_it() -> None:
+    (plugin,) = [
+        e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_cpu_launch"
+    ]
+    assert plugin.value == "vllm_cpu_launch.plugin:register"
+
+
+def test_sd_preloads_intel_openmp_before_vllm_decides(tmp_path: Path) -> None:
+    outcome = run_vllm_process(tmp_path)
+    assert outcome["wrapped"]
+    assert outcome["seen"] == [LIBRARY, LIBRARY]  # both calls: vLLM sees it, once added
+    assert outcome["env"]["LD_PRELOAD"] == LIBRARY and outcome["env"]["KMP_BLOCKTIME"] == "5"
+    assert outcome["env"][PLANNED_VARIABLE] is None  # LD_PRELOAD shows the choice
+    (line,) = said(outcome, "INFO")  # once, though vLLM built two configurations
+    assert line.startswith(f"{PREFIX}speculative decoding requested by vLLM's speculative_config")
+    assert f"preloading {LIBRARY} (intel, from vllm-environment)" in line
+
+
+def test_without_sd_the_children_get_what_vllm_makes(tmp_path: Path) -> None:
+    outcome = run_vllm_process(tmp_path, sd=False)
+    assert outcome["seen"] == [None, None]
+    assert set(outcome["env"].values()) == {None}
+    (line,) = said(outcome, "INFO")
+    assert "no speculative decoding requested" in line
+
+
+@pytest.mark.parametrize("device", ["cuda", "broken"])
+def test_another_platform_is_left_alone(tmp_path: Path, device: str) -> None:
+    outcome = run_vllm_process(tmp_path, device=device)
+    assert not outcome["wrapped"] and outcome["seen"] == [None, None]
+    assert set(outcome["env"].values()) == {None}
+    warnings = said(outcome, "WARNING")
+    if device == "broken":  # the platform's own failure is said, not raised into vLLM
+        assert len(warnings) == 1 and "a platform that fails" in warnings[0]
+    else:
+        assert warnings == [] and said(outcome, "INFO") == []
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"LD_PRELOAD": "/torch/lib/libgomp.so.1"},  # an engine core or worker vLLM started
+        {"LD_PRELOAD": LIBRARY},  # started by the launcher (or by hand) with Intel OpenMP
+        {PLANNED_VARIABLE: "launcher"},  # the launcher kept libgomp here
+        {PLUGIN_VARIABLE: "0"},
+        {PLUGIN_VARIABLE: "off"},
+        {"VLLM_PLUGINS": "vllm_cpu_launch", PLUGIN_VARIABLE: "false"},
+    ],
+)
+def test_where_a_choice_was_made_or_it_is_switched_off_it_wraps_nothing(
+    tmp_path: Path, variables: dict[str, str]
+) -> None:
+    outcome = run_vllm_process(tmp_path, variables)
+    assert not outcome["wrapped"] and outcome["records"] == []
+    assert outcome["seen"] == [variables.get("LD_PRELOAD")] * 2
+
+
+def test_the_config_file_switch(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("plugin: off\n")
+    outcome = run_vllm_process(tmp_path, {"VLLM_CPU_LAUNCH_CONFIG": str(config)})
+    assert outcome["seen"] == [None, None]
+    (line,) = said(outcome, "INFO")
+    assert line == f"{PREFIX}switched off (plugin: off, from {config}); vLLM unchanged"
+
+
+def test_iomp_never_keeps_libgomp_and_marks_it(tmp_path: Path) -> None:
+    outcome = run_vllm_process(tmp_path, {"VLLM_CPU_LAUNCH_IOMP": "never"})
+    assert outcome["seen"] == [None, None]
+    assert outcome["env"][PLANNED_VARIABLE] == "plugin"
+    (line,) = said(outcome, "INFO")
+    assert line.startswith(f"{PREFIX}--iomp never; vLLM's engine processes start unchanged")
+
+
+def test_a_broken_config_is_said_and_vllm_goes_on(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("iomp: sometimes\n")
+    outcome = run_vllm_process(tmp_path, {"VLLM_CPU_LAUNCH_CONFIG": str(config)})
+    assert outcome["seen"] == [None, None]
+    (warning,) = said(outcome, "WARNING")
+    assert str(config) in warning and "'sometimes' is not one of auto, always, never" in warning
+
+
+def test_a_configuration_it_cannot_read_is_said_and_vllm_goes_on(tmp_path: Path) -> None:
+    outcome = run_vllm_process(tmp_path, case={"parallel": False})
+    assert outcome["seen"] == [None, None]
+    (warning,) = said(outcome, "WARNING")
+    assert warning.startswith(f"{PREFIX}could not plan (AttributeError(")
+
+
+def test_an_engine_in_this_process_is_said_once_with_the_launcher_command(
+    tmp_path: Path,
+) -> None:
+    outcome = run_vllm_process(tmp_path, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert outcome["seen"] == [None, None] and set(outcome["env"].values()) == {None}
+    (warning,) = said(outcome, "WARNING")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in warning
+    assert f"start it with: vllm-cpu-launch exec -- {sys.executable} -c " in warning
+
+
+def test_in_process_message_quotes_the_command() -> None:
+    message = in_process_message("x", ["/venv/bin/python", "/venv/bin/vllm", "serve", "a b"])
+    assert message.endswith(
+        "start it with: vllm-cpu-launch exec -- /venv/bin/python /venv/bin/vllm serve 'a b'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "machine", "reason"),
+    [
+        ({}, "x86_64", None),
+        ({"LD_PRELOAD": "/x/libtcmalloc.so.4"}, "x86_64", None),  # no OpenMP runtime named
+        ({PLUGIN_VARIABLE: "1"}, "x86_64", None),
+        ({}, "aarch64", "this host is aarch64, not x86-64"),
+        ({}, "ppc64le", "this host is ppc64le, not x86-64"),
+        ({"LD_PRELOAD": "/l/libomp.so.5"}, "x86_64", "LD_PRELOAD names an OpenMP runtime"),
+        ({PLUGIN_VARIABLE: "no"}, "x86_64", f"switched off by {PLUGIN_VARIABLE}=no"),
+    ],
+)
+def test_standing_down(environ: dict[str, str], machine: str, reason: str | None) -> None:
+    found = standing_down(environ, machine)
+    assert found == reason if reason is None else found is not None and reason in found
+
+
+@pytest.mark.parametrize(
+    ("sizes", "single"),
+    [((1, 1, 1, 1), True), ((2, 1, 1, 1), False), ((1, 2, 1, 1), False), ((1, 1, 2, 1), False)],
+)
+def test_one_worker_reads_vllms_parallel_config(sizes: tuple[int, ...], single: bool) -> None:
+    tp, pp, dp, nodes = sizes
+
+    class Parallel:
+        tensor_parallel_size, pipeline_parallel_size, data_parallel_size, nnodes = tp, pp, dp, nodes
+
+    class Config:
+        parallel_config = Parallel()
+
+    assert one_worker(Config()) is single

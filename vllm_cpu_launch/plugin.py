@@ -1,0 +1,223 @@
+"""vLLM's general plugin: the launcher's plan for every vLLM start on CPU, with no change
+to the command (`vllm serve`, `python -m vllm.entrypoints...`, `LLM(...)`, `vllm bench`).
+
+vLLM loads the entry points of the group `vllm.general_plugins` in every process it starts
+(the front end, the engine core, each worker, a helper subprocess) and calls them
+unguarded: an exception here would kill vLLM. So `register` never raises, does its work
+once, and in every process but the front end stops after reading two variables.
+
+The hook (docs/design.md, "The plugin"): in the front end, `register` wraps the CPU
+platform's `check_and_update_config`. vLLM calls it from `VllmConfig.__post_init__` with
+the resolved configuration, whatever the entry point, and it is there that vLLM decides
+what its children preload: it appends torch's libgomp to LD_PRELOAD unless an OpenMP
+runtime is named there, and forces the `spawn` start method, so the engine core and the
+workers are new processes that load what LD_PRELOAD names when they start. Just before
+vLLM's own code runs, the wrapper applies the launcher's plan to `os.environ`. The front
+end itself keeps the runtime torch loaded at import; only `vllm-cpu-launch` (an exec)
+can change that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from vllm_cpu_launch.handoff import PLUGIN_VARIABLE, already_planned
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+    from typing import Any
+
+    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.speculative import SpeculativeRequest
+
+# A child of vLLM's "vllm" logger: the plugin's lines come out in vLLM's own log format.
+logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
+PREFIX = "vllm-cpu-launch plugin: "
+# Set on the wrapper, so that a second register() in the same process wraps nothing.
+WRAPPED = "_vllm_cpu_launch_wrapped"
+IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp on x86 only, as the launcher does
+
+# Whether this process has registered, and decided, already: vLLM loads plugins once per
+# process, but other code may call register() again, and vLLM may build several configs.
+registered = False
+decided = False
+
+
+def register() -> None:
+    """The entry point vLLM calls in each of its processes; never raises into vLLM."""
+    global registered
+    if registered:
+        return
+    registered = True
+    try:
+        reason = standing_down(os.environ, os.uname().machine)
+        if reason is None:
+            install_hook()
+    except Exception as error:  # a bug here must not stop vLLM
+        logger.warning("%scould not install its hook (%r); vLLM runs without it", PREFIX, error)
+
+
+def standing_down(environ: Mapping[str, str], machine: str) -> str | None:
+    """Why this process needs no hook, from what costs nothing to read; None if it may.
+
+    Every process vLLM starts inherits LD_PRELOAD with an OpenMP runtime in it (vLLM's
+    libgomp or the plan's libiomp5), so they all stop here.
+    """
+    if PLUGIN_VARIABLE in environ:
+        from vllm_cpu_launch.settings import FALSE_WORDS  # only where the switch is set
+
+        if environ[PLUGIN_VARIABLE].lower() in FALSE_WORDS:
+            return f"switched off by {PLUGIN_VARIABLE}={environ[PLUGIN_VARIABLE]}"
+    planned = already_planned(environ)
+    if planned:
+        return planned
+    if machine not in IOMP_MACHINES:
+        return f"this host is {machine}, not x86-64"
+    return None
+
+
+def install_hook() -> None:
+    """Wrap the CPU platform's check_and_update_config; on another platform, nothing."""
+    from vllm.platforms import current_platform  # resolved already when vLLM loads plugins
+
+    if not current_platform.is_cpu():
+        return
+    wrap_check_and_update_config(type(current_platform))
+
+
+def wrap_check_and_update_config(platform_class: Any) -> None:
+    """Make the class's check_and_update_config apply the plan first, once per class."""
+    original = platform_class.check_and_update_config
+    if getattr(original, WRAPPED, False):
+        return
+    vllm_code: Callable[..., Any] = original.__func__  # a classmethod, bound to the class
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> Any:
+        apply_plan(vllm_config)
+        return vllm_code(cls, vllm_config)
+
+    setattr(check_and_update_config, WRAPPED, True)
+    check_and_update_config.__doc__ = vllm_code.__doc__
+    platform_class.check_and_update_config = classmethod(check_and_update_config)
+
+
+def apply_plan(vllm_config: Any) -> None:
+    """Plan for this configuration and put the plan into os.environ; never raises."""
+    global decided
+    if decided or already_planned(os.environ):
+        return
+    decided = True
+    try:
+        plan_and_apply(vllm_config)
+    except Exception as error:  # a bug here must not stop vLLM
+        logger.warning("%scould not plan (%r); vLLM starts as it would without it", PREFIX, error)
+
+
+def plan_and_apply(vllm_config: Any) -> None:
+    """The launcher's plan for the engine this configuration describes, put into
+    os.environ, which vLLM's engine core and workers inherit."""
+    from vllm_cpu_launch.errors import LaunchError
+    from vllm_cpu_launch.settings import load_settings
+
+    environ = os.environ
+    try:
+        settings = load_settings({}, environ)
+    except LaunchError as error:
+        logger.warning("%s%s; vLLM starts as it would without the plugin", PREFIX, error.message)
+        return
+    if not settings.plugin:
+        where = ", ".join(settings.config_files) or "the environment"
+        logger.info("%sswitched off (plugin: off, from %s); vLLM unchanged", PREFIX, where)
+        return
+    speculative = speculative_request(vllm_config)
+    if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        if speculative.requested:
+            source = speculative.source or ""
+            logger.warning("%s%s", PREFIX, in_process_message(source, sys.orig_argv))
+        return
+    plan = engine_plan(vllm_config, speculative, settings)
+    for warning in plan.warnings:
+        logger.warning("%s%s", PREFIX, warning)
+    if settings.strict and (plan.missing or plan.unsafe):
+        logger.error("%sstrict is set, but a plugin cannot stop vLLM: see above", PREFIX)
+    environ.update(plan.env)
+    logger.info("%s%s", PREFIX, summary(plan))
+
+
+def speculative_request(vllm_config: Any) -> SpeculativeRequest:
+    """SD as vLLM resolved it: whatever spelling, file, or speculators model asked for it."""
+    from vllm_cpu_launch.speculative import SpeculativeRequest
+
+    config = getattr(vllm_config, "speculative_config", None)
+    if config is None:
+        return SpeculativeRequest(False)
+    method = getattr(config, "method", None)
+    return SpeculativeRequest(True, f"vLLM's speculative_config (method {method})")
+
+
+def one_worker(vllm_config: Any) -> bool:
+    """One worker on one node, as vLLM's parallel config says (the map measured that)."""
+    parallel = vllm_config.parallel_config
+    sizes = (
+        parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size,
+        parallel.data_parallel_size,
+        getattr(parallel, "nnodes", 1),
+    )
+    return all(size == 1 for size in sizes)
+
+
+def engine_plan(vllm_config: Any, speculative: SpeculativeRequest, settings: Settings) -> Plan:
+    """The launcher's plan (plan.build_plan) for the vLLM running in this interpreter."""
+    from vllm_cpu_launch.launch import current_host
+    from vllm_cpu_launch.plan import build_plan
+    from vllm_cpu_launch.target import Target
+
+    # The interpreter is what runs the server (the trust rule's program); a script it runs
+    # is the user's own code, already running.
+    target = Target(
+        executable=sys.executable,
+        found_via="plugin",
+        interpreter=sys.executable,
+        prefix=sys.prefix,
+        evidence="the interpreter vLLM runs in",
+        runner=sys.executable,
+    )
+    return build_plan(
+        settings,
+        (),
+        speculative,
+        target,
+        current_host(),
+        speculative.requested,
+        one_worker=one_worker(vllm_config),
+        planner="plugin",
+    )
+
+
+def summary(plan: Plan) -> str:
+    """The launcher's INFO line, for what the engine core and workers will start with."""
+    from vllm_cpu_launch.plan import summary_line
+
+    unchanged = "vLLM's engine processes start unchanged"
+    line = summary_line(plan, unchanged)
+    if line.endswith(unchanged):
+        return line
+    return f"{line} (for the engine core and workers; this process keeps its own runtime)"
+
+
+def in_process_message(source: str, orig_argv: Sequence[str]) -> str:
+    """Said once when the engine runs in the front end, whose runtime nothing can change
+    now: the launcher's exec sets LD_PRELOAD before the process starts."""
+    import shlex
+
+    command = shlex.join(["vllm-cpu-launch", "exec", "--", *orig_argv])
+    return (
+        f"speculative decoding requested ({source}), but the engine runs in this process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), which loaded its OpenMP runtime when it "
+        f"started: Intel OpenMP cannot be preloaded from here; start it with: {command}"
+    )
