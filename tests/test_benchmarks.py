@@ -7,6 +7,7 @@ only that the scripts complete, compare their configurations and report the rati
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -138,3 +139,21 @@ def test_importtime_lines_are_parsed() -> None:
         "unrelated line\n"
     )
     assert bench_overhead.parse_importtime(stderr) == [("enum", 100, 100, 1), ("re", 300, 400, 0)]
+
+
+@pytest.mark.skipif(os.environ.get(SKIP_E2E) == "1", reason=f"{SKIP_E2E}=1 skips real vLLM")
+def test_bench_plugin_times_each_kind_of_vllm_process(
+    tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
+    # Imports the real vLLM twice (a minute): it belongs with the real-vLLM e2e tests.
+    if e2e_ignored(pytestconfig):
+        pytest.skip("tests/e2e is ignored in this run, so is this real-vLLM smoke test")
+    kept = tmp_path / "samples.json"
+    output = run_script("bench_plugin.py", "--rounds", "1", "--json", str(kept), limit_s=1200)
+    samples = json.loads(kept.read_text(encoding="utf-8"))
+    assert set(samples) == {"front-end", "engine-or-worker"}
+    assert set(samples["front-end"][0]) == {"vllm", "load", "register", "hook", "LD_PRELOAD"}
+    assert "libiomp5" in samples["front-end"][0]["LD_PRELOAD"]  # the hook planned, for real
+    for role in samples:
+        assert f"ratio plugin-{role} (plugin / import vllm, {role}, median of 1" in output
+    assert "rerun: cd " in output and "bench_plugin.py --rounds 1" in output

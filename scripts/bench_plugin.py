@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""What vLLM's plugin (vllm_cpu_launch/plugin.py) adds to each vLLM process it runs in.
+
+vLLM loads the plugin in every process it starts. This script starts fresh interpreters
+of the real vLLM CPU environment, each as one kind of vLLM process, and times, in the
+process, the steps the plugin adds to vLLM's own start:
+
+- `load`: importing the plugin's module (what vLLM's `entry_point.load()` does);
+- `register`: the call vLLM makes; in an engine core or worker (started with vLLM's
+  libgomp or the plan's libiomp5 in LD_PRELOAD) it stands down at once; in the front end
+  it checks the platform and wraps `check_and_update_config`;
+- `hook` (front end only): the plan for vLLM's resolved configuration of the tiny model
+  with ngram SD (settings, library search, map rules), applied to os.environ.
+
+Each is compared with `import vllm` (and resolving its platform) timed in the same
+process: the ratio is the plugin's share of what vLLM itself costs there. The kinds of
+process are interleaved, the order rotated every round; medians and quartiles over rounds.
+The plugin is installed into a temporary directory by the vLLM environment's own pip, as
+the end-to-end tests do. A CUDA vLLM runs `load` and the first half of `register` (the
+environment test and `current_platform.is_cpu()`), so the front end's figures bound it.
+
+Prints a table and `ratio ...` lines, then the command to rerun. Exit codes: 0 measured,
+1 a set-up step or a measured process failed (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench_stats import REPO, interleaved, quartiles, ratio_line, rerun_line
+from script_cli import ScriptError, checked_output, exit_code, last_line, narrator
+from vllm_env import prepare_env
+from vllm_server import SPECULATIVE_CONFIG, make_model_command
+
+ROLES = ("front-end", "engine-or-worker")
+STEPS = {"front-end": ("load", "register", "hook"), "engine-or-worker": ("load", "register")}
+PROCESS_LIMIT_S = 600
+INSTALL_LIMIT_S = 600
+RESULT = "RESULT "
+# One vLLM process: import vLLM as every vLLM process does, then (front end) build vLLM's
+# configuration with no plugin loaded, as before the hook runs; then the plugin's steps.
+PROCESS = r"""
+import json, os, sys, time
+role, model, speculative = sys.argv[1:4]
+started = time.perf_counter()
+import vllm
+from vllm.platforms import current_platform
+current_platform.is_cpu()
+result = {"vllm": time.perf_counter() - started}
+config = None
+if role == "front-end":
+    from vllm.engine.arg_utils import EngineArgs
+    engine = EngineArgs(model=model, speculative_config=json.loads(speculative), max_model_len=256)
+    config = engine.create_engine_config()
+    os.environ.pop("LD_PRELOAD", None)  # vLLM added its libgomp for the children just now
+from importlib.metadata import entry_points
+(entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_cpu_launch"]
+started = time.perf_counter()
+register = entry.load()
+loaded = time.perf_counter()
+register()
+result.update(load=loaded - started, register=time.perf_counter() - loaded)
+if config is not None:
+    from vllm_cpu_launch import plugin
+    started = time.perf_counter()
+    plugin.apply_plan(config)
+    result["hook"] = time.perf_counter() - started
+    result["LD_PRELOAD"] = os.environ.get("LD_PRELOAD")
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+say = narrator("bench_plugin")
+
+
+def install_plugin(vllm_env: Path, target: Path) -> None:
+    """This checkout, installed by the vLLM environment's pip into target (for PYTHONPATH)."""
+    command = [str(vllm_env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps"]
+    checked_output(
+        [*command, "--target", str(target), str(REPO)], "installing the plugin", INSTALL_LIMIT_S
+    )
+
+
+def torch_libgomp(vllm_env: Path) -> str:
+    """The libgomp vLLM preloads into its children: torch's own (vllm/platforms/cpu.py)."""
+    found = sorted(vllm_env.glob("lib/python3.*/site-packages/torch/lib/libgomp*.so*"))
+    if not found:
+        raise ScriptError(f"no torch libgomp under {vllm_env}")
+    return str(found[0])
+
+
+def measure_once(
+    vllm_env: Path, role: str, model: Path, environ: dict[str, str]
+) -> dict[str, float]:
+    """One fresh vLLM process of the role; its timings in seconds."""
+    command = [str(vllm_env / "bin" / "python"), "-c", PROCESS, role, str(model)]
+    output = checked_output(
+        [*command, SPECULATIVE_CONFIG], f"a {role} process", PROCESS_LIMIT_S, env=environ
+    )
+    lines = [line for line in output.splitlines() if line.startswith(RESULT)]
+    if not lines:
+        raise ScriptError(f"a {role} process printed no result")
+    result: dict[str, float] = json.loads(lines[-1][len(RESULT) :])
+    if role == "front-end" and "libiomp5" not in str(result.get("LD_PRELOAD")):
+        raise ScriptError(f"the hook did not plan libiomp5: LD_PRELOAD={result.get('LD_PRELOAD')}")
+    return result
+
+
+def summary(samples: dict[str, list[dict[str, float]]]) -> list[str]:
+    """A table of milliseconds per role and step, and the plugin's share of vLLM's import."""
+    lines = [f"{'process':<18}{'step':<10}{'median ms':>10}  {'quartiles ms':>17}"]
+    ratios = []
+    for role, runs in samples.items():
+        for step in (*STEPS[role], "vllm"):
+            q1, q2, q3 = quartiles([run[step] * 1000 for run in runs])
+            lines.append(f"{role:<18}{step:<10}{q2:>10.2f}  {q1:>8.2f}-{q3:<8.2f}")
+        shares = [sum(run[s] for s in STEPS[role]) / run["vllm"] for run in runs]
+        q1, q2, q3 = quartiles(shares)
+        what = f"plugin / import vllm, {role}, median of {len(runs)} (quartiles {q1:.5f}-{q3:.5f})"
+        ratios.append(ratio_line(f"plugin-{role}", what, q2, digits=5))
+    return [*lines, "", *ratios]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=5, help="default: %(default)s")
+    parser.add_argument("--json", type=Path, help="also write every sample here")
+    return parser.parse_args(argv)
+
+
+def run(arguments: argparse.Namespace, argv: Sequence[str]) -> None:
+    if arguments.rounds < 1:
+        raise ScriptError("--rounds must be at least 1")
+    vllm_env = prepare_env()
+    with tempfile.TemporaryDirectory(prefix="bench-plugin-") as scratch_name:
+        scratch = Path(scratch_name)
+        say("installing the plugin and making the tiny model")
+        install_plugin(vllm_env, scratch / "plugins")
+        model = Path(last_line(make_model_command(vllm_env, scratch / "model"), "model", 300))
+        base = {
+            **os.environ,
+            "PYTHONPATH": str(scratch / "plugins"),
+            "VLLM_PLUGINS": "",  # vLLM loads none itself: each step is timed by hand
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
+            "XDG_CONFIG_HOME": str(scratch / "config"),
+        }
+        for name in ("LD_PRELOAD", "VLLM_CPU_LAUNCH_PLANNED", "VLLM_CPU_LAUNCH_PLUGIN"):
+            base.pop(name, None)
+        environments = {
+            "front-end": base,
+            "engine-or-worker": {**base, "LD_PRELOAD": torch_libgomp(vllm_env)},
+        }
+        samples: dict[str, list[dict[str, float]]] = {role: [] for role in ROLES}
+        for round_index, role in interleaved(ROLES, arguments.rounds):
+            say(f"round {round_index + 1}/{arguments.rounds}: {role}")
+            samples[role].append(measure_once(vllm_env, role, model, environments[role]))
+    print("\n".join(summary(samples)))
+    if arguments.json:
+        arguments.json.write_text(json.dumps(samples, indent=2) + "\n", encoding="utf-8")
+    print(rerun_line("bench_plugin.py", argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    arguments = parse_args(argv)
+    return exit_code("bench_plugin", lambda: run(arguments, argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
