@@ -288,6 +288,35 @@ def test_config_files_in_effect_and_a_bad_one(tmp_path: Path, vllm_env: Path) ->
     assert "settings-error" in ids(report)
 
 
+def test_a_broken_config_file_keeps_the_options_and_variables(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """A config error leaves out only what is broken: --vllm and good variables apply."""
+    config = tmp_path / "launcher.yaml"
+    config.write_text("# launcher settings\niomp: always\nkmp-blocktime: [5\n")  # unclosed [
+    vllm = vllm_env / "bin" / "vllm"
+    variables = {
+        "PATH": "/usr/bin:/bin",  # no other vLLM to fall back on
+        "VLLM_CPU_LAUNCH_TCMALLOC": "never",
+        "VLLM_CPU_LAUNCH_IOMP": "sometimes",
+    }
+    args = ["--vllm", str(vllm), "--launcher-config", str(config)]
+    _, report = doctor(tmp_path, *args, env=variables)
+    assert report["vllm"]["found"] is True and report["vllm"]["executable"] == str(vllm)
+    values = report["settings"]["values"]
+    assert values["vllm"] == str(vllm) and values["tcmalloc"] == "never"
+    assert values["iomp"] == "auto"  # neither the broken file's nor the broken variable's
+    error = report["settings"]["error"]
+    assert f"{config}: invalid YAML" in error, error
+    assert "VLLM_CPU_LAUNCH_IOMP: 'sometimes' is not one of" in error, error
+    assert report["settings"]["files"] == []
+    assert "settings-error" in ids(report) and "vllm-not-found" not in ids(report)
+    text = run_launcher([*args, "doctor"], clean_environ(tmp_path, **variables))
+    assert text.returncode == 0, text.stderr
+    assert f"vLLM       {vllm} (found via --vllm)" in text.stdout.splitlines()
+    assert f"  error    {error}" in text.stdout.splitlines()
+
+
 def test_human_form(tmp_path: Path, vllm_env: Path) -> None:
     result = run_launcher(
         ["--vllm", str(vllm_env / "bin" / "vllm"), "doctor"],

@@ -16,6 +16,9 @@ from vllm_cpu_launch.records import record
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 MODES = ("auto", "always", "never")
 SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
@@ -216,8 +219,26 @@ def read_config_file(path: str) -> dict[str, object]:
     return values
 
 
-def load_settings(options: Mapping[str, object], environ: Mapping[str, str]) -> Settings:
-    """Merge the layers. `options` maps setting keys (and "config") to raw option values."""
+def salvage(errors: list[str] | None, read: Callable[..., T], *args: object) -> T | None:
+    """read(*args); when `errors` collects them, a failure is kept there and gives None."""
+    if errors is None:
+        return read(*args)
+    try:
+        return read(*args)
+    except LaunchError as error:
+        errors.append(error.message)
+        return None
+
+
+def load_settings(
+    options: Mapping[str, object], environ: Mapping[str, str], errors: list[str] | None = None
+) -> Settings:
+    """Merge the layers. `options` maps setting keys (and "config") to raw option values.
+
+    With `errors` (doctor's), a broken file, variable or option is left out and its message
+    kept there instead of raised: what is not broken still applies, so a config error
+    does not lose an explicit --vllm.
+    """
     explicit_config = options.get("config") or environ.get(CONFIG_VARIABLE)
     if explicit_config is not None and not isinstance(explicit_config, str):
         raise fail("--launcher-config", "needs a file name")
@@ -228,17 +249,19 @@ def load_settings(options: Mapping[str, object], environ: Mapping[str, str]) -> 
     for path in files:
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
-        content = read_config_file(path)
+        content = salvage(errors, read_config_file, path)
+        if content is None:
+            continue
         if "iomp" in content:
             tuned = content.get("tuned")
         content.pop("tuned", None)
         values.update(content)
         read.append(path)
     for key, (option, variable, parse) in KEYS.items():
-        if variable in environ:
-            values[key] = parse(environ[variable], variable)
-        if key in options:
-            values[key] = parse(options[key], option)
+        for layer, name, where in ((environ, variable, variable), (options, key, option)):
+            value = salvage(errors, parse, layer[name], where) if name in layer else None
+            if value is not None:
+                values[key] = value
     # A tuned config value is a config value: an option or variable that sets iomp wins,
     # and a record whose choice was edited since no longer explains it.
     overridden = "iomp" in options or KEYS["iomp"][1] in environ

@@ -62,15 +62,13 @@ def build_report(
     from vllm_cpu_launch.libraries import find_library
     from vllm_cpu_launch.places import IOMP, TCMALLOC
     from vllm_cpu_launch.plan import target_trust
-    from vllm_cpu_launch.settings import Settings, load_settings
+    from vllm_cpu_launch.settings import load_settings
     from vllm_cpu_launch.target import resolve_vllm
 
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
-    settings_error = None
-    try:
-        settings = load_settings(options, environ)
-    except LaunchError as error:
-        settings, settings_error = Settings(), error.message
+    errors: list[str] = []  # a broken layer is left out; the others still apply
+    settings = load_settings(options, environ, errors)
+    settings_error = "; ".join(errors) or None
     target: Target | None = None
     target_error = None
     try:
