@@ -76,6 +76,35 @@ def test_explicit_library_that_fails_validation_exits_2(tmp_path: Path, vllm_env
     assert_one_error(result, 2, str(text_file), "not an ELF file")
 
 
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("libiompstubs5.so", "serial stub library"), ("libiomp5_db.so", "not an OpenMP runtime")],
+)
+def test_intel_stub_or_debugger_library_is_refused(
+    tmp_path: Path, vllm_env: Path, real_iomp: Path, name: str, reason: str
+) -> None:
+    """The intel-openmp wheel's other `libiomp` files are an error as --iomp-path."""
+    shipped = real_iomp.parent / name
+    result = launcher(tmp_path, ["--iomp-path", str(shipped), *sd_launch(vllm_env)])
+    assert_one_error(result, 2, f"iomp library {shipped} cannot be preloaded: ", reason)
+
+
+def test_intel_stub_in_ld_preload_gives_way_to_the_runtime(
+    tmp_path: Path, vllm_env: Path, real_iomp: Path
+) -> None:
+    """From LD_PRELOAD the stub is no candidate: a warning, and the real runtime goes
+    first. (libiomp5_db.so cannot be tried there: preloaded, no Python even starts.)"""
+    stub = real_iomp.parent / "libiompstubs5.so"
+    result = launcher(tmp_path, ["--dry-run", "--json", *sd_launch(vllm_env)], LD_PRELOAD=str(stub))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    runtime = str(vllm_env / "lib" / "libiomp5.so")
+    assert [p["path"] for p in plan["preload"]] == [runtime]
+    assert plan["env"]["LD_PRELOAD"] == f"{runtime}:{stub}"
+    (warning,) = (w for w in plan["warnings"] if str(stub) in w)
+    assert "no usable iomp library" in warning and "serial stub library" in warning
+
+
 def test_explicit_library_is_used(tmp_path: Path, vllm_env: Path, real_iomp: Path) -> None:
     result = launcher(
         tmp_path,

@@ -327,7 +327,7 @@ def render_text(plan: Plan) -> str:
     ]
     for index, p in enumerate(plan.preload):
         label = "preload:" if index == 0 else ""
-        flavor = f"{p.flavor}, " if p.flavor else "flavor unknown, " if p.kind == IOMP else ""
+        flavor = f"{p.flavor}, " if p.flavor else ""  # an iomp always has one (libraries.py)
         lines.append(f"{label:<12} {p.kind} {p.path} ({flavor}{p.origin})")
     if not plan.preload:
         lines.append("preload:     nothing")
