@@ -83,7 +83,11 @@ def missing_message(search: Search, target: Target, consequence: str) -> str:
     rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
     tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
     unsafe = next((c for c in search.candidates if c.fix), None)
-    fix = f"{unsafe.fix}  (then {unsafe.path} is trusted)" if unsafe else fix_hint(target)
+    fix = (
+        f"{unsafe.fix}  (then {unsafe.path} is trusted)"
+        if unsafe
+        else fix_hint(target, search.kind)
+    )
     return (
         f"{LIBRARY_TITLES[search.kind]} not found (searched {', '.join(search.places)}"
         f"{tried}); {consequence}. Fix: {fix}"
