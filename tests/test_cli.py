@@ -16,7 +16,7 @@ from vllm_cpu_launch import settings as settings_module
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.libraries import find_library
 from vllm_cpu_launch.places import TCMALLOC, Host
-from vllm_cpu_launch.settings import load_settings
+from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
 
 from .conftest import (
     DEB_CACHE,
@@ -308,6 +308,58 @@ def test_bad_config_file_names_file_and_key(
     config = write_config(tmp_path / "bad.yaml", text)
     result = launcher(tmp_path, ["--launcher-config", str(config), "serve", "m"])
     assert_one_error(result, 2, str(config), *parts)
+
+
+@pytest.mark.parametrize("written", ["00200", "0x10", "1_000", "5", "+5", "5ms", "'00200'"])
+def test_blocktime_in_a_config_file_means_what_the_option_means(
+    tmp_path: Path, vllm_env: Path, real_iomp: Path, written: str
+) -> None:
+    """YAML 1.1 reads 00200 as octal 128 and 0x10 as 16: a config file's kmp-blocktime is
+    the text written, so it sets (or is refused as) what the same option would, and
+    Intel's runtime reads the value set as the milliseconds the launcher took it for."""
+    config = write_config(
+        tmp_path / "launcher.yaml", f"# tuned by hand\nkmp-blocktime: {written}\n"
+    )
+    text = written.strip("'")
+    outcomes = []
+    for given in (["--launcher-config", str(config)], ["--kmp-blocktime", text]):
+        result = launcher(tmp_path, [*given, "--dry-run", "--json", *sd_launch(vllm_env)])
+        plan = json.loads(result.stdout) if result.returncode == 0 else {"env": {}}
+        line = result.stderr.replace(f"{config}: key 'kmp-blocktime'", "--kmp-blocktime")
+        outcomes.append((result.returncode, plan["env"].get("KMP_BLOCKTIME"), line))
+    assert outcomes[0] == outcomes[1]
+    code, blocktime, _ = outcomes[0]
+    assert (code, blocktime) == ((2, None) if text in ("0x10", "1_000", "+5") else (0, text))
+    if blocktime is not None:
+        runtime = f"import ctypes; print(ctypes.CDLL({str(real_iomp)!r}).kmp_get_blocktime())"
+        read = subprocess.run(
+            [sys.executable, "-c", runtime],
+            env=clean_environ(tmp_path, KMP_BLOCKTIME=blocktime),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        assert int(read.stdout) == blocktime_milliseconds(blocktime), read.stderr
+
+
+def test_vllm_in_a_config_file_is_absolute_after_home_or_a_name_on_path(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """`~` is expanded (no shell did it); a relative path is refused, naming file and key,
+    since each start would resolve it from its own directory; a bare name is a PATH lookup."""
+    home = tmp_path / "home"
+    shutil.copytree(vllm_env, home / "venv", symlinks=True)
+    path = f"{home / 'venv' / 'bin'}:/usr/bin:/bin"
+    for written, expected in (("~/venv/bin/vllm", 0), ("vllm", 0), ("venv/bin/vllm", 2)):
+        config = write_config(tmp_path / "launcher.yaml", f"vllm: {written}\niomp: always\n")
+        args = ["--launcher-config", str(config), "--dry-run", "--json", "serve", "m"]
+        result = run_launcher(args, clean_environ(tmp_path, PATH=path, HOME=str(home)))
+        if expected == 2:
+            assert_one_error(result, 2, f"{config}: key 'vllm': 'venv/bin/vllm' is relative")
+            continue
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["command"][0] == str(home / "venv" / "bin" / "vllm")
 
 
 def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:

@@ -175,6 +175,44 @@ KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
 CONFIG_ONLY_KEYS: dict[str, Callable[[object, str], object]] = {"tuned": parse_tuned}
 
 
+# Keys whose value in a config file is kept as the text written, not as YAML 1.1 types
+# it: `00200` (octal 128 to YAML), `0x10` or `1_000` mean to KMP_BLOCKTIME what they
+# mean as the option (200 ms, refused, refused), not 128 and 16 and 1000.
+WRITTEN_KEYS = ("kmp_blocktime",)
+# Keys that name a file.
+FILE_KEYS = ("iomp_path", "tcmalloc_path", "vllm")
+
+
+def config_file_path(value: object, where: str) -> object:
+    """A file named in a config file, as a shell would have passed it: `~` expanded
+    (YAML does not). A relative path is refused: each start would look for it from its
+    own working directory (a service's is not the operator's). A bare name (no slash)
+    is left to its key: `vllm: vllm` is looked up on PATH."""
+    if not isinstance(value, str):
+        return value
+    path = os.path.expanduser(value)
+    if os.sep in path and not os.path.isabs(path):
+        raise fail(
+            where,
+            f"{value!r} is relative: each start would look for it from its own working "
+            "directory; give an absolute path (~ is expanded)",
+        )
+    return path
+
+
+def written_scalars(document: object) -> dict[str, str]:
+    """The text of each top-level scalar value of a YAML document node, by key."""
+    import yaml
+
+    if not isinstance(document, yaml.MappingNode):
+        return {}
+    return {
+        str(key.value): value.value
+        for key, value in document.value
+        if isinstance(key, yaml.ScalarNode) and isinstance(value, yaml.ScalarNode)
+    }
+
+
 def user_config_path(environ: Mapping[str, str]) -> str | None:
     base = environ.get("XDG_CONFIG_HOME") or (
         os.path.join(environ["HOME"], ".config") if environ.get("HOME") else None
@@ -199,23 +237,33 @@ def read_config_file(path: str) -> dict[str, object]:
         raise fail(path, f"config file is not UTF-8 text (byte {error.start})") from None
     import yaml  # only when a config file exists: the exec path stays light
 
+    loader = yaml.SafeLoader(text)
     try:
-        content = yaml.safe_load(text)
+        document = loader.get_single_node()
+        content = None if document is None else loader.construct_document(document)
     except yaml.YAMLError as error:
         detail = " ".join(str(error).split())
         raise fail(path, f"invalid YAML: {detail}") from None
+    finally:
+        loader.dispose()
     if content is None:
         return {}
     if not isinstance(content, dict):
         raise fail(path, f"must be a mapping of settings, not {type(content).__name__}")
     values: dict[str, object] = {}
+    written = written_scalars(document)
     for key, value in content.items():
         name = str(key).replace("-", "_")
         parse = KEYS[name][2] if name in KEYS else CONFIG_ONLY_KEYS.get(name)
         if parse is None:
             allowed = ", ".join(k.replace("_", "-") for k in (*KEYS, *CONFIG_ONLY_KEYS))
             raise fail(path, f"unknown key {key!r}; allowed keys: {allowed}")
-        values[name] = parse(value, f"{path}: key {key!r}")
+        where = f"{path}: key {key!r}"
+        if name in WRITTEN_KEYS:
+            value = written.get(str(key), value)
+        if name in FILE_KEYS:
+            value = config_file_path(value, where)
+        values[name] = parse(value, where)
     return values
 
 
