@@ -69,6 +69,30 @@ def test_usage_errors_exit_2(
     assert_one_error(result, 2, *parts)
 
 
+@pytest.mark.parametrize(
+    ("verb", "after"),
+    [
+        ("doctor", []),
+        ("env", ["serve", "m"]),
+        ("verify", ["1"]),
+        ("systemd-unit", ["serve", "m"]),
+        ("exec", ["--", "true"]),
+        ("tune", ["serve", "m"]),
+    ],
+)
+def test_a_typo_in_a_verbs_options_names_the_verb_and_its_help(
+    tmp_path: Path, vllm_env: Path, verb: str, after: list[str]
+) -> None:
+    """`doctor --mesure` is no vLLM option put too early: it is unknown to doctor."""
+    vllm = str(vllm_env / "bin" / "vllm")
+    result = launcher(tmp_path, [verb, "--mesure", *after], VLLM_CPU_LAUNCH_VLLM=vllm)
+    message = f"unknown option '--mesure' for {verb}; see vllm-cpu-launch {verb} --help"
+    assert_one_error(result, 2, message)
+    assert "vLLM's options" not in result.stderr
+    helped = launcher(tmp_path, [verb, "--help"])
+    assert helped.returncode == 0 and f"usage: vllm-cpu-launch {verb}" in helped.stdout
+
+
 def test_bad_environment_variable_exits_2(tmp_path: Path, vllm_env: Path) -> None:
     result = launcher(
         tmp_path,

@@ -350,7 +350,7 @@ def test_measure_reports_why_it_cannot_run(tmp_path: Path, vllm_env: Path) -> No
     ("args", "message"),
     [
         (["doctor", "extra"], "doctor takes no arguments, got 'extra'"),
-        (["doctor", "--bogus"], "unknown launcher option '--bogus'"),
+        (["doctor", "--bogus"], "unknown option '--bogus' for doctor; see vllm-cpu-launch doctor"),
         (["doctor", "--dry-run"], "--dry-run does not apply"),
     ],
 )

@@ -285,7 +285,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
 
     valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, **ENV_OPTION}
-    more, rest = parse_options(args, valued, FLAG_OPTIONS, repeatable=("unit_env",))
+    more, rest = parse_options(
+        args, valued, FLAG_OPTIONS, repeatable=("unit_env",), verb="systemd-unit"
+    )
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())
@@ -305,7 +307,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     environment_lines(merged, DEFAULT_NAME)  # validates every --env before anything else
     warn_unseen_variables()
     if rest[0] == "exec":
-        exec_options, program_argv = parse_options(rest[1:])
+        exec_options, program_argv = parse_options(rest[1:], verb="systemd-unit")
         if not program_argv:
             raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
         merged.update(exec_options)

@@ -250,7 +250,7 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
 def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 
-    more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"})
+    more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"}, verb="doctor")
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())
