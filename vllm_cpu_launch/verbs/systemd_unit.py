@@ -56,7 +56,8 @@ the launcher OPTIONS given here and the vLLM command line, every word escaped as
 requires. Save it as /etc/systemd/system/NAME.service.
 
   --name NAME         unit, cache and state directory name (default vllm-cpu-launch)
-  --user USER         run as USER (default: DynamicUser=yes, a transient user)
+  --user USER         run as USER (default: DynamicUser=yes, a transient user; root
+                      for a deployment under /tmp, whose private /tmp it would imply)
   --group GROUP       run with group GROUP
   --env KEY=VALUE     an Environment= line for the service (repeatable)
 """
@@ -163,7 +164,8 @@ def render_unit(
     private_tmp: bool = True,
 ) -> str:
     """The unit file text for `launcher [options] -- command...`; without `private_tmp`,
-    PrivateTmp is left out (with a comment saying why)."""
+    PrivateTmp is left out, and DynamicUser too, which implies it (with comments saying
+    why)."""
     name = str(values.get("unit_name") or DEFAULT_NAME)
     drain = shutdown_timeout(arguments)
     stop_timeout = DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S
@@ -187,9 +189,13 @@ def render_unit(
     ]
     if isinstance(user, str):
         lines.append(f"User={quote_word(user)}")
-    else:
+    elif private_tmp:
         lines.append("# No --user given: a transient user; the model must be world-readable.")
         lines.append("DynamicUser=yes")
+    else:  # systemd.exec(5): DynamicUser= implies PrivateTmp=, which cannot be turned off
+        lines.append(
+            "# No --user and no DynamicUser=yes (it implies PrivateTmp=yes): runs as root."
+        )
     if isinstance(group, str):
         lines.append(f"Group={quote_word(group)}")
     lines += environment_lines(values, name)
@@ -269,14 +275,21 @@ def check_plan(
     return target, needed
 
 
-def tmp_ok(needed: Sequence[str]) -> bool:
-    """Whether the unit may have PrivateTmp=yes; warns about what it would hide."""
+def tmp_ok(needed: Sequence[str], values: dict[str, object]) -> bool:
+    """Whether the unit may have a private /tmp; warns about what it would hide. Without
+    --user that means DynamicUser=yes too, which implies PrivateTmp=yes (systemd.exec(5))."""
     hidden = hidden_by_private_tmp([*launcher_command()[:1], *needed])
     if hidden:
+        left_out = (
+            "PrivateTmp=yes left out of the unit"
+            if isinstance(values.get("unit_user"), str)
+            else "PrivateTmp=yes and DynamicUser=yes (which implies it) left out of the "
+            "unit, so it runs as root unless you give --user"
+        )
         emit(
             "warning",
             f"{', '.join(hidden)} under /tmp would be hidden from the service by "
-            "PrivateTmp=yes: left out of the unit; install outside /tmp to keep it",
+            f"PrivateTmp=yes: {left_out}; install outside /tmp to keep it",
         )
     return not hidden
 
@@ -316,7 +329,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
         arguments = [program, *program_argv[1:]]
         # `exec` takes the launcher's options after it, and then the program.
         description = f"{os.path.basename(program)} with Intel OpenMP (vllm-cpu-launch exec)"
-        unit = render_unit(merged, ["exec"], arguments, None, description, tmp_ok(needed))
+        unit = render_unit(merged, ["exec"], arguments, None, description, tmp_ok(needed, merged))
     else:
         target, needed = check_plan(merged, rest, None)
         model = model_of(rest)
@@ -328,6 +341,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
             )
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
         model_path = [model] if model and os.path.isabs(model) else []
-        unit = render_unit(merged, [], rest, target, description, tmp_ok(needed + model_path))
+        private_tmp = tmp_ok(needed + model_path, merged)
+        unit = render_unit(merged, [], rest, target, description, private_tmp)
     write_stdout(unit.rstrip("\n"))
     return 0
