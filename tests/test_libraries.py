@@ -239,6 +239,30 @@ def test_flavor_without_section_headers_is_found_by_the_whole_file_scan(
 
 
 @pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("libiompstubs5.so", "Intel's serial stub library (OMP library type: stub)"),
+        ("libiomp5_db.so", "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner"),
+    ],
+)
+def test_intel_stub_and_debugger_library_are_no_runtime(
+    tmp_path: Path, real_iomp: Path, name: str, reason: str
+) -> None:
+    """The intel-openmp wheel's serial stub and debugger support library, beside its
+    libiomp5.so: named with `libiomp`, whole ELF files, yet no runtime to preload."""
+    shipped = real_iomp.parent / name
+    assert shipped.is_file(), f"{shipped} missing: the intel-openmp wheel ships it"
+    explicit = find_library(IOMP, host(tmp_path), None, explicit=str(shipped))
+    assert explicit.chosen is None and reason in explicit.candidates[0].reason
+    good = place_library(real_iomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so")
+    environ = {"LD_PRELOAD": str(shipped)}
+    search = find_library(IOMP, host(tmp_path, environ), in_environment(tmp_path / "vllm-env"))
+    assert search.chosen is not None and search.chosen.path == str(good)
+    assert (search.candidates[0].path, search.candidates[0].verdict) == (str(shipped), "rejected")
+    assert reason in search.candidates[0].reason
+
+
+@pytest.mark.parametrize(
     ("mode", "which", "reason"),
     [
         (0o646, "file", "writable by others"),

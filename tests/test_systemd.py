@@ -127,8 +127,9 @@ def decode_dump_word(text: str, index: int) -> tuple[bytes, int]:
     return bytes(out), index + 1
 
 
-def systemd_parsed_argv(unit: Path) -> list[bytes]:
-    """ExecStart's argv as the real systemd parses the unit (test mode, no manager)."""
+def systemd_dump(unit: Path) -> str:
+    """The unit as the real systemd loaded it (test mode, no manager): its part of the
+    dump, with the settings in effect after systemd's own implications."""
     environ = {"SYSTEMD_UNIT_PATH": f"{unit.parent}:/lib/systemd/system", "LANG": "C.UTF-8"}
     result = subprocess.run(
         [*AS_NOBODY, need(SYSTEMD), "--test", "--system", f"--unit={unit.name}"],
@@ -139,19 +140,32 @@ def systemd_parsed_argv(unit: Path) -> list[bytes]:
     )
     output = os.fsdecode(result.stdout)
     assert result.returncode == 0, os.fsdecode(result.stderr)
-    section = output.split(f"-> Unit {unit.name}:", 1)[1]
-    line = section.split("-> ExecStart:", 1)[1].split("Command Line: ", 1)[1].split("\n", 1)[0]
-    words, index = [], 0
-    while index < len(line):
-        word, index = decode_dump_word(line, index)
-        words.append(word)
-        index += 1  # the separating space
     problems = [
         entry
         for entry in os.fsdecode(result.stderr).splitlines()
         if str(unit) in entry and ("Ignoring" in entry or "rror" in entry)
     ]
     assert not problems, problems
+    section = output.split(f"-> Unit {unit.name}:", 1)[1]
+    return re.split(r"\n\t?-> (?:Unit |By jobs)", section, maxsplit=1)[0]
+
+
+def effective(dump: str, setting: str) -> str:
+    """A setting's value in systemd's dump of a unit (`\t\tPrivateTmp: yes`)."""
+    found = re.search(rf"^\t+{setting}: (.*)$", dump, re.MULTILINE)
+    assert found is not None, f"{setting} missing from the dump"
+    return found[1]
+
+
+def systemd_parsed_argv(unit: Path) -> list[bytes]:
+    """ExecStart's argv as the real systemd parses the unit (test mode, no manager)."""
+    dump = systemd_dump(unit)
+    line = dump.split("-> ExecStart:", 1)[1].split("Command Line: ", 1)[1].split("\n", 1)[0]
+    words, index = [], 0
+    while index < len(line):
+        word, index = decode_dump_word(line, index)
+        words.append(word)
+        index += 1  # the separating space
     return words
 
 
@@ -330,54 +344,80 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path, vllm_env: 
     assert "DynamicUser=yes" not in text
 
 
-def test_private_tmp_is_left_out_for_a_deployment_under_tmp(tmp_path: Path, vllm_env: Path) -> None:
-    """PrivateTmp=yes gives the service an empty /tmp: a vLLM there would vanish."""
+def test_private_tmp_is_left_out_for_a_deployment_under_tmp(
+    tmp_path: Path, vllm_env: Path, unit_dir: Path
+) -> None:
+    """PrivateTmp=yes gives the service an empty /tmp: a vLLM there would vanish. So does
+    DynamicUser=yes, which implies PrivateTmp=yes whatever the unit says (systemd.exec(5)):
+    without --user that is an error naming the fix; the fix, run, gives a unit whose
+    sandbox in effect (systemd's own loader) sees /tmp."""
     if not str(vllm_env).startswith("/tmp/"):
         pytest.skip(f"pytest's temporary directory {tmp_path} is not under /tmp")
-    result = generate(["--vllm", str(vllm_env / "bin" / "vllm"), "--", "serve", "/m"], tmp_path)
+    vllm = str(vllm_env / "bin" / "vllm")
+    refused = generate(["--vllm", vllm, "--", "serve", "/m"], tmp_path)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert vllm in refused.stderr and "give --user USER" in refused.stderr
+    result = generate(["--user", "vllm", "--vllm", vllm, "--", "serve", "/m"], tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "PrivateTmp=yes" not in lines and "ProtectSystem=strict" in lines
+    assert "PrivateTmp=yes" not in lines and "DynamicUser=yes" not in lines
+    assert "ProtectSystem=strict" in lines
     assert any(line.startswith("# No PrivateTmp=yes:") for line in lines)
     (warning,) = (w for w in result.stderr.splitlines() if "PrivateTmp" in w)
-    assert str(vllm_env / "bin" / "vllm") in warning and "left out of the unit" in warning
-    unit = tmp_path / "vllm.service"
+    assert vllm in warning and "left out of the unit" in warning
+    unit = unit_dir / "vllm-tmp.service"
     unit.write_text(result.stdout)
     assert verify_unit(unit).returncode == 0
+    dump = systemd_dump(unit)
+    assert effective(dump, "PrivateTmp") == "no"
+    assert effective(dump, "DynamicUser") == "no"
+    assert effective(dump, "User") == "vllm"
+    assert effective(dump, "ProtectSystem") == "strict"  # the rest of the sandbox stays
+    assert effective(dump, "ProtectHome") == "read-only"
 
 
-def test_private_tmp_is_kept_when_nothing_the_service_needs_is_under_tmp(
-    tmp_path: Path, real_iomp: Path
-) -> None:
-    """The launcher as `python -m` of an interpreter outside /tmp, vLLM under ~/.cache."""
+@pytest.fixture
+def env_outside_tmp(real_iomp: Path) -> Iterator[Path]:
+    """A vLLM-like environment (real libiomp5.so, recording `vllm`) where a private /tmp
+    would not hide it: under ~/.cache."""
     cache = Path.home() / ".cache" / "vllm-cpu-launch"
     cache.mkdir(parents=True, exist_ok=True)
     outside = Path(tempfile.mkdtemp(prefix="systemd-unit-", dir=cache))
     try:
         environment = make_environment(outside / "env", real_iomp)
-        vllm = install_recorder(environment)
-        python = getattr(sys, "_base_executable", sys.executable)
-        assert not python.startswith(("/tmp/", "/var/tmp/"))
-        command = [python, "-m", "vllm_cpu_launch", "systemd-unit", "--vllm", str(vllm)]
-        result = run_launcher(
-            ["--", "serve", "/m", "-sc", '{"method":"ngram"}'],
-            clean_environ(tmp_path),
-            command,
-        )
-        assert result.returncode == 0, result.stderr
-        assert "PrivateTmp=yes" in result.stdout.splitlines()
-        assert "PrivateTmp" not in result.stderr
+        install_recorder(environment)
+        yield environment
     finally:
         shutil.rmtree(outside)
 
 
-def test_defaults_dynamic_user_and_python_m_when_no_console_script(
-    tmp_path: Path, vllm_env: Path
+def test_private_tmp_is_kept_when_nothing_the_service_needs_is_under_tmp(
+    tmp_path: Path, env_outside_tmp: Path
 ) -> None:
-    # The vLLM-like environment has no console script: `python -m vllm_cpu_launch`.
-    python = vllm_env / "bin" / "python"
+    """The launcher as `python -m` of an interpreter outside /tmp, vLLM under ~/.cache."""
+    vllm = env_outside_tmp / "bin" / "vllm"
+    python = getattr(sys, "_base_executable", sys.executable)
+    assert not python.startswith(("/tmp/", "/var/tmp/"))
+    command = [python, "-m", "vllm_cpu_launch", "systemd-unit", "--vllm", str(vllm)]
     result = run_launcher(
-        ["--vllm", str(vllm_env / "bin" / "vllm"), "systemd-unit", "serve", "m"],
+        ["--", "serve", "/m", "-sc", '{"method":"ngram"}'],
+        clean_environ(tmp_path),
+        command,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "PrivateTmp=yes" in result.stdout.splitlines()
+    assert "PrivateTmp" not in result.stderr
+
+
+def test_defaults_dynamic_user_and_python_m_when_no_console_script(
+    tmp_path: Path, env_outside_tmp: Path
+) -> None:
+    # The vLLM-like environment has no console script: `python -m vllm_cpu_launch`. It lies
+    # outside /tmp, which DynamicUser=yes (implying PrivateTmp=yes) would hide.
+    python = env_outside_tmp / "bin" / "python"
+    result = run_launcher(
+        ["--vllm", str(env_outside_tmp / "bin" / "vllm"), "systemd-unit", "serve", "m"],
         clean_environ(tmp_path),
         launcher=(str(python), "-m", "vllm_cpu_launch"),
     )
@@ -408,14 +448,16 @@ def test_vllm_found_on_path_is_pinned_by_absolute_path(tmp_path: Path, vllm_env:
 def test_vllm_from_a_variable_or_user_config_is_pinned_too(tmp_path: Path, vllm_env: Path) -> None:
     """The service sees neither the caller's variables nor their config file."""
     vllm = str(vllm_env / "bin" / "vllm")
-    result = generate(["serve", "m"], tmp_path, VLLM_CPU_LAUNCH_VLLM=vllm)
+    result = generate(["--user", "vllm", "serve", "m"], tmp_path, VLLM_CPU_LAUNCH_VLLM=vllm)
     assert result.returncode == 0, result.stderr
     execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
     assert systemd_words(execstart.removeprefix("ExecStart="))[1:3] == ["--vllm", vllm]
     user_config = tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml"
     user_config.parent.mkdir(parents=True)
     user_config.write_text(f"vllm: {vllm}\niomp: always\n")
-    result = generate(["serve", "m"], tmp_path, XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    result = generate(
+        ["--user", "vllm", "serve", "m"], tmp_path, XDG_CONFIG_HOME=str(tmp_path / "xdg")
+    )
     assert result.returncode == 0, result.stderr
     execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
     assert systemd_words(execstart.removeprefix("ExecStart="))[1:3] == ["--vllm", vllm]

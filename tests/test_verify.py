@@ -229,7 +229,7 @@ def unused_pid() -> int:
     ("args", "message"),
     [
         (["abc"], "verify: 'abc' is not a process ID"),
-        (["-5"], "unknown launcher option '-5'"),
+        (["-5"], "unknown option '-5' for verify"),
         (["0"], "verify: '0' is not a process ID"),
         ([str(unused_pid())], f"verify: no process with PID {unused_pid()}"),
         ([], "verify needs one PID"),

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 
 FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llvm"))
 BANNER = b" OMP version"  # what both markers end with
+# The banner that follows it: `performance` (the runtime), `profile`, or `stub` (serial).
+LIBRARY_TYPE = b" OMP library type: "
 FLAVOR_SCAN_LIMIT = 64 << 20
 # ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
 ELF_MACHINES = {
@@ -124,13 +126,16 @@ def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int
     return None
 
 
-def openmp_flavor(descriptor: int, header: bytes) -> str | None:
-    """Intel's or LLVM's OpenMP runtime, told apart by their embedded version banner.
+def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | None]:
+    """(flavour, library type) of an OpenMP runtime, from the banners it embeds.
 
-    Searched in a read-only mapping (no copy of the file): first in `.rodata`, where
-    the banner is a constant (0.1 ms instead of 0.6 for libiomp5.so, whose banner lies
-    2 MB in), then, should a build keep it elsewhere, the whole file up to
-    FLAVOR_SCAN_LIMIT (the runtimes are 1-3 MB; a huge file is not scanned to its end).
+    `Intel(R) OMP version` or `LLVM OMP version` tells the two runtimes apart;
+    `OMP library type:` says whether it is the runtime or the serial stub. A file with
+    no version banner, (None, None), is no OpenMP runtime. Searched in a read-only
+    mapping (no copy of the file): first in `.rodata`, where the banners are constants
+    (0.1 ms instead of 0.6 for libiomp5.so, whose banner lies 2 MB in), then, should a
+    build keep them elsewhere, the whole file up to FLAVOR_SCAN_LIMIT (the runtimes are
+    1-3 MB; a huge file is not scanned to its end).
     """
     import mmap  # 0.4 ms, only once a candidate has passed the cheaper checks
 
@@ -139,8 +144,17 @@ def openmp_flavor(descriptor: int, header: bytes) -> str | None:
         for start, end in ([rodata] if rodata else []) + [(0, FLAVOR_SCAN_LIMIT)]:
             flavor = banner_flavor(mapped, start, end)
             if flavor is not None:
-                return flavor
-    return None
+                return flavor, library_type(mapped, start, end)
+    return None, None
+
+
+def library_type(mapped: bytes | mmap.mmap, start: int, end: int) -> str | None:
+    """The word after `OMP library type: ` between `start` and `end`, or None."""
+    position = mapped.find(LIBRARY_TYPE, start, end)
+    if position < 0:
+        return None
+    begin = position + len(LIBRARY_TYPE)
+    return mapped[begin : begin + 32].split(b"\0", 1)[0].decode("ascii", "replace")
 
 
 def banner_flavor(mapped: bytes | mmap.mmap, start: int, end: int) -> str | None:

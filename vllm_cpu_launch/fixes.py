@@ -1,18 +1,21 @@
-"""The command that installs Intel OpenMP where the started vLLM will find it.
+"""The command that installs Intel OpenMP (or tcmalloc) where the started vLLM will find it.
 
 Each installer's environment needs its own: pip where the environment has pip, uv
 where it was made by uv without pip, ensurepip first in another pip-less venv or conda
 prefix, pipx's `inject` for a pipx venv, `--user` (with `--break-system-packages` under
 PEP 668) for a base interpreter. Each form printed here is run by
-tests/test_installers.py in an environment the real installer made. Read only when a
-library is missing: the exec path never gets here.
+tests/test_installers.py in an environment the real installer made. tcmalloc comes from
+no Python package: conda's gperftools or the system's package (tcmalloc_command). Read
+only when a library is missing: the exec path never gets here.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 
+from vllm_cpu_launch.places import TCMALLOC
 from vllm_cpu_launch.target import python_libraries
 
 TYPE_CHECKING = False
@@ -74,7 +77,30 @@ def install_command(target: Target) -> tuple[str, str]:
     return f"{quoted} -m pip install {PACKAGE}", f"into {prefix}"
 
 
-def fix_hint(target: Target) -> str:
-    """The install command and where it installs, as one phrase for a message."""
+def tcmalloc_command(target: Target | None) -> tuple[str, str]:
+    """(command, how or where it installs) for tcmalloc, in a place the launcher searches.
+
+    A conda environment gets conda-forge's gperftools in its own lib/ (searched as the
+    vLLM environment's); elsewhere Debian's and Ubuntu's libtcmalloc-minimal4 puts
+    libtcmalloc_minimal.so.4 in the loader's directory. Other systems get no command
+    (tests/test_cli.py runs the apt-get one, simulated, and finds its files).
+    """
+    prefix = target.prefix if target else None
+    if prefix and os.path.isdir(os.path.join(prefix, "conda-meta")):
+        command = f"conda install --prefix {shlex.quote(prefix)} --channel conda-forge gperftools"
+        return command, f"into {prefix}"
+    if shutil.which("apt-get"):
+        return "apt-get install libtcmalloc-minimal4", "as root, from Debian's or Ubuntu's archive"
+    return "", (
+        "with the system's package manager (gperftools' libtcmalloc_minimal.so.4: "
+        "gperftools-libs on Fedora and RHEL), or name it with --tcmalloc-path"
+    )
+
+
+def fix_hint(target: Target, kind: str) -> str:
+    """The install command for `kind` and where it installs, as one phrase for a message."""
+    if kind == TCMALLOC:
+        command, where = tcmalloc_command(target)
+        return f"{command}  ({where})" if command else f"install tcmalloc {where}"
     command, where = install_command(target)
     return f"{command}  ({where})" if command else f"pip install {PACKAGE}  ({where})"

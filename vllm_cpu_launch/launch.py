@@ -61,13 +61,26 @@ The launcher's options (see vllm-cpu-launch --help) go before `--`.
 """
 
 
+def unknown_option(token: str, verb: str | None) -> str:
+    """Before the vLLM subcommand, an unknown option is most likely vLLM's, put too early;
+    after a verb, it is not one of that verb's, whose help lists them."""
+    if verb is not None:
+        return f"unknown option {token!r} for {verb}; see vllm-cpu-launch {verb} --help"
+    return (
+        f"unknown launcher option {token!r}; vLLM's options go after the subcommand "
+        "(vllm-cpu-launch serve MODEL --option ...); see vllm-cpu-launch --help"
+    )
+
+
 def parse_options(
     args: Sequence[str],
     valued: dict[str, str] = VALUED_OPTIONS,
     flags: dict[str, str] = FLAG_OPTIONS,
     repeatable: tuple[str, ...] = (),
+    verb: str | None = None,
 ) -> tuple[dict[str, object], list[str]]:
-    """Options up to the first other word or `--`; return them and the rest, untouched."""
+    """Options up to the first other word or `--`; return them and the rest, untouched.
+    `verb`: the verb whose options these are (None: the launcher's, before a subcommand)."""
     values: dict[str, object] = {}
     index = 0
     while index < len(args):
@@ -92,11 +105,7 @@ def parse_options(
         elif name in flags and not has_value:
             values[flags[name]] = True
         else:
-            raise LaunchError(
-                EXIT_USAGE,
-                f"unknown launcher option {token!r}; vLLM's options go after the subcommand "
-                "(vllm-cpu-launch serve MODEL --option ...); see vllm-cpu-launch --help",
-            )
+            raise LaunchError(EXIT_USAGE, unknown_option(token, verb))
         index += 1
     return values, []
 
@@ -236,7 +245,7 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
 
 def run_exec(values: dict[str, object], rest: list[str]) -> int:
     """`exec [OPTIONS] -- PROGRAM [ARGS...]`: the launch, for any program."""
-    more, command = parse_options(rest)
+    more, command = parse_options(rest, verb="exec")
     if more.get("help"):
         write_stdout(EXEC_USAGE.rstrip())
         return 0

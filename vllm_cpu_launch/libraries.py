@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from vllm_cpu_launch.elf import elf_problem, elf_truncation, openmp_flavor
+from vllm_cpu_launch.elf import elf_problem, elf_truncation, openmp_runtime
 from vllm_cpu_launch.places import IOMP, MARKER, search_places
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.trust import insecure_reason
@@ -29,6 +29,28 @@ class Candidate:
     reason: str
     flavor: str | None = None
     fix: str = ""  # for a library refused as unsafe: the command that makes it trusted
+
+
+def runtime_problem(flavor: str | None, library_type: str | None) -> str | None:
+    """Why an iomp candidate, a fitting ELF file, is no OpenMP runtime to preload.
+
+    Intel's intel-openmp wheel ships two such files beside libiomp5.so, both named with
+    `libiomp`: libiompstubs5.so, the serial stub (`library type: stub`), with which
+    every parallel region runs on one thread, and libiomp5_db.so, the debugger support
+    library, which has no runtime banner at all.
+    """
+    if flavor is None:
+        return (
+            "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
+            "libiomp5_db.so, Intel's debugger support library)"
+        )
+    if library_type == "stub":
+        owner = "Intel" if flavor == "intel" else "LLVM"
+        return (
+            f"{owner}'s serial stub library (OMP library type: stub): every parallel region "
+            "would run on one thread; use libiomp5.so"
+        )
+    return None
 
 
 def examine(
@@ -84,8 +106,12 @@ def examine(
         unsafe = insecure_reason(path, host.euid, trusted)
         if unsafe:
             return f"unsafe to preload: {unsafe[0]}", None, unsafe[1]
-        # The version banner is looked for only once it is known to be a fitting ELF file.
-        return None, (openmp_flavor(descriptor, header) if kind == IOMP else None), ""
+        if kind != IOMP:
+            return None, None, ""
+        # The banners are looked for only once it is known to be a fitting ELF file.
+        flavor, library_type = openmp_runtime(descriptor, header)
+        problem = runtime_problem(flavor, library_type)
+        return problem, None if problem else flavor, ""
 
 
 @record

@@ -84,7 +84,11 @@ def missing_message(search: Search, target: Target, consequence: str) -> str:
     rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
     tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
     unsafe = next((c for c in search.candidates if c.fix), None)
-    fix = f"{unsafe.fix}  (then {unsafe.path} is trusted)" if unsafe else fix_hint(target)
+    fix = (
+        f"{unsafe.fix}  (then {unsafe.path} is trusted)"
+        if unsafe
+        else fix_hint(target, search.kind)
+    )
     return (
         f"{LIBRARY_TITLES[search.kind]} not found (searched {', '.join(search.places)}"
         f"{tried}); {consequence}. Fix: {fix}"
@@ -342,7 +346,7 @@ def render_text(plan: Plan) -> str:
     ]
     for index, p in enumerate(plan.preload):
         label = "preload:" if index == 0 else ""
-        flavor = f"{p.flavor}, " if p.flavor else "flavor unknown, " if p.kind == IOMP else ""
+        flavor = f"{p.flavor}, " if p.flavor else ""  # an iomp always has one (libraries.py)
         lines.append(f"{label:<12} {p.kind} {p.path} ({flavor}{p.origin})")
     if not plan.preload:
         lines.append("preload:     nothing")

@@ -17,6 +17,9 @@ from vllm_cpu_launch.records import record
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 MODES = ("auto", "always", "never")
 SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
@@ -176,6 +179,44 @@ KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
 CONFIG_ONLY_KEYS: dict[str, Callable[[object, str], object]] = {"tuned": parse_tuned}
 
 
+# Keys whose value in a config file is kept as the text written, not as YAML 1.1 types
+# it: `00200` (octal 128 to YAML), `0x10` or `1_000` mean to KMP_BLOCKTIME what they
+# mean as the option (200 ms, refused, refused), not 128 and 16 and 1000.
+WRITTEN_KEYS = ("kmp_blocktime",)
+# Keys that name a file.
+FILE_KEYS = ("iomp_path", "tcmalloc_path", "vllm")
+
+
+def config_file_path(value: object, where: str) -> object:
+    """A file named in a config file, as a shell would have passed it: `~` expanded
+    (YAML does not). A relative path is refused: each start would look for it from its
+    own working directory (a service's is not the operator's). A bare name (no slash)
+    is left to its key: `vllm: vllm` is looked up on PATH."""
+    if not isinstance(value, str):
+        return value
+    path = os.path.expanduser(value)
+    if os.sep in path and not os.path.isabs(path):
+        raise fail(
+            where,
+            f"{value!r} is relative: each start would look for it from its own working "
+            "directory; give an absolute path (~ is expanded)",
+        )
+    return path
+
+
+def written_scalars(document: object) -> dict[str, str]:
+    """The text of each top-level scalar value of a YAML document node, by key."""
+    import yaml
+
+    if not isinstance(document, yaml.MappingNode):
+        return {}
+    return {
+        str(key.value): value.value
+        for key, value in document.value
+        if isinstance(key, yaml.ScalarNode) and isinstance(value, yaml.ScalarNode)
+    }
+
+
 def user_config_path(environ: Mapping[str, str]) -> str | None:
     base = environ.get("XDG_CONFIG_HOME") or (
         os.path.join(environ["HOME"], ".config") if environ.get("HOME") else None
@@ -200,28 +241,56 @@ def read_config_file(path: str) -> dict[str, object]:
         raise fail(path, f"config file is not UTF-8 text (byte {error.start})") from None
     import yaml  # only when a config file exists: the exec path stays light
 
+    loader = yaml.SafeLoader(text)
     try:
-        content = yaml.safe_load(text)
+        document = loader.get_single_node()
+        content = None if document is None else loader.construct_document(document)
     except yaml.YAMLError as error:
         detail = " ".join(str(error).split())
         raise fail(path, f"invalid YAML: {detail}") from None
+    finally:
+        loader.dispose()
     if content is None:
         return {}
     if not isinstance(content, dict):
         raise fail(path, f"must be a mapping of settings, not {type(content).__name__}")
     values: dict[str, object] = {}
+    written = written_scalars(document)
     for key, value in content.items():
         name = str(key).replace("-", "_")
         parse = KEYS[name][2] if name in KEYS else CONFIG_ONLY_KEYS.get(name)
         if parse is None:
             allowed = ", ".join(k.replace("_", "-") for k in (*KEYS, *CONFIG_ONLY_KEYS))
             raise fail(path, f"unknown key {key!r}; allowed keys: {allowed}")
-        values[name] = parse(value, f"{path}: key {key!r}")
+        where = f"{path}: key {key!r}"
+        if name in WRITTEN_KEYS:
+            value = written.get(str(key), value)
+        if name in FILE_KEYS:
+            value = config_file_path(value, where)
+        values[name] = parse(value, where)
     return values
 
 
-def load_settings(options: Mapping[str, object], environ: Mapping[str, str]) -> Settings:
-    """Merge the layers. `options` maps setting keys (and "config") to raw option values."""
+def salvage(errors: list[str] | None, read: Callable[..., T], *args: object) -> T | None:
+    """read(*args); when `errors` collects them, a failure is kept there and gives None."""
+    if errors is None:
+        return read(*args)
+    try:
+        return read(*args)
+    except LaunchError as error:
+        errors.append(error.message)
+        return None
+
+
+def load_settings(
+    options: Mapping[str, object], environ: Mapping[str, str], errors: list[str] | None = None
+) -> Settings:
+    """Merge the layers. `options` maps setting keys (and "config") to raw option values.
+
+    With `errors` (doctor's), a broken file, variable or option is left out and its message
+    kept there instead of raised: what is not broken still applies, so a config error
+    does not lose an explicit --vllm.
+    """
     explicit_config = options.get("config") or environ.get(CONFIG_VARIABLE)
     if explicit_config is not None and not isinstance(explicit_config, str):
         raise fail("--launcher-config", "needs a file name")
@@ -232,17 +301,19 @@ def load_settings(options: Mapping[str, object], environ: Mapping[str, str]) -> 
     for path in files:
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
-        content = read_config_file(path)
+        content = salvage(errors, read_config_file, path)
+        if content is None:
+            continue
         if "iomp" in content:
             tuned = content.get("tuned")
         content.pop("tuned", None)
         values.update(content)
         read.append(path)
     for key, (option, variable, parse) in KEYS.items():
-        if variable in environ:
-            values[key] = parse(environ[variable], variable)
-        if key in options:
-            values[key] = parse(options[key], option)
+        for layer, name, where in ((environ, variable, variable), (options, key, option)):
+            value = salvage(errors, parse, layer[name], where) if name in layer else None
+            if value is not None:
+                values[key] = value
     # A tuned config value is a config value: an option or variable that sets iomp wins,
     # and a record whose choice was edited since no longer explains it.
     overridden = "iomp" in options or KEYS["iomp"][1] in environ

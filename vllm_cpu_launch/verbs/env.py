@@ -146,7 +146,8 @@ def main(values: dict[str, object], args: list[str]) -> int:
         write_stdout,
     )
 
-    more, command = parse_options(args, {**VALUED_OPTIONS, "--format": "format"}, FLAG_OPTIONS)
+    valued = {**VALUED_OPTIONS, "--format": "format"}
+    more, command = parse_options(args, valued, FLAG_OPTIONS, verb="env")
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())

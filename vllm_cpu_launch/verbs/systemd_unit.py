@@ -56,7 +56,8 @@ the launcher OPTIONS given here and the vLLM command line, every word escaped as
 requires. Save it as /etc/systemd/system/NAME.service.
 
   --name NAME         unit, cache and state directory name (default vllm-cpu-launch)
-  --user USER         run as USER (default: DynamicUser=yes, a transient user)
+  --user USER         run as USER (default: DynamicUser=yes, a transient user, which
+                      always has a private /tmp: a deployment under /tmp needs --user)
   --group GROUP       run with group GROUP
   --env KEY=VALUE     an Environment= line for the service (repeatable)
 """
@@ -269,9 +270,21 @@ def check_plan(
     return target, needed
 
 
-def tmp_ok(needed: Sequence[str]) -> bool:
-    """Whether the unit may have PrivateTmp=yes; warns about what it would hide."""
+def tmp_ok(needed: Sequence[str], values: dict[str, object]) -> bool:
+    """Whether the unit may have a private /tmp; warns about what it would hide.
+
+    Without --user the unit runs as a transient user (DynamicUser=yes), which implies
+    PrivateTmp=yes whatever the unit says (systemd.exec(5)): such a unit could not see
+    them, and running it as root instead is no default to fall back to, so that is an
+    error naming the fix."""
     hidden = hidden_by_private_tmp([*launcher_command()[:1], *needed])
+    if hidden and not isinstance(values.get("unit_user"), str):
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{', '.join(hidden)} under /tmp would be hidden from the service: without --user "
+            "it runs as a transient user (DynamicUser=yes), which always gets a private /tmp; "
+            "give --user USER, or install outside /tmp",
+        )
     if hidden:
         emit(
             "warning",
@@ -285,7 +298,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
 
     valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, **ENV_OPTION}
-    more, rest = parse_options(args, valued, FLAG_OPTIONS, repeatable=("unit_env",))
+    more, rest = parse_options(
+        args, valued, FLAG_OPTIONS, repeatable=("unit_env",), verb="systemd-unit"
+    )
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())
@@ -305,7 +320,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     environment_lines(merged, DEFAULT_NAME)  # validates every --env before anything else
     warn_unseen_variables()
     if rest[0] == "exec":
-        exec_options, program_argv = parse_options(rest[1:])
+        exec_options, program_argv = parse_options(rest[1:], verb="systemd-unit")
         if not program_argv:
             raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
         merged.update(exec_options)
@@ -314,7 +329,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
         arguments = [program, *program_argv[1:]]
         # `exec` takes the launcher's options after it, and then the program.
         description = f"{os.path.basename(program)} with Intel OpenMP (vllm-cpu-launch exec)"
-        unit = render_unit(merged, ["exec"], arguments, None, description, tmp_ok(needed))
+        unit = render_unit(merged, ["exec"], arguments, None, description, tmp_ok(needed, merged))
     else:
         target, needed = check_plan(merged, rest, None)
         model = model_of(rest)
@@ -326,6 +341,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
             )
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
         model_path = [model] if model and os.path.isabs(model) else []
-        unit = render_unit(merged, [], rest, target, description, tmp_ok(needed + model_path))
+        private_tmp = tmp_ok(needed + model_path, merged)
+        unit = render_unit(merged, [], rest, target, description, private_tmp)
     write_stdout(unit.rstrip("\n"))
     return 0

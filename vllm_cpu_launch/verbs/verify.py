@@ -306,7 +306,7 @@ def parse_pid(text: str) -> int:
 def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 
-    more, rest = parse_options(args, {}, FLAG_OPTIONS)
+    more, rest = parse_options(args, {}, FLAG_OPTIONS, verb="verify")
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())

@@ -63,15 +63,13 @@ def build_report(
     from vllm_cpu_launch.libraries import find_library
     from vllm_cpu_launch.places import IOMP, TCMALLOC
     from vllm_cpu_launch.plan import target_trust
-    from vllm_cpu_launch.settings import Settings, load_settings
+    from vllm_cpu_launch.settings import load_settings
     from vllm_cpu_launch.target import resolve_vllm
 
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
-    settings_error = None
-    try:
-        settings = load_settings(options, environ)
-    except LaunchError as error:
-        settings, settings_error = Settings(), error.message
+    errors: list[str] = []  # a broken layer is left out; the others still apply
+    settings = load_settings(options, environ, errors)
+    settings_error = "; ".join(errors) or None
     target: Target | None = None
     target_error = None
     try:
@@ -136,6 +134,31 @@ def size(value: int | None) -> str:
     return "?" if value is None else f"{value / GIB:.1f} GiB"
 
 
+def vllm_lines(vllm: dict[str, Any]) -> list[str]:
+    """The vLLM section in each state the JSON can hold: found and able to start, found
+    but unable to (a moved environment, a file without the x bit: `found` with an
+    `error`, and none of the keys of a vLLM that can start), or not found."""
+    if not vllm["found"]:
+        return [
+            f"vLLM       not found: {vllm['error']}",
+            "           (everything else below is still about this host)",
+        ]
+    if vllm["error"]:
+        return [
+            f"vLLM       {vllm['executable']} (found, but it cannot start)",
+            f"  error    {vllm['error']}",
+        ]
+    lines = [
+        f"vLLM       {vllm['executable']} (found via {vllm['found_via']})",
+        f"  python   {vllm['python'] or '?'} (environment {vllm['prefix'] or '?'})",
+    ]
+    for d in vllm["distributions"]:
+        lines.append(f"  version  {d['version']} ({d['name']}, {d['metadata']})")
+    if not vllm["distributions"]:
+        lines.append("  version  unknown (no vllm or vllm-cpu metadata found)")
+    return lines
+
+
 def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     """The report for a terminal: sections, then numbered recommendations."""
     cpu, cores, vllm = report["cpu"], report["cores"], report["vllm"]
@@ -169,17 +192,7 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     memory = report["memory"]
     lines.append(f"memory     {size(memory['total'])} total, {size(memory['available'])} available")
     lines.append("")
-    if vllm["found"]:
-        lines.append(f"vLLM       {vllm['executable']} (found via {vllm['found_via']})")
-        lines.append(f"  python   {vllm['python'] or '?'} (environment {vllm['prefix'] or '?'})")
-        if vllm["distributions"]:
-            for d in vllm["distributions"]:
-                lines.append(f"  version  {d['version']} ({d['name']}, {d['metadata']})")
-        else:
-            lines.append("  version  unknown (no vllm or vllm-cpu metadata found)")
-    else:
-        lines.append(f"vLLM       not found: {vllm['error']}")
-        lines.append("           (everything else below is still about this host)")
+    lines += vllm_lines(vllm)
     plugin = report["plugin"]
     lines.append(f"  plugin   {plugin['reason']}")
     if plugin["installed"]:
@@ -243,7 +256,7 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
 def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 
-    more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"})
+    more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"}, verb="doctor")
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())

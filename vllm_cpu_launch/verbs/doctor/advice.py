@@ -105,13 +105,16 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
 
 
 def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    from vllm_cpu_launch.fixes import tcmalloc_command
+
     # Where the map measured the host, auto preloads no tcmalloc (evidence.py).
     if report["libraries"]["tcmalloc"]["chosen"] is None and not report["map"]["measured"]:
+        command, where = tcmalloc_command(target)
         text = (
             "no tcmalloc found: vLLM warns when libtcmalloc is not preloaded; the launcher "
-            "preloads it with Intel OpenMP when found"
+            f"preloads it with Intel OpenMP when found; install it {where}"
         )
-        yield "install-tcmalloc", text, "apt-get install libtcmalloc-minimal4"
+        yield "install-tcmalloc", text, command
 
 
 def libgomp_preloaded(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:

@@ -135,7 +135,7 @@ def parse(values: dict[str, object], args: list[str]) -> tuple[dict[str, object]
     from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options
 
     valued = {**VALUED_OPTIONS, **TUNE_VALUED}
-    more, rest = parse_options(args, valued, {**FLAG_OPTIONS, "--write": "write"})
+    more, rest = parse_options(args, valued, {**FLAG_OPTIONS, "--write": "write"}, verb="tune")
     return {**values, **more}, rest
 
 
