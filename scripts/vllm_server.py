@@ -47,9 +47,11 @@ LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # ---------------------------------------------------------------- what it serves
 
 
-def prepare_env_command() -> list[str]:
-    """scripts/vllm_env.py: prints the cached vLLM CPU environment's path as its last line."""
-    return [sys.executable, str(SCRIPTS / "vllm_env.py")]
+def prepare_env_command(release: str | None = None) -> list[str]:
+    """scripts/vllm_env.py: prints the cached vLLM CPU environment's path as its last line
+    (of the default release, or of `release`)."""
+    chosen = ["--release", release] if release else []
+    return [sys.executable, str(SCRIPTS / "vllm_env.py"), *chosen]
 
 
 def make_model_command(vllm_env: Path, output: Path) -> list[str]:

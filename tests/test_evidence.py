@@ -20,6 +20,7 @@ from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
 from tests.test_benchmarks import load_script
 from vllm_cpu_launch import evidence
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
+from vllm_cpu_launch.releases import vllm_release
 
 MAP_JSON = REPO / "docs" / "bench_vllm_map.json"
 BOUND = ("default", "all")
@@ -215,11 +216,11 @@ def test_elsewhere_auto_does_what_vllm_advises(
 
 def test_the_release_is_read_from_the_dist_info_name(standin_vllms: dict[str, Path]) -> None:
     prefixes = {version: str(path.parent.parent) for version, path in standin_vllms.items()}
-    assert {v: evidence.vllm_release(p) for v, p in prefixes.items()} == {
+    assert {v: vllm_release(p) for v, p in prefixes.items()} == {
         "0.32.0": "0.32.0",
         "0.31.1": "0.31.1",
     }
-    assert evidence.vllm_release(sys.prefix) is None  # the launcher's own venv: no vLLM
+    assert vllm_release(sys.prefix) is None  # the launcher's own venv: no vLLM
 
 
 @pytest.mark.parametrize(

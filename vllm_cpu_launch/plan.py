@@ -8,6 +8,7 @@ from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.libraries import Candidate, Search, find_library
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.releases import support, vllm_release
 from vllm_cpu_launch.settings import blocktime_problem
 
 TYPE_CHECKING = False
@@ -215,14 +216,21 @@ def build_plan(
         kind: validated_explicit(kind, path, host, trusted) for kind, path in named.items() if path
     }
     wants_iomp = settings.iomp == "always" or (settings.iomp == "auto" and auto_iomp)
-    # Where the benchmark map measured this host and vLLM, its rules decide (evidence.py).
+    reasons = [why(settings, speculative, auto_iomp)]
+    # For SD, what the launcher knows of the target's vLLM release decides first
+    # (releases.py), then the benchmark map where it measured this host (evidence.py).
+    release = support(vllm_release(target.prefix) if target.prefix else None)
+    if speculative.requested and release.status == "older" and settings.iomp == "auto":
+        reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
+        wants_iomp = False
+    elif speculative.requested and release.status == "newer":
+        reasons.append(release.note)
     measured = (
-        map_host(host.environ, host.cpus, target.prefix, one_worker)
+        map_host(host.environ, host.cpus, release.release, one_worker)
         if speculative.requested
         else None
     )
     choice = map_choice(measured) if measured else None
-    reasons = [why(settings, speculative, auto_iomp)]
     if choice and not choice.iomp and settings.iomp == "auto":
         reasons.append(choice.reason)
         wants_iomp = False

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ SKIP_VARIABLE = "VLLM_CPU_LAUNCH_SKIP_E2E"
 sys.path.insert(0, str(SCRIPTS))
 
 # scripts/vllm_server.py starts and drives the server, for the demo and benchmarks too.
+from vllm_env import DEFAULT_RELEASE  # noqa: E402
 from vllm_server import (  # noqa: E402
     DRAFT_TOKENS_METRIC,
     ENV_SETUP_LIMIT_S,
@@ -27,11 +30,14 @@ from vllm_server import (  # noqa: E402
     ServerError,
     completion_payload,
     http_post_json,
+    isolated_environment,
+    killed_on_exit,
     make_model_command,
     metric_total,
     prepare_env_command,
     process_tree,
     snapshot,
+    start_server,
     wait_until_healthy,
 )
 
@@ -63,6 +69,26 @@ def run_script(command: Sequence[str], limit_s: float) -> str:
 def vllm_env() -> Path:
     """The cached vLLM CPU environment, built on first use."""
     return Path(run_script(prepare_env_command(), ENV_SETUP_LIMIT_S))
+
+
+# The edges of the support window this machine can install (docs/releases.md): 0.27.0 is
+# the oldest whose torch (2.13.0+cpu) PyPI's mirror here serves; 0.20.0 to 0.26.0 need
+# torch 2.11.0+cpu from download.pytorch.org, which this machine cannot reach.
+WINDOW_EDGES = ("0.27.0", DEFAULT_RELEASE)
+
+
+@pytest.fixture(scope="session")
+def release_env(vllm_env: Path) -> Callable[[str], Path]:
+    """The cached vLLM CPU environment of a release (each built once, on first use)."""
+    built = {DEFAULT_RELEASE: vllm_env}
+
+    def environment(release: str) -> Path:
+        if release not in built:
+            command = prepare_env_command(release)
+            built[release] = Path(run_script(command, ENV_SETUP_LIMIT_S))
+        return built[release]
+
+    return environment
 
 
 @pytest.fixture(scope="session")
@@ -156,3 +182,51 @@ def verify_pid(pid: int) -> tuple[int, dict[str, Any]]:
     assert result.returncode in (0, 1), result.stderr
     report: dict[str, Any] = json.loads(result.stdout)
     return result.returncode, report
+
+
+# vLLM's plugin's line as vLLM's logger prints it: "(APIServer pid=N) INFO 12-02 ... [plugin.py:N]".
+PLUGIN_LINE = re.compile(
+    r"^\((\w+) pid=\d+\) (INFO|WARNING) .*\[plugin\.py:\d+\] vllm-cpu-launch plugin: (.*)$"
+)
+MODEL_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+
+
+def plain_environment(scratch: Path, plugin_path: Path, **variables: str) -> dict[str, str]:
+    """What a user's shell gives vLLM: no OpenMP or launcher settings, the plugins on
+    PYTHONPATH, the probe's record file under scratch, and `variables`."""
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_"))
+    env.update(PYTHONPATH=str(plugin_path), **{PROBE_VARIABLE: str(scratch / "probe.jsonl")})
+    env.update(variables)
+    return env
+
+
+@contextlib.contextmanager
+def plain_serve(
+    vllm_env: Path,
+    model: Path,
+    scratch: Path,
+    plugin_path: Path,
+    speculative: bool = True,
+    **variables: str,
+) -> Iterator[Server]:
+    """`vllm serve MODEL ...` started as users start it, with the plugin installed."""
+    env = plain_environment(scratch, plugin_path, **variables)
+    vllm = [str(vllm_env / "bin" / "vllm")]
+    server = start_server(vllm, model, scratch, env, cwd=SCRIPTS.parent, speculative=speculative)
+    with killed_on_exit(server):
+        yield server
+
+
+def plugin_lines(log: str) -> list[tuple[str, str, str]]:
+    """(process, level, text) of each line the plugin logged through vLLM's logger."""
+    found = []
+    for line in log.splitlines():
+        if match := PLUGIN_LINE.match(line):
+            process, level, text = match.groups()
+            found.append((process, level, text))
+    return found
+
+
+def model_processes(views: Sequence[ProcessView]) -> list[ProcessView]:
+    """The engine cores and workers: the processes that run the model."""
+    return [view for view in views if view.title.startswith(MODEL_TITLES)]

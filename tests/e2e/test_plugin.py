@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -22,25 +21,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from vllm_server import (
-    SD_WARNING,
-    SPECULATIVE_CONFIG,
-    STOP_LIMIT_S,
-    ProcessView,
-    Server,
-    isolated_environment,
-    kill_session,
-    killed_on_exit,
-    start_server,
-)
+from vllm_server import SD_WARNING, SPECULATIVE_CONFIG, STOP_LIMIT_S, Server, kill_session
 
 from .conftest import (
     MAX_TOKENS,
     POLL_INTERVAL_S,
-    PROBE_VARIABLE,
     SKIP_VARIABLE,
     STARTUP_LIMIT_S,
     complete,
+    model_processes,
+    plain_environment,
+    plain_serve,
+    plugin_lines,
     probe_records,
     tail,
     tree_views,
@@ -54,56 +46,10 @@ from .nodes import CLUSTER_STARTUP_LIMIT_S, start_cluster
 REPO = Path(__file__).resolve().parents[2]
 OFFLINE_SCRIPT = Path(__file__).resolve().parent / "offline_generate.py"
 GENERATED = "generated 16 tokens"
-# The plugin's line as vLLM's logger prints it: "(APIServer pid=N) INFO 12-02 ... [plugin.py:N]".
-PLUGIN_LINE = re.compile(
-    r"^\((\w+) pid=\d+\) (INFO|WARNING) .*\[plugin\.py:\d+\] vllm-cpu-launch plugin: (.*)$"
-)
-MODEL_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
 pytestmark = pytest.mark.skipif(
     os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
 )
-
-
-def plain_environment(scratch: Path, plugin_path: Path, **variables: str) -> dict[str, str]:
-    """What a user's shell gives vLLM: no OpenMP or launcher settings, the plugins on
-    PYTHONPATH, the probe's record file under scratch, and `variables`."""
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_"))
-    env.update(PYTHONPATH=str(plugin_path), **{PROBE_VARIABLE: str(scratch / "probe.jsonl")})
-    env.update(variables)
-    return env
-
-
-@contextlib.contextmanager
-def plain_serve(
-    vllm_env: Path,
-    model: Path,
-    scratch: Path,
-    plugin_path: Path,
-    speculative: bool = True,
-    **variables: str,
-) -> Iterator[Server]:
-    """`vllm serve MODEL ...` started as users start it, with the plugin installed."""
-    env = plain_environment(scratch, plugin_path, **variables)
-    vllm = [str(vllm_env / "bin" / "vllm")]
-    server = start_server(vllm, model, scratch, env, cwd=REPO, speculative=speculative)
-    with killed_on_exit(server):
-        yield server
-
-
-def plugin_lines(log: str) -> list[tuple[str, str, str]]:
-    """(process, level, text) of each line the plugin logged through vLLM's logger."""
-    found = []
-    for line in log.splitlines():
-        if match := PLUGIN_LINE.match(line):
-            process, level, text = match.groups()
-            found.append((process, level, text))
-    return found
-
-
-def model_processes(views: Sequence[ProcessView]) -> list[ProcessView]:
-    """The engine cores and workers: the processes that run the model."""
-    return [view for view in views if view.title.startswith(MODEL_TITLES)]
 
 
 def model_records(server: Server, probe: Path) -> dict[str, set[str | None]]:

@@ -40,6 +40,7 @@ from vllm_server import (
 )
 
 from vllm_cpu_launch.evidence import NOBIND_BLOCKTIME, map_host
+from vllm_cpu_launch.releases import vllm_release
 
 # scripts/vllm_server.py (on sys.path through conftest) starts and drives the server, for
 # the demo and benchmarks too.
@@ -234,7 +235,8 @@ def test_auto_follows_the_map_here(vllm_env: Path, tiny_model: Path, tmp_path: P
     measured KMP_BLOCKTIME; elsewhere libiomp5 as vLLM binds and tunes it."""
     vllm = str(vllm_env / "bin" / "vllm")
     launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", vllm]
-    measured = map_host({}, len(os.sched_getaffinity(0)), str(vllm_env), one_worker=True)
+    release = vllm_release(str(vllm_env))
+    measured = map_host({}, len(os.sched_getaffinity(0)), release, one_worker=True)
     with serving(launcher, tiny_model, tmp_path) as server:
         wait_for_health(server)
         processes = tree_views(server)

