@@ -223,24 +223,6 @@ def test_the_release_is_read_from_the_dist_info_name(standin_vllms: dict[str, Pa
     assert vllm_release(sys.prefix) is None  # the launcher's own venv: no vLLM
 
 
-@pytest.mark.parametrize(
-    ("arguments", "single"),
-    [
-        (["serve", "m"], True),
-        (["serve", "m", "-tp", "1", "--pipeline-parallel-size=1"], True),
-        (["serve", "m", "--tensor-parallel-size=2"], False),
-        (["serve", "m", "--tensor_parallel_size", "2"], False),
-        (["serve", "m", "--nnodes", "2", "--node-rank", "0"], False),
-        (["serve", "m", "--headless"], False),
-        (["serve", "m", "-pp"], False),  # no value: not one worker (vLLM refuses it anyway)
-    ],
-)
-def test_one_worker_on_one_node_is_read_as_vllm_spells_it(
-    arguments: list[str], single: bool
-) -> None:
-    assert evidence.single_worker(arguments) is single
-
-
 def doctor_on(cpus: str, vllm: Path, tmp_path: Path, **variables: str) -> Any:
     """doctor --json pinned to these CPUs."""
     return json_on(cpus, tmp_path, ["--vllm", str(vllm), "doctor", "--json"], **variables)

