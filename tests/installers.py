@@ -78,7 +78,7 @@ def standin_wheel(directory: Path, name: str, version: str) -> Path:
     recorder, into directory (the wheelhouse); returns directory."""
     source = directory.parent / f"standin-source-{name}-{version}"
     package = source / "vllm_recorder"
-    package.mkdir(parents=True)
+    package.mkdir(parents=True, exist_ok=True)  # built again by another test: the same files
     body = "".join(f"    {line}\n" for line in RECORDER.splitlines())
     (package / "__init__.py").write_text(f"def main():\n{body}")
     (source / "pyproject.toml").write_text(

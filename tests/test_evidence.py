@@ -114,16 +114,23 @@ def standin_vllms(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path) ->
     return scripts
 
 
-def json_on(cpus: str, tmp_path: Path, command: Sequence[str], **variables: str) -> Any:
-    """The launcher's JSON answer to `command`, run pinned to these CPUs, in a clean
-    environment with `variables` (VLLM_CPU_OMP_THREADS_BIND only when given)."""
+def run_on(
+    cpus: str, tmp_path: Path, command: Sequence[str], **variables: str
+) -> subprocess.CompletedProcess[str]:
+    """The launcher running `command` pinned to these CPUs, in a clean environment with
+    `variables` (VLLM_CPU_OMP_THREADS_BIND only when given); it must succeed."""
     pinned = ["taskset", "-c", cpus, sys.executable, "-m", "vllm_cpu_launch"]
     environ = clean_environ(tmp_path)
     environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     environ.update(variables)
     result = run_launcher(command, environ, pinned)
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return result
+
+
+def json_on(cpus: str, tmp_path: Path, command: Sequence[str], **variables: str) -> Any:
+    """The launcher's JSON answer to `command`, run as run_on() runs it."""
+    return json.loads(run_on(cpus, tmp_path, command, **variables).stdout)
 
 
 def plan_on(
@@ -151,11 +158,44 @@ def test_where_vllm_defaults_the_launcher_unbinds_libiomp5(
     assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
     assert evidence.figures(evidence.NOBIND_VS_INSTALLED) in plan["reason"]
-    # --iomp always gets libiomp5 as it measured fastest here; the caller's block time wins.
+    # --iomp always gets libiomp5 as it measured fastest here.
     forced = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--iomp", "always")
     assert forced["env"] == plan["env"]
-    mine = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, KMP_BLOCKTIME="30")
-    assert "KMP_BLOCKTIME" not in mine["env"] and mine["env"]["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def test_a_callers_block_time_is_replaced_and_said_and_an_explicit_one_kept(
+    standin_vllms: dict[str, Path], tmp_path: Path
+) -> None:
+    """Under nobind the block time decides the gain (0: a loss, 200: the best): a caller's
+    KMP_BLOCKTIME=1 (a common Intel setting) gives way, with a warning whose fix works;
+    --kmp-blocktime keeps it, and then no figure is claimed for it."""
+    vllm = standin_vllms["0.32.0"]
+    mine = plan_on("0,1", vllm, tmp_path, KMP_BLOCKTIME="1")
+    assert mine["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
+    assert mine["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    (warning,) = (w for w in mine["warnings"] if "KMP_BLOCKTIME=1" in w)
+    assert evidence.figures(evidence.NOBIND_BT0_VS_INSTALLED) in warning
+    fix = warning.rpartition("; ")[2].removesuffix(" keeps yours")
+    assert fix == "--kmp-blocktime 1"
+    kept = plan_on("0,1", vllm, tmp_path, *fix.split(), KMP_BLOCKTIME="1")
+    assert "KMP_BLOCKTIME" not in kept["env"] and kept["relies_on"]["KMP_BLOCKTIME"] == "1"
+    assert kept["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "your KMP_BLOCKTIME=1, which the map did not measure" in kept["reason"]
+    assert f"measured {evidence.figures(evidence.NOBIND_VS_INSTALLED)}" not in kept["reason"]
+    assert not [w for w in kept["warnings"] if "replaced" in w]
+
+
+def test_a_callers_thread_count_keeps_libgomp_where_the_worker_would_run_unbound(
+    standin_vllms: dict[str, Path], tmp_path: Path
+) -> None:
+    """Under nobind vLLM leaves OMP_NUM_THREADS to the caller: one thread was never
+    measured, so the launcher keeps plain vLLM and says so; the unit carries the value."""
+    vllm = standin_vllms["0.32.0"]
+    plan = plan_on("0,1", vllm, tmp_path, OMP_NUM_THREADS="1")
+    assert plan["preload"] == [] and "OMP_NUM_THREADS=1 threads" in plan["reason"]
+    assert plan["relies_on"] == {"OMP_NUM_THREADS": "1"}
+    forced = plan_on("0,1", vllm, tmp_path, "--iomp", "always", OMP_NUM_THREADS="1")
+    assert kinds(forced) == ["iomp"]
 
 
 def test_nobind_set_by_the_user_gets_the_measured_blocktime(
@@ -233,14 +273,10 @@ def test_doctor_says_what_the_map_says_and_its_command_works(
 ) -> None:
     vllm = standin_vllms["0.32.0"]
     measured = doctor_on("0,1", vllm, tmp_path)
-    assert measured["map"] | {"reason": None} == {
-        "measured": True,
-        "iomp": "libiomp5",
-        "nobind": True,
-        "kmp_blocktime": evidence.NOBIND_BLOCKTIME,
-        "reason": None,
-    }
-    assert measured["map"]["reason"] in plan_on("0,1", vllm, tmp_path)["reason"]
+    in_effect = {key: measured["map"][key] for key in ("measured", "iomp", "nobind")}
+    assert in_effect == {"measured": True, "iomp": "libiomp5", "nobind": True}
+    assert measured["map"]["kmp_blocktime"] == evidence.NOBIND_BLOCKTIME
+    assert measured["map"]["reason"] == plan_on("0,1", vllm, tmp_path)["reason"]
     # auto preloads no tcmalloc here, so doctor does not send the user to install one.
     assert "install-tcmalloc" not in [item["id"] for item in measured["recommendations"]]
     # Where the user's explicit binding keeps libgomp, doctor's command lifts it, as printed.
@@ -264,5 +300,68 @@ def test_doctor_says_what_the_map_says_and_its_command_works(
     assert reserved["map"]["iomp"] == "libgomp"
     assert "map-binding" not in [item["id"] for item in reserved["recommendations"]]
     elsewhere = doctor_on("0", vllm, tmp_path)
-    assert elsewhere["map"]["measured"] is False and elsewhere["map"]["iomp"] is None
+    assert elsewhere["map"]["measured"] is False and elsewhere["map"]["iomp"] == "libiomp5"
+    assert elsewhere["map"]["nobind"] is False and elsewhere["map"]["kmp_blocktime"] == "5"
     assert "install-tcmalloc" in [item["id"] for item in elsewhere["recommendations"]]
+
+
+def test_every_env_format_carries_the_binding_the_plan_relies_on(
+    standin_vllms: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rule 2 rests on the caller's VLLM_CPU_OMP_THREADS_BIND=nobind: a unit or an image
+    that lacks it would run libiomp5 bound by vLLM (0.87-1.22x): every format carries it."""
+    import yaml
+
+    vllm = str(standin_vllms["0.32.0"])
+    nobind = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    expected = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "KMP_BLOCKTIME": evidence.NOBIND_BLOCKTIME}
+    for output in ("shell", "systemd", "docker", "kubernetes"):
+        command = ["--vllm", vllm, "env", "--format", output, *SD]
+        text = run_on("0,1", tmp_path, command, **nobind).stdout
+        if output == "kubernetes":
+            pairs = {e["name"]: e["value"] for e in yaml.safe_load(text)["env"]}
+        else:
+            # Each format's quoting reads back as a shell's words (tests/test_exports.py
+            # reads each with its own tool).
+            words = [shlex.split(line)[-1] for line in text.splitlines()]
+            pairs = dict(word.partition("=")[::2] for word in words)
+        assert {name: pairs.get(name) for name in expected} == expected, (output, text)
+    unit = run_on(
+        "0,1", tmp_path, ["--vllm", vllm, "systemd-unit", "--user", "vllm", *SD], **nobind
+    )
+    (warning,) = (w for w in unit.stderr.splitlines() if "relies on" in w)
+    fix = warning.rpartition("; pass ")[2]
+    assert fix == "--env VLLM_CPU_OMP_THREADS_BIND=nobind"
+    fixed = run_on(
+        "0,1",
+        tmp_path,
+        ["--vllm", vllm, "systemd-unit", "--user", "vllm", *fix.split(), *SD],
+        **nobind,
+    )
+    assert "Environment=VLLM_CPU_OMP_THREADS_BIND=nobind" in fixed.stdout.splitlines()
+    assert "relies on" not in fixed.stderr
+
+
+def test_doctor_states_the_configuration_the_settings_put_in_effect(
+    standin_vllms: dict[str, Path], tmp_path: Path
+) -> None:
+    """iomp: never (as a tune writes it) keeps libgomp, and doctor says so and advises no
+    unbinding; --iomp always with vLLM's binding preloads libiomp5 bound, as the plan does."""
+    vllm = str(standin_vllms["0.32.0"])
+    config = tmp_path / "config.yaml"
+    config.write_text("iomp: never\n")
+    never = doctor_on("0,1", Path(vllm), tmp_path, VLLM_CPU_LAUNCH_CONFIG=str(config))
+    assert never["map"]["iomp"] == "libgomp" and never["map"]["reason"] == "--iomp never"
+    assert "map-binding" not in [item["id"] for item in never["recommendations"]]
+    text = run_on("0,1", tmp_path, ["--vllm", vllm, "doctor"], VLLM_CPU_LAUNCH_CONFIG=str(config))
+    assert "  with SD  the launcher keeps libgomp, sets VLLM_CPU_LAUNCH_PLANNED=launcher" in (
+        text.stdout
+    )
+    bound = {"VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    always = json_on(
+        "0,1", tmp_path, ["--iomp", "always", "--vllm", vllm, "doctor", "--json"], **bound
+    )
+    assert always["map"]["iomp"] == "libiomp5" and always["map"]["nobind"] is False
+    assert always["map"]["relies_on"]["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    plan = plan_on("0,1", Path(vllm), tmp_path, "--iomp", "always", **bound)
+    assert always["map"]["env"] == plan["env"] and always["map"]["reason"] == plan["reason"]

@@ -108,6 +108,7 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
             {"kind": "iomp", "path": library, "flavor": "intel", "origin": "vllm-environment"}
         ],
         "env": {"LD_PRELOAD": library, "KMP_BLOCKTIME": "5"},
+        "relies_on": {},
         "warnings": [],
         "candidates": [
             {"kind": "iomp", "path": library, "verdict": "chosen", "reason": "first usable"}

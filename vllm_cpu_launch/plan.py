@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.evidence import BIND_VARIABLE, map_choice, map_host
+from vllm_cpu_launch.evidence import (
+    BIND_VARIABLE,
+    BLOCKTIME_VARIABLE,
+    RESERVED_VARIABLE,
+    THREADS_VARIABLE,
+    map_choice,
+    map_host,
+)
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.libraries import Candidate, Search, find_library
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
@@ -22,6 +29,7 @@ if TYPE_CHECKING:
 
 # The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
 DEFAULT_KMP_BLOCKTIME = "5"
+LD_PRELOAD = "LD_PRELOAD"
 IOMP_ARCHITECTURES = ("x86_64",)  # vLLM checks for libiomp on x86 only
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
 
@@ -48,6 +56,8 @@ class Plan:
     candidates: tuple[Candidate, ...]
     missing: tuple[str, ...]  # kinds that were wanted and not found (--strict fails on them)
     unsafe: tuple[str, ...] = ()  # problems with the target's own trust (--strict fails on them)
+    # The caller's variables the plan keeps and depends on (a unit or image must carry them).
+    relies_on: tuple[tuple[str, str], ...] = ()
 
 
 def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
@@ -226,7 +236,7 @@ def build_plan(
     elif speculative.requested and release.status == "newer":
         reasons.append(release.note)
     measured = (
-        map_host(host.environ, host.cpus, release.release, one_worker)
+        map_host(host.environ, host.cpus, release.release, one_worker, settings.kmp_blocktime)
         if speculative.requested
         else None
     )
@@ -280,9 +290,11 @@ def build_plan(
             )
     chosen = [c for c in (tcmalloc, iomp) if c is not None]
     default_blocktime = (tuned_iomp and tuned_iomp.blocktime) or DEFAULT_KMP_BLOCKTIME
-    env = environment_changes(
-        host.environ, chosen, settings.kmp_blocktime, warnings, default_blocktime
-    )
+    kmp_blocktime = settings.kmp_blocktime
+    if tuned_iomp and tuned_iomp.replaces_callers:
+        warnings.append(tuned_iomp.replaces_callers)
+        kmp_blocktime = tuned_iomp.blocktime
+    env = environment_changes(host.environ, chosen, kmp_blocktime, warnings, default_blocktime)
     if tuned_iomp:
         reasons.append(tuned_iomp.reason)
         if tuned_iomp.nobind:
@@ -292,6 +304,11 @@ def build_plan(
     keeps_gomp = iomp is None and (speculative.requested or settings.iomp == "never")
     if keeps_gomp and host.environ.get(PLANNED_VARIABLE) != planner:
         env[PLANNED_VARIABLE] = planner
+    relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen else []
+    if measured:  # the map's rule read these
+        relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
+    kept = {name: host.environ[name] for name in relied if name in host.environ}
+    relies_on = tuple((name, value) for name, value in kept.items() if name not in env)
     return Plan(
         command=(target.executable, *arguments),
         speculative=speculative,
@@ -303,6 +320,7 @@ def build_plan(
         candidates=tuple(c for s in searches for c in s.candidates),
         missing=tuple(missing),
         unsafe=tuple(unsafe),
+        relies_on=relies_on,
     )
 
 
@@ -320,6 +338,7 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
             for p in plan.preload
         ],
         "env": dict(plan.env),
+        "relies_on": dict(plan.relies_on),
         "warnings": list(plan.warnings),
         "candidates": [
             {"kind": c.kind, "path": c.path, "verdict": c.verdict, "reason": c.reason}
@@ -363,6 +382,9 @@ def render_text(plan: Plan) -> str:
         lines.append(f"{label:<12} {name}={shlex.quote(value)}")
     if not plan.env:
         lines.append("env:         unchanged")
+    for index, (name, value) in enumerate(plan.relies_on):
+        label = "relies on:" if index == 0 else ""
+        lines.append(f"{label:<12} {name}={shlex.quote(value)} (yours, kept)")
     lines += [f"warning:     {w}" for w in plan.warnings]
     lines += [f"note:        {n}" for n in plan.notes]
     for c in plan.candidates:

@@ -5,15 +5,16 @@
 the plan itself (as `--dry-run --json`).
 
 The first four carry the final value of every variable the plan relies on: what it
-sets or changes, and also LD_PRELOAD and KMP_BLOCKTIME when the plan keeps the
-caller's value (a unit or an image does not inherit the caller's shell). `json` is the
-plan as docs/design.md defines it: only what the launcher sets or changes.
+sets or changes, and the caller's variables it keeps and depends on (the plan's
+`relies_on`: LD_PRELOAD and KMP_BLOCKTIME beside the library it preloads, the binding,
+reservation, block time and thread count the benchmark map's rule read), since a unit or
+an image does not inherit the caller's shell. `json` is the plan as docs/design.md
+defines it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.plan import Plan
 
 FORMATS = ("shell", "systemd", "docker", "kubernetes", "json")
-RELIED_ON = ("LD_PRELOAD", "KMP_BLOCKTIME")
 
 USAGE = """\
 usage: vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json]
@@ -41,14 +41,9 @@ Warnings go to standard error; the launcher OPTIONS are those of a normal start.
 """
 
 
-def final_environment(plan: Plan, caller: Mapping[str, str]) -> dict[str, str]:
+def final_environment(plan: Plan) -> dict[str, str]:
     """What the started program sees of the variables the plan sets or relies on."""
-    result = dict(plan.env)
-    if plan.preload:
-        for name in RELIED_ON:
-            if name not in result and name in caller:
-                result[name] = caller[name]
-    return result
+    return {**dict(plan.relies_on), **dict(plan.env)}
 
 
 def shell_lines(environment: Mapping[str, str]) -> list[str]:
@@ -118,13 +113,13 @@ def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
     return text.splitlines()
 
 
-def render(plan: Plan, output_format: str, caller: Mapping[str, str]) -> str:
+def render(plan: Plan, output_format: str) -> str:
     """The plan's environment in one of FORMATS."""
     if output_format == "json":
         from vllm_cpu_launch.plan import plan_as_json
 
         return json.dumps(plan_as_json(plan), indent=2)
-    environment = final_environment(plan, caller)
+    environment = final_environment(plan)
     if not environment:
         return f"# vllm-cpu-launch: nothing to set ({plan.reason})"
     renderers = {
@@ -167,7 +162,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
             EXIT_USAGE, "env needs the vLLM command line: vllm-cpu-launch env serve MODEL ..."
         )
     plan = plan_from_options(merged, command)
-    text = render(plan, str(output_format), os.environ)
+    text = render(plan, str(output_format))
     report(plan, merged)
     write_stdout(text)
     return 0

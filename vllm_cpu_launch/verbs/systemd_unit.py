@@ -258,6 +258,15 @@ def check_plan(
         return None, []
     for warning in plan.warnings:
         emit("warning", warning)
+    extra = values.get("unit_env") or []
+    given = {str(item).partition("=")[0] for item in extra} if isinstance(extra, list) else set()
+    for name, value in plan.relies_on:
+        if name not in given:
+            emit(
+                "warning",
+                f"the plan relies on your {name}={value}, which the service will not see; "
+                f"pass --env {name}={value}",
+            )
     for path in settings.config_files:
         if path != SYSTEM_CONFIG and path != values.get("config"):
             emit(

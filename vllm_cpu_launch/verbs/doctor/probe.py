@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.errors import LaunchError
     from vllm_cpu_launch.libraries import Search
+    from vllm_cpu_launch.places import Host
     from vllm_cpu_launch.settings import Settings
     from vllm_cpu_launch.target import Target
 
@@ -276,29 +277,52 @@ def settings_section(settings: Settings, error: str | None) -> dict[str, Any]:
     }
 
 
-def map_section(environ: Mapping[str, str], cpus: int, target: Target | None) -> dict[str, Any]:
-    """What the benchmark map says of this host and vLLM (vllm_cpu_launch/evidence.py):
-    whether it measured them, and what the launcher does for SD here because of it."""
-    from vllm_cpu_launch.evidence import map_choice, map_host
+# The SD command doctor plans for, to say what the launcher does with SD on this host.
+NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
+SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
+
+
+def map_section(settings: Settings, target: Target | None, host: Host) -> dict[str, Any]:
+    """What the launcher does for SD here, with the settings in effect (the plan of an
+    ngram `serve`, one worker), and whether the benchmark map measured this host and
+    vLLM (vllm_cpu_launch/evidence.py), with the rule it applies when it did."""
+    from vllm_cpu_launch.errors import LaunchError
+    from vllm_cpu_launch.evidence import BIND_VARIABLE, map_choice, map_host
+    from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.releases import vllm_release
+    from vllm_cpu_launch.speculative import detect
 
     release = vllm_release(target.prefix) if target and target.prefix else None
-    host = map_host(environ, cpus, release, one_worker=True)
-    if host is None:
-        return {
-            "measured": False,
-            "iomp": None,
-            "nobind": None,
-            "kmp_blocktime": None,
-            "reason": None,
-        }
-    choice = map_choice(host)
+    host_measured = map_host(host.environ, host.cpus, release, True, settings.kmp_blocktime)
+    choice = map_choice(host_measured) if host_measured else None
+    section: dict[str, Any] = {
+        "measured": host_measured is not None,
+        "rule_keeps_libgomp": choice is not None and not choice.iomp,
+        "iomp": None,
+        "nobind": None,
+        "kmp_blocktime": None,
+        "env": {},
+        "relies_on": {},
+        "missing": [],
+        "reason": None,
+    }
+    if target is None:
+        return section
+    try:
+        plan = build_plan(settings, SD_PROBE, detect(SD_PROBE), target, host, True, one_worker=True)
+    except LaunchError as error:
+        return {**section, "reason": error.message}
+    in_effect = {**dict(plan.relies_on), **dict(plan.env)}
+    iomp = any(p.kind == "iomp" for p in plan.preload)
     return {
-        "measured": True,
-        "iomp": "libiomp5" if choice.iomp else "libgomp",
-        "nobind": choice.nobind,
-        "kmp_blocktime": choice.blocktime,
-        "reason": choice.reason,
+        **section,
+        "iomp": "libiomp5" if iomp else "libgomp",
+        "nobind": in_effect.get(BIND_VARIABLE) == "nobind",
+        "kmp_blocktime": in_effect.get("KMP_BLOCKTIME") if iomp else None,
+        "env": dict(plan.env),
+        "relies_on": dict(plan.relies_on),
+        "missing": list(plan.missing),
+        "reason": plan.reason,
     }
 
 
