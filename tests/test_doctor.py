@@ -362,8 +362,9 @@ def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
-def test_a_tune_result_in_effect_is_reported(tmp_path: Path, vllm_env: Path) -> None:
-    """The config `tune --write` leaves (written by tune's own writer) shows in doctor."""
+def test_tune_records_are_reported_with_their_scope(tmp_path: Path, vllm_env: Path) -> None:
+    """The records `tune --write` leaves (written by tune's own writer) show in doctor, each
+    with what it applies to, and where this host leaves it (doctor knows no command)."""
     from vllm_cpu_launch.verbs.tune.config import write_config
 
     record = {
@@ -371,18 +372,24 @@ def test_a_tune_result_in_effect_is_reported(tmp_path: Path, vllm_env: Path) -> 
         "iomp": "never",
         "result": "libgomp 1.12x faster than libiomp5, spread 0.03 s",
         "rounds": 3,
-        "command": "vllm bench latency --model m",
+        "command": "vllm bench latency --model /m",
+        "scope": {"model": "/m", "method": "ngram", "tokens": 3, "vllm": None, "cpus": 512},
     }
     config = tmp_path / "no-user-config" / "vllm-cpu-launch" / "config.yaml"
-    write_config(str(config), {"iomp": "never", "tuned": record})
+    write_config(str(config), {"tuned": [record]})
     result, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"))
     assert result.returncode == 0, result.stderr
-    assert report["settings"]["tuned"] == record
-    assert report["settings"]["values"]["iomp"] == "never"
+    usable = len(os.sched_getaffinity(0))
+    assert report["settings"]["tuned"] == [
+        {**record, "origin": str(config), "not_here": [f"CPUs {usable}, not 512"]}
+    ]
+    assert report["settings"]["values"]["iomp"] == "auto"
     text = run_launcher(
         ["--vllm", str(vllm_env / "bin" / "vllm"), "doctor"], clean_environ(tmp_path)
     ).stdout
     assert "tuned    iomp=never at 2026-12-01T10:02Z: libgomp 1.12x faster" in text
+    assert f"for model /m, method ngram, tokens 3, cpus 512 ({config})" in text
+    assert f"not on this host: CPUs {usable}, not 512" in text
 
 
 def test_doctor_says_whether_vllm_will_load_the_plugin(tmp_path: Path, wheelhouse: Path) -> None:

@@ -223,7 +223,7 @@ def test_where_the_user_has_vllm_bind_the_launcher_keeps_libgomp(
     plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, **variables)
     # Only the mark that tells vLLM's plugin to keep libgomp too.
     assert plan["preload"] == [] and plan["env"] == {PLANNED_VARIABLE: "launcher"}
-    assert "not preloading Intel OpenMP: on 2 CPUs with vLLM 0.32.0" in plan["reason"]
+    assert "not preloading Intel OpenMP: ngram SD on 2 CPUs with vLLM 0.32.0" in plan["reason"]
     assert evidence.figures(evidence.BOUND_IOMP) in plan["reason"]
     # What the reason offers works: --iomp always preloads it, as vLLM binds and tunes it.
     forced = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--iomp", "always", **variables)

@@ -231,3 +231,58 @@ def test_parse_json_fails_exactly_where_json_loads_fails(text: str) -> None:
     else:
         parsed = parse_json(text)
         assert parsed == expected or (parsed != parsed and expected != expected)  # NaN
+
+
+@pytest.mark.parametrize(
+    ("argv", "method", "tokens"),
+    [
+        (["serve", "m", "-sc", '{"method":"ngram","num_speculative_tokens":3}'], "ngram", 3),
+        (["serve", "m", "-sc", '{"model":"/d","num_speculative_tokens":7}'], "draft_model", 7),
+        (
+            [
+                "serve",
+                "m",
+                "--speculative-config.method",
+                "eagle",
+                "--speculative-config.num_speculative_tokens",
+                "5",
+            ],
+            "eagle",
+            5,
+        ),
+        (["serve", "m", "--spec-method", "ngram", "--spec-tokens", "4"], "ngram", 4),
+        (["serve", "m", "--spec-model", "/d"], "draft_model", None),
+        (["serve", "m", "--speculative-config", '{"method":"ngram"}'], "ngram", None),
+        # a later JSON replaces the earlier one, as argparse keeps the last value
+        (
+            [
+                "serve",
+                "m",
+                "-sc",
+                '{"method":"ngram","num_speculative_tokens":3}',
+                "-sc",
+                '{"model":"/d"}',
+            ],
+            "draft_model",
+            None,
+        ),
+        (["serve", "m", "-sc", '{"method":"ngram","num_speculative_tokens":"3"}'], "ngram", 3),
+        (["serve", "m", "-sc", '{"method":"ngram","num_speculative_tokens":true}'], "ngram", None),
+    ],
+)
+def test_the_method_and_token_count_are_read(
+    argv: list[str], method: str | None, tokens: int | None
+) -> None:
+    request = detect(argv)
+    assert request.requested and (request.method, request.tokens) == (method, tokens)
+
+
+def test_the_method_and_token_count_in_a_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "speculative_config:\n  method: draft_model\n  model: /d\n  num_speculative_tokens: 7\n"
+        "  nested: {deep: [1, 2]}\n"
+    )
+    request = detect(["serve", "m", "--config", str(config)])
+    assert (request.requested, request.method, request.tokens) == (True, "draft_model", 7)
+    assert detect(["serve", "m"]).method is None

@@ -5,6 +5,7 @@ reason later plans give, and the whole verb run against a stand-in `vllm` that w
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -16,8 +17,9 @@ import yaml
 
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.plan import why
-from vllm_cpu_launch.settings import Settings, Tuned, load_settings, read_config_file
+from vllm_cpu_launch.settings import Scope, Settings, Tuned, load_settings, read_config_file
 from vllm_cpu_launch.speculative import detect
+from vllm_cpu_launch.tunes import choose, record_scope
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import merged_config
 from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, decide, rotated, table
@@ -224,31 +226,69 @@ def test_a_bad_tune_record_names_file_and_key(
         assert part in raised.value.message
 
 
-def test_the_record_explains_iomp_only_while_it_is_the_value_in_effect(tmp_path: Path) -> None:
+def test_a_record_from_before_scoping_is_scoped_to_its_command(tmp_path: Path) -> None:
+    """A config a tune wrote before records were scoped (a global iomp: and one record)
+    keeps working: the iomp is the record's, applied to the command it records alone."""
     config = write(tmp_path / "c.yaml", yaml.safe_dump({"iomp": "never", "tuned": TUNED}))
-    options = {"config": str(config)}
-    tuned = load_settings(options, {}).tuned
-    assert tuned == Tuned(**TUNED)  # type: ignore[arg-type]
-    assert load_settings({**options, "iomp": "never"}, {}).tuned is None  # an option decided
-    assert load_settings(options, {"VLLM_CPU_LAUNCH_IOMP": "never"}).tuned is None
+    settings = load_settings({"config": str(config)}, {})
+    assert settings.iomp == "auto" and settings.iomp_from == "default"  # the record's value
+    assert settings.tuned == (Tuned(**TUNED, origin=str(config)),)  # type: ignore[arg-type]
+    assert record_scope(settings.tuned[0]) == Scope(model="m")
     edited = write(tmp_path / "e.yaml", yaml.safe_dump({"iomp": "always", "tuned": TUNED}))
-    assert load_settings({"config": str(edited)}, {}).tuned is None
+    edited_settings = load_settings({"config": str(edited)}, {})
+    assert edited_settings.tuned == () and edited_settings.iomp == "always"  # the user's own
     # YAML reads an unquoted time as a timestamp: it is taken as text.
     unquoted = write(
         tmp_path / "u.yaml", yaml.safe_dump({"iomp": "never", "tuned": TUNED}).replace("'", "")
     )
-    assert load_settings({"config": str(unquoted)}, {}).tuned is not None
+    assert load_settings({"config": str(unquoted)}, {}).tuned != ()
+
+
+SCOPE = {"model": "/models/m", "method": "ngram", "tokens": 3, "vllm": "0.32.0", "cpus": 2}
+
+
+@pytest.mark.parametrize(
+    ("launch", "applied", "why_not"),
+    [
+        (Scope("/models/m", "ngram", 3, "0.32.0", 2), True, None),
+        (Scope("/models/other", "ngram", 3, "0.32.0", 2), False, "model /models/other, not"),
+        (Scope("/models/m", "draft_model", 3, "0.32.0", 2), False, "SD method draft_model"),
+        (Scope("/models/m", "ngram", 7, "0.32.0", 2), False, "draft tokens 7, not 3"),
+        (Scope("/models/m", "ngram", 3, "0.31.1", 2), False, "vLLM 0.31.1, not 0.32.0"),
+        (Scope("/models/m", "ngram", 3, "0.32.0", 16), False, "CPUs 16, not 2"),
+        (Scope(None, "ngram", 3, "0.32.0", 2), False, "model unknown, not /models/m"),
+    ],
+)
+def test_a_record_applies_only_where_it_was_measured(
+    launch: Scope, applied: bool, why_not: str | None
+) -> None:
+    record = Tuned(**TUNED, scope=Scope(**SCOPE), origin="c.yaml")  # type: ignore[arg-type]
+    chosen, notes = choose(Settings(tuned=(record,)), launch)
+    assert (chosen is record) is applied
+    (note,) = notes
+    assert note.startswith("tune of 2026-12-01T10:02Z (model /models/m, SD method ngram, ")
+    assert note.endswith("; c.yaml) applied") if applied else str(why_not) in note
+    # An option or a variable wins over a matching record, and says so.
+    given, notes = choose(Settings(iomp="always", iomp_from="option", tuned=(record,)), launch)
+    assert given is None and len(notes) == 1
+
+
+def test_of_several_matching_records_the_one_that_recorded_more_wins() -> None:
+    loose = Tuned(**{**TUNED, "iomp": "always"}, scope=Scope(model="/models/m"))  # type: ignore[arg-type]
+    exact = Tuned(**TUNED, scope=Scope(**SCOPE))  # type: ignore[arg-type]
+    chosen, notes = choose(Settings(tuned=(loose, exact)), Scope(**SCOPE))  # type: ignore[arg-type]
+    assert chosen is exact and len(notes) == 2 and "matches too" in notes[1]
 
 
 def test_the_reason_says_it_came_from_a_tune() -> None:
     sd = detect(["serve", "m", "-sc", NGRAM])
     tuned = Tuned(**TUNED)  # type: ignore[arg-type]
-    assert why(Settings(iomp="never", tuned=tuned), sd, True) == (
+    assert why("never", sd, True, tuned) == (
         "--iomp never (from tune 2026-12-01T10:02Z: libgomp 1.12x faster than libiomp5, "
         "spread 0.03 s)"
     )
     kept = Tuned(**{**TUNED, "iomp": "auto", "result": "within the noise, default kept: x"})  # type: ignore[arg-type]
-    assert why(Settings(tuned=kept), sd, True).startswith(
+    assert why("auto", sd, True, kept).startswith(
         "speculative decoding requested by -sc (from tune 2026-12-01T10:02Z: within the noise"
     )
 
@@ -309,10 +349,13 @@ def test_tune_writes_the_winner_and_the_next_plan_follows_it(
     assert "libgomp 2.00x faster than libiomp5" in result.stdout
     assert "best is --iomp never" in result.stdout
     config = read_config_file(str(user_config))
-    assert config["iomp"] == "never" and config["tcmalloc"] == "never"
-    record = config["tuned"]
-    assert isinstance(record, Tuned) and record.rounds == 2
+    assert "iomp" not in config and config["tcmalloc"] == "never"  # no global choice
+    records = config["tuned"]
+    assert isinstance(records, tuple) and len(records) == 1
+    record: Tuned = records[0]
+    assert record.rounds == 2 and record.iomp == "never"
     assert record.command.startswith("vllm bench latency --model /models/m -sc")
+    assert record.scope == Scope("/models/m", "ngram", 3, None, len(os.sched_getaffinity(0)))
     assert user_config.read_text().startswith("# my settings\n")
 
     plan = run_launcher(
@@ -342,7 +385,8 @@ def test_within_the_noise_the_default_is_kept_and_said(tmp_path: Path, bench_env
     assert "within the noise, default kept" in result.stdout
     assert "keeping the default (libiomp5)" in result.stdout
     written = read_config_file(str(config))
-    assert written["iomp"] == "auto"
+    assert "iomp" not in written
+    assert [record.iomp for record in written["tuned"]] == ["auto"]  # type: ignore[attr-defined]
     plan = run_launcher(
         [
             "--vllm",
@@ -356,6 +400,57 @@ def test_within_the_noise_the_default_is_kept_and_said(tmp_path: Path, bench_env
     )
     assert "preload:     iomp" in plan.stdout
     assert "(from tune " in plan.stdout and "within the noise" in plan.stdout
+
+
+def test_a_tune_applies_to_its_scope_and_a_later_one_of_the_same_scope_replaces_it(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
+    user_config = tmp_path.joinpath(*USER_CONFIG)
+    other = ["serve", "/models/other", "-sc", NGRAM]
+    assert (
+        tune(tmp_path, bench_env, "gomp-faster", "--write", "--rounds", "2", *SERVE).returncode == 0
+    )
+    assert (
+        tune(tmp_path, bench_env, "iomp-faster", "--write", "--rounds", "2", *other).returncode == 0
+    )
+    models = [r.scope.model for r in read_config_file(str(user_config))["tuned"]]  # type: ignore[attr-defined]
+    assert models == ["/models/other", "/models/m"]  # the newest first, the other kept
+    # Each command gets its own tune's choice; -v says which record was considered and why.
+    first = run_launcher([*vllm, "-v", "--dry-run", *SERVE], clean_environ(tmp_path))
+    assert "preload:     nothing" in first.stdout and "(from tune " in first.stdout
+    assert "not applied: model /models/m, not /models/other" in first.stdout
+    second = run_launcher([*vllm, "--dry-run", *other], clean_environ(tmp_path))
+    assert "preload:     iomp" in second.stdout
+    untuned = ["serve", "/models/third", "-sc", NGRAM]
+    third = run_launcher([*vllm, "--dry-run", *untuned], clean_environ(tmp_path))
+    assert "(from tune " not in third.stdout and "preload:     iomp" in third.stdout
+    # Tuned again, the first command's record is replaced, the other kept.
+    assert (
+        tune(tmp_path, bench_env, "iomp-faster", "--write", "--rounds", "2", *SERVE).returncode == 0
+    )
+    records = read_config_file(str(user_config))["tuned"]
+    assert [(r.scope.model, r.iomp) for r in records] == [  # type: ignore[attr-defined]
+        ("/models/m", "auto"),
+        ("/models/other", "auto"),
+    ]
+
+
+def test_a_config_from_before_scoping_is_kept_scoped_when_a_tune_writes(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    """The old single record and its global iomp: become one scoped record beside the new."""
+    user_config = tmp_path.joinpath(*USER_CONFIG)
+    old = {**TUNED, "command": 'vllm bench latency --model /models/old -sc \'{"method":"ngram"}\''}
+    write(user_config, "# mine\nstrict: true\n" + yaml.safe_dump({"iomp": "never", "tuned": old}))
+    assert tune(tmp_path, bench_env, "alike", "--write", "--rounds", "2", *SERVE).returncode == 0
+    text = user_config.read_text()
+    assert text.startswith("# mine\nstrict: true\n") and "\niomp:" not in text
+    records = read_config_file(str(user_config))["tuned"]
+    assert [(r.scope.model, r.scope.method, r.iomp) for r in records] == [  # type: ignore[attr-defined]
+        ("/models/m", "ngram", "auto"),
+        ("/models/old", "ngram", "never"),
+    ]
 
 
 def test_without_write_nothing_is_written(tmp_path: Path, bench_env: Path) -> None:

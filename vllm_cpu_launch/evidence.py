@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 MAP_CPUS = 2
 MAP_VLLM = "0.32"
+MAP_METHODS = ("ngram",)  # the SD methods the map measured: its rules apply to them alone
 MAP = "docs/benchmarks.md, the map"
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -41,6 +42,7 @@ class MapHost:
 
     cpus: int
     vllm: str  # the release found in the target's environment
+    method: str  # the SD method
     binding: str  # VLLM_CPU_OMP_THREADS_BIND as set: "" (unset), "auto" or "nobind"
     reserved: bool  # VLLM_CPU_NUM_OF_RESERVED_CPU set
     blocktime: str | None = None  # the caller's KMP_BLOCKTIME (their environment)
@@ -66,16 +68,18 @@ def map_host(
     cpus: int,
     release: str | None,
     one_worker: bool,
+    method: str | None,
     chosen_blocktime: str | None = None,
 ) -> MapHost | None:
     """This host, vLLM release and command, where the map measured them; None elsewhere.
 
     `release`: the target's vLLM (releases.vllm_release). `one_worker`: the command runs
     one worker on one node, as the launcher reads it from the command line
-    (single_worker) and the plugin from vLLM's parallel config. `chosen_blocktime`: the
-    launcher's --kmp-blocktime setting, if any.
+    (single_worker) and the plugin from vLLM's parallel config. `method`: the SD method
+    (None: the command does not say). `chosen_blocktime`: the launcher's --kmp-blocktime
+    setting, if any.
     """
-    if cpus != MAP_CPUS or not one_worker:
+    if cpus != MAP_CPUS or not one_worker or method not in MAP_METHODS:
         return None
     if release is None or release.split(".")[:2] != MAP_VLLM.split("."):
         return None
@@ -85,6 +89,7 @@ def map_host(
     return MapHost(
         cpus,
         release,
+        method,
         binding,
         bool(environ.get(RESERVED_VARIABLE)),
         environ.get(BLOCKTIME_VARIABLE),
@@ -109,7 +114,7 @@ def map_choice(host: MapHost) -> MapChoice:
     caller's KMP_BLOCKTIME other than the measured one is replaced, with a warning: the
     block time decides the gain (0 measured 0.63-0.98x of plain vLLM, 200 0.92-1.42x). A
     block time chosen with --kmp-blocktime is kept, and no figure is claimed for it."""
-    where = f"on {host.cpus} CPUs with vLLM {host.vllm}"
+    where = f"{host.method} SD on {host.cpus} CPUs with vLLM {host.vllm}"
     unbound = host.binding == "nobind" or (not host.binding and not host.reserved)
     if unbound and host.threads is not None:
         why = (

@@ -17,13 +17,15 @@ from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.releases import support, vllm_release
 from vllm_cpu_launch.settings import blocktime_problem
+from vllm_cpu_launch.speculative import model_of
+from vllm_cpu_launch.tunes import choose, launch_scope
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Any
 
-    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.speculative import SpeculativeRequest
     from vllm_cpu_launch.target import Target
 
@@ -58,6 +60,7 @@ class Plan:
     unsafe: tuple[str, ...] = ()  # problems with the target's own trust (--strict fails on them)
     # The caller's variables the plan keeps and depends on (a unit or image must carry them).
     relies_on: tuple[tuple[str, str], ...] = ()
+    scope: Scope | None = None  # what a tune of this launch measures (tunes.py)
 
 
 def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
@@ -139,11 +142,10 @@ def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[
     return trusted - {0}, problems
 
 
-def why(settings: Settings, speculative: SpeculativeRequest, auto_iomp: bool) -> str:
+def why(mode: str, speculative: SpeculativeRequest, auto_iomp: bool, tuned: Tuned | None) -> str:
     """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it)."""
-    tuned = settings.tuned
-    if settings.iomp != "auto":
-        reason = f"--iomp {settings.iomp}"
+    if mode != "auto":
+        reason = f"--iomp {mode}"
     elif speculative.requested:
         reason = f"speculative decoding requested by {speculative.source}"
     elif auto_iomp:
@@ -198,11 +200,13 @@ def build_plan(
     *,
     one_worker: bool,
     planner: str = "launcher",
+    model: str | None = None,
 ) -> Plan:
     """Decide what to preload and which variables to set for `target arguments...`.
 
     `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
     `one_worker`: one worker on one node (where the benchmark map's rules may apply).
+    `model`: the model served (default: the one `arguments` name), a tune's scope.
     `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
     libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
     """
@@ -225,28 +229,40 @@ def build_plan(
     explicit = {
         kind: validated_explicit(kind, path, host, trusted) for kind, path in named.items() if path
     }
-    wants_iomp = settings.iomp == "always" or (settings.iomp == "auto" and auto_iomp)
-    reasons = [why(settings, speculative, auto_iomp)]
+    release = support(vllm_release(target.prefix) if target.prefix else None)
+    # A tune of this very command and host wins over a config file's iomp (tunes.py).
+    scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
+    tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
+    notes += tune_notes
+    mode = tuned.iomp if tuned else settings.iomp
+    wants_iomp = mode == "always" or (mode == "auto" and auto_iomp)
+    reasons = [why(mode, speculative, auto_iomp, tuned)]
     # For SD, what the launcher knows of the target's vLLM release decides first
     # (releases.py), then the benchmark map where it measured this host (evidence.py).
-    release = support(vllm_release(target.prefix) if target.prefix else None)
-    if speculative.requested and release.status == "older" and settings.iomp == "auto":
+    if speculative.requested and release.status == "older" and mode == "auto":
         reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
         wants_iomp = False
     elif speculative.requested and release.status == "newer":
         reasons.append(release.note)
     measured = (
-        map_host(host.environ, host.cpus, release.release, one_worker, settings.kmp_blocktime)
+        map_host(
+            host.environ,
+            host.cpus,
+            release.release,
+            one_worker,
+            speculative.method,
+            settings.kmp_blocktime,
+        )
         if speculative.requested
         else None
     )
     choice = map_choice(measured) if measured else None
-    if choice and not choice.iomp and settings.iomp == "auto":
+    if choice and not choice.iomp and mode == "auto":
         reasons.append(choice.reason)
         wants_iomp = False
     if wants_iomp and host.machine not in IOMP_ARCHITECTURES:
         message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
-        (warnings if settings.iomp == "always" else notes).append(message)
+        (warnings if mode == "always" else notes).append(message)
         wants_iomp = False
     iomp: Candidate | None = None
     if wants_iomp:
@@ -261,7 +277,7 @@ def build_plan(
                 else "the program will use GNU libgomp"
             )
             warnings.append(missing_message(search, target, consequence))
-    elif settings.iomp == "auto" and not auto_iomp:
+    elif mode == "auto" and not auto_iomp:
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
     # How the map measured Intel OpenMP fastest here goes with it, whoever chose it.
@@ -301,7 +317,7 @@ def build_plan(
             env[BIND_VARIABLE] = "nobind"
     # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
     # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
-    keeps_gomp = iomp is None and (speculative.requested or settings.iomp == "never")
+    keeps_gomp = iomp is None and (speculative.requested or mode == "never")
     if keeps_gomp and host.environ.get(PLANNED_VARIABLE) != planner:
         env[PLANNED_VARIABLE] = planner
     relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen else []
@@ -321,6 +337,7 @@ def build_plan(
         missing=tuple(missing),
         unsafe=tuple(unsafe),
         relies_on=relies_on,
+        scope=scope,
     )
 
 

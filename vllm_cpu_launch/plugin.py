@@ -156,7 +156,9 @@ def speculative_request(vllm_config: Any) -> SpeculativeRequest:
     if config is None:
         return SpeculativeRequest(False)
     method = getattr(config, "method", None)
-    return SpeculativeRequest(True, f"vLLM's speculative_config (method {method})")
+    tokens = getattr(config, "num_speculative_tokens", None)
+    source = f"vLLM's speculative_config (method {method})"
+    return SpeculativeRequest(True, source, None, method, tokens)
 
 
 def one_worker(vllm_config: Any) -> bool:
@@ -196,6 +198,7 @@ def engine_plan(vllm_config: Any, speculative: SpeculativeRequest, settings: Set
         speculative.requested,
         one_worker=one_worker(vllm_config),
         planner="plugin",
+        model=getattr(getattr(vllm_config, "model_config", None), "model", None),
     )
 
 

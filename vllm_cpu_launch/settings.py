@@ -27,8 +27,22 @@ CONFIG_VARIABLE = "VLLM_CPU_LAUNCH_CONFIG"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 LARGE_BLOCKTIME_MS = 200
-# The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`).
+# The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`); `scope`
+# is optional (records written before tunes were scoped have none).
 TUNED_FIELDS = ("when", "iomp", "result", "rounds", "command")
+SCOPE_FIELDS = ("model", "method", "tokens", "vllm", "cpus")
+
+
+@record
+class Scope:
+    """What a tune measured, so that it applies only there: the model, the SD method and
+    token count, the vLLM release and the usable CPUs. None: not recorded (any)."""
+
+    model: str | None = None
+    method: str | None = None
+    tokens: int | None = None
+    vllm: str | None = None
+    cpus: int | None = None
 
 
 @record
@@ -36,10 +50,14 @@ class Tuned:
     """What `tune --write` measured: it chose `iomp` at `when`; `result` says by what margin."""
 
     when: str  # ISO 8601 UTC time, e.g. 2026-12-01T10:02Z
-    iomp: str  # the value it wrote (auto: within the noise, the default kept)
+    iomp: str  # the value it found best (auto: within the noise, the default kept)
     result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
     rounds: int
     command: str  # the `vllm bench latency` command line it measured
+    # Where it applies; None for a record written before tunes were scoped: tunes.py
+    # scopes it to the command it records.
+    scope: Scope | None = None
+    origin: str = ""  # the config file it was read from
 
 
 @record
@@ -55,8 +73,11 @@ class Settings:
     strict: bool = False
     plugin: bool = True  # vLLM's plugin applies the plan (docs/design.md, "The plugin")
     config_files: tuple[str, ...] = ()  # the files that were read, for doctor and -v
-    # The tune record of the file the `iomp` in effect came from, when it chose that value.
-    tuned: Tuned | None = None
+    # Where `iomp` came from: "option", "variable", "config" or "default". A tune record
+    # that matches the launch (tunes.py) wins over a config file's value, not over these.
+    iomp_from: str = "default"
+    # Every tune record of the config files, the one with the highest precedence first.
+    tuned: tuple[Tuned, ...] = ()
 
 
 def fail(where: str, problem: str) -> LaunchError:
@@ -136,14 +157,23 @@ def parse_bool(value: object, where: str) -> bool:
     raise fail(where, f"{value!r} is not a yes/no value (use 1 or 0, true or false)")
 
 
-def parse_tuned(value: object, where: str) -> Tuned:
-    """A `tuned:` record: a mapping of exactly TUNED_FIELDS, each of its type."""
+def parse_tuned(value: object, where: str) -> tuple[Tuned, ...]:
+    """`tuned:`: a list of records (one a mapping, as tunes before scoping wrote it)."""
+    if isinstance(value, list):
+        return tuple(parse_tune_record(item, f"{where}[{i}]") for i, item in enumerate(value))
+    return (parse_tune_record(value, where),)
+
+
+def parse_tune_record(value: object, where: str) -> Tuned:
+    """One record: a mapping of exactly TUNED_FIELDS (and an optional scope), each of its
+    type."""
     if not isinstance(value, dict):
         raise fail(where, f"must be a mapping of {', '.join(TUNED_FIELDS)}, not {value!r}")
     fields: dict[str, object] = {}
     for key, item in value.items():
-        if key not in TUNED_FIELDS:
-            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {', '.join(TUNED_FIELDS)}")
+        if key not in (*TUNED_FIELDS, "scope"):
+            allowed = ", ".join((*TUNED_FIELDS, "scope"))
+            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {allowed}")
         fields[key] = item
     missing = [key for key in TUNED_FIELDS if key not in fields]
     if missing:
@@ -160,7 +190,27 @@ def parse_tuned(value: object, where: str) -> Tuned:
         result=parse_text(fields["result"], f"{where}.result"),
         rounds=rounds,
         command=parse_text(fields["command"], f"{where}.command"),
+        scope=parse_scope(fields["scope"], f"{where}.scope") if "scope" in fields else None,
     )
+
+
+def parse_scope(value: object, where: str) -> Scope:
+    """A record's scope: texts (model, method, vllm) and counts (tokens, cpus), or null."""
+    if not isinstance(value, dict):
+        raise fail(where, f"must be a mapping of {', '.join(SCOPE_FIELDS)}, not {value!r}")
+    fields: dict[str, object] = {}
+    for key, item in value.items():
+        if key not in SCOPE_FIELDS:
+            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {', '.join(SCOPE_FIELDS)}")
+        counted = key in ("tokens", "cpus")
+        if item is not None and (
+            (counted and (not isinstance(item, int) or isinstance(item, bool) or item < 1))
+            or (not counted and (not isinstance(item, str) or not item))
+        ):
+            kind = "a positive whole number" if counted else "a non-empty text"
+            raise fail(f"{where}.{key}", f"{item!r} is not {kind} (or null)")
+        fields[key] = item
+    return Scope(**fields)  # type: ignore[arg-type]
 
 
 # key -> (option, environment variable, parser); "" where the launcher takes no option.
@@ -297,26 +347,49 @@ def load_settings(
     files = [SYSTEM_CONFIG, explicit_config or user_config_path(environ)]
     values: dict[str, object] = {}
     read: list[str] = []
-    tuned: object = None  # the tune record of the file that gave `iomp`, if it had one
+    tuned: list[Tuned] = []
+    iomp_from = "default"
     for path in files:
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
         content = salvage(errors, read_config_file, path)
         if content is None:
             continue
-        if "iomp" in content:
-            tuned = content.get("tuned")
-        content.pop("tuned", None)
+        records = tuned_in_file(content, path)
+        tuned = [*records, *tuned]  # this file's take precedence over the ones before
         values.update(content)
+        iomp_from = "config" if "iomp" in content else iomp_from
         read.append(path)
     for key, (option, variable, parse) in KEYS.items():
         for layer, name, where in ((environ, variable, variable), (options, key, option)):
             value = salvage(errors, parse, layer[name], where) if name in layer else None
             if value is not None:
                 values[key] = value
-    # A tuned config value is a config value: an option or variable that sets iomp wins,
-    # and a record whose choice was edited since no longer explains it.
-    overridden = "iomp" in options or KEYS["iomp"][1] in environ
-    if overridden or not isinstance(tuned, Tuned) or tuned.iomp != values.get("iomp"):
-        tuned = None
-    return Settings(**values, config_files=tuple(read), tuned=tuned)  # type: ignore[arg-type]
+                iomp_from = (
+                    ("variable" if layer is environ else "option") if key == "iomp" else iomp_from
+                )
+    return Settings(
+        **values,  # type: ignore[arg-type]
+        config_files=tuple(read),
+        iomp_from=iomp_from,
+        tuned=tuple(tuned),
+    )
+
+
+def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
+    """The file's tune records, each with its origin; `content` loses the key. A tune
+    from before scoping wrote a global `iomp:` beside its record: that value is the
+    record's (scoped to its command, tunes.py), not the file's, unless it was edited
+    since (then the record no longer explains it and is dropped)."""
+    records = content.pop("tuned", ())
+    assert isinstance(records, tuple)
+    kept = []
+    for item in records:
+        if item.scope is None and "iomp" in content:
+            if item.iomp != content["iomp"]:
+                continue  # edited since: the value is the user's own
+            del content["iomp"]
+        kept.append(
+            Tuned(item.when, item.iomp, item.result, item.rounds, item.command, item.scope, path)
+        )
+    return kept

@@ -43,14 +43,67 @@ CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few kB
 
 @record
 class SpeculativeRequest:
-    """Whether SD is requested, which argument said so, and a note on anything odd."""
+    """Whether SD is requested, which argument said so, a note on anything odd, and the
+    method and token count asked for, where the command says them (a tune's scope)."""
 
     requested: bool
     source: str | None = None
     note: str | None = None
+    method: str | None = None
+    tokens: int | None = None
 
 
 def decide(options: Iterable[Occurrence]) -> SpeculativeRequest:
+    """Whether SD is requested by these options, and with which method and token count."""
+    items = list(options)
+    request = requested_by(items)
+    if not request.requested:
+        return request
+    method, tokens = method_and_tokens(items)
+    return SpeculativeRequest(True, request.source, request.note, method, tokens)
+
+
+# The options that set one field of the speculative config, besides the JSON itself.
+FIELD_OPTIONS = {
+    "--spec-method": "method",
+    "--spec-model": "model",
+    "--spec-tokens": "num_speculative_tokens",
+    "--speculative-model": "model",
+    "--num-speculative-tokens": "num_speculative_tokens",
+}
+
+
+def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | None]:
+    """The SD method and token count these options give, as vLLM merges them (a JSON
+    value replaces, dotted keys and the `--spec-*` shorthands set one field); a draft
+    model named without a method is vLLM's `draft_model`."""
+    fields: dict[str, object] = {}
+    for item in options:
+        if item.option in CONFIG_OPTIONS and item.dotted is None:
+            parsed = parsed_quietly(item.value)
+            fields = dict(parsed) if isinstance(parsed, dict) else {}
+        elif item.option in CONFIG_OPTIONS:
+            fields[item.dotted or ""] = item.value
+        elif item.option in FIELD_OPTIONS:
+            fields[FIELD_OPTIONS[item.option]] = item.value
+    method = fields.get("method")
+    if not isinstance(method, str):
+        method = "draft_model" if fields.get("model") else None
+    tokens = fields.get("num_speculative_tokens")
+    if isinstance(tokens, str) and tokens.isascii() and tokens.isdigit():
+        tokens = int(tokens)
+    return method, tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
+def parsed_quietly(value: str | None) -> object:
+    """The JSON value, or None for what is no JSON (judge_json says so)."""
+    try:
+        return parse_json(value) if value else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
     """Fold SD options in vLLM's order (for argparse the last JSON value wins)."""
     last_config: Occurrence | None = None
     for item in options:

@@ -131,15 +131,20 @@ def config_value_text(value: object) -> str | None:
     """The command-line value vLLM's load_config_file makes of a YAML value.
 
     `true` becomes a bare `--key` (no value), a list `--key item...` (the first item is
-    the value), a mapping its JSON: only whether it is null matters here, so a mapping
-    stands for itself unserialised, since YAML aliases can nest one whose JSON would not
-    fit in memory.
+    the value), a mapping its JSON: here the JSON of its top-level scalars alone (what
+    the launcher reads of it: method, token count), since YAML aliases can nest a
+    mapping whose whole JSON would not fit in memory.
     """
     if value is True:
         return None
     if isinstance(value, list):
         return str(value[0])
-    return "{}" if isinstance(value, dict) else str(value)
+    if isinstance(value, dict):
+        import json  # only beside yaml, for a --config file
+
+        scalars = (str, int, float, bool, type(None))
+        return json.dumps({str(k): v for k, v in value.items() if isinstance(v, scalars)})
+    return str(value)
 
 
 # What makes more than one worker or node (vLLM 0.32's names; the map measured one of each).

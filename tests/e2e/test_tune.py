@@ -1,9 +1,11 @@
 """`tune` against the real vLLM 0.32 on the tiny model: correctness only, no timing asserted.
 
-One tune (2 rounds, tiny iteration counts, ngram SD, `--write` into an isolated
-XDG_CONFIG_HOME) runs `vllm bench latency` under both candidates; the tests check that
-every run happened, the table, the config it wrote and that a later `--dry-run` follows
-it. A second check holds the translation of `serve` into `bench latency` and the
+One tune (2 rounds, tiny iteration counts, `--write` into an isolated XDG_CONFIG_HOME) of
+the seed's case, speculative decoding with a draft model (the tiny model drafts for
+itself: the same tokenizer, as vLLM requires), runs `vllm bench latency` under both
+candidates; the tests check that every run happened, the table, the scoped record it
+wrote, that a later `--dry-run` of that command follows it and that one of another model
+does not. A second check holds the translation of `serve` into `bench latency` and the
 serve-only table against vLLM's own parsers.
 """
 
@@ -20,9 +22,9 @@ from pathlib import Path
 import pytest
 
 # scripts/ is on sys.path (conftest.py): the server helpers the other e2e tests use.
-from vllm_server import SPECULATIVE_CONFIG, isolated_environment, process_tree
+from vllm_server import isolated_environment, process_tree
 
-from vllm_cpu_launch.settings import Tuned, read_config_file
+from vllm_cpu_launch.settings import Scope, Tuned, read_config_file
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
 
 from .conftest import SKIP_VARIABLE, run_script
@@ -87,7 +89,16 @@ def wide_model(vllm_env: Path, tiny_model: Path, tmp_path_factory: pytest.TempPa
     return Path(run_script([python, "-c", WIDEN_MODEL, str(tiny_model), str(output)], 300))
 
 
-def serve_command(model: Path) -> list[str]:
+DRAFT_TOKENS = 3
+
+
+def serve_command(model: Path, draft: Path | None = None) -> list[str]:
+    """`serve MODEL` with draft-model SD (the model drafting for itself unless `draft`)."""
+    speculative = {
+        "method": "draft_model",
+        "model": str(draft or model),
+        "num_speculative_tokens": DRAFT_TOKENS,
+    }
     return [
         "serve",
         str(model),
@@ -96,7 +107,7 @@ def serve_command(model: Path) -> list[str]:
         "--port",
         "8000",
         "--speculative-config",
-        SPECULATIVE_CONFIG,
+        json.dumps(speculative),
     ]
 
 
@@ -172,7 +183,10 @@ def test_every_candidate_ran_every_round(
     }
     assert plans["libiomp5"].startswith("vllm-cpu-launch: libiomp5: --iomp always;")
     assert "; environment: LD_PRELOAD=" in plans["libiomp5"]
-    assert plans["libgomp"] == "vllm-cpu-launch: libgomp: --iomp never; environment: unchanged"
+    # libgomp for SD shows nowhere in LD_PRELOAD: the plan marks it for vLLM's plugin.
+    assert plans["libgomp"] == (
+        "vllm-cpu-launch: libgomp: --iomp never; environment: VLLM_CPU_LAUNCH_PLANNED=launcher"
+    )
 
 
 def test_the_table_has_both_candidates_and_a_result(
@@ -187,28 +201,12 @@ def test_the_table_has_both_candidates_and_a_result(
     assert all(row[2] == str(ROUNDS) and float(row[3]) > 0 for row in rows.values())
     assert rows["libgomp"][-1] == "1.00x"
     assert any(line.startswith("result: ") for line in lines)
-    assert lines[-1].startswith("wrote: iomp: ")
+    assert lines[-1].startswith("wrote: the tune record (iomp: ")
 
 
-def test_a_later_dry_run_follows_the_written_result(
-    tuned: tuple[subprocess.CompletedProcess[str], dict[str, str], Path],
-    vllm_env: Path,
-    wide_model: Path,
-) -> None:
-    result, env, config = tuned
-    settings = read_config_file(str(config))
-    record = settings["tuned"]
-    assert isinstance(record, Tuned) and record.rounds == ROUNDS
-    assert record.iomp == settings["iomp"] and record.result in result.stdout
-    assert record.command.startswith(f"vllm bench latency --model {wide_model} ")
+def dry_run(env: dict[str, str], vllm_env: Path, command: list[str]) -> str:
     plan = subprocess.run(
-        [
-            *LAUNCHER,
-            "--vllm",
-            str(vllm_env / "bin" / "vllm"),
-            "--dry-run",
-            *serve_command(wide_model),
-        ],
+        [*LAUNCHER, "--vllm", str(vllm_env / "bin" / "vllm"), "-v", "--dry-run", *command],
         env=env,
         capture_output=True,
         text=True,
@@ -216,9 +214,32 @@ def test_a_later_dry_run_follows_the_written_result(
         check=False,
     )
     assert plan.returncode == 0, plan.stderr
-    preloads_iomp = "preload:     iomp " in plan.stdout
-    assert preloads_iomp == (record.iomp != "never")  # auto: SD is requested
-    assert f"(from tune {record.when}: {record.result})" in plan.stdout
+    return plan.stdout
+
+
+def test_a_later_dry_run_of_that_command_follows_the_record_and_no_other(
+    tuned: tuple[subprocess.CompletedProcess[str], dict[str, str], Path],
+    vllm_env: Path,
+    wide_model: Path,
+    tiny_model: Path,
+) -> None:
+    result, env, config = tuned
+    settings = read_config_file(str(config))
+    assert "iomp" not in settings  # the result is the record's, for its scope alone
+    records = settings["tuned"]
+    assert isinstance(records, tuple) and len(records) == 1
+    record: Tuned = records[0]
+    assert record.rounds == ROUNDS and record.result in result.stdout
+    assert record.command.startswith(f"vllm bench latency --model {wide_model} ")
+    cpus = len(os.sched_getaffinity(0))
+    assert record.scope == Scope(str(wide_model), "draft_model", DRAFT_TOKENS, "0.32.0", cpus)
+    same = dry_run(env, vllm_env, serve_command(wide_model))
+    assert ("preload:     iomp " in same) == (record.iomp != "never")  # auto: SD requested
+    assert f"(from tune {record.when}: {record.result})" in same
+    assert f"note:        tune of {record.when} (model {wide_model}" in same
+    other = dry_run(env, vllm_env, serve_command(tiny_model, draft=wide_model))
+    assert "(from tune " not in other and "preload:     iomp " in other
+    assert f"not applied: model {tiny_model}, not {wide_model}" in other
 
 
 def test_bench_translation_agrees_with_vllms_parsers(vllm_env: Path) -> None:

@@ -63,7 +63,8 @@ def build_report(
     from vllm_cpu_launch.libraries import find_library
     from vllm_cpu_launch.places import IOMP, TCMALLOC
     from vllm_cpu_launch.plan import target_trust
-    from vllm_cpu_launch.settings import load_settings
+    from vllm_cpu_launch.releases import vllm_release
+    from vllm_cpu_launch.settings import Scope, load_settings
     from vllm_cpu_launch.target import resolve_vllm
 
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
@@ -78,6 +79,8 @@ def build_report(
         target_error = error
     host = current_host()
     trusted, unsafe = target_trust(target, host.euid) if target else (frozenset[int](), [])
+    release = vllm_release(target.prefix) if target and target.prefix else None
+    here = Scope(vllm=release, cpus=host.cpus or None)
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "launcher": {"version": __version__, "python": sys.executable, "prefix": sys.prefix},
@@ -94,7 +97,7 @@ def build_report(
             for kind, path in ((IOMP, settings.iomp_path), (TCMALLOC, settings.tcmalloc_path))
         },
         "environment": caller_variables(environ),
-        "settings": settings_section(settings, settings_error),
+        "settings": settings_section(settings, settings_error, here),
         "map": map_section(settings, target, host),
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
@@ -173,7 +176,7 @@ def map_lines(section: dict[str, Any]) -> list[str]:
         lines.append(f"  with SD  unknown: {section['reason'] or 'no vLLM found'}")
         return lines
     does = ["preloads libiomp5" if section["iomp"] == "libiomp5" else "keeps libgomp"]
-    does += [f"sets {name}={value}" for name, value in section["env"].items()]
+    does += [f"sets {k}={v}" for k, v in section["env"].items() if k != "LD_PRELOAD"]
     does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
     lines.append(f"  with SD  the launcher {', '.join(does)}")
@@ -244,9 +247,12 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         for key, value in settings["values"].items()
     )
     lines.append(f"  values   {shown}")
-    if settings["tuned"]:
-        tuned = settings["tuned"]
+    for tuned in settings["tuned"]:
+        scope = ", ".join(f"{k} {v}" for k, v in tuned["scope"].items() if v is not None)
         lines.append(f"  tuned    iomp={tuned['iomp']} at {tuned['when']}: {tuned['result']}")
+        lines.append(f"  {'':<9}for {scope or 'any command'} ({tuned['origin']})")
+        if tuned["not_here"]:
+            lines.append(f"  {'':<9}not on this host: {'; '.join(tuned['not_here'])}")
     if settings["error"]:
         lines.append(f"  error    {settings['error']}")
     lines.append("")

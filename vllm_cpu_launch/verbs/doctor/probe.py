@@ -7,6 +7,7 @@ import glob
 import os
 
 from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE
+from vllm_cpu_launch.settings import SCOPE_FIELDS, Scope
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.errors import LaunchError
     from vllm_cpu_launch.libraries import Search
     from vllm_cpu_launch.places import Host
-    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.settings import Settings, Tuned
     from vllm_cpu_launch.target import Target
 
 GIB = 1024**3
@@ -252,7 +253,9 @@ def library_section(search: Search) -> dict[str, Any]:
     }
 
 
-def settings_section(settings: Settings, error: str | None) -> dict[str, Any]:
+def settings_section(settings: Settings, error: str | None, here: Scope) -> dict[str, Any]:
+    """The settings in effect, where `iomp` came from, and every tune record with where
+    it applies (`here`: this host's vLLM release and usable CPUs)."""
     return {
         "files": list(settings.config_files),
         "error": error,
@@ -265,15 +268,27 @@ def settings_section(settings: Settings, error: str | None) -> dict[str, Any]:
             "vllm": settings.vllm,
             "strict": settings.strict,
         },
-        "tuned": None
-        if settings.tuned is None
-        else {
-            "when": settings.tuned.when,
-            "iomp": settings.tuned.iomp,
-            "result": settings.tuned.result,
-            "rounds": settings.tuned.rounds,
-            "command": settings.tuned.command,
-        },
+        "iomp_from": settings.iomp_from,
+        "tuned": [tune_record(tuned, here) for tuned in settings.tuned],
+    }
+
+
+def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
+    """A tune record with the scope it applies to (tunes.py) and, of what doctor can know
+    without a command (the vLLM release, the usable CPUs), where this host leaves it."""
+    from vllm_cpu_launch.tunes import differences, record_scope
+
+    scope = record_scope(tuned)
+    host_only = Scope(vllm=scope.vllm, cpus=scope.cpus)
+    return {
+        "when": tuned.when,
+        "iomp": tuned.iomp,
+        "result": tuned.result,
+        "rounds": tuned.rounds,
+        "command": tuned.command,
+        "origin": tuned.origin,
+        "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
+        "not_here": differences(host_only, here),
     }
 
 
@@ -293,7 +308,9 @@ def map_section(settings: Settings, target: Target | None, host: Host) -> dict[s
     from vllm_cpu_launch.speculative import detect
 
     release = vllm_release(target.prefix) if target and target.prefix else None
-    host_measured = map_host(host.environ, host.cpus, release, True, settings.kmp_blocktime)
+    host_measured = map_host(
+        host.environ, host.cpus, release, True, detect(SD_PROBE).method, settings.kmp_blocktime
+    )
     choice = map_choice(host_measured) if host_measured else None
     section: dict[str, Any] = {
         "measured": host_measured is not None,

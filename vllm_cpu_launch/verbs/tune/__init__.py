@@ -20,7 +20,7 @@ import time
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
-from vllm_cpu_launch.verbs.tune.config import tuned_record, write_config
+from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
 from vllm_cpu_launch.verbs.tune.runner import run_once
 from vllm_cpu_launch.verbs.tune.verdict import (
     CANDIDATES,
@@ -59,11 +59,14 @@ on a host the benchmark map measured, what measured fastest there). Each candida
 libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as auto's is.
 
   --write                store the result in your launcher config (--launcher-config FILE,
-                         else $XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml): `iomp: never`
-                         or `iomp: always` when the non-default candidate wins, else
-                         `iomp: auto`, plus a `tuned:` record (when, result, rounds,
-                         command) that --dry-run and the INFO line show; other keys and
-                         comments are kept
+                         else $XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml) as a `tuned:`
+                         record (when, result, rounds, command) scoped to what it measured:
+                         the model, the SD method and token count, the vLLM release and
+                         the usable CPUs. A later launch of that command on such a host
+                         applies it (its INFO line and --dry-run say so; --iomp and
+                         VLLM_CPU_LAUNCH_IOMP still win); any other does not, and -v and
+                         --dry-run say why. A later tune of the same scope replaces it;
+                         records of other scopes, other keys and comments are kept
   --rounds N             rounds of every candidate (default 3)
   --time-limit SECONDS   bound on the whole tune (default 1800): no run starts after it,
                          a run still going then is killed, and the rounds done are used
@@ -103,8 +106,8 @@ def positive(value: object, option: str, whole: bool) -> float:
 
 def candidate_plans(
     values: dict[str, object], arguments: Sequence[str]
-) -> tuple[dict[Candidate, Plan], Candidate]:
-    """Each candidate's plan (the --dry-run code path), and the default candidate."""
+) -> tuple[dict[Candidate, Plan], Plan]:
+    """Each candidate's plan (the --dry-run code path), and what --iomp auto plans."""
     from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING
     from vllm_cpu_launch.launch import plan_from_options
 
@@ -126,9 +129,7 @@ def candidate_plans(
             f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
             "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
         )
-    auto = plan_from_options({**values, "iomp": "auto"}, arguments)
-    default = by_name["libiomp5" if any(p.kind == "iomp" for p in auto.preload) else "libgomp"]
-    return plans, default
+    return plans, plan_from_options({**values, "iomp": "auto"}, arguments)
 
 
 def parse(values: dict[str, object], args: list[str]) -> tuple[dict[str, object], list[str]]:
@@ -202,7 +203,9 @@ def measure(
     from vllm_cpu_launch.launch import write_stdout
 
     arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
-    plans, default = candidate_plans(merged, arguments)
+    plans, auto = candidate_plans(merged, arguments)
+    by_name = {c.name: c for c in CANDIDATES}
+    default = by_name["libiomp5" if any(p.kind == "iomp" for p in auto.preload) else "libgomp"]
     quiet = bool(merged.get("quiet"))
     shown = shlex.join(["vllm", *arguments[: arguments.index("--output-json")]])
 
@@ -262,13 +265,18 @@ def measure(
         lines.append(f"result: {verdict.result}: the default ({default.name}) is best")
     else:
         lines.append(f"result: {verdict.result}: best is --iomp {verdict.winner.iomp}")
-    if merged.get("write") and config_path:
+    if merged.get("write") and config_path and auto.scope:
         from datetime import datetime, timezone
 
+        from vllm_cpu_launch.tunes import describe
+
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-        record_ = tuned_record(verdict, when, done, shown)
-        write_config(config_path, {"iomp": verdict.iomp, "tuned": record_})
-        lines.append(f"wrote: iomp: {verdict.iomp} and the tune record to {config_path}")
+        updates, removed = tune_updates(config_path, verdict, when, done, shown, auto.scope)
+        write_config(config_path, updates, removed)
+        lines.append(
+            f"wrote: the tune record (iomp: {verdict.iomp}, for {describe(auto.scope)}) to "
+            f"{config_path}; other commands and hosts keep what they had"
+        )
     else:
         lines.append("not written (use --write to store it in your launcher config)")
     write_stdout("\n".join(lines))

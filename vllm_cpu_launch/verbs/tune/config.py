@@ -7,22 +7,53 @@ import os
 import tempfile
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.settings import SCOPE_FIELDS, Tuned
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
+    from vllm_cpu_launch.settings import Scope
     from vllm_cpu_launch.verbs.tune.verdict import Verdict
 
 
-def tuned_record(verdict: Verdict, when: str, rounds: int, command: str) -> dict[str, object]:
+def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
+    """A record as the config file holds it, with the scope it applies to."""
     return {
-        "when": when,
-        "iomp": verdict.iomp,
-        "result": verdict.result,
-        "rounds": rounds,
-        "command": command,
+        "when": tuned.when,
+        "iomp": tuned.iomp,
+        "result": tuned.result,
+        "rounds": tuned.rounds,
+        "command": tuned.command,
+        "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
     }
+
+
+def tune_updates(
+    path: str, verdict: Verdict, when: str, rounds: int, command: str, scope: Scope
+) -> tuple[dict[str, object], tuple[str, ...]]:
+    """(updates, keys to remove) for the config at path: this tune's record first, the
+    file's records of other scopes after it, and the one of the same scope replaced. A
+    record from before scoping gets its scope written out (tunes.record_scope); the
+    global `iomp:` such a tune wrote beside it goes, as it was that record's."""
+    from vllm_cpu_launch.settings import read_config_file
+    from vllm_cpu_launch.tunes import record_scope
+
+    tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope)
+    records = [record_fields(tuned, scope)]
+    removed: tuple[str, ...] = ()
+    if os.path.exists(path):
+        content = read_config_file(path)
+        old = content.get("tuned", ())
+        assert isinstance(old, tuple)
+        for item in old:
+            if item.scope is None and content.get("iomp") == item.iomp:
+                removed = ("iomp",)
+            if item.scope is None and content.get("iomp", item.iomp) != item.iomp:
+                continue  # edited since: no longer read as a tune (settings.tuned_in_file)
+            if record_scope(item) != scope:
+                records.append(record_fields(item, record_scope(item)))
+    return {"tuned": records}, removed
 
 
 def top_level_key(line: str) -> str | None:
@@ -33,21 +64,24 @@ def top_level_key(line: str) -> str | None:
     return key.replace("-", "_") if key and " " not in key else None
 
 
-def merged_config(old_text: str, updates: Mapping[str, object]) -> str:
-    """The config text with `updates` (top-level keys) replaced or added, everything else
-    kept as written (comments too). Where the file's form defeats a line edit, checked by
-    parsing both, the whole file is written from its parsed content instead."""
+def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequence[str] = ()) -> str:
+    """The config text with `updates` (top-level keys) replaced or added and the `removed`
+    keys gone, everything else kept as written (comments too). Where the file's form
+    defeats a line edit, checked by parsing both, the whole file is written from its
+    parsed content instead."""
     import yaml
 
     old = yaml.safe_load(old_text) if old_text.strip() else {}
     old = old if isinstance(old, dict) else {}
     wanted = {**{str(k).replace("-", "_"): v for k, v in old.items()}, **updates}
+    for name in removed:
+        wanted.pop(name, None)
     kept: list[str] = []
     skipping = False
     for line in old_text.splitlines():
         key = top_level_key(line)
         if key is not None:
-            skipping = key in updates
+            skipping = key in updates or key in removed
         elif line[:1] not in (" ", "\t"):
             skipping = False
         if not skipping:
@@ -68,9 +102,10 @@ def merged_config(old_text: str, updates: Mapping[str, object]) -> str:
     return yaml.safe_dump(wanted, sort_keys=False, width=4096, allow_unicode=True)
 
 
-def write_config(path: str, updates: Mapping[str, object]) -> None:
-    """Merge `updates` into the config file at path (made if missing), atomically; the file
-    must be valid before (it is not overwritten otherwise) and is checked after."""
+def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str] = ()) -> None:
+    """Merge `updates` into the config file at path (made if missing), and drop the
+    `removed` keys, atomically; the file must be valid before (it is not overwritten
+    otherwise) and is checked after."""
     from vllm_cpu_launch.settings import read_config_file
 
     real = os.path.realpath(path)
@@ -80,7 +115,7 @@ def write_config(path: str, updates: Mapping[str, object]) -> None:
         with open(real, encoding="utf-8") as stream:
             old_text = stream.read()
         mode = os.stat(real).st_mode & 0o7777
-    text = merged_config(old_text, updates)
+    text = merged_config(old_text, updates, removed)
     directory = os.path.dirname(real)
     try:
         os.makedirs(directory, exist_ok=True)
