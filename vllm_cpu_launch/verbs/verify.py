@@ -209,7 +209,7 @@ def inspect(pid: int) -> dict[str, Any]:
             EXIT_USAGE, f"verify: cannot read process {pid}: permission denied"
         ) from None
     root_request = speculative_of(root)
-    seen = []
+    seen: list[Seen] = []
     for process in [root, *descendants]:
         is_root = process.pid == pid
         read = read_process(process)
@@ -223,6 +223,16 @@ def inspect(pid: int) -> dict[str, Any]:
             request = speculative_of(process)
         role = role_of(cmdline, is_root)
         seen.append((process.pid, ppid, cmdline, role, maps, environment, request.requested))
+    return assemble(pid, root_request, seen)
+
+
+# What inspect reads of each process: PID, parent PID, command line, role, the text of
+# /proc/PID/maps, the variables of VARIABLES it started with, whether SD is requested.
+Seen = tuple[int, int, list[str], str, str, dict[str, str], bool]
+
+
+def assemble(pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen]) -> dict[str, Any]:
+    """The report from what was read: each process judged or reported, PID first."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
     split = any(role in MODEL_ROLES.values() for _, _, _, role, *_ in seen)
     processes = []
