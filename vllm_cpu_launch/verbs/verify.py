@@ -283,14 +283,16 @@ def shortened(command: str) -> str:
 def render_text(report: dict[str, Any]) -> str:
     import shlex
 
-    speculative = report["speculative"]
-    lines = [
-        "speculative decoding: "
-        + (f"requested ({speculative['source']})" if speculative["requested"] else "not requested")
-    ]
+    from vllm_cpu_launch.plan import described_request
+
+    speculative = described_request(
+        report["speculative"]["requested"], report["speculative"]["source"]
+    )
+    lines = [f"speculative decoding: {speculative}"]
     for process in report["processes"]:
         command = shortened(shlex.join(process["cmdline"])) or "?"
-        lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {process['role']}: {command}")
+        role = f"{process['role']} (parent {process['ppid']})"
+        lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {role}: {command}")
         lines.append(f"{'':>9}{process['reason']}")
         variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in process["env"].items())
         lines.append(f"{'':>9}{variables or 'no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set'}")
