@@ -159,6 +159,7 @@ def not_executable(tmp_path: Path) -> Path:
         ("not executable", not_executable, False),
         ("not executable", not_executable, True),
         ("missing", lambda tmp_path: tmp_path / "empty" / "vllm", True),
+        ("missing", lambda tmp_path: tmp_path / "absent" / "vllm", False),  # a --vllm path
     ],
 )
 def test_text_report_says_what_the_json_says_of_every_vllm(

@@ -277,7 +277,8 @@ def test_a_long_command_is_cut_with_a_marker_and_whole_in_json(
     text = verify(tmp_path, str(pids[0])).stdout
     (line,) = (line for line in text.splitlines() if line.lstrip().startswith(str(pids[0])))
     assert "... [" in line and "more characters; --json shows them all]" in line
-    assert len(line.partition("... [")[0]) <= 100 + len(f"{pids[0]:>7}  ok       api-server: ")
+    head = f"{pids[0]:>7}  ok       api-server (parent {os.getpid()}): "
+    assert len(line.partition("... [")[0]) <= 100 + len(head)
 
 
 def test_where_vllm_runs_engine_and_workers_only_they_are_judged(
@@ -307,7 +308,9 @@ def test_where_vllm_runs_engine_and_workers_only_they_are_judged(
     )
     text = verify(tmp_path, str(pids[0]))
     assert "ok: 2 processes judged, 4 checked" in text.stdout
-    assert f"{pids[1]:>7}  ok       engine-core: VLLM::EngineCore -c" in text.stdout
+    assert (
+        f"{pids[1]:>7}  ok       engine-core (parent {pids[0]}): VLLM::EngineCore -c" in text.stdout
+    )
     # A worker on libgomp is a problem, whatever the API server has.
     children[1]["env"] = {"LD_PRELOAD": gomp}
     pids = start_tree(SERVE_SD, children, LD_PRELOAD=str(real_iomp))

@@ -376,13 +376,17 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
     return f"{plan.reason}; {'; '.join(parts)}"
 
 
+def described_request(requested: bool, source: str | None) -> str:
+    """`requested (SOURCE)` or `not requested (SOURCE)`, for the text outputs: where
+    SD was asked for, or turned off (`--speculative-config null` after a --config file)."""
+    return ("requested" if requested else "not requested") + (f" ({source})" if source else "")
+
+
 def render_text(plan: Plan) -> str:
     """The plan for a person (`--dry-run`)."""
     import shlex
 
-    speculative = (
-        f"requested ({plan.speculative.source})" if plan.speculative.requested else "not requested"
-    )
+    speculative = described_request(plan.speculative.requested, plan.speculative.source)
     lines = [
         f"command:     {shlex.join(plan.command)}",
         f"speculative: {speculative}",

@@ -84,7 +84,11 @@ def environment_file_line(name: str, value: str) -> str:
     return f'{name}="{escaped}"'
 
 
+def printable(text: str) -> str:
+    """`text` on one line, every line break or other unprintable character as `?`."""
+    return "".join(char if char.isprintable() else "?" for char in text)
+
+
 def plain_text(text: str) -> str:
     """Free text for a unit setting such as Description=: one line, no specifiers."""
-    cleaned = "".join(char if char.isprintable() else "?" for char in text)
-    return cleaned.replace("%", "%%").rstrip("\\")
+    return printable(text).replace("%", "%%").rstrip("\\")

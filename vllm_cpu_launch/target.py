@@ -152,10 +152,8 @@ def check_executable(path: str, described: str) -> None:
     """Raise the exit code a shell would give when `path` cannot be executed."""
     try:
         status = os.stat(path)
-    except FileNotFoundError:
-        raise LaunchError(
-            EXIT_NOT_FOUND, f"{described} {path} does not exist", subject=path
-        ) from None
+    except FileNotFoundError:  # no subject: nothing was found (doctor says so)
+        raise LaunchError(EXIT_NOT_FOUND, f"{described} {path} does not exist") from None
     except OSError as error:
         raise LaunchError(
             EXIT_NOT_EXECUTABLE,

@@ -121,7 +121,12 @@ def render(plan: Plan, output_format: str) -> str:
         return json.dumps(plan_as_json(plan), indent=2)
     environment = final_environment(plan)
     if not environment:
-        return f"# vllm-cpu-launch: nothing to set ({plan.reason})"
+        # One comment line in every format, whatever the reason holds (a config file's
+        # words): a line break would end the comment, and YAML refuses a control
+        # character even in a comment.
+        from vllm_cpu_launch.systemd_syntax import printable
+
+        return f"# vllm-cpu-launch: nothing to set ({printable(plan.reason)})"
     renderers = {
         "shell": shell_lines,
         "systemd": systemd_lines,

@@ -209,7 +209,7 @@ def inspect(pid: int) -> dict[str, Any]:
             EXIT_USAGE, f"verify: cannot read process {pid}: permission denied"
         ) from None
     root_request = speculative_of(root)
-    seen = []
+    seen: list[Seen] = []
     for process in [root, *descendants]:
         is_root = process.pid == pid
         read = read_process(process)
@@ -223,6 +223,16 @@ def inspect(pid: int) -> dict[str, Any]:
             request = speculative_of(process)
         role = role_of(cmdline, is_root)
         seen.append((process.pid, ppid, cmdline, role, maps, environment, request.requested))
+    return assemble(pid, root_request, seen)
+
+
+# What inspect reads of each process: PID, parent PID, command line, role, the text of
+# /proc/PID/maps, the variables of VARIABLES it started with, whether SD is requested.
+Seen = tuple[int, int, list[str], str, str, dict[str, str], bool]
+
+
+def assemble(pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen]) -> dict[str, Any]:
+    """The report from what was read: each process judged or reported, PID first."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
     split = any(role in MODEL_ROLES.values() for _, _, _, role, *_ in seen)
     processes = []
@@ -273,14 +283,16 @@ def shortened(command: str) -> str:
 def render_text(report: dict[str, Any]) -> str:
     import shlex
 
-    speculative = report["speculative"]
-    lines = [
-        "speculative decoding: "
-        + (f"requested ({speculative['source']})" if speculative["requested"] else "not requested")
-    ]
+    from vllm_cpu_launch.plan import described_request
+
+    speculative = described_request(
+        report["speculative"]["requested"], report["speculative"]["source"]
+    )
+    lines = [f"speculative decoding: {speculative}"]
     for process in report["processes"]:
         command = shortened(shlex.join(process["cmdline"])) or "?"
-        lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {process['role']}: {command}")
+        role = f"{process['role']} (parent {process['ppid']})"
+        lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {role}: {command}")
         lines.append(f"{'':>9}{process['reason']}")
         variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in process["env"].items())
         lines.append(f"{'':>9}{variables or 'no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set'}")

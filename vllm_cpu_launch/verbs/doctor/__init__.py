@@ -137,6 +137,11 @@ def size(value: int | None) -> str:
     return "?" if value is None else f"{value / GIB:.1f} GiB"
 
 
+def count(value: int | None) -> str:
+    """A count psutil could not determine (physical cores in some VMs) is None."""
+    return "?" if value is None else str(value)
+
+
 def vllm_lines(vllm: dict[str, Any]) -> list[str]:
     """The vLLM section in each state the JSON can hold: found and able to start, found
     but unable to (a moved environment, a file without the x bit: `found` with an
@@ -151,10 +156,14 @@ def vllm_lines(vllm: dict[str, Any]) -> list[str]:
             f"vLLM       {vllm['executable']} (found, but it cannot start)",
             f"  error    {vllm['error']}",
         ]
+    user_base = f"; user base {vllm['user_base']}" if vllm["user_base"] else ""
     lines = [
         f"vLLM       {vllm['executable']} (found via {vllm['found_via']})",
-        f"  python   {vllm['python'] or '?'} (environment {vllm['prefix'] or '?'})",
+        f"  python   {vllm['python'] or '?'} (environment {vllm['prefix'] or '?'}{user_base})",
+        f"  evidence {vllm['evidence']}",
     ]
+    if vllm["disagreement"]:
+        lines.append(f"  warning  {vllm['disagreement']}")
     for d in vllm["distributions"]:
         lines.append(f"  version  {d['version']} ({d['name']}, {d['metadata']})")
     if not vllm["distributions"]:
@@ -200,12 +209,13 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     }
     flags = "  ".join(f"{flag_names[f]} {'yes' if v else 'no'}" for f, v in cpu["flags"].items())
     lines = [
-        f"vllm-cpu-launch {launcher['version']} doctor (Python {launcher['python']})",
+        f"vllm-cpu-launch {launcher['version']} doctor (Python {launcher['python']}, "
+        f"prefix {launcher['prefix']})",
         "",
         f"CPU        {cpu['model'] or 'unknown model'} ({cpu['arch']}, {cpu['vendor'] or '?'})",
         f"  flags    {flags}",
-        f"cores      {cores['physical']} physical, {cores['logical']} logical, "
-        f"{cores['usable']} usable by this process",
+        f"cores      {count(cores['physical'])} physical, {count(cores['logical'])} logical, "
+        f"{count(cores['usable'])} usable by this process",
     ]
     nodes = report["numa"]
     if nodes:
@@ -230,8 +240,13 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
             flavor = f", {c['flavor']}" if c["flavor"] else ""
             lines.append(f"  {c['verdict']:<9}{c['path'] or repr(c['path'])}")
             lines.append(f"  {'':<9}from {c['origin']}{flavor}: {c['reason']}")
-        if not section["candidates"]:
-            lines.append(f"  none found (searched {', '.join(section['places'])})")
+            if c["fix"]:
+                lines.append(f"  {'':<9}fix: {c['fix']}")
+        searched = ", ".join(section["places"])
+        if section["candidates"]:
+            lines.append(f"  searched {searched}")
+        else:
+            lines.append(f"  none found (searched {searched})")
     lines.append("")
     lines.append("your environment")
     for key, value in report["environment"].items():
@@ -247,9 +262,11 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         for key, value in settings["values"].items()
     )
     lines.append(f"  values   {shown}")
+    lines.append(f"  {'':<9}(iomp from the {settings['iomp_from']})")
     for tuned in settings["tuned"]:
         scope = ", ".join(f"{k} {v}" for k, v in tuned["scope"].items() if v is not None)
         lines.append(f"  tuned    iomp={tuned['iomp']} at {tuned['when']}: {tuned['result']}")
+        lines.append(f"  {'':<9}over {tuned['rounds']} rounds of: {tuned['command']}")
         lines.append(f"  {'':<9}for {scope or 'any command'} ({tuned['origin']})")
         if tuned["not_here"]:
             lines.append(f"  {'':<9}not on this host: {'; '.join(tuned['not_here'])}")
