@@ -66,8 +66,11 @@ register()
 from vllm.platforms import current_platform
 
 case = json.loads(sys.argv[1])
+sys.argv = case.get("argv", sys.argv)  # the process's command line, as vLLM's CLI has it
 config = types.SimpleNamespace(seen=[])
-if case["sd"]:
+if "argv" in case:
+    pass  # a configuration without the field: the plugin reads the command line
+elif case["sd"]:
     config.speculative_config = types.SimpleNamespace(method="ngram")
 else:
     config.speculative_config = None
@@ -262,3 +265,15 @@ def test_one_worker_reads_vllms_parallel_config(sizes: tuple[int, ...], single: 
         parallel_config = Parallel()
 
     assert one_worker(Config()) is single
+
+
+def test_without_the_field_in_vllms_configuration_the_command_line_decides(
+    tmp_path: Path,
+) -> None:
+    argv = ["/venv/bin/vllm", "serve", "m", "-sc", '{"method":"ngram","num_speculative_tokens":3}']
+    outcome = run_vllm_process(tmp_path, case={"argv": argv})
+    assert outcome["seen"] == [LIBRARY, LIBRARY]
+    (line,) = said(outcome, "INFO")
+    assert line.startswith(f"{PREFIX}speculative decoding requested by -sc")
+    plain = run_vllm_process(tmp_path / "plain", case={"argv": ["/venv/bin/vllm", "serve", "m"]})
+    assert plain["seen"] == [None, None]

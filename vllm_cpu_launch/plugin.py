@@ -149,10 +149,14 @@ def plan_and_apply(vllm_config: Any) -> None:
 
 
 def speculative_request(vllm_config: Any) -> SpeculativeRequest:
-    """SD as vLLM resolved it: whatever spelling, file, or speculators model asked for it."""
-    from vllm_cpu_launch.speculative import SpeculativeRequest
+    """SD as vLLM resolved it: whatever spelling, file, or speculators model asked for it.
+    A configuration without the field (a vLLM that moved it) falls back to reading this
+    process's command line as the launcher does (`vllm serve ...`)."""
+    from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 
-    config = getattr(vllm_config, "speculative_config", None)
+    if not hasattr(vllm_config, "speculative_config"):
+        return detect(sys.argv[1:])
+    config = vllm_config.speculative_config
     if config is None:
         return SpeculativeRequest(False)
     method = getattr(config, "method", None)
