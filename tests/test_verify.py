@@ -317,3 +317,32 @@ def test_where_vllm_runs_engine_and_workers_only_they_are_judged(
     code, report = verify_json(tmp_path, pids[0])
     assert code == 1
     assert [p["verdict"] for p in report["processes"]] == ["reported", "ok", "problem", "reported"]
+
+
+def test_libgomp_the_plan_kept_on_purpose_is_fine(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    """The launcher marks a plan that keeps libgomp for SD (the map's rule, --iomp never):
+    the judged processes on libgomp are then as planned, not a problem."""
+    children = [{"title": "VLLM::EngineCore"}, {"title": "VLLM::Worker_TP0"}]
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp, VLLM_CPU_LAUNCH_PLANNED="launcher")
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0, report
+    worker = by_pid(report)[pids[2]]
+    assert worker["verdict"] == "ok"
+    assert worker["reason"].startswith("libgomp kept by the plan (VLLM_CPU_LAUNCH_PLANNED=")
+
+
+def test_speculative_judges_a_command_line_that_does_not_say_it(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path, gomp: str
+) -> None:
+    """vLLM's offline API and `vllm bench` take SD in Python or a config file."""
+    children = [{"title": "VLLM::EngineCore"}, {"title": "VLLM::Worker_TP0"}]
+    pids = start_tree(["serve", "m"], children, LD_PRELOAD=gomp)
+    assert verify(tmp_path, str(pids[0])).returncode == 0  # SD not requested: fine
+    judged = verify(tmp_path, "--speculative", "--json", str(pids[0]))
+    assert judged.returncode == 1, judged.stdout
+    report = json.loads(judged.stdout)
+    assert report["speculative"] == {"requested": True, "source": "--speculative, given to verify"}
+    pids = start_tree(["serve", "m"], children, LD_PRELOAD=str(real_iomp))
+    assert verify(tmp_path, "--speculative", str(pids[0])).returncode == 0

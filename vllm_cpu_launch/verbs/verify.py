@@ -47,15 +47,18 @@ VARIABLES = (
 MODEL_ROLES = {"EngineCore": "engine-core", "Worker": "worker"}
 
 USAGE = """\
-usage: vllm-cpu-launch verify [--json] PID
+usage: vllm-cpu-launch verify [--json] [--speculative] PID
 
 Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and all its
 descendants: which OpenMP runtime each has loaded, the LD_PRELOAD/KMP_* it started
 with, and whether speculative decoding is requested. The processes that run the model
-are judged (vLLM's engine cores and workers; where there are none, PID itself); the
-API server and other helpers are reported. Exit 0 when every judged process has Intel
-OpenMP (or SD is not requested), 1 when one lacks it, 2 when PID cannot be found or
-read (run as vLLM's user or as root).
+are judged (vLLM's engine cores and workers; where there are none, PID itself and its
+children); the API server and other helpers are reported. libgomp that the launcher's
+plan kept on purpose (VLLM_CPU_LAUNCH_PLANNED in PID's environment) is fine.
+Exit 0 when every judged process has Intel OpenMP (or SD is not requested), 1 when one
+lacks it, 2 when PID cannot be found or read (run as vLLM's user or as root).
+  --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
+                  `vllm bench` take it in Python or a config, not on their command line
 """
 
 
@@ -132,9 +135,15 @@ def speculative_of(process: psutil.Process) -> SpeculativeRequest:
 
 
 def judge(
-    runtimes: list[tuple[str, str]], environment: dict[str, str], is_root: bool, wanted: bool
+    runtimes: list[tuple[str, str]],
+    environment: dict[str, str],
+    is_root: bool,
+    wanted: bool,
+    planned: str | None = None,
 ) -> tuple[str, str]:
-    """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP)."""
+    """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP).
+    `planned`: the launcher's mark on the tree (VLLM_CPU_LAUNCH_PLANNED), which says its
+    plan keeps libgomp on purpose (the map's rule, --iomp never, a tune, an old vLLM)."""
     kinds = [kind for kind, _ in runtimes]
     preload = environment.get("LD_PRELOAD", "")
     preloaded_iomp = "libiomp" in preload or "libomp" in preload
@@ -149,6 +158,8 @@ def judge(
         return "problem", "started without Intel OpenMP in LD_PRELOAD"
     if not wanted:
         return "ok", f"speculative decoding not requested; runs {described}"
+    if INTEL not in kinds and LLVM not in kinds and planned:
+        return "ok", f"libgomp kept by the plan ({PLANNED_VARIABLE}={planned}): {described}"
     if INTEL not in kinds and LLVM not in kinds:
         return "problem", f"runs GNU libgomp only ({described})"
     # torch's own libgomp is mapped in every vLLM process; it only matters when Intel
@@ -195,9 +206,12 @@ def read_process(process: psutil.Process) -> tuple[str, dict[str, str], list[str
     return maps, environment, cmdline, ppid
 
 
-def inspect(pid: int) -> dict[str, Any]:
-    """The verify report for PID and its descendants (see docs/operating.md)."""
+def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
+    """The verify report for PID and its descendants (see docs/operating.md); with
+    `speculative`, SD counts as requested whatever the command lines say."""
     import psutil
+
+    from vllm_cpu_launch.speculative import SpeculativeRequest
 
     try:
         root = psutil.Process(pid)
@@ -208,7 +222,11 @@ def inspect(pid: int) -> dict[str, Any]:
         raise LaunchError(
             EXIT_USAGE, f"verify: cannot read process {pid}: permission denied"
         ) from None
-    root_request = speculative_of(root)
+    root_request = (
+        SpeculativeRequest(True, "--speculative, given to verify")
+        if speculative
+        else speculative_of(root)
+    )
     seen: list[Seen] = []
     for process in [root, *descendants]:
         is_root = process.pid == pid
@@ -235,6 +253,9 @@ def assemble(pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen]) -
     """The report from what was read: each process judged or reported, PID first."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
     split = any(role in MODEL_ROLES.values() for _, _, _, role, *_ in seen)
+    # The launcher's mark is in PID's environment as it started (the plugin's is not
+    # visible there: it sets it after start-up, and vLLM's children hide theirs).
+    planned = next((env.get(PLANNED_VARIABLE) for p, _, _, _, _, env, _ in seen if p == pid), None)
     processes = []
     for process_id, ppid, cmdline, role, maps, environment, wanted in seen:
         runtimes = mapped_runtimes(maps)
@@ -242,7 +263,7 @@ def assemble(pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen]) -
             runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
             verdict, reason = "reported", f"{runs}; runs no model code, so not judged"
         else:
-            verdict, reason = judge(runtimes, environment, process_id == pid, wanted)
+            verdict, reason = judge(runtimes, environment, process_id == pid, wanted, planned)
         processes.append(
             {
                 "pid": process_id,
@@ -318,14 +339,17 @@ def parse_pid(text: str) -> int:
 def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 
-    more, rest = parse_options(args, {}, FLAG_OPTIONS, verb="verify")
+    flags = {**FLAG_OPTIONS, "--speculative": "speculative"}
+    more, rest = parse_options(args, {}, flags, verb="verify")
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())
         return 0
     if len(rest) != 1:
-        raise LaunchError(EXIT_USAGE, "verify needs one PID: vllm-cpu-launch verify [--json] PID")
-    report = inspect(parse_pid(rest[0]))
+        raise LaunchError(
+            EXIT_USAGE, "verify needs one PID: vllm-cpu-launch verify [--json] [--speculative] PID"
+        )
+    report = inspect(parse_pid(rest[0]), bool(merged.get("speculative")))
     if merged.get("json"):
         write_stdout(json.dumps(report, indent=2))
     else:
