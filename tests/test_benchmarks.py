@@ -119,15 +119,15 @@ def test_bench_vllm_maps_and_redraws(
 
 
 def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
-    bench_vllm = load_script("bench_vllm.py")
+    report = load_script("bench_vllm_report.py")
     path = tmp_path / "benchmarks.md"
     path.write_text("# Title\n\nbefore\n", encoding="utf-8")
-    bench_vllm.update_markdown(path, "first\n")
-    bench_vllm.update_markdown(path, "second\n")
+    report.update_markdown(path, "first\n")
+    report.update_markdown(path, "second\n")
     text = path.read_text(encoding="utf-8")
     assert text.startswith("# Title\n\nbefore\n")
     assert "second" in text and "first" not in text
-    assert text.count(bench_vllm.MARK_BEGIN) == 1
+    assert text.count(report.MARK_BEGIN) == 1
 
 
 def test_importtime_lines_are_parsed() -> None:

@@ -1,0 +1,79 @@
+"""The vLLM map's plot: TPOT per configuration, median bars and min-max whiskers.
+
+scripts/bench_vllm.py's drawing job, the same from a fresh run and from `--from-json`.
+matplotlib (the `bench` extra) is imported only when a plot is asked for.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench_vllm_records import NOBIND, SETTINGS, THREADS, Run
+from script_cli import ScriptError
+
+
+def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
+    """TPOT per configuration: a panel per model and thread setting, bars per concurrency,
+    whiskers from the fastest to the slowest round."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ScriptError(
+            "--plot needs matplotlib; Fix: python -m pip install -e '.[bench]'"
+        ) from None
+    levels: list[int] = meta["concurrency"]
+    models = list(dict.fromkeys(r.config.model for r in runs))
+    panels = ["default", "all"]
+    figure, axes = plt.subplots(
+        len(models), len(panels), figsize=(13, 4.2 * len(models)), squeeze=False
+    )
+    for row, model in enumerate(models):
+        for column, threads in enumerate(panels):
+            axis = axes[row][column]
+            wanted = (threads, NOBIND) if threads == "all" else (threads,)
+            configs = list(dict.fromkeys(r.config for r in runs if r.config.model == model))
+            configs = [c for c in configs if c.threads in wanted]
+            if not configs:
+                axis.set_visible(False)
+                continue
+            width = 0.8 / max(len(configs), 1)
+            for index, config in enumerate(configs):
+                group = [r for r in runs if r.config == config]
+                medians, lows, highs = [], [], []
+                for level in levels:
+                    values = [r.phase(level).tpot_ms for r in group]
+                    middle = statistics.median(values)
+                    medians.append(middle)
+                    lows.append(middle - min(values))
+                    highs.append(max(values) - middle)
+                positions = [
+                    i + (index - (len(configs) - 1) / 2) * width for i in range(len(levels))
+                ]
+                label = config.setting + (" (nobind)" if config.threads == NOBIND else "")
+                colour = f"C{list(SETTINGS).index(config.setting)}"  # the same in every panel
+                axis.bar(
+                    positions,
+                    medians,
+                    width,
+                    yerr=[lows, highs],
+                    capsize=2,
+                    label=label,
+                    color=colour,
+                )
+            axis.set_xticks(range(len(levels)), [f"C={c}" for c in levels])
+            axis.set_title(f"{model} model, threads: {THREADS[threads]}")
+            axis.set_ylabel("TPOT ms (vLLM's own, lower is better)")
+            axis.legend(fontsize=7)
+    figure.suptitle(
+        f"{meta['versions']}, ngram SD, on {meta['machine']['cpu']}, "
+        f"{meta['machine']['cpus']} CPUs: median of {meta['rounds']} rounds, whiskers min-max"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)

@@ -1,0 +1,133 @@
+"""What the vLLM map measures and keeps: configurations, and the record of each start.
+
+scripts/bench_vllm.py's jobs (running vLLM, the report, the plot) share these types: a
+configuration (model, OpenMP threads, runtime setting), which plain vLLM it is compared
+with, and what one start measured, as `--json` keeps it and `--from-json` reads it back.
+Standard library only; the bench_vllm modules import it as a sibling module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TPOT_METRIC = "vllm:request_time_per_output_token_seconds"  # histogram: _sum, _count
+WARMUP_REQUESTS = 2  # per start, before any phase is measured
+ROLES = ("worker", "engine", "api")  # the processes whose CPU a phase keeps
+
+
+# ---------------------------------------------------------------- what is measured
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A runtime configuration: which libraries are preloaded, and how the worker binds."""
+
+    key: str
+    iomp: bool
+    tcmalloc: bool
+    blocktime: str | None = None  # the launcher's --kmp-blocktime
+    nobind: bool = False  # VLLM_CPU_OMP_THREADS_BIND=nobind
+
+    @property
+    def plain(self) -> bool:
+        """Plain `vllm serve`, no launcher: vLLM preloads libgomp itself."""
+        return not (self.iomp or self.tcmalloc)
+
+    @property
+    def baseline(self) -> str:
+        """The plain setting this one is compared with: as bound as it is."""
+        return "libgomp-nobind" if self.nobind else "libgomp"
+
+    def launcher_options(self, tcmalloc_path: Path) -> list[str]:
+        tcmalloc = ["--tcmalloc", "always", "--tcmalloc-path", str(tcmalloc_path)]
+        options = ["--iomp", "always" if self.iomp else "never"]
+        options += tcmalloc if self.tcmalloc else ["--tcmalloc", "never"]
+        return options + (["--kmp-blocktime", self.blocktime] if self.blocktime else [])
+
+
+SETTINGS = {
+    s.key: s
+    for s in (
+        Setting("libgomp", iomp=False, tcmalloc=False),
+        Setting("libgomp+tcmalloc", iomp=False, tcmalloc=True),
+        Setting("libiomp5", iomp=True, tcmalloc=False),
+        Setting("libiomp5+tcmalloc", iomp=True, tcmalloc=True),
+        Setting("libgomp-nobind", iomp=False, tcmalloc=False, nobind=True),
+        Setting("libiomp5-nobind-bt0", iomp=True, tcmalloc=False, blocktime="0", nobind=True),
+        Setting("libiomp5-nobind-bt200", iomp=True, tcmalloc=False, blocktime="200", nobind=True),
+    )
+}
+THREADS = {"default": "vLLM's default reservation", "all": "all CPUs (reserved 0, or nobind)"}
+NOBIND = "nobind"  # the threads column of nobind settings: the team spans every CPU
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    threads: str  # "default", "all", or NOBIND
+    setting: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.threads}/{self.setting}"
+
+
+def grid(models: Sequence[str], threads: Sequence[str], settings: Sequence[str]) -> list[Config]:
+    """Every bound setting at every thread count; a nobind one once (reservation is moot)."""
+    configs = []
+    for model in models:
+        for key in settings:
+            counts = [NOBIND] if SETTINGS[key].nobind else threads
+            configs += [Config(model, count, key) for count in counts]
+    return configs
+
+
+def baseline_of(config: Config) -> Config:
+    """Plain vLLM with the same OpenMP threads and binding: what config is compared with."""
+    return Config(config.model, config.threads, SETTINGS[config.setting].baseline)
+
+
+# ---------------------------------------------------------------- what a start keeps
+
+
+@dataclass
+class Phase:
+    streams: int
+    tokens: int = 0
+    requests: int = 0
+    wall_s: float = 0.0
+    tpot_ms: float = float("nan")  # vLLM's own per-request TPOT, mean over the phase
+    cores: dict[str, float] = field(default_factory=dict)  # CPU-s per wall-s, by process role
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+@dataclass
+class Run:
+    config: Config
+    round: int
+    startup_s: float
+    phases: list[Phase]
+    acceptance: float
+    worker: str
+    core_ids: str
+    sd_warning: bool
+    launcher_info: str
+    load_before: float
+
+    def phase(self, streams: int) -> Phase:
+        return next(p for p in self.phases if p.streams == streams)
+
+
+def runs_from_json(data: dict[str, Any]) -> list[Run]:
+    """The runs of a `--json` file, as measured."""
+    runs = []
+    for item in data["runs"]:
+        phases = [Phase(**phase) for phase in item.pop("phases")]
+        runs.append(Run(config=Config(**item.pop("config")), phases=phases, **item))
+    return runs

@@ -1,0 +1,214 @@
+"""The vLLM map's statistics and Markdown report: tables, paired ratios, sign-test verdicts.
+
+scripts/bench_vllm.py's reporting job, the same from a fresh run and from `--from-json`:
+every ratio pairs a configuration with its baseline round by round (both measured in the
+same run), and a verdict is `loss` or `gain` only when every round agrees.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_vllm_records import (
+    ROLES,
+    SETTINGS,
+    TPOT_METRIC,
+    WARMUP_REQUESTS,
+    Config,
+    Run,
+    baseline_of,
+)
+
+MARK_BEGIN = "<!-- bench_vllm: begin -->"
+MARK_END = "<!-- bench_vllm: end -->"
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Plain vLLM's TPOT / this configuration's (> 1: faster than plain), paired by round."""
+
+    median: float
+    low: float
+    high: float
+
+    @property
+    def verdict(self) -> str:
+        """`loss`/`gain` when every round agrees (a sign test: 4 rounds, p = 1/16), else `=`."""
+        return "loss" if self.high < 1 else "gain" if self.low > 1 else "="
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} ({self.low:.2f}-{self.high:.2f}) {self.verdict}"
+
+
+def speedup(runs: Sequence[Run], baseline: Sequence[Run], streams: int, metric: str) -> Ratio:
+    """How much better than plain, round by round: plain's TPOT / this one's ("tpot"), or
+    this one's tokens per second / plain's ("tok/s")."""
+
+    def better(run: Run, plain: Run) -> float:
+        ours, theirs = run.phase(streams), plain.phase(streams)
+        if metric == "tpot":
+            return theirs.tpot_ms / ours.tpot_ms
+        return ours.tokens_per_s / theirs.tokens_per_s
+
+    plain = {run.round: run for run in baseline}
+    paired = [better(run, plain[run.round]) for run in runs if run.round in plain]
+    return Ratio(statistics.median(paired), min(paired), max(paired))
+
+
+def spread(values: Sequence[float]) -> str:
+    """`median (min-max)`."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+# ---------------------------------------------------------------- report
+
+
+def ratio_table(
+    pairs: Sequence[tuple[Config, Config]],
+    by_config: dict[Config, list[Run]],
+    levels: Sequence[int],
+) -> list[str]:
+    """Rows of speedup() per concurrency level, TPOT then tok/s, for (config, baseline)
+    pairs measured in this run."""
+    lines = [
+        "Paired by round, `median (min-max)`, > 1 = better than the baseline: TPOT "
+        "baseline/this and tok/s this/baseline; `loss`/`gain` when every round agrees.",
+        "",
+        "| threads | setting | baseline | "
+        + " | ".join(f"{m} C={c}" for m in ("TPOT", "tok/s") for c in levels)
+        + " |",
+        "|---|---|---|" + "---|" * (2 * len(levels)),
+    ]
+    for config, baseline in pairs:
+        if config not in by_config or baseline not in by_config:
+            continue
+        cells = [
+            str(speedup(by_config[config], by_config[baseline], c, metric))
+            for metric in ("tpot", "tok/s")
+            for c in levels
+        ]
+        lines.append(
+            f"| {config.threads} | {config.setting} | {baseline.threads}/{baseline.setting} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
+def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
+    configs = list(dict.fromkeys(run.config for run in runs))
+    by_config = {c: [r for r in runs if r.config == c] for c in configs}
+    levels: list[int] = meta["concurrency"]
+    machine = meta["machine"]
+    loads = [run.load_before for run in runs]
+    lines = [
+        "## vLLM with ngram speculative decoding: the map (`bench_vllm.py`)",
+        "",
+        f"- Machine: {machine['cpu']}, {machine['cpus']} CPUs, {machine['memory']}, "
+        f"{machine['kernel']}; CPU flags: {machine['flags']}",
+        f"- Software: {meta['versions']}; Python {meta['python']}",
+        f"- Command: `{meta['command']}`",
+        f"- Ran {meta['started']}, {meta['minutes']:.0f} min, {len(runs)} vLLM starts; "
+        f"1-min load average before each start: {min(loads):.1f}-{max(loads):.1f}",
+        *(f"- Model `{name}`: {text}" for name, text in meta["models"].items()),
+        f"- Load per start, after {WARMUP_REQUESTS} warm-up requests: for each concurrency "
+        f"level C in {levels}, C clients stream greedy completions of exactly "
+        f"{meta['max_tokens']} tokens (`ignore_eos`) one after another for "
+        f"{meta['phase_seconds']:.0f} s. TPOT = mean of vLLM's own `{TPOT_METRIC}` over the "
+        "phase (ms); tok/s = output tokens / phase wall time.",
+        f"- {meta['rounds']} rounds, the order of the starts rotated each round; cells are "
+        "`median (min-max)` over rounds. Threads: `default` = vLLM's default reservation "
+        "(one CPU per local rank kept for the front end), `all` = "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU=0, both bound by vLLM (VLLM_CPU_OMP_THREADS_BIND "
+        "`auto`, its default); `nobind` = VLLM_CPU_OMP_THREADS_BIND=nobind (vLLM binds "
+        "nothing and sets no OMP_*/KMP_*; the team spans every CPU).",
+        "",
+    ]
+    for model in dict.fromkeys(c.model for c in configs):
+        mine = [c for c in configs if c.model == model]
+        header = " | ".join(f"TPOT ms C={c}" for c in levels)
+        header += " | " + " | ".join(f"tok/s C={c}" for c in levels)
+        lines += [
+            f"### Model `{model}`",
+            "",
+            f"| threads (cores) | setting | worker maps | start-up s | {header} |",
+            "|---|---|---|---|" + "---|" * (2 * len(levels)),
+        ]
+        for config in mine:
+            group = by_config[config]
+            tpots = [spread([r.phase(c).tpot_ms for r in group]) for c in levels]
+            rates = [
+                f"{statistics.median(r.phase(c).tokens_per_s for r in group):.0f}" for c in levels
+            ]
+            lines.append(
+                f"| {config.threads} ({group[0].core_ids}) | {config.setting} | {group[0].worker} "
+                f"| {statistics.median(r.startup_s for r in group):.0f} | "
+                + " | ".join(tpots + rates)
+                + " |"
+            )
+        against_plain = [(c, baseline_of(c)) for c in mine if not SETTINGS[c.setting].plain]
+        as_installed = Config(model, "default", "libgomp")
+        lines += [
+            "",
+            "Against plain vLLM as installed (libgomp, vLLM's default reservation and binding):",
+            "",
+            *ratio_table([(c, as_installed) for c in mine if c != as_installed], by_config, levels),
+            "",
+            "Against plain vLLM with the same threads and binding (libgomp, or libgomp-nobind):",
+            "",
+            *ratio_table(against_plain, by_config, levels),
+            "",
+            "Reserving no CPU (`all`) against vLLM's default reservation, same setting:",
+            "",
+            *ratio_table(
+                [(c, Config(model, "default", c.setting)) for c in mine if c.threads == "all"],
+                by_config,
+                levels,
+            ),
+            "",
+            "Where the CPU went during each phase (cores busy of "
+            f"{machine['cpus']}, median; worker / EngineCore / API server):",
+            "",
+            "| threads | setting | " + " | ".join(f"C={c}" for c in levels) + " |",
+            "|---|---|" + "---|" * len(levels),
+        ]
+        for config in mine:
+            group = by_config[config]
+            cells = [
+                " / ".join(
+                    f"{statistics.median(r.phase(c).cores.get(role, 0.0) for r in group):.2f}"
+                    for role in ROLES
+                )
+                for c in levels
+            ]
+            lines.append(f"| {config.threads} | {config.setting} | " + " | ".join(cells) + " |")
+        lines.append("")
+    warned = sorted({r.config.setting for r in runs if r.sd_warning})
+    acceptance = [r.acceptance for r in runs]
+    lines += [
+        f"SD acceptance over all starts: {spread(acceptance)}; vLLM's SD warning printed by: "
+        f"{', '.join(warned) or 'none'}.",
+    ]
+    infos = dict.fromkeys(r.launcher_info for r in runs if r.launcher_info)
+    lines += ["", "The launcher's INFO lines:", "", *(f"- `{info}`" for info in infos)]
+    return "\n".join(lines) + "\n"
+
+
+def update_markdown(path: Path, section: str) -> None:
+    """Replace the marked section of `path` (or append it), leaving the rest as it is."""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    block = f"{MARK_BEGIN}\n{section}{MARK_END}\n"
+    if MARK_BEGIN in text and MARK_END in text:
+        head, _, rest = text.partition(MARK_BEGIN)
+        _, _, tail = rest.partition(MARK_END)
+        text = head + block + tail.lstrip("\n")
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text else "") + block
+    path.write_text(text, encoding="utf-8")
