@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Real vLLM with ngram speculative decoding: where each OpenMP/malloc setting helps or hurts.
+"""Real vLLM with speculative decoding: where each OpenMP/malloc setting helps or hurts.
 
 A map over model size (`--models`: the tiny random Llama and a compute-bound one of ~105M
-parameters, both made locally by scripts/make_tiny_model.py), the worker's OpenMP threads
+parameters, both made locally by scripts/make_tiny_model.py), the speculative-decoding
+method (`--methods`, METHODS in bench_vllm_records: vLLM's ngram proposer, or the tiny
+model as a draft model, made with the same seed and so the same tokenizer, drafting for the
+larger one), the worker's OpenMP threads
 (`--threads`: vLLM's default reservation, or all CPUs with VLLM_CPU_NUM_OF_RESERVED_CPU=0),
 client concurrency (`--concurrency`, measured one after another on the same server) and
 the runtime settings a launcher can choose (`--settings`, SETTINGS below): plain
@@ -17,10 +20,10 @@ seconds to a healthy `/health`, then after a short warm-up, per concurrency leve
 stream greedy `ignore_eos` completions for `--phase-seconds`: vLLM's own mean time per
 output token over the phase (`vllm:request_time_per_output_token_seconds`), output tokens
 per second, and the CPU each vLLM process used. Every server runs in its own session and is
-killed before the next starts; every wait is bounded. The starts of a model share one
-VLLM_CACHE_ROOT, filled by an unmeasured start first: every measured start finds the same
-warm compile cache (30 s to healthy instead of 50 s here; the compiled code does not depend
-on the runtime preloaded).
+killed before the next starts; every wait is bounded. The starts of a model and method
+share one VLLM_CACHE_ROOT, filled by an unmeasured start first: every measured start finds
+the same warm compile cache (30 s to healthy instead of 50 s here; the compiled code does
+not depend on the runtime preloaded).
 
 Prints a Markdown report (machine, command, tables, ratios against plain vLLM of the same
 run with the per-round spread); `--markdown FILE` puts it between markers in FILE,
@@ -52,9 +55,9 @@ from typing import Any
 
 from bench_stats import REPO, interleaved
 from bench_vllm_plot import plot
-from bench_vllm_records import SETTINGS, THREADS, Config, Run, grid, runs_from_json
+from bench_vllm_records import METHODS, SETTINGS, THREADS, Config, Run, grid, runs_from_json
 from bench_vllm_report import markdown, update_markdown
-from bench_vllm_run import POLL_INTERVAL_S, measure_one, warmed_up
+from bench_vllm_run import POLL_INTERVAL_S, cache_key, measure_one, warmed_up
 from script_cli import ScriptError, exit_code, last_line, narrator
 from vllm_server import (
     ENV_SETUP_LIMIT_S,
@@ -168,6 +171,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4, help="starts per configuration")
     parser.add_argument("--models", default="tiny,100m", help="tiny,100m (default both)")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"from {', '.join(METHODS)} (default all)"
+    )
     parser.add_argument("--threads", default="default,all", help="default,all (default both)")
     parser.add_argument(
         "--settings", default=",".join(SETTINGS), help=f"from {', '.join(SETTINGS)} (default all)"
@@ -188,6 +194,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--from-json", type=Path, help="report (and plot) a kept run; no vLLM")
     args = parser.parse_args(argv)
     args.model_sizes = listed(parser, "--models", args.models, ("tiny", "100m"))
+    args.method_keys = listed(parser, "--methods", args.methods, tuple(METHODS))
     args.thread_settings = listed(parser, "--threads", args.threads, tuple(THREADS))
     args.setting_keys = listed(parser, "--settings", args.settings, tuple(SETTINGS))
     try:
@@ -204,11 +211,35 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             f"--tcmalloc-path {args.tcmalloc_path} does not exist; Fix: apt-get install "
             "libtcmalloc-minimal4, or name another file, or leave out the +tcmalloc --settings"
         )
+    args.configs = grid(args.model_sizes, args.method_keys, args.thread_settings, args.setting_keys)
+    if not args.configs:
+        parser.error("no configuration: a draft method drafts only for a larger --models one")
     return args
 
 
 def terminate(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def model_sizes(configs: Sequence[Config]) -> list[str]:
+    """The made models configs need: targets, then the drafts of their methods."""
+    drafts = (METHODS[c.method].draft for c in configs)
+    return list(dict.fromkeys([*(c.model for c in configs), *filter(None, drafts)]))
+
+
+def prepare(args: argparse.Namespace, scratch: Path, active: list[Server]) -> dict[str, Path]:
+    """The vLLM environment, the made models, and a compile cache per model and method,
+    filled by one unmeasured start; by key: "env", a model size, cache_key(config)."""
+    paths = {"env": prepare_env(args.vllm_env)}
+    for size in model_sizes(args.configs):
+        paths[size] = prepare_model(size, paths["env"], scratch)
+    for model, method in dict.fromkeys((c.model, c.method) for c in args.configs):
+        warm = Config(model, method, args.thread_settings[0], "libgomp")
+        paths[cache_key(warm)] = scratch / f"vllm-cache-{model}-{method}"
+        say(f"filling the compile cache of the {model} model with {method} (one unmeasured start)")
+        with warmed_up(warm, paths, scratch / f"warm-{model}-{method}", args, active):
+            pass
+    return paths
 
 
 def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str, Any]]:
@@ -218,15 +249,8 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
     try:
         with tempfile.TemporaryDirectory(prefix="bench-vllm-") as temporary:
             scratch = Path(temporary)
-            paths = {"env": prepare_env(args.vllm_env)}
-            for size in args.model_sizes:
-                paths[size] = prepare_model(size, paths["env"], scratch)
-                paths[f"{size}-cache"] = scratch / f"vllm-cache-{size}"
-                say(f"filling the compile cache of the {size} model (one unmeasured start)")
-                warm = Config(size, args.thread_settings[0], "libgomp")
-                with warmed_up(warm, paths, scratch / f"warm-{size}", args, active):
-                    pass
-            configs = grid(args.model_sizes, args.thread_settings, args.setting_keys)
+            paths = prepare(args, scratch, active)
+            configs: list[Config] = args.configs
             total = len(configs) * args.rounds
             say(f"{len(configs)} configurations x {args.rounds} rounds = {total} starts")
             runs: list[Run] = []
@@ -240,7 +264,7 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
                     + f"; worker {run.worker}"
                 )
                 runs.append(run)
-            models = {size: parameter_count(paths[size]) for size in args.model_sizes}
+            models = {size: parameter_count(paths[size]) for size in model_sizes(configs)}
     finally:
         for server in list(active):
             stop_session(server, POLL_INTERVAL_S)

@@ -16,8 +16,8 @@ from script_cli import ScriptError
 
 
 def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
-    """TPOT per configuration: a panel per model and thread setting, bars per concurrency,
-    whiskers from the fastest to the slowest round."""
+    """TPOT per configuration: a row of panels per model and method, a panel per thread
+    setting, bars per concurrency, whiskers from the fastest to the slowest round."""
     try:
         import matplotlib
 
@@ -28,16 +28,17 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
             "--plot needs matplotlib; Fix: python -m pip install -e '.[bench]'"
         ) from None
     levels: list[int] = meta["concurrency"]
-    models = list(dict.fromkeys(r.config.model for r in runs))
+    rows = list(dict.fromkeys((r.config.model, r.config.method) for r in runs))
     panels = ["default", "all"]
     figure, axes = plt.subplots(
-        len(models), len(panels), figsize=(13, 4.2 * len(models)), squeeze=False
+        len(rows), len(panels), figsize=(13, 4.2 * len(rows)), squeeze=False
     )
-    for row, model in enumerate(models):
+    for row, (model, method) in enumerate(rows):
         for column, threads in enumerate(panels):
             axis = axes[row][column]
             wanted = (threads, NOBIND) if threads == "all" else (threads,)
-            configs = list(dict.fromkeys(r.config for r in runs if r.config.model == model))
+            mine = (r.config for r in runs if (r.config.model, r.config.method) == (model, method))
+            configs = list(dict.fromkeys(mine))
             configs = [c for c in configs if c.threads in wanted]
             if not configs:
                 axis.set_visible(False)
@@ -67,11 +68,11 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
                     color=colour,
                 )
             axis.set_xticks(range(len(levels)), [f"C={c}" for c in levels])
-            axis.set_title(f"{model} model, threads: {THREADS[threads]}")
+            axis.set_title(f"{model} model, {method}, threads: {THREADS[threads]}")
             axis.set_ylabel("TPOT ms (vLLM's own, lower is better)")
             axis.legend(fontsize=7)
     figure.suptitle(
-        f"{meta['versions']}, ngram SD, on {meta['machine']['cpu']}, "
+        f"{meta['versions']}, speculative decoding, on {meta['machine']['cpu']}, "
         f"{meta['machine']['cpus']} CPUs: median of {meta['rounds']} rounds, whiskers min-max"
     )
     figure.tight_layout()

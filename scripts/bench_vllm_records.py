@@ -1,18 +1,22 @@
 """What the vLLM map measures and keeps: configurations, and the record of each start.
 
 scripts/bench_vllm.py's jobs (running vLLM, the report, the plot) share these types: a
-configuration (model, OpenMP threads, runtime setting), which plain vLLM it is compared
-with, and what one start measured, as `--json` keeps it and `--from-json` reads it back.
+configuration (model, speculative-decoding method, OpenMP threads, runtime setting), which
+plain vLLM it is compared with, and what one start measured, as `--json` keeps it and
+`--from-json` reads it back.
 Standard library only; the bench_vllm modules import it as a sibling module.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+# What runs kept before methods were a dimension of the map (issue 18) all ran with.
+FIRST_METHOD = "ngram3"
 TPOT_METRIC = "vllm:request_time_per_output_token_seconds"  # histogram: _sum, _count
 WARMUP_REQUESTS = 2  # per start, before any phase is measured
 ROLES = ("worker", "engine", "api")  # the processes whose CPU a phase keeps
@@ -60,6 +64,44 @@ SETTINGS = {
         Setting("libiomp5-nobind-bt200", iomp=True, tcmalloc=False, blocktime="200", nobind=True),
     )
 }
+
+
+@dataclass(frozen=True)
+class Method:
+    """A speculative-decoding method, as vLLM's --speculative-config names it: the runtime's
+    cost differs with what runs between the target's steps (a proposer in Python, or a draft
+    model's own forward passes, each a series of short OpenMP regions)."""
+
+    key: str
+    method: str  # vLLM's `method`
+    tokens: int  # `num_speculative_tokens`
+    draft: str | None = None  # the made model that drafts: a make_tiny_model.py size
+    prompt_lookup_max: int | None = None  # ngram: the longest n-gram looked up
+
+    def speculative_config(self, draft: str) -> str:
+        """The --speculative-config JSON, with `draft` (a path) as the draft model's."""
+        config: dict[str, object] = {"method": self.method}
+        if self.draft is not None:
+            config["model"] = draft
+        config["num_speculative_tokens"] = self.tokens
+        if self.prompt_lookup_max is not None:
+            config["prompt_lookup_max"] = self.prompt_lookup_max
+        return json.dumps(config, separators=(",", ":"))
+
+    def drafts_for(self, model: str) -> bool:
+        """False where the draft would be the target itself: a draft model drafts for a
+        larger one (the tiny model gets no draft methods)."""
+        return self.draft != model
+
+
+METHODS = {
+    m.key: m
+    for m in (
+        Method(FIRST_METHOD, "ngram", 3, prompt_lookup_max=3),
+        Method("draft3", "draft_model", 3, draft="tiny"),
+        Method("draft7", "draft_model", 7, draft="tiny"),
+    )
+}
 THREADS = {"default": "vLLM's default reservation", "all": "all CPUs (reserved 0, or nobind)"}
 NOBIND = "nobind"  # the threads column of nobind settings: the team spans every CPU
 
@@ -67,27 +109,33 @@ NOBIND = "nobind"  # the threads column of nobind settings: the team spans every
 @dataclass(frozen=True)
 class Config:
     model: str
+    method: str  # a key of METHODS
     threads: str  # "default", "all", or NOBIND
     setting: str
 
     @property
     def name(self) -> str:
-        return f"{self.model}/{self.threads}/{self.setting}"
+        return f"{self.model}/{self.method}/{self.threads}/{self.setting}"
 
 
-def grid(models: Sequence[str], threads: Sequence[str], settings: Sequence[str]) -> list[Config]:
-    """Every bound setting at every thread count; a nobind one once (reservation is moot)."""
+def grid(
+    models: Sequence[str], methods: Sequence[str], threads: Sequence[str], settings: Sequence[str]
+) -> list[Config]:
+    """Every method that drafts for the model, every bound setting at every thread count; a
+    nobind one once (reservation is moot)."""
     configs = []
     for model in models:
-        for key in settings:
-            counts = [NOBIND] if SETTINGS[key].nobind else threads
-            configs += [Config(model, count, key) for count in counts]
+        for method in (key for key in methods if METHODS[key].drafts_for(model)):
+            for key in settings:
+                counts = [NOBIND] if SETTINGS[key].nobind else threads
+                configs += [Config(model, method, count, key) for count in counts]
     return configs
 
 
 def baseline_of(config: Config) -> Config:
-    """Plain vLLM with the same OpenMP threads and binding: what config is compared with."""
-    return Config(config.model, config.threads, SETTINGS[config.setting].baseline)
+    """Plain vLLM with the same method, OpenMP threads and binding: what config is compared
+    with."""
+    return replace(config, setting=SETTINGS[config.setting].baseline)
 
 
 # ---------------------------------------------------------------- what a start keeps
@@ -125,9 +173,10 @@ class Run:
 
 
 def runs_from_json(data: dict[str, Any]) -> list[Run]:
-    """The runs of a `--json` file, as measured."""
+    """The runs of a `--json` file, as measured (a run kept without a method: FIRST_METHOD)."""
     runs = []
     for item in data["runs"]:
         phases = [Phase(**phase) for phase in item.pop("phases")]
-        runs.append(Run(config=Config(**item.pop("config")), phases=phases, **item))
+        config = Config(**{"method": FIRST_METHOD, **item.pop("config")})
+        runs.append(Run(config=config, phases=phases, **item))
     return runs

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench_vllm_records import (
+    METHODS,
     ROLES,
     SETTINGS,
     TPOT_METRIC,
@@ -102,14 +103,88 @@ def ratio_table(
     return lines
 
 
+def method_line(key: str) -> str:
+    """How a method asked vLLM for speculative decoding, for the report's header."""
+    method = METHODS[key]
+    if method.draft is None:
+        return f"`{key}`: `--speculative-config '{method.speculative_config('')}'`"
+    config = method.speculative_config(f"<the {method.draft} model>")
+    return f"`{key}`: `--speculative-config '{config}'` (same seed, so the target's tokenizer)"
+
+
+def section(
+    model: str, method: str, by_config: dict[Config, list[Run]], meta: dict[str, Any]
+) -> list[str]:
+    """The tables of one model and method: medians, ratios against plain vLLM (as installed,
+    and with the same threads and binding), reserving no CPU, and where the CPU went."""
+    levels: list[int] = meta["concurrency"]
+    mine = [c for c in by_config if c.model == model and c.method == method]
+    header = " | ".join(f"TPOT ms C={c}" for c in levels)
+    header += " | " + " | ".join(f"tok/s C={c}" for c in levels)
+    lines = [
+        f"### Model `{model}`, method `{method}`",
+        "",
+        f"| threads (cores) | setting | worker maps | start-up s | {header} |",
+        "|---|---|---|---|" + "---|" * (2 * len(levels)),
+    ]
+    for config in mine:
+        group = by_config[config]
+        tpots = [spread([r.phase(c).tpot_ms for r in group]) for c in levels]
+        rates = [f"{statistics.median(r.phase(c).tokens_per_s for r in group):.0f}" for c in levels]
+        lines.append(
+            f"| {config.threads} ({group[0].core_ids}) | {config.setting} | {group[0].worker} "
+            f"| {statistics.median(r.startup_s for r in group):.0f} | "
+            + " | ".join(tpots + rates)
+            + " |"
+        )
+    against_plain = [(c, baseline_of(c)) for c in mine if not SETTINGS[c.setting].plain]
+    as_installed = Config(model, method, "default", "libgomp")
+    lines += [
+        "",
+        "Against plain vLLM as installed (libgomp, vLLM's default reservation and binding):",
+        "",
+        *ratio_table([(c, as_installed) for c in mine if c != as_installed], by_config, levels),
+        "",
+        "Against plain vLLM with the same threads and binding (libgomp, or libgomp-nobind):",
+        "",
+        *ratio_table(against_plain, by_config, levels),
+        "",
+        "Reserving no CPU (`all`) against vLLM's default reservation, same setting:",
+        "",
+        *ratio_table(
+            [(c, replace(c, threads="default")) for c in mine if c.threads == "all"],
+            by_config,
+            levels,
+        ),
+        "",
+        "Where the CPU went during each phase (cores busy of "
+        f"{meta['machine']['cpus']}, median; worker / EngineCore / API server):",
+        "",
+        "| threads | setting | " + " | ".join(f"C={c}" for c in levels) + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
+    for config in mine:
+        group = by_config[config]
+        cells = [
+            " / ".join(
+                f"{statistics.median(r.phase(c).cores.get(role, 0.0) for r in group):.2f}"
+                for role in ROLES
+            )
+            for c in levels
+        ]
+        lines.append(f"| {config.threads} | {config.setting} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
     configs = list(dict.fromkeys(run.config for run in runs))
     by_config = {c: [r for r in runs if r.config == c] for c in configs}
     levels: list[int] = meta["concurrency"]
     machine = meta["machine"]
     loads = [run.load_before for run in runs]
+    methods = list(dict.fromkeys(c.method for c in configs))
     lines = [
-        "## vLLM with ngram speculative decoding: the map (`bench_vllm.py`)",
+        "## vLLM with speculative decoding: the map (`bench_vllm.py`)",
         "",
         f"- Machine: {machine['cpu']}, {machine['cpus']} CPUs, {machine['memory']}, "
         f"{machine['kernel']}; CPU flags: {machine['flags']}",
@@ -118,6 +193,7 @@ def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
         f"- Ran {meta['started']}, {meta['minutes']:.0f} min, {len(runs)} vLLM starts; "
         f"1-min load average before each start: {min(loads):.1f}-{max(loads):.1f}",
         *(f"- Model `{name}`: {text}" for name, text in meta["models"].items()),
+        "- Methods: " + "; ".join(method_line(key) for key in methods),
         f"- Load per start, after {WARMUP_REQUESTS} warm-up requests: for each concurrency "
         f"level C in {levels}, C clients stream greedy completions of exactly "
         f"{meta['max_tokens']} tokens (`ignore_eos`) one after another for "
@@ -131,70 +207,15 @@ def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
         "nothing and sets no OMP_*/KMP_*; the team spans every CPU).",
         "",
     ]
-    for model in dict.fromkeys(c.model for c in configs):
-        mine = [c for c in configs if c.model == model]
-        header = " | ".join(f"TPOT ms C={c}" for c in levels)
-        header += " | " + " | ".join(f"tok/s C={c}" for c in levels)
-        lines += [
-            f"### Model `{model}`",
-            "",
-            f"| threads (cores) | setting | worker maps | start-up s | {header} |",
-            "|---|---|---|---|" + "---|" * (2 * len(levels)),
-        ]
-        for config in mine:
-            group = by_config[config]
-            tpots = [spread([r.phase(c).tpot_ms for r in group]) for c in levels]
-            rates = [
-                f"{statistics.median(r.phase(c).tokens_per_s for r in group):.0f}" for c in levels
-            ]
-            lines.append(
-                f"| {config.threads} ({group[0].core_ids}) | {config.setting} | {group[0].worker} "
-                f"| {statistics.median(r.startup_s for r in group):.0f} | "
-                + " | ".join(tpots + rates)
-                + " |"
-            )
-        against_plain = [(c, baseline_of(c)) for c in mine if not SETTINGS[c.setting].plain]
-        as_installed = Config(model, "default", "libgomp")
-        lines += [
-            "",
-            "Against plain vLLM as installed (libgomp, vLLM's default reservation and binding):",
-            "",
-            *ratio_table([(c, as_installed) for c in mine if c != as_installed], by_config, levels),
-            "",
-            "Against plain vLLM with the same threads and binding (libgomp, or libgomp-nobind):",
-            "",
-            *ratio_table(against_plain, by_config, levels),
-            "",
-            "Reserving no CPU (`all`) against vLLM's default reservation, same setting:",
-            "",
-            *ratio_table(
-                [(c, Config(model, "default", c.setting)) for c in mine if c.threads == "all"],
-                by_config,
-                levels,
-            ),
-            "",
-            "Where the CPU went during each phase (cores busy of "
-            f"{machine['cpus']}, median; worker / EngineCore / API server):",
-            "",
-            "| threads | setting | " + " | ".join(f"C={c}" for c in levels) + " |",
-            "|---|---|" + "---|" * len(levels),
-        ]
-        for config in mine:
-            group = by_config[config]
-            cells = [
-                " / ".join(
-                    f"{statistics.median(r.phase(c).cores.get(role, 0.0) for r in group):.2f}"
-                    for role in ROLES
-                )
-                for c in levels
-            ]
-            lines.append(f"| {config.threads} | {config.setting} | " + " | ".join(cells) + " |")
-        lines.append("")
+    for model, method in dict.fromkeys((c.model, c.method) for c in configs):
+        lines += section(model, method, by_config, meta)
     warned = sorted({r.config.setting for r in runs if r.sd_warning})
-    acceptance = [r.acceptance for r in runs]
+    acceptance = [
+        f"{key} {spread([r.acceptance for r in runs if r.config.method == key])}" for key in methods
+    ]
     lines += [
-        f"SD acceptance over all starts: {spread(acceptance)}; vLLM's SD warning printed by: "
-        f"{', '.join(warned) or 'none'}.",
+        f"SD acceptance per start, by method: {'; '.join(acceptance)}. vLLM's SD warning "
+        f"printed by: {', '.join(warned) or 'none'}.",
     ]
     infos = dict.fromkeys(r.launcher_info for r in runs if r.launcher_info)
     lines += ["", "The launcher's INFO lines:", "", *(f"- `{info}`" for info in infos)]

@@ -22,6 +22,7 @@ from typing import Any
 
 from bench_stats import REPO
 from bench_vllm_records import (
+    METHODS,
     ROLES,
     SETTINGS,
     TPOT_METRIC,
@@ -75,9 +76,17 @@ def server_environment(config: Config, scratch: Path, cache: Path) -> dict[str, 
     return env
 
 
+def cache_key(config: Config) -> str:
+    """The key in `paths` of the VLLM_CACHE_ROOT that every start of config's model and
+    method shares (filled by one unmeasured start: the draft's compiled code is in it too)."""
+    return f"{config.model}-{config.method}-cache"
+
+
 def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path) -> Server:
     """The server of one configuration, in scratch (its cwd; its config directory there)."""
-    env, model, cache = paths["env"], paths[config.model], paths[f"{config.model}-cache"]
+    env, model, cache = paths["env"], paths[config.model], paths[cache_key(config)]
+    method = METHODS[config.method]
+    draft = str(paths[method.draft]) if method.draft is not None else ""
     vllm = str(env / "bin" / "vllm")
     setting = SETTINGS[config.setting]
     if setting.plain:
@@ -91,7 +100,10 @@ def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path
         prefix = [sys.executable, "-c", code, *setting.launcher_options(tcmalloc), "--vllm", vllm]
     scratch.mkdir(parents=True)
     environment = server_environment(config, scratch, cache)
-    return start_server(prefix, model, scratch, environment, cwd=scratch)
+    speculative = method.speculative_config(draft)
+    return start_server(
+        prefix, model, scratch, environment, cwd=scratch, speculative_config=speculative
+    )
 
 
 def worker_libraries(server: Server) -> str:

@@ -130,6 +130,35 @@ def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
     assert text.count(report.MARK_BEGIN) == 1
 
 
+def test_methods_ask_vllm_for_what_they_name() -> None:
+    records = load_script("bench_vllm_records.py")
+    server = load_script("vllm_server.py")
+    # The map's runs before methods were a dimension: the same request, so they stay comparable.
+    assert records.METHODS[records.FIRST_METHOD].speculative_config("") == server.SPECULATIVE_CONFIG
+    config = json.loads(records.METHODS["draft7"].speculative_config("/models/tiny"))
+    assert config == {"method": "draft_model", "model": "/models/tiny", "num_speculative_tokens": 7}
+
+
+def test_draft_methods_draft_only_for_a_larger_model() -> None:
+    records = load_script("bench_vllm_records.py")
+    configs = records.grid(["tiny", "100m"], ["ngram3", "draft3"], ["default"], ["libgomp"])
+    assert [(c.model, c.method) for c in configs] == [
+        ("tiny", "ngram3"),
+        ("100m", "ngram3"),
+        ("100m", "draft3"),
+    ]
+    assert records.baseline_of(configs[-1]).method == "draft3"  # paired within a method
+
+
+def test_runs_kept_without_a_method_read_as_ngram3() -> None:
+    records = load_script("bench_vllm_records.py")
+    kept = json.loads((REPO / "docs" / "bench_vllm_map.json").read_text(encoding="utf-8"))
+    run = kept["runs"][0]
+    run["config"].pop("method", None)  # as the runs of 2026-12-01 were kept
+    (read,) = records.runs_from_json({"runs": [run]})
+    assert read.config.method == "ngram3"
+
+
 def test_importtime_lines_are_parsed() -> None:
     bench_overhead = load_script("bench_overhead.py")
     stderr = (

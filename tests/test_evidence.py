@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ def map_ratios(settings: tuple[str, ...], metric: str, baseline: str | None = No
     def plain(config: Any) -> Any:
         if baseline is None:
             return records.baseline_of(config)
-        return records.Config(config.model, "default", baseline)
+        return replace(config, threads="default", setting=baseline)
 
     return [
         report.speedup(group, by_config[plain(config)], level, metric)
