@@ -11,9 +11,10 @@ client concurrency (`--concurrency`, measured one after another on the same serv
 the runtime settings a launcher can choose (`--settings`, SETTINGS below): plain
 `vllm serve` (vLLM preloads GNU libgomp), and the launcher of this checkout with Intel
 OpenMP as vLLM's workers tune it, with tcmalloc beside libgomp or libiomp5 (the vLLM
-Docker image's recipe), and with libiomp5 under VLLM_CPU_OMP_THREADS_BIND=nobind, the only
-mode in which the launcher's KMP_BLOCKTIME reaches the worker (vLLM then sets no KMP_*,
-OMP_NUM_THREADS or affinity, so the worker's team spans every CPU whatever is reserved).
+Docker image's recipe, compared with as a peer), and with libiomp5, alone or beside
+tcmalloc, under VLLM_CPU_OMP_THREADS_BIND=nobind, the only mode in which the launcher's
+KMP_BLOCKTIME reaches the worker (vLLM then sets no KMP_*, OMP_NUM_THREADS or affinity, so
+the worker's team spans every CPU whatever is reserved).
 
 Starts alternate, the order rotating per round (bench_stats.interleaved). For each start:
 seconds to a healthy `/health`, then after a short warm-up, per concurrency level, clients
@@ -25,10 +26,11 @@ share one VLLM_CACHE_ROOT, filled by an unmeasured start first: every measured s
 the same warm compile cache (30 s to healthy instead of 50 s here; the compiled code does
 not depend on the runtime preloaded).
 
-Prints a Markdown report (machine, command, tables, ratios against plain vLLM of the same
-run with the per-round spread); `--markdown FILE` puts it between markers in FILE,
-`--json FILE` keeps every measurement, `--plot FILE.png` draws TPOT per configuration
-(matplotlib), and `--from-json FILE` redraws report and plot from a kept run.
+Prints a Markdown report (machine, command, tables, ratios against plain vLLM and against
+the Docker image's recipe of the same run with the per-round spread); `--markdown FILE`
+puts it between markers in FILE, `--json FILE` keeps every measurement, `--plot FILE.png`
+draws TPOT per configuration (matplotlib), and `--from-json FILE` redraws report and plot
+from a kept run.
 
 This module is the command line and the order of the starts; each job has a module of its
 own beside it: bench_vllm_records (configurations and what a start keeps), bench_vllm_run

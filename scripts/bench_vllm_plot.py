@@ -30,8 +30,10 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
     levels: list[int] = meta["concurrency"]
     rows = list(dict.fromkeys((r.config.model, r.config.method) for r in runs))
     panels = ["default", "all"]
+    # One scale per row: the Docker recipe (bound, left) and the nobind settings (right) meet
+    # across panels.
     figure, axes = plt.subplots(
-        len(rows), len(panels), figsize=(13, 4.2 * len(rows)), squeeze=False
+        len(rows), len(panels), figsize=(13, 4.2 * len(rows)), squeeze=False, sharey="row"
     )
     for row, (model, method) in enumerate(rows):
         for column, threads in enumerate(panels):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_vllm_records import (
+    DOCKER_RECIPE,
     METHODS,
     ROLES,
     SETTINGS,
@@ -139,11 +140,19 @@ def section(
         )
     against_plain = [(c, baseline_of(c)) for c in mine if not SETTINGS[c.setting].plain]
     as_installed = Config(model, method, "default", "libgomp")
+    docker = Config(model, method, "default", DOCKER_RECIPE)
     lines += [
         "",
         "Against plain vLLM as installed (libgomp, vLLM's default reservation and binding):",
         "",
         *ratio_table([(c, as_installed) for c in mine if c != as_installed], by_config, levels),
+        "",
+        "Against the vLLM Docker image's recipe (tcmalloc and libiomp5 preloaded, vLLM's "
+        "default reservation and binding):",
+        "",
+        *ratio_table(
+            [(c, docker) for c in mine if c not in (docker, as_installed)], by_config, levels
+        ),
         "",
         "Against plain vLLM with the same threads and binding (libgomp, or libgomp-nobind):",
         "",
