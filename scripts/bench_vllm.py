@@ -3,9 +3,9 @@
 
 A map over model size (`--models`: the tiny random Llama and a compute-bound one of ~105M
 parameters, both made locally by scripts/make_tiny_model.py), the speculative-decoding
-method (`--methods`, METHODS in bench_vllm_records: vLLM's ngram proposer, or the tiny
-model as a draft model, made with the same seed and so the same tokenizer, drafting for the
-larger one), the worker's OpenMP threads
+method (`--methods`, METHODS in bench_vllm_records: vLLM's ngram proposer; the tiny model
+as a draft model, made with the same seed and so the same tokenizer; or an EAGLE head made
+for the target; both draft for the larger model only), the worker's OpenMP threads
 (`--threads`: vLLM's default reservation, or all CPUs with VLLM_CPU_NUM_OF_RESERVED_CPU=0),
 client concurrency (`--concurrency`, measured one after another on the same server) and
 the runtime settings a launcher can choose (`--settings`, SETTINGS below): plain
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -57,7 +58,16 @@ from typing import Any
 
 from bench_stats import REPO, interleaved
 from bench_vllm_plot import plot
-from bench_vllm_records import METHODS, SETTINGS, THREADS, Config, Run, grid, runs_from_json
+from bench_vllm_records import (
+    METHODS,
+    SETTINGS,
+    THREADS,
+    Config,
+    Made,
+    Run,
+    grid,
+    runs_from_json,
+)
 from bench_vllm_report import markdown, update_markdown
 from bench_vllm_run import POLL_INTERVAL_S, cache_key, measure_one, warmed_up
 from script_cli import ScriptError, exit_code, last_line, narrator
@@ -98,9 +108,10 @@ def prepare_env(explicit: Path | None) -> Path:
     return Path(last_line(prepare_env_command(), "scripts/vllm_env.py", ENV_SETUP_LIMIT_S))
 
 
-def prepare_model(size: str, env: Path, scratch: Path) -> Path:
-    say(f"making the {size} model (scripts/make_tiny_model.py --size {size})")
-    command = [*make_model_command(env, scratch / f"model-{size}"), "--size", size]
+def prepare_model(made: Made, env: Path, scratch: Path) -> Path:
+    options = made.options()
+    say(f"making the {made.key} model (scripts/make_tiny_model.py {' '.join(options)})")
+    command = [*make_model_command(env, scratch / f"model-{made.key}"), *options]
     return Path(last_line(command, "scripts/make_tiny_model.py", MODEL_LIMIT_S))
 
 
@@ -116,14 +127,18 @@ def versions(env: Path) -> str:
 
 
 def parameter_count(model: Path) -> str:
-    """Parameters of a made model, from its config.json (Llama shapes, untied embeddings)."""
+    """Parameters of a made model, counted from its safetensors header (what an EAGLE head
+    leaves out, the target's embeddings and lm_head, is not counted), and its shape."""
+    with (model / "model.safetensors").open("rb") as stream:
+        size = int.from_bytes(stream.read(8), "little")  # the format: u64 length, JSON header
+        header = json.loads(stream.read(size))
+    shapes = (entry["shape"] for name, entry in header.items() if name != "__metadata__")
+    total = sum(math.prod(shape) for shape in shapes)
     config = json.loads((model / "config.json").read_text(encoding="utf-8"))
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    layer = 4 * hidden * hidden + 3 * hidden * inner + 2 * hidden
-    total = config["num_hidden_layers"] * layer + 2 * config["vocab_size"] * hidden + hidden
+    layers = config["num_hidden_layers"]
     return (
-        f"{total / 1e6:.1f}M parameters (hidden {hidden}, {config['num_hidden_layers']} layers, "
-        f"{config['num_attention_heads']} heads)"
+        f"{total / 1e6:.1f}M parameters (hidden {config['hidden_size']}, {layers} "
+        f"layer{'s' if layers != 1 else ''}, {config['num_attention_heads']} heads)"
     )
 
 
@@ -223,18 +238,18 @@ def terminate(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def model_sizes(configs: Sequence[Config]) -> list[str]:
-    """The made models configs need: targets, then the drafts of their methods."""
-    drafts = (METHODS[c.method].draft for c in configs)
-    return list(dict.fromkeys([*(c.model for c in configs), *filter(None, drafts)]))
+def made_models(configs: Sequence[Config]) -> list[Made]:
+    """The made models configs need: targets, then what drafts for them."""
+    drafts = (METHODS[c.method].draft_for(c.model) for c in configs)
+    return list(dict.fromkeys([*(Made(c.model) for c in configs), *filter(None, drafts)]))
 
 
 def prepare(args: argparse.Namespace, scratch: Path, active: list[Server]) -> dict[str, Path]:
     """The vLLM environment, the made models, and a compile cache per model and method,
     filled by one unmeasured start; by key: "env", a model size, cache_key(config)."""
     paths = {"env": prepare_env(args.vllm_env)}
-    for size in model_sizes(args.configs):
-        paths[size] = prepare_model(size, paths["env"], scratch)
+    for made in made_models(args.configs):
+        paths[made.key] = prepare_model(made, paths["env"], scratch)
     for model, method in dict.fromkeys((c.model, c.method) for c in args.configs):
         warm = Config(model, method, args.thread_settings[0], "libgomp")
         paths[cache_key(warm)] = scratch / f"vllm-cache-{model}-{method}"
@@ -266,7 +281,7 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
                     + f"; worker {run.worker}"
                 )
                 runs.append(run)
-            models = {size: parameter_count(paths[size]) for size in model_sizes(configs)}
+            models = {made.key: parameter_count(paths[made.key]) for made in made_models(configs)}
     finally:
         for server in list(active):
             stop_session(server, POLL_INTERVAL_S)

@@ -71,6 +71,25 @@ SETTINGS = {
 # leaves the binding to vLLM: the recipe users already have, so a peer to beat, not plain.
 DOCKER_RECIPE = "libiomp5+tcmalloc"
 
+DRAFT_SIZE = "tiny"  # the draft model's size: too small for anything to draft for it
+EAGLE_HEAD = "eagle-head"  # Method.draft of EAGLE: the head made for the target
+
+
+@dataclass(frozen=True)
+class Made:
+    """A model scripts/make_tiny_model.py makes: a size, or the EAGLE head for that size."""
+
+    size: str
+    eagle_head: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.size}-{EAGLE_HEAD}" if self.eagle_head else self.size
+
+    def options(self) -> list[str]:
+        """make_tiny_model.py's options for it."""
+        return ["--size", self.size, *(["--eagle-head"] if self.eagle_head else [])]
+
 
 @dataclass(frozen=True)
 class Method:
@@ -81,7 +100,7 @@ class Method:
     key: str
     method: str  # vLLM's `method`
     tokens: int  # `num_speculative_tokens`
-    draft: str | None = None  # the made model that drafts: a make_tiny_model.py size
+    draft: str | None = None  # what drafts: DRAFT_SIZE's model, or EAGLE_HEAD
     prompt_lookup_max: int | None = None  # ngram: the longest n-gram looked up
 
     def speculative_config(self, draft: str) -> str:
@@ -94,18 +113,27 @@ class Method:
             config["prompt_lookup_max"] = self.prompt_lookup_max
         return json.dumps(config, separators=(",", ":"))
 
-    def drafts_for(self, model: str) -> bool:
-        """False where the draft would be the target itself: a draft model drafts for a
-        larger one (the tiny model gets no draft methods)."""
-        return self.draft != model
+    def draft_for(self, model: str) -> Made | None:
+        """The made model that drafts for the target `model`, if one does."""
+        if self.draft is None:
+            return None
+        return Made(model, eagle_head=True) if self.draft == EAGLE_HEAD else Made(self.draft)
+
+    def runs_on(self, model: str) -> bool:
+        """Whether the method runs on the target `model`: ngram always, a draft (the tiny
+        model, or an EAGLE head) only for a target larger than the tiny model, for which
+        nothing made here drafts at much less than the target's own cost."""
+        return self.draft is None or model != DRAFT_SIZE
 
 
 METHODS = {
     m.key: m
     for m in (
         Method(FIRST_METHOD, "ngram", 3, prompt_lookup_max=3),
-        Method("draft3", "draft_model", 3, draft="tiny"),
-        Method("draft7", "draft_model", 7, draft="tiny"),
+        Method("draft3", "draft_model", 3, draft=DRAFT_SIZE),
+        Method("draft7", "draft_model", 7, draft=DRAFT_SIZE),
+        # Not `eagle3`: that is vLLM's name for EAGLE-3, another method.
+        Method("eagle-3", "eagle", 3, draft=EAGLE_HEAD),
     )
 }
 THREADS = {"default": "vLLM's default reservation", "all": "all CPUs (reserved 0, or nobind)"}
@@ -131,7 +159,7 @@ def grid(
     nobind one once (reservation is moot)."""
     configs = []
     for model in models:
-        for method in (key for key in methods if METHODS[key].drafts_for(model)):
+        for method in (key for key in methods if METHODS[key].runs_on(model)):
             for key in settings:
                 counts = [NOBIND] if SETTINGS[key].nobind else threads
                 configs += [Config(model, method, count, key) for count in counts]

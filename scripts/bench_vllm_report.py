@@ -15,6 +15,7 @@ from typing import Any
 
 from bench_vllm_records import (
     DOCKER_RECIPE,
+    EAGLE_HEAD,
     METHODS,
     ROLES,
     SETTINGS,
@@ -109,6 +110,10 @@ def method_line(key: str) -> str:
     method = METHODS[key]
     if method.draft is None:
         return f"`{key}`: `--speculative-config '{method.speculative_config('')}'`"
+    if method.draft == EAGLE_HEAD:
+        config = method.speculative_config("<an EAGLE head made for the target>")
+        note = "random weights; vLLM shares the target's embeddings and lm_head"
+        return f"`{key}`: `--speculative-config '{config}'` ({note})"
     config = method.speculative_config(f"<the {method.draft} model>")
     return f"`{key}`: `--speculative-config '{config}'` (same seed, so the target's tokenizer)"
 

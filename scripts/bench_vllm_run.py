@@ -86,7 +86,8 @@ def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path
     """The server of one configuration, in scratch (its cwd; its config directory there)."""
     env, model, cache = paths["env"], paths[config.model], paths[cache_key(config)]
     method = METHODS[config.method]
-    draft = str(paths[method.draft]) if method.draft is not None else ""
+    made = method.draft_for(config.model)
+    draft = str(paths[made.key]) if made is not None else ""
     vllm = str(env / "bin" / "vllm")
     setting = SETTINGS[config.setting]
     if setting.plain:

@@ -141,13 +141,19 @@ def test_methods_ask_vllm_for_what_they_name() -> None:
 
 def test_draft_methods_draft_only_for_a_larger_model() -> None:
     records = load_script("bench_vllm_records.py")
-    configs = records.grid(["tiny", "100m"], ["ngram3", "draft3"], ["default"], ["libgomp"])
+    methods = ["ngram3", "draft3", "eagle-3"]
+    configs = records.grid(["tiny", "100m"], methods, ["default"], ["libgomp"])
     assert [(c.model, c.method) for c in configs] == [
         ("tiny", "ngram3"),
         ("100m", "ngram3"),
         ("100m", "draft3"),
+        ("100m", "eagle-3"),
     ]
-    assert records.baseline_of(configs[-1]).method == "draft3"  # paired within a method
+    assert records.baseline_of(configs[-1]).method == "eagle-3"  # paired within a method
+    # The draft model is the tiny one; an EAGLE head is made for its target.
+    assert records.METHODS["draft3"].draft_for("100m").options() == ["--size", "tiny"]
+    eagle = records.METHODS["eagle-3"].draft_for("100m")
+    assert eagle.options() == ["--size", "100m", "--eagle-head"] and eagle.key == "100m-eagle-head"
 
 
 def test_runs_kept_without_a_method_read_as_ngram3() -> None:
