@@ -79,7 +79,7 @@ def ratio_table(
     levels: Sequence[int],
 ) -> list[str]:
     """Rows of speedup() per concurrency level, TPOT then tok/s, for (config, baseline)
-    pairs measured in this run."""
+    pairs, both measured in this run."""
     lines = [
         "Paired by round, `median (min-max)`, > 1 = better than the baseline: TPOT "
         "baseline/this and tok/s this/baseline; `loss`/`gain` when every round agrees.",
@@ -90,8 +90,6 @@ def ratio_table(
         "|---|---|---|" + "---|" * (2 * len(levels)),
     ]
     for config, baseline in pairs:
-        if config not in by_config or baseline not in by_config:
-            continue
         cells = [
             str(speedup(by_config[config], by_config[baseline], c, metric))
             for metric in ("tpot", "tok/s")
@@ -103,6 +101,18 @@ def ratio_table(
             + " |"
         )
     return lines
+
+
+def comparison(
+    title: str,
+    pairs: Sequence[tuple[Config, Config]],
+    by_config: dict[Config, list[Run]],
+    levels: Sequence[int],
+) -> list[str]:
+    """The ratio table of the pairs measured in this run under its title, or nothing where
+    none was (a map of vLLM's default reservation only has no `all` rows, say)."""
+    measured = [(c, b) for c, b in pairs if c in by_config and b in by_config]
+    return ["", title, "", *ratio_table(measured, by_config, levels)] if measured else []
 
 
 def method_line(key: str) -> str:
@@ -146,30 +156,28 @@ def section(
     against_plain = [(c, baseline_of(c)) for c in mine if not SETTINGS[c.setting].plain]
     as_installed = Config(model, method, "default", "libgomp")
     docker = Config(model, method, "default", DOCKER_RECIPE)
-    lines += [
-        "",
-        "Against plain vLLM as installed (libgomp, vLLM's default reservation and binding):",
-        "",
-        *ratio_table([(c, as_installed) for c in mine if c != as_installed], by_config, levels),
-        "",
-        "Against the vLLM Docker image's recipe (tcmalloc and libiomp5 preloaded, vLLM's "
-        "default reservation and binding):",
-        "",
-        *ratio_table(
-            [(c, docker) for c in mine if c not in (docker, as_installed)], by_config, levels
+    comparisons = [
+        (
+            "Against plain vLLM as installed (libgomp, vLLM's default reservation and binding):",
+            [(c, as_installed) for c in mine if c != as_installed],
         ),
-        "",
-        "Against plain vLLM with the same threads and binding (libgomp, or libgomp-nobind):",
-        "",
-        *ratio_table(against_plain, by_config, levels),
-        "",
-        "Reserving no CPU (`all`) against vLLM's default reservation, same setting:",
-        "",
-        *ratio_table(
+        (
+            "Against the vLLM Docker image's recipe (tcmalloc and libiomp5 preloaded, vLLM's "
+            "default reservation and binding):",
+            [(c, docker) for c in mine if c not in (docker, as_installed)],
+        ),
+        (
+            "Against plain vLLM with the same threads and binding (libgomp, or libgomp-nobind):",
+            against_plain,
+        ),
+        (
+            "Reserving no CPU (`all`) against vLLM's default reservation, same setting:",
             [(c, replace(c, threads="default")) for c in mine if c.threads == "all"],
-            by_config,
-            levels,
         ),
+    ]
+    for title, pairs in comparisons:
+        lines += comparison(title, pairs, by_config, levels)
+    lines += [
         "",
         "Where the CPU went during each phase (cores busy of "
         f"{meta['machine']['cpus']}, median; worker / EngineCore / API server):",

@@ -165,6 +165,18 @@ def test_runs_kept_without_a_method_read_as_ngram3() -> None:
     assert read.config.method == "ngram3"
 
 
+def test_a_comparison_with_nothing_measured_is_left_out() -> None:
+    records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
+    kept = json.loads((REPO / "docs" / "bench_vllm_map.json").read_text(encoding="utf-8"))
+    runs = records.runs_from_json(kept)
+    by_config = {run.config: [r for r in runs if r.config == run.config] for run in runs}
+    measured = next(iter(by_config))
+    missing = records.Config("100m", "draft7", "default", "libgomp")
+    assert report.comparison("title", [(measured, missing)], by_config, [1]) == []
+    table = report.comparison("title", [(measured, measured)], by_config, [1])
+    assert table[:3] == ["", "title", ""] and table[-1].startswith(f"| {measured.threads} |")
+
+
 def test_importtime_lines_are_parsed() -> None:
     bench_overhead = load_script("bench_overhead.py")
     stderr = (
