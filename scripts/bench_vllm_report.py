@@ -2,7 +2,7 @@
 
 scripts/bench_vllm.py's reporting job, the same from a fresh run and from `--from-json`:
 every ratio pairs a configuration with its baseline round by round (both measured in the
-same run), and a verdict is `loss` or `gain` only when every round agrees.
+same run), and a verdict is `loss` or `gain` only when every round agrees, 4 or more.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from bench_vllm_records import (
 
 MARK_BEGIN = "<!-- bench_vllm: begin -->"
 MARK_END = "<!-- bench_vllm: end -->"
+# The fewest paired rounds whose agreement is a verdict: 4 the same way, p = 1/16 (one-sided).
+SIGN_TEST_ROUNDS = 4
 
 
 # ---------------------------------------------------------------- statistics
@@ -40,10 +42,14 @@ class Ratio:
     median: float
     low: float
     high: float
+    rounds: int
 
     @property
     def verdict(self) -> str:
-        """`loss`/`gain` when every round agrees (a sign test: 4 rounds, p = 1/16), else `=`."""
+        """`loss`/`gain` when every round agrees, at least SIGN_TEST_ROUNDS of them (a sign
+        test), else `=`: one round, or two, agree by chance too often to mean anything."""
+        if self.rounds < SIGN_TEST_ROUNDS:
+            return "="
         return "loss" if self.high < 1 else "gain" if self.low > 1 else "="
 
     def __str__(self) -> str:
@@ -62,7 +68,7 @@ def speedup(runs: Sequence[Run], baseline: Sequence[Run], streams: int, metric: 
 
     plain = {run.round: run for run in baseline}
     paired = [better(run, plain[run.round]) for run in runs if run.round in plain]
-    return Ratio(statistics.median(paired), min(paired), max(paired))
+    return Ratio(statistics.median(paired), min(paired), max(paired), len(paired))
 
 
 def spread(values: Sequence[float]) -> str:
@@ -82,7 +88,8 @@ def ratio_table(
     pairs, both measured in this run."""
     lines = [
         "Paired by round, `median (min-max)`, > 1 = better than the baseline: TPOT "
-        "baseline/this and tok/s this/baseline; `loss`/`gain` when every round agrees.",
+        "baseline/this and tok/s this/baseline; `loss`/`gain` when every round agrees, "
+        f"{SIGN_TEST_ROUNDS} or more.",
         "",
         "| threads | setting | baseline | "
         + " | ".join(f"{m} C={c}" for m in ("TPOT", "tok/s") for c in levels)

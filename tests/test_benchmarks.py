@@ -177,6 +177,14 @@ def test_a_comparison_with_nothing_measured_is_left_out() -> None:
     assert table[:3] == ["", "title", ""] and table[-1].startswith(f"| {measured.threads} |")
 
 
+def test_a_verdict_needs_four_rounds_that_agree() -> None:
+    report = load_script("bench_vllm_report.py")
+    assert report.Ratio(1.2, 1.1, 1.3, 4).verdict == "gain"
+    assert report.Ratio(0.8, 0.7, 0.9, 4).verdict == "loss"
+    assert report.Ratio(1.2, 0.9, 1.3, 4).verdict == "="
+    assert report.Ratio(1.2, 1.2, 1.2, 1).verdict == "="  # one round agrees with itself
+
+
 def test_importtime_lines_are_parsed() -> None:
     bench_overhead = load_script("bench_overhead.py")
     stderr = (
