@@ -92,22 +92,30 @@ def e2e_ignored(config: pytest.Config) -> bool:
 def test_bench_vllm_maps_and_redraws(
     tmp_path: Path, pytestconfig: pytest.Config, debian_root: Path
 ) -> None:
-    # Starts three real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
+    # Starts four real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
     if e2e_ignored(pytestconfig):
         pytest.skip("tests/e2e is ignored in this run, so is this real-vLLM smoke test")
     report, kept, picture = tmp_path / "report.md", tmp_path / "map.json", tmp_path / "map.png"
     report.write_text("# Benchmarks\n\nkept\n", encoding="utf-8")
     tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-    arguments = ["--rounds", "1", "--models", "tiny", "--threads", "all", "--concurrency", "1,2"]
-    arguments += ["--settings", "libgomp,libiomp5+tcmalloc", "--tcmalloc-path", str(tcmalloc)]
-    arguments += ["--phase-seconds", "1", "--max-tokens", "4", "--markdown", str(report)]
+    arguments = ["--rounds", "1", "--models", "tiny", "--threads", "default"]
+    settings = "libgomp,libiomp5+tcmalloc,libiomp5-nobind-bt200+tcmalloc"
+    arguments += ["--settings", settings, "--tcmalloc-path", str(tcmalloc)]
+    arguments += ["--concurrency", "1,2", "--phase-seconds", "1", "--max-tokens", "4"]
     output = run_script(
-        "bench_vllm.py", *arguments, "--json", str(kept), "--plot", str(picture), limit_s=2400
+        "bench_vllm.py",
+        *arguments,
+        *("--markdown", str(report), "--json", str(kept), "--plot", str(picture)),
+        limit_s=2400,
     )
-    # The worker really mapped what each setting preloads, and the ratio row compares them.
-    assert "| all ([0, 1]) | libgomp | libgomp |" in output
-    assert "| all ([0, 1]) | libiomp5+tcmalloc | libiomp5 + tcmalloc |" in output
-    assert "| all | libiomp5+tcmalloc | " in output
+    # The tiny model gets ngram alone; the worker really mapped what each setting preloads,
+    # and the ratio rows compare them with plain vLLM and with the Docker image's recipe.
+    assert "### Model `tiny`, method `ngram3`" in output
+    assert "| default ([0]) | libgomp | libgomp |" in output
+    assert "| default ([0]) | libiomp5+tcmalloc | libiomp5 + tcmalloc |" in output
+    assert "| nobind (unbound) | libiomp5-nobind-bt200+tcmalloc | libiomp5 + tcmalloc |" in output
+    assert "| default | libiomp5+tcmalloc | default/libgomp | " in output
+    assert "| nobind | libiomp5-nobind-bt200+tcmalloc | default/libiomp5+tcmalloc | " in output
     written = report.read_text(encoding="utf-8")
     assert written.startswith("# Benchmarks\n\nkept\n")
     body = output.split("rerun:")[0]
