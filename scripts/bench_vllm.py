@@ -68,7 +68,7 @@ from bench_vllm_records import (
     grid,
     runs_from_json,
 )
-from bench_vllm_report import markdown, update_markdown
+from bench_vllm_report import MARKERS, markdown, update_markdown
 from bench_vllm_run import POLL_INTERVAL_S, cache_key, measure_one, warmed_up
 from script_cli import ScriptError, exit_code, last_line, narrator
 from vllm_server import (
@@ -206,6 +206,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--vllm-env", type=Path, help="vLLM environment (default: vllm_env.py)")
     parser.add_argument("--markdown", type=Path, help="also write the report into this file")
+    parser.add_argument(
+        "--markers",
+        default=MARKERS,
+        help=f"between <!-- MARKERS: begin/end --> in --markdown FILE (default {MARKERS})",
+    )
     parser.add_argument("--json", type=Path, help="also keep every measurement in this file")
     parser.add_argument("--plot", type=Path, help="draw TPOT per configuration into this PNG")
     parser.add_argument("--from-json", type=Path, help="report (and plot) a kept run; no vLLM")
@@ -315,7 +320,7 @@ def bench(args: argparse.Namespace, command: str) -> None:
     report = markdown(runs, meta)
     print(report)
     if args.markdown is not None:
-        update_markdown(args.markdown, report)
+        update_markdown(args.markdown, report, args.markers)
         say(f"wrote the report into {args.markdown}")
     if args.plot is not None:
         plot(runs, meta, args.plot)

@@ -26,8 +26,7 @@ from bench_vllm_records import (
     baseline_of,
 )
 
-MARK_BEGIN = "<!-- bench_vllm: begin -->"
-MARK_END = "<!-- bench_vllm: end -->"
+MARKERS = "bench_vllm"  # the report's markers in a Markdown file: <!-- bench_vllm: begin -->
 # The fewest paired rounds whose agreement is a verdict: 4 the same way, p = 1/16 (one-sided).
 SIGN_TEST_ROUNDS = 4
 
@@ -251,13 +250,15 @@ def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_markdown(path: Path, section: str) -> None:
-    """Replace the marked section of `path` (or append it), leaving the rest as it is."""
+def update_markdown(path: Path, section: str, markers: str = MARKERS) -> None:
+    """Replace the section of `path` between `<!-- MARKERS: begin -->` and `end` (or append
+    it), leaving the rest as it is: one file can hold the reports of several maps."""
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    block = f"{MARK_BEGIN}\n{section}{MARK_END}\n"
-    if MARK_BEGIN in text and MARK_END in text:
-        head, _, rest = text.partition(MARK_BEGIN)
-        _, _, tail = rest.partition(MARK_END)
+    begin, end = f"<!-- {markers}: begin -->", f"<!-- {markers}: end -->"
+    block = f"{begin}\n{section}{end}\n"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
         text = head + block + tail.lstrip("\n")
     else:
         text = (text.rstrip("\n") + "\n\n" if text else "") + block

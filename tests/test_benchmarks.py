@@ -131,11 +131,12 @@ def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
     path = tmp_path / "benchmarks.md"
     path.write_text("# Title\n\nbefore\n", encoding="utf-8")
     report.update_markdown(path, "first\n")
+    report.update_markdown(path, "other map\n", "bench_vllm methods")
     report.update_markdown(path, "second\n")
     text = path.read_text(encoding="utf-8")
     assert text.startswith("# Title\n\nbefore\n")
-    assert "second" in text and "first" not in text
-    assert text.count(report.MARK_BEGIN) == 1
+    assert "second" in text and "first" not in text and "other map" in text
+    assert text.count("<!-- bench_vllm: begin -->") == 1
 
 
 def test_methods_ask_vllm_for_what_they_name() -> None:
