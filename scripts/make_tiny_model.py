@@ -4,10 +4,13 @@
 The end-to-end test and the demo need a causal LM that vLLM can serve without a model hub:
 this one is made here, in seconds, from a fixed seed. Its answers are nonsense; its
 shapes (head_dim 64) are ones vLLM's CPU attention supports. `--size 100m` writes the
-compute-bound model of the benchmark map (scripts/bench_vllm.py) the same way.
+compute-bound model of the benchmark map (scripts/bench_vllm.py) the same way. The same
+`--seed` gives the same tokenizer whatever the size, so one model can draft for another;
+`--eagle-head` writes an EAGLE head for the `--size` model instead, for vLLM's `eagle`
+speculative method.
 
 Run it with the Python of the vLLM environment (it needs torch, transformers, tokenizers):
-    <vllm-env>/bin/python scripts/make_tiny_model.py OUTPUT_DIR [--size tiny|100m]
+    <vllm-env>/bin/python scripts/make_tiny_model.py OUTPUT_DIR [--size tiny|100m] [--eagle-head]
 Prints OUTPUT_DIR on stdout.
 """
 
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch  # type: ignore[import-not-found, unused-ignore]
+from safetensors.torch import save_file  # type: ignore[import-not-found, unused-ignore]
 from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
     Tokenizer,
     decoders,
@@ -97,10 +101,10 @@ def save_tokenizer(tokenizer: Tokenizer, output: Path) -> PreTrainedTokenizerFas
     return wrapped
 
 
-def save_model(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int, size: str) -> None:
-    """Random weights from a fixed seed, in bfloat16 (what vLLM on CPU computes in anyway)."""
-    hidden, intermediate, layers, heads = SIZES[size]
-    config = LlamaConfig(
+def llama_config(tokenizer: PreTrainedTokenizerFast, size: str, layers: int) -> LlamaConfig:
+    """The Llama shape of `size` with `layers` decoder layers, for this tokenizer."""
+    hidden, intermediate, _, heads = SIZES[size]
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -113,16 +117,48 @@ def save_model(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int, size
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
+
+
+def random_llama(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    """Random weights from a fixed seed, in bfloat16 (what vLLM on CPU computes in anyway)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(output)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def make_tiny_model(output: Path, seed: int, size: str = "tiny") -> Path:
-    """Write tokenizer and model into output (created if missing); return it."""
+def save_model(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int, size: str) -> None:
+    """The whole model of `size`."""
+    random_llama(llama_config(tokenizer, size, SIZES[size][2]), seed).save_pretrained(output)
+
+
+def save_eagle_head(tokenizer: PreTrainedTokenizerFast, output: Path, seed: int, size: str) -> None:
+    """An EAGLE head for the model of `size`, as vLLM 0.32 loads one
+    (vllm/model_executor/models/llama_eagle.py): a Llama config.json of one layer, whose
+    architecture vLLM turns into EagleLlamaForCausalLM, and weights named as its checkpoints
+    name them: `fc` (the token's embedding and the target's hidden state joined, 2 x hidden
+    to hidden) and decoder layer 0 without `input_layernorm` (vLLM replaces that norm by
+    the identity). No embeddings, final norm or lm_head: vLLM then shares the target's."""
+    config = llama_config(tokenizer, size, 1)
+    # As a whole model's save_pretrained() writes them: vLLM names the head Eagle + the
+    # architecture, and refuses `EagleLlamaModel`, what a config without one becomes.
+    config.architectures, config.dtype = ["LlamaForCausalLM"], torch.bfloat16
+    layer = {
+        name.removeprefix("model."): weight
+        for name, weight in random_llama(config, seed).state_dict().items()
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name
+    }
+    hidden = config.hidden_size
+    fc = torch.randn(hidden, 2 * hidden) * config.initializer_range
+    tensors = {**layer, "fc.weight": fc.to(torch.bfloat16)}
+    save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(output)
+
+
+def make_tiny_model(output: Path, seed: int, size: str = "tiny", eagle_head: bool = False) -> Path:
+    """Write tokenizer and model (or the model's EAGLE head) into output (created if
+    missing); return it."""
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = save_tokenizer(trained_tokenizer(seed), output)
-    save_model(tokenizer, output, seed, size)
+    (save_eagle_head if eagle_head else save_model)(tokenizer, output, seed, size)
     return output
 
 
@@ -134,6 +170,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--size", choices=sorted(SIZES), default="tiny", help="model shape (default: tiny)"
     )
+    parser.add_argument(
+        "--eagle-head", action="store_true", help="write an EAGLE head for the --size model"
+    )
     return parser.parse_args(argv)
 
 
@@ -141,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Make the model and print where it is."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        output = make_tiny_model(args.output.absolute(), args.seed, args.size)
+        output = make_tiny_model(args.output.absolute(), args.seed, args.size, args.eagle_head)
     except OSError as error:
         print(f"make_tiny_model: error: {error}", file=sys.stderr)
         return 1

@@ -119,9 +119,11 @@ def isolated_environment(
     return {**inherited, **offline_settings(scratch), "XDG_CONFIG_HOME": str(scratch / "config")}
 
 
-def serve_arguments(model: Path, port: int, speculative: bool = True) -> list[str]:
-    """`serve MODEL ...` as an operator would type it, with ngram speculative decoding
-    (without, where `speculative` is false)."""
+def serve_arguments(
+    model: Path, port: int, speculative: bool = True, speculative_config: str = SPECULATIVE_CONFIG
+) -> list[str]:
+    """`serve MODEL ...` as an operator would type it, with speculative decoding as
+    `speculative_config` asks (ngram by default; none where `speculative` is false)."""
     return [
         "serve",
         str(model),
@@ -131,7 +133,7 @@ def serve_arguments(model: Path, port: int, speculative: bool = True) -> list[st
         str(port),
         "--served-model-name",
         SERVED_MODEL_NAME,
-        *(["--speculative-config", SPECULATIVE_CONFIG] if speculative else []),
+        *(["--speculative-config", speculative_config] if speculative else []),
     ]
 
 
@@ -145,16 +147,18 @@ def start_server(
     cwd: Path | None = None,
     extra: Sequence[str] = (),
     speculative: bool = True,
+    speculative_config: str = SPECULATIVE_CONFIG,
 ) -> Server:
     """Start `PREFIX serve MODEL ... EXTRA` (on `port`, else a free one) in a session of its
     own, stdout and stderr to scratch/server.log. `extra` holds what a deployment adds to the
     operator's command line: the parallel options of one node of several, say; without
-    `speculative`, the command requests no speculative decoding."""
+    `speculative`, the command requests no speculative decoding, with it the one that
+    `speculative_config` (JSON) names."""
     port = free_loopback_port() if port is None else port
     log = scratch / "server.log"
     with log.open("wb") as log_file:
         process = subprocess.Popen(
-            [*prefix, *serve_arguments(model, port, speculative), *extra],
+            [*prefix, *serve_arguments(model, port, speculative, speculative_config), *extra],
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,

@@ -92,22 +92,30 @@ def e2e_ignored(config: pytest.Config) -> bool:
 def test_bench_vllm_maps_and_redraws(
     tmp_path: Path, pytestconfig: pytest.Config, debian_root: Path
 ) -> None:
-    # Starts three real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
+    # Starts four real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
     if e2e_ignored(pytestconfig):
         pytest.skip("tests/e2e is ignored in this run, so is this real-vLLM smoke test")
     report, kept, picture = tmp_path / "report.md", tmp_path / "map.json", tmp_path / "map.png"
     report.write_text("# Benchmarks\n\nkept\n", encoding="utf-8")
     tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-    arguments = ["--rounds", "1", "--models", "tiny", "--threads", "all", "--concurrency", "1,2"]
-    arguments += ["--settings", "libgomp,libiomp5+tcmalloc", "--tcmalloc-path", str(tcmalloc)]
-    arguments += ["--phase-seconds", "1", "--max-tokens", "4", "--markdown", str(report)]
+    arguments = ["--rounds", "1", "--models", "tiny", "--threads", "default"]
+    settings = "libgomp,libiomp5+tcmalloc,libiomp5-nobind-bt200+tcmalloc"
+    arguments += ["--settings", settings, "--tcmalloc-path", str(tcmalloc)]
+    arguments += ["--concurrency", "1,2", "--phase-seconds", "1", "--max-tokens", "4"]
     output = run_script(
-        "bench_vllm.py", *arguments, "--json", str(kept), "--plot", str(picture), limit_s=2400
+        "bench_vllm.py",
+        *arguments,
+        *("--markdown", str(report), "--json", str(kept), "--plot", str(picture)),
+        limit_s=2400,
     )
-    # The worker really mapped what each setting preloads, and the ratio row compares them.
-    assert "| all ([0, 1]) | libgomp | libgomp |" in output
-    assert "| all ([0, 1]) | libiomp5+tcmalloc | libiomp5 + tcmalloc |" in output
-    assert "| all | libiomp5+tcmalloc | " in output
+    # The tiny model gets ngram alone; the worker really mapped what each setting preloads,
+    # and the ratio rows compare them with plain vLLM and with the Docker image's recipe.
+    assert "### Model `tiny`, method `ngram3`" in output
+    assert "| default ([0]) | libgomp | libgomp |" in output
+    assert "| default ([0]) | libiomp5+tcmalloc | libiomp5 + tcmalloc |" in output
+    assert "| nobind (unbound) | libiomp5-nobind-bt200+tcmalloc | libiomp5 + tcmalloc |" in output
+    assert "| default | libiomp5+tcmalloc | default/libgomp | " in output
+    assert "| nobind | libiomp5-nobind-bt200+tcmalloc | default/libiomp5+tcmalloc | " in output
     written = report.read_text(encoding="utf-8")
     assert written.startswith("# Benchmarks\n\nkept\n")
     body = output.split("rerun:")[0]
@@ -119,15 +127,71 @@ def test_bench_vllm_maps_and_redraws(
 
 
 def test_markdown_section_is_replaced_in_place(tmp_path: Path) -> None:
-    bench_vllm = load_script("bench_vllm.py")
+    report = load_script("bench_vllm_report.py")
     path = tmp_path / "benchmarks.md"
     path.write_text("# Title\n\nbefore\n", encoding="utf-8")
-    bench_vllm.update_markdown(path, "first\n")
-    bench_vllm.update_markdown(path, "second\n")
+    report.update_markdown(path, "first\n")
+    report.update_markdown(path, "other map\n", "bench_vllm methods")
+    report.update_markdown(path, "second\n")
     text = path.read_text(encoding="utf-8")
     assert text.startswith("# Title\n\nbefore\n")
-    assert "second" in text and "first" not in text
-    assert text.count(bench_vllm.MARK_BEGIN) == 1
+    assert "second" in text and "first" not in text and "other map" in text
+    assert text.count("<!-- bench_vllm: begin -->") == 1
+
+
+def test_methods_ask_vllm_for_what_they_name() -> None:
+    records = load_script("bench_vllm_records.py")
+    server = load_script("vllm_server.py")
+    # The map's runs before methods were a dimension: the same request, so they stay comparable.
+    assert records.METHODS[records.FIRST_METHOD].speculative_config("") == server.SPECULATIVE_CONFIG
+    config = json.loads(records.METHODS["draft7"].speculative_config("/models/tiny"))
+    assert config == {"method": "draft_model", "model": "/models/tiny", "num_speculative_tokens": 7}
+
+
+def test_draft_methods_draft_only_for_a_larger_model() -> None:
+    records = load_script("bench_vllm_records.py")
+    methods = ["ngram3", "draft3", "eagle-3"]
+    configs = records.grid(["tiny", "100m"], methods, ["default"], ["libgomp"])
+    assert [(c.model, c.method) for c in configs] == [
+        ("tiny", "ngram3"),
+        ("100m", "ngram3"),
+        ("100m", "draft3"),
+        ("100m", "eagle-3"),
+    ]
+    assert records.baseline_of(configs[-1]).method == "eagle-3"  # paired within a method
+    # The draft model is the tiny one; an EAGLE head is made for its target.
+    assert records.METHODS["draft3"].draft_for("100m").options() == ["--size", "tiny"]
+    eagle = records.METHODS["eagle-3"].draft_for("100m")
+    assert eagle.options() == ["--size", "100m", "--eagle-head"] and eagle.key == "100m-eagle-head"
+
+
+def test_runs_kept_without_a_method_read_as_ngram3() -> None:
+    records = load_script("bench_vllm_records.py")
+    kept = json.loads((REPO / "docs" / "bench_vllm_map.json").read_text(encoding="utf-8"))
+    run = kept["runs"][0]
+    run["config"].pop("method", None)  # as the runs of 2026-12-01 were kept
+    (read,) = records.runs_from_json({"runs": [run]})
+    assert read.config.method == "ngram3"
+
+
+def test_a_comparison_with_nothing_measured_is_left_out() -> None:
+    records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
+    kept = json.loads((REPO / "docs" / "bench_vllm_map.json").read_text(encoding="utf-8"))
+    runs = records.runs_from_json(kept)
+    by_config = {run.config: [r for r in runs if r.config == run.config] for run in runs}
+    measured = next(iter(by_config))
+    missing = records.Config("100m", "draft7", "default", "libgomp")
+    assert report.comparison("title", [(measured, missing)], by_config, [1]) == []
+    table = report.comparison("title", [(measured, measured)], by_config, [1])
+    assert table[:3] == ["", "title", ""] and table[-1].startswith(f"| {measured.threads} |")
+
+
+def test_a_verdict_needs_four_rounds_that_agree() -> None:
+    report = load_script("bench_vllm_report.py")
+    assert report.Ratio(1.2, 1.1, 1.3, 4).verdict == "gain"
+    assert report.Ratio(0.8, 0.7, 0.9, 4).verdict == "loss"
+    assert report.Ratio(1.2, 0.9, 1.3, 4).verdict == "="
+    assert report.Ratio(1.2, 1.2, 1.2, 1).verdict == "="  # one round agrees with itself
 
 
 def test_importtime_lines_are_parsed() -> None:

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +31,19 @@ def map_ratios(settings: tuple[str, ...], metric: str, baseline: str | None = No
     """bench_vllm's paired ratio for every measured cell of these settings, against plain
     vLLM with the same threads and binding, or against the `baseline` setting at vLLM's
     default reservation (the map's `default` threads) when one is named."""
-    bench_vllm = load_script("bench_vllm.py")
+    records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
     data = json.loads(MAP_JSON.read_text(encoding="utf-8"))
     by_config: dict[Any, list[Any]] = {}
-    for run in bench_vllm.runs_from_json(data):
+    for run in records.runs_from_json(data):
         by_config.setdefault(run.config, []).append(run)
 
     def plain(config: Any) -> Any:
         if baseline is None:
-            return bench_vllm.baseline_of(config)
-        return bench_vllm.Config(config.model, "default", baseline)
+            return records.baseline_of(config)
+        return replace(config, threads="default", setting=baseline)
 
     return [
-        bench_vllm.speedup(group, by_config[plain(config)], level, metric)
+        report.speedup(group, by_config[plain(config)], level, metric)
         for config, group in by_config.items()
         if config.setting in settings
         for level in data["meta"]["concurrency"]

@@ -1,0 +1,308 @@
+"""Starting and measuring one vLLM server of the map: its environment, its load, its CPU.
+
+scripts/bench_vllm.py's measuring job. Each start runs plain `vllm serve` or this checkout's
+launcher in front of it, in a session of its own; after its warm-up requests it is driven
+by streaming clients at each concurrency level, and vLLM's own TPOT metric, the tokens,
+the CPU per process and the libraries its worker mapped are read. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench_stats import REPO
+from bench_vllm_records import (
+    METHODS,
+    ROLES,
+    SETTINGS,
+    TPOT_METRIC,
+    WARMUP_REQUESTS,
+    Config,
+    Phase,
+    Run,
+)
+from script_cli import ScriptError
+from vllm_server import (
+    ACCEPTED_TOKENS_METRIC,
+    DRAFT_TOKENS_METRIC,
+    LOOPBACK,
+    REQUEST_LIMIT_S,
+    SD_WARNING,
+    Server,
+    ServerError,
+    command_line,
+    completion_payload,
+    isolated_environment,
+    json_request,
+    mapped_files,
+    metric_total,
+    process_tree,
+    start_server,
+    stop_session,
+    wait_until_healthy,
+)
+
+STARTUP_LIMIT_S = 420
+POLL_INTERVAL_S = 0.5
+
+
+# ---------------------------------------------------------------- servers
+
+
+def tail(server: Server, lines: int = 5) -> str:
+    """The end of the server's log on one line, for error messages."""
+    return " | ".join(server.log_text().strip().splitlines()[-lines:])
+
+
+def server_environment(config: Config, scratch: Path, cache: Path) -> dict[str, str]:
+    """The caller's environment minus OpenMP/launcher/vLLM-CPU settings, plus the config's."""
+    dropped = ("LD_PRELOAD", "PYTHONPATH", "PYTHONHOME")
+    prefixes = ("KMP_", "OMP_", "GOMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_")
+    env = {**isolated_environment(scratch, dropped, prefixes), "VLLM_CACHE_ROOT": str(cache)}
+    if config.threads == "all":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    # Explicit either way: the launcher's own map rules (evidence.py) leave both as given.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind" if SETTINGS[config.setting].nobind else "auto"
+    return env
+
+
+def cache_key(config: Config) -> str:
+    """The key in `paths` of the VLLM_CACHE_ROOT that every start of config's model and
+    method shares (filled by one unmeasured start: the draft's compiled code is in it too)."""
+    return f"{config.model}-{config.method}-cache"
+
+
+def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path) -> Server:
+    """The server of one configuration, in scratch (its cwd; its config directory there)."""
+    env, model, cache = paths["env"], paths[config.model], paths[cache_key(config)]
+    method = METHODS[config.method]
+    made = method.draft_for(config.model)
+    draft = str(paths[made.key]) if made is not None else ""
+    vllm = str(env / "bin" / "vllm")
+    setting = SETTINGS[config.setting]
+    if setting.plain:
+        prefix = [vllm]
+    else:
+        # This checkout's launcher, whatever the interpreter: it execs vLLM in place.
+        code = (
+            f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from vllm_cpu_launch.cli import main; sys.exit(main())"
+        )
+        prefix = [sys.executable, "-c", code, *setting.launcher_options(tcmalloc), "--vllm", vllm]
+    scratch.mkdir(parents=True)
+    environment = server_environment(config, scratch, cache)
+    speculative = method.speculative_config(draft)
+    return start_server(
+        prefix, model, scratch, environment, cwd=scratch, speculative_config=speculative
+    )
+
+
+def worker_libraries(server: Server) -> str:
+    """The OpenMP runtime (and tcmalloc) vLLM's model worker has mapped (/proc/PID/maps)."""
+    for pid in process_tree(server.process.pid):
+        try:
+            if "VLLM::Worker" not in command_line(pid):
+                continue
+            names = {Path(path).name for path in mapped_files(pid)}
+        except OSError:
+            continue
+        iomp = any(name.startswith("libiomp5") for name in names)
+        gomp = any(name.startswith("libgomp") for name in names)
+        found = "libiomp5" if iomp else "libgomp" if gomp else "no OpenMP"
+        if any(name.startswith("libtcmalloc") for name in names):
+            found += " + tcmalloc"
+        return found
+    return "no worker found"
+
+
+def tree_cpu(server: Server) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the API server, EngineCore and Worker."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for pid in process_tree(server.process.pid):
+        try:
+            title = command_line(pid)
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as stream:
+                fields = stream.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if pid == server.process.pid:
+            role = "api"
+        elif "VLLM::Worker" in title:
+            role = "worker"
+        elif "VLLM::EngineCore" in title:
+            role = "engine"
+        else:
+            continue
+        # After the ')': state is field 3 of stat, utime and stime are fields 14 and 15.
+        used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
+def omp_core_ids(log: str) -> str:
+    """The cores vLLM bound its OpenMP threads to, from its 'core ids=[...]' log line."""
+    for line in log.splitlines():
+        if "core ids=" in line:
+            return line.split("core ids=", 1)[1].strip()
+    return "unbound"
+
+
+def launcher_line(log: str) -> str:
+    for line in log.splitlines():
+        if line.startswith("vllm-cpu-launch:"):
+            return line
+    return ""
+
+
+# ---------------------------------------------------------------- load
+
+
+def sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
+    for raw in response:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        event: dict[str, Any] = json.loads(data)
+        yield event
+
+
+def stream_completion(url: str, max_tokens: int) -> int:
+    """One streamed completion of exactly max_tokens tokens (ignore_eos); its token count."""
+    payload = completion_payload(
+        max_tokens, ignore_eos=True, stream=True, stream_options={"include_usage": True}
+    )
+    request = json_request(f"{url}/v1/completions", payload)
+    tokens = 0
+    with LOOPBACK.open(request, timeout=REQUEST_LIMIT_S) as response:
+        for event in sse_events(response):
+            usage = event.get("usage")
+            if usage:
+                tokens = int(usage["completion_tokens"])
+    if tokens < 2:
+        raise ScriptError(f"a streamed completion returned {tokens} tokens")
+    return tokens
+
+
+def run_phase(server: Server, streams: int, seconds: float, max_tokens: int) -> Phase:
+    """`streams` clients at once, each sending requests one after another for `seconds`."""
+    url = server.url
+    cpu_before = tree_cpu(server)
+    tpot_sum = metric_total(url, TPOT_METRIC + "_sum")
+    tpot_count = metric_total(url, TPOT_METRIC + "_count")
+    phase = Phase(streams)
+    errors: list[str] = []
+    gate = threading.Barrier(streams + 1)
+    lock = threading.Lock()
+    deadline = [0.0]
+
+    def client() -> None:
+        try:
+            gate.wait(timeout=REQUEST_LIMIT_S)
+            while time.perf_counter() < deadline[0]:
+                tokens = stream_completion(url, max_tokens)
+                with lock:
+                    phase.tokens += tokens
+                    phase.requests += 1
+        except (OSError, http.client.HTTPException, ScriptError, ValueError) as error:
+            with lock:
+                errors.append(str(error))
+        except threading.BrokenBarrierError:
+            pass
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    started = time.perf_counter()
+    deadline[0] = started + seconds
+    gate.wait(timeout=REQUEST_LIMIT_S)
+    for thread in threads:
+        thread.join(timeout=seconds + REQUEST_LIMIT_S)
+    phase.wall_s = time.perf_counter() - started
+    cpu_after = tree_cpu(server)
+    phase.cores = {
+        role: (cpu_after.get(role, 0.0) - cpu_before.get(role, 0.0)) / phase.wall_s
+        for role in ROLES
+    }
+    if errors or any(thread.is_alive() for thread in threads):
+        raise ScriptError(f"load failed: {errors[0] if errors else 'a client did not finish'}")
+    count = metric_total(url, TPOT_METRIC + "_count") - tpot_count
+    if count > 0:
+        phase.tpot_ms = (metric_total(url, TPOT_METRIC + "_sum") - tpot_sum) / count * 1e3
+    return phase
+
+
+# ---------------------------------------------------------------- one start
+
+
+@contextlib.contextmanager
+def warmed_up(
+    config: Config,
+    paths: dict[str, Path],
+    scratch: Path,
+    args: argparse.Namespace,
+    active: list[Server],
+) -> Iterator[tuple[Server, float]]:
+    """A healthy server of config after its warm-up requests, with its seconds to healthy;
+    stopped on the way out."""
+    started = time.monotonic()
+    server = launch(config, paths, scratch, args.tcmalloc_path)
+    active.append(server)
+    try:
+        try:
+            startup = wait_until_healthy(server, STARTUP_LIMIT_S, POLL_INTERVAL_S, started=started)
+        except ServerError as error:
+            raise ScriptError(f"{config.name}: {error}: {tail(server)}") from None
+        for _ in range(WARMUP_REQUESTS):
+            stream_completion(server.url, args.max_tokens)
+        yield server, startup
+    finally:
+        stop_session(server, POLL_INTERVAL_S)
+        active.remove(server)
+
+
+def measure_one(
+    config: Config,
+    round_index: int,
+    paths: dict[str, Path],
+    scratch: Path,
+    args: argparse.Namespace,
+    active: list[Server],
+) -> Run:
+    """One start of config, measured at every concurrency level."""
+    load_before = os.getloadavg()[0]
+    with warmed_up(config, paths, scratch, args, active) as (server, startup):
+        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC)
+        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC)
+        phases = [
+            run_phase(server, streams, args.phase_seconds, args.max_tokens)
+            for streams in args.concurrency_levels
+        ]
+        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC) - drafted
+        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC) - accepted
+        worker = worker_libraries(server)
+        log = server.log_text()
+    return Run(
+        config,
+        round_index,
+        startup,
+        phases,
+        accepted / drafted if drafted else float("nan"),
+        worker,
+        omp_core_ids(log),
+        SD_WARNING in log,
+        launcher_line(log),
+        load_before,
+    )
