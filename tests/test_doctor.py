@@ -426,3 +426,10 @@ def test_doctor_says_whether_vllm_will_load_the_plugin(tmp_path: Path, wheelhous
     _, report = doctor(tmp_path, "--vllm", vllm, env={"VLLM_CPU_LAUNCH_PLUGIN": "0"})
     assert report["plugin"]["loads"] is False
     assert report["plugin"]["reason"] == ("installed, but switched off by VLLM_CPU_LAUNCH_PLUGIN=0")
+    # A mark exported into the shell (eval "$(vllm-cpu-launch env ...)") switches it off too.
+    marked = {"VLLM_CPU_LAUNCH_PLANNED": "launcher"}
+    _, report = doctor(tmp_path, "--vllm", vllm, env=marked)
+    assert report["plugin"]["loads"] is False
+    assert report["plugin"]["reason"].endswith(
+        "VLLM_CPU_LAUNCH_PLANNED=launcher: started with a plan already"
+    )

@@ -227,3 +227,21 @@ def test_a_slow_or_wasteful_caller_blocktime_is_kept_with_a_warning(
 @pytest.mark.parametrize(("value", "valid"), [("5", True), ("500us", True), ("5usms", False)])
 def test_blocktime_units(value: str, valid: bool) -> None:
     assert (blocktime_milliseconds(value) is not None) == valid
+
+
+def test_a_callers_intel_openmp_goes_where_the_plan_keeps_libgomp(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """--iomp never (or the map's libgomp rule) with libiomp5 already in LD_PRELOAD would
+    run a configuration nobody chose: the entry goes, said; the caller's others stay."""
+    preload = f"/x/libfoo.so:{real_iomp}"
+    plan = plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"), LD_PRELOAD=preload)
+    assert plan["env"] == {"VLLM_CPU_LAUNCH_PLANNED": "launcher", "LD_PRELOAD": "/x/libfoo.so"}
+    warnings = plan["warnings"]
+    assert isinstance(warnings, list) and len(warnings) == 1
+    assert warnings[0].startswith(
+        f"removed {real_iomp} from LD_PRELOAD: this plan keeps GNU libgomp"
+    )
+    kept = plan_for(tmp_path / "b", real_iomp, LD_PRELOAD=preload)  # auto with SD: the one
+    assert kept["preload"][0]["origin"] == "ld-preload"  # type: ignore[index]
+    assert kept["relies_on"] == {"LD_PRELOAD": preload} and "LD_PRELOAD" not in kept["env"]  # type: ignore[operator]

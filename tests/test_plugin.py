@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import clean_environ
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_VARIABLE
-from vllm_cpu_launch.plugin import in_process_message, one_worker, standing_down
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_VARIABLE, stands_down
+from vllm_cpu_launch.plugin import in_process_message, one_worker
 
 PLATFORMS = """\
 import os
@@ -247,7 +247,7 @@ def test_in_process_message_quotes_the_command() -> None:
     ],
 )
 def test_standing_down(environ: dict[str, str], machine: str, reason: str | None) -> None:
-    found = standing_down(environ, machine)
+    found = stands_down(environ, machine)
     assert found == reason if reason is None else found is not None and reason in found
 
 
@@ -277,3 +277,13 @@ def test_without_the_field_in_vllms_configuration_the_command_line_decides(
     assert line.startswith(f"{PREFIX}speculative decoding requested by -sc")
     plain = run_vllm_process(tmp_path / "plain", case={"argv": ["/venv/bin/vllm", "serve", "m"]})
     assert plain["seen"] == [None, None]
+
+
+def test_an_engine_in_this_process_that_the_plan_keeps_on_libgomp_gets_no_advice(
+    tmp_path: Path,
+) -> None:
+    variables = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_LAUNCH_IOMP": "never"}
+    outcome = run_vllm_process(tmp_path, variables)
+    assert said(outcome, "WARNING") == [] and set(outcome["env"].values()) == {None}
+    (line,) = said(outcome, "INFO")
+    assert line.startswith(f"{PREFIX}--iomp never; ")

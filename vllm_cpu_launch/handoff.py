@@ -1,8 +1,9 @@
-"""What a vLLM process inherits that tells the plugin a plan is already in place.
+"""What a vLLM process inherits that tells the plugin to leave it alone.
 
 The plugin runs in every vLLM process; in all but the front end it must stop at once,
-with nothing imported. These two tests decide that from the environment alone, and the
-launcher's plan writes the mark the first one reads (docs/design.md, "The plugin").
+with nothing imported. stands_down() decides that from the environment and the machine
+alone (doctor asks it too), and the launcher's plan writes the mark it reads
+(docs/design.md, "The plugin").
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-# Set by every plan the launcher or the plugin applies (value: who planned), so that a
-# process started with that plan, and its children, are left as planned.
+# Set by a plan that keeps libgomp although SD is requested or Intel OpenMP is refused
+# (value: who planned: launcher, plugin), the one choice LD_PRELOAD does not show, so that
+# a process started with that plan, and its children, are left as planned.
 PLANNED_VARIABLE = "VLLM_CPU_LAUNCH_PLANNED"
 # The launcher's off switch for the plugin (also the config key `plugin`).
 PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"
 # The plugin's entry point name (setup.cfg), which vLLM's VLLM_PLUGINS allowlist names.
 PLUGIN_NAME = "vllm_cpu_launch"
+IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp in LD_PRELOAD on x86 only
+# The words a yes/no setting accepts (settings.parse_bool), lower case.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
 
 
 def names_openmp_runtime(ld_preload: str) -> bool:
@@ -34,4 +40,19 @@ def already_planned(environ: Mapping[str, str]) -> str | None:
         return f"{PLANNED_VARIABLE}={planner}: started with a plan already"
     if names_openmp_runtime(environ.get("LD_PRELOAD", "")):
         return "LD_PRELOAD names an OpenMP runtime already"
+    return None
+
+
+def stands_down(environ: Mapping[str, str], machine: str) -> str | None:
+    """Why the plugin leaves this process alone, from what costs nothing to read; None if
+    it may plan. Every process vLLM starts inherits LD_PRELOAD with an OpenMP runtime in
+    it (vLLM's libgomp or the plan's libiomp5), so they all stop here."""
+    switch = environ.get(PLUGIN_VARIABLE)
+    if switch is not None and switch.lower() in FALSE_WORDS:
+        return f"switched off by {PLUGIN_VARIABLE}={switch}"
+    planned = already_planned(environ)
+    if planned:
+        return planned
+    if machine not in IOMP_MACHINES:
+        return f"this host is {machine}, not x86-64"
     return None

@@ -11,11 +11,11 @@ from vllm_cpu_launch.evidence import (
     map_choice,
     map_host,
 )
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE
+from vllm_cpu_launch.handoff import IOMP_MACHINES, PLANNED_VARIABLE
 from vllm_cpu_launch.libraries import Candidate, Search, find_library
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
-from vllm_cpu_launch.releases import support, vllm_release
+from vllm_cpu_launch.releases import support, target_release
 from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.tunes import choose, launch_scope
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 # The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
 DEFAULT_KMP_BLOCKTIME = "5"
 LD_PRELOAD = "LD_PRELOAD"
-IOMP_ARCHITECTURES = ("x86_64",)  # vLLM checks for libiomp on x86 only
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
 
 
@@ -190,6 +189,18 @@ def environment_changes(
     return env
 
 
+def without_openmp(current: str, warnings: list[str]) -> dict[str, str]:
+    """LD_PRELOAD without the caller's Intel/LLVM OpenMP entries, each said ({} if none)."""
+    entries = preload_entries(current)
+    dropped = [e for e in entries if "libiomp" in e or "libomp" in e]
+    for entry in dropped:
+        warnings.append(
+            f"removed {entry} from LD_PRELOAD: this plan keeps GNU libgomp (its reason "
+            "says why); --iomp always keeps Intel OpenMP"
+        )
+    return {"LD_PRELOAD": ":".join(e for e in entries if e not in dropped)} if dropped else {}
+
+
 def build_plan(
     settings: Settings,
     arguments: Sequence[str],
@@ -229,7 +240,7 @@ def build_plan(
     explicit = {
         kind: validated_explicit(kind, path, host, trusted) for kind, path in named.items() if path
     }
-    release = support(vllm_release(target.prefix) if target.prefix else None)
+    release = support(target_release(target))
     # A tune of this very command and host wins over a config file's iomp (tunes.py).
     scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
@@ -260,7 +271,7 @@ def build_plan(
     if choice and not choice.iomp and mode == "auto":
         reasons.append(choice.reason)
         wants_iomp = False
-    if wants_iomp and host.machine not in IOMP_ARCHITECTURES:
+    if wants_iomp and host.machine not in IOMP_MACHINES:
         message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
         (warnings if mode == "always" else notes).append(message)
         wants_iomp = False
@@ -281,11 +292,11 @@ def build_plan(
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
     # How the map measured Intel OpenMP fastest here goes with it, whoever chose it.
-    tuned_iomp = choice if choice and choice.iomp and iomp is not None else None
+    map_iomp = choice if choice and choice.iomp and iomp is not None else None
     wants_tcmalloc = settings.tcmalloc == "always" or (
-        settings.tcmalloc == "auto" and iomp is not None and tuned_iomp is None
+        settings.tcmalloc == "auto" and iomp is not None and map_iomp is None
     )
-    if tuned_iomp and settings.tcmalloc == "auto":
+    if map_iomp and settings.tcmalloc == "auto":
         notes.append("tcmalloc not preloaded: the map measured this libiomp5 setting without it")
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
@@ -305,21 +316,25 @@ def build_plan(
                 f"usable {candidate.kind} library: {candidate.reason}"
             )
     chosen = [c for c in (tcmalloc, iomp) if c is not None]
-    default_blocktime = (tuned_iomp and tuned_iomp.blocktime) or DEFAULT_KMP_BLOCKTIME
+    default_blocktime = (map_iomp and map_iomp.blocktime) or DEFAULT_KMP_BLOCKTIME
     kmp_blocktime = settings.kmp_blocktime
-    if tuned_iomp and tuned_iomp.replaces_callers:
-        warnings.append(tuned_iomp.replaces_callers)
-        kmp_blocktime = tuned_iomp.blocktime
+    if map_iomp and map_iomp.replaces_callers:
+        warnings.append(map_iomp.replaces_callers)
+        kmp_blocktime = map_iomp.blocktime
     env = environment_changes(host.environ, chosen, kmp_blocktime, warnings, default_blocktime)
-    if tuned_iomp:
-        reasons.append(tuned_iomp.reason)
-        if tuned_iomp.nobind:
+    if map_iomp:
+        reasons.append(map_iomp.reason)
+        if map_iomp.nobind:
             env[BIND_VARIABLE] = "nobind"
     # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
     # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
     keeps_gomp = iomp is None and (speculative.requested or mode == "never")
     if keeps_gomp and host.environ.get(PLANNED_VARIABLE) != planner:
         env[PLANNED_VARIABLE] = planner
+    if keeps_gomp and IOMP not in missing and host.machine in IOMP_MACHINES:
+        # Kept on purpose (the settings, a tune, the map, the release): an Intel or LLVM
+        # OpenMP of the caller's would make it a configuration nobody chose.
+        env.update(without_openmp(host.environ.get("LD_PRELOAD", ""), warnings))
     relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen else []
     if measured:  # the map's rule read these
         relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]

@@ -4,7 +4,7 @@ to the command (`vllm serve`, `python -m vllm.entrypoints...`, `LLM(...)`, `vllm
 vLLM loads the entry points of the group `vllm.general_plugins` in every process it starts
 (the front end, the engine core, each worker, a helper subprocess) and calls them
 unguarded: an exception here would kill vLLM. So `register` never raises, does its work
-once, and in every process but the front end stops after reading two variables.
+once, and in every process but the front end stops after reading a few variables.
 
 The hook (docs/design.md, "The plugin"): in the front end, `register` wraps the CPU
 platform's `check_and_update_config`. vLLM calls it from `VllmConfig.__post_init__` with
@@ -23,11 +23,11 @@ import logging
 import os
 import sys
 
-from vllm_cpu_launch.handoff import PLUGIN_VARIABLE, already_planned
+from vllm_cpu_launch.handoff import already_planned, stands_down
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Sequence
     from typing import Any
 
     from vllm_cpu_launch.plan import Plan
@@ -39,7 +39,6 @@ logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
 PREFIX = "vllm-cpu-launch plugin: "
 # Set on the wrapper, so that a second register() in the same process wraps nothing.
 WRAPPED = "_vllm_cpu_launch_wrapped"
-IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp on x86 only, as the launcher does
 
 # Whether this process has registered, and decided, already: vLLM loads plugins once per
 # process, but other code may call register() again, and vLLM may build several configs.
@@ -54,30 +53,11 @@ def register() -> None:
         return
     registered = True
     try:
-        reason = standing_down(os.environ, os.uname().machine)
+        reason = stands_down(os.environ, os.uname().machine)
         if reason is None:
             install_hook()
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not install its hook (%r); vLLM runs without it", PREFIX, error)
-
-
-def standing_down(environ: Mapping[str, str], machine: str) -> str | None:
-    """Why this process needs no hook, from what costs nothing to read; None if it may.
-
-    Every process vLLM starts inherits LD_PRELOAD with an OpenMP runtime in it (vLLM's
-    libgomp or the plan's libiomp5), so they all stop here.
-    """
-    if PLUGIN_VARIABLE in environ:
-        from vllm_cpu_launch.settings import FALSE_WORDS  # only where the switch is set
-
-        if environ[PLUGIN_VARIABLE].lower() in FALSE_WORDS:
-            return f"switched off by {PLUGIN_VARIABLE}={environ[PLUGIN_VARIABLE]}"
-    planned = already_planned(environ)
-    if planned:
-        return planned
-    if machine not in IOMP_MACHINES:
-        return f"this host is {machine}, not x86-64"
-    return None
 
 
 def install_hook() -> None:
@@ -134,12 +114,15 @@ def plan_and_apply(vllm_config: Any) -> None:
         logger.info("%sswitched off (plugin: off, from %s); vLLM unchanged", PREFIX, where)
         return
     speculative = speculative_request(vllm_config)
-    if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
-        if speculative.requested:
+    in_process = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    plan = engine_plan(vllm_config, speculative, settings, in_process)
+    if in_process:  # nothing to preload from here; said only where the plan wants libiomp5
+        if any(preload.kind == "iomp" for preload in plan.preload):
             source = speculative.source or ""
             logger.warning("%s%s", PREFIX, in_process_message(source, sys.orig_argv))
+        elif speculative.requested:
+            logger.info("%s%s", PREFIX, summary(plan))
         return
-    plan = engine_plan(vllm_config, speculative, settings)
     for warning in plan.warnings:
         logger.warning("%s%s", PREFIX, warning)
     if settings.strict and (plan.missing or plan.unsafe):
@@ -177,8 +160,11 @@ def one_worker(vllm_config: Any) -> bool:
     return all(size == 1 for size in sizes)
 
 
-def engine_plan(vllm_config: Any, speculative: SpeculativeRequest, settings: Settings) -> Plan:
-    """The launcher's plan (plan.build_plan) for the vLLM running in this interpreter."""
+def engine_plan(
+    vllm_config: Any, speculative: SpeculativeRequest, settings: Settings, in_process: bool
+) -> Plan:
+    """The launcher's plan (plan.build_plan) for the vLLM running in this interpreter; an
+    engine in this process is no engine the benchmark map measured (`in_process`)."""
     from vllm_cpu_launch.launch import current_host
     from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.target import Target
@@ -200,7 +186,7 @@ def engine_plan(vllm_config: Any, speculative: SpeculativeRequest, settings: Set
         target,
         current_host(),
         speculative.requested,
-        one_worker=one_worker(vllm_config),
+        one_worker=one_worker(vllm_config) and not in_process,
         planner="plugin",
         model=getattr(getattr(vllm_config, "model_config", None), "model", None),
     )

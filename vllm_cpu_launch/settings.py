@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.handoff import PLUGIN_VARIABLE
+from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.records import record
 
 TYPE_CHECKING = False
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 MODES = ("auto", "always", "never")
 SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
 CONFIG_VARIABLE = "VLLM_CPU_LAUNCH_CONFIG"
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off", "")
 LARGE_BLOCKTIME_MS = 200
 # The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`); `scope`
 # is optional (records written before tunes were scoped have none).

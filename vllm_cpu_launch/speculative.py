@@ -75,8 +75,10 @@ FIELD_OPTIONS = {
 
 def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | None]:
     """The SD method and token count these options give, as vLLM merges them (a JSON
-    value replaces, dotted keys and the `--spec-*` shorthands set one field); a draft
-    model named without a method is vLLM's `draft_model`."""
+    value replaces, dotted keys and the `--spec-*` shorthands set one field) and names
+    them (vllm/config/speculative.py, SpeculativeConfig.__post_init__): `[ngram]` and a
+    model `ngram` are ngram, every `*_mtp` is mtp. A draft model named without a method
+    is None: vLLM infers draft_model, eagle or another from the draft itself."""
     fields: dict[str, object] = {}
     for item in options:
         if item.option in CONFIG_OPTIONS and item.dotted is None:
@@ -87,8 +89,10 @@ def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | 
         elif item.option in FIELD_OPTIONS:
             fields[FIELD_OPTIONS[item.option]] = item.value
     method = fields.get("method")
-    if not isinstance(method, str):
-        method = "draft_model" if fields.get("model") else None
+    if isinstance(method, str):
+        method = "ngram" if method == "[ngram]" else "mtp" if method.endswith("_mtp") else method
+    else:
+        method = "ngram" if fields.get("model") in ("ngram", "[ngram]") else None
     tokens = fields.get("num_speculative_tokens")
     if isinstance(tokens, str) and tokens.isascii() and tokens.isdigit():
         tokens = int(tokens)

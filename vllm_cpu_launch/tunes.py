@@ -89,7 +89,12 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
         if missed:
             notes.append(f"{what} not applied: {'; '.join(missed)}")
         elif settings.iomp_from in ("option", "variable"):
-            notes.append(f"{what} not applied: --iomp {settings.iomp} given, which wins")
+            given = (
+                f"--iomp {settings.iomp}"
+                if settings.iomp_from == "option"
+                else (f"VLLM_CPU_LAUNCH_IOMP={settings.iomp}")
+            )
+            notes.append(f"{what} not applied: {given} given, which wins")
         else:
             matching.append((tuned, scope))
     if not matching:

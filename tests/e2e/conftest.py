@@ -140,9 +140,15 @@ def wait_for_health(server: Server, limit_s: float = STARTUP_LIMIT_S) -> float:
 
 def tree_views(server: Server) -> list[ProcessView]:
     """Snapshots of the server's main process (first) and every descendant still running."""
-    views = [snapshot(pid) for pid in process_tree(server.process.pid)]
-    if views[0] is None:
+    views = process_views(server.process.pid)
+    if not views or views[0].pid != server.process.pid:
         pytest.fail(f"the server's main process is gone\n{tail(server)}")
+    return views
+
+
+def process_views(root: int) -> list[ProcessView]:
+    """Snapshots of a process (first, while it runs) and every descendant still running."""
+    views = [snapshot(pid) for pid in process_tree(root)]
     return [view for view in views if view is not None]
 
 
@@ -170,10 +176,10 @@ def verify(server: Server) -> tuple[int, dict[str, Any]]:
     return verify_pid(server.process.pid)
 
 
-def verify_pid(pid: int) -> tuple[int, dict[str, Any]]:
-    """`vllm-cpu-launch verify --json PID`: its exit code (0 or 1) and its report."""
+def verify_pid(pid: int, *options: str) -> tuple[int, dict[str, Any]]:
+    """`vllm-cpu-launch verify --json [OPTIONS] PID`: its exit code (0 or 1), its report."""
     result = subprocess.run(
-        [sys.executable, "-m", "vllm_cpu_launch", "verify", "--json", str(pid)],
+        [sys.executable, "-m", "vllm_cpu_launch", "verify", "--json", *options, str(pid)],
         capture_output=True,
         text=True,
         timeout=REQUEST_LIMIT_S,

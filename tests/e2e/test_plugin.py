@@ -34,6 +34,7 @@ from .conftest import (
     plain_serve,
     plugin_lines,
     probe_records,
+    process_views,
     tail,
     tree_views,
     verify,
@@ -240,9 +241,14 @@ def test_an_offline_llm_script_runs_its_engine_on_intel_openmp(
     env = plain_environment(tmp_path, plugin_path)
     with offline_script(offline_command(vllm_env, tiny_model), tmp_path, env) as script:
         wait_for_text(tmp_path / "server.log", GENERATED, script)
-        code, report = verify_pid(script.pid)
+        models = model_processes(process_views(script.pid))
+        # The script's command line says nothing of SD: verify is told, as its help says.
+        code, report = verify_pid(script.pid, "--speculative")
         script.stdin.close()  # type: ignore[union-attr]
         assert script.wait(timeout=STOP_LIMIT_S) == 0
+    titles = " ".join(view.title for view in models)
+    assert "VLLM::EngineCore" in titles and "VLLM::Worker" in titles, titles
+    assert [str(view) for view in models if not view.maps_iomp()] == []
     assert code == 0, report
     roles = {p["role"]: p for p in report["processes"]}
     assert roles["engine-core"]["verdict"] == roles["worker"]["verdict"] == "ok"
@@ -269,9 +275,11 @@ def test_an_engine_in_the_script_gets_a_command_that_works(
     assert command[:3] == ["vllm-cpu-launch", "exec", "--"]
     with offline_script(command, second, env) as fixed:
         wait_for_text(second / "server.log", GENERATED, fixed)
-        code, report = verify_pid(fixed.pid)
+        engine = process_views(fixed.pid)[0]
+        code, report = verify_pid(fixed.pid, "--speculative")
         fixed.stdin.close()  # type: ignore[union-attr]
         assert fixed.wait(timeout=STOP_LIMIT_S) == 0
+    assert engine.maps_iomp(), str(engine)  # the engine runs in the script's own process
     assert code == 0, report
     (process,) = report["processes"][:1]
     assert process["role"] == "api-server" and process["verdict"] == "ok", report

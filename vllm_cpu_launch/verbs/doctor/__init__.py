@@ -63,7 +63,7 @@ def build_report(
     from vllm_cpu_launch.libraries import find_library
     from vllm_cpu_launch.places import IOMP, TCMALLOC
     from vllm_cpu_launch.plan import target_trust
-    from vllm_cpu_launch.releases import vllm_release
+    from vllm_cpu_launch.releases import target_release
     from vllm_cpu_launch.settings import Scope, load_settings
     from vllm_cpu_launch.target import resolve_vllm
 
@@ -79,7 +79,7 @@ def build_report(
         target_error = error
     host = current_host()
     trusted, unsafe = target_trust(target, host.euid) if target else (frozenset[int](), [])
-    release = vllm_release(target.prefix) if target and target.prefix else None
+    release = target_release(target)  # the release the plan follows, read once
     here = Scope(vllm=release, cpus=host.cpus or None)
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -88,8 +88,8 @@ def build_report(
         "cores": cores_section(),
         "numa": numa_section(),
         "memory": memory_section(),
-        "vllm": vllm_section(target, target_error, environ),
-        "plugin": plugin_section(target, environ, settings),
+        "vllm": vllm_section(target, target_error, environ, release),
+        "plugin": plugin_section(target, environ, settings, host.machine),
         "libraries": {
             kind: library_section(
                 find_library(kind, host, target, True, explicit=path, trusted=trusted)
@@ -98,7 +98,7 @@ def build_report(
         },
         "environment": caller_variables(environ),
         "settings": settings_section(settings, settings_error, here),
-        "map": map_section(settings, target, host),
+        "map": map_section(settings, target, host, release),
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
     report["recommendations"] = recommend(report, target)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import glob
 import os
 
-from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE
+from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.settings import SCOPE_FIELDS, Scope
 
 TYPE_CHECKING = False
@@ -172,7 +172,7 @@ def plugin_installation(directories: list[str]) -> str | None:
 
 
 def plugin_section(
-    target: Target | None, environ: Mapping[str, str], settings: Settings
+    target: Target | None, environ: Mapping[str, str], settings: Settings, machine: str
 ) -> dict[str, Any]:
     """Whether vLLM's plugin (vllm_cpu_launch/plugin.py) is installed where the vLLM found
     imports from, and whether vLLM will load and follow it: vLLM's VLLM_PLUGINS allowlist
@@ -192,6 +192,9 @@ def plugin_section(
         else:
             where = f"plugin: off in {', '.join(settings.config_files)}"
         reason = f"installed, but switched off by {where}"
+    elif standing := stands_down(environ, machine):
+        # A mark exported by `eval "$(vllm-cpu-launch env ...)"` or an image's ENV, say.
+        reason = f"installed, but it leaves vLLM alone started from here: {standing}"
     else:
         loads = True
         reason = "installed: vLLM loads it in every process, and it plans each start on CPU"
@@ -199,7 +202,10 @@ def plugin_section(
 
 
 def vllm_section(
-    target: Target | None, failure: LaunchError | None, environ: Mapping[str, str]
+    target: Target | None,
+    failure: LaunchError | None,
+    environ: Mapping[str, str],
+    release: str | None,
 ) -> dict[str, Any]:
     """The vLLM the launcher would start; one that was found but cannot run is named
     with what is wrong with it ("found": true, "error" set), not reported missing."""
@@ -210,11 +216,11 @@ def vllm_section(
             "executable": failure.subject if failure else None,
             "error": failure.message if failure else None,
         }
-    from vllm_cpu_launch.releases import support, vllm_release
+    from vllm_cpu_launch.releases import support
 
     distributions = vllm_distributions(import_directories(target, environ))
     version = distributions[0]["version"] if distributions else None
-    release = support(vllm_release(target.prefix) if target.prefix else None)
+    standing = support(release)
     return {
         "found": True,
         "error": None,
@@ -228,7 +234,7 @@ def vllm_section(
         "version": version,
         "distributions": distributions,
         # The release the plan follows (releases.py): in the window, older, newer, unknown.
-        "release": {"version": release.release, "status": release.status, "note": release.note},
+        "release": {"version": standing.release, "status": standing.status, "note": standing.note},
     }
 
 
@@ -297,17 +303,17 @@ NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
 
 
-def map_section(settings: Settings, target: Target | None, host: Host) -> dict[str, Any]:
+def map_section(
+    settings: Settings, target: Target | None, host: Host, release: str | None
+) -> dict[str, Any]:
     """What the launcher does for SD here, with the settings in effect (the plan of an
     ngram `serve`, one worker), and whether the benchmark map measured this host and
     vLLM (vllm_cpu_launch/evidence.py), with the rule it applies when it did."""
     from vllm_cpu_launch.errors import LaunchError
     from vllm_cpu_launch.evidence import BIND_VARIABLE, map_choice, map_host
     from vllm_cpu_launch.plan import build_plan
-    from vllm_cpu_launch.releases import vllm_release
     from vllm_cpu_launch.speculative import detect
 
-    release = vllm_release(target.prefix) if target and target.prefix else None
     host_measured = map_host(
         host.environ, host.cpus, release, True, detect(SD_PROBE).method, settings.kmp_blocktime
     )

@@ -265,16 +265,18 @@ def measure(
         lines.append(f"result: {verdict.result}: the default ({default.name}) is best")
     else:
         lines.append(f"result: {verdict.result}: best is --iomp {verdict.winner.iomp}")
-    if merged.get("write") and config_path and auto.scope:
+    if merged.get("write") and config_path:
         from datetime import datetime, timezone
 
+        from vllm_cpu_launch.settings import Scope
         from vllm_cpu_launch.tunes import describe
 
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-        updates, removed = tune_updates(config_path, verdict, when, done, shown, auto.scope)
+        scope = auto.scope or Scope()  # build_plan always gives one
+        updates, removed = tune_updates(config_path, verdict, when, done, shown, scope)
         write_config(config_path, updates, removed)
         lines.append(
-            f"wrote: the tune record (iomp: {verdict.iomp}, for {describe(auto.scope)}) to "
+            f"wrote: the tune record (iomp: {verdict.iomp}, for {describe(scope)}) to "
             f"{config_path}; other commands and hosts keep what they had"
         )
     else:
