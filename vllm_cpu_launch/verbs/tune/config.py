@@ -33,10 +33,11 @@ def tune_updates(
     path: str, verdict: Verdict, when: str, rounds: int, command: str, scope: Scope
 ) -> tuple[dict[str, object], tuple[str, ...]]:
     """(updates, keys to remove) for the config at path: this tune's record first, the
-    file's records of other scopes after it, and the one of the same scope replaced. A
-    record from before scoping gets its scope written out (tunes.record_scope); the
-    global `iomp:` such a tune wrote beside it goes, as it was that record's."""
-    from vllm_cpu_launch.settings import read_config_file
+    file's records of other scopes after it, and the one of the same scope replaced. The
+    file's records are read as launches read them (settings.tuned_in_file): one from
+    before scoping gets its scope written out (tunes.record_scope), and the global `iomp:`
+    it wrote beside itself goes, as it was that record's."""
+    from vllm_cpu_launch.settings import read_config_file, tuned_in_file
     from vllm_cpu_launch.tunes import record_scope
 
     tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope)
@@ -44,15 +45,11 @@ def tune_updates(
     removed: tuple[str, ...] = ()
     if os.path.exists(path):
         content = read_config_file(path)
-        old = content.get("tuned", ())
-        assert isinstance(old, tuple)
-        for item in old:
-            if item.scope is None and content.get("iomp") == item.iomp:
-                removed = ("iomp",)
-            if item.scope is None and content.get("iomp", item.iomp) != item.iomp:
-                continue  # edited since: no longer read as a tune (settings.tuned_in_file)
+        had_iomp = "iomp" in content
+        for item in tuned_in_file(content, path):
             if record_scope(item) != scope:
                 records.append(record_fields(item, record_scope(item)))
+        removed = ("iomp",) if had_iomp and "iomp" not in content else ()
     return {"tuned": records}, removed
 
 
