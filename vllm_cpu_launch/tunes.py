@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from vllm_cpu_launch.settings import Scope
+from vllm_cpu_launch.settings import SCOPE_FIELDS, Scope
 from vllm_cpu_launch.speculative import detect, model_of
 
 TYPE_CHECKING = False
@@ -109,3 +109,15 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
         if t is not chosen
     ]
     return chosen, notes
+
+
+def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
+    """A record as a config file holds it (and doctor shows it), with its scope."""
+    return {
+        "when": tuned.when,
+        "iomp": tuned.iomp,
+        "result": tuned.result,
+        "rounds": tuned.rounds,
+        "command": tuned.command,
+        "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
+    }

@@ -236,3 +236,16 @@ def plugin_lines(log: str) -> list[tuple[str, str, str]]:
 def model_processes(views: Sequence[ProcessView]) -> list[ProcessView]:
     """The engine cores and workers: the processes that run the model."""
     return [view for view in views if view.title.startswith(MODEL_TITLES)]
+
+
+@contextlib.contextmanager
+def serving(
+    prefix: Sequence[str], model: Path, scratch: Path, **variables: str
+) -> Iterator[Server]:
+    """`PREFIX serve MODEL ...` in its own session, output to scratch/server.log, in an
+    environment without OpenMP or launcher settings (but `variables`); its session killed
+    on the way out."""
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_"))
+    env.update(variables)
+    with killed_on_exit(start_server(prefix, model, scratch, env, cwd=SCRIPTS.parent)) as server:
+        yield server

@@ -14,13 +14,12 @@ when it spawned them remain. For those processes the proof is what is mapped
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -31,11 +30,8 @@ from vllm_server import (
     STOP_LIMIT_S,
     ProcessView,
     Server,
-    isolated_environment,
-    killed_on_exit,
     process_tree,
     session_members,
-    start_server,
     survivors,
 )
 
@@ -52,6 +48,7 @@ from .conftest import (
     SKIP_VARIABLE,
     STARTUP_LIMIT_S,
     complete,
+    serving,
     tail,
     tree_views,
     verify,
@@ -65,19 +62,6 @@ IOMP_MISSING_WARNING = "libiomp is not found in LD_PRELOAD"
 pytestmark = pytest.mark.skipif(
     os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
 )
-
-
-@contextlib.contextmanager
-def serving(
-    prefix: Sequence[str], model: Path, scratch: Path, **variables: str
-) -> Iterator[Server]:
-    """`PREFIX serve MODEL ...` in its own session, output to scratch/server.log, in an
-    environment without OpenMP or launcher settings (but `variables`); its session killed
-    on the way out."""
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_"))
-    env.update(variables)
-    with killed_on_exit(start_server(prefix, model, scratch, env, cwd=REPO)) as server:
-        yield server
 
 
 def wait_for_log_text(server: Server, text: str) -> bool:

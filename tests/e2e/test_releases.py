@@ -12,14 +12,13 @@ skip this module.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vllm_server import SD_WARNING, Server, isolated_environment, killed_on_exit, start_server
+from vllm_server import SD_WARNING
 
 from .conftest import (
     MAX_TOKENS,
@@ -29,6 +28,7 @@ from .conftest import (
     model_processes,
     plain_serve,
     plugin_lines,
+    serving,
     tail,
     tree_views,
     verify,
@@ -45,15 +45,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@contextlib.contextmanager
-def launched(vllm_env: Path, model: Path, scratch: Path) -> Iterator[Server]:
-    """`vllm-cpu-launch --vllm ENV/bin/vllm serve MODEL ...` with the launcher's defaults."""
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_"))
-    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
-    with killed_on_exit(start_server(launcher, model, scratch, env, cwd=REPO)) as server:
-        yield server
-
-
 @pytest.mark.parametrize("release", WINDOW_EDGES[:-1])
 @pytest.mark.parametrize("way", ["launcher", "plugin"])
 def test_an_older_release_serves_sd_on_intel_openmp(
@@ -65,8 +56,9 @@ def test_an_older_release_serves_sd_on_intel_openmp(
     tmp_path: Path,
 ) -> None:
     vllm_env = release_env(release)
+    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
     starting = (
-        launched(vllm_env, tiny_model, tmp_path)
+        serving(launcher, tiny_model, tmp_path)
         if way == "launcher"
         else plain_serve(vllm_env, tiny_model, tmp_path, plugin_path)
     )

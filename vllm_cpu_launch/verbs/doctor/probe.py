@@ -7,7 +7,7 @@ import glob
 import os
 
 from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
-from vllm_cpu_launch.settings import SCOPE_FIELDS, Scope
+from vllm_cpu_launch.settings import Scope
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -282,18 +282,13 @@ def settings_section(settings: Settings, error: str | None, here: Scope) -> dict
 def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
     """A tune record with the scope it applies to (tunes.py) and, of what doctor can know
     without a command (the vLLM release, the usable CPUs), where this host leaves it."""
-    from vllm_cpu_launch.tunes import differences, record_scope
+    from vllm_cpu_launch.tunes import differences, record_fields, record_scope
 
     scope = record_scope(tuned)
     host_only = Scope(vllm=scope.vllm, cpus=scope.cpus)
     return {
-        "when": tuned.when,
-        "iomp": tuned.iomp,
-        "result": tuned.result,
-        "rounds": tuned.rounds,
-        "command": tuned.command,
+        **record_fields(tuned, scope),
         "origin": tuned.origin,
-        "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
         "not_here": differences(host_only, here),
     }
 

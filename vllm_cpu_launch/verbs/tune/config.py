@@ -7,7 +7,7 @@ import os
 import tempfile
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.settings import SCOPE_FIELDS, Tuned
+from vllm_cpu_launch.settings import Tuned
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -15,18 +15,6 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.settings import Scope
     from vllm_cpu_launch.verbs.tune.verdict import Verdict
-
-
-def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
-    """A record as the config file holds it, with the scope it applies to."""
-    return {
-        "when": tuned.when,
-        "iomp": tuned.iomp,
-        "result": tuned.result,
-        "rounds": tuned.rounds,
-        "command": tuned.command,
-        "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
-    }
 
 
 def tune_updates(
@@ -38,7 +26,7 @@ def tune_updates(
     before scoping gets its scope written out (tunes.record_scope), and the global `iomp:`
     it wrote beside itself goes, as it was that record's."""
     from vllm_cpu_launch.settings import read_config_file, tuned_in_file
-    from vllm_cpu_launch.tunes import record_scope
+    from vllm_cpu_launch.tunes import record_fields, record_scope
 
     tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope)
     records = [record_fields(tuned, scope)]
