@@ -61,11 +61,13 @@ from .render_facts import (
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# Any text but lone surrogates, each value tagged so that a value the renderer drops
-# cannot be found in the text by chance.
-TEXT = st.tuples(st.integers(0, 999), st.text(st.characters(codec="utf-8"), max_size=12)).map(
-    lambda tagged: f"<{tagged[0]}>{tagged[1]}"
-)
+# Any text but lone surrogates and NUL (every string here comes from argv, the environment
+# or a path, none of which can hold one), each value tagged so that a value the renderer
+# drops cannot be found in the text by chance.
+TEXT = st.tuples(
+    st.integers(0, 999),
+    st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12),
+).map(lambda tagged: f"<{tagged[0]}>{tagged[1]}")
 
 
 def package_records() -> dict[str, type[Any]]:
