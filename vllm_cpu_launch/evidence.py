@@ -136,7 +136,7 @@ def map_choice(host: MapHost) -> MapChoice:
     blocktime = NOBIND_BLOCKTIME
     if host.binding == "nobind":
         why = (
-            f"{BIND_VARIABLE}=nobind {where}: libiomp5 with KMP_BLOCKTIME={blocktime} "
+            f"{where}, with your {BIND_VARIABLE}=nobind: libiomp5 with KMP_BLOCKTIME={blocktime} "
             f"measured {figures(NOBIND_VS_NOBIND)} of libgomp's speed ({MAP})"
         )
     else:
