@@ -317,7 +317,7 @@ def bench(args: argparse.Namespace, command: str) -> None:
             kept = {"meta": meta, "runs": [asdict(run) for run in runs]}
             args.json.write_text(json.dumps(kept, indent=1) + "\n", encoding="utf-8")
             say(f"kept every measurement in {args.json}")
-    report = markdown(runs, meta)
+    report = markdown(runs, meta, redrawn=args.from_json is not None)
     print(report)
     if args.markdown is not None:
         update_markdown(args.markdown, report, args.markers)

@@ -204,7 +204,7 @@ def section(
     return [*lines, ""]
 
 
-def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
+def markdown(runs: Sequence[Run], meta: dict[str, Any], redrawn: bool = False) -> str:
     configs = list(dict.fromkeys(run.config for run in runs))
     by_config = {c: [r for r in runs if r.config == c] for c in configs}
     levels: list[int] = meta["concurrency"]
@@ -245,8 +245,16 @@ def markdown(runs: Sequence[Run], meta: dict[str, Any]) -> str:
         f"SD acceptance per start, by method: {'; '.join(acceptance)}. vLLM's SD warning "
         f"printed by: {', '.join(warned) or 'none'}.",
     ]
-    infos = dict.fromkeys(r.launcher_info for r in runs if r.launcher_info)
-    lines += ["", "The launcher's INFO lines:", "", *(f"- `{info}`" for info in infos)]
+    if redrawn:  # the launcher has changed since: only a run shows what it prints now
+        lines += [
+            "",
+            "The launcher's INFO lines are listed by a run, not by a redraw: those kept in the "
+            "JSON (`launcher_info`) are what the launcher of that day printed; "
+            "`vllm-cpu-launch --dry-run` shows today's.",
+        ]
+    else:
+        infos = dict.fromkeys(r.launcher_info for r in runs if r.launcher_info)
+        lines += ["", "The launcher's INFO lines:", "", *(f"- `{info}`" for info in infos)]
     return "\n".join(lines) + "\n"
 
 
