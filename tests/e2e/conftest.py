@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,6 +17,10 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SKIP_VARIABLE = "VLLM_CPU_LAUNCH_SKIP_E2E"
+# Every real-vLLM module's pytestmark: the variable skips them all.
+REAL_VLLM = pytest.mark.skipif(
+    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM tests"
+)
 sys.path.insert(0, str(SCRIPTS))
 
 # scripts/vllm_server.py starts and drives the server, for the demo and benchmarks too.

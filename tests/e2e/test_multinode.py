@@ -43,7 +43,7 @@ from vllm_cpu_launch.verbs.verify import MODEL_ROLES
 from .conftest import (
     MAX_TOKENS,
     POLL_INTERVAL_S,
-    SKIP_VARIABLE,
+    REAL_VLLM,
     complete,
     tail,
     tree_views,
@@ -53,9 +53,7 @@ from .conftest import (
 )
 from .nodes import CLUSTER_STARTUP_LIMIT_S, Cluster, start_cluster
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
-)
+pytestmark = REAL_VLLM
 
 
 @pytest.fixture(scope="module", params=["data-parallel", "tensor-parallel"])

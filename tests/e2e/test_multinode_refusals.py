@@ -47,7 +47,7 @@ from vllm_server import (
     start_server,
 )
 
-from .conftest import POLL_INTERVAL_S, SKIP_VARIABLE, run_script, tail
+from .conftest import POLL_INTERVAL_S, REAL_VLLM, run_script, tail
 from .nodes import CLUSTER_STARTUP_LIMIT_S, start_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,9 +58,7 @@ RAY_STARTED = "Started a local Ray instance"
 REFUSAL_LIMIT_S = 420
 RUN_MARKER = "VLLM_CPU_LAUNCH_TEST_RAY_RUN"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
-)
+pytestmark = REAL_VLLM
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from vllm_server import SD_WARNING, SPECULATIVE_CONFIG, STOP_LIMIT_S, Server, ki
 from .conftest import (
     MAX_TOKENS,
     POLL_INTERVAL_S,
-    SKIP_VARIABLE,
+    REAL_VLLM,
     STARTUP_LIMIT_S,
     complete,
     model_processes,
@@ -48,9 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 OFFLINE_SCRIPT = Path(__file__).resolve().parent / "offline_generate.py"
 GENERATED = "generated 16 tokens"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
-)
+pytestmark = REAL_VLLM
 
 
 def model_records(server: Server, probe: Path) -> dict[str, set[str | None]]:

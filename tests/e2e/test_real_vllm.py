@@ -45,7 +45,7 @@ from vllm_cpu_launch.verbs.verify import MODEL_ROLES
 from .conftest import (
     MAX_TOKENS,
     POLL_INTERVAL_S,
-    SKIP_VARIABLE,
+    REAL_VLLM,
     STARTUP_LIMIT_S,
     complete,
     serving,
@@ -59,9 +59,7 @@ from .conftest import (
 REPO = Path(__file__).resolve().parents[2]
 IOMP_MISSING_WARNING = "libiomp is not found in LD_PRELOAD"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
-)
+pytestmark = REAL_VLLM
 
 
 def wait_for_log_text(server: Server, text: str) -> bool:

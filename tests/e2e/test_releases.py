@@ -12,7 +12,6 @@ skip this module.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from vllm_server import SD_WARNING
 
 from .conftest import (
     MAX_TOKENS,
-    SKIP_VARIABLE,
+    REAL_VLLM,
     WINDOW_EDGES,
     complete,
     model_processes,
@@ -40,9 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 # vllm/utils/ompmultiprocessing.py refuses both runtimes preloaded at once, with an assert.
 BOTH_RUNTIMES = "assert not (self.use_iomp and self.use_gomp)"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM test"
-)
+pytestmark = REAL_VLLM
 
 
 @pytest.mark.parametrize("release", WINDOW_EDGES[:-1])

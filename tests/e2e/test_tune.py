@@ -27,11 +27,9 @@ from vllm_server import isolated_environment, process_tree
 from vllm_cpu_launch.settings import Scope, Tuned, read_config_file
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
 
-from .conftest import SKIP_VARIABLE, run_script
+from .conftest import REAL_VLLM, run_script
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM tests"
-)
+pytestmark = REAL_VLLM
 
 # `vllm bench latency` prompts are random token ids below 10000 (vllm/benchmarks/latency.py):
 # the tiny model's embeddings are widened to a vocabulary that holds them.

@@ -23,11 +23,9 @@ from vllm_cpu_launch.vllm_cli import single_worker
 
 from ..test_speculative import NOT_REQUESTED, REQUESTED, YAML_NOT_REQUESTED, YAML_REQUESTED
 from ..test_vllm_cli import PARALLEL_CASES, PARALLEL_YAML_CASES
-from .conftest import SKIP_VARIABLE, WINDOW_EDGES
+from .conftest import REAL_VLLM, WINDOW_EDGES
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM tests"
-)
+pytestmark = REAL_VLLM
 
 # Runs in the vLLM environment: parse each argv (without `serve`) as `vllm serve` does.
 PARSE_WITH_VLLM = """
