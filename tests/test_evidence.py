@@ -24,15 +24,23 @@ from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.releases import vllm_release
 
 MAP_JSON = REPO / "docs" / "bench_vllm_map.json"
+METHODS_JSON = REPO / "docs" / "bench_vllm_methods.json"
 BOUND = ("default", "all")
 
 
-def map_ratios(settings: tuple[str, ...], metric: str, baseline: str | None = None) -> list[Any]:
+def map_ratios(
+    settings: tuple[str, ...],
+    metric: str,
+    baseline: str | None = None,
+    kept: Path = MAP_JSON,
+    method: tuple[str, int] | None = None,
+) -> list[Any]:
     """bench_vllm's paired ratio for every measured cell of these settings, against plain
     vLLM with the same threads and binding, or against the `baseline` setting at vLLM's
-    default reservation (the map's `default` threads) when one is named."""
+    default reservation (the map's `default` threads) when one is named; in the `kept`
+    map, of one (vLLM's SD method, token count) where one is named."""
     records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
-    data = json.loads(MAP_JSON.read_text(encoding="utf-8"))
+    data = json.loads(kept.read_text(encoding="utf-8"))
     by_config: dict[Any, list[Any]] = {}
     for run in records.runs_from_json(data):
         by_config.setdefault(run.config, []).append(run)
@@ -42,10 +50,14 @@ def map_ratios(settings: tuple[str, ...], metric: str, baseline: str | None = No
             return records.baseline_of(config)
         return replace(config, threads="default", setting=baseline)
 
+    def measured(config: Any) -> tuple[str, int]:
+        sd = records.METHODS[config.method]
+        return sd.method, sd.tokens
+
     return [
         report.speedup(group, by_config[plain(config)], level, metric)
         for config, group in by_config.items()
-        if config.setting in settings
+        if config.setting in settings and method in (None, measured(config))
         for level in data["meta"]["concurrency"]
     ]
 
@@ -91,6 +103,37 @@ def test_libgomp_where_the_user_binds_rests_on_the_map() -> None:
     assert len(ratios) == 2 * 2 * 2 * 3  # models x reservations x settings x levels
     assert median_range(ratios) == evidence.BOUND_IOMP
     assert "loss" in verdicts(ratios)  # keeping libgomp (plain vLLM) avoids these
+
+
+def test_the_methods_map_was_measured_where_the_rules_apply() -> None:
+    data = json.loads(METHODS_JSON.read_text(encoding="utf-8"))
+    meta = data["meta"]
+    assert meta["machine"]["cpus"] == str(evidence.MAP_CPUS)
+    assert meta["versions"].startswith(f"vllm-cpu {evidence.MAP_VLLM}.")
+    assert meta["rounds"] >= 4
+    # The 105M target alone, at vLLM's default reservation (the rules' conditions).
+    assert {(run["config"]["model"], run["config"]["threads"]) for run in data["runs"]} == {
+        ("100m", "default"),
+        ("100m", "nobind"),
+    }
+
+
+@pytest.mark.parametrize("method", sorted(evidence.METHOD_ROWS))
+def test_a_drafters_rules_rest_on_the_methods_map(method: tuple[str, int]) -> None:
+    rows = evidence.METHOD_ROWS[method]
+    unbound_setting = (f"libiomp5-nobind-bt{evidence.NOBIND_BLOCKTIME}+tcmalloc",)
+    for metric in ("tpot", "tok/s"):
+        unbound = map_ratios(unbound_setting, metric, "libgomp", METHODS_JSON, method)
+        assert len(unbound) == 2  # concurrency 1 and 4
+        assert "loss" not in verdicts(unbound)
+        bound = map_ratios(
+            ("libiomp5", "libiomp5+tcmalloc"), metric, "libgomp", METHODS_JSON, method
+        )
+        assert len(bound) == 2 * 2
+        if metric == "tpot":
+            assert median_range(unbound) == rows.unbound
+            assert median_range(bound) == rows.bound
+            assert "loss" not in verdicts(bound)  # rule 5 is never slower than plain vLLM
 
 
 # ---------------------------------------------------------------- applied where measured
@@ -255,6 +298,72 @@ def test_elsewhere_auto_does_what_vllm_advises(
     assert "measured" not in plan["reason"]
 
 
+def drafting(method: str, tokens: int) -> list[str]:
+    """`vllm serve` with SD by a drafter (a draft model or an EAGLE head)."""
+    config = {"method": method, "model": "/models/drafter", "num_speculative_tokens": tokens}
+    return ["serve", "m", "--speculative-config", json.dumps(config)]
+
+
+def drafter_plan(vllm: Path, tmp_path: Path, sd: list[str], *args: str, **variables: str) -> Any:
+    """The --dry-run --json plan of the drafter's `sd` command on the map's 2 CPUs."""
+    command = ["--vllm", str(vllm), "--dry-run", "--json", *args, *sd]
+    return json_on("0,1", tmp_path, command, **variables)
+
+
+@pytest.fixture(scope="module")
+def found_tcmalloc(debian_root: Path) -> list[str]:
+    """The launcher option that makes Debian's real tcmalloc the one found."""
+    tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    return ["--tcmalloc-path", str(tcmalloc)]
+
+
+@pytest.mark.parametrize(("method", "tokens"), sorted(evidence.METHOD_ROWS))
+def test_a_drafter_with_tcmalloc_gets_the_methods_maps_best(
+    standin_vllms: dict[str, Path],
+    tmp_path: Path,
+    found_tcmalloc: list[str],
+    method: str,
+    tokens: int,
+) -> None:
+    """Where the user set neither binding nor reservation: libiomp5 and tcmalloc unbound,
+    the block time measured, as the methods map ran it."""
+    vllm, rows = standin_vllms["0.32.0"], evidence.METHOD_ROWS[(method, tokens)]
+    sd = drafting(method, tokens)
+    plan = drafter_plan(vllm, tmp_path, sd, *found_tcmalloc)
+    assert kinds(plan) == ["tcmalloc", "iomp"]
+    assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
+    assert f"{method} SD with {tokens} tokens on 2 CPUs" in plan["reason"]
+    assert f"measured {evidence.figures(rows.unbound)} of plain vLLM's speed" in plan["reason"]
+    # Without a tcmalloc, with vLLM's binding set or a thread count of the caller's, the
+    # unbound row does not hold: libiomp5 as vLLM binds it (also measured).
+    for options, variables, because in (
+        (["--tcmalloc", "never"], {}, "with no tcmalloc to preload"),
+        (found_tcmalloc, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, "=auto"),
+        (found_tcmalloc, {"OMP_NUM_THREADS": "1"}, "OMP_NUM_THREADS=1, never measured unbound"),
+    ):
+        bound = drafter_plan(vllm, tmp_path, sd, *options, **variables)
+        assert kinds(bound)[-1] == "iomp" and bound["env"]["KMP_BLOCKTIME"] == "5", variables
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in bound["env"]
+        assert because in bound["reason"] and evidence.figures(rows.bound) in bound["reason"]
+
+
+@pytest.mark.parametrize(
+    "variables", [{"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}]
+)
+def test_a_drafter_where_the_methods_map_did_not_measure_gets_what_vllm_advises(
+    standin_vllms: dict[str, Path], tmp_path: Path, variables: dict[str, str]
+) -> None:
+    vllm = standin_vllms["0.32.0"]
+    for sd, environment in (
+        (drafting("draft_model", 5), {}),  # a token count not measured
+        (drafting("draft_model", 3), variables),  # a binding or reservation not measured
+    ):
+        plan = drafter_plan(vllm, tmp_path, sd, **environment)
+        assert kinds(plan)[-1] == "iomp" and plan["env"]["KMP_BLOCKTIME"] == "5"
+        assert "measured" not in plan["reason"]
+
+
 def test_the_release_is_read_from_the_dist_info_name(standin_vllms: dict[str, Path]) -> None:
     prefixes = {version: str(path.parent.parent) for version, path in standin_vllms.items()}
     assert {v: vllm_release(p) for v, p in prefixes.items()} == {
@@ -278,8 +387,10 @@ def test_doctor_says_what_the_map_says_and_its_command_works(
     assert in_effect == {"measured": True, "iomp": "libiomp5", "nobind": True}
     assert measured["map"]["kmp_blocktime"] == evidence.NOBIND_BLOCKTIME
     assert measured["map"]["reason"] == plan_on("0,1", vllm, tmp_path)["reason"]
-    # auto preloads no tcmalloc here, so doctor does not send the user to install one.
-    assert "install-tcmalloc" not in [item["id"] for item in measured["recommendations"]]
+    # ngram's rules preload no tcmalloc here; a drafter's best needs one, and doctor says so.
+    (install,) = (a for a in measured["recommendations"] if a["id"] == "install-tcmalloc")
+    assert "with a draft model or EAGLE" in install["text"]
+    assert evidence.METHODS_MAP in install["text"]
     # Where the user's explicit binding keeps libgomp, doctor's command lifts it, as printed.
     bound = doctor_on("0,1", vllm, tmp_path, VLLM_CPU_OMP_THREADS_BIND="auto")
     (advice,) = (a for a in bound["recommendations"] if a["id"] == "map-binding")

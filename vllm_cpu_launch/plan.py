@@ -6,6 +6,7 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.evidence import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
+    DRAFTER_METHODS,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
     map_choice,
@@ -255,6 +256,14 @@ def build_plan(
         wants_iomp = False
     elif speculative.requested and release.status == "newer":
         reasons.append(release.note)
+    # A drafter's method was measured unbound only with tcmalloc: whether one is found
+    # decides its rule (evidence.map_choice), so it is looked for first.
+    tcmalloc_search: Search | None = None
+    drafter = speculative.requested and speculative.method in DRAFTER_METHODS
+    if drafter and settings.tcmalloc != "never":
+        tcmalloc_search = explicit.get(TCMALLOC) or find_library(
+            TCMALLOC, host, target, trusted=trusted
+        )
     measured = (
         map_host(
             host.environ,
@@ -262,7 +271,9 @@ def build_plan(
             release.release,
             one_worker,
             speculative.method,
+            speculative.tokens,
             settings.kmp_blocktime,
+            tcmalloc_search is not None and tcmalloc_search.chosen is not None,
         )
         if speculative.requested
         else None
@@ -294,20 +305,26 @@ def build_plan(
     # How the map measured Intel OpenMP fastest here goes with it, whoever chose it.
     map_iomp = choice if choice and choice.iomp and iomp is not None else None
     wants_tcmalloc = settings.tcmalloc == "always" or (
-        settings.tcmalloc == "auto" and iomp is not None and map_iomp is None
+        settings.tcmalloc == "auto" and iomp is not None and (not map_iomp or map_iomp.tcmalloc)
     )
-    if map_iomp and settings.tcmalloc == "auto":
+    if map_iomp and not map_iomp.tcmalloc and settings.tcmalloc == "auto":
         notes.append("tcmalloc not preloaded: the map measured this libiomp5 setting without it")
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
-        search = explicit.get(TCMALLOC) or find_library(TCMALLOC, host, target, trusted=trusted)
+        search = (
+            tcmalloc_search
+            or explicit.get(TCMALLOC)
+            or find_library(TCMALLOC, host, target, trusted=trusted)
+        )
         searches.append(search)
         tcmalloc = search.chosen
         if tcmalloc is None and settings.tcmalloc == "always":
             missing.append(TCMALLOC)
             warnings.append(missing_message(search, target, "vLLM will use glibc's malloc"))
         elif tcmalloc is None:
-            notes.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
+            needed = map_iomp and map_iomp.tcmalloc  # rule 4 of the methods map needs one
+            why_install = "the map's fastest setting here needs it" if needed else "optional"
+            notes.append(f"tcmalloc not found; {why_install} (install libtcmalloc-minimal4)")
 
     for candidate in (c for search in searches for c in search.candidates):
         if candidate.origin == "ld-preload" and candidate.verdict == "rejected":

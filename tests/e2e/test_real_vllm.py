@@ -218,7 +218,7 @@ def test_auto_follows_the_map_here(vllm_env: Path, tiny_model: Path, tmp_path: P
     vllm = str(vllm_env / "bin" / "vllm")
     launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", vllm]
     release = vllm_release(str(vllm_env))
-    measured = map_host({}, len(os.sched_getaffinity(0)), release, True, "ngram")
+    measured = map_host({}, len(os.sched_getaffinity(0)), release, True, "ngram", 3)
     with serving(launcher, tiny_model, tmp_path) as server:
         wait_for_health(server)
         processes = tree_views(server)

@@ -309,8 +309,9 @@ def map_section(
     from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.speculative import detect
 
+    probe = detect(SD_PROBE)
     host_measured = map_host(
-        host.environ, host.cpus, release, True, detect(SD_PROBE).method, settings.kmp_blocktime
+        host.environ, host.cpus, release, True, probe.method, probe.tokens, settings.kmp_blocktime
     )
     choice = map_choice(host_measured) if host_measured else None
     section: dict[str, Any] = {
@@ -327,7 +328,7 @@ def map_section(
     if target is None:
         return section
     try:
-        plan = build_plan(settings, SD_PROBE, detect(SD_PROBE), target, host, True, one_worker=True)
+        plan = build_plan(settings, SD_PROBE, probe, target, host, True, one_worker=True)
     except LaunchError as error:
         return {**section, "reason": error.message}
     in_effect = {**dict(plan.relies_on), **dict(plan.env)}
