@@ -172,7 +172,7 @@ def worker_command(python: str, target_env: Path | None) -> list[str]:
 
 def worker_env(layout: Layout, library_path: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
-    env = {k: v for k, v in env.items() if not k.startswith("VLLM_CPU_LAUNCH_")}
+    env = {k: v for k, v in env.items() if not k.startswith("VLLMCPULAUNCH_")}
     env["XDG_CONFIG_HOME"] = str(layout.xdg)
     if library_path is not None:
         env[LIBRARY_PATH_CARRIER] = library_path

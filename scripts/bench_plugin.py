@@ -152,7 +152,7 @@ def run(arguments: argparse.Namespace, argv: Sequence[str]) -> None:
             "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
             "XDG_CONFIG_HOME": str(scratch / "config"),
         }
-        for name in ("LD_PRELOAD", "VLLM_CPU_LAUNCH_PLANNED", "VLLM_CPU_LAUNCH_PLUGIN"):
+        for name in ("LD_PRELOAD", "VLLMCPULAUNCH_PLANNED", "VLLMCPULAUNCH_PLUGIN"):
             base.pop(name, None)
         environments = {
             "front-end": base,

@@ -67,7 +67,7 @@ def tail(server: Server, lines: int = 5) -> str:
 def server_environment(config: Config, scratch: Path, cache: Path) -> dict[str, str]:
     """The caller's environment minus OpenMP/launcher/vLLM-CPU settings, plus the config's."""
     dropped = ("LD_PRELOAD", "PYTHONPATH", "PYTHONHOME")
-    prefixes = ("KMP_", "OMP_", "GOMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_")
+    prefixes = ("KMP_", "OMP_", "GOMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
     env = {**isolated_environment(scratch, dropped, prefixes), "VLLM_CACHE_ROOT": str(cache)}
     if config.threads == "all":
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"

@@ -33,7 +33,7 @@ DEFAULT_RELEASE = "0.32.0"
 RAY_REQUIREMENTS = ("ray==2.60.0", "msgpack>=1,<2")
 RAY_OVERLAY_SUFFIX = "-ray-2.60.0"
 UNUSABLE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
-PATH_ENV_VAR = "VLLM_CPU_LAUNCH_VLLM_ENV"
+PATH_ENV_VAR = "VLLMCPULAUNCH_VLLM_ENV"
 MARKER_NAME = ".vllm-cpu-launch-ready"
 LOG_NAME = "vllm-cpu-launch-install.log"
 PIP_NETWORK_BOUNDS = ("--timeout", "15", "--retries", "1")
@@ -67,7 +67,7 @@ def shim_version(release: str) -> str:
 
 
 def default_env_path(release: str = DEFAULT_RELEASE) -> Path:
-    """Where the environment lives: $VLLM_CPU_LAUNCH_VLLM_ENV (the default release's),
+    """Where the environment lives: $VLLMCPULAUNCH_VLLM_ENV (the default release's),
     else the user's cache, one directory per release."""
     override = os.environ.get(PATH_ENV_VAR)
     if override and release == DEFAULT_RELEASE:

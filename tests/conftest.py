@@ -27,7 +27,7 @@ LAUNCHER = (sys.executable, "-m", "vllm_cpu_launch")
 # Debian packages with real LLVM OpenMP (and its libiomp5.so alias) and real tcmalloc.
 DEBIAN_PACKAGES = ("libomp5-14", "libomp-14-dev", "libtcmalloc-minimal4")
 DEB_CACHE = Path(
-    os.environ.get("VLLM_CPU_LAUNCH_TEST_DEBS")
+    os.environ.get("VLLMCPULAUNCH_TEST_DEBS")
     or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-cpu-launch" / "debs"
 )
 # Records what the exec'd program really got: PID, argv bytes, environment, mapped runtimes.
@@ -146,7 +146,9 @@ def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:
         key: value
         for key, value in os.environ.items()
         if key not in steering
-        and not key.startswith(("KMP_", "VLLM_CPU_LAUNCH_", "ONEAPI_", "JOURNAL_"))
+        and not key.startswith(
+            ("KMP_", "VLLMCPULAUNCH_", "VLLM_CPU_LAUNCH_", "ONEAPI_", "JOURNAL_")
+        )
     }
     environ["XDG_CONFIG_HOME"] = str(tmp_path / "no-user-config")
     environ["HOME"] = str(tmp_path / "home")

@@ -94,7 +94,7 @@ def base_environ(home: Path, **extra: str) -> dict[str, str]:
         key: value
         for key, value in os.environ.items()
         if key not in STEERING
-        and not key.startswith(("KMP_", "VLLM_CPU_LAUNCH_", "ONEAPI_", "JOURNAL_", "HARDENING_"))
+        and not key.startswith(("KMP_", "VLLMCPULAUNCH_", "ONEAPI_", "JOURNAL_", "HARDENING_"))
     }
     home.mkdir(parents=True, exist_ok=True)
     environ["HOME"] = str(home)

@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-SKIP_E2E = "VLLM_CPU_LAUNCH_SKIP_E2E"
+SKIP_E2E = "VLLMCPULAUNCH_SKIP_E2E"
 
 
 def run_script(name: str, *arguments: str, limit_s: float = 600) -> str:

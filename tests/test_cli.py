@@ -65,7 +65,7 @@ def assert_one_error(result: subprocess.CompletedProcess[str], code: int, *parts
 def test_usage_errors_exit_2(
     tmp_path: Path, vllm_env: Path, args: list[str], parts: tuple[str, ...]
 ) -> None:
-    result = launcher(tmp_path, args, VLLM_CPU_LAUNCH_VLLM=str(vllm_env / "bin" / "vllm"))
+    result = launcher(tmp_path, args, VLLMCPULAUNCH_VLLM=str(vllm_env / "bin" / "vllm"))
     assert_one_error(result, 2, *parts)
 
 
@@ -85,7 +85,7 @@ def test_a_typo_in_a_verbs_options_names_the_verb_and_its_help(
 ) -> None:
     """`doctor --mesure` is no vLLM option put too early: it is unknown to doctor."""
     vllm = str(vllm_env / "bin" / "vllm")
-    result = launcher(tmp_path, [verb, "--mesure", *after], VLLM_CPU_LAUNCH_VLLM=vllm)
+    result = launcher(tmp_path, [verb, "--mesure", *after], VLLMCPULAUNCH_VLLM=vllm)
     message = f"unknown option '--mesure' for {verb}; see vllm-cpu-launch {verb} --help"
     assert_one_error(result, 2, message)
     assert "vLLM's options" not in result.stderr
@@ -97,9 +97,9 @@ def test_bad_environment_variable_exits_2(tmp_path: Path, vllm_env: Path) -> Non
     result = launcher(
         tmp_path,
         ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"],
-        VLLM_CPU_LAUNCH_TCMALLOC="yes",
+        VLLMCPULAUNCH_TCMALLOC="yes",
     )
-    assert_one_error(result, 2, "VLLM_CPU_LAUNCH_TCMALLOC", "'yes'")
+    assert_one_error(result, 2, "VLLMCPULAUNCH_TCMALLOC", "'yes'")
 
 
 def test_explicit_library_that_fails_validation_exits_2(tmp_path: Path, vllm_env: Path) -> None:
@@ -269,6 +269,38 @@ def test_dry_run_prints_the_plan_and_execs_nothing(
     assert f"LD_PRELOAD={vllm_env / 'lib' / 'libiomp5.so'}" in result.stdout
 
 
+def test_no_variable_of_ours_is_in_vllms_namespace() -> None:
+    """vLLM reports every VLLM_* variable it does not know and, with
+    --fail-on-environ-validation, refuses to start (Platform.validate_environ)."""
+    from vllm_cpu_launch import handoff
+
+    ours = [
+        settings_module.CONFIG_VARIABLE,
+        handoff.PLANNED_VARIABLE,
+        handoff.PLUGIN_VARIABLE,
+        *(entry[1] for entry in settings_module.KEYS.values()),
+    ]
+    assert not [name for name in ours if name.startswith("VLLM_")]
+
+
+@pytest.mark.parametrize("current_too", [False, True])
+def test_a_deprecated_variable_name_is_read_and_said_once(
+    tmp_path: Path, vllm_env: Path, current_too: bool
+) -> None:
+    extra = {"VLLM_CPU_LAUNCH_IOMP": "never"}
+    if current_too:
+        extra["VLLMCPULAUNCH_IOMP"] = "always"
+    args = ["--dry-run", "--json", *sd_launch(vllm_env)]
+    result = launcher(tmp_path, args, **extra)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    said = [w for w in plan["warnings"] if "VLLM_CPU_LAUNCH_IOMP is deprecated" in w]
+    assert len(said) == 1 and "rename it to VLLMCPULAUNCH_IOMP" in said[0]
+    assert ("ignored" in said[0]) == current_too
+    preloaded = [entry["kind"] for entry in plan["preload"]]
+    assert preloaded == (["iomp"] if current_too else [])
+
+
 # ---------------------------------------------------------------- settings
 
 
@@ -287,7 +319,7 @@ def test_precedence_option_env_user_system(tmp_path: Path, monkeypatch: pytest.M
     write_config(
         tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml", "tcmalloc: always\nkmp_blocktime: 2\n"
     )
-    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "VLLM_CPU_LAUNCH_KMP_BLOCKTIME": "3"}
+    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "VLLMCPULAUNCH_KMP_BLOCKTIME": "3"}
     loaded = load_settings({"iomp": "always"}, environ)
     assert (loaded.iomp, loaded.tcmalloc, loaded.kmp_blocktime, loaded.strict) == (
         "always",
@@ -310,7 +342,7 @@ def test_launcher_config_replaces_the_user_file(
     chosen = write_config(tmp_path / "chosen.yaml", "iomp: always\n")
     environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     assert load_settings({"config": str(chosen)}, environ).iomp == "always"
-    assert load_settings({}, {**environ, "VLLM_CPU_LAUNCH_CONFIG": str(chosen)}).iomp == "always"
+    assert load_settings({}, {**environ, "VLLMCPULAUNCH_CONFIG": str(chosen)}).iomp == "always"
     assert load_settings({}, environ).iomp == "never"
 
 

@@ -300,8 +300,8 @@ def test_a_broken_config_file_keeps_the_options_and_variables(
     vllm = vllm_env / "bin" / "vllm"
     variables = {
         "PATH": "/usr/bin:/bin",  # no other vLLM to fall back on
-        "VLLM_CPU_LAUNCH_TCMALLOC": "never",
-        "VLLM_CPU_LAUNCH_IOMP": "sometimes",
+        "VLLMCPULAUNCH_TCMALLOC": "never",
+        "VLLMCPULAUNCH_IOMP": "sometimes",
     }
     args = ["--vllm", str(vllm), "--launcher-config", str(config)]
     _, report = doctor(tmp_path, *args, env=variables)
@@ -311,7 +311,7 @@ def test_a_broken_config_file_keeps_the_options_and_variables(
     assert values["iomp"] == "auto"  # neither the broken file's nor the broken variable's
     error = report["settings"]["error"]
     assert f"{config}: invalid YAML" in error, error
-    assert "VLLM_CPU_LAUNCH_IOMP: 'sometimes' is not one of" in error, error
+    assert "VLLMCPULAUNCH_IOMP: 'sometimes' is not one of" in error, error
     assert report["settings"]["files"] == []
     assert "settings-error" in ids(report) and "vllm-not-found" not in ids(report)
     text = run_launcher([*args, "doctor"], clean_environ(tmp_path, **variables))
@@ -423,13 +423,13 @@ def test_doctor_says_whether_vllm_will_load_the_plugin(tmp_path: Path, wheelhous
     for allowed, loads in cases.items():
         _, report = doctor(tmp_path, "--vllm", vllm, env={"VLLM_PLUGINS": allowed})
         assert report["plugin"]["loads"] is loads, allowed
-    _, report = doctor(tmp_path, "--vllm", vllm, env={"VLLM_CPU_LAUNCH_PLUGIN": "0"})
+    _, report = doctor(tmp_path, "--vllm", vllm, env={"VLLMCPULAUNCH_PLUGIN": "0"})
     assert report["plugin"]["loads"] is False
-    assert report["plugin"]["reason"] == ("installed, but switched off by VLLM_CPU_LAUNCH_PLUGIN=0")
+    assert report["plugin"]["reason"] == ("installed, but switched off by VLLMCPULAUNCH_PLUGIN=0")
     # A mark exported into the shell (eval "$(vllm-cpu-launch env ...)") switches it off too.
-    marked = {"VLLM_CPU_LAUNCH_PLANNED": "launcher"}
+    marked = {"VLLMCPULAUNCH_PLANNED": "launcher"}
     _, report = doctor(tmp_path, "--vllm", vllm, env=marked)
     assert report["plugin"]["loads"] is False
     assert report["plugin"]["reason"].endswith(
-        "VLLM_CPU_LAUNCH_PLANNED=launcher: started with a plan already"
+        "VLLMCPULAUNCH_PLANNED=launcher: started with a plan already"
     )

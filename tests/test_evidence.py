@@ -462,11 +462,11 @@ def test_doctor_states_the_configuration_the_settings_put_in_effect(
     vllm = str(standin_vllms["0.32.0"])
     config = tmp_path / "config.yaml"
     config.write_text("iomp: never\n")
-    never = doctor_on("0,1", Path(vllm), tmp_path, VLLM_CPU_LAUNCH_CONFIG=str(config))
+    never = doctor_on("0,1", Path(vllm), tmp_path, VLLMCPULAUNCH_CONFIG=str(config))
     assert never["map"]["iomp"] == "libgomp" and never["map"]["reason"] == "--iomp never"
     assert "map-binding" not in [item["id"] for item in never["recommendations"]]
-    text = run_on("0,1", tmp_path, ["--vllm", vllm, "doctor"], VLLM_CPU_LAUNCH_CONFIG=str(config))
-    assert "  with SD  the launcher keeps libgomp, sets VLLM_CPU_LAUNCH_PLANNED=launcher" in (
+    text = run_on("0,1", tmp_path, ["--vllm", vllm, "doctor"], VLLMCPULAUNCH_CONFIG=str(config))
+    assert "  with SD  the launcher keeps libgomp, sets VLLMCPULAUNCH_PLANNED=launcher" in (
         text.stdout
     )
     bound = {"VLLM_CPU_OMP_THREADS_BIND": "auto"}

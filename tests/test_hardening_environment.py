@@ -251,7 +251,7 @@ PROBLEMS = {
     "unreadable": (b"<unreadable>", "Permission denied", None),
     "missing": (b"<missing>", "not found", None),
 }
-SOURCES = ("--launcher-config", "VLLM_CPU_LAUNCH_CONFIG", "XDG_CONFIG_HOME", "HOME/.config")
+SOURCES = ("--launcher-config", "VLLMCPULAUNCH_CONFIG", "XDG_CONFIG_HOME", "HOME/.config")
 
 
 def place_config(path: Path, content: bytes) -> None:
@@ -284,9 +284,9 @@ def test_bad_config_file_exits_2_naming_file_and_key(
         if source == "--launcher-config":
             path = root / "launcher.yaml"
             args = ["--launcher-config", str(path), *args]
-        elif source == "VLLM_CPU_LAUNCH_CONFIG":
+        elif source == "VLLMCPULAUNCH_CONFIG":
             path = root / "from-variable.yaml"
-            environ["VLLM_CPU_LAUNCH_CONFIG"] = str(path)
+            environ["VLLMCPULAUNCH_CONFIG"] = str(path)
         elif source == "XDG_CONFIG_HOME":
             path = root / "xdg" / "vllm-cpu-launch" / "config.yaml"
             environ["XDG_CONFIG_HOME"] = str(root / "xdg")

@@ -29,7 +29,7 @@ from vllm_cpu_launch.verbs.doctor.measure import (
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from vllm_env import default_env_path
 
-PYTHON_ENV_VAR = "VLLM_CPU_LAUNCH_TORCH_PYTHON"
+PYTHON_ENV_VAR = "VLLMCPULAUNCH_TORCH_PYTHON"
 
 
 def _torch_python() -> Path:

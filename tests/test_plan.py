@@ -236,7 +236,7 @@ def test_a_callers_intel_openmp_goes_where_the_plan_keeps_libgomp(
     run a configuration nobody chose: the entry goes, said; the caller's others stay."""
     preload = f"/x/libfoo.so:{real_iomp}"
     plan = plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"), LD_PRELOAD=preload)
-    assert plan["env"] == {"VLLM_CPU_LAUNCH_PLANNED": "launcher", "LD_PRELOAD": "/x/libfoo.so"}
+    assert plan["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher", "LD_PRELOAD": "/x/libfoo.so"}
     warnings = plan["warnings"]
     assert isinstance(warnings, list) and len(warnings) == 1
     assert warnings[0].startswith(

@@ -80,7 +80,7 @@ if case.get("parallel", True):
     )
 results = [type(current_platform).check_and_update_config(config) for _ in range(2)]
 wrapped = getattr(type(current_platform).check_and_update_config, "_vllm_cpu_launch_wrapped", False)
-names = ("LD_PRELOAD", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_LAUNCH_PLANNED")
+names = ("LD_PRELOAD", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND", "VLLMCPULAUNCH_PLANNED")
 print(json.dumps({
     "results": results,
     "seen": config.seen,
@@ -187,14 +187,14 @@ def test_where_a_choice_was_made_or_it_is_switched_off_it_wraps_nothing(
 def test_the_config_file_switch(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("plugin: off\n")
-    outcome = run_vllm_process(tmp_path, {"VLLM_CPU_LAUNCH_CONFIG": str(config)})
+    outcome = run_vllm_process(tmp_path, {"VLLMCPULAUNCH_CONFIG": str(config)})
     assert outcome["seen"] == [None, None]
     (line,) = said(outcome, "INFO")
     assert line == f"{PREFIX}switched off (plugin: off, from {config}); vLLM unchanged"
 
 
 def test_iomp_never_keeps_libgomp_and_marks_it(tmp_path: Path) -> None:
-    outcome = run_vllm_process(tmp_path, {"VLLM_CPU_LAUNCH_IOMP": "never"})
+    outcome = run_vllm_process(tmp_path, {"VLLMCPULAUNCH_IOMP": "never"})
     assert outcome["seen"] == [None, None]
     assert outcome["env"][PLANNED_VARIABLE] == "plugin"
     (line,) = said(outcome, "INFO")
@@ -204,7 +204,7 @@ def test_iomp_never_keeps_libgomp_and_marks_it(tmp_path: Path) -> None:
 def test_a_broken_config_is_said_and_vllm_goes_on(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("iomp: sometimes\n")
-    outcome = run_vllm_process(tmp_path, {"VLLM_CPU_LAUNCH_CONFIG": str(config)})
+    outcome = run_vllm_process(tmp_path, {"VLLMCPULAUNCH_CONFIG": str(config)})
     assert outcome["seen"] == [None, None]
     (warning,) = said(outcome, "WARNING")
     assert str(config) in warning and "'sometimes' is not one of auto, always, never" in warning
@@ -244,6 +244,10 @@ def test_in_process_message_quotes_the_command() -> None:
         ({}, "ppc64le", "this host is ppc64le, not x86-64"),
         ({"LD_PRELOAD": "/l/libomp.so.5"}, "x86_64", "LD_PRELOAD names an OpenMP runtime"),
         ({PLUGIN_VARIABLE: "no"}, "x86_64", f"switched off by {PLUGIN_VARIABLE}=no"),
+        # The name before our variables left vLLM's namespace still switches it off ...
+        ({"VLLM_CPU_LAUNCH_PLUGIN": "0"}, "x86_64", "switched off by VLLM_CPU_LAUNCH_PLUGIN=0"),
+        # ... unless the current name says otherwise.
+        ({PLUGIN_VARIABLE: "1", "VLLM_CPU_LAUNCH_PLUGIN": "0"}, "x86_64", None),
     ],
 )
 def test_standing_down(environ: dict[str, str], machine: str, reason: str | None) -> None:
@@ -282,7 +286,7 @@ def test_without_the_field_in_vllms_configuration_the_command_line_decides(
 def test_an_engine_in_this_process_that_the_plan_keeps_on_libgomp_gets_no_advice(
     tmp_path: Path,
 ) -> None:
-    variables = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_LAUNCH_IOMP": "never"}
+    variables = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLMCPULAUNCH_IOMP": "never"}
     outcome = run_vllm_process(tmp_path, variables)
     assert said(outcome, "WARNING") == [] and set(outcome["env"].values()) == {None}
     (line,) = said(outcome, "INFO")

@@ -448,7 +448,7 @@ def test_vllm_found_on_path_is_pinned_by_absolute_path(tmp_path: Path, vllm_env:
 def test_vllm_from_a_variable_or_user_config_is_pinned_too(tmp_path: Path, vllm_env: Path) -> None:
     """The service sees neither the caller's variables nor their config file."""
     vllm = str(vllm_env / "bin" / "vllm")
-    result = generate(["--user", "vllm", "serve", "m"], tmp_path, VLLM_CPU_LAUNCH_VLLM=vllm)
+    result = generate(["--user", "vllm", "serve", "m"], tmp_path, VLLMCPULAUNCH_VLLM=vllm)
     assert result.returncode == 0, result.stderr
     execstart = next(x for x in result.stdout.splitlines() if x.startswith("ExecStart="))
     assert systemd_words(execstart.removeprefix("ExecStart="))[1:3] == ["--vllm", vllm]
@@ -469,11 +469,11 @@ def test_missing_vllm_and_unseen_variables_are_warned(tmp_path: Path) -> None:
         ["--user", "vllm", "serve", "m"],
         tmp_path,
         PATH="/usr/bin:/bin",
-        VLLM_CPU_LAUNCH_IOMP="always",
+        VLLMCPULAUNCH_IOMP="always",
     )
     assert result.returncode == 0, result.stderr
     assert "vllm not found" in result.stderr
-    assert "VLLM_CPU_LAUNCH_IOMP is set here but the service will not see it" in result.stderr
+    assert "VLLMCPULAUNCH_IOMP is set here but the service will not see it" in result.stderr
     assert result.stdout.startswith("# vllm-cpu-launch.service")
 
 

@@ -325,12 +325,12 @@ def test_libgomp_the_plan_kept_on_purpose_is_fine(
     """The launcher marks a plan that keeps libgomp for SD (the map's rule, --iomp never):
     the judged processes on libgomp are then as planned, not a problem."""
     children = [{"title": "VLLM::EngineCore"}, {"title": "VLLM::Worker_TP0"}]
-    pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp, VLLM_CPU_LAUNCH_PLANNED="launcher")
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp, VLLMCPULAUNCH_PLANNED="launcher")
     code, report = verify_json(tmp_path, pids[0])
     assert code == 0, report
     worker = by_pid(report)[pids[2]]
     assert worker["verdict"] == "ok"
-    assert worker["reason"].startswith("libgomp kept by the plan (VLLM_CPU_LAUNCH_PLANNED=")
+    assert worker["reason"].startswith("libgomp kept by the plan (VLLMCPULAUNCH_PLANNED=")
 
 
 def test_speculative_judges_a_command_line_that_does_not_say_it(

@@ -38,7 +38,7 @@ Everything from the vLLM subcommand on is passed to vLLM unchanged;
 `vllm-cpu-launch serve --help` shows vLLM's help. `tune` measures libgomp against
 libiomp5 with vLLM's own `vllm bench latency` on your command (see tune --help).
 
-options (before the vLLM subcommand; each has a VLLM_CPU_LAUNCH_* variable):
+options (before the vLLM subcommand; each has a VLLMCPULAUNCH_* variable):
   --iomp auto|always|never   preload libiomp5: auto = when SD is requested on x86-64,
                              but on a host the benchmark map measured (2 CPUs, vLLM
                              0.32) what measured fastest there (docs/benchmarks.md)

@@ -15,9 +15,12 @@ if TYPE_CHECKING:
 # Set by a plan that keeps libgomp although SD is requested or Intel OpenMP is refused
 # (value: who planned: launcher, plugin), the one choice LD_PRELOAD does not show, so that
 # a process started with that plan, and its children, are left as planned.
-PLANNED_VARIABLE = "VLLM_CPU_LAUNCH_PLANNED"
+PLANNED_VARIABLE = "VLLMCPULAUNCH_PLANNED"
 # The launcher's off switch for the plugin (also the config key `plugin`).
-PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"
+PLUGIN_VARIABLE = "VLLMCPULAUNCH_PLUGIN"
+# Its name before our variables left vLLM's VLLM_* namespace, still obeyed
+# (settings.with_current_names says it is deprecated).
+DEPRECATED_PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"
 # The plugin's entry point name (setup.cfg), which vLLM's VLLM_PLUGINS allowlist names.
 PLUGIN_NAME = "vllm_cpu_launch"
 IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp in LD_PRELOAD on x86 only
@@ -47,9 +50,12 @@ def stands_down(environ: Mapping[str, str], machine: str) -> str | None:
     """Why the plugin leaves this process alone, from what costs nothing to read; None if
     it may plan. Every process vLLM starts inherits LD_PRELOAD with an OpenMP runtime in
     it (vLLM's libgomp or the plan's libiomp5), so they all stop here."""
-    switch = environ.get(PLUGIN_VARIABLE)
-    if switch is not None and switch.lower() in FALSE_WORDS:
-        return f"switched off by {PLUGIN_VARIABLE}={switch}"
+    for variable in (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE):
+        switch = environ.get(variable)
+        if switch is not None:
+            if switch.lower() in FALSE_WORDS:
+                return f"switched off by {variable}={switch}"
+            break
     planned = already_planned(environ)
     if planned:
         return planned

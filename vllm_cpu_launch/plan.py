@@ -226,6 +226,7 @@ def build_plan(
     notes: list[str] = []
     missing: list[str] = []
     searches: list[Search] = []
+    warnings += settings.deprecated
     if speculative.note:
         warnings.append(speculative.note)
     if target.prefix:

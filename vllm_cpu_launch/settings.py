@@ -1,4 +1,4 @@
-"""Launcher settings from options, VLLM_CPU_LAUNCH_* variables and YAML config files.
+"""Launcher settings from options, VLLMCPULAUNCH_* variables and YAML config files.
 
 Precedence, highest first: command-line option, environment variable,
 `--launcher-config` file (or the user's `$XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml`),
@@ -23,7 +23,12 @@ if TYPE_CHECKING:
 
 MODES = ("auto", "always", "never")
 SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
-CONFIG_VARIABLE = "VLLM_CPU_LAUNCH_CONFIG"
+CONFIG_VARIABLE = "VLLMCPULAUNCH_CONFIG"
+# Our variables were named VLLM_CPU_LAUNCH_* before 0.5: vLLM reports every VLLM_* variable
+# it does not know (Platform.validate_environ) and refuses to start on one with
+# --fail-on-environ-validation. The old names are still read, each said once as deprecated.
+VARIABLE_PREFIX = "VLLMCPULAUNCH_"
+DEPRECATED_PREFIX = "VLLM_CPU_LAUNCH_"
 LARGE_BLOCKTIME_MS = 200
 # The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`); `scope`
 # is optional (records written before tunes were scoped have none).
@@ -76,6 +81,8 @@ class Settings:
     iomp_from: str = "default"
     # Every tune record of the config files, the one with the highest precedence first.
     tuned: tuple[Tuned, ...] = ()
+    # One warning for each variable read under its deprecated VLLM_CPU_LAUNCH_* name.
+    deprecated: tuple[str, ...] = ()
 
 
 def fail(where: str, problem: str) -> LaunchError:
@@ -213,13 +220,13 @@ def parse_scope(value: object, where: str) -> Scope:
 
 # key -> (option, environment variable, parser); "" where the launcher takes no option.
 KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
-    "iomp": ("--iomp", "VLLM_CPU_LAUNCH_IOMP", parse_mode),
-    "iomp_path": ("--iomp-path", "VLLM_CPU_LAUNCH_IOMP_PATH", parse_library_path),
-    "tcmalloc": ("--tcmalloc", "VLLM_CPU_LAUNCH_TCMALLOC", parse_mode),
-    "tcmalloc_path": ("--tcmalloc-path", "VLLM_CPU_LAUNCH_TCMALLOC_PATH", parse_library_path),
-    "kmp_blocktime": ("--kmp-blocktime", "VLLM_CPU_LAUNCH_KMP_BLOCKTIME", parse_blocktime),
-    "vllm": ("--vllm", "VLLM_CPU_LAUNCH_VLLM", parse_text),
-    "strict": ("--strict", "VLLM_CPU_LAUNCH_STRICT", parse_bool),
+    "iomp": ("--iomp", "VLLMCPULAUNCH_IOMP", parse_mode),
+    "iomp_path": ("--iomp-path", "VLLMCPULAUNCH_IOMP_PATH", parse_library_path),
+    "tcmalloc": ("--tcmalloc", "VLLMCPULAUNCH_TCMALLOC", parse_mode),
+    "tcmalloc_path": ("--tcmalloc-path", "VLLMCPULAUNCH_TCMALLOC_PATH", parse_library_path),
+    "kmp_blocktime": ("--kmp-blocktime", "VLLMCPULAUNCH_KMP_BLOCKTIME", parse_blocktime),
+    "vllm": ("--vllm", "VLLMCPULAUNCH_VLLM", parse_text),
+    "strict": ("--strict", "VLLMCPULAUNCH_STRICT", parse_bool),
     # Read by vLLM's plugin only: the launcher plans whatever it says.
     "plugin": ("", PLUGIN_VARIABLE, parse_bool),
 }
@@ -330,6 +337,30 @@ def salvage(errors: list[str] | None, read: Callable[..., T], *args: object) -> 
         return None
 
 
+def deprecated_name(variable: str) -> str:
+    """The name a variable of ours had before it left vLLM's VLLM_* namespace."""
+    return DEPRECATED_PREFIX + variable.removeprefix(VARIABLE_PREFIX)
+
+
+def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """`environ` with each VLLM_CPU_LAUNCH_* variable of ours read under its current name
+    (where that is unset), and the warning that says so for each."""
+    current = dict(environ)
+    warnings = []
+    for variable in (CONFIG_VARIABLE, *(entry[1] for entry in KEYS.values())):
+        old = deprecated_name(variable)
+        if old in environ:
+            if variable not in environ:
+                current[variable] = environ[old]
+            warnings.append(
+                f"{old} is deprecated: vLLM reports every VLLM_* variable it does not know "
+                f"(and refuses to start on one with --fail-on-environ-validation); "
+                f"rename it to {variable}"
+                + ("" if variable not in environ else f" (ignored: {variable} is set too)")
+            )
+    return current, tuple(warnings)
+
+
 def load_settings(
     options: Mapping[str, object], environ: Mapping[str, str], errors: list[str] | None = None
 ) -> Settings:
@@ -339,6 +370,7 @@ def load_settings(
     kept there instead of raised: what is not broken still applies, so a config error
     does not lose an explicit --vllm.
     """
+    environ, deprecated = with_current_names(environ)
     explicit_config = options.get("config") or environ.get(CONFIG_VARIABLE)
     if explicit_config is not None and not isinstance(explicit_config, str):
         raise fail("--launcher-config", "needs a file name")
@@ -371,6 +403,7 @@ def load_settings(
         config_files=tuple(read),
         iomp_from=iomp_from,
         tuned=tuple(tuned),
+        deprecated=deprecated,
     )
 
 

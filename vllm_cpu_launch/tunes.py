@@ -78,7 +78,7 @@ def describe(scope: Scope) -> str:
 def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
     """The tune record that applies to this launch (None: none does), and a note on each
     record considered. Of several that match, the one that recorded the most wins (then
-    the config file with the higher precedence); an --iomp option or VLLM_CPU_LAUNCH_IOMP
+    the config file with the higher precedence); an --iomp option or VLLMCPULAUNCH_IOMP
     wins over all."""
     notes = []
     matching = []
@@ -92,7 +92,7 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
             given = (
                 f"--iomp {settings.iomp}"
                 if settings.iomp_from == "option"
-                else (f"VLLM_CPU_LAUNCH_IOMP={settings.iomp}")
+                else (f"VLLMCPULAUNCH_IOMP={settings.iomp}")
             )
             notes.append(f"{what} not applied: {given} given, which wins")
         else:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-SKIP_VARIABLE = "VLLM_CPU_LAUNCH_SKIP_E2E"
+SKIP_VARIABLE = "VLLMCPULAUNCH_SKIP_E2E"
 # Every real-vLLM module's pytestmark: the variable skips them all.
 REAL_VLLM = pytest.mark.skipif(
     os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM tests"
@@ -51,7 +51,7 @@ STARTUP_LIMIT_S = 300
 PLUGIN_INSTALL_LIMIT_S = 300
 PROBE = Path(__file__).resolve().parent / "probe_plugin"
 # Where the probe plugin (probe_plugin/vllm_cpu_launch_probe.py) writes its records.
-PROBE_VARIABLE = "VLLM_CPU_LAUNCH_TEST_PROBE"
+PROBE_VARIABLE = "VLLMCPULAUNCH_TEST_PROBE"
 METRICS_LIMIT_S = 30
 POLL_INTERVAL_S = 1.0
 LOG_TAIL_LINES = 60
@@ -250,7 +250,7 @@ def serving(
     """`PREFIX serve MODEL ...` in its own session, output to scratch/server.log, in an
     environment without OpenMP or launcher settings (but `variables`); its session killed
     on the way out."""
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_", "VLLM_CPU_LAUNCH_"))
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_"))
     env.update(variables)
     with killed_on_exit(start_server(prefix, model, scratch, env, cwd=SCRIPTS.parent)) as server:
         yield server

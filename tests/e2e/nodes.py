@@ -78,7 +78,7 @@ def start_node(
     launcher settings, its log and vLLM cache under scratch: through the launcher (default
     settings), or, with `plugin` (a directory holding it, for PYTHONPATH), as plain `vllm`."""
     scratch.mkdir()
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_"))
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_"))
     vllm = str(vllm_env / "bin" / "vllm")
     if plugin is not None:
         env["PYTHONPATH"] = str(plugin)

@@ -12,7 +12,7 @@ backend, and each is started here as an operator would, one launcher per node:
 What vLLM refuses (Ray on CPU; pipeline parallel with speculative decoding) is shown by
 test_multinode_refusals.py. Each pair serves the tiny model with ngram speculative
 decoding; the pairs run one after the other (module-scoped fixture with one parameter per
-mode: pytest tears one pair down before it starts the next). Set VLLM_CPU_LAUNCH_SKIP_E2E=1
+mode: pytest tears one pair down before it starts the next). Set VLLMCPULAUNCH_SKIP_E2E=1
 to skip this module.
 """
 

@@ -18,7 +18,7 @@ allocates the KV cache (`initialize_kv_cache_tensors`), so stage 0's worker fail
 not start. Shown with the same two loopback nodes as test_multinode.py, `--pipeline-parallel-size
 2` in place of `--tensor-parallel-size 2`.
 
-Set VLLM_CPU_LAUNCH_SKIP_E2E=1 to skip this module.
+Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ PP_SD_FAILURE = "AttributeError: 'CPUModelRunner' object has no attribute 'draft
 # Printed by ray.init() when it starts a local instance: Ray really ran before the refusal.
 RAY_STARTED = "Started a local Ray instance"
 REFUSAL_LIMIT_S = 420
-RUN_MARKER = "VLLM_CPU_LAUNCH_TEST_RAY_RUN"
+RUN_MARKER = "VLLMCPULAUNCH_TEST_RAY_RUN"
 
 pytestmark = REAL_VLLM
 
@@ -110,7 +110,7 @@ def test_vllm_refuses_ray_on_cpu(
     # Ray's sockets live under its temp dir, whose path must stay short (AF_UNIX limit).
     ray_tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     env = {
-        **isolated_environment(tmp_path, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_", "RAY_")),
+        **isolated_environment(tmp_path, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_", "RAY_")),
         "PYTHONPATH": str(ray_overlay),
         "RAY_TMPDIR": str(ray_tmp),
         "RAY_USAGE_STATS_ENABLED": "0",

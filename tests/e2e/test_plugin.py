@@ -6,7 +6,7 @@ is started as users start it, with no launcher: `vllm serve`, an offline `LLM(..
 script, a `--headless` data-parallel node. The probe plugin records what each vLLM process
 inherited (the engine core and workers overwrite their /proc/PID/environ with their title);
 /proc/PID/maps shows what each really loaded. The launcher with the plugin installed is in
-test_real_vllm.py. Set VLLM_CPU_LAUNCH_SKIP_E2E=1 to skip this module.
+test_real_vllm.py. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def test_the_launchers_switch_turns_it_off(
     vllm_alone: tuple[dict[str, set[str | None]], str],
 ) -> None:
     with plain_serve(
-        vllm_env, tiny_model, tmp_path, plugin_path, VLLM_CPU_LAUNCH_PLUGIN="off"
+        vllm_env, tiny_model, tmp_path, plugin_path, VLLMCPULAUNCH_PLUGIN="off"
     ) as server:
         assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone[0]
         assert plugin_lines(server.log_text()) == []

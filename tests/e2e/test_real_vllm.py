@@ -3,7 +3,7 @@
 A tiny random Llama is served with ngram speculative decoding twice: as plain `vllm serve`
 (the control, which must print the warning the launcher exists to silence) and through the
 launcher. The vLLM environment is built on first use by scripts/vllm_env.py (minutes, 3.5 GB)
-and reused afterwards. Set VLLM_CPU_LAUNCH_SKIP_E2E=1 to skip this module.
+and reused afterwards. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
 
 About /proc/PID/environ: vLLM's engine-core and worker processes rename themselves with
 setproctitle, which zeroes the start of their environment block, so the variables they

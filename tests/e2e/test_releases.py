@@ -6,7 +6,7 @@ nothing the launcher depends on (docs/releases.md); 0.27.0 is the oldest whose t
 cannot). On it, through the launcher and through the plugin (installed by pip, on
 PYTHONPATH): every engine core and worker maps libiomp5, no SD warning, no iomp-and-gomp
 assertion, completions answer, drafts are counted, `verify` exits 0. The parser agreement
-runs on both edges (test_vllm_parser_agreement.py). Set VLLM_CPU_LAUNCH_SKIP_E2E=1 to
+runs on both edges (test_vllm_parser_agreement.py). Set VLLMCPULAUNCH_SKIP_E2E=1 to
 skip this module.
 """
 

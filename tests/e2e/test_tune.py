@@ -125,7 +125,7 @@ def tuned(
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, str], Path]:
     """One real `tune --write`: its result, its environment and the user config it wrote."""
     scratch = tmp_path_factory.mktemp("tune")
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_LAUNCH_"))
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_"))
     command = [
         *LAUNCHER,
         "--vllm",
@@ -185,7 +185,7 @@ def test_every_candidate_ran_every_round(
     assert "; environment: LD_PRELOAD=" in plans["libiomp5"]
     # libgomp for SD shows nowhere in LD_PRELOAD: the plan marks it for vLLM's plugin.
     assert plans["libgomp"] == (
-        "vllm-cpu-launch: libgomp: --iomp never; environment: VLLM_CPU_LAUNCH_PLANNED=launcher"
+        "vllm-cpu-launch: libgomp: --iomp never; environment: VLLMCPULAUNCH_PLANNED=launcher"
     )
 
 

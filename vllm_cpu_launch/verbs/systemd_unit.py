@@ -12,6 +12,7 @@ import sys
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.settings import DEPRECATED_PREFIX, VARIABLE_PREFIX
 from vllm_cpu_launch.systemd_syntax import (
     environment_word,
     exec_line,
@@ -231,9 +232,12 @@ def render_unit(
 
 
 def warn_unseen_variables() -> None:
-    """The caller's VLLM_CPU_LAUNCH_* variables do not reach the service."""
+    """The caller's VLLMCPULAUNCH_* variables (or their deprecated VLLM_CPU_LAUNCH_* names)
+    do not reach the service."""
     for variable in sorted(os.environ):
-        if variable.startswith("VLLM_CPU_LAUNCH_") and variable != "VLLM_CPU_LAUNCH_VLLM":
+        if variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX)) and not variable.endswith(
+            "LAUNCH_VLLM"
+        ):
             emit(
                 "warning",
                 f"{variable} is set here but the service will not see it; pass the option "

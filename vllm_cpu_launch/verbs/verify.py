@@ -54,7 +54,7 @@ descendants: which OpenMP runtime each has loaded, the LD_PRELOAD/KMP_* it start
 with, and whether speculative decoding is requested. The processes that run the model
 are judged (vLLM's engine cores and workers; where there are none, PID itself and its
 children); the API server and other helpers are reported. libgomp that the launcher's
-plan kept on purpose (VLLM_CPU_LAUNCH_PLANNED in PID's environment) is fine.
+plan kept on purpose (VLLMCPULAUNCH_PLANNED in PID's environment) is fine.
 Exit 0 when every judged process has Intel OpenMP (or SD is not requested), 1 when one
 lacks it, 2 when PID cannot be found or read (run as vLLM's user or as root).
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
@@ -142,7 +142,7 @@ def judge(
     planned: str | None = None,
 ) -> tuple[str, str]:
     """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP).
-    `planned`: the launcher's mark on the tree (VLLM_CPU_LAUNCH_PLANNED), which says its
+    `planned`: the launcher's mark on the tree (VLLMCPULAUNCH_PLANNED), which says its
     plan keeps libgomp on purpose (the map's rule, --iomp never, a tune, an old vLLM)."""
     kinds = [kind for kind, _ in runtimes]
     preload = environment.get("LD_PRELOAD", "")

@@ -1,6 +1,6 @@
 """A vLLM general plugin for the end-to-end tests: what each vLLM process started with.
 
-vLLM loads general plugins in every process it starts. Where $VLLM_CPU_LAUNCH_TEST_PROBE
+vLLM loads general plugins in every process it starts. Where $VLLMCPULAUNCH_TEST_PROBE
 names a file, each process appends one JSON line to it: its PID, its parent's, and the
 OpenMP variables it inherited. vLLM's engine-core and worker processes overwrite the start
 of /proc/PID/environ with their process title, so what they inherited is read here, from
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 
-PROBE_VARIABLE = "VLLM_CPU_LAUNCH_TEST_PROBE"
-RECORDED = ("LD_PRELOAD", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_LAUNCH_PLANNED")
+PROBE_VARIABLE = "VLLMCPULAUNCH_TEST_PROBE"
+RECORDED = ("LD_PRELOAD", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND", "VLLMCPULAUNCH_PLANNED")
 
 
 def register() -> None:

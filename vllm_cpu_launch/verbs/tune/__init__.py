@@ -64,7 +64,7 @@ libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as aut
                          the model, the SD method and token count, the vLLM release and
                          the usable CPUs. A later launch of that command on such a host
                          applies it (its INFO line and --dry-run say so; --iomp and
-                         VLLM_CPU_LAUNCH_IOMP still win); any other does not, and -v and
+                         VLLMCPULAUNCH_IOMP still win); any other does not, and -v and
                          --dry-run say why. A later tune of the same scope replaces it;
                          records of other scopes, other keys and comments are kept
   --rounds N             rounds of every candidate (default 3)
