@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 MODES = ("auto", "always", "never")
 SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
 CONFIG_VARIABLE = "VLLMCPULAUNCH_CONFIG"
-# Our variables were named VLLM_CPU_LAUNCH_* before 0.5: vLLM reports every VLLM_* variable
+# Our variables were named VLLM_CPU_LAUNCH_* in 0.1: vLLM reports every VLLM_* variable
 # it does not know (Platform.validate_environ) and refuses to start on one with
 # --fail-on-environ-validation. The old names are still read, each said once as deprecated.
 VARIABLE_PREFIX = "VLLMCPULAUNCH_"
