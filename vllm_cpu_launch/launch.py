@@ -9,6 +9,7 @@ import-linter contracts hold that).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from vllm_cpu_launch.errors import (
@@ -200,11 +201,6 @@ def report(plan: Plan, values: dict[str, object]) -> None:
 
 def execute(plan: Plan) -> None:
     """Replace this process with the planned command; returns only by raising."""
-    if TYPE_CHECKING:
-        import signal
-    else:  # the C module: `signal`'s enum wrappers cost about 4 ms at start-up
-        import _signal as signal
-
     environment = dict(os.environ)
     environment.update(plan.env)
     # Python ignores SIGPIPE and SIGXFSZ at start-up, and ignored signals stay ignored
