@@ -86,8 +86,8 @@ def test_a_typo_in_a_verbs_options_names_the_verb_and_its_help(
     """`doctor --mesure` is no vLLM option put too early: it is unknown to doctor."""
     vllm = str(vllm_env / "bin" / "vllm")
     result = launcher(tmp_path, [verb, "--mesure", *after], VLLMCPULAUNCH_VLLM=vllm)
-    message = f"unknown option '--mesure' for {verb}; see vllm-cpu-launch {verb} --help"
-    assert_one_error(result, 2, message)
+    help_line = f"; see vllm-cpu-launch {verb} --help"
+    assert_one_error(result, 2, f"unknown option '--mesure' for {verb}", help_line)
     assert "vLLM's options" not in result.stderr
     helped = launcher(tmp_path, [verb, "--help"])
     assert helped.returncode == 0 and f"usage: vllm-cpu-launch {verb}" in helped.stdout
@@ -173,7 +173,8 @@ def test_strict_with_missing_library_exits_3(tmp_path: Path) -> None:
     )
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
-    assert "--strict: iomp wanted but not found; not starting" in result.stderr
+    assert "Intel OpenMP (libiomp5.so) not found" in result.stderr
+    assert "--strict: not starting. Fix: " in result.stderr
     assert f"{environment / 'bin' / 'python'} -m pip install intel-openmp" in result.stderr
 
 

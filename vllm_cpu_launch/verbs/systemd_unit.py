@@ -224,9 +224,8 @@ def warn_unseen_variables() -> None:
     """The caller's VLLMCPULAUNCH_* variables (or their deprecated VLLM_CPU_LAUNCH_* names)
     do not reach the service."""
     for variable in sorted(os.environ):
-        if variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX)) and not variable.endswith(
-            "LAUNCH_VLLM"
-        ):
+        ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
+        if ours and os.environ[variable] and not variable.endswith("LAUNCH_VLLM"):
             emit(
                 "warning",
                 f"{variable} is set here but the service will not see it; pass the option "
