@@ -342,3 +342,12 @@ def test_malformed_json_is_one_line_with_the_fix_under_every_python(
     result = run_launcher(["-q", "--vllm", vllm, "serve", "m", "-sc", fix], environ, launcher)
     assert (result.returncode, result.stderr) == (0, "")
     assert read_record(record_file)["argv"] == ["serve", "m", "-sc", fix]
+    # In a --config file the fix is a YAML mapping, as the message says.
+    mapping = "speculative_config: {method: ngram}"
+    refused = run_launcher(["--vllm", vllm, "serve", "m", "--config", config], environ, launcher)
+    assert mapping in refused.stderr
+    config = write(tmp_path, f"{mapping}\n", "fixed.yaml")
+    argv = ["serve", "m", "--config", config]
+    result = run_launcher(["--dry-run", "--json", "--vllm", vllm, *argv], environ, launcher)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["speculative"]["requested"] is True
