@@ -5,13 +5,13 @@ verb's (verbs/)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.launch import parse_options, run_exec, run_plan, write_stdout
 from vllm_cpu_launch.messages import emit
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 

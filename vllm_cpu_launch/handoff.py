@@ -8,7 +8,8 @@ alone (doctor asks it too), and the launcher's plan writes the mark it reads
 
 from __future__ import annotations
 
-TYPE_CHECKING = False
+from typing import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import (
     EXIT_LIBRARY_MISSING,
@@ -21,7 +22,6 @@ from vllm_cpu_launch.errors import (
 )
 from vllm_cpu_launch.messages import emit
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 

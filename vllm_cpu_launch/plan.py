@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.evidence import (
     BIND_VARIABLE,
@@ -21,7 +23,6 @@ from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.tunes import choose, launch_scope
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Any

@@ -7,8 +7,8 @@ with defaults, immutability, equality, hashing and a readable repr.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import TypeVar
 

@@ -9,12 +9,12 @@ read, so an error names the option, variable or file and key it came from.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.records import record
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import TypeVar

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.records import record
@@ -22,7 +23,6 @@ from vllm_cpu_launch.vllm_cli import (
     on_command_line,
 )
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchError
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.wrappers import path_files, read_wrapper, search_path
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 

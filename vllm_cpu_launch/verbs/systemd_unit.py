@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
@@ -21,7 +22,6 @@ from vllm_cpu_launch.systemd_syntax import (
     quote_word,
 )
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 

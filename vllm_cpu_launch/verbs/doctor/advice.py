@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.verbs.doctor.probe import GIB
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from typing import Any

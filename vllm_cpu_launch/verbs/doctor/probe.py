@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.settings import Scope
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Any
