@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_launch import settings as settings_module
-from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.libraries import find_library
 from vllm_cpu_launch.places import TCMALLOC, Host
 from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
@@ -86,8 +85,8 @@ def test_a_typo_in_a_verbs_options_names_the_verb_and_its_help(
     """`doctor --mesure` is no vLLM option put too early: it is unknown to doctor."""
     vllm = str(vllm_env / "bin" / "vllm")
     result = launcher(tmp_path, [verb, "--mesure", *after], VLLMCPULAUNCH_VLLM=vllm)
-    message = f"unknown option '--mesure' for {verb}; see vllm-cpu-launch {verb} --help"
-    assert_one_error(result, 2, message)
+    help_line = f"; see vllm-cpu-launch {verb} --help"
+    assert_one_error(result, 2, f"unknown option '--mesure' for {verb}", help_line)
     assert "vLLM's options" not in result.stderr
     helped = launcher(tmp_path, [verb, "--help"])
     assert helped.returncode == 0 and f"usage: vllm-cpu-launch {verb}" in helped.stdout
@@ -173,7 +172,8 @@ def test_strict_with_missing_library_exits_3(tmp_path: Path) -> None:
     )
     assert result.returncode == 3, result.stderr
     assert "Traceback" not in result.stderr
-    assert "--strict: iomp wanted but not found; not starting" in result.stderr
+    assert "Intel OpenMP (libiomp5.so) not found" in result.stderr
+    assert "--strict: not starting. Fix: " in result.stderr
     assert f"{environment / 'bin' / 'python'} -m pip install intel-openmp" in result.stderr
 
 
@@ -334,16 +334,20 @@ def test_precedence_option_env_user_system(tmp_path: Path, monkeypatch: pytest.M
     assert load_settings({"kmp_blocktime": "4"}, environ).kmp_blocktime == "4"
 
 
-def test_launcher_config_replaces_the_user_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(settings_module, "SYSTEM_CONFIG", str(tmp_path / "absent.yaml"))
+def test_launcher_config_replaces_the_user_file(tmp_path: Path, vllm_env: Path) -> None:
+    """As a fresh launcher reads them (both files set iomp, so /etc's does not matter)."""
     write_config(tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml", "iomp: never\n")
     chosen = write_config(tmp_path / "chosen.yaml", "iomp: always\n")
-    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    assert load_settings({"config": str(chosen)}, environ).iomp == "always"
-    assert load_settings({}, {**environ, "VLLMCPULAUNCH_CONFIG": str(chosen)}).iomp == "always"
-    assert load_settings({}, environ).iomp == "never"
+    args = ["--dry-run", "--json", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"]
+    xdg = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    for head, extra, mode in (
+        (["--launcher-config", str(chosen)], xdg, "always"),
+        ([], {**xdg, "VLLMCPULAUNCH_CONFIG": str(chosen)}, "always"),
+        ([], xdg, "never"),
+    ):
+        result = launcher(tmp_path, [*head, *args], **extra)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["reason"] == f"--iomp {mode}"
 
 
 @pytest.mark.parametrize(
@@ -418,15 +422,20 @@ def test_vllm_in_a_config_file_is_absolute_after_home_or_a_name_on_path(
         assert json.loads(result.stdout)["command"][0] == str(home / "venv" / "bin" / "vllm")
 
 
-def test_missing_explicit_config_file_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(LaunchError) as raised:
-        load_settings({"config": str(tmp_path / "missing.yaml")}, {})
-    assert raised.value.code == 2 and "config file not found" in raised.value.message
+def test_missing_explicit_config_file_is_an_error(tmp_path: Path, vllm_env: Path) -> None:
+    missing = str(tmp_path / "missing.yaml")
+    args = ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"]
+    for head, extra in (
+        (["--launcher-config", missing], {}),
+        ([], {"VLLMCPULAUNCH_CONFIG": missing}),
+    ):
+        result = launcher(tmp_path, [*head, *args], **extra)
+        assert_one_error(result, 2, f"{missing}: config file not found")
 
 
 def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:
-    """psutil, cpuinfo, yaml, dataclasses, inspect, typing, json stay out of a real launch
-    (json too: a valid SD JSON is read by the C scanner, see speculative.parse_json).
+    """psutil, cpuinfo, yaml, torch and vLLM stay out of a real launch (the standard
+    library is welcome: json, dataclasses, signal).
 
     The modules are read at the moment of the exec, which the probe intercepts: what the
     launcher imported up to there is all it will ever import.
@@ -434,7 +443,7 @@ def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> No
     probe = (
         "import os, sys\n"
         "def report(*_):\n"
-        "    heavy = ('psutil', 'cpuinfo', 'yaml', 'dataclasses', 'inspect', 'typing', 'json')\n"
+        "    heavy = ('psutil', 'cpuinfo', 'yaml', 'torch', 'vllm')\n"
         "    print(sorted(m for m in heavy if m in sys.modules), flush=True)\n"
         "    os._exit(0)\n"
         "os.execve = report\n"

@@ -129,7 +129,7 @@ def test_without_vllm_everything_else_is_reported(tmp_path: Path) -> None:
     assert "vllm-not-found" in ids(report)
     text = run_launcher(["doctor"], clean_environ(tmp_path, PATH="/usr/bin:/bin"))
     assert text.returncode == 0
-    assert "vLLM       not found" in text.stdout
+    assert "vLLM       none to start: " in text.stdout
     assert "still about this host" in text.stdout
     assert "recommendations" in text.stdout
 
@@ -177,7 +177,7 @@ def test_text_report_says_what_the_json_says_of_every_vllm(
     lines = text.stdout.splitlines()
     if state == "missing":
         assert section["found"] is False and section["executable"] is None
-        assert f"vLLM       not found: {section['error']}" in lines
+        assert f"vLLM       none to start: {section['error']}" in lines
         return
     assert section["found"] is True and section["executable"] == str(vllm)
     if state == "found":

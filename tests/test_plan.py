@@ -190,14 +190,6 @@ def test_planning_again_from_the_planned_environment_changes_nothing(
     assert again.preload == (Preload(chosen.kind, chosen.path, chosen.flavor, "ld-preload"),)
 
 
-def test_malformed_sd_value_is_passed_on_with_a_note(tmp_path: Path, real_iomp: Path) -> None:
-    argv = ["serve", "m", "--speculative-config", "{bad"]
-    plan = plan_for(tmp_path, real_iomp, argv=argv)
-    assert plan["command"][1:] == argv  # type: ignore[index]
-    assert plan["env"]["LD_PRELOAD"]  # type: ignore[index]
-    assert any("not valid JSON" in w for w in plan["warnings"])  # type: ignore[attr-defined]
-
-
 def test_speculative_request_record_is_immutable() -> None:
     request = SpeculativeRequest(True, "-sc")
     with pytest.raises(AttributeError):

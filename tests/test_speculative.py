@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from vllm_cpu_launch.speculative import detect, parse_json
+from vllm_cpu_launch.speculative import detect
+
+from .conftest import REPO, clean_environ, read_record, run_launcher
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
 
@@ -75,16 +77,8 @@ def test_not_requested(argv: list[str]) -> None:
     assert result.note is None
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["serve", "m", "--speculative-config", "{method: ngram}"],
-        ["serve", "m", "-sc={"],
-        ["serve", "m", "--speculative-config"],  # value missing
-    ],
-)
-def test_malformed_json_counts_as_requested_with_a_note(argv: list[str]) -> None:
-    result = detect(argv)
+def test_a_missing_value_counts_as_requested_with_a_note() -> None:
+    result = detect(["serve", "m", "--speculative-config"])
     assert result.requested
     assert result.note is not None and "vLLM will report it" in result.note
 
@@ -185,14 +179,16 @@ def speculators_model(directory: Path, with_speculators: bool) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("form", ["positional", "--model", "--model="])
+@pytest.mark.parametrize("form", ["positional", "--model", "--model=", "--config"])
 def test_a_speculators_checkpoint_requests_sd_by_itself(tmp_path: Path, form: str) -> None:
-    """vLLM turns SD on for a model whose config.json has speculators_config."""
+    """vLLM turns SD on for a model whose config.json has speculators_config, however the
+    command names it (a --config file's `model:` among the ways)."""
     model = str(speculators_model(tmp_path / "eagle", True))
     argv = {
         "positional": ["serve", model],
         "--model": ["serve", "--model", model],
         "--model=": ["bench", "latency", f"--model={model}"],
+        "--config": ["serve", "--config", write(tmp_path, f"model: {model}\nport: 8001\n")],
     }[form]
     result = detect(argv)
     assert result.requested
@@ -207,30 +203,16 @@ def test_an_ordinary_model_directory_or_hub_name_is_no_request(tmp_path: Path) -
     assert not detect(["serve", "meta-llama/Llama-3.1-8B"]).requested
 
 
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
-    max_leaves=20,
-)
-
-
-@given(value=JSON_VALUES, spaces=st.sampled_from(["", " ", "\n\t ", "\r\n"]))
-def test_parse_json_returns_what_json_loads_returns(value: object, spaces: str) -> None:
-    text = spaces + json.dumps(value) + spaces
-    assert parse_json(text) == json.loads(text)
-
-
-@given(text=st.text(max_size=40) | st.sampled_from(["{", "[1,]", '{"a":1} x', "nul", "NaN"]))
-def test_parse_json_fails_exactly_where_json_loads_fails(text: str) -> None:
-    try:
-        expected: object = json.loads(text)
-    except ValueError as error:
-        with pytest.raises(ValueError) as raised:
-            parse_json(text)
-        assert str(raised.value) == str(error)
-    else:
-        parsed = parse_json(text)
-        assert parsed == expected or (parsed != parsed and expected != expected)  # NaN
+def test_the_command_lines_model_wins_over_the_config_files(tmp_path: Path) -> None:
+    """As vLLM orders them: the file's options first, so a --model after them wins, and a
+    positional model over both."""
+    eagle = str(speculators_model(tmp_path / "eagle", True))
+    plain = str(speculators_model(tmp_path / "plain", False))
+    config = write(tmp_path, f"model: {eagle}\n")
+    assert not detect(["serve", "--config", config, "--model", plain]).requested
+    assert not detect(["serve", plain, "--config", config]).requested
+    config = write(tmp_path, f"model: {plain}\n", "plain.yaml")
+    assert detect(["serve", "--config", config, "--model", eagle]).requested
 
 
 @pytest.mark.parametrize(
@@ -291,3 +273,81 @@ def test_the_method_and_token_count_in_a_config_file(tmp_path: Path) -> None:
     request = detect(["serve", "m", "--config", str(config)])
     assert (request.requested, request.method, request.tokens) == (True, "draft_model", 7)
     assert detect(["serve", "m"]).method is None
+
+
+# Python versions whose C JSON scanner needs `json.decoder` imported for its error path:
+# a scanner called without `json` failed there with a SystemError. The launcher runs as a
+# fresh process under each, so that nothing pytest imported hides such a bug.
+PYENV = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+MALFORMED = ['{"method":"ngram"', "{'method':'ngram'}", '{"a":1,}']
+
+
+def interpreters() -> list[str]:
+    """This test's Python, and a 3.10 and a 3.11 where pyenv (or PATH) has them."""
+    found = [sys.executable]
+    for minor in ("3.10", "3.11"):
+        candidates = sorted(PYENV.glob(f"{minor}.*/bin/python"))
+        on_path = shutil.which(f"python{minor}")
+        python = str(candidates[-1]) if candidates else on_path
+        if python:
+            found.append(python)
+    return found
+
+
+def yaml_only(tmp_path: Path) -> Path:
+    """A directory holding just PyYAML (its pure-Python code: the C part is built for this
+    test's Python), so that any interpreter can read a --config file."""
+    import yaml
+
+    directory = tmp_path / "yaml-only"
+    directory.mkdir()
+    (directory / "yaml").symlink_to(Path(yaml.__file__).parent)
+    return directory
+
+
+@pytest.mark.parametrize("python", interpreters())
+def test_malformed_json_is_one_line_with_the_fix_under_every_python(
+    tmp_path: Path, vllm_env: Path, record_file: Path, python: str
+) -> None:
+    """`--dry-run`, a real launch, `env` and `systemd-unit`, with the value on the command
+    line and in a --config file: exit 2, one line naming the option and the fix; the
+    fix's own example starts."""
+    if python != sys.executable and len(interpreters()) < 3:
+        pytest.fail(f"need Python 3.10 and 3.11 (pyenv under {PYENV} or on PATH)")
+    vllm = str(vllm_env / "bin" / "vllm")
+    environ = clean_environ(
+        tmp_path, RECORD_TO=str(record_file), PYTHONPATH=f"{REPO}:{yaml_only(tmp_path)}"
+    )
+    launcher = [python, "-m", "vllm_cpu_launch"]
+    for index, value in enumerate(MALFORMED):
+        config = write(tmp_path, f"speculative_config: {json.dumps(value)}\n", f"c{index}.yaml")
+        for head, sd in (
+            (["--dry-run"], ["-sc", value]),
+            ([], ["--speculative-config", value]),
+            (["-q"], ["--config", config]),
+            (["env"], ["-sc", "null", "-sc", value]),  # each value is read, not the last
+            (["systemd-unit"], ["-sc", value]),
+        ):
+            result = run_launcher([*head, "--vllm", vllm, "serve", "m", *sd], environ, launcher)
+            assert result.returncode == 2, (python, head, sd, result.stderr)
+            lines = result.stderr.splitlines()
+            assert len(lines) == 1, (python, head, sd, lines)
+            assert lines[0].startswith("vllm-cpu-launch: error: "), lines
+            assert "is not valid JSON" in lines[0] and "Fix: " in lines[0]
+            named = f"--speculative-config in {config} " if "--config" in sd else f"{sd[-2]} "
+            assert named in lines[0]
+            assert not record_file.exists()
+    fix = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert f"-sc '{fix}'" in lines[0]
+    result = run_launcher(["-q", "--vllm", vllm, "serve", "m", "-sc", fix], environ, launcher)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert read_record(record_file)["argv"] == ["serve", "m", "-sc", fix]
+    # In a --config file the fix is a YAML mapping, as the message says.
+    mapping = "speculative_config: {method: ngram}"
+    refused = run_launcher(["--vllm", vllm, "serve", "m", "--config", config], environ, launcher)
+    assert mapping in refused.stderr
+    config = write(tmp_path, f"{mapping}\n", "fixed.yaml")
+    argv = ["serve", "m", "--config", config]
+    result = run_launcher(["--dry-run", "--json", "--vllm", vllm, *argv], environ, launcher)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["speculative"]["requested"] is True

@@ -5,17 +5,31 @@ verb's (verbs/)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.launch import parse_options, run_exec, run_plan, write_stdout
 from vllm_cpu_launch.messages import emit
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune")
+# vLLM's own subcommands (vllm/entrypoints/cli/main.py, CMD_MODULES, the same in vLLM 0.32,
+# 0.33 and 0.34): always passed on, never taken for a mistyped verb.
+VLLM_SUBCOMMANDS = (
+    "serve",
+    "chat",
+    "complete",
+    "bench",
+    "collect-env",
+    "run-batch",
+    "launch",
+    "preload",
+    "download-kernels",
+    "snapshot",
+)
 
 USAGE = """\
 usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
@@ -97,9 +111,27 @@ def dispatch(argv: Sequence[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "no vLLM subcommand given (e.g. serve MODEL); see vllm-cpu-launch --help"
         )
-    if rest[0] in VERBS and "--" not in argv[: len(argv) - len(rest)]:
-        return run_verb(rest[0], values, rest[1:])
+    if "--" not in argv[: len(argv) - len(rest)]:
+        if rest[0] in VERBS:
+            return run_verb(rest[0], values, rest[1:])
+        check_verb(rest[0])
     return run_plan(values, rest, program=None)
+
+
+def check_verb(word: str) -> None:
+    """A first word close to one of our verbs and no vLLM subcommand is a typo: say which
+    verb it resembles (`--` before it still passes it to vLLM)."""
+    if word in VLLM_SUBCOMMANDS:
+        return
+    from difflib import get_close_matches
+
+    close = get_close_matches(word, VERBS, n=1)
+    if close:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"unknown verb {word!r}: did you mean {close[0]}? (to pass it to vLLM as a "
+            f"subcommand: vllm-cpu-launch -- {word} ...)",
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

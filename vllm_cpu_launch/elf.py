@@ -4,8 +4,8 @@ OpenMP runtime (Intel's or LLVM's) it is. Reads headers only; never loads the fi
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     import mmap
 

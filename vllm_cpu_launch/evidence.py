@@ -15,9 +15,10 @@ tunes its workers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_cpu_launch.records import record
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 

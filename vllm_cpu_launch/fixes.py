@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.places import TCMALLOC
 from vllm_cpu_launch.target import python_libraries
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 

@@ -8,7 +8,8 @@ alone (doctor asks it too), and the launcher's plan writes the mark it reads
 
 from __future__ import annotations
 
-TYPE_CHECKING = False
+from typing import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -24,9 +25,10 @@ DEPRECATED_PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"
 # The plugin's entry point name (setup.cfg), which vLLM's VLLM_PLUGINS allowlist names.
 PLUGIN_NAME = "vllm_cpu_launch"
 IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp in LD_PRELOAD on x86 only
-# The words a yes/no setting accepts (settings.parse_bool), lower case.
+# The words a yes/no setting accepts (settings.parse_bool), in any case. An empty
+# variable of ours is the same as an unset one (docs/design.md).
 TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off", "")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def names_openmp_runtime(ld_preload: str) -> bool:
@@ -52,7 +54,7 @@ def stands_down(environ: Mapping[str, str], machine: str) -> str | None:
     it (vLLM's libgomp or the plan's libiomp5), so they all stop here."""
     for variable in (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE):
         switch = environ.get(variable)
-        if switch is not None:
+        if switch:  # empty is unset
             if switch.lower() in FALSE_WORDS:
                 return f"switched off by {variable}={switch}"
             break

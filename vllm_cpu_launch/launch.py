@@ -9,7 +9,9 @@ import-linter contracts hold that).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import (
     EXIT_LIBRARY_MISSING,
@@ -20,7 +22,6 @@ from vllm_cpu_launch.errors import (
 )
 from vllm_cpu_launch.messages import emit
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -61,11 +62,20 @@ The launcher's options (see vllm-cpu-launch --help) go before `--`.
 """
 
 
-def unknown_option(token: str, verb: str | None) -> str:
-    """Before the vLLM subcommand, an unknown option is most likely vLLM's, put too early;
-    after a verb, it is not one of that verb's, whose help lists them."""
+def unknown_option(token: str, verb: str | None, known: Sequence[str]) -> str:
+    """Before the vLLM subcommand, an unknown option is most likely vLLM's, put too early,
+    unless it is close to one of `known` (a typo); after a verb, it is not one of that
+    verb's, whose help lists them."""
+    from difflib import get_close_matches
+
+    # 0.8: a letter or two off (--iomp-pth, --stric); vLLM's --config or --model is no
+    # typo of --launcher-config or --help.
+    close = get_close_matches(token.partition("=")[0], known, n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]}?)" if close else ""
     if verb is not None:
-        return f"unknown option {token!r} for {verb}; see vllm-cpu-launch {verb} --help"
+        return f"unknown option {token!r} for {verb}{hint}; see vllm-cpu-launch {verb} --help"
+    if close:
+        return f"unknown launcher option {token!r}{hint}; see vllm-cpu-launch --help"
     return (
         f"unknown launcher option {token!r}; vLLM's options go after the subcommand "
         "(vllm-cpu-launch serve MODEL --option ...); see vllm-cpu-launch --help"
@@ -105,7 +115,7 @@ def parse_options(
         elif name in flags and not has_value:
             values[flags[name]] = True
         else:
-            raise LaunchError(EXIT_USAGE, unknown_option(token, verb))
+            raise LaunchError(EXIT_USAGE, unknown_option(token, verb, [*valued, *flags]))
         index += 1
     return values, []
 
@@ -157,20 +167,22 @@ def plan_from_options(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> Plan:
     """The plan to exec or print; with --strict, a target the trust rule reports or a
-    wanted library missing is fatal."""
+    wanted library missing is fatal: one error line (the other warnings stay warnings)."""
+    from vllm_cpu_launch.plan import STRICT_REFUSAL
+
     settings, _, plan = prepare_launch(values, arguments, program)
-    if settings.strict and plan.unsafe:
-        for problem in plan.unsafe[1:]:
-            emit("error", problem)
-        raise LaunchError(EXIT_NOT_EXECUTABLE, f"--strict: not starting: {plan.unsafe[0]}")
-    if settings.strict and plan.missing:
-        for warning in plan.warnings:
-            emit("error", warning)
-        raise LaunchError(
-            EXIT_LIBRARY_MISSING,
-            f"--strict: {', '.join(plan.missing)} wanted but not found; not starting",
-        )
-    return plan
+    if not settings.strict or not (plan.unsafe or plan.missing):
+        return plan
+    if plan.unsafe:
+        fatal, code = list(plan.unsafe), EXIT_NOT_EXECUTABLE
+        message = f"{STRICT_REFUSAL}: {'; '.join(fatal)}"
+    else:
+        fatal = [w for w in plan.warnings if STRICT_REFUSAL in w]
+        code, message = EXIT_LIBRARY_MISSING, "; ".join(fatal)
+    for warning in plan.warnings:
+        if warning not in fatal:
+            emit("warning", warning)
+    raise LaunchError(code, message)
 
 
 def write_stdout(text: str) -> None:
@@ -183,14 +195,15 @@ def write_stdout(text: str) -> None:
         raise LaunchError(EXIT_USAGE, f"cannot write to standard output: {error}") from None
 
 
-def report(plan: Plan, values: dict[str, object]) -> None:
-    """Warnings always; the INFO line unless quiet; notes and candidates when verbose."""
+def report(plan: Plan, values: dict[str, object], unchanged: str | None = None) -> None:
+    """Warnings always; the INFO line unless quiet; notes and candidates when verbose.
+    `unchanged`: what the INFO line says where the plan changes nothing (summary_line)."""
     from vllm_cpu_launch.plan import summary_line
 
     for warning in plan.warnings:
         emit("warning", warning)
     if not values.get("quiet"):
-        emit("info", summary_line(plan))
+        emit("info", summary_line(plan, unchanged))
     if values.get("verbose"):
         for note in plan.notes:
             emit("info", note)
@@ -200,11 +213,6 @@ def report(plan: Plan, values: dict[str, object]) -> None:
 
 def execute(plan: Plan) -> None:
     """Replace this process with the planned command; returns only by raising."""
-    if TYPE_CHECKING:
-        import signal
-    else:  # the C module: `signal`'s enum wrappers cost about 4 ms at start-up
-        import _signal as signal
-
     environment = dict(os.environ)
     environment.update(plan.env)
     # Python ignores SIGPIPE and SIGXFSZ at start-up, and ignored signals stay ignored

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.elf import elf_problem, elf_truncation, openmp_runtime
 from vllm_cpu_launch.places import IOMP, MARKER, search_places
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.trust import insecure_reason
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vllm_cpu_launch.places import Host
     from vllm_cpu_launch.target import Target

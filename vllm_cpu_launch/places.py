@@ -8,11 +8,11 @@ library in the vLLM environment) stops after a handful of system calls.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.target import python_user_base
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
 

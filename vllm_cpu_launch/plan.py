@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.evidence import (
     BIND_VARIABLE,
@@ -21,7 +23,6 @@ from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.tunes import choose, launch_scope
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Any
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 DEFAULT_KMP_BLOCKTIME = "5"
 LD_PRELOAD = "LD_PRELOAD"
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
+# What a wanted library's absence means with --strict, in its message (launch.py finds it).
+STRICT_REFUSAL = "--strict: not starting"
 
 
 @record
@@ -227,10 +230,12 @@ def build_plan(
     missing: list[str] = []
     searches: list[Search] = []
     warnings += settings.deprecated
+    refuses = settings.strict and planner == "launcher"  # a plugin cannot stop vLLM
     if speculative.note:
         warnings.append(speculative.note)
     if target.prefix:
-        notes.append(f"vLLM's environment: {target.prefix} ({target.evidence})")
+        owner = f"{target.executable}'s" if target.found_via == "program" else "vLLM's"
+        notes.append(f"{owner} environment: {target.prefix} ({target.evidence})")
     if target.disagreement:
         warnings.append(target.disagreement)
     trusted, problems = target_trust(target, host.euid)
@@ -295,7 +300,9 @@ def build_plan(
         if iomp is None:
             missing.append(IOMP)
             consequence = (
-                "speculative decoding on CPU runs about 2x slower with GNU libgomp"
+                STRICT_REFUSAL
+                if refuses
+                else "speculative decoding on CPU runs about 2x slower with GNU libgomp"
                 if speculative.requested
                 else "the program will use GNU libgomp"
             )
@@ -321,7 +328,8 @@ def build_plan(
         tcmalloc = search.chosen
         if tcmalloc is None and settings.tcmalloc == "always":
             missing.append(TCMALLOC)
-            warnings.append(missing_message(search, target, "vLLM will use glibc's malloc"))
+            consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
+            warnings.append(missing_message(search, target, consequence))
         elif tcmalloc is None:
             needed = map_iomp and map_iomp.tcmalloc  # rule 4 of the methods map needs one
             why_install = "the map's fastest setting here needs it" if needed else "optional"

@@ -13,11 +13,11 @@ for 0.32 and says that release was not read.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.target import python_libraries
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 

@@ -9,12 +9,12 @@ read, so an error names the option, variable or file and key it came from.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.records import record
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
     from typing import TypeVar
@@ -90,8 +90,9 @@ def fail(where: str, problem: str) -> LaunchError:
 
 
 def parse_mode(value: object, where: str) -> str:
-    if isinstance(value, str) and value in MODES:
-        return value
+    """auto, always or never, in any case (as yes/no values are)."""
+    if isinstance(value, str) and value.lower() in MODES:
+        return value.lower()
     hint = " (YAML reads off/no/on/yes as true or false: write never or always)"
     raise fail(
         where,
@@ -342,9 +343,20 @@ def deprecated_name(variable: str) -> str:
     return DEPRECATED_PREFIX + variable.removeprefix(VARIABLE_PREFIX)
 
 
+def ours_set(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without our variables that are empty: an empty variable of ours is the
+    same as an unset one (docs/design.md), whichever it is."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if value or not name.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
+    }
+
+
 def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
     """`environ` with each VLLM_CPU_LAUNCH_* variable of ours read under its current name
-    (where that is unset), and the warning that says so for each."""
+    (where that is unset), and the warning that says so for each; empty ones are unset."""
+    environ = ours_set(environ)
     current = dict(environ)
     warnings = []
     for variable in (CONFIG_VARIABLE, *(entry[1] for entry in KEYS.values())):

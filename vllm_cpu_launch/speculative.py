@@ -1,15 +1,19 @@
 """Is speculative decoding requested? Read the vLLM command line as vLLM reads it.
 
 vLLM parses `--speculative-config`/`-sc` with `json.loads`, where `""`, `None` and `null`
-mean no speculative decoding; the `--spec-*` shorthands and any dotted key request it by
+mean no speculative decoding, and refuses a value that is no JSON (so does the launcher,
+with the fix); the `--spec-*` shorthands and any dotted key request it by
 themselves. The grammar around them (dashes, abbreviations, dotted keys, `--config`
 files) is vllm_cli.py's.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.vllm_cli import (
     Occurrence,
@@ -19,9 +23,8 @@ from vllm_cpu_launch.vllm_cli import (
     on_command_line,
 )
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Iterable, Sequence
 
 # Options whose value is the speculative config (JSON): `-sc` stays its own name in messages.
 CONFIG_OPTIONS = ("--speculative-config", "-sc")
@@ -54,8 +57,12 @@ class SpeculativeRequest:
 
 
 def decide(options: Iterable[Occurrence]) -> SpeculativeRequest:
-    """Whether SD is requested by these options, and with which method and token count."""
+    """Whether SD is requested by these options, and with which method and token count.
+    Every JSON value is read, as argparse converts each: one that is no JSON is an error."""
     items = list(options)
+    for item in items:
+        if item.option in CONFIG_OPTIONS and item.dotted is None:
+            json_value(item)
     request = requested_by(items)
     if not request.requested:
         return request
@@ -82,7 +89,7 @@ def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | 
     fields: dict[str, object] = {}
     for item in options:
         if item.option in CONFIG_OPTIONS and item.dotted is None:
-            parsed = parsed_quietly(item.value)
+            parsed = json_value(item)
             fields = dict(parsed) if isinstance(parsed, dict) else {}
         elif item.option in CONFIG_OPTIONS:
             fields[item.dotted or ""] = item.value
@@ -99,14 +106,6 @@ def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | 
     return method, tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
-def parsed_quietly(value: str | None) -> object:
-    """The JSON value, or None for what is no JSON (judge_json says so)."""
-    try:
-        return parse_json(value) if value else None
-    except (ValueError, RecursionError):
-        return None
-
-
 def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
     """Fold SD options in vLLM's order (for argparse the last JSON value wins)."""
     last_config: Occurrence | None = None
@@ -119,84 +118,69 @@ def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
             last_config = item
     if last_config is None:
         return SpeculativeRequest(False)
-    return judge_json(last_config.value, last_config.source)
+    return judge_json(last_config)
 
 
-JSON_WHITESPACE = " \t\n\r"
-JSON_CONSTANTS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+# What the launcher shows of a value in a message (a JSON can be long).
+SHOWN_VALUE = 60
+EXAMPLE_JSON = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
-class ScannerContext:
-    """What CPython's C JSON scanner reads from a JSONDecoder: json.loads' defaults."""
-
-    strict = True
-    object_hook = None
-    object_pairs_hook = None
-    parse_float = float
-    parse_int = int
-    parse_constant = JSON_CONSTANTS.__getitem__
-
-
-def c_scanner() -> Callable[[str, int], tuple[object, int]] | None:
-    """CPython's C JSON scanner with json.loads' settings; None elsewhere."""
-    try:
-        from _json import make_scanner
-    except ImportError:  # another Python implementation
+def json_value(item: Occurrence) -> object:
+    """The JSON of a `--speculative-config` value (`json.loads`, as vLLM reads it with
+    argparse, each time the option is given; None for no value, empty or `None`). A value
+    that is no JSON stops the launch here, with the fix: vLLM would refuse it."""
+    value = item.value
+    if value is None or value in NO_VALUE:
         return None
-    return make_scanner(ScannerContext)  # type: ignore[arg-type]  # duck-typed decoder
-
-
-def parse_json(text: str) -> object:
-    """`json.loads(text)`, without importing `json` for a valid text.
-
-    `json` imports `re` and compiles its patterns: 1-7 ms of the exec path, more than
-    the launcher's own work. CPython's C scanner (`_json`, which `json` itself uses) is
-    called directly; anything it does not accept in full goes to `json.loads`, so the
-    result and the error are json.loads' own (tests/test_speculative.py compares them).
-    """
-    scanner = c_scanner()
-    if scanner is not None:
-        start = len(text) - len(text.lstrip(JSON_WHITESPACE))
-        try:
-            value, end = scanner(text, start)
-        except (StopIteration, ValueError):
-            pass  # invalid: json.loads below says why
-        else:
-            if not text[end:].strip(JSON_WHITESPACE):
-                return value
-    import json  # only for what the scanner refused: its message names the problem
-
-    return json.loads(text)
-
-
-def judge_json(value: str | None, source: str) -> SpeculativeRequest:
-    """`--speculative-config VALUE`: requested unless VALUE is empty, None or null."""
-    if value is None:
-        return SpeculativeRequest(True, source, f"{source} has no value; vLLM will report it")
-    if value in NO_VALUE:
-        return SpeculativeRequest(False, source)
     try:
-        parsed = parse_json(value)
-    except (ValueError, RecursionError) as error:  # RecursionError: `[[[[...` nested deeply
-        return SpeculativeRequest(
-            True, source, f"{source} is not valid JSON ({error}); vLLM will report it"
-        )
-    return SpeculativeRequest(parsed is not None, source)
+        return json.loads(value)
+    except ValueError as error:
+        problem = str(error)
+    except RecursionError:  # `[[[[...` nested deeper than Python's JSON reader goes
+        problem = "nested too deeply"
+    shown = value if len(value) <= SHOWN_VALUE else value[: SHOWN_VALUE - 3] + "..."
+    fix = (
+        f"write it as a YAML mapping (speculative_config: {{method: ngram}}) or as JSON, "
+        f"e.g. '{EXAMPLE_JSON}'"
+        if item.origin
+        else f"JSON needs double-quoted names and no trailing comma, e.g. {item.option} "
+        f"'{EXAMPLE_JSON}'"
+    )
+    raise LaunchError(
+        EXIT_USAGE, f"{item.source} {shown!r} is not valid JSON ({problem}); Fix: {fix}"
+    )
+
+
+def judge_json(item: Occurrence) -> SpeculativeRequest:
+    """`--speculative-config VALUE`: requested unless VALUE is empty, None or null."""
+    if item.value is None:
+        note = f"{item.source} has no value; vLLM will report it"
+        return SpeculativeRequest(True, item.source, note)
+    if item.value in NO_VALUE:
+        return SpeculativeRequest(False, item.source)
+    return SpeculativeRequest(json_value(item) is not None, item.source)
+
+
+# vLLM's `--model` (which prefixes other options: only itself stands for it).
+MODEL_OPTION = (Option("--model", "--model"),)
 
 
 def model_of(argv: Sequence[str]) -> str | None:
-    """The model of a vLLM command line: `serve MODEL`, else the last `--model`."""
+    """The model of a vLLM command line as vLLM resolves it: `serve MODEL`, else the last
+    `--model`, the command line's over its --config file's (`model:`). A --config file
+    that cannot be read names none: vLLM reports it (requested_by_arguments notes it)."""
     if len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-"):
         return argv[1]
-    model = None
-    for index, token in enumerate(argv):
-        if token == "--":
-            break
-        if token == "--model" and index + 1 < len(argv):
-            model = argv[index + 1]
-        elif token.startswith("--model="):
-            model = token.partition("=")[2]
-    return model
+    path = config_file_path(argv)
+    in_file: list[Occurrence] = []
+    if path is not None:
+        try:
+            in_file = in_config_file(path, MODEL_OPTION)
+        except Exception:  # OSError, UnicodeDecodeError, yaml.YAMLError (not imported here)
+            in_file = []
+    models = [item.value for item in (*in_file, *on_command_line(argv, MODEL_OPTION))]
+    return next((model for model in reversed(models) if model), None)
 
 
 def speculators_checkpoint(model: str | None) -> str | None:

@@ -11,10 +11,10 @@ becomes `$$` (environment substitution). `EnvironmentFile=` values (used by `env
 from __future__ import annotations
 
 import string
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchError
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.wrappers import path_files, read_wrapper, search_path
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -165,11 +165,37 @@ def check_executable(path: str, described: str) -> None:
             EXIT_NOT_EXECUTABLE, f"{described} {path} is not a regular file", subject=path
         )
     if not os.access(path, os.X_OK):
+        if not is_program(path):  # a data file named by mistake: chmod would not help
+            raise LaunchError(
+                EXIT_NOT_EXECUTABLE,
+                f"{described} {path} is neither a #! script nor an ELF executable, so no "
+                f"chmod makes it run; {PROGRAM_FIX[described]}",
+                subject=path,
+            )
         raise LaunchError(
             EXIT_NOT_EXECUTABLE,
             f"{described} {path} is not executable; fix it with: chmod +x {path}",
             subject=path,
         )
+
+
+# What to name instead of a file that is no program, by what the messages call the target.
+PROGRAM_FIX = {
+    "vLLM executable": "give --vllm the vllm script of the environment vLLM is installed "
+    "in, e.g. /venv/bin/vllm",
+    "program": "name a program, e.g. vllm-cpu-launch exec -- /venv/bin/python script.py",
+}
+
+
+def is_program(path: str) -> bool:
+    """Whether the file starts as the kernel runs it: `#!` or ELF's magic number. One that
+    cannot be read is given the benefit of the doubt."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(4)
+    except OSError:
+        return True
+    return head.startswith(b"#!") or head == b"\x7fELF"
 
 
 def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, str]) -> None:

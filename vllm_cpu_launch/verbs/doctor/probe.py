@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.settings import Scope
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Any
@@ -187,7 +187,7 @@ def plugin_section(
     elif allowed is not None and PLUGIN_NAME not in allowed.split(","):
         reason = f"installed, but VLLM_PLUGINS={allowed} does not name {PLUGIN_NAME}"
     elif not settings.plugin:
-        if PLUGIN_VARIABLE in environ:
+        if environ.get(PLUGIN_VARIABLE):
             where = f"{PLUGIN_VARIABLE}={environ[PLUGIN_VARIABLE]}"
         else:
             where = f"plugin: off in {', '.join(settings.config_files)}"

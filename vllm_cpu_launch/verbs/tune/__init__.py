@@ -16,6 +16,7 @@ import shutil
 import signal
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
@@ -31,7 +32,6 @@ from vllm_cpu_launch.verbs.tune.verdict import (
     table,
 )
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.settings import Tuned
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 

@@ -8,11 +8,11 @@ import os
 import signal
 import statistics
 import subprocess
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError
 from vllm_cpu_launch.messages import emit
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from vllm_cpu_launch.plan import Plan
 

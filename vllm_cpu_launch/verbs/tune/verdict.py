@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.records import record
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 

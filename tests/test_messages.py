@@ -1,0 +1,249 @@
+"""Each message true where it appears (issue 21, point 8): the launcher run as a fresh
+process, as a user runs it, for every message the review found untrue or missing."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_VARIABLE, stands_down
+
+from .conftest import LAUNCHER, clean_environ, install_recorder, read_record, run_launcher
+
+NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
+
+
+def launched(tmp_path: Path, args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
+    return run_launcher(args, clean_environ(tmp_path, **extra))
+
+
+def errors(result: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in result.stderr.splitlines() if "error:" in line]
+
+
+def test_env_starts_nothing_and_says_so(tmp_path: Path, vllm_env: Path) -> None:
+    vllm = str(vllm_env / "bin" / "vllm")
+    result = launched(tmp_path, ["--vllm", vllm, "env", "serve", "m"])
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == "vllm-cpu-launch: no speculative decoding requested; nothing to set"
+    started = launched(tmp_path, ["--vllm", vllm, "serve", "m"], RECORD_TO=str(tmp_path / "r"))
+    assert f"starting {vllm} unchanged" in started.stderr  # a launch does start it
+
+
+def test_strict_prints_one_error_line_with_the_fix(tmp_path: Path, vllm_env: Path) -> None:
+    """The one error is the missing library's own message, whose consequence is the
+    refusal (not "vLLM will use glibc's malloc": nothing starts)."""
+    vllm = str(vllm_env / "bin" / "vllm")
+    args = ["--strict", "--tcmalloc", "always", "--vllm", vllm, "serve", "m", "-sc", NGRAM]
+    result = launched(tmp_path, args, RECORD_TO=str(tmp_path / "record.json"))
+    if "tcmalloc not found" not in result.stderr:
+        pytest.fail(f"this host has a tcmalloc the launcher finds: {result.stderr}")
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    (line,) = errors(result)
+    assert line.startswith("vllm-cpu-launch: error: tcmalloc not found (searched ")
+    assert "; --strict: not starting. Fix: " in line
+    assert "glibc" not in line
+    assert not (tmp_path / "record.json").exists()
+    unstrict = launched(tmp_path, args[1:], RECORD_TO=str(tmp_path / "record.json"))
+    assert unstrict.returncode == 0 and "vLLM will use glibc's malloc" in unstrict.stderr
+
+
+def test_a_file_that_is_no_program_gets_no_chmod_advice(tmp_path: Path) -> None:
+    data = tmp_path / "passwd"
+    data.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    for args in (["--vllm", str(data), "serve", "m"], ["exec", "--", str(data)]):
+        result = launched(tmp_path, args)
+        assert result.returncode == 126, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert "neither a #! script nor an ELF executable" in line and "chmod +x" not in line
+
+
+def test_a_script_without_the_x_bit_gets_the_chmod_that_fixes_it(
+    tmp_path: Path, vllm_env: Path, record_file: Path
+) -> None:
+    script = install_recorder(vllm_env, "vllm-copy")
+    script.chmod(0o644)
+    args = ["-q", "--vllm", str(script), "serve", "m"]
+    result = launched(tmp_path, args, RECORD_TO=str(record_file))
+    (line,) = result.stderr.splitlines()
+    assert result.returncode == 126 and line.endswith(f"fix it with: chmod +x {script}")
+    subprocess.run(shlex.split(line.rpartition("fix it with: ")[2]), check=True, timeout=60)
+    result = launched(tmp_path, args, RECORD_TO=str(record_file))
+    assert (result.returncode, result.stderr) == (0, "")
+    assert read_record(record_file)["argv"] == ["serve", "m"]
+
+
+def test_exec_names_the_programs_environment_not_vllms(tmp_path: Path) -> None:
+    environ = clean_environ(tmp_path)
+    program = shutil.which("true", path=environ["PATH"])
+    assert program is not None
+    result = run_launcher(["-v", "exec", "--", "true"], environ)
+    assert result.returncode == 0, result.stderr
+    assert "vLLM's environment" not in result.stderr
+    assert f"{program}'s environment: " in result.stderr
+
+
+def test_doctor_writes_settings_as_they_are_set_and_names_a_missing_vllm_once(
+    tmp_path: Path,
+) -> None:
+    result = launched(tmp_path, ["doctor"], PATH=str(tmp_path / "empty"))
+    assert result.returncode == 0, result.stderr
+    assert "strict=no" in result.stdout and "strict=False" not in result.stdout
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("vLLM ")]
+    assert line.startswith("vLLM       none to start: vllm not found: looked beside")
+    assert result.stdout.count("not found") == result.stdout.count("vllm not found")
+    strict = launched(tmp_path, ["doctor"], PATH=str(tmp_path / "empty"), VLLMCPULAUNCH_STRICT="1")
+    assert "strict=yes" in strict.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["docter"], "unknown verb 'docter': did you mean doctor?"),
+        (["verfy", "1"], "unknown verb 'verfy': did you mean verify?"),
+        (["--iomp-pth", "/x.so", "serve", "m"], "'--iomp-pth' (did you mean --iomp-path?)"),
+        (["--stric", "serve", "m"], "'--stric' (did you mean --strict?)"),
+        (["doctor", "--mesure"], "'--mesure' for doctor (did you mean --measure?)"),
+        (["env", "--fromat", "json", "serve", "m"], "(did you mean --format?)"),
+    ],
+)
+def test_a_typo_gets_a_did_you_mean(
+    tmp_path: Path, vllm_env: Path, args: list[str], hint: str
+) -> None:
+    result = launched(tmp_path, args, VLLMCPULAUNCH_VLLM=str(vllm_env / "bin" / "vllm"))
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("vllm-cpu-launch: error: ") and hint in line
+
+
+def test_vllms_own_words_pass_on_without_a_guess(
+    tmp_path: Path, vllm_env: Path, record_file: Path
+) -> None:
+    """vLLM's subcommands, an unknown word after `--` (the did-you-mean's way out), and
+    vLLM's options put too early are not taken for a typo of ours."""
+    vllm = str(vllm_env / "bin" / "vllm")
+    for argv in (["chat"], ["collect-env"], ["run-batch", "-i", "x"], ["--", "docter"]):
+        result = launched(tmp_path, ["-q", "--vllm", vllm, *argv], RECORD_TO=str(record_file))
+        assert (result.returncode, result.stderr) == (0, ""), argv
+        assert read_record(record_file)["argv"] == [a for a in argv if a != "--"]
+    for option in ("--speculative-config", "--config", "--model"):
+        result = launched(tmp_path, ["--vllm", vllm, option, "x", "serve", "m"])
+        assert "did you mean" not in result.stderr and "after the subcommand" in result.stderr
+
+
+EMPTY_VARIABLES = (
+    "VLLMCPULAUNCH_IOMP",
+    "VLLMCPULAUNCH_IOMP_PATH",
+    "VLLMCPULAUNCH_TCMALLOC",
+    "VLLMCPULAUNCH_TCMALLOC_PATH",
+    "VLLMCPULAUNCH_KMP_BLOCKTIME",
+    "VLLMCPULAUNCH_VLLM",
+    "VLLMCPULAUNCH_STRICT",
+    "VLLMCPULAUNCH_CONFIG",
+    PLUGIN_VARIABLE,
+    "VLLM_CPU_LAUNCH_IOMP_PATH",  # the deprecated names alike, and no deprecation warning
+    "VLLM_CPU_LAUNCH_STRICT",
+)
+
+
+def test_an_empty_variable_of_ours_is_the_same_as_an_unset_one(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    args = ["--dry-run", "--json", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"]
+    for sd in ([], ["-sc", NGRAM]):
+        unset = launched(tmp_path, [*args, *sd])
+        assert unset.returncode == 0, unset.stderr
+        for variable in EMPTY_VARIABLES:
+            empty = launched(tmp_path, [*args, *sd], **{variable: ""})
+            assert (empty.returncode, empty.stderr) == (0, unset.stderr), variable
+            assert empty.stdout == unset.stdout, variable
+    # vLLM's plugin reads its switch the same way: empty leaves it on.
+    assert stands_down({PLUGIN_VARIABLE: ""}, "x86_64") is None
+    assert stands_down({PLUGIN_VARIABLE: "0"}, "x86_64") is not None
+
+
+def test_modes_are_read_in_any_case_as_yes_no_values_are(tmp_path: Path, vllm_env: Path) -> None:
+    vllm = str(vllm_env / "bin" / "vllm")
+    config = tmp_path / "launcher.yaml"
+    config.write_text("tcmalloc: Never\n")
+    base = ["--dry-run", "--json", "--vllm", vllm]
+    expected = launched(tmp_path, [*base, "--iomp", "always", "--tcmalloc", "never", "serve", "m"])
+    assert expected.returncode == 0, expected.stderr
+    for args, extra in (
+        (["--iomp", "ALWAYS", "--tcmalloc", "NEVER"], {}),
+        (["--launcher-config", str(config)], {"VLLMCPULAUNCH_IOMP": "Always"}),
+    ):
+        result = launched(tmp_path, [*base, *args, "serve", "m"], **extra)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout) == json.loads(expected.stdout)
+    strict = launched(tmp_path, [*base, "serve", "m"], VLLMCPULAUNCH_STRICT="YES")
+    assert strict.returncode == 0, strict.stderr
+
+
+def test_a_speculators_model_in_a_config_file_requests_sd(tmp_path: Path, vllm_env: Path) -> None:
+    model = tmp_path / "eagle"
+    model.mkdir()
+    speculators = {"algorithm": "eagle3", "proposal_methods": []}
+    (model / "config.json").write_text(json.dumps({"speculators_config": speculators}))
+    config = tmp_path / "vllm.yaml"
+    config.write_text(f"model: {model}\nport: 8001\n")
+    args = ["--dry-run", "--json", "--vllm", str(vllm_env / "bin" / "vllm")]
+    result = launched(tmp_path, [*args, "serve", "--config", str(config)])
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["speculative"] == {
+        "requested": True,
+        "source": f"{model}/config.json (speculators_config)",
+    }
+    assert [p["kind"] for p in plan["preload"]] == ["iomp"]
+
+
+def test_the_shell_format_leaves_the_plans_mark_to_one_program(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """`eval "$(vllm-cpu-launch env ...)"` must not switch vLLM's plugin off for every
+    later vLLM of that shell; a unit's, an image's or a container's environment is its
+    one program's, and carries the mark."""
+    environ = clean_environ(tmp_path)
+    options = ["--iomp", "never", "--vllm", str(vllm_env / "bin" / "vllm")]
+    sd = ["serve", "m", "-sc", NGRAM]
+    shell = (
+        f'eval "$({shlex.join([*LAUNCHER, "env", *options, *sd])})" && '
+        f'echo "${{{PLANNED_VARIABLE}-unset}} ${{KMP_BLOCKTIME-unset}}"'
+    )
+    result = subprocess.run(
+        ["bash", "-c", shell], env=environ, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["unset", "unset"]
+    for output_format in ("systemd", "docker", "kubernetes", "json"):
+        result = run_launcher(["env", "--format", output_format, *options, *sd], environ)
+        assert result.returncode == 0, result.stderr
+        assert PLANNED_VARIABLE in result.stdout, output_format
+
+
+def test_doctor_sizes_the_kv_cache_with_vllms_option_not_its_legacy_variable(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """vLLM 0.32 reads VLLM_CPU_KVCACHE_SPACE as a legacy setting
+    (CpuPlatform.check_and_update_config); --kv-cache-memory-bytes is the option."""
+    vllm = str(vllm_env / "bin" / "vllm")
+    result = launched(tmp_path, ["--vllm", vllm, "doctor", "--json"])
+    assert result.returncode == 0, result.stderr
+    (advice,) = [
+        a for a in json.loads(result.stdout)["recommendations"] if a["id"] == "kvcache-space"
+    ]
+    assert "--kv-cache-memory-bytes" in advice["text"]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in advice["text"] + advice["command"]
+    result = launched(tmp_path, ["--vllm", vllm, "doctor", "--json"], VLLM_CPU_KVCACHE_SPACE="x")
+    (advice,) = [
+        a for a in json.loads(result.stdout)["recommendations"] if a["id"] == "kvcache-space"
+    ]
+    assert "legacy" in advice["text"] and "--kv-cache-memory-bytes" in advice["text"]
