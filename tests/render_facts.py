@@ -89,10 +89,14 @@ def doctor_facts(report: dict[str, Any], volatile: tuple[Path, ...] = ()) -> lis
 def plan_facts(plan: dict[str, Any]) -> list[str]:
     """The command as one shell line, each variable as NAME=VALUE quoted for a shell."""
     quoted = ("env", "relies_on")  # as NAME=VALUE, the value quoted for a shell
-    rest = {key: value for key, value in plan.items() if key != "command" and key not in quoted}
+    exempt = ("command", "schema", "inputs")  # schema: for programs; inputs: below
+    rest = {key: value for key, value in plan.items() if key not in exempt + quoted}
     found = [shlex.join(plan["command"]), *facts(rest)]
     pairs = [pair for key in quoted for pair in plan[key].items()]
-    return found + [f"{name}={shlex.quote(value)}" for name, value in pairs]
+    found += [f"{name}={shlex.quote(value)}" for name, value in pairs]
+    # The caller's variables read: set ones as NAME=VALUE, unset ones by name.
+    inputs = plan["inputs"].items()
+    return found + [name if v is None else f"{name}={shlex.quote(v)}" for name, v in inputs]
 
 
 # ---------------------------------------------------------------- verify

@@ -156,9 +156,12 @@ def prepare_launch(
 def plan_from_options(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> Plan:
-    """The plan to exec or print; with --strict, a target the trust rule reports or a
-    wanted library missing is fatal."""
+    """The plan to exec or print. A caller's LD_PRELOAD entry the trust rule refuses is
+    fatal (126); with --strict, so are a target the trust rule reports and a wanted
+    library missing."""
     settings, _, plan = prepare_launch(values, arguments, program)
+    if plan.refused:  # never two OpenMP runtimes, nor a library others can change
+        raise LaunchError(EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
     if settings.strict and plan.unsafe:
         for problem in plan.unsafe[1:]:
             emit("error", problem)

@@ -190,6 +190,14 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
     lines.append(f"  with SD  the launcher {', '.join(does)}")
     lines.append(f"  because  {section['reason']}")
+    rule = section["rule"]
+    if rule:
+        low, high = rule["figures"]
+        lines.append(
+            f"  rule     {rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of "
+            f"{rule['versus']}'s speed ({rule['source']})"
+        )
+    lines += [f"  note     {note}" for note in section["notes"]]
     return lines
 
 
