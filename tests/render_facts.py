@@ -106,7 +106,8 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
     """Each process's command as one shell line (cut where long: --json has it whole),
     its runtimes by name, its variables as NAME=VALUE quoted for a shell."""
     processes = report["processes"]
-    found = facts({key: value for key, value in report.items() if key != "processes"})
+    exempt = ("processes", "schema")  # schema: the JSON form's own version, for programs
+    found = facts({key: value for key, value in report.items() if key not in exempt})
     for process in processes:
         found.append(shortened(shlex.join(process["cmdline"])))
         found += [RUNTIME_TITLES[r["kind"]] for r in process["runtimes"]]

@@ -250,3 +250,19 @@ def test_an_unusable_callers_runtime_gets_nothing_beside_it_and_its_fix_works(
     assert fix == "unset LD_PRELOAD"
     after = run_fix(fix, tmp_path, map_vllm, clean_environ(tmp_path, LD_PRELOAD=entry))
     assert [p["kind"] for p in after["preload"]] == ["iomp"]
+
+
+def test_every_json_output_carries_the_same_schema_key(tmp_path: Path, map_vllm: Path) -> None:
+    environ = clean_environ(tmp_path)
+    outputs = {
+        "plan": ["--vllm", str(map_vllm), "--dry-run", "--json", *NGRAM],
+        "plan/env": ["--vllm", str(map_vllm), "env", "--format", "json", *NGRAM],
+        "doctor": ["--vllm", str(map_vllm), "doctor", "--json"],
+        "verify": ["verify", "--json", str(os.getpid())],
+    }
+    for name, args in outputs.items():
+        result = run_launcher(args, environ)
+        document = json.loads(result.stdout)
+        assert next(iter(document)) == "schema", name
+        output = name.partition("/")[0]
+        assert document["schema"] == f"vllm-cpu-launch/{output}/2", name

@@ -15,6 +15,7 @@ import sys
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.evidence import MAP_CPUS, MAP_VLLM
+from vllm_cpu_launch.plan import schema
 from vllm_cpu_launch.verbs.doctor.advice import recommend
 from vllm_cpu_launch.verbs.doctor.probe import (
     GIB,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.target import Target
 
-SCHEMA = 1
+SCHEMA = schema("doctor")  # the JSON layout's name and version (docs/design.md, "JSON")
 
 USAGE = """\
 usage: vllm-cpu-launch doctor [--json] [--measure]
