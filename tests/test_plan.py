@@ -292,3 +292,12 @@ def test_an_llvm_runtime_of_the_callers_gets_no_second_runtime(
 
 def test_the_schema_names_the_output_and_the_layouts_version() -> None:
     assert schema("plan") == "vllm-cpu-launch/plan/2"
+
+
+def test_a_callers_runtime_leaves_their_ld_preload_byte_for_byte(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """Nothing added, nothing dropped: their spaces and empty entries stay as written."""
+    preload = f" {real_iomp} ::/x/libfoo.so "
+    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=preload)
+    assert plan["env"] == {} and plan["relies_on"] == {"LD_PRELOAD": preload}

@@ -201,7 +201,7 @@ def environment_changes(
                 f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both "
                 "libgomp and Intel OpenMP preloaded"
             )
-        if composed != current:
+        if preload_entries(composed) != preload_entries(current):  # else the caller's as set
             env["LD_PRELOAD"] = composed
     callers = environ.get("KMP_BLOCKTIME")
     iomp_preloaded = any(c.kind == IOMP for c in chosen)
