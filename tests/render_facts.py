@@ -89,10 +89,14 @@ def doctor_facts(report: dict[str, Any], volatile: tuple[Path, ...] = ()) -> lis
 def plan_facts(plan: dict[str, Any]) -> list[str]:
     """The command as one shell line, each variable as NAME=VALUE quoted for a shell."""
     quoted = ("env", "relies_on")  # as NAME=VALUE, the value quoted for a shell
-    rest = {key: value for key, value in plan.items() if key != "command" and key not in quoted}
+    exempt = ("command", "schema", "inputs")  # schema: for programs; inputs: below
+    rest = {key: value for key, value in plan.items() if key not in exempt + quoted}
     found = [shlex.join(plan["command"]), *facts(rest)]
     pairs = [pair for key in quoted for pair in plan[key].items()]
-    return found + [f"{name}={shlex.quote(value)}" for name, value in pairs]
+    found += [f"{name}={shlex.quote(value)}" for name, value in pairs]
+    # The caller's variables read: set ones as NAME=VALUE, unset ones by name.
+    inputs = plan["inputs"].items()
+    return found + [name if v is None else f"{name}={shlex.quote(v)}" for name, v in inputs]
 
 
 # ---------------------------------------------------------------- verify
@@ -102,7 +106,8 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
     """Each process's command as one shell line (cut where long: --json has it whole),
     its runtimes by name, its variables as NAME=VALUE quoted for a shell."""
     processes = report["processes"]
-    found = facts({key: value for key, value in report.items() if key != "processes"})
+    exempt = ("processes", "schema")  # schema: the JSON form's own version, for programs
+    found = facts({key: value for key, value in report.items() if key not in exempt})
     for process in processes:
         found.append(shortened(shlex.join(process["cmdline"])))
         found += [RUNTIME_TITLES[r["kind"]] for r in process["runtimes"]]

@@ -124,20 +124,20 @@ def test_intel_stub_or_debugger_library_is_refused(
     assert_one_error(result, 2, f"iomp library {shipped} cannot be preloaded: ", reason)
 
 
-def test_intel_stub_in_ld_preload_gives_way_to_the_runtime(
+def test_intel_stub_in_ld_preload_gets_no_runtime_beside_it(
     tmp_path: Path, vllm_env: Path, real_iomp: Path
 ) -> None:
-    """From LD_PRELOAD the stub is no candidate: a warning, and the real runtime goes
-    first. (libiomp5_db.so cannot be tried there: preloaded, no Python even starts.)"""
+    """From LD_PRELOAD the stub is no candidate, and a runtime beside it would make two
+    OpenMP libraries in one process: nothing is added, one warning with the LD_PRELOAD
+    that works (tests/test_plan_contract.py runs that fix). (libiomp5_db.so cannot be
+    tried there: preloaded, no Python even starts.)"""
     stub = real_iomp.parent / "libiompstubs5.so"
     result = launcher(tmp_path, ["--dry-run", "--json", *sd_launch(vllm_env)], LD_PRELOAD=str(stub))
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    runtime = str(vllm_env / "lib" / "libiomp5.so")
-    assert [p["path"] for p in plan["preload"]] == [runtime]
-    assert plan["env"]["LD_PRELOAD"] == f"{runtime}:{stub}"
+    assert (plan["preload"], plan["env"], plan["missing"]) == ([], {}, ["iomp"])
     (warning,) = (w for w in plan["warnings"] if str(stub) in w)
-    assert "no usable iomp library" in warning and "serial stub library" in warning
+    assert "serial stub library" in warning and warning.endswith("Fix: unset LD_PRELOAD")
 
 
 def test_explicit_library_is_used(tmp_path: Path, vllm_env: Path, real_iomp: Path) -> None:

@@ -79,7 +79,7 @@ def vllm_with_metadata(vllm_env: Path) -> Path:
 def test_report_of_a_vllm_environment(tmp_path: Path, vllm_with_metadata: Path) -> None:
     vllm = vllm_with_metadata / "bin" / "vllm"
     _, report = doctor(tmp_path, "--vllm", str(vllm))
-    assert set(report) == KEYS and report["schema"] == 1
+    assert set(report) == KEYS and report["schema"] == "vllm-cpu-launch/doctor/2"
     assert report["vllm"]["found"] is True
     assert report["vllm"]["executable"] == str(vllm)
     assert report["vllm"]["python"] == str(vllm_with_metadata / "bin" / "python")

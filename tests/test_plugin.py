@@ -12,6 +12,7 @@ the real libiomp5.so the intel-openmp wheel put into this venv.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -291,3 +292,27 @@ def test_an_engine_in_this_process_that_the_plan_keeps_on_libgomp_gets_no_advice
     assert said(outcome, "WARNING") == [] and set(outcome["env"].values()) == {None}
     (line,) = said(outcome, "INFO")
     assert line.startswith(f"{PREFIX}--iomp never; ")
+
+
+def test_an_unsafe_callers_entry_is_one_error_and_no_change(
+    tmp_path: Path, debian_root: Path
+) -> None:
+    """Where the launcher refuses to start (exit 126: the caller's tcmalloc in a directory
+    anyone may write, beside the plan's own), the plugin cannot: one error, nothing set."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    tcmalloc = shared / "libtcmalloc_minimal.so.4"
+    shutil.copy2(debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", tcmalloc)
+    shared.chmod(0o777)
+    outcome = run_vllm_process(tmp_path, {"LD_PRELOAD": str(tcmalloc)})
+    assert outcome["seen"] == [str(tcmalloc)] * 2
+    assert outcome["env"] == {
+        "LD_PRELOAD": str(tcmalloc),
+        "KMP_BLOCKTIME": None,
+        "VLLM_CPU_OMP_THREADS_BIND": None,
+        PLANNED_VARIABLE: None,
+    }
+    (error,) = said(outcome, "ERROR")
+    assert error.startswith(f"{PREFIX}your LD_PRELOAD entry {tcmalloc} is unsafe to preload")
+    assert error.endswith("(vLLM starts unchanged)") and "chmod" in error
+    assert said(outcome, "INFO") == [] and said(outcome, "WARNING") == []

@@ -92,11 +92,12 @@ def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
     fix here, not a field left out."""
     arguments = typing.get_args(hint)
     origin = typing.get_origin(hint)
-    if hint in (str, int, bool, type(None)):
+    if hint in (str, int, bool, float, type(None)):
         simple: dict[Any, st.SearchStrategy[Any]] = {
             str: TEXT,
             int: st.integers(0, 2**31),
             bool: st.booleans(),
+            float: st.floats(0, 10, allow_nan=False),
             type(None): st.none(),
         }
         return simple[hint]

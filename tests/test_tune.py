@@ -362,9 +362,10 @@ def test_tune_writes_the_winner_and_the_next_plan_follows_it(
         ["--vllm", str(bench_env / "bin" / "vllm"), "--dry-run", *SERVE], clean_environ(tmp_path)
     )
     assert plan.returncode == 0, plan.stderr
-    assert "preload:     nothing" in plan.stdout
-    assert (
-        f"reason:      --iomp never (from tune {record.when}: libgomp 2.00x faster" in plan.stdout
+    # A record of libgomp no longer keeps libgomp for SD: the note says why.
+    assert "preload:     iomp" in plan.stdout
+    assert f"note:        tune of {record.when} not applied after all: it kept libgomp" in (
+        plan.stdout
     )
 
 
@@ -418,7 +419,7 @@ def test_a_tune_applies_to_its_scope_and_a_later_one_of_the_same_scope_replaces_
     assert models == ["/models/other", "/models/m"]  # the newest first, the other kept
     # Each command gets its own tune's choice; -v says which record was considered and why.
     first = run_launcher([*vllm, "-v", "--dry-run", *SERVE], clean_environ(tmp_path))
-    assert "preload:     nothing" in first.stdout and "(from tune " in first.stdout
+    assert "preload:     iomp" in first.stdout and "not applied after all" in first.stdout
     assert "not applied: model /models/m, not /models/other" in first.stdout
     second = run_launcher([*vllm, "--dry-run", *other], clean_environ(tmp_path))
     assert "preload:     iomp" in second.stdout

@@ -1,16 +1,18 @@
-"""What the benchmark map says the launcher should do on this host (docs/benchmarks.md).
+"""What the benchmark map says the launcher may add on this host (docs/benchmarks.md).
 
 scripts/bench_vllm.py measured the real vLLM CPU build serving with ngram speculative
 decoding on one kind of host (MAP_CPUS usable CPUs, vLLM MAP_VLLM), over model size,
 reservation, binding, concurrency and the runtime settings a launcher can choose
 (docs/bench_vllm_map.json), then draft-model and EAGLE SD on the same host at vLLM's
 default reservation (the SD methods map, docs/bench_vllm_methods.json). Both keep every
-run, and tests/test_evidence.py recomputes every figure quoted here from them. A rule
-applies only where it was measured: that SD method (and, but for ngram, token count), that
-vLLM release (releases.vllm_release: its dist-info in the target's environment) on that
-many CPUs, one worker on one node.
-Elsewhere the launcher does what vLLM advises: Intel OpenMP for SD, KMP_BLOCKTIME as vLLM
-tunes its workers.
+run, and tests/test_evidence.py recomputes every figure quoted here from them.
+
+Speculative decoding always gets Intel OpenMP (docs/design.md, "Never slower"); a rule here
+only *adds* what the user left unset (the binding, the block time, tcmalloc), where it was
+measured (that SD method and token count, that vLLM release on that many CPUs, one worker
+on one node), and only where every paired round on the served-shape 105M-parameter model
+was a gain. A rule that would change what the user set does not apply, and its note says
+which setting stopped it. Elsewhere the launcher does what vLLM advises.
 """
 
 from __future__ import annotations
@@ -28,41 +30,63 @@ MAP = "docs/benchmarks.md, the map"
 METHODS_MAP = "docs/benchmarks.md, the SD methods map"
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-# The figures the rules rest on: the lowest and highest median TPOT ratio (> 1 = faster)
-# over both models and every concurrency level measured; test_evidence.py recomputes them.
-NOBIND_BLOCKTIME = "200"
-NOBIND_VS_INSTALLED = (0.92, 1.42)  # libiomp5 nobind KMP_BLOCKTIME=200 vs libgomp as installed
-NOBIND_VS_NOBIND = (1.26, 1.55)  # the same vs libgomp under nobind
-BOUND_IOMP = (0.87, 1.22)  # libiomp5 (+tcmalloc) bound by vLLM vs libgomp, same reservation
-NOBIND_BT0_VS_INSTALLED = (0.63, 0.98)  # libiomp5 nobind KMP_BLOCKTIME=0 vs libgomp as installed
 BLOCKTIME_VARIABLE = "KMP_BLOCKTIME"
 THREADS_VARIABLE = "OMP_NUM_THREADS"
+NOBIND_BLOCKTIME = "200"
+# The map's model whose rounds decide (the tiny one is bound by Python, not OpenMP).
+SERVED_MODEL = "100m"
+PLAIN = "plain vLLM (libgomp as installed)"
 
 
 @record
-class MethodRows:
-    """The SD methods map's figures for a method that runs a drafter, at one token count:
-    TPOT ratios (lowest and highest median, > 1 = faster) against libgomp as installed, on
-    the 105M-parameter model at vLLM's default reservation, 1 and 4 concurrent requests."""
+class Rule:
+    """A measured rule: what it adds, and the figures it rests on, the lowest and highest
+    median TPOT ratio (> 1 = faster) over the concurrency levels measured on the 105M
+    model, every paired round of each a gain; test_evidence.py recomputes them."""
 
-    unbound: tuple[float, float]  # libiomp5 + tcmalloc, nobind, KMP_BLOCKTIME=200
-    bound: tuple[float, float]  # libiomp5, with or without tcmalloc, as vLLM binds it
+    id: str
+    adds: str  # what it adds, in words
+    figures: tuple[float, float]
+    versus: str  # what the figures compare with
+    source: str  # where they were measured
 
 
-# (vLLM's method, num_speculative_tokens) -> its rows. Unbound with tcmalloc was a gain in
-# every round at 4 concurrent requests for each; bound libiomp5 never a loss.
-METHOD_ROWS = {
-    ("draft_model", 3): MethodRows(unbound=(1.26, 1.45), bound=(1.02, 1.14)),
-    ("draft_model", 7): MethodRows(unbound=(1.22, 1.41), bound=(1.00, 1.04)),
-    ("eagle", 3): MethodRows(unbound=(1.31, 1.51), bound=(0.98, 1.08)),
+NGRAM_UNBOUND = Rule(
+    "map-1",
+    f"{BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}, no tcmalloc",
+    (1.19, 1.42),
+    PLAIN,
+    MAP,
+)
+NGRAM_NOBIND = Rule(
+    "map-2",
+    f"{BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME} under your {BIND_VARIABLE}=nobind, no tcmalloc",
+    (1.32, 1.55),
+    "libgomp under nobind",
+    MAP,
+)
+
+
+def drafter_rule(figures: tuple[float, float]) -> Rule:
+    adds = f"tcmalloc, {BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}"
+    return Rule("methods-4", adds, figures, PLAIN, METHODS_MAP)
+
+
+# (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc, where every
+# round at 1 and 4 concurrent requests was a gain.
+DRAFTER_RULES = {
+    ("draft_model", 7): drafter_rule((1.22, 1.41)),
+    ("eagle", 3): drafter_rule((1.31, 1.51)),
 }
-DRAFTER_METHODS = tuple(dict.fromkeys(method for method, _ in METHOD_ROWS))
+# Measured, but not a gain in every round: no rule (test_evidence.py holds why).
+NOT_EVERY_ROUND = {("draft_model", 3): "at 1 request its rounds ranged 0.86-1.45x"}
+DRAFTER_METHODS = ("draft_model", "eagle")
 MAP_METHODS = ("ngram", *DRAFTER_METHODS)  # the SD methods mapped: the rules apply to them alone
 
 
 @record
 class MapHost:
-    """A host, vLLM and command the map measured, and the OpenMP settings the user chose."""
+    """A host, vLLM and command the map measured, and what the user set."""
 
     cpus: int
     vllm: str  # the release found in the target's environment
@@ -74,20 +98,18 @@ class MapHost:
     threads: str | None = None  # the caller's OMP_NUM_THREADS
     tokens: int | None = None  # num_speculative_tokens
     tcmalloc: bool = False  # a tcmalloc the settings let the launcher preload was found
+    tcmalloc_always: bool = False  # the settings preload tcmalloc whatever a rule says
 
 
 @record
 class MapChoice:
-    """What the map says to do for SD on such a host, and why (for the INFO line)."""
+    """The rule that applies, and what it adds (only what the user left unset)."""
 
-    iomp: bool  # what --iomp auto does: preload Intel OpenMP or keep libgomp
-    nobind: bool  # also set VLLM_CPU_OMP_THREADS_BIND=nobind (with Intel OpenMP)
-    blocktime: str | None  # KMP_BLOCKTIME by default (with Intel OpenMP), None: vLLM's own
-    reason: str
-    # Set where the caller's KMP_BLOCKTIME leaves the measured configuration: `blocktime`
-    # replaces it, and this warning says so.
-    replaces_callers: str | None = None
-    tcmalloc: bool = False  # measured with tcmalloc preloaded: the launcher preloads it too
+    rule: Rule
+    nobind: bool  # add VLLM_CPU_OMP_THREADS_BIND=nobind
+    blocktime: str | None  # KMP_BLOCKTIME to add (None: the user's is the measured one)
+    tcmalloc: bool  # measured with tcmalloc preloaded: the launcher preloads it too
+    reason: str  # for the INFO line's reason
 
 
 def map_host(
@@ -99,6 +121,7 @@ def map_host(
     tokens: int | None,
     chosen_blocktime: str | None = None,
     tcmalloc: bool = False,
+    tcmalloc_always: bool = False,
 ) -> MapHost | None:
     """This host, vLLM release and command, where the map measured them; None elsewhere.
 
@@ -107,7 +130,8 @@ def map_host(
     (single_worker) and the plugin from vLLM's parallel config. `method` and `tokens`: the
     SD method and num_speculative_tokens (None: the command does not say).
     `chosen_blocktime`: the launcher's --kmp-blocktime setting, if any. `tcmalloc`: a
-    tcmalloc was found that the settings let the launcher preload.
+    tcmalloc was found that the settings let the launcher preload; `tcmalloc_always`: the
+    settings preload one whatever a rule says.
     """
     if cpus != MAP_CPUS or not one_worker or method not in MAP_METHODS:
         return None
@@ -116,23 +140,18 @@ def map_host(
     binding = environ.get(BIND_VARIABLE, "")
     if binding not in ("", "auto", "nobind"):
         return None  # a CPU list of the user's: not measured
-    reserved = bool(environ.get(RESERVED_VARIABLE))
-    # The methods map measured vLLM's default reservation and binding, those tokens only.
-    if method in DRAFTER_METHODS and (
-        (method, tokens) not in METHOD_ROWS or binding == "nobind" or reserved
-    ):
-        return None
     return MapHost(
         cpus,
         release,
         method,
         binding,
-        reserved,
+        bool(environ.get(RESERVED_VARIABLE)),
         environ.get(BLOCKTIME_VARIABLE),
         chosen_blocktime,
         environ.get(THREADS_VARIABLE),
         tokens,
         tcmalloc,
+        tcmalloc_always,
     )
 
 
@@ -141,95 +160,69 @@ def figures(low_high: tuple[float, float]) -> str:
     return f"{low:.2f}-{high:.2f}x"
 
 
-def map_choice(host: MapHost) -> MapChoice:
-    """The measured best for SD on this host. The launcher chooses vLLM's binding only
-    where the user set neither the binding nor the reservation (vLLM's defaults).
-
-    Where the worker would run unbound (rules 1 and 2), the user's own OpenMP settings
-    count: under nobind vLLM sets no KMP_* or OMP_NUM_THREADS for its worker. A caller's
-    OMP_NUM_THREADS was never measured there: libgomp is kept, as plain vLLM (the map has
-    no row for a thread count, and keeping libgomp is never slower than plain vLLM). A
-    caller's KMP_BLOCKTIME other than the measured one is replaced, with a warning: the
-    block time decides the gain (0 measured 0.63-0.98x of plain vLLM, 200 0.92-1.42x). A
-    block time chosen with --kmp-blocktime is kept, and no figure is claimed for it.
-
-    A method with a drafter (METHOD_ROWS) was measured unbound only with tcmalloc and
-    without a thread count: without one to preload, with a caller's OMP_NUM_THREADS, or
-    with vLLM's binding set, it gets libiomp5 as vLLM binds it (also measured)."""
-    rows = METHOD_ROWS.get((host.method, host.tokens or 0))
-    if rows is None:
-        where, source = f"{host.method} SD on {host.cpus} CPUs with vLLM {host.vllm}", MAP
-        unbound = host.binding == "nobind" or (not host.binding and not host.reserved)
-    else:
-        where = (
-            f"{host.method} SD with {host.tokens} tokens on {host.cpus} CPUs with vLLM {host.vllm}"
-        )
-        source = METHODS_MAP
-        unbound = not host.binding and host.tcmalloc and host.threads is None
-    if unbound and host.threads is not None:
-        why = (
-            f"not preloading Intel OpenMP: {where}, under {BIND_VARIABLE}=nobind the worker "
-            f"would run {THREADS_VARIABLE}={host.threads} threads, which the map never "
-            f"measured ({source}); keeping libgomp as plain vLLM; --iomp always keeps "
-            "libiomp5"
-        )
-        return MapChoice(False, False, None, why)
-    if not unbound and rows is not None:
-        if host.binding:
-            because = f"with your {BIND_VARIABLE}={host.binding}"
-        elif not host.tcmalloc:
-            because = "with no tcmalloc to preload"
-        else:  # unbound, vLLM would leave the worker's team to it
-            because = f"with your {THREADS_VARIABLE}={host.threads}, never measured unbound"
-        why = (
-            f"{where}, {because}: libiomp5 as vLLM binds it measured {figures(rows.bound)} of "
-            f"libgomp's speed; unbound ({BIND_VARIABLE}=nobind) with tcmalloc "
-            f"{figures(rows.unbound)} ({source})"
-        )
-        return MapChoice(True, False, None, why, tcmalloc=True)
-    if not unbound:
-        chosen = f"{RESERVED_VARIABLE} set" if host.reserved else f"{BIND_VARIABLE}=auto"
-        why = (
-            f"not preloading Intel OpenMP: {where} and {chosen}, vLLM binds the worker, and "
-            f"libiomp5 as it binds and tunes it measured {figures(BOUND_IOMP)} of libgomp's "
-            f"speed, slower on the 105M-parameter model ({MAP}); --iomp always keeps it"
-        )
-        return MapChoice(False, False, None, why)
-    nobind = host.binding != "nobind"  # the launcher sets it only where the user did not
-    blocktime = NOBIND_BLOCKTIME
-    runtime = "libiomp5 and tcmalloc" if rows else "libiomp5"
-    best = figures(rows.unbound if rows else NOBIND_VS_INSTALLED)
-    if host.binding == "nobind":
-        why = (
-            f"{where}, with your {BIND_VARIABLE}=nobind: libiomp5 with KMP_BLOCKTIME={blocktime} "
-            f"measured {figures(NOBIND_VS_NOBIND)} of libgomp's speed ({MAP})"
-        )
-    else:
-        bound = figures(rows.bound if rows else BOUND_IOMP)
-        why = (
-            f"{where}, {runtime} unbound ({BIND_VARIABLE}=nobind) with KMP_BLOCKTIME="
-            f"{blocktime} measured {best} of plain vLLM's speed, libiomp5 as vLLM binds it "
-            f"{bound} ({source})"
-        )
-    # What the block time is measured to do under nobind: 0 and 200 for ngram (the map),
-    # 200 alone for a method with a drafter.
-    blocktimes = f"0 measured {figures(NOBIND_BT0_VS_INSTALLED)}, {blocktime} " + (
-        f"{figures(NOBIND_VS_INSTALLED)} of plain vLLM's speed; {MAP}"
-        if rows is None
-        else f"{figures(NOBIND_VS_INSTALLED)} for ngram SD ({MAP}); {blocktime} {best} "
-        f"here ({source})"
+def described(rule: Rule) -> str:
+    """`map rule map-1 (adds ...: TPOT 1.19-1.42x of plain vLLM's speed, ...)`."""
+    return (
+        f"map rule {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
+        f"{rule.versus}'s speed on the 105M model, every round a gain; {rule.source})"
     )
-    if host.chosen_blocktime not in (None, blocktime):
-        why = (
-            f"{where}, {runtime} unbound ({BIND_VARIABLE}=nobind) with your KMP_BLOCKTIME="
-            f"{host.chosen_blocktime}, which the map did not measure (KMP_BLOCKTIME={blocktimes})"
+
+
+def rule_for(host: MapHost) -> tuple[Rule | None, str]:
+    """The rule measured for this method, tokens and binding, or None with why not."""
+    where = f"{host.method} SD on {host.cpus} CPUs with vLLM {host.vllm}"
+    if host.method in DRAFTER_METHODS:
+        key = (host.method, host.tokens or 0)
+        where = f"{host.method} SD with {host.tokens} tokens on {host.cpus} CPUs"
+        if key in NOT_EVERY_ROUND:
+            return None, (
+                f"{where}: the unbound setting with tcmalloc was not a gain in every round "
+                f"({NOT_EVERY_ROUND[key]}; {METHODS_MAP}): no rule"
+            )
+        if key not in DRAFTER_RULES:
+            return None, f"{where}: not measured ({METHODS_MAP}): no rule"
+        if host.binding or host.reserved:
+            return None, f"{where}: measured only at vLLM's default binding: no rule"
+        return DRAFTER_RULES[key], where
+    if host.binding == "nobind":
+        return NGRAM_NOBIND, where
+    if host.binding or host.reserved:
+        mine = f"{BIND_VARIABLE}={host.binding}" if host.binding else f"{RESERVED_VARIABLE} set"
+        return None, (
+            f"{where}, your {mine}: vLLM binds the worker, which on {host.cpus} CPUs then runs "
+            "one OpenMP thread where the runtime barely matters: no rule, no figure claimed"
         )
-        return MapChoice(True, nobind, None, why, tcmalloc=rows is not None)
-    replaced = None
-    if host.blocktime not in (None, blocktime):
-        replaced = (
-            f"your {BLOCKTIME_VARIABLE}={host.blocktime} is replaced by {blocktime} for this "
-            f"start: under nobind the block time decides the gain ({blocktimes}); "
-            f"--kmp-blocktime {host.blocktime} keeps yours"
+    return NGRAM_UNBOUND, where
+
+
+def map_choice(host: MapHost) -> tuple[MapChoice | None, str]:
+    """The rule that applies here and what it adds, or None; and a note for -v/--dry-run
+    saying which rule applied, or why none did (the user's setting that stopped it)."""
+    rule, where = rule_for(host)
+    if rule is None:
+        return None, f"{where}; libiomp5 as vLLM advises"
+    blocktime = host.chosen_blocktime or host.blocktime
+    stopped = []
+    if host.threads is not None:
+        stopped.append(f"your {THREADS_VARIABLE}={host.threads} (never measured unbound)")
+    if blocktime not in (None, NOBIND_BLOCKTIME):
+        whose = "--kmp-blocktime" if host.chosen_blocktime else f"your {BLOCKTIME_VARIABLE}"
+        stopped.append(f"{whose} {blocktime} (it needs {NOBIND_BLOCKTIME}; yours is kept)")
+    if rule.source == MAP and host.tcmalloc_always:
+        stopped.append("tcmalloc set to always (measured without it)")
+    if rule.source == METHODS_MAP and not host.tcmalloc:
+        stopped.append("no tcmalloc to preload (measured with one)")
+    if stopped:
+        return None, (
+            f"{described(rule)} not applied for {where}: {'; '.join(stopped)}; "
+            "libiomp5 as vLLM advises"
         )
-    return MapChoice(True, nobind, blocktime, why, replaced, tcmalloc=rows is not None)
+    reason = f"{where}: {described(rule)}"
+    choice = MapChoice(
+        rule,
+        nobind=not host.binding,
+        blocktime=None if blocktime else NOBIND_BLOCKTIME,
+        tcmalloc=rule.source == METHODS_MAP,
+        reason=reason,
+    )
+    return choice, f"{described(rule)} applied"

@@ -166,11 +166,14 @@ def prepare_launch(
 def plan_from_options(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> Plan:
-    """The plan to exec or print; with --strict, a target the trust rule reports or a
-    wanted library missing is fatal: one error line (the other warnings stay warnings)."""
+    """The plan to exec or print. A caller's LD_PRELOAD entry the trust rule refuses is
+    fatal (126); with --strict, so are a target the trust rule reports and a wanted
+    library missing: one error line (the other warnings stay warnings)."""
     from vllm_cpu_launch.plan import STRICT_REFUSAL
 
     settings, _, plan = prepare_launch(values, arguments, program)
+    if plan.refused:  # never two OpenMP runtimes, nor a library others can change
+        raise LaunchError(EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
     if not settings.strict or not (plan.unsafe or plan.missing):
         return plan
     if plan.unsafe:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 
 FLAVOR_RANK = {"intel": 0, "llvm": 1, None: 2}
+UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 
 
 @record
@@ -105,7 +106,7 @@ def examine(
             return problem, None, ""
         unsafe = insecure_reason(path, host.euid, trusted)
         if unsafe:
-            return f"unsafe to preload: {unsafe[0]}", None, unsafe[1]
+            return f"{UNSAFE}{unsafe[0]}", None, unsafe[1]
         if kind != IOMP:
             return None, None, ""
         # The banners are looked for only once it is known to be a fitting ELF file.

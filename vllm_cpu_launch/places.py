@@ -85,6 +85,17 @@ def preload_entries(value: str) -> list[str]:
     return [entry for entry in value.replace(":", " ").split(" ") if entry]
 
 
+def openmp_runtime_of(entry: str) -> str | None:
+    """Which OpenMP runtime an LD_PRELOAD entry names, as vLLM reads it (the substrings of
+    vllm/utils/ompmultiprocessing.py): "gnu" (libgomp), "intel" (libiomp or LLVM's
+    libomp, both Intel's interface), or None."""
+    if "libgomp" in entry:
+        return "gnu"
+    if "libiomp" in entry or "libomp" in entry:
+        return "intel"
+    return None
+
+
 def ld_preload_place(kind: str, host: Host) -> Place:
     entries = preload_entries(host.environ.get("LD_PRELOAD", ""))
     return Place("ld-preload", tuple(e for e in entries if MARKER[kind] in os.path.basename(e)))

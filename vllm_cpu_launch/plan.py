@@ -15,8 +15,8 @@ from vllm_cpu_launch.evidence import (
     map_host,
 )
 from vllm_cpu_launch.handoff import IOMP_MACHINES, PLANNED_VARIABLE
-from vllm_cpu_launch.libraries import Candidate, Search, find_library
-from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
+from vllm_cpu_launch.libraries import UNSAFE, Candidate, Search, find_library
+from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, openmp_runtime_of, preload_entries
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.releases import support, target_release
 from vllm_cpu_launch.settings import blocktime_problem
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Any
 
+    from vllm_cpu_launch.evidence import Rule
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.speculative import SpeculativeRequest
     from vllm_cpu_launch.target import Target
@@ -37,6 +38,23 @@ LD_PRELOAD = "LD_PRELOAD"
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
 # What a wanted library's absence means with --strict, in its message (launch.py finds it).
 STRICT_REFUSAL = "--strict: not starting"
+# The caller's variables a plan reads and never changes (docs/design.md, "What it changes
+# and never changes"): the decision record's `inputs`.
+CALLER_VARIABLES = (
+    LD_PRELOAD,
+    BLOCKTIME_VARIABLE,
+    THREADS_VARIABLE,
+    BIND_VARIABLE,
+    RESERVED_VARIABLE,
+)
+# Every JSON output (--dry-run --json, env --format json, doctor --json, verify --json)
+# starts with {"schema": schema(OUTPUT)}: its layout, versioned (docs/design.md, "JSON").
+SCHEMA_VERSION = 2
+
+
+def schema(output: str) -> str:
+    """`vllm-cpu-launch/plan/2`: which output this is, and the version of its layout."""
+    return f"vllm-cpu-launch/{output}/{SCHEMA_VERSION}"
 
 
 @record
@@ -64,6 +82,13 @@ class Plan:
     # The caller's variables the plan keeps and depends on (a unit or image must carry them).
     relies_on: tuple[tuple[str, str], ...] = ()
     scope: Scope | None = None  # what a tune of this launch measures (tunes.py)
+    rule: Rule | None = None  # the benchmark map's rule applied, with its figures
+    tuned: Tuned | None = None  # the tune record applied
+    # The caller's variables read (CALLER_VARIABLES), None where unset.
+    inputs: tuple[tuple[str, str | None], ...] = ()
+    # The caller's LD_PRELOAD entries that fail the trust rule beside the plan's own
+    # libraries: the launcher refuses to start (exit 126), the plugin changes nothing.
+    refused: tuple[str, ...] = ()
 
 
 def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
@@ -165,9 +190,11 @@ def environment_changes(
     chosen: Sequence[Candidate],
     kmp_blocktime: str | None,
     warnings: list[str],
-    default_blocktime: str = DEFAULT_KMP_BLOCKTIME,
+    default_blocktime: str | None = DEFAULT_KMP_BLOCKTIME,
 ) -> dict[str, str]:
-    """LD_PRELOAD and KMP_BLOCKTIME as they must change (only what changes)."""
+    """LD_PRELOAD and KMP_BLOCKTIME as they must change (only what changes). The caller's
+    KMP_BLOCKTIME is never replaced; `default_blocktime` (None: none) only fills it in
+    beside the Intel OpenMP the plan preloads; `kmp_blocktime` is the launcher's setting."""
     env: dict[str, str] = {}
     current = environ.get("LD_PRELOAD", "")
     if chosen:
@@ -177,7 +204,7 @@ def environment_changes(
                 f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both "
                 "libgomp and Intel OpenMP preloaded"
             )
-        if composed != current:
+        if preload_entries(composed) != preload_entries(current):  # else the caller's as set
             env["LD_PRELOAD"] = composed
     callers = environ.get("KMP_BLOCKTIME")
     iomp_preloaded = any(c.kind == IOMP for c in chosen)
@@ -186,23 +213,45 @@ def environment_changes(
             kmp_blocktime = default_blocktime
         elif problem := blocktime_problem(callers):  # the caller's is kept, but said
             warnings.append(
-                f"{problem} (yours is kept; --kmp-blocktime {default_blocktime} overrides it)"
+                f"{problem} (yours is kept; --kmp-blocktime {DEFAULT_KMP_BLOCKTIME} overrides it)"
             )
     if kmp_blocktime is not None and callers != kmp_blocktime:
         env["KMP_BLOCKTIME"] = kmp_blocktime
     return env
 
 
-def without_openmp(current: str, warnings: list[str]) -> dict[str, str]:
-    """LD_PRELOAD without the caller's Intel/LLVM OpenMP entries, each said ({} if none)."""
-    entries = preload_entries(current)
-    dropped = [e for e in entries if "libiomp" in e or "libomp" in e]
-    for entry in dropped:
+def without_entry(current: str, entry: str) -> str:
+    """The command that removes `entry` from the caller's LD_PRELOAD, keeping the rest."""
+    import shlex
+
+    rest = [e for e in preload_entries(current) if e != entry]
+    return f"export LD_PRELOAD={shlex.quote(':'.join(rest))}" if rest else "unset LD_PRELOAD"
+
+
+def refusal(candidate: Candidate) -> str:
+    """The one line for a caller's LD_PRELOAD entry the trust rule refuses."""
+    problem = candidate.reason.removeprefix(UNSAFE)
+    fix = candidate.fix or "make it and its directories writable by root alone"
+    return (
+        f"your LD_PRELOAD entry {candidate.path} is unsafe to preload ({problem}), and the "
+        f"plan's own {candidate.kind} library would go beside it; Fix: {fix}"
+    )
+
+
+def callers_runtime_problems(
+    search: Search, yours: Sequence[str], current: str, warnings: list[str]
+) -> bool:
+    """Said once where the caller's LD_PRELOAD names an OpenMP runtime that is not usable:
+    nothing is preloaded beside it (two runtimes in one process). True where it is not."""
+    rejected = {c.path: c for c in search.candidates if c.origin == "ld-preload"}
+    broken = [rejected[e] for e in yours if e in rejected and rejected[e].verdict == "rejected"]
+    for candidate in (c for c in broken if not c.reason.startswith(UNSAFE)):
         warnings.append(
-            f"removed {entry} from LD_PRELOAD: this plan keeps GNU libgomp (its reason "
-            "says why); --iomp always keeps Intel OpenMP"
+            f"your LD_PRELOAD entry {candidate.path} is no usable Intel OpenMP "
+            f"({candidate.reason}): nothing is preloaded beside it, two OpenMP runtimes in "
+            f"one process; Fix: {without_entry(current, candidate.path)}"
         )
-    return {"LD_PRELOAD": ":".join(e for e in entries if e not in dropped)} if dropped else {}
+    return bool(broken)
 
 
 def build_plan(
@@ -224,6 +273,7 @@ def build_plan(
     `model`: the model served (default: the one `arguments` name), a tune's scope.
     `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
     libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
+    What the caller set is theirs (docs/design.md, "What it changes and never changes").
     """
     warnings: list[str] = []
     notes: list[str] = []
@@ -252,6 +302,12 @@ def build_plan(
     scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
     notes += tune_notes
+    if tuned and tuned.iomp == "never" and speculative.requested:
+        notes.append(
+            f"tune of {tuned.when} not applied after all: it kept libgomp ({tuned.result}), "
+            "but speculative decoding gets Intel OpenMP unless you set iomp: never"
+        )
+        tuned = None
     mode = tuned.iomp if tuned else settings.iomp
     wants_iomp = mode == "always" or (mode == "auto" and auto_iomp)
     reasons = [why(mode, speculative, auto_iomp, tuned)]
@@ -262,11 +318,25 @@ def build_plan(
         wants_iomp = False
     elif speculative.requested and release.status == "newer":
         reasons.append(release.note)
+    if wants_iomp and host.machine not in IOMP_MACHINES:
+        message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
+        (warnings if mode == "always" else notes).append(message)
+        wants_iomp = False
+    current = host.environ.get(LD_PRELOAD, "")
+    # An Intel or LLVM OpenMP in the caller's LD_PRELOAD: the runtime is theirs, and so
+    # are its settings; nothing is preloaded beside it, no rule or default added.
+    yours = [e for e in preload_entries(current) if openmp_runtime_of(e) == "intel"]
+    if yours and wants_iomp:
+        reasons.append("your LD_PRELOAD names an OpenMP runtime: kept as set, nothing added")
+    elif yours and mode == "never":
+        warnings.append(
+            f"--iomp never, but your LD_PRELOAD names {', '.join(yours)}: it stays as you set it"
+        )
     # A drafter's method was measured unbound only with tcmalloc: whether one is found
     # decides its rule (evidence.map_choice), so it is looked for first.
     tcmalloc_search: Search | None = None
     drafter = speculative.requested and speculative.method in DRAFTER_METHODS
-    if drafter and settings.tcmalloc != "never":
+    if drafter and wants_iomp and not yours and settings.tcmalloc != "never":
         tcmalloc_search = explicit.get(TCMALLOC) or find_library(
             TCMALLOC, host, target, trusted=trusted
         )
@@ -280,24 +350,31 @@ def build_plan(
             speculative.tokens,
             settings.kmp_blocktime,
             tcmalloc_search is not None and tcmalloc_search.chosen is not None,
+            settings.tcmalloc == "always",
         )
-        if speculative.requested
+        if speculative.requested and wants_iomp and not yours
         else None
     )
-    choice = map_choice(measured) if measured else None
-    if choice and not choice.iomp and mode == "auto":
-        reasons.append(choice.reason)
-        wants_iomp = False
-    if wants_iomp and host.machine not in IOMP_MACHINES:
-        message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
-        (warnings if mode == "always" else notes).append(message)
-        wants_iomp = False
+    choice, map_note = map_choice(measured) if measured else (None, "")
+    if map_note and choice is None:
+        notes.append(map_note)
     iomp: Candidate | None = None
     if wants_iomp:
         search = explicit.get(IOMP) or find_library(IOMP, host, target, trusted=trusted)
         searches.append(search)
         iomp = search.chosen
-        if iomp is None:
+        foreign = [e for e in yours if iomp is None or e != iomp.path]
+        if foreign and IOMP in explicit:
+            raise LaunchError(
+                EXIT_USAGE,
+                f"--iomp-path {settings.iomp_path} and your LD_PRELOAD entry {foreign[0]} "
+                "would put two OpenMP runtimes in one process: give one of them",
+            )
+        if foreign:
+            iomp = None  # the caller's runtime stays; nothing goes beside it
+            if callers_runtime_problems(search, yours, current, warnings):
+                missing.append(IOMP)
+        elif iomp is None:
             missing.append(IOMP)
             consequence = (
                 STRICT_REFUSAL
@@ -310,12 +387,15 @@ def build_plan(
     elif mode == "auto" and not auto_iomp:
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
-    # How the map measured Intel OpenMP fastest here goes with it, whoever chose it.
-    map_iomp = choice if choice and choice.iomp and iomp is not None else None
+    # What the map measured goes with the Intel OpenMP the plan preloads, whoever chose it.
+    applied = choice if choice and iomp is not None else None
     wants_tcmalloc = settings.tcmalloc == "always" or (
-        settings.tcmalloc == "auto" and iomp is not None and (not map_iomp or map_iomp.tcmalloc)
+        settings.tcmalloc == "auto"
+        and iomp is not None
+        and not yours
+        and (not applied or applied.tcmalloc)
     )
-    if map_iomp and not map_iomp.tcmalloc and settings.tcmalloc == "auto":
+    if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
         notes.append("tcmalloc not preloaded: the map measured this libiomp5 setting without it")
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
@@ -331,37 +411,37 @@ def build_plan(
             consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
             warnings.append(missing_message(search, target, consequence))
         elif tcmalloc is None:
-            needed = map_iomp and map_iomp.tcmalloc  # rule 4 of the methods map needs one
-            why_install = "the map's fastest setting here needs it" if needed else "optional"
-            notes.append(f"tcmalloc not found; {why_install} (install libtcmalloc-minimal4)")
+            notes.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
 
-    for candidate in (c for search in searches for c in search.candidates):
-        if candidate.origin == "ld-preload" and candidate.verdict == "rejected":
+    callers = [c for s in searches for c in s.candidates if c.origin == "ld-preload"]
+    refused = [c for c in callers if c.verdict == "rejected" and c.reason.startswith(UNSAFE)]
+    for candidate in callers:
+        if candidate.verdict == "rejected" and candidate not in refused:
+            if candidate.kind == IOMP and candidate.path in yours:
+                continue  # said once above
             warnings.append(
                 f"your LD_PRELOAD entry {candidate.path} stays as you set it, but it is no "
                 f"usable {candidate.kind} library: {candidate.reason}"
             )
     chosen = [c for c in (tcmalloc, iomp) if c is not None]
-    default_blocktime = (map_iomp and map_iomp.blocktime) or DEFAULT_KMP_BLOCKTIME
-    kmp_blocktime = settings.kmp_blocktime
-    if map_iomp and map_iomp.replaces_callers:
-        warnings.append(map_iomp.replaces_callers)
-        kmp_blocktime = map_iomp.blocktime
-    env = environment_changes(host.environ, chosen, kmp_blocktime, warnings, default_blocktime)
-    if map_iomp:
-        reasons.append(map_iomp.reason)
-        if map_iomp.nobind:
+    if refused:  # nothing changes: the launcher refuses to start, the plugin leaves it
+        chosen = []
+    default_blocktime = None if yours else DEFAULT_KMP_BLOCKTIME
+    if applied and applied.blocktime:
+        default_blocktime = applied.blocktime
+    blocktime = None if refused else settings.kmp_blocktime
+    env = environment_changes(host.environ, chosen, blocktime, warnings, default_blocktime)
+    if applied and chosen:
+        reasons.append(f"map rule {applied.rule.id}")
+        notes.append(map_note)
+        if applied.nobind:
             env[BIND_VARIABLE] = "nobind"
     # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
     # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
-    keeps_gomp = iomp is None and (speculative.requested or mode == "never")
-    if keeps_gomp and host.environ.get(PLANNED_VARIABLE) != planner:
+    keeps_gomp = iomp is None and (mode == "never" or (speculative.requested and not yours))
+    if keeps_gomp and not refused and host.environ.get(PLANNED_VARIABLE) != planner:
         env[PLANNED_VARIABLE] = planner
-    if keeps_gomp and IOMP not in missing and host.machine in IOMP_MACHINES:
-        # Kept on purpose (the settings, a tune, the map, the release): an Intel or LLVM
-        # OpenMP of the caller's would make it a configuration nobody chose.
-        env.update(without_openmp(host.environ.get("LD_PRELOAD", ""), warnings))
-    relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen else []
+    relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen or yours else []
     if measured:  # the map's rule read these
         relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
     kept = {name: host.environ[name] for name in relied if name in host.environ}
@@ -379,18 +459,38 @@ def build_plan(
         unsafe=tuple(unsafe),
         relies_on=relies_on,
         scope=scope,
+        rule=applied.rule if applied and chosen else None,
+        tuned=tuned,
+        inputs=tuple((name, host.environ.get(name)) for name in CALLER_VARIABLES),
+        refused=tuple(refusal(c) for c in refused),
     )
 
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
-    """The plan in the JSON form of docs/design.md (`--dry-run --json`, `env --format json`)."""
+    """The decision record, in the JSON form of docs/design.md ("The decision record"):
+    `--dry-run --json`, `env --format json`, doctor's `map.plan`; render_text shows it."""
+    rule = plan.rule
+    tuned = plan.tuned
     return {
+        "schema": schema("plan"),
         "command": list(plan.command),
         "speculative": {
             "requested": plan.speculative.requested,
             "source": plan.speculative.source,
+            "method": plan.speculative.method,
+            "tokens": plan.speculative.tokens,
         },
         "reason": plan.reason,
+        "rule": rule
+        and {
+            "id": rule.id,
+            "adds": rule.adds,
+            "figures": list(rule.figures),
+            "versus": rule.versus,
+            "source": rule.source,
+        },
+        "tune": tuned and {"when": tuned.when, "result": tuned.result, "origin": tuned.origin},
+        "inputs": dict(plan.inputs),
         "preload": [
             {"kind": p.kind, "path": p.path, "flavor": p.flavor, "origin": p.origin}
             for p in plan.preload
@@ -398,8 +498,19 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
         "env": dict(plan.env),
         "relies_on": dict(plan.relies_on),
         "warnings": list(plan.warnings),
+        "notes": list(plan.notes),
+        "missing": list(plan.missing),
+        "unsafe": list(plan.unsafe),
+        "refused": list(plan.refused),
         "candidates": [
-            {"kind": c.kind, "path": c.path, "verdict": c.verdict, "reason": c.reason}
+            {
+                "kind": c.kind,
+                "path": c.path,
+                "origin": c.origin,
+                "flavor": c.flavor,
+                "verdict": c.verdict,
+                "reason": c.reason,
+            }
             for c in plan.candidates
         ],
     }
@@ -409,7 +520,11 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
     """The one INFO line: what is preloaded, what is set, and why (the plan's own mark,
     PLANNED_VARIABLE, is bookkeeping: --dry-run shows it). `unchanged`: what to say
     when nothing else changes (default: starting the command unchanged)."""
-    parts = [f"preloading {p.path} ({p.flavor or p.kind}, from {p.origin})" for p in plan.preload]
+    parts = [
+        f"{'keeping your' if p.origin == 'ld-preload' else 'preloading'} {p.path} "
+        f"({p.flavor or p.kind}, from {p.origin})"
+        for p in plan.preload
+    ]
     shown = ("LD_PRELOAD", PLANNED_VARIABLE)
     parts += [f"{name}={value}" for name, value in plan.env if name not in shown]
     if not parts:
@@ -424,31 +539,59 @@ def described_request(requested: bool, source: str | None) -> str:
 
 
 def render_text(plan: Plan) -> str:
-    """The plan for a person (`--dry-run`)."""
+    """The decision record for a person (`--dry-run`): plan_as_json's record, line by line."""
     import shlex
 
-    speculative = described_request(plan.speculative.requested, plan.speculative.source)
+    record = plan_as_json(plan)
+    speculative = record["speculative"]
+    sd = described_request(speculative["requested"], speculative["source"])
+    if speculative["method"] is not None:
+        sd += f", method {speculative['method']}"
+    if speculative["tokens"] is not None:
+        sd += f", {speculative['tokens']} tokens"
     lines = [
-        f"command:     {shlex.join(plan.command)}",
-        f"speculative: {speculative}",
-        f"reason:      {plan.reason}",
+        f"command:     {shlex.join(record['command'])}",
+        f"speculative: {sd}",
+        f"reason:      {record['reason']}",
     ]
-    for index, p in enumerate(plan.preload):
+    rule = record["rule"]
+    if rule:
+        low, high = rule["figures"]
+        lines.append(
+            f"rule:        {rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of "
+            f"{rule['versus']}'s speed ({rule['source']})"
+        )
+    if record["tune"]:
+        tune = record["tune"]
+        lines.append(f"tune:        {tune['when']}: {tune['result']} ({tune['origin']})")
+    read = [f"{name}={shlex.quote(v)}" for name, v in record["inputs"].items() if v is not None]
+    unset = [name for name, value in record["inputs"].items() if value is None]
+    lines.append(f"read:        {' '.join(read) or 'nothing set'}")
+    if unset:
+        lines.append(f"{'':<12} unset: {' '.join(unset)}")
+    for index, p in enumerate(record["preload"]):
         label = "preload:" if index == 0 else ""
-        flavor = f"{p.flavor}, " if p.flavor else ""  # an iomp always has one (libraries.py)
-        lines.append(f"{label:<12} {p.kind} {p.path} ({flavor}{p.origin})")
-    if not plan.preload:
+        flavor = f"{p['flavor']}, " if p["flavor"] else ""  # an iomp always has one
+        lines.append(f"{label:<12} {p['kind']} {p['path']} ({flavor}{p['origin']})")
+    if not record["preload"]:
         lines.append("preload:     nothing")
-    for index, (name, value) in enumerate(plan.env):
+    for index, (name, value) in enumerate(record["env"].items()):
         label = "env:" if index == 0 else ""
         lines.append(f"{label:<12} {name}={shlex.quote(value)}")
-    if not plan.env:
+    if not record["env"]:
         lines.append("env:         unchanged")
-    for index, (name, value) in enumerate(plan.relies_on):
+    for index, (name, value) in enumerate(record["relies_on"].items()):
         label = "relies on:" if index == 0 else ""
         lines.append(f"{label:<12} {name}={shlex.quote(value)} (yours, kept)")
-    lines += [f"warning:     {w}" for w in plan.warnings]
-    lines += [f"note:        {n}" for n in plan.notes]
-    for c in plan.candidates:
-        lines.append(f"candidate:   {c.kind} {c.verdict:<8} {c.path or repr(c.path)}: {c.reason}")
+    lines += [f"refused:     {r}" for r in record["refused"]]
+    lines += [f"warning:     {w}" for w in record["warnings"]]
+    lines += [f"unsafe:      {u}" for u in record["unsafe"]]
+    lines += [f"missing:     {m}" for m in record["missing"]]
+    lines += [f"note:        {n}" for n in record["notes"]]
+    for c in record["candidates"]:
+        flavor = f", {c['flavor']}" if c["flavor"] else ""
+        lines.append(
+            f"candidate:   {c['kind']} {c['verdict']:<8} {c['path'] or repr(c['path'])} "
+            f"(from {c['origin']}{flavor}): {c['reason']}"
+        )
     return "\n".join(lines)

@@ -116,6 +116,9 @@ def plan_and_apply(vllm_config: Any) -> None:
     speculative = speculative_request(vllm_config)
     in_process = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     plan = engine_plan(vllm_config, speculative, settings, in_process)
+    if plan.refused:  # the launcher refuses to start; a plugin cannot: it changes nothing
+        logger.error("%s%s (vLLM starts unchanged)", PREFIX, plan.refused[0])
+        return
     if in_process:  # nothing to preload from here; said only where the plan wants libiomp5
         if any(preload.kind == "iomp" for preload in plan.preload):
             source = speculative.source or ""

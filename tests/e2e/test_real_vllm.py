@@ -99,9 +99,9 @@ def launched(
     vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     """The same server started through the launcher with Intel OpenMP as vLLM binds and
-    tunes it, healthy: `--iomp always` with VLLM_CPU_OMP_THREADS_BIND=auto, which on a host
-    the benchmark map measured is what the user must set to get it (auto would keep
-    libgomp; test_auto_follows_the_map_here covers auto). vLLM's plugin is installed too
+    tunes it, healthy: VLLM_CPU_OMP_THREADS_BIND=auto, with which no measured rule applies
+    on the map's host (`--iomp always` says the same as auto with SD;
+    test_auto_follows_the_map_here covers the rule). vLLM's plugin is installed too
     (plugin_path on PYTHONPATH), as where a user has both."""
     scratch = tmp_path_factory.mktemp("launched")
     vllm = str(vllm_env / "bin" / "vllm")

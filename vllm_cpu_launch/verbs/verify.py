@@ -351,7 +351,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
         )
     report = inspect(parse_pid(rest[0]), bool(merged.get("speculative")))
     if merged.get("json"):
-        write_stdout(json.dumps(report, indent=2))
+        from vllm_cpu_launch.plan import schema
+
+        write_stdout(json.dumps({"schema": schema("verify"), **report}, indent=2))
     else:
         write_stdout(render_text(report))
     return 0 if report["ok"] else EXIT_PROBLEM

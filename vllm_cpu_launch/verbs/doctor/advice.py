@@ -109,14 +109,14 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
 
 
 def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    from vllm_cpu_launch.evidence import METHOD_ROWS, METHODS_MAP, figures
+    from vllm_cpu_launch.evidence import DRAFTER_RULES, METHODS_MAP, figures
     from vllm_cpu_launch.fixes import tcmalloc_command
 
     if report["libraries"]["tcmalloc"]["chosen"] is not None:
         return
     command, where = tcmalloc_command(target)
     if report["map"]["measured"]:  # ngram's rules preload none; a drafter's best needs one
-        ratios = [ratio for rows in METHOD_ROWS.values() for ratio in rows.unbound]
+        ratios = [ratio for rule in DRAFTER_RULES.values() for ratio in rule.figures]
         text = (
             "no tcmalloc found: with a draft model or EAGLE, SD ran fastest on this host with "
             f"libiomp5 and tcmalloc unbound ({figures((min(ratios), max(ratios)))} of plain "
@@ -189,30 +189,40 @@ def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Adv
 
 
 def map_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    """Where the map's rule keeps libgomp only because of the user's explicit binding or
-    thread count (and the settings leave the choice to it), unsetting that gets what
-    measured no slower than plain vLLM in any cell (evidence.NOBIND_VS_INSTALLED). Not
-    for a reservation: against libgomp with no CPU reserved, the unbound libiomp5
-    measured slower on the tiny model."""
+    """Where the map measured this host but its rule for ngram SD did not apply because of
+    a binding, thread count or block time of the user's (the settings leave the choice to
+    the launcher), unsetting those lets it apply (map-1, or map-2 under nobind). Yours stay
+    yours: this is advice, never done for you."""
     from vllm_cpu_launch.evidence import (
         BIND_VARIABLE,
-        NOBIND_VS_INSTALLED,
+        BLOCKTIME_VARIABLE,
+        NGRAM_NOBIND,
+        NGRAM_UNBOUND,
+        NOBIND_BLOCKTIME,
         RESERVED_VARIABLE,
         THREADS_VARIABLE,
-        figures,
+        described,
     )
 
     env = report["environment"]
+    in_effect = report["map"]
     auto = report["settings"]["values"]["iomp"] == "auto"
-    if not (report["map"]["rule_keeps_libgomp"] and auto) or env.get(RESERVED_VARIABLE):
+    if not (in_effect["measured"] and auto and in_effect["iomp"] == "libiomp5"):
+        return
+    if in_effect["rule"] is not None or env.get(RESERVED_VARIABLE):
         return
     variables = [v for v in (BIND_VARIABLE, THREADS_VARIABLE) if v in env]
+    rule = NGRAM_UNBOUND
     if env.get(BIND_VARIABLE) == "nobind":
-        variables.remove(BIND_VARIABLE)  # nobind is the measured binding: only the threads
+        variables.remove(BIND_VARIABLE)  # nobind is measured: map-2 needs the rest
+        rule = NGRAM_NOBIND
+    if env.get(BLOCKTIME_VARIABLE, NOBIND_BLOCKTIME) != NOBIND_BLOCKTIME:
+        variables.append(BLOCKTIME_VARIABLE)
+    if not variables:
+        return
     text = (
         f"with ngram speculative decoding on this host, unset {' and '.join(variables)}: the "
-        f"launcher then uses libiomp5 unbound, which measured {figures(NOBIND_VS_INSTALLED)} "
-        "of plain vLLM's speed (docs/benchmarks.md, the map)"
+        f"launcher then applies {described(rule)}"
     )
     yield "map-binding", text, f"unset {' '.join(variables)}"
 

@@ -305,18 +305,14 @@ def map_section(
     ngram `serve`, one worker), and whether the benchmark map measured this host and
     vLLM (vllm_cpu_launch/evidence.py), with the rule it applies when it did."""
     from vllm_cpu_launch.errors import LaunchError
-    from vllm_cpu_launch.evidence import BIND_VARIABLE, map_choice, map_host
-    from vllm_cpu_launch.plan import build_plan
+    from vllm_cpu_launch.evidence import BIND_VARIABLE, map_host
+    from vllm_cpu_launch.plan import build_plan, plan_as_json
     from vllm_cpu_launch.speculative import detect
 
     probe = detect(SD_PROBE)
-    host_measured = map_host(
-        host.environ, host.cpus, release, True, probe.method, probe.tokens, settings.kmp_blocktime
-    )
-    choice = map_choice(host_measured) if host_measured else None
+    host_measured = map_host(host.environ, host.cpus, release, True, probe.method, probe.tokens)
     section: dict[str, Any] = {
         "measured": host_measured is not None,
-        "rule_keeps_libgomp": choice is not None and not choice.iomp,
         "iomp": None,
         "nobind": None,
         "kmp_blocktime": None,
@@ -324,6 +320,8 @@ def map_section(
         "relies_on": {},
         "missing": [],
         "reason": None,
+        "rule": None,
+        "notes": [],
     }
     if target is None:
         return section
@@ -333,15 +331,18 @@ def map_section(
         return {**section, "reason": error.message}
     in_effect = {**dict(plan.relies_on), **dict(plan.env)}
     iomp = any(p.kind == "iomp" for p in plan.preload)
+    record = plan_as_json(plan)
     return {
         **section,
         "iomp": "libiomp5" if iomp else "libgomp",
         "nobind": in_effect.get(BIND_VARIABLE) == "nobind",
         "kmp_blocktime": in_effect.get("KMP_BLOCKTIME") if iomp else None,
-        "env": dict(plan.env),
-        "relies_on": dict(plan.relies_on),
-        "missing": list(plan.missing),
+        "env": record["env"],
+        "relies_on": record["relies_on"],
+        "missing": record["missing"],
         "reason": plan.reason,
+        "rule": record["rule"],
+        "notes": [note for note in record["notes"] if "rule" in note or "measured" in note],
     }
 
 
