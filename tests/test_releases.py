@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -21,8 +22,8 @@ import pytest
 
 from tests.conftest import clean_environ, run_launcher
 from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
-from tests.test_benchmarks import REPO, SCRIPTS
-from vllm_cpu_launch.releases import support, version_key, vllm_release
+from tests.test_benchmarks import REPO, SCRIPTS, load_script
+from vllm_cpu_launch.releases import WINDOW, support, version_key, vllm_release
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,9 @@ def test_version_key(text: str, key: tuple[int, ...]) -> None:
         ("vllm-cpu", "0.19.1", "older", "its CPU engine refuses speculative decoding"),
         ("vllm-cpu", "0.9.1", "older", "its CPU engine refuses speculative decoding"),
         ("vllm-cpu", "0.8.5", "older", "only on its old V0 engine"),
-        ("vllm", "0.33.0", "newer", "the plan follows 0.32, not checked against this one"),
+        ("vllm", "0.34.0", "window", None),
+        ("vllm", "0.34.0+cpu", "window", None),  # vLLM's own CPU build: vllm-0.34.0+cpu
+        ("vllm", "0.35.0", "newer", "the plan follows 0.34, not checked against this one"),
     ],
 )
 def test_the_plan_follows_the_release(
@@ -144,9 +147,12 @@ def test_a_user_install_names_its_release(tmp_path: Path, wheelhouse: Path) -> N
     assert "vLLM 0.19.1 is older than 0.20" in json.loads(plan.stdout)["reason"]
 
 
-# What vLLM's releases hold, as read (scripts/read_release.py -> docs/releases.json).
+# What vLLM's releases hold, as read (scripts/read_release.py -> docs/releases.json), and
+# where docs/releases.md and releases.WINDOW say the plan holds: the three must agree.
 RECORD = REPO / "docs" / "releases.json"
+TABLE = REPO / "docs" / "releases.md"
 RELEASES_READ: list[str] = sorted(json.loads(RECORD.read_text())["releases"], key=version_key)
+CITATION = re.compile(r"`([\w/]+\.py)`|\bL(\d+)(?:-(\d+))?")
 
 
 def recorded() -> dict[str, Any]:
@@ -178,6 +184,44 @@ def wheel_of_evidence(entry: dict[str, Any], directory: Path, drop: str = "") ->
             text = "".join(f"{lines.get(n, '')}\n" for n in range(1, max(lines) + 1))
             archive.writestr(name, text)
     return wheel
+
+
+def table_rows() -> dict[str, str]:
+    """docs/releases.md's table: each row by its first cell (the releases)."""
+    rows = [line for line in TABLE.read_text().splitlines() if line.startswith("| ")]
+    return {row.split("|")[1].strip(): row for row in rows}
+
+
+def test_the_window_ends_at_the_newest_release_read_where_the_plan_holds() -> None:
+    script = load_script("read_release.py")
+    releases = recorded()
+    baseline = releases[script.BASELINE]
+    holds = {r: not script.plan_differences(e, baseline) for r, e in releases.items()}
+    newest = max((r for r, ok in holds.items() if ok), key=version_key)
+    assert version_key(newest)[:2] == WINDOW[1], holds
+    assert all(ok for r, ok in holds.items() if version_key(r) <= version_key(newest)), holds
+    first, last = (".".join(map(str, edge)) + ".0" for edge in WINDOW)
+    text = TABLE.read_text()
+    assert f"**Window: {first} to {last}**" in text
+    assert f"newer than {'.'.join(map(str, WINDOW[1]))}" in table_rows()
+
+
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_the_table_cites_what_the_record_holds(release: str) -> None:
+    """Each `file` Lnn in the release's row is a line the script read as evidence."""
+    row = table_rows()[release]
+    evidence = [line for fact in recorded()[release]["facts"].values() for line in fact["evidence"]]
+    cited, path = [], None
+    for match in CITATION.finditer(row):
+        if match[1]:
+            path = match[1]
+            continue
+        start, end = int(match[2]), int(match[3] or match[2])
+        assert path is not None, f"L{start} names no file: {row}"
+        hits = [e for e in evidence if e["file"].endswith("/" + path) and start <= e["line"] <= end]
+        assert hits, f"{release}: {path} L{start}-{end} is not in {RECORD.name}"
+        cited.append((path, start))
+    assert len(cited) >= 5, row
 
 
 @pytest.mark.parametrize("release", RELEASES_READ)
