@@ -313,15 +313,15 @@ def config_field(path: str, owner: str, *fields: str) -> Callable[[Release], dic
 
 
 def options(release: Release) -> dict[str, Line]:
-    """The long options vLLM's parsers declare, each with the line that declares it: the
-    literal strings of arg_utils.py and the entry points, and the fields of the @config
-    frontend classes (cli_args.py), which become `--field-name`; each `--enable-x` also as
-    `--disable-x`, and each as `--no-x`. An over-estimate is safe here: it can only make
-    an abbreviation look ambiguous."""
+    """The options vLLM's parsers declare, each with the line that declares it: the
+    literal strings of arg_utils.py and the entry points (`--name`, `-n`), and the fields of
+    the @config frontend classes (cli_args.py), which become `--field-name`; each
+    `--enable-x` also as `--disable-x`, and each long one as `--no-x`. An over-estimate is
+    safe here: it can only make an abbreviation look ambiguous."""
     found: dict[str, Line] = {}
     for path in (ARG_UTILS, *release.python_files("vllm/entrypoints/")):
         for number, text in enumerate(release.lines(path), 1):
-            names = re.findall(r'"(--[a-z][a-z0-9-]*)"', text)
+            names = re.findall(r'"(--?[a-z][a-z0-9-]*)"', text)
             if path.endswith("cli_args.py"):
                 names += [
                     "--" + n.replace("_", "-") for n in re.findall(r"^    ([a-z]\w*): ", text)
@@ -331,27 +331,31 @@ def options(release: Release) -> dict[str, Line]:
     for name, line in list(found.items()):
         if name.startswith("--enable-"):
             found.setdefault("--disable-" + name.removeprefix("--enable-"), line)
-        found.setdefault("--no-" + name.removeprefix("--"), line)
+        if name.startswith("--"):
+            found.setdefault("--no-" + name.removeprefix("--"), line)
     return found
 
 
 def launcher_options(release: Release) -> dict[str, Any]:
-    """Each option the launcher reads: whether the release declares it, and every other
-    option that starts with the launcher's shortest abbreviation of it (argparse refuses
-    an abbreviation that several options start with)."""
+    """Each option the launcher reads, and each of its aliases: whether the release
+    declares it, and every other option that starts with the launcher's shortest
+    abbreviation of a long one (argparse refuses an abbreviation that several options
+    start with)."""
     known = options(release)
     value: dict[str, Any] = {}
     evidence = []
     for option in LAUNCHER_OPTIONS:
-        others = sorted(
-            name
-            for name in known
-            if option.name.startswith("--")
-            and name.startswith(option.minimum)
-            and name != option.name
-        )
-        evidence += [known[name] for name in [option.name, *others] if name in known]
-        value[option.name] = {"declared": option.name in known, "abbreviation_also_matches": others}
+        for name in (option.name, *option.aliases):
+            others = sorted(
+                other
+                for other in known
+                if name == option.name
+                and name.startswith("--")
+                and other.startswith(option.minimum)
+                and other != name
+            )
+            evidence += [known[n] for n in [name, *others] if n in known]
+            value[name] = {"declared": name in known, "abbreviation_also_matches": others}
     return fact(value, evidence)
 
 
@@ -657,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             store(args.json, recorded, entry)
             say(f"{entry['release']}: recorded in {args.json}")
-        baseline = recorded["releases"].get(BASELINE)
+        baseline = entry if entry["release"] == BASELINE else recorded["releases"].get(BASELINE)
         if baseline and not args.print:
             differ = plan_differences(entry, baseline)
             verdict = f"differs in {', '.join(differ)}" if differ else "the same"
