@@ -405,12 +405,21 @@ def zen_cpu_platform(release: Release) -> dict[str, Any]:
 
 def validate_environ(release: Release) -> dict[str, Any]:
     """Every VLLM_* variable vLLM does not know: refused with --fail-on-environ-validation
-    (else a warning); 0.34 also refuses, always, the ones it lists as removed."""
-    define = release.grep(INTERFACE, r"def validate_environ\(cls, hard_fail")
-    unknown = release.grep(INTERFACE, r'f"Unknown vLLM environment variable detected: \{env\}"')
-    removed = release.grep(INTERFACE, r"envs\.removed_environment_variables\.get\(env\)")
-    value = {"unknown_refused_on_request": bool(unknown), "removed_refused": bool(removed)}
-    return fact(value, define, unknown, removed)
+    (else a warning), in `Platform.validate_environ` (0.32 on; `envs.validate_environ`
+    before); 0.34 also refuses, always, the ones it lists as removed."""
+    lines = {
+        name: [line for path in (INTERFACE, ENVS) for line in release.grep(path, pattern)]
+        for name, pattern in (
+            ("define", r"def validate_environ\((cls, )?hard_fail"),
+            ("unknown", r'f"Unknown vLLM environment variable detected: \{env\}"'),
+            ("removed", r"envs\.removed_environment_variables\.get\(env\)"),
+        )
+    }
+    value = {
+        "unknown_refused_on_request": bool(lines["unknown"]),
+        "removed_refused": bool(lines["removed"]),
+    }
+    return fact(value, *lines.values())
 
 
 def our_variables_known(release: Release) -> dict[str, Any]:
