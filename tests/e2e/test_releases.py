@@ -12,6 +12,7 @@ skip this module.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,3 +80,21 @@ def test_an_older_release_serves_sd_on_intel_openmp(
         assert level == "INFO" and "preloading " in text
     else:
         assert lines == []  # the plugin is not installed there
+
+
+@pytest.mark.parametrize("release", WINDOW_EDGES)
+def test_the_recorded_release_is_what_is_installed(
+    release: str, release_env: Callable[[str], Path]
+) -> None:
+    """docs/releases.json's record of the release is what scripts/read_release.py reads
+    from it installed (tests/test_releases.py checks the record against the table and the
+    window, without downloading a release)."""
+    script = REPO / "scripts" / "read_release.py"
+    record = REPO / "docs" / "releases.json"
+    environment = str(release_env(release))
+    command = [sys.executable, str(script), "--check", "--json", str(record), environment]
+    result = subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"{release}: as recorded in {record}" in result.stderr

@@ -38,9 +38,12 @@ PARSE_WITH_VLLM = """
 import json, sys
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 try:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser  # 0.29 and later
+    from vllm.entrypoints.common.cli_args import make_arg_parser  # 0.33 and later
 except ImportError:
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # 0.29 to 0.32
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
 
 parser = make_arg_parser(FlexibleArgumentParser())
 verdicts = []
