@@ -156,7 +156,7 @@ def judge(
     chosen: str | None = None,
 ) -> tuple[str, str]:
     """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP).
-    `chosen`: why libgomp is the plan's choice for this tree (chosen_runtime), if it is."""
+    `chosen`: why libgomp is the plan's choice for this tree (assemble), if it is."""
     kinds = [kind for kind, _ in runtimes]
     preload = environment.get("LD_PRELOAD", "")
     preloaded_iomp = "libiomp" in preload or "libomp" in preload
@@ -198,7 +198,8 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> str | No
     if settings.iomp != "never":
         return None
     where = {"variable": "VLLMCPULAUNCH_IOMP", "config": ", ".join(settings.config_files)}
-    return f"libgomp chosen by the user (iomp: never, from {where[settings.iomp_from]})"
+    source = where.get(settings.iomp_from, settings.iomp_from)
+    return f"libgomp chosen by the user (iomp: never, from {source})"
 
 
 def role_of(cmdline: Sequence[str], is_root: bool) -> str:
