@@ -316,3 +316,335 @@ def test_an_unsafe_callers_entry_is_one_error_and_no_change(
     assert error.startswith(f"{PREFIX}your LD_PRELOAD entry {tcmalloc} is unsafe to preload")
     assert error.endswith("(vLLM starts unchanged)") and "chmod" in error
     assert said(outcome, "INFO") == [] and said(outcome, "WARNING") == []
+
+
+# ---------------------------------------------------------------- vLLM's hook, as vLLM changes it
+
+# A stand-in vLLM whose platform class the test writes (its check_and_update_config with
+# another signature, kind, or behaviour), and a script of what vLLM does in the front end:
+# build configurations (new ones, or copies as vLLM's `replace(vllm_config, ...)` makes),
+# each calling the hook as the test says. Like vLLM's, each stand-in method appends torch's
+# libgomp to LD_PRELOAD when no OpenMP runtime is named there.
+STANDIN_HEAD = """\
+import os
+
+TORCH_GOMP = "/torch/lib/libgomp.so.1"
+
+
+def vllms_own_code(vllm_config):
+    vllm_config.seen.append(os.environ.get("LD_PRELOAD"))
+    preload = os.environ.get("LD_PRELOAD", "")
+    if not any(name in preload for name in ("libomp", "libgomp", "libiomp")):
+        os.environ["LD_PRELOAD"] = ":".join(filter(None, [preload, TORCH_GOMP]))
+
+
+class Base:
+    def is_cpu(self):
+        return True
+"""
+SCRIPT = """\
+import dataclasses, json, logging, os, sys, traceback, types
+from importlib.metadata import entry_points
+
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append([record.levelname, record.getMessage()])
+vllm_logger = logging.getLogger("vllm")
+vllm_logger.addHandler(Keep())
+vllm_logger.setLevel(logging.DEBUG)
+
+(plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_cpu_launch"]
+plugin.load()()
+from vllm import platforms
+from vllm.platforms import current_platform
+
+
+@dataclasses.dataclass
+class VllmConfig:
+    speculative_config: object
+    parallel_config: object
+    model_config: object
+    cache_config: object
+    seen: list
+
+
+def new_config(sd):
+    return VllmConfig(
+        types.SimpleNamespace(method="ngram", num_speculative_tokens=3) if sd else None,
+        types.SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1
+        ),
+        types.SimpleNamespace(model="/models/m"),
+        types.SimpleNamespace(),
+        [],
+    )
+
+
+configs = {}
+steps = []
+for step in json.loads(sys.argv[1]):
+    os.environ.update(step.get("set", {}))
+    if "copy_of" in step:  # vLLM's replace(): a new object, the same parts
+        config = dataclasses.replace(configs[step["copy_of"]], seen=[])
+    else:
+        config = new_config(step.get("sd", True))
+    configs[step["name"]] = config
+    hook = getattr(type(current_platform), "check_and_update_config", None)
+    if step.get("on") == "instance":
+        hook = current_platform.check_and_update_config
+    outcome = {"seen": config.seen}
+    try:
+        arguments = [] if step.get("keyword") else [config]
+        extra = {"vllm_config": config} if step.get("keyword") else {}
+        arguments += step.get("args", [])
+        outcome["result"] = hook(*arguments, **extra, **step.get("kwargs", {}))
+    except Exception as error:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        where = frame.filename == platforms.__file__
+        outcome["raised"] = [type(error).__name__, str(error), where]
+    names = ("LD_PRELOAD", "KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
+    outcome["env"] = {name: os.environ.get(name) for name in names}
+    steps.append(outcome)
+kinds = {
+    c.__name__: type(vars(c).get("check_and_update_config")).__name__
+    for c in type(current_platform).__mro__
+}
+print(json.dumps({"steps": steps, "records": records, "kinds": kinds}))
+"""
+GOMP = "/torch/lib/libgomp.so.1"
+
+
+def run_vllm_front_end(
+    tmp_path: Path,
+    platform: str,
+    steps: list[dict[str, Any]],
+    variables: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The front end of the stand-in vLLM whose platform module ends with `platform`,
+    running `steps`; what each step saw, left and returned, and what was logged."""
+    package = tmp_path / "standin" / "vllm"
+    (package / "platforms").mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "platforms" / "__init__.py").write_text(STANDIN_HEAD + platform)
+    environ = clean_environ(tmp_path, **(variables or {}))
+    environ["PYTHONPATH"] = f"{package.parent}:{environ['PYTHONPATH']}"
+    completed = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(steps)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    outcome: dict[str, Any] = json.loads(completed.stdout)
+    return outcome
+
+
+CLASSMETHOD = """
+class CpuPlatform(Base):
+    @classmethod
+    def check_and_update_config(cls, vllm_config):
+        vllms_own_code(vllm_config)
+        return cls.__name__
+
+
+current_platform = CpuPlatform()
+"""
+
+
+@pytest.mark.parametrize(
+    ("platform", "step", "result"),
+    [
+        (  # a vLLM that passes more, positional and by keyword
+            """
+class CpuPlatform(Base):
+    @classmethod
+    def check_and_update_config(cls, vllm_config, stage, *, strict=False):
+        vllms_own_code(vllm_config)
+        return [cls.__name__, stage, strict]
+
+
+current_platform = CpuPlatform()
+""",
+            {"args": ["final"], "kwargs": {"strict": True}},
+            ["CpuPlatform", "final", True],
+        ),
+        (CLASSMETHOD, {"keyword": True}, "CpuPlatform"),  # the configuration by keyword
+        (CLASSMETHOD, {"on": "instance"}, "CpuPlatform"),  # as VllmConfig calls it
+        (  # a static method
+            """
+class CpuPlatform(Base):
+    @staticmethod
+    def check_and_update_config(vllm_config):
+        vllms_own_code(vllm_config)
+        return "static"
+
+
+current_platform = CpuPlatform()
+""",
+            {"on": "instance"},
+            "static",
+        ),
+        (  # a plain method, called on the platform object
+            """
+class CpuPlatform(Base):
+    def check_and_update_config(self, vllm_config, *rest):
+        vllms_own_code(vllm_config)
+        return [type(self).__name__, list(rest)]
+
+
+current_platform = CpuPlatform()
+""",
+            {"on": "instance", "args": [1, 2]},
+            ["CpuPlatform", [1, 2]],
+        ),
+        (  # zentorch's ZenCpuPlatform: vLLM selects a subclass of its CPU platform
+            CLASSMETHOD.replace(
+                "current_platform = CpuPlatform()",
+                "class ZenCpuPlatform(CpuPlatform):\n    pass\n\n\n"
+                "current_platform = ZenCpuPlatform()",
+            ),
+            {"on": "instance"},
+            "ZenCpuPlatform",
+        ),
+    ],
+    ids=["more-arguments", "keyword", "on-the-instance", "staticmethod", "method", "subclass"],
+)
+def test_whatever_vllm_passes_reaches_vllm_and_its_result_comes_back(
+    tmp_path: Path, platform: str, step: dict[str, Any], result: Any
+) -> None:
+    outcome = run_vllm_front_end(tmp_path, platform, [{"name": "a", **step}])
+    (done,) = outcome["steps"]
+    assert done.get("raised") is None and done["result"] == result
+    assert done["seen"] == [LIBRARY]  # the plan was in place before vLLM's own code ran
+    assert done["env"]["LD_PRELOAD"] == LIBRARY
+    assert said(outcome, "WARNING") == [] and len(said(outcome, "INFO")) == 1
+
+
+def test_a_subclass_is_wrapped_and_the_cpu_platform_left_as_it_is(tmp_path: Path) -> None:
+    platform = CLASSMETHOD.replace(
+        "current_platform = CpuPlatform()",
+        "class ZenCpuPlatform(CpuPlatform):\n    pass\n\n\ncurrent_platform = ZenCpuPlatform()",
+    )
+    outcome = run_vllm_front_end(tmp_path, platform, [{"name": "a"}])
+    assert outcome["kinds"] == {
+        "ZenCpuPlatform": "classmethod",  # the wrapper, where vLLM looks first
+        "CpuPlatform": "classmethod",
+        "Base": "NoneType",
+        "object": "NoneType",
+    }
+    assert outcome["steps"][0]["result"] == "ZenCpuPlatform"
+
+
+def test_vllms_own_exception_stays_vllms(tmp_path: Path) -> None:
+    """vLLM 0.34 raises from inside the method on x86 without Triton."""
+    platform = CLASSMETHOD.replace(
+        "        return cls.__name__",
+        '        raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")',
+    )
+    outcome = run_vllm_front_end(tmp_path, platform, [{"name": "a"}])
+    (done,) = outcome["steps"]
+    # The same exception, raised where vLLM raised it, and nothing said of it by the plugin.
+    assert done["raised"] == [
+        "RuntimeError",
+        "vLLM on x86 CPUs requires Triton (triton-cpu).",
+        True,
+    ]
+    assert done["seen"] == [LIBRARY] and said(outcome, "WARNING") == []
+
+
+def test_a_vllm_without_the_method_gets_one_warning(tmp_path: Path) -> None:
+    platform = "\n\nclass CpuPlatform(Base):\n    pass\n\n\ncurrent_platform = CpuPlatform()\n"
+    outcome = run_vllm_front_end(tmp_path, platform, [{"name": "a"}])
+    assert outcome["steps"][0]["raised"][0] == "TypeError"  # the stand-in calls None itself
+    assert outcome["kinds"]["CpuPlatform"] == "NoneType"  # nothing was put in its place
+    assert said(outcome, "WARNING") == [
+        f"{PREFIX}CpuPlatform.check_and_update_config is missing, not a method it can wrap; "
+        "vLLM runs without the plugin"
+    ]
+
+
+def test_each_configuration_gets_its_own_plan(tmp_path: Path) -> None:
+    """The offline API builds several: a second LLM(...) is planned as if it were the first."""
+    steps: list[dict[str, Any]] = [
+        {"name": "plain", "sd": False},
+        {"name": "sd"},
+        {"name": "plain-again", "sd": False},
+    ]
+    outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps)
+    plain, sd, again = outcome["steps"]
+    assert plain["seen"] == [None] and plain["env"]["LD_PRELOAD"] == GOMP  # vLLM's own
+    assert sd["seen"] == [LIBRARY] and sd["env"]["KMP_BLOCKTIME"] == "5"
+    assert again["seen"] == [None] and again["env"] == plain["env"]  # all of the SD plan undone
+    lines = said(outcome, "INFO")
+    assert len(lines) == 3 and "speculative decoding requested" in lines[1]
+    assert all(line.startswith(f"{PREFIX}no speculative decoding") for line in lines[::2])
+
+
+def test_a_copy_of_a_configuration_keeps_its_plan(tmp_path: Path) -> None:
+    """vLLM re-runs the hook for replace(vllm_config, ...): not planned again, nothing undone,
+    also after another configuration was planned."""
+    steps: list[dict[str, Any]] = [
+        {"name": "sd"},
+        {"name": "sd-copy", "copy_of": "sd"},
+        {"name": "plain", "sd": False},
+        {"name": "sd-copy-later", "copy_of": "sd"},
+    ]
+    outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps)
+    sd, copy, plain, later = outcome["steps"]
+    assert sd["seen"] == copy["seen"] == [LIBRARY] and copy["env"] == sd["env"]
+    assert plain["seen"] == [None] and later["env"] == plain["env"]
+    assert len(said(outcome, "INFO")) == 2
+
+
+def test_a_copy_made_inside_vllms_own_method_is_not_planned_again(tmp_path: Path) -> None:
+    platform = """
+import dataclasses
+
+
+class CpuPlatform(Base):
+    @classmethod
+    def check_and_update_config(cls, vllm_config):
+        vllms_own_code(vllm_config)
+        if not getattr(vllm_config, "is_copy", False):
+            copy = dataclasses.replace(vllm_config, seen=vllm_config.seen)
+            copy.is_copy = True
+            return ["outer", cls.check_and_update_config(copy)]
+        return "inner"
+
+
+current_platform = CpuPlatform()
+"""
+    outcome = run_vllm_front_end(tmp_path, platform, [{"name": "sd"}])
+    (done,) = outcome["steps"]
+    assert done["result"] == ["outer", "inner"] and done["seen"] == [LIBRARY, LIBRARY]
+    assert len(said(outcome, "INFO")) == 1
+
+
+def test_what_the_user_set_between_configurations_is_theirs(tmp_path: Path) -> None:
+    """A script that sets LD_PRELOAD itself before its second LLM(...): kept, and, naming
+    an OpenMP runtime, it is the choice for that configuration."""
+    steps: list[dict[str, Any]] = [
+        {"name": "sd"},
+        {"name": "mine", "set": {"LD_PRELOAD": "/mine/libgomp.so.1"}},
+    ]
+    outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps)
+    first, mine = outcome["steps"]
+    assert first["env"]["LD_PRELOAD"] == LIBRARY
+    assert (
+        mine["seen"] == ["/mine/libgomp.so.1"] and mine["env"]["LD_PRELOAD"] == "/mine/libgomp.so.1"
+    )
+    assert mine["env"]["KMP_BLOCKTIME"] is None  # the first plan's, undone
+    assert len(said(outcome, "INFO")) == 1
+
+
+def test_iomp_never_marks_each_configuration_it_plans(tmp_path: Path) -> None:
+    steps: list[dict[str, Any]] = [{"name": "sd"}, {"name": "plain", "sd": False}]
+    variables = {"VLLMCPULAUNCH_IOMP": "never"}
+    outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps, variables)
+    sd, plain = outcome["steps"]
+    assert sd["env"][PLANNED_VARIABLE] == plain["env"][PLANNED_VARIABLE] == "plugin"
+    assert sd["seen"] == plain["seen"] == [None]
+    assert len(said(outcome, "INFO")) == 2

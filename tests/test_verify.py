@@ -230,7 +230,11 @@ def unused_pid() -> int:
     [
         (["abc"], "verify: 'abc' is not a process ID"),
         (["-5"], "unknown option '-5' for verify"),
-        (["0"], "verify: '0' is not a process ID"),
+        (
+            ["0"],
+            "verify: '0' is not a process ID: 0 is what `systemctl show -p MainPID --value "
+            "UNIT` prints for a unit that is not running; start the unit",
+        ),
         ([str(unused_pid())], f"verify: no process with PID {unused_pid()}"),
         ([], "verify needs one PID"),
         (["1", "2"], "verify needs one PID"),
@@ -258,6 +262,57 @@ def test_unprivileged_user_cannot_read_a_root_process(
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1
     assert f"cannot read /proc/{pids[0]}" in result.stderr and "permission denied" in result.stderr
+    assert "run verify as the user vLLM runs as (uid 0), or as root" in result.stderr
+
+
+# Docker's default capabilities for a container's root: none of sys_ptrace, sys_admin or
+# perfmon, each of which opens another user's /proc/PID/maps.
+DOCKER_CAPABILITIES = (
+    "+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,+net_bind_service,"
+    "+net_raw,+sys_chroot,+mknod,+audit_write,+setfcap"
+)
+
+
+def test_root_without_the_capability_is_not_told_to_run_as_root(
+    tmp_path: Path, nobody_launcher: list[str]
+) -> None:
+    """A container's root has no CAP_SYS_PTRACE by default: another user's /proc/PID/maps
+    is closed to it. vLLM runs as uid 65534 here; verify as root without the capability."""
+    vllm = subprocess.Popen([*AS_NOBODY, "sleep", "600"], start_new_session=True)
+    try:
+        drop = ["setpriv", f"--bounding-set=-all,{DOCKER_CAPABILITIES}", "--inh-caps=-all"]
+        result = subprocess.run(
+            [*drop, *nobody_launcher, "verify", str(vllm.pid)],
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.killpg(vllm.pid, signal.SIGKILL)  # the process this test started, by its id
+        vllm.wait()
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr.count("\n") == 1
+    assert "permission denied although verify runs as root" in result.stderr
+    assert "CAP_SYS_PTRACE" in result.stderr
+    assert "run verify as the user vLLM runs as (uid 65534)" in result.stderr
+    assert "or as root" not in result.stderr
+    # What the message says works: the same verify as vLLM's user reads it.
+    vllm = subprocess.Popen([*AS_NOBODY, "sleep", "600"], start_new_session=True)
+    try:
+        fixed = subprocess.run(
+            [*AS_NOBODY, *nobody_launcher, "verify", str(vllm.pid)],
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.killpg(vllm.pid, signal.SIGKILL)
+        vllm.wait()
+    assert fixed.returncode == 0, fixed.stderr
 
 
 def test_help(tmp_path: Path) -> None:
@@ -346,3 +401,75 @@ def test_speculative_judges_a_command_line_that_does_not_say_it(
     assert report["speculative"] == {"requested": True, "source": "--speculative, given to verify"}
     pids = start_tree(["serve", "m"], children, LD_PRELOAD=str(real_iomp))
     assert verify(tmp_path, "--speculative", str(pids[0])).returncode == 0
+
+
+def test_a_plain_process_is_the_main_one_and_counted_right(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    """No `vllm serve`: PID is no API server, and one process is one process."""
+    pids = start_tree(["run-batch"], [], LD_PRELOAD=gomp)
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0 and by_pid(report)[pids[0]]["role"] == "main"
+    text = verify(tmp_path, str(pids[0])).stdout
+    assert f"{pids[0]:>7}  ok       main (parent " in text
+    assert text.endswith("ok: 1 process judged, 1 checked\n")
+
+
+MODEL_CHILDREN = [{"title": "VLLM::EngineCore"}, {"title": "VLLM::Worker_TP0"}]
+
+
+def test_the_plugins_mark_counts_where_only_vllms_children_show_it(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    """The plugin sets its mark in the front end after start-up: PID does not show it, the
+    processes vLLM spawned afterwards do (in the tail of their environment, seen on vLLM
+    0.32: tests/e2e/test_verify_plugin.py)."""
+    marked = [{**child, "env": {"VLLMCPULAUNCH_PLANNED": "plugin"}} for child in MODEL_CHILDREN]
+    pids = start_tree(SERVE_SD, marked, LD_PRELOAD=gomp)
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0, report
+    assert by_pid(report)[pids[2]]["reason"].startswith(
+        "libgomp kept by the plan (VLLMCPULAUNCH_PLANNED=plugin): GNU libgomp "
+    )
+
+
+def test_the_users_iomp_never_counts_where_no_mark_shows(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    """Where no process shows the mark (vLLM's titles can cover all of an environment),
+    the user's own `iomp: never` in PID's start-up environment is the evidence."""
+    pids = start_tree(SERVE_SD, MODEL_CHILDREN, LD_PRELOAD=gomp, VLLMCPULAUNCH_IOMP="never")
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0, report
+    assert by_pid(report)[pids[1]]["reason"] == (
+        "libgomp chosen by the user (iomp: never, from VLLMCPULAUNCH_IOMP): "
+        f"GNU libgomp {os.path.realpath(gomp)}"
+    )
+    # Any other setting leaves libgomp a problem.
+    pids = start_tree(SERVE_SD, MODEL_CHILDREN, LD_PRELOAD=gomp, VLLMCPULAUNCH_IOMP="auto")
+    assert verify_json(tmp_path, pids[0])[0] == 1
+
+
+def test_iomp_never_in_the_config_file_pid_names_counts(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    """The config file as the plan read it: VLLMCPULAUNCH_CONFIG relative to vLLM's working
+    directory (not verify's), and the user config under vLLM's XDG_CONFIG_HOME."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "launcher.yaml").write_text("iomp: never\n")
+    pids = start_tree(
+        SERVE_SD, MODEL_CHILDREN, cwd=workdir, LD_PRELOAD=gomp, VLLMCPULAUNCH_CONFIG="launcher.yaml"
+    )
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0, report
+    where = workdir / "launcher.yaml"
+    assert f"(iomp: never, from {where})" in by_pid(report)[pids[1]]["reason"]
+    config = tmp_path / "vllm-user" / "vllm-cpu-launch" / "config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("iomp: never\n")
+    pids = start_tree(
+        SERVE_SD, MODEL_CHILDREN, LD_PRELOAD=gomp, XDG_CONFIG_HOME=str(config.parents[1])
+    )
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0 and f"(iomp: never, from {config})" in by_pid(report)[pids[1]]["reason"]

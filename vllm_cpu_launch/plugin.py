@@ -12,13 +12,14 @@ the resolved configuration, whatever the entry point, and it is there that vLLM 
 what its children preload: it appends torch's libgomp to LD_PRELOAD unless an OpenMP
 runtime is named there, and forces the `spawn` start method, so the engine core and the
 workers are new processes that load what LD_PRELOAD names when they start. Just before
-vLLM's own code runs, the wrapper applies the launcher's plan to `os.environ`. The front
-end itself keeps the runtime torch loaded at import; only `vllm-cpu-launch` (an exec)
-can change that.
+vLLM's own code runs, the wrapper applies the launcher's plan for that configuration to
+`os.environ`. The front end itself keeps the runtime torch loaded at import; only
+`vllm-cpu-launch` (an exec) can change that.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -37,13 +38,24 @@ if TYPE_CHECKING:
 # A child of vLLM's "vllm" logger: the plugin's lines come out in vLLM's own log format.
 logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
 PREFIX = "vllm-cpu-launch plugin: "
+HOOK = "check_and_update_config"
 # Set on the wrapper, so that a second register() in the same process wraps nothing.
 WRAPPED = "_vllm_cpu_launch_wrapped"
+# The parts of vLLM's configuration that a new engine's configuration builds anew and a
+# copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
+SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
+LD_PRELOAD = "LD_PRELOAD"  # vLLM appends its libgomp to it, after the plan
 
-# Whether this process has registered, and decided, already: vLLM loads plugins once per
-# process, but other code may call register() again, and vLLM may build several configs.
+# Whether this process has registered: vLLM loads plugins once per process, but other
+# code may call register() again.
 registered = False
-decided = False
+# The configurations planned in this process (a copy of one is not planned again), and,
+# for each variable the last plan (or vLLM's own code after it) changed, its value before
+# and the value left: a new configuration starts from the values before, where they are
+# still as left.
+planned: list[Any] = []
+before: dict[str, str | None] = {}
+left: dict[str, str | None] = {}
 
 
 def register() -> None:
@@ -66,35 +78,113 @@ def install_hook() -> None:
 
     if not current_platform.is_cpu():
         return
+    # The class vLLM selected: CpuPlatform, or a subclass (zentorch's ZenCpuPlatform).
     wrap_check_and_update_config(type(current_platform))
 
 
-def wrap_check_and_update_config(platform_class: Any) -> None:
-    """Make the class's check_and_update_config apply the plan first, once per class."""
-    original = platform_class.check_and_update_config
-    if getattr(original, WRAPPED, False):
+def wrap_check_and_update_config(platform_class: type) -> None:
+    """Make the class's check_and_update_config apply the plan first, once per class.
+    Whatever vLLM passes reaches vLLM's own method, whose result and exceptions are
+    vLLM's; a method the plugin cannot wrap is one warning, and vLLM runs without it."""
+    found = next((vars(c)[HOOK] for c in platform_class.__mro__ if HOOK in vars(c)), None)
+    if isinstance(found, (classmethod, staticmethod)):
+        vllm_code: Callable[..., Any] = found.__func__
+    elif callable(found) and hasattr(found, "__get__"):  # a plain function: a method
+        vllm_code = found
+    else:
+        logger.warning(
+            "%s%s.%s is %s, not a method it can wrap; vLLM runs without the plugin",
+            PREFIX,
+            platform_class.__name__,
+            HOOK,
+            "missing" if found is None else type(found).__name__,
+        )
         return
-    vllm_code: Callable[..., Any] = original.__func__  # a classmethod, bound to the class
+    if getattr(vllm_code, WRAPPED, False):
+        return
+    # Where vLLM's configuration comes: after the class or the instance, unless static.
+    skip = 0 if isinstance(found, staticmethod) else 1
 
-    def check_and_update_config(cls: Any, vllm_config: Any) -> Any:
-        apply_plan(vllm_config)
-        return vllm_code(cls, vllm_config)
+    @functools.wraps(vllm_code)
+    def check_and_update_config(*args: Any, **kwargs: Any) -> Any:
+        given = args[skip:]
+        apply_plan(
+            kwargs["vllm_config"] if "vllm_config" in kwargs else given[0] if given else None
+        )
+        try:
+            return vllm_code(*args, **kwargs)  # vLLM's own: what it raises is vLLM's
+        finally:
+            remember()
 
     setattr(check_and_update_config, WRAPPED, True)
-    check_and_update_config.__doc__ = vllm_code.__doc__
-    platform_class.check_and_update_config = classmethod(check_and_update_config)
+    wrapper: Any = check_and_update_config
+    if isinstance(found, classmethod):
+        wrapper = classmethod(check_and_update_config)
+    elif isinstance(found, staticmethod):
+        wrapper = staticmethod(check_and_update_config)
+    setattr(platform_class, HOOK, wrapper)
+
+
+def derived(vllm_config: Any, earlier: Any) -> bool:
+    """Whether a configuration is an earlier one or a copy of it (vLLM re-runs the hook
+    for `replace(vllm_config, ...)`): it shares a part a new engine builds anew."""
+    if vllm_config is earlier:
+        return True
+    for part in SHARED_PARTS:
+        mine = getattr(vllm_config, part, None)
+        if mine is not None and mine is getattr(earlier, part, None):
+            return True
+    return False
 
 
 def apply_plan(vllm_config: Any) -> None:
-    """Plan for this configuration and put the plan into os.environ; never raises."""
-    global decided
-    if decided or already_planned(os.environ):
-        return
-    decided = True
+    """Plan for this configuration and put the plan into os.environ; never raises. A
+    new configuration (another `LLM(...)` in the same script) is planned from the
+    environment as it was before the last plan; a copy of the one planned is left be."""
     try:
-        plan_and_apply(vllm_config)
+        if any(derived(vllm_config, earlier) for earlier in planned):
+            return
+        if vllm_config is not None:
+            planned.append(vllm_config)
+        undo_last_plan()
+        if vllm_config is None:
+            logger.warning("%scould not plan (vLLM passed no configuration)", PREFIX)
+        elif not already_planned(os.environ):
+            plan_and_apply(vllm_config)
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not plan (%r); vLLM starts as it would without it", PREFIX, error)
+
+
+def undo_last_plan() -> None:
+    """Put back what the last plan and vLLM after it changed, where still as left."""
+    environ = os.environ
+    for name, value in left.items():
+        if environ.get(name) != value:
+            continue  # changed since: someone else's now
+        original = before[name]
+        if original is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = original
+    left.clear()
+    before.clear()
+    track(())
+
+
+def track(names: Sequence[str]) -> None:
+    """Note the values of what a plan changes before it changes them, and of LD_PRELOAD,
+    which vLLM's own code extends after it (the values left: remember())."""
+    for name in (LD_PRELOAD, *names):
+        before.setdefault(name, os.environ.get(name))
+
+
+def remember() -> None:
+    """After vLLM's own code: the values the plan and vLLM left; never raises."""
+    try:
+        for name in before:
+            left[name] = os.environ.get(name)
+    except Exception as error:  # a bug here must not stop vLLM
+        logger.warning("%scould not note what it changed (%r)", PREFIX, error)
 
 
 def plan_and_apply(vllm_config: Any) -> None:
@@ -130,6 +220,7 @@ def plan_and_apply(vllm_config: Any) -> None:
         logger.warning("%s%s", PREFIX, warning)
     if settings.strict and (plan.missing or plan.unsafe):
         logger.error("%sstrict is set, but a plugin cannot stop vLLM: see above", PREFIX)
+    track([name for name, _ in plan.env])
     environ.update(plan.env)
     logger.info("%s%s", PREFIX, summary(plan))
 

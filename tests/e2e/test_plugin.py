@@ -250,7 +250,7 @@ def test_an_offline_llm_script_runs_its_engine_on_intel_openmp(
     assert code == 0, report
     roles = {p["role"]: p for p in report["processes"]}
     assert roles["engine-core"]["verdict"] == roles["worker"]["verdict"] == "ok"
-    assert roles["api-server"]["verdict"] == "reported"  # the script's own process
+    assert roles["main"]["verdict"] == "reported"  # the script's own process: no API server
     (line,) = plugin_lines((tmp_path / "server.log").read_text(encoding="utf-8"))
     assert line[:2] == ("MainProcess", "INFO") and "preloading " in line[2]
 
@@ -280,7 +280,7 @@ def test_an_engine_in_the_script_gets_a_command_that_works(
     assert engine.maps_iomp(), str(engine)  # the engine runs in the script's own process
     assert code == 0, report
     (process,) = report["processes"][:1]
-    assert process["role"] == "api-server" and process["verdict"] == "ok", report
+    assert process["role"] == "main" and process["verdict"] == "ok", report
     assert plugin_lines((second / "server.log").read_text(encoding="utf-8")) == []
 
 

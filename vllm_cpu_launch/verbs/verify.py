@@ -1,4 +1,4 @@
-"""`vllm-cpu-launch verify PID`: does a running vLLM really have Intel OpenMP?
+"""`vllm-cpu-launch verify PID`: does a running vLLM run the OpenMP runtime its plan chose?
 
 For the process and all its descendants it reads which OpenMP runtimes are mapped
 (/proc/PID/maps), the LD_PRELOAD/KMP_* variables the process started with
@@ -8,8 +8,13 @@ command line of their own). The processes that run model code are judged: vLLM's
 engine cores and workers (by the titles vLLM gives them), or, where there are none (an
 engine in the front end), the process itself; the others, the API server first, are
 reported, since vLLM's plugin cannot change the runtime of the process that loads it.
-Exit 1 when SD is requested and a judged process lacks Intel OpenMP; 0 when all is
-well; 2 when the process cannot be found or read.
+
+libgomp is a choice, not a problem, where the plan that started the tree made it: its
+mark (VLLMCPULAUNCH_PLANNED) where a process still shows it, or the user's `iomp: never`,
+re-read from PID's start-up environment and the config files it names, as the plan read
+them (docs/design.md, "verify", says why those are the evidence). Exit 1 when SD is
+requested and a judged process lacks Intel OpenMP that no plan chose to leave out; 0 when
+all is well; 2 when the process cannot be found or read.
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and all 
 descendants: which OpenMP runtime each has loaded, the LD_PRELOAD/KMP_* it started
 with, and whether speculative decoding is requested. The processes that run the model
 are judged (vLLM's engine cores and workers; where there are none, PID itself and its
-children); the API server and other helpers are reported. libgomp that the launcher's
-plan kept on purpose (VLLMCPULAUNCH_PLANNED in PID's environment) is fine.
-Exit 0 when every judged process has Intel OpenMP (or SD is not requested), 1 when one
-lacks it, 2 when PID cannot be found or read (run as vLLM's user or as root).
+children); the API server and other helpers are reported. libgomp that the plan chose
+(the launcher's or the plugin's mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's
+environment or config files) is fine.
+Exit 0 when every judged process has Intel OpenMP, or the libgomp it runs was chosen, or
+SD is not requested; 1 when one runs libgomp that nothing chose; 2 when PID cannot be
+found or read (as the user vLLM runs as, verify can read it).
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
@@ -94,13 +101,15 @@ def read_proc(pid: int, name: str) -> bytes:
 
 
 def environment_of(raw: bytes) -> dict[str, str]:
-    """The variables that matter, from /proc/PID/environ (NUL-separated, as started)."""
+    """The variables in /proc/PID/environ (NUL-separated, as started; what a process title
+    written over it left)."""
     result = {}
     for entry in raw.split(b"\0"):
-        key, _, value = entry.partition(b"=")
-        text = key.decode("utf-8", "surrogateescape")
-        if text in VARIABLES:
-            result[text] = value.decode("utf-8", "surrogateescape")
+        key, separator, value = entry.partition(b"=")
+        if separator and key:
+            result[key.decode("utf-8", "surrogateescape")] = value.decode(
+                "utf-8", "surrogateescape"
+            )
     return result
 
 
@@ -118,6 +127,15 @@ def vllm_arguments(cmdline: Sequence[str], cwd: str | None) -> list[str]:
     return arguments
 
 
+def cwd_of(process: psutil.Process) -> str | None:
+    import psutil
+
+    try:
+        return process.cwd()
+    except psutil.Error:
+        return None
+
+
 def speculative_of(process: psutil.Process) -> SpeculativeRequest:
     import psutil
 
@@ -127,11 +145,7 @@ def speculative_of(process: psutil.Process) -> SpeculativeRequest:
         cmdline = process.cmdline()
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         cmdline = []
-    try:
-        cwd: str | None = process.cwd()
-    except psutil.Error:
-        cwd = None
-    return detect(vllm_arguments(cmdline, cwd))
+    return detect(vllm_arguments(cmdline, cwd_of(process)))
 
 
 def judge(
@@ -139,11 +153,10 @@ def judge(
     environment: dict[str, str],
     is_root: bool,
     wanted: bool,
-    planned: str | None = None,
+    chosen: str | None = None,
 ) -> tuple[str, str]:
     """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP).
-    `planned`: the launcher's mark on the tree (VLLMCPULAUNCH_PLANNED), which says its
-    plan keeps libgomp on purpose (the map's rule, --iomp never, a tune, an old vLLM)."""
+    `chosen`: why libgomp is the plan's choice for this tree (assemble), if it is."""
     kinds = [kind for kind, _ in runtimes]
     preload = environment.get("LD_PRELOAD", "")
     preloaded_iomp = "libiomp" in preload or "libomp" in preload
@@ -158,8 +171,8 @@ def judge(
         return "problem", "started without Intel OpenMP in LD_PRELOAD"
     if not wanted:
         return "ok", f"speculative decoding not requested; runs {described}"
-    if INTEL not in kinds and LLVM not in kinds and planned:
-        return "ok", f"libgomp kept by the plan ({PLANNED_VARIABLE}={planned}): {described}"
+    if INTEL not in kinds and LLVM not in kinds and chosen:
+        return "ok", f"{chosen}: {described}"
     if INTEL not in kinds and LLVM not in kinds:
         return "problem", f"runs GNU libgomp only ({described})"
     # torch's own libgomp is mapped in every vLLM process; it only matters when Intel
@@ -171,8 +184,27 @@ def judge(
     return "ok", described
 
 
+def users_choice(start_environment: dict[str, str], cwd: str | None) -> str | None:
+    """Why libgomp is the user's own choice, `iomp: never`, read as the plan read it: from
+    PID's start-up environment and the config files it names (a relative
+    VLLMCPULAUNCH_CONFIG is PID's working directory's); None where it is not."""
+    from vllm_cpu_launch.settings import CONFIG_VARIABLE, deprecated_name, load_settings
+
+    environ = dict(start_environment)
+    for name in (CONFIG_VARIABLE, deprecated_name(CONFIG_VARIABLE)):
+        if environ.get(name) and cwd and not os.path.isabs(environ[name]):
+            environ[name] = os.path.join(cwd, environ[name])
+    settings = load_settings({}, environ, errors=[])  # what is broken is left out
+    if settings.iomp != "never":
+        return None
+    where = {"variable": "VLLMCPULAUNCH_IOMP", "config": ", ".join(settings.config_files)}
+    source = where.get(settings.iomp_from, settings.iomp_from)
+    return f"libgomp chosen by the user (iomp: never, from {source})"
+
+
 def role_of(cmdline: Sequence[str], is_root: bool) -> str:
-    """engine-core or worker (model code), api-server (PID itself, or so titled), other."""
+    """engine-core or worker (model code), api-server (so titled, or PID itself where it
+    runs `vllm serve`), main (PID itself otherwise: a script, a program), other."""
     title = cmdline[0] if cmdline else ""
     prefix, separator, name = title.partition("::")
     if separator and prefix and " " not in prefix:  # a vLLM process title
@@ -181,7 +213,30 @@ def role_of(cmdline: Sequence[str], is_root: bool) -> str:
                 return role
         if name.startswith("APIServer"):
             return "api-server"
-    return "api-server" if is_root else "other"
+    if not is_root:
+        return "other"
+    serves = any(
+        os.path.basename(word) == "vllm" and cmdline[index + 1 : index + 2] == ["serve"]
+        for index, word in enumerate(cmdline)
+    )
+    return "api-server" if serves or "vllm.entrypoints.openai.api_server" in cmdline else "main"
+
+
+def permission_denied(pid: int) -> str:
+    """What to do where /proc/PID cannot be read: as root that is a missing capability
+    (a container's root has no CAP_SYS_PTRACE by default), not a missing root."""
+    try:
+        owner = f"uid {os.stat(f'/proc/{pid}').st_uid}"
+    except OSError:
+        owner = "its user"
+    problem = f"verify: cannot read /proc/{pid} (maps, environ): permission denied"
+    if os.geteuid() == 0:
+        return (
+            f"{problem} although verify runs as root: reading another user's process needs "
+            "the CAP_SYS_PTRACE capability, which containers drop by default; run verify "
+            f"as the user vLLM runs as ({owner})"
+        )
+    return f"{problem}; run verify as the user vLLM runs as ({owner}), or as root"
 
 
 def read_process(process: psutil.Process) -> tuple[str, dict[str, str], list[str], int] | None:
@@ -196,11 +251,7 @@ def read_process(process: psutil.Process) -> tuple[str, dict[str, str], list[str
     except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
     except PermissionError:
-        raise LaunchError(
-            EXIT_USAGE,
-            f"verify: cannot read /proc/{process.pid} (maps, environ): permission denied; "
-            "run verify as the user vLLM runs as, or as root",
-        ) from None
+        raise LaunchError(EXIT_USAGE, permission_denied(process.pid)) from None
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
     return maps, environment, cmdline, ppid
@@ -219,15 +270,14 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     except (psutil.NoSuchProcess, ValueError, OverflowError):
         raise LaunchError(EXIT_USAGE, f"verify: no process with PID {pid}") from None
     except psutil.AccessDenied:
-        raise LaunchError(
-            EXIT_USAGE, f"verify: cannot read process {pid}: permission denied"
-        ) from None
+        raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
     root_request = (
         SpeculativeRequest(True, "--speculative, given to verify")
         if speculative
         else speculative_of(root)
     )
     seen: list[Seen] = []
+    users = None
     for process in [root, *descendants]:
         is_root = process.pid == pid
         read = read_process(process)
@@ -236,12 +286,15 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
                 raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited")
             continue  # a child that ended meanwhile
         maps, environment, cmdline, ppid = read
+        if is_root:
+            users = users_choice(environment, cwd_of(process))
         request = root_request
         if not is_root and not request.requested:
             request = speculative_of(process)
         role = role_of(cmdline, is_root)
-        seen.append((process.pid, ppid, cmdline, role, maps, environment, request.requested))
-    return assemble(pid, root_request, seen)
+        shown = {name: environment[name] for name in VARIABLES if name in environment}
+        seen.append((process.pid, ppid, cmdline, role, maps, shown, request.requested))
+    return assemble(pid, root_request, seen, users)
 
 
 # What inspect reads of each process: PID, parent PID, command line, role, the text of
@@ -249,13 +302,19 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
 Seen = tuple[int, int, list[str], str, str, dict[str, str], bool]
 
 
-def assemble(pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen]) -> dict[str, Any]:
-    """The report from what was read: each process judged or reported, PID first."""
+def assemble(
+    pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen], users: str | None = None
+) -> dict[str, Any]:
+    """The report from what was read: each process judged or reported, PID first.
+    `users`: why libgomp is the user's own choice (users_choice), if it is."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
     split = any(role in MODEL_ROLES.values() for _, _, _, role, *_ in seen)
-    # The launcher's mark is in PID's environment as it started (the plugin's is not
-    # visible there: it sets it after start-up, and vLLM's children hide theirs).
-    planned = next((env.get(PLANNED_VARIABLE) for p, _, _, _, _, env, _ in seen if p == pid), None)
+    # A plan that keeps libgomp marks it. The launcher's mark is in PID's environment as
+    # it started; the plugin sets its own in the front end after start-up, so only the
+    # processes vLLM spawns show it (its renamed ones in the tail of their environment
+    # that the title leaves; docs/design.md, "verify"). Else the user's own choice.
+    marks = [env[PLANNED_VARIABLE] for _, _, _, _, _, env, _ in seen if env.get(PLANNED_VARIABLE)]
+    chosen = f"libgomp kept by the plan ({PLANNED_VARIABLE}={marks[0]})" if marks else users
     processes = []
     for process_id, ppid, cmdline, role, maps, environment, wanted in seen:
         runtimes = mapped_runtimes(maps)
@@ -263,7 +322,7 @@ def assemble(pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen]) -
             runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
             verdict, reason = "reported", f"{runs}; runs no model code, so not judged"
         else:
-            verdict, reason = judge(runtimes, environment, process_id == pid, wanted, planned)
+            verdict, reason = judge(runtimes, environment, process_id == pid, wanted, chosen)
         processes.append(
             {
                 "pid": process_id,
@@ -320,19 +379,28 @@ def render_text(report: dict[str, Any]) -> str:
     problems = sum(p["verdict"] == "problem" for p in report["processes"])
     judged = sum(p["verdict"] != "reported" for p in report["processes"])
     if problems:
+        lacks = "process lacks" if judged == 1 else "processes lack"
         lines.append(
-            f"PROBLEM: {problems} of {judged} judged processes lack Intel OpenMP while "
-            "speculative decoding is requested; start vLLM through vllm-cpu-launch, or "
-            "install vllm-cpu-launch into vLLM's environment (its plugin)"
+            f"PROBLEM: {problems} of {judged} judged {lacks} Intel OpenMP while speculative "
+            "decoding is requested and no plan chose libgomp; start vLLM through "
+            "vllm-cpu-launch, or install vllm-cpu-launch into vLLM's environment (its plugin)"
         )
     else:
-        lines.append(f"ok: {judged} processes judged, {len(report['processes'])} checked")
+        noun = "process" if judged == 1 else "processes"
+        lines.append(f"ok: {judged} {noun} judged, {len(report['processes'])} checked")
     return "\n".join(lines)
 
 
 def parse_pid(text: str) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) == 0:
+    if not (text.isascii() and text.isdigit()):
         raise LaunchError(EXIT_USAGE, f"verify: {text!r} is not a process ID")
+    if int(text) == 0:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"verify: {text!r} is not a process ID: 0 is what `systemctl show -p MainPID "
+            "--value UNIT` prints for a unit that is not running; start the unit (systemctl "
+            "status UNIT says why it stopped), then verify its MainPID",
+        )
     return int(text)
 
 
