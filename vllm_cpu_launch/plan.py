@@ -14,6 +14,7 @@ from vllm_cpu_launch.evidence import (
 )
 from vllm_cpu_launch.handoff import IOMP_MACHINES, PLANNED_VARIABLE
 from vllm_cpu_launch.libraries import Candidate, Search, find_library
+from vllm_cpu_launch.metadata import PYTHONPATH, Alias, alias_for, alias_problem, pythonpath_with
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.releases import support, target_release
@@ -61,6 +62,8 @@ class Plan:
     # The caller's variables the plan keeps and depends on (a unit or image must carry them).
     relies_on: tuple[tuple[str, str], ...] = ()
     scope: Scope | None = None  # what a tune of this launch measures (tunes.py)
+    # The `vllm` metadata the launcher supplies to a vllm-cpu install (metadata.py).
+    metadata: Alias | None = None
 
 
 def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
@@ -213,6 +216,7 @@ def build_plan(
     one_worker: bool,
     planner: str = "launcher",
     model: str | None = None,
+    supply_metadata: bool = False,
 ) -> Plan:
     """Decide what to preload and which variables to set for `target arguments...`.
 
@@ -221,6 +225,8 @@ def build_plan(
     `model`: the model served (default: the one `arguments` name), a tune's scope.
     `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
     libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
+    `supply_metadata`: the launcher execs this vLLM, so it gives a vllm-cpu install the
+    `vllm` metadata it lacks (metadata.py), with or without SD.
     """
     warnings: list[str] = []
     notes: list[str] = []
@@ -353,6 +359,9 @@ def build_plan(
         # Kept on purpose (the settings, a tune, the map, the release): an Intel or LLVM
         # OpenMP of the caller's would make it a configuration nobody chose.
         env.update(without_openmp(host.environ.get("LD_PRELOAD", ""), warnings))
+    alias = supplied_metadata(target, host, trusted, warnings) if supply_metadata else None
+    if alias:
+        env[PYTHONPATH] = pythonpath_with(alias, host.environ)
     relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen else []
     if measured:  # the map's rule read these
         relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
@@ -371,7 +380,25 @@ def build_plan(
         unsafe=tuple(unsafe),
         relies_on=relies_on,
         scope=scope,
+        metadata=alias,
     )
+
+
+def supplied_metadata(
+    target: Target, host: Host, trusted: frozenset[int], warnings: list[str]
+) -> Alias | None:
+    """The launcher's `vllm` dist-info for a vLLM installed only as vllm-cpu, when the
+    trust rule of the preloaded libraries accepts where it lives (else a warning)."""
+    alias = alias_for(target, host.environ)
+    problem = alias_problem(alias, host.euid, trusted) if alias else None
+    if alias and problem:
+        fix = f"; Fix: {problem[1]}" if problem[1] else ""
+        warnings.append(
+            f"not supplying vLLM's missing `vllm` metadata from {alias.directory}: "
+            f"{problem[0]}, so `vllm` may fail with PackageNotFoundError{fix}"
+        )
+        return None
+    return alias
 
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
@@ -402,11 +429,21 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
     PLANNED_VARIABLE, is bookkeeping: --dry-run shows it). `unchanged`: what to say
     when nothing else changes (default: starting the command unchanged)."""
     parts = [f"preloading {p.path} ({p.flavor or p.kind}, from {p.origin})" for p in plan.preload]
-    shown = ("LD_PRELOAD", PLANNED_VARIABLE)
+    shown = ("LD_PRELOAD", PLANNED_VARIABLE, PYTHONPATH if plan.metadata else "")
     parts += [f"{name}={value}" for name, value in plan.env if name not in shown]
+    if plan.metadata:
+        parts.append(metadata_words(plan.metadata))
     if not parts:
         parts = [unchanged or f"starting {plan.command[0]} unchanged"]
     return f"{plan.reason}; {'; '.join(parts)}"
+
+
+def metadata_words(alias: Alias) -> str:
+    """How the INFO line and --dry-run say the launcher supplies vLLM's metadata."""
+    return (
+        f"`vllm` metadata {alias.version} from {alias.directory} on PYTHONPATH "
+        "(vllm-cpu installs none; vLLM's CLI needs it)"
+    )
 
 
 def described_request(requested: bool, source: str | None) -> str:
@@ -436,6 +473,8 @@ def render_text(plan: Plan) -> str:
         lines.append(f"{label:<12} {name}={shlex.quote(value)}")
     if not plan.env:
         lines.append("env:         unchanged")
+    if plan.metadata:
+        lines.append(f"metadata:    {metadata_words(plan.metadata)}")
     for index, (name, value) in enumerate(plan.relies_on):
         label = "relies on:" if index == 0 else ""
         lines.append(f"{label:<12} {name}={shlex.quote(value)} (yours, kept)")
