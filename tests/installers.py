@@ -322,14 +322,15 @@ def checkout_copy(directory: Path) -> Path:
     return directory
 
 
-def newcomer_shell(home: Path) -> dict[str, str]:
-    """A fresh shell: HOME of its own, `python3` the base Python (no venv active, no
-    PYTHONPATH), PyPI as configured on this machine."""
-    home.mkdir(parents=True, exist_ok=True)
+def newcomer_shell(home: Path, python: str = BASE_PYTHON) -> dict[str, str]:
+    """A fresh shell: HOME of its own, `python3` that Python (the base one by default; no
+    venv active, no PYTHONPATH), PyPI as configured on this machine."""
+    bin_directory = home / "bin"
+    bin_directory.mkdir(parents=True, exist_ok=True)
+    (bin_directory / "python3").symlink_to(python)
     steering = ("PYTHONPATH", "VIRTUAL_ENV", "PIP_NO_INDEX", "PIP_FIND_LINKS", "LD_PRELOAD")
     environ = {k: v for k, v in os.environ.items() if k not in steering}
-    base_bin = str(Path(BASE_PYTHON).parent)
-    environ.update(HOME=str(home), PATH=f"{base_bin}:{environ.get('PATH', os.defpath)}")
+    environ.update(HOME=str(home), PATH=f"{bin_directory}:{environ.get('PATH', os.defpath)}")
     return environ
 
 

@@ -9,6 +9,7 @@ doctor's recommendation are run as printed, and the next plan finds the library.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import pytest
 
 from .conftest import read_record, run_launcher
 from .installers import (
+    BASE_PYTHON,
     LAYOUTS,
     SD,
     Installed,
@@ -159,13 +161,24 @@ def test_nothing_found_is_the_only_not_found(
     assert "see above" not in advice["text"] and "vllm not found" in advice["text"]
 
 
+# The launcher's floor (setup.cfg's python_requires), where this machine has it.
+PYTHON_FLOOR = sorted(glob.glob("/root/.pyenv/versions/3.10.*/bin/python3.10"))
+PYTHONS = [pytest.param(BASE_PYTHON, id="base")] + [
+    pytest.param(python, id="3.10") for python in PYTHON_FLOOR[:1]
+]
+
+
+@pytest.mark.parametrize("python", PYTHONS)
 @pytest.mark.parametrize("block", ["launcher", "wheel"])
-def test_the_readmes_install_block_installs_a_working_launcher(block: str, tmp_path: Path) -> None:
+def test_the_readmes_install_block_installs_a_working_launcher(
+    block: str, python: str, tmp_path: Path
+) -> None:
     """The README's lines, as written, by the real pip (and build) in a fresh shell whose
-    HOME is new: afterwards `~/.venvs/vllm-cpu-launch` runs the launcher and holds the
+    HOME is new and whose `python3` is the base Python or the floor the README names
+    (3.10): afterwards `~/.venvs/vllm-cpu-launch` runs the launcher and holds the
     plugin's entry point."""
     lines = readme_install_blocks()[block]
-    environ = newcomer_shell(tmp_path / "home")
+    environ = newcomer_shell(tmp_path / "home", python)
     run_block(lines, checkout_copy(tmp_path / "vllm-cpu-launch"), environ)
     venv = tmp_path / "home" / ".venvs" / "vllm-cpu-launch"
     version = run_launcher(["--version"], environ, [str(venv / "bin" / "vllm-cpu-launch")])
