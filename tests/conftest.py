@@ -42,6 +42,7 @@ record = {
     "argv": [os.fsencode(a).hex() for a in sys.argv[1:]],
     "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
     "KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME"),
+    "PYTHONPATH": os.environ.get("PYTHONPATH"),
     "mapped": [m for m in mapped if ".so" in m],
 }
 with open(os.environ["RECORD_TO"], "w") as stream:

@@ -300,6 +300,55 @@ def printed_fix(plan: dict[str, Any], needle: str) -> str:
     return match.group(1)
 
 
+# ---------------------------------------------------------------- the README's install lines
+
+README_BLOCK = re.compile(r"<!-- install: (\w+) -->\n```bash\n(.*?)```", re.DOTALL)
+# What a checkout holds that is no part of it: built or local state.
+NOT_CHECKOUT = shutil.ignore_patterns(
+    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
+)
+
+
+def readme_install_blocks() -> dict[str, list[str]]:
+    """The README's install blocks (`<!-- install: NAME -->` before a bash block), by
+    name: their command lines, exactly as written."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return {name: body.strip().splitlines() for name, body in README_BLOCK.findall(text)}
+
+
+def checkout_copy(directory: Path) -> Path:
+    """This checkout's files in `directory` (a newcomer's clone; builds write into it)."""
+    shutil.copytree(REPO, directory, ignore=NOT_CHECKOUT)
+    return directory
+
+
+def newcomer_shell(home: Path, python: str = BASE_PYTHON) -> dict[str, str]:
+    """A fresh shell: HOME of its own, `python3` that Python (the base one by default; no
+    venv active, no PYTHONPATH), PyPI as configured on this machine."""
+    bin_directory = home / "bin"
+    bin_directory.mkdir(parents=True, exist_ok=True)
+    (bin_directory / "python3").symlink_to(python)
+    steering = ("PYTHONPATH", "VIRTUAL_ENV", "PIP_NO_INDEX", "PIP_FIND_LINKS", "LD_PRELOAD")
+    environ = {k: v for k, v in os.environ.items() if k not in steering}
+    environ.update(HOME=str(home), PATH=f"{bin_directory}:{environ.get('PATH', os.defpath)}")
+    return environ
+
+
+def run_block(lines: list[str], checkout: Path, environ: Mapping[str, str]) -> None:
+    """The block's lines, one bash script, in the checkout, stopping at the first failure."""
+    result = subprocess.run(
+        ["bash", "-ec", "\n".join(lines)],
+        cwd=checkout,
+        env=dict(environ),
+        capture_output=True,
+        text=True,
+        timeout=INSTALL_LIMIT_S,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert result.returncode == 0, f"{lines} failed ({result.returncode}):\n{result.stderr}"
+
+
 # ---------------------------------------------------------------- fixtures (conftest.py plugin)
 
 

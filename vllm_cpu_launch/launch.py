@@ -158,7 +158,14 @@ def prepare_launch(
     host = current_host()
     one_worker = single_worker(arguments)
     plan = build_plan(
-        settings, arguments, speculative, target, host, auto_iomp, one_worker=one_worker
+        settings,
+        arguments,
+        speculative,
+        target,
+        host,
+        auto_iomp,
+        one_worker=one_worker,
+        supply_metadata=program is None,
     )
     return settings, target, plan
 
@@ -214,8 +221,27 @@ def report(plan: Plan, values: dict[str, object], unchanged: str | None = None) 
             emit("info", f"{c.kind} candidate {c.path!r} from {c.origin}: {c.verdict}, {c.reason}")
 
 
+def provide_metadata(plan: Plan) -> None:
+    """Write the `vllm` metadata the plan puts on PYTHONPATH (metadata.py); when that
+    fails, say so and start anyway (a missing PYTHONPATH entry is ignored)."""
+    if plan.metadata is None:
+        return
+    from vllm_cpu_launch.metadata import write_alias
+
+    try:
+        write_alias(plan.metadata)
+    except OSError as error:
+        emit(
+            "warning",
+            f"cannot write vLLM's missing `vllm` metadata to {plan.metadata.metadata}: "
+            f"{error.strerror}; `vllm` may fail with PackageNotFoundError (set "
+            "XDG_CACHE_HOME to a directory you can write)",
+        )
+
+
 def execute(plan: Plan) -> None:
     """Replace this process with the planned command; returns only by raising."""
+    provide_metadata(plan)
     environment = dict(os.environ)
     environment.update(plan.env)
     # Python ignores SIGPIPE and SIGXFSZ at start-up, and ignored signals stay ignored

@@ -16,6 +16,7 @@ from vllm_cpu_launch.evidence import (
 )
 from vllm_cpu_launch.handoff import IOMP_MACHINES, PLANNED_VARIABLE
 from vllm_cpu_launch.libraries import UNSAFE, Candidate, Search, find_library
+from vllm_cpu_launch.metadata import PYTHONPATH, Alias, alias_for, alias_problem, pythonpath_with
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, openmp_runtime_of, preload_entries
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.releases import support, target_release
@@ -89,6 +90,8 @@ class Plan:
     # The caller's LD_PRELOAD entries that fail the trust rule beside the plan's own
     # libraries: the launcher refuses to start (exit 126), the plugin changes nothing.
     refused: tuple[str, ...] = ()
+    # The `vllm` metadata the launcher supplies to a vllm-cpu install (metadata.py).
+    metadata: Alias | None = None
 
 
 def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
@@ -265,6 +268,7 @@ def build_plan(
     one_worker: bool,
     planner: str = "launcher",
     model: str | None = None,
+    supply_metadata: bool = False,
 ) -> Plan:
     """Decide what to preload and which variables to set for `target arguments...`.
 
@@ -274,6 +278,8 @@ def build_plan(
     `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
     libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
     What the caller set is theirs (docs/design.md, "What it changes and never changes").
+    `supply_metadata`: the launcher execs this vLLM, so it gives a vllm-cpu install the
+    `vllm` metadata it lacks (metadata.py), with or without SD.
     """
     warnings: list[str] = []
     notes: list[str] = []
@@ -441,6 +447,9 @@ def build_plan(
     keeps_gomp = iomp is None and (mode == "never" or (speculative.requested and not yours))
     if keeps_gomp and not refused and host.environ.get(PLANNED_VARIABLE) != planner:
         env[PLANNED_VARIABLE] = planner
+    alias = supplied_metadata(target, host, trusted, warnings) if supply_metadata else None
+    if alias:
+        env[PYTHONPATH] = pythonpath_with(alias, host.environ)
     relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen or yours else []
     if measured:  # the map's rule read these
         relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
@@ -463,7 +472,25 @@ def build_plan(
         tuned=tuned,
         inputs=tuple((name, host.environ.get(name)) for name in CALLER_VARIABLES),
         refused=tuple(refusal(c) for c in refused),
+        metadata=alias,
     )
+
+
+def supplied_metadata(
+    target: Target, host: Host, trusted: frozenset[int], warnings: list[str]
+) -> Alias | None:
+    """The launcher's `vllm` dist-info for a vLLM installed only as vllm-cpu, when the
+    trust rule of the preloaded libraries accepts where it lives (else a warning)."""
+    alias = alias_for(target, host.environ)
+    problem = alias_problem(alias, host.euid, trusted) if alias else None
+    if alias and problem:
+        fix = f"; Fix: {problem[1]}" if problem[1] else ""
+        warnings.append(
+            f"not supplying vLLM's missing `vllm` metadata from {alias.directory}: "
+            f"{problem[0]}, so `vllm` may fail with PackageNotFoundError{fix}"
+        )
+        return None
+    return alias
 
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
@@ -525,11 +552,21 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
         f"({p.flavor or p.kind}, from {p.origin})"
         for p in plan.preload
     ]
-    shown = ("LD_PRELOAD", PLANNED_VARIABLE)
+    shown = ("LD_PRELOAD", PLANNED_VARIABLE, PYTHONPATH if plan.metadata else "")
     parts += [f"{name}={value}" for name, value in plan.env if name not in shown]
+    if plan.metadata:
+        parts.append(metadata_words(plan.metadata))
     if not parts:
         parts = [unchanged or f"starting {plan.command[0]} unchanged"]
     return f"{plan.reason}; {'; '.join(parts)}"
+
+
+def metadata_words(alias: Alias) -> str:
+    """How the INFO line and --dry-run say the launcher supplies vLLM's metadata."""
+    return (
+        f"`vllm` metadata {alias.version} from {alias.directory} on PYTHONPATH "
+        "(vllm-cpu installs none; vLLM's CLI needs it)"
+    )
 
 
 def described_request(requested: bool, source: str | None) -> str:
@@ -580,6 +617,8 @@ def render_text(plan: Plan) -> str:
         lines.append(f"{label:<12} {name}={shlex.quote(value)}")
     if not record["env"]:
         lines.append("env:         unchanged")
+    if plan.metadata:
+        lines.append(f"metadata:    {metadata_words(plan.metadata)}")
     for index, (name, value) in enumerate(record["relies_on"].items()):
         label = "relies on:" if index == 0 else ""
         lines.append(f"{label:<12} {name}={shlex.quote(value)} (yours, kept)")

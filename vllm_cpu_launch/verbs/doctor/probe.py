@@ -8,6 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
+from vllm_cpu_launch.metadata import import_directories
 from vllm_cpu_launch.settings import Scope
 
 if TYPE_CHECKING:
@@ -112,15 +113,6 @@ def memory_section() -> dict[str, Any]:
 # ---------------------------------------------------------------- vLLM
 
 
-def site_packages(prefix: str) -> list[str]:
-    patterns = ("lib/python3*/site-packages", "lib64/python3*/site-packages")
-    found = [p for pattern in patterns for p in sorted(glob.glob(os.path.join(prefix, pattern)))]
-    unique: dict[str, str] = {}
-    for path in found:  # lib64 is often a link to lib
-        unique.setdefault(os.path.realpath(path), path)
-    return list(unique.values())
-
-
 def metadata_fields(path: str) -> dict[str, str]:
     """Name and Version from a dist-info METADATA file (its header, RFC 822 style)."""
     fields: dict[str, str] = {}
@@ -150,13 +142,6 @@ def vllm_distributions(directories: list[str]) -> list[dict[str, str]]:
                         {"name": fields["Name"], "version": fields["Version"], "metadata": metadata}
                     )
     return found
-
-
-def import_directories(target: Target, environ: Mapping[str, str]) -> list[str]:
-    """Where the target's Python imports distributions from: its site-packages and, as
-    the vllm process inherits it, PYTHONPATH (a harness may add metadata there)."""
-    directories = site_packages(target.prefix) if target.prefix else []
-    return directories + [p for p in environ.get("PYTHONPATH", "").split(":") if os.path.isabs(p)]
 
 
 def plugin_installation(directories: list[str]) -> str | None:
@@ -326,7 +311,9 @@ def map_section(
     if target is None:
         return section
     try:
-        plan = build_plan(settings, SD_PROBE, probe, target, host, True, one_worker=True)
+        plan = build_plan(
+            settings, SD_PROBE, probe, target, host, True, one_worker=True, supply_metadata=True
+        )
     except LaunchError as error:
         return {**section, "reason": error.message}
     in_effect = {**dict(plan.relies_on), **dict(plan.env)}

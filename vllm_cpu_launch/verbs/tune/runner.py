@@ -42,6 +42,9 @@ def run_once(plan: Plan, log_path: str, output_json: str, limit_s: float) -> flo
     run's whole session is killed). A failed run raises, with its log's last lines shown."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(output_json)
+    from vllm_cpu_launch.launch import provide_metadata
+
+    provide_metadata(plan)
     environment = {**os.environ, **dict(plan.env)}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
