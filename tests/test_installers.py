@@ -31,7 +31,10 @@ from .installers import (
     uv_venv,
 )
 
-pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 intel-openmp")
+pytestmark = [
+    pytest.mark.installers,
+    pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 intel-openmp"),
+]
 
 
 def install(
