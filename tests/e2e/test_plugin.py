@@ -3,10 +3,11 @@
 The vLLM environment's own pip installs this checkout (and the tests' probe plugin,
 tests/e2e/probe_plugin) into a directory on PYTHONPATH (conftest.plugin_path); then vLLM
 is started as users start it, with no launcher: `vllm serve`, an offline `LLM(...)`
-script, a `--headless` data-parallel node. The probe plugin records what each vLLM process
-inherited (the engine core and workers overwrite their /proc/PID/environ with their title);
-/proc/PID/maps shows what each really loaded. The launcher with the plugin installed is in
-test_real_vllm.py. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
+script. The probe plugin records what each vLLM process inherited (the engine core and
+workers overwrite their /proc/PID/environ with their title); /proc/PID/maps shows what each
+really loaded. The launcher with the plugin installed is in test_real_vllm.py; a
+`--headless` data-parallel node with the plugin in test_multinode.py. Set
+VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from vllm_server import (
     STOP_LIMIT_S,
     ProcessView,
     Server,
-    kill_session,
 )
 
 from .conftest import (
@@ -55,7 +55,6 @@ from .conftest import (
     wait_for_drafts,
     wait_for_health,
 )
-from .nodes import CLUSTER_STARTUP_LIMIT_S, start_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 OFFLINE_SCRIPT = Path(__file__).resolve().parent / "offline_generate.py"
@@ -341,29 +340,3 @@ def test_an_engine_in_the_script_gets_a_command_that_works(
     (process,) = report["processes"][:1]
     assert process["role"] == "api-server" and process["verdict"] == "ok", report
     assert plugin_lines((second / "server.log").read_text(encoding="utf-8")) == []
-
-
-# ---------------------------------------------------------------- a headless node
-
-
-def test_a_headless_data_parallel_node_gets_it_too(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
-) -> None:
-    started: list[Server] = []
-    try:
-        pair = start_cluster(
-            "data-parallel", vllm_env, tiny_model, tmp_path, started, plugin=plugin_path
-        )
-        wait_for_health(pair.primary, CLUSTER_STARTUP_LIMIT_S)
-        for role, server in pair.nodes.items():
-            models = model_processes(tree_views(server))
-            assert any(v.title.startswith("VLLM::EngineCore") for v in models), role
-            assert [str(v) for v in models if not v.maps_iomp()] == [], role
-            code, report = verify(server)
-            assert code == 0, (role, report)
-            assert SD_WARNING not in server.log_text(), f"{role}\n{tail(server)}"
-            assert len(plugin_lines(server.log_text())) == 1, role
-        assert complete(pair.primary)["usage"]["completion_tokens"] == MAX_TOKENS
-    finally:
-        for server in started:
-            kill_session(server)
