@@ -98,15 +98,22 @@ E2E = REPO / "tests" / "e2e"
 SKIP_E2E = "VLLMCPULAUNCH_SKIP_E2E"
 
 
+# Fixtures outside tests/e2e that need the real vLLM CPU environment (its torch): their
+# tests run in the real-vLLM tier, after CI has built the environment, never before it.
+VLLM_ENV_FIXTURES = frozenset({"torch_python"})
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the tiers see these marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tiers (docs/testing.md): every test under tests/e2e is real_vllm, every test
-    that builds with the buildah fixture is image; VLLMCPULAUNCH_SKIP_E2E=1 skips real_vllm."""
+    """The tiers (docs/testing.md): every test under tests/e2e or needing the vLLM
+    environment is real_vllm, every test that builds with the buildah fixture is image;
+    VLLMCPULAUNCH_SKIP_E2E=1 skips real_vllm."""
     skip = pytest.mark.skip(reason=f"{SKIP_E2E}=1 skips the real vLLM tests")
     for item in items:
-        if item.path.is_relative_to(E2E):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.is_relative_to(E2E) or fixtures & VLLM_ENV_FIXTURES:
             item.add_marker(pytest.mark.real_vllm)
-        if "buildah" in getattr(item, "fixturenames", ()):
+        if "buildah" in fixtures:
             item.add_marker(pytest.mark.image)
         if os.environ.get(SKIP_E2E) == "1" and item.get_closest_marker("real_vllm"):
             item.add_marker(skip)
