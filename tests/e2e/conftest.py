@@ -1,4 +1,9 @@
-"""The real vLLM CPU environment, the tiny model and the checks the end-to-end tests share."""
+"""The real vLLM CPU environment, the tiny model and the checks the end-to-end tests share.
+
+One vLLM server per configuration: each module starts its configurations in module-scoped
+fixtures, and a new check of a configuration is a test in the module that starts it
+(docs/testing.md, "The real-vLLM tier", lists them and says how to add one).
+"""
 
 from __future__ import annotations
 
