@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -75,19 +76,48 @@ def apt_get(arguments: list[str]) -> subprocess.CompletedProcess[str]:
 def debian_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real Debian tree (usr/lib/...) unpacked from the real packages, cached once."""
     DEB_CACHE.mkdir(parents=True, exist_ok=True)
-    missing = [p for p in DEBIAN_PACKAGES if not list(DEB_CACHE.glob(f"{p}_*.deb"))]
-    if missing:
-        result = apt_get(["download", *missing])
-        if result.returncode != 0 and os.geteuid() == 0:
-            # A fresh machine may have no package lists yet.
-            apt_get(["update", "-qq"])
+    # One download at a time: pytest-xdist's workers each set up this fixture.
+    with (DEB_CACHE / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = [p for p in DEBIAN_PACKAGES if not list(DEB_CACHE.glob(f"{p}_*.deb"))]
+        if missing:
             result = apt_get(["download", *missing])
-        if result.returncode != 0:
-            pytest.fail(f"apt-get download {' '.join(missing)} failed: {result.stderr.strip()}")
+            if result.returncode != 0 and os.geteuid() == 0:
+                # A fresh machine may have no package lists yet.
+                apt_get(["update", "-qq"])
+                result = apt_get(["download", *missing])
+            if result.returncode != 0:
+                stderr = result.stderr.strip()
+                pytest.fail(f"apt-get download {' '.join(missing)} failed: {stderr}")
     root = tmp_path_factory.mktemp("debian-root")
     for deb in sorted(DEB_CACHE.glob("*.deb")):
         subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, timeout=120)
     return root
+
+
+E2E = REPO / "tests" / "e2e"
+SKIP_E2E = "VLLMCPULAUNCH_SKIP_E2E"
+
+
+# Fixtures outside tests/e2e that need the real vLLM CPU environment (its torch): their
+# tests run in the real-vLLM tier, after CI has built the environment, never before it.
+VLLM_ENV_FIXTURES = frozenset({"torch_python"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the tiers see these marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tiers (docs/testing.md): every test under tests/e2e or needing the vLLM
+    environment is real_vllm, every test that builds with the buildah fixture is image;
+    VLLMCPULAUNCH_SKIP_E2E=1 skips real_vllm."""
+    skip = pytest.mark.skip(reason=f"{SKIP_E2E}=1 skips the real vLLM tests")
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.is_relative_to(E2E) or fixtures & VLLM_ENV_FIXTURES:
+            item.add_marker(pytest.mark.real_vllm)
+        if "buildah" in fixtures:
+            item.add_marker(pytest.mark.image)
+        if os.environ.get(SKIP_E2E) == "1" and item.get_closest_marker("real_vllm"):
+            item.add_marker(skip)
 
 
 NOBODY = 65534  # the uid tests switch to where root would read everything

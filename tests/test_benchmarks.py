@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-SKIP_E2E = "VLLMCPULAUNCH_SKIP_E2E"
 
 
 def run_script(name: str, *arguments: str, limit_s: float = 600) -> str:
@@ -81,20 +79,9 @@ def test_bench_discovery_prints_its_ratios() -> None:
     assert "strace" in output  # the syscall table, or the reason it was skipped
 
 
-def e2e_ignored(config: pytest.Config) -> bool:
-    """True when this pytest run leaves out tests/e2e (--ignore, --ignore-glob)."""
-    e2e = (REPO / "tests" / "e2e").resolve()
-    ignored = [*(config.getoption("ignore") or []), *(config.getoption("ignore_glob") or [])]
-    return any(Path(str(path)).resolve() == e2e for path in ignored)
-
-
-@pytest.mark.skipif(os.environ.get(SKIP_E2E) == "1", reason=f"{SKIP_E2E}=1 skips real vLLM")
-def test_bench_vllm_maps_and_redraws(
-    tmp_path: Path, pytestconfig: pytest.Config, debian_root: Path
-) -> None:
-    # Starts four real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
-    if e2e_ignored(pytestconfig):
-        pytest.skip("tests/e2e is ignored in this run, so is this real-vLLM smoke test")
+@pytest.mark.real_vllm
+def test_bench_vllm_maps_and_redraws(tmp_path: Path, debian_root: Path) -> None:
+    # Starts three real vLLM servers (minutes): it belongs with the real-vLLM e2e tests.
     report, kept, picture = tmp_path / "report.md", tmp_path / "map.json", tmp_path / "map.png"
     report.write_text("# Benchmarks\n\nkept\n", encoding="utf-8")
     tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -209,13 +196,9 @@ def test_importtime_lines_are_parsed() -> None:
     assert bench_overhead.parse_importtime(stderr) == [("enum", 100, 100, 1), ("re", 300, 400, 0)]
 
 
-@pytest.mark.skipif(os.environ.get(SKIP_E2E) == "1", reason=f"{SKIP_E2E}=1 skips real vLLM")
-def test_bench_plugin_times_each_kind_of_vllm_process(
-    tmp_path: Path, pytestconfig: pytest.Config
-) -> None:
+@pytest.mark.real_vllm
+def test_bench_plugin_times_each_kind_of_vllm_process(tmp_path: Path) -> None:
     # Imports the real vLLM twice (a minute): it belongs with the real-vLLM e2e tests.
-    if e2e_ignored(pytestconfig):
-        pytest.skip("tests/e2e is ignored in this run, so is this real-vLLM smoke test")
     kept = tmp_path / "samples.json"
     output = run_script("bench_plugin.py", "--rounds", "1", "--json", str(kept), limit_s=1200)
     samples = json.loads(kept.read_text(encoding="utf-8"))

@@ -38,7 +38,10 @@ from .installers import (
 )
 
 DEFAULT_PYTHON_MINOR = 11  # the Python the e2e environment is made with (3.11 here)
-pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 intel-openmp")
+pytestmark = [
+    pytest.mark.installers,
+    pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 intel-openmp"),
+]
 
 
 def install(

