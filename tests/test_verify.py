@@ -388,6 +388,19 @@ def test_libgomp_the_plan_kept_on_purpose_is_fine(
     assert worker["reason"].startswith("libgomp kept by the plan (VLLMCPULAUNCH_PLANNED=")
 
 
+def test_libgomp_kept_for_want_of_intel_openmp_is_a_problem(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+) -> None:
+    """Where no usable libiomp5 was found the plan's mark says so: the plugin leaves those
+    processes alone, but that libgomp is nobody's choice, and the liveness probe must say."""
+    children = [{"title": "VLLM::EngineCore"}, {"title": "VLLM::Worker_TP0"}]
+    mark = {"VLLMCPULAUNCH_PLANNED": "launcher:not-found"}
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp, **mark)
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 1, report
+    assert by_pid(report)[pids[2]]["verdict"] == "problem"
+
+
 def test_speculative_judges_a_command_line_that_does_not_say_it(
     tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path, gomp: str
 ) -> None:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 # (value: who planned: launcher, plugin), the one choice LD_PRELOAD does not show, so that
 # a process started with that plan, and its children, are left as planned.
 PLANNED_VARIABLE = "VLLMCPULAUNCH_PLANNED"
+# Appended to the planner where the plan keeps libgomp only because no usable Intel OpenMP
+# was found: the plugin still leaves those processes alone (the warning was said once), but
+# `verify` does not count that libgomp as chosen.
+NOT_FOUND_MARK = ":not-found"
 # The launcher's off switch for the plugin (also the config key `plugin`).
 PLUGIN_VARIABLE = "VLLMCPULAUNCH_PLUGIN"
 # Its name before our variables left vLLM's VLLM_* namespace, still obeyed

@@ -14,7 +14,7 @@ from vllm_cpu_launch.evidence import (
     map_choice,
     map_host,
 )
-from vllm_cpu_launch.handoff import IOMP_MACHINES, PLANNED_VARIABLE
+from vllm_cpu_launch.handoff import IOMP_MACHINES, NOT_FOUND_MARK, PLANNED_VARIABLE
 from vllm_cpu_launch.libraries import UNSAFE, Candidate, Search, find_library
 from vllm_cpu_launch.metadata import PYTHONPATH, Alias, alias_for, alias_problem, pythonpath_with
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, openmp_runtime_of, preload_entries
@@ -445,8 +445,9 @@ def build_plan(
     # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
     # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
     keeps_gomp = iomp is None and (mode == "never" or (speculative.requested and not yours))
-    if keeps_gomp and not refused and host.environ.get(PLANNED_VARIABLE) != planner:
-        env[PLANNED_VARIABLE] = planner
+    mark = planner if mode == "never" or IOMP not in missing else planner + NOT_FOUND_MARK
+    if keeps_gomp and not refused and host.environ.get(PLANNED_VARIABLE) != mark:
+        env[PLANNED_VARIABLE] = mark
     alias = supplied_metadata(target, host, trusted, warnings) if supply_metadata else None
     if alias:
         env[PYTHONPATH] = pythonpath_with(alias, host.environ)

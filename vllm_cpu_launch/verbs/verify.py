@@ -24,7 +24,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE
+from vllm_cpu_launch.handoff import NOT_FOUND_MARK, PLANNED_VARIABLE
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -313,7 +313,12 @@ def assemble(
     # it started; the plugin sets its own in the front end after start-up, so only the
     # processes vLLM spawns show it (its renamed ones in the tail of their environment
     # that the title leaves; docs/design.md, "verify"). Else the user's own choice.
-    marks = [env[PLANNED_VARIABLE] for _, _, _, _, _, env, _ in seen if env.get(PLANNED_VARIABLE)]
+    # A mark ending in NOT_FOUND_MARK kept libgomp only for want of Intel OpenMP: no choice.
+    marks = [
+        mark
+        for _, _, _, _, _, env, _ in seen
+        if (mark := env.get(PLANNED_VARIABLE, "")) and not mark.endswith(NOT_FOUND_MARK)
+    ]
     chosen = f"libgomp kept by the plan ({PLANNED_VARIABLE}={marks[0]})" if marks else users
     processes = []
     for process_id, ppid, cmdline, role, maps, environment, wanted in seen:
