@@ -102,12 +102,16 @@ SKIP_E2E = "VLLMCPULAUNCH_SKIP_E2E"
 # Fixtures outside tests/e2e that need the real vLLM CPU environment (its torch): their
 # tests run in the real-vLLM tier, after CI has built the environment, never before it.
 VLLM_ENV_FIXTURES = frozenset({"torch_python"})
+# Fixtures that run a real installer (pip, uv, virtualenv, pipx into fresh environments):
+# a test that uses one is an installer run, out of the quick tier.
+INSTALLER_FIXTURES = frozenset({"wheelhouse", "pipx_launcher"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the tiers see these marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tiers (docs/testing.md): every test under tests/e2e or needing the vLLM
-    environment is real_vllm, every test that builds with the buildah fixture is image;
+    environment is real_vllm, every test that builds with the buildah fixture is image,
+    every test whose fixtures run a real installer is installers;
     VLLMCPULAUNCH_SKIP_E2E=1 skips real_vllm."""
     skip = pytest.mark.skip(reason=f"{SKIP_E2E}=1 skips the real vLLM tests")
     for item in items:
@@ -116,6 +120,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.real_vllm)
         if "buildah" in fixtures:
             item.add_marker(pytest.mark.image)
+        if fixtures & INSTALLER_FIXTURES:
+            item.add_marker(pytest.mark.installers)
         if os.environ.get(SKIP_E2E) == "1" and item.get_closest_marker("real_vllm"):
             item.add_marker(skip)
 

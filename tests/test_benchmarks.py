@@ -47,6 +47,7 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.bench
 def test_bench_overhead_prints_its_ratios() -> None:
     if not (Path(sys.prefix) / "bin" / "vllm-cpu-launch").exists():
         pytest.skip(f"no vllm-cpu-launch console script in {sys.prefix}")
@@ -61,6 +62,7 @@ def test_bench_overhead_prints_its_ratios() -> None:
     assert "rerun: " in output
 
 
+@pytest.mark.bench
 def test_bench_discovery_prints_its_ratios() -> None:
     output = run_script(
         "bench_discovery.py",
