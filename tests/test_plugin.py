@@ -48,10 +48,8 @@ current_platform = Platform()
 """
 # What vLLM does in a process: load the plugin (more than once, as several entry points
 # may), then build configurations, each calling check_and_update_config.
-HARNESS = """\
-import json, logging, os, sys, types
-from importlib.metadata import entry_points
-
+# What both harnesses start with: vLLM's logger kept, and our entry point found as vLLM does.
+LOGGED_PLUGIN = """\
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
@@ -61,6 +59,15 @@ vllm_logger.addHandler(Keep())
 vllm_logger.setLevel(logging.DEBUG)
 
 (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_cpu_launch"]
+"""
+HARNESS = (
+    """\
+import json, logging, os, sys, types
+from importlib.metadata import entry_points
+
+"""
+    + LOGGED_PLUGIN
+    + """\
 register = plugin.load()
 register()
 register()
@@ -90,6 +97,7 @@ print(json.dumps({
     "records": records,
 }))
 """
+)
 LIBRARY = str(Path(sys.prefix) / "lib" / "libiomp5.so")
 PREFIX = "vllm-cpu-launch plugin: "
 
@@ -342,19 +350,14 @@ class Base:
     def is_cpu(self):
         return True
 """
-SCRIPT = """\
+SCRIPT = (
+    """\
 import dataclasses, json, logging, os, sys, traceback, types
 from importlib.metadata import entry_points
 
-records = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append([record.levelname, record.getMessage()])
-vllm_logger = logging.getLogger("vllm")
-vllm_logger.addHandler(Keep())
-vllm_logger.setLevel(logging.DEBUG)
-
-(plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_cpu_launch"]
+"""
+    + LOGGED_PLUGIN
+    + """\
 plugin.load()()
 from vllm import platforms
 from vllm.platforms import current_platform
@@ -412,6 +415,7 @@ kinds = {
 }
 print(json.dumps({"steps": steps, "records": records, "kinds": kinds}))
 """
+)
 GOMP = "/torch/lib/libgomp.so.1"
 
 

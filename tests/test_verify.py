@@ -273,16 +273,12 @@ DOCKER_CAPABILITIES = (
 )
 
 
-def test_root_without_the_capability_is_not_told_to_run_as_root(
-    tmp_path: Path, nobody_launcher: list[str]
-) -> None:
-    """A container's root has no CAP_SYS_PTRACE by default: another user's /proc/PID/maps
-    is closed to it. vLLM runs as uid 65534 here; verify as root without the capability."""
+def verify_nobodys_process(prefix: list[str]) -> subprocess.CompletedProcess[str]:
+    """`PREFIX... verify PID` of a process running as uid 65534, killed afterwards."""
     vllm = subprocess.Popen([*AS_NOBODY, "sleep", "600"], start_new_session=True)
     try:
-        drop = ["setpriv", f"--bounding-set=-all,{DOCKER_CAPABILITIES}", "--inh-caps=-all"]
-        result = subprocess.run(
-            [*drop, *nobody_launcher, "verify", str(vllm.pid)],
+        return subprocess.run(
+            [*prefix, "verify", str(vllm.pid)],
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
             capture_output=True,
             text=True,
@@ -292,6 +288,15 @@ def test_root_without_the_capability_is_not_told_to_run_as_root(
     finally:
         os.killpg(vllm.pid, signal.SIGKILL)  # the process this test started, by its id
         vllm.wait()
+
+
+def test_root_without_the_capability_is_not_told_to_run_as_root(
+    nobody_launcher: list[str],
+) -> None:
+    """A container's root has no CAP_SYS_PTRACE by default: another user's /proc/PID/maps
+    is closed to it. vLLM runs as uid 65534 here; verify as root without the capability."""
+    drop = ["setpriv", f"--bounding-set=-all,{DOCKER_CAPABILITIES}", "--inh-caps=-all"]
+    result = verify_nobodys_process([*drop, *nobody_launcher])
     assert result.returncode == 2 and result.stdout == "", result
     assert result.stderr.count("\n") == 1
     assert "permission denied although verify runs as root" in result.stderr
@@ -299,19 +304,7 @@ def test_root_without_the_capability_is_not_told_to_run_as_root(
     assert "run verify as the user vLLM runs as (uid 65534)" in result.stderr
     assert "or as root" not in result.stderr
     # What the message says works: the same verify as vLLM's user reads it.
-    vllm = subprocess.Popen([*AS_NOBODY, "sleep", "600"], start_new_session=True)
-    try:
-        fixed = subprocess.run(
-            [*AS_NOBODY, *nobody_launcher, "verify", str(vllm.pid)],
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    finally:
-        os.killpg(vllm.pid, signal.SIGKILL)
-        vllm.wait()
+    fixed = verify_nobodys_process([*AS_NOBODY, *nobody_launcher])
     assert fixed.returncode == 0, fixed.stderr
 
 
