@@ -102,6 +102,34 @@ LIBRARY = str(Path(sys.prefix) / "lib" / "libiomp5.so")
 PREFIX = "vllm-cpu-launch plugin: "
 
 
+def run_standin(
+    tmp_path: Path,
+    platforms: str,
+    script: str,
+    argument: object,
+    variables: dict[str, str] | None,
+) -> dict[str, Any]:
+    """Run `script` (its argument as JSON) in a fresh Python whose `vllm` is a stand-in
+    package with `platforms` as vllm/platforms/__init__.py; what it printed, as JSON."""
+    package = tmp_path / "standin" / "vllm"
+    (package / "platforms").mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "platforms" / "__init__.py").write_text(platforms)
+    environ = clean_environ(tmp_path, **(variables or {}))
+    environ["PYTHONPATH"] = f"{package.parent}:{environ['PYTHONPATH']}"
+    completed = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argument)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    outcome: dict[str, Any] = json.loads(completed.stdout)
+    return outcome
+
+
 def run_vllm_process(
     tmp_path: Path,
     variables: dict[str, str] | None = None,
@@ -112,22 +140,9 @@ def run_vllm_process(
 ) -> dict[str, Any]:
     """One vLLM process (the stand-in platform `device`, a configuration with SD or not,
     and `case`'s parallel settings) with the plugin; what happened."""
-    package = tmp_path / "standin" / "vllm"
-    (package / "platforms").mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text("")
-    (package / "platforms" / "__init__.py").write_text(PLATFORMS.format(device=device))
-    environ = clean_environ(tmp_path, **(variables or {}))
-    environ["PYTHONPATH"] = f"{package.parent}:{environ['PYTHONPATH']}"
-    completed = subprocess.run(
-        [sys.executable, "-c", HARNESS, json.dumps({"sd": sd, **(case or {})})],
-        env=environ,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
-    outcome: dict[str, Any] = json.loads(completed.stdout)
+    platforms = PLATFORMS.format(device=device)
+    argument = {"sd": sd, **(case or {})}
+    outcome = run_standin(tmp_path, platforms, HARNESS, argument, variables)
     assert outcome["results"] == ["vLLM's own result"] * 2
     return outcome
 
@@ -427,23 +442,7 @@ def run_vllm_front_end(
 ) -> dict[str, Any]:
     """The front end of the stand-in vLLM whose platform module ends with `platform`,
     running `steps`; what each step saw, left and returned, and what was logged."""
-    package = tmp_path / "standin" / "vllm"
-    (package / "platforms").mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text("")
-    (package / "platforms" / "__init__.py").write_text(STANDIN_HEAD + platform)
-    environ = clean_environ(tmp_path, **(variables or {}))
-    environ["PYTHONPATH"] = f"{package.parent}:{environ['PYTHONPATH']}"
-    completed = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(steps)],
-        env=environ,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
-    outcome: dict[str, Any] = json.loads(completed.stdout)
-    return outcome
+    return run_standin(tmp_path, STANDIN_HEAD + platform, SCRIPT, steps, variables)
 
 
 CLASSMETHOD = """
