@@ -15,11 +15,11 @@ vllm metadata"). `doctor` prints the fix for a plain `vllm serve`.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.target import python_libraries
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
