@@ -576,6 +576,16 @@ def described_request(requested: bool, source: str | None) -> str:
     return ("requested" if requested else "not requested") + (f" ({source})" if source else "")
 
 
+def rule_words(rule: dict[str, Any]) -> str:
+    """A measured rule of the decision record (its JSON `rule`), with its figures, as
+    --dry-run and doctor show it."""
+    low, high = rule["figures"]
+    return (
+        f"{rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of {rule['versus']}'s speed "
+        f"({rule['source']})"
+    )
+
+
 def render_text(plan: Plan) -> str:
     """The decision record for a person (`--dry-run`): plan_as_json's record, line by line."""
     import shlex
@@ -592,13 +602,8 @@ def render_text(plan: Plan) -> str:
         f"speculative: {sd}",
         f"reason:      {record['reason']}",
     ]
-    rule = record["rule"]
-    if rule:
-        low, high = rule["figures"]
-        lines.append(
-            f"rule:        {rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of "
-            f"{rule['versus']}'s speed ({rule['source']})"
-        )
+    if record["rule"]:
+        lines.append(f"rule:        {rule_words(record['rule'])}")
     if record["tune"]:
         tune = record["tune"]
         lines.append(f"tune:        {tune['when']}: {tune['result']} ({tune['origin']})")

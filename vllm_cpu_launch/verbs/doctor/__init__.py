@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.evidence import MAP_CPUS, MAP_VLLM
-from vllm_cpu_launch.plan import schema
+from vllm_cpu_launch.plan import rule_words, schema
 from vllm_cpu_launch.verbs.doctor.advice import recommend
 from vllm_cpu_launch.verbs.doctor.probe import (
     GIB,
@@ -198,13 +198,8 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
     lines.append(f"  with SD  the launcher {', '.join(does)}")
     lines.append(f"  because  {section['reason']}")
-    rule = section["rule"]
-    if rule:
-        low, high = rule["figures"]
-        lines.append(
-            f"  rule     {rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of "
-            f"{rule['versus']}'s speed ({rule['source']})"
-        )
+    if section["rule"]:
+        lines.append(f"  rule     {rule_words(section['rule'])}")
     lines += [f"  note     {note}" for note in section["notes"]]
     return lines
 
