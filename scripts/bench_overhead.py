@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench_stats import interleaved, quartiles, ratio_line, rerun_line, timed_run
+from checkout import checkout_copy
 from script_cli import ScriptError, checked_output, exit_code, narrator
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,18 +81,6 @@ SCRUBBED = (
     "VIRTUAL_ENV",
     "CONDA_PREFIX",
 )
-COPY_IGNORE = (
-    ".git",
-    ".venv",
-    ".mypy_cache",
-    ".ruff_cache",
-    ".pytest_cache",
-    ".hypothesis",
-    "__pycache__",
-    "build",
-    "dist",
-    "*.egg-info",
-)
 
 
 say = narrator("bench_overhead")
@@ -119,7 +108,7 @@ def prepare_venv(venv: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-overhead-src-") as source:
         # A copy, so the wheel build writes nothing into the shared working tree.
         copy = Path(source) / "src"
-        shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(*COPY_IGNORE))
+        checkout_copy(copy)
         if not python.exists():
             say(f"creating {venv} with this checkout (non-editable) and intel-openmp")
             venv_command = [sys.executable, "-m", "venv", "--clear", str(venv)]
@@ -185,7 +174,7 @@ def prepare_uv_venv(venv: Path, uv: str) -> None:
     """A clean uv-made venv with this checkout installed non-editable by uv."""
     with tempfile.TemporaryDirectory(prefix="bench-overhead-src-") as source:
         copy = Path(source) / "src"
-        shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(*COPY_IGNORE))
+        checkout_copy(copy)
         if not (venv / "bin" / "python").exists():
             say(f"creating {venv} with uv and this checkout (non-editable)")
             create = [uv, "venv", "--quiet", "--python", sys.executable, str(venv)]

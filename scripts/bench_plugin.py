@@ -33,7 +33,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench_stats import REPO, interleaved, quartiles, ratio_line, rerun_line
+from bench_stats import interleaved, quartiles, ratio_line, rerun_line
+from checkout import checkout_copy
 from script_cli import ScriptError, checked_output, exit_code, last_line, narrator
 from vllm_env import prepare_env
 from vllm_server import SPECULATIVE_CONFIG, make_model_command
@@ -81,9 +82,10 @@ say = narrator("bench_plugin")
 def install_plugin(vllm_env: Path, target: Path) -> None:
     """This checkout, installed by the vLLM environment's pip into target (for PYTHONPATH)."""
     command = [str(vllm_env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps"]
-    checked_output(
-        [*command, "--target", str(target), str(REPO)], "installing the plugin", INSTALL_LIMIT_S
-    )
+    with tempfile.TemporaryDirectory(prefix="bench-plugin-source-") as scratch:
+        source = checkout_copy(Path(scratch) / "source")
+        install = [*command, "--target", str(target), str(source)]
+        checked_output(install, "installing the plugin", INSTALL_LIMIT_S)
 
 
 def torch_libgomp(vllm_env: Path) -> str:

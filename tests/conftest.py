@@ -21,9 +21,12 @@ hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
 hypothesis_settings.register_profile("dev", deadline=None)
 hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
+REPO = Path(__file__).resolve().parent.parent
+# The scripts' modules, importable by every test as they import each other (siblings).
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
 # The installers' fixtures (wheelhouse, pipx_launcher, offline_environ) live beside them.
 pytest_plugins = ("tests.installers",)
-REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = (sys.executable, "-m", "vllm_cpu_launch")
 # Debian packages with real LLVM OpenMP (and its libiomp5.so alias) and real tcmalloc.
 DEBIAN_PACKAGES = ("libomp5-14", "libomp-14-dev", "libtcmalloc-minimal4")

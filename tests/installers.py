@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import checkout_copy
 
 from vllm_cpu_launch.records import record
 
@@ -263,7 +264,8 @@ def install_launcher(root: Path) -> list[str]:
     intel-openmp, so that a library found proves the target's environment was found,
     not the launcher's. (Its dependencies come from PyPI or pip's cache.)"""
     variables = {"PIPX_HOME": str(root / "pipx"), "PIPX_BIN_DIR": str(root / "bin")}
-    command = [str(TOOLS / "pipx"), "install", "--python", BASE_PYTHON, str(REPO)]
+    source = checkout_copy(root / "source")
+    command = [str(TOOLS / "pipx"), "install", "--python", BASE_PYTHON, str(source)]
     run_tool(command, {**os.environ, **variables})
     return [str(root / "bin" / "vllm-cpu-launch")]
 
@@ -303,10 +305,6 @@ def printed_fix(plan: dict[str, Any], needle: str) -> str:
 # ---------------------------------------------------------------- the README's install lines
 
 README_BLOCK = re.compile(r"<!-- install: (\w+) -->\n```bash\n(.*?)```", re.DOTALL)
-# What a checkout holds that is no part of it: built or local state.
-NOT_CHECKOUT = shutil.ignore_patterns(
-    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
-)
 
 
 def readme_install_blocks() -> dict[str, list[str]]:
@@ -314,12 +312,6 @@ def readme_install_blocks() -> dict[str, list[str]]:
     name: their command lines, exactly as written."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     return {name: body.strip().splitlines() for name, body in README_BLOCK.findall(text)}
-
-
-def checkout_copy(directory: Path) -> Path:
-    """This checkout's files in `directory` (a newcomer's clone; builds write into it)."""
-    shutil.copytree(REPO, directory, ignore=NOT_CHECKOUT)
-    return directory
 
 
 def newcomer_shell(home: Path, python: str = BASE_PYTHON) -> dict[str, str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from checkout import checkout_copy
 
 from tests.conftest import clean_environ, run_launcher
 from vllm_cpu_launch.errors import LaunchError
@@ -350,9 +351,7 @@ def plugin_volume() -> dict[str, Any]:
 def build_wheel(directory: Path) -> Path:
     """This checkout's wheel, built by `python -m build --wheel` from a copy of it (so the
     build writes nothing into the working tree) into directory/dist."""
-    source = directory / "source"
-    ignored = shutil.ignore_patterns(".*", "__pycache__", "build", "dist", "*.egg-info")
-    shutil.copytree(REPO, source, ignore=ignored)
+    source = checkout_copy(directory / "source")
     command = [sys.executable, "-m", "build", "--wheel", "--outdir", str(directory / "dist")]
     built = subprocess.run(
         [*command, str(source)], capture_output=True, text=True, timeout=BUILD_LIMIT_S

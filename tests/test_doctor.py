@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import checkout_copy
 
 from tests.conftest import (
     REPO,
@@ -416,7 +417,8 @@ def test_doctor_says_whether_vllm_will_load_the_plugin(tmp_path: Path, wheelhous
         "loads": False,
         "reason": "not installed where this vLLM imports from (its site-packages, PYTHONPATH)",
     }
-    run_tool([python, "-m", "pip", "install", "-q", "--no-deps", str(REPO)], os.environ)
+    source = checkout_copy(tmp_path / "source")
+    run_tool([python, "-m", "pip", "install", "-q", "--no-deps", str(source)], os.environ)
     _, report = doctor(tmp_path, "--vllm", vllm)
     installed = report["plugin"]["installed"]
     assert Path(installed).parent == Path(sysconfig.get_path("purelib", vars={"base": str(venv)}))

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from checkout import checkout_copy
 
 from .conftest import read_record, run_launcher
 from .installers import (
@@ -23,7 +24,6 @@ from .installers import (
     LAYOUTS,
     SD,
     Installed,
-    checkout_copy,
     chosen_iomp,
     dry_run,
     externally_managed_user,

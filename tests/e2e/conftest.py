@@ -25,6 +25,8 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 REAL_VLLM = pytest.mark.real_vllm
 sys.path.insert(0, str(SCRIPTS))
 
+from checkout import checkout_copy  # noqa: E402
+
 # scripts/vllm_server.py starts and drives the server, for the demo and benchmarks too.
 from vllm_env import DEFAULT_RELEASE  # noqa: E402
 from vllm_server import (  # noqa: E402
@@ -113,8 +115,9 @@ def plugin_path(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     checkout (vLLM's plugin) and the tests' probe plugin, each with its entry point, as a
     user's `pip install` would; the environment itself stays as plain vLLM for the others."""
     target = tmp_path_factory.mktemp("plugins")
+    source = checkout_copy(tmp_path_factory.mktemp("plugin-source") / "source")
     command = [str(vllm_env / "bin" / "python"), "-m", "pip", "install", "--no-deps"]
-    command += ["--no-input", "--target", str(target), str(SCRIPTS.parent), str(PROBE)]
+    command += ["--no-input", "--target", str(target), str(source), str(PROBE)]
     try:
         completed = subprocess.run(
             command, capture_output=True, text=True, timeout=PLUGIN_INSTALL_LIMIT_S
