@@ -6,9 +6,10 @@ of the real vLLM CPU environment, each as one kind of vLLM process, and times, i
 process, the steps the plugin adds to vLLM's own start:
 
 - `load`: importing the plugin's module (what vLLM's `entry_point.load()` does);
-- `register`: the call vLLM makes; in an engine core or worker (started with vLLM's
-  libgomp or the plan's libiomp5 in LD_PRELOAD) it stands down at once; in the front end
-  it checks the platform and wraps `check_and_update_config`;
+- `register`: the call vLLM makes; in an engine core or worker (spawned by Python's
+  multiprocessing with vLLM's libgomp or the plan's libiomp5 in LD_PRELOAD) it stands
+  down at once; in the front end it checks the platform and wraps
+  `check_and_update_config`;
 - `hook` (front end only): the plan for vLLM's resolved configuration of the tiny model
   with ngram SD (settings, library search, map rules), applied to os.environ.
 
@@ -46,7 +47,7 @@ INSTALL_LIMIT_S = 600
 RESULT = "RESULT "
 # One vLLM process: import vLLM as every vLLM process does, then (front end) build vLLM's
 # configuration with no plugin loaded, as before the hook runs; then the plugin's steps.
-PROCESS = r"""
+STEPS_CODE = r"""
 import json, os, sys, time
 role, model, speculative = sys.argv[1:4]
 started = time.perf_counter()
@@ -67,6 +68,8 @@ register = entry.load()
 loaded = time.perf_counter()
 register()
 result.update(load=loaded - started, register=time.perf_counter() - loaded)
+hook = type(current_platform).check_and_update_config
+result["wrapped"] = getattr(hook, "_vllm_cpu_launch_wrapped", False)
 if config is not None:
     from vllm_cpu_launch import plugin
     started = time.perf_counter()
@@ -74,6 +77,18 @@ if config is not None:
     result["hook"] = time.perf_counter() - started
     result["LD_PRELOAD"] = os.environ.get("LD_PRELOAD")
 print("RESULT " + json.dumps(result), flush=True)
+"""
+# The front end is the process the user started; an engine core or worker is spawned by
+# Python's multiprocessing from it, as vLLM spawns them (the plugin tells them apart so).
+PROCESS = f"""
+import multiprocessing, sys
+if sys.argv[1] == "front-end":
+    exec({STEPS_CODE!r}, {{}})
+else:
+    child = multiprocessing.get_context("spawn").Process(target=exec, args=({STEPS_CODE!r}, {{}}))
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
 """
 
 say = narrator("bench_plugin")
@@ -110,6 +125,8 @@ def measure_once(
     result: dict[str, float] = json.loads(lines[-1][len(RESULT) :])
     if role == "front-end" and "libiomp5" not in str(result.get("LD_PRELOAD")):
         raise ScriptError(f"the hook did not plan libiomp5: LD_PRELOAD={result.get('LD_PRELOAD')}")
+    if result.pop("wrapped") != (role == "front-end"):
+        raise ScriptError(f"a {role} process did not take the plugin's path for its kind")
     return result
 
 

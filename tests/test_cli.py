@@ -27,6 +27,8 @@ from .conftest import (
 )
 
 NGRAM = '{"method":"ngram"}'
+# The launcher's mark on a start whose LD_PRELOAD names a runtime: the plugin adds nothing.
+STARTED = {"VLLMCPULAUNCH_PLANNED": "launcher:started"}
 
 
 def sd_launch(vllm_env: Path) -> list[str]:
@@ -135,7 +137,7 @@ def test_intel_stub_in_ld_preload_gets_no_runtime_beside_it(
     result = launcher(tmp_path, ["--dry-run", "--json", *sd_launch(vllm_env)], LD_PRELOAD=str(stub))
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    assert (plan["preload"], plan["env"], plan["missing"]) == ([], {}, ["iomp"])
+    assert (plan["preload"], plan["env"], plan["missing"]) == ([], STARTED, ["iomp"])
     (warning,) = (w for w in plan["warnings"] if str(stub) in w)
     assert "serial stub library" in warning and warning.endswith("Fix: unset LD_PRELOAD")
 

@@ -293,6 +293,7 @@ def test_env_format_kubernetes_validates_in_a_deployment(
     assert {e["name"]: kubernetes_reads(e["value"]) for e in entries} == {
         "LD_PRELOAD": str(weird_iomp),
         "KMP_BLOCKTIME": HOSTILE_BLOCKTIME,
+        "VLLMCPULAUNCH_PLANNED": "launcher:started",
     }
     deployment = example_deployment()
     container_of(deployment)["env"] = entries

@@ -83,10 +83,17 @@ def test_caller_values_the_plan_keeps_are_carried(tmp_path: Path, vllm_env: Path
     iomp = str(vllm_env / "lib" / "libiomp5.so")
     extra = {"KMP_BLOCKTIME": "20", "LD_PRELOAD": iomp}
     args = ("serve", "m", "--speculative-config", SD)
-    assert plan_env(tmp_path, vllm_env, *args, **extra) == {}  # the plan changes nothing
+    # The plan changes nothing but its mark, which the unit carries.
+    assert plan_env(tmp_path, vllm_env, *args, **extra) == {
+        "VLLMCPULAUNCH_PLANNED": "launcher:started"
+    }
     result = run_env(tmp_path, vllm_env, "--format", "systemd", *args, **extra)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [f'LD_PRELOAD="{iomp}"', 'KMP_BLOCKTIME="20"']
+    assert result.stdout.splitlines() == [
+        f'LD_PRELOAD="{iomp}"',
+        'KMP_BLOCKTIME="20"',
+        'VLLMCPULAUNCH_PLANNED="launcher:started"',
+    ]
 
 
 def test_gnu_openmp_entry_is_dropped_with_a_warning_on_stderr(
@@ -248,6 +255,7 @@ def test_systemd_format_with_weird_path_reads_back(
     assert parse_environment_file(result.stdout) == {
         "LD_PRELOAD": str(weird_iomp),
         "KMP_BLOCKTIME": "5",
+        "VLLMCPULAUNCH_PLANNED": "launcher:started",
     }
 
 
@@ -283,7 +291,11 @@ def test_docker_format_with_weird_path(tmp_path: Path, vllm_env: Path, weird_iom
     result = run_env(tmp_path, vllm_env, "--format", "docker", *args)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split("=", 1)[0] for line in lines] == ["ENV LD_PRELOAD", "ENV KMP_BLOCKTIME"]
+    assert [line.split("=", 1)[0] for line in lines] == [
+        "ENV LD_PRELOAD",
+        "ENV KMP_BLOCKTIME",
+        "ENV VLLMCPULAUNCH_PLANNED",
+    ]
     assert docker_word(lines[0].split("=", 1)[1]) == str(weird_iomp)
     assert lines[1] == 'ENV KMP_BLOCKTIME="5"'
 

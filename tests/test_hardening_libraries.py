@@ -267,7 +267,11 @@ def test_hostile_entries_in_ld_preload_are_rejected(tmp_path: Path) -> None:
         str(missing): "does not exist",
         "libiomp5.so": "a bare name, which the loader looks up itself: give the absolute path",
     }
-    assert (plan["preload"], plan["env"], plan["missing"]) == ([], {}, ["iomp"])
+    assert (plan["preload"], plan["env"], plan["missing"]) == (
+        [],
+        {"VLLMCPULAUNCH_PLANNED": "launcher:started"},
+        ["iomp"],
+    )
     for path, reason in reasons.items():
         (warning,) = (w for w in plan["warnings"] if f"entry {path} is" in w)
         assert reason in warning and "nothing is preloaded beside it" in warning

@@ -58,7 +58,11 @@ def test_fifty_parallel_launches_plan_alike_and_exec(tmp_path: Path) -> None:
     first = json.loads(plans[0][2])
     assert all(json.loads(stdout) == first for _, _, stdout, _ in plans)
     library = str(vllm.parent.parent / "lib" / "libiomp5.so")
-    assert first["env"] == {"LD_PRELOAD": library, "KMP_BLOCKTIME": "5"}
+    assert first["env"] == {
+        "LD_PRELOAD": library,
+        "KMP_BLOCKTIME": "5",
+        "VLLMCPULAUNCH_PLANNED": "launcher:started",
+    }
 
     records = [tmp_path / f"record-{index}.json" for index in range(COUNT)]
     launches = start_all(

@@ -165,8 +165,8 @@ def test_an_empty_variable_of_ours_is_the_same_as_an_unset_one(
             assert (empty.returncode, empty.stderr) == (0, unset.stderr), variable
             assert empty.stdout == unset.stdout, variable
     # vLLM's plugin reads its switch the same way: empty leaves it on.
-    assert stands_down({PLUGIN_VARIABLE: ""}, "x86_64") is None
-    assert stands_down({PLUGIN_VARIABLE: "0"}, "x86_64") is not None
+    assert stands_down({PLUGIN_VARIABLE: ""}, "x86_64", spawned=False) is None
+    assert stands_down({PLUGIN_VARIABLE: "0"}, "x86_64", spawned=False) is not None
 
 
 def test_modes_are_read_in_any_case_as_yes_no_values_are(tmp_path: Path, vllm_env: Path) -> None:

@@ -29,6 +29,8 @@ DEFAULTS = Settings()
 SD = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
 # Where a plan keeps libgomp for SD or refuses Intel OpenMP, for vLLM's plugin.
 MARK = (PLANNED_VARIABLE, "launcher")
+# The launcher's mark on a start that keeps no libgomp for SD: the plugin adds nothing to it.
+STARTED = {PLANNED_VARIABLE: "launcher:started"}
 
 
 def plan_sd(target: Target, host: Host, settings: Settings = DEFAULTS) -> Plan:
@@ -118,7 +120,7 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
         "preload": [
             {"kind": "iomp", "path": library, "flavor": "intel", "origin": "vllm-environment"}
         ],
-        "env": {"LD_PRELOAD": library, "KMP_BLOCKTIME": "5"},
+        "env": {"LD_PRELOAD": library, "KMP_BLOCKTIME": "5", **STARTED},
         "relies_on": {},
         "warnings": [],
         "notes": [
@@ -233,7 +235,7 @@ def test_rejected_ld_preload_entry_is_kept_and_nothing_goes_beside_it(
     """An unusable runtime of the caller's: a second one beside it would make two OpenMP
     runtimes in one process (tests/test_plan_contract.py runs the fix)."""
     plan = plan_for(tmp_path, real_iomp, LD_PRELOAD="/gone/libiomp5.so")
-    assert (plan["env"], plan["preload"], plan["missing"]) == ({}, [], ["iomp"])
+    assert (plan["env"], plan["preload"], plan["missing"]) == (STARTED, [], ["iomp"])
     warnings = plan["warnings"]
     assert isinstance(warnings, list) and len(warnings) == 1
     warning = warnings[0]
@@ -271,7 +273,7 @@ def test_a_callers_intel_openmp_stays_as_set(tmp_path: Path, real_iomp: Path) ->
     )
     kept = plan_for(tmp_path / "b", real_iomp, LD_PRELOAD=preload)  # auto with SD: the one
     assert kept["preload"][0]["origin"] == "ld-preload"  # type: ignore[index]
-    assert kept["relies_on"] == {"LD_PRELOAD": preload} and kept["env"] == {}
+    assert kept["relies_on"] == {"LD_PRELOAD": preload} and kept["env"] == STARTED
     assert "kept as set, nothing added" in kept["reason"]  # type: ignore[operator]
 
 
@@ -280,7 +282,7 @@ def test_an_llvm_runtime_of_the_callers_gets_no_second_runtime(
 ) -> None:
     """vLLM takes `libomp` for Intel's interface too: nothing is added beside it."""
     plan = plan_for(tmp_path, real_iomp, LD_PRELOAD="/usr/lib/llvm-17/lib/libomp.so.5")
-    assert (plan["env"], plan["preload"], plan["warnings"]) == ({}, [], [])
+    assert (plan["env"], plan["preload"], plan["warnings"]) == (STARTED, [], [])
 
 
 def test_the_schema_names_the_output_and_the_layouts_version() -> None:
@@ -293,4 +295,4 @@ def test_a_callers_runtime_leaves_their_ld_preload_byte_for_byte(
     """Nothing added, nothing dropped: their spaces and empty entries stay as written."""
     preload = f" {real_iomp} ::/x/libfoo.so "
     plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=preload)
-    assert plan["env"] == {} and plan["relies_on"] == {"LD_PRELOAD": preload}
+    assert plan["env"] == STARTED and plan["relies_on"] == {"LD_PRELOAD": preload}

@@ -29,12 +29,14 @@ from tests.conftest import (
 )
 from vllm_cpu_launch import evidence
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 
 NGRAM = ["serve", "m", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
 PINNED = ("taskset", "-c", "0,1", *LAUNCHER)  # the map's host: 2 usable CPUs
 # vLLM's official CPU image (docker/Dockerfile.cpu, vLLM 0.32): its LD_PRELOAD, no KMP_*.
 IMAGE_TCMALLOC = "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 IMAGE_IOMP = "opt/venv/lib/libiomp5.so"
+STARTED = {PLANNED_VARIABLE: "launcher:started"}  # the launcher's mark: no libgomp kept
 
 
 @pytest.fixture
@@ -187,12 +189,13 @@ def test_vllms_official_cpu_image_is_started_unchanged(
     (line,) = result.stderr.splitlines()
     assert "kept as set, nothing added" in line and f"keeping your {tmp_path / IMAGE_IOMP}" in line
     plan = dry_run(tmp_path, map_vllm, NGRAM, LD_PRELOAD=preload)
-    assert plan["env"] == {} and plan["rule"] is None
+    # Only the launcher's own mark, which tells vLLM's plugin the launcher said it all.
+    assert plan["env"] == STARTED and plan["rule"] is None
     assert plan["relies_on"] == {"LD_PRELOAD": preload}
     environ = clean_environ(tmp_path, LD_PRELOAD=preload)
     doctor = run_launcher(["--vllm", str(map_vllm), "doctor", "--json"], environ, PINNED)
     in_effect = json.loads(doctor.stdout)["map"]
-    assert (in_effect["iomp"], in_effect["env"]) == ("libiomp5", {})
+    assert (in_effect["iomp"], in_effect["env"]) == ("libiomp5", STARTED)
     assert in_effect["relies_on"] == {"LD_PRELOAD": preload}
     text = run_launcher(["--vllm", str(map_vllm), "doctor"], environ, PINNED).stdout
     assert f"keeps your LD_PRELOAD={preload}" in text and "nothing added" in text
@@ -233,7 +236,7 @@ def test_an_unsafe_callers_entry_refuses_the_start_and_its_fix_works(
     assert fix == f"{'chmod go-w' if os.geteuid() == 0 else 'chmod o-w'} {shared}"
     environ = clean_environ(tmp_path, LD_PRELOAD=entry)
     after = run_fix(fix, tmp_path, map_vllm, environ)
-    assert [p["path"] for p in after["preload"]] == [entry] and after["env"] == {}
+    assert [p["path"] for p in after["preload"]] == [entry] and after["env"] == STARTED
     result, record = launched(tmp_path, map_vllm, NGRAM, LD_PRELOAD=entry)
     assert result.returncode == 0 and openmp_mapped(record) == [entry]
 
@@ -243,7 +246,7 @@ def test_an_unusable_callers_runtime_gets_nothing_beside_it_and_its_fix_works(
 ) -> None:
     entry = str(tmp_path / "gone" / "libiomp5.so")
     plan = dry_run(tmp_path, map_vllm, NGRAM, LD_PRELOAD=f"/x/libfoo.so:{entry}")
-    assert plan["preload"] == [] and plan["env"] == {} and plan["missing"] == ["iomp"]
+    assert plan["preload"] == [] and plan["env"] == STARTED and plan["missing"] == ["iomp"]
     (warning,) = plan["warnings"]
     assert entry in warning and "does not exist" in warning
     assert warning.endswith("Fix: export LD_PRELOAD=/x/libfoo.so")

@@ -60,7 +60,7 @@ vllm_logger.setLevel(logging.DEBUG)
 
 (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_cpu_launch"]
 """
-HARNESS = (
+PROCESS = (
     """\
 import json, logging, os, sys, types
 from importlib.metadata import entry_points
@@ -98,6 +98,17 @@ print(json.dumps({
 }))
 """
 )
+# The process as vLLM starts it: its front end, or (case["spawned"]) a process spawned by
+# multiprocessing, as vLLM starts its engine cores and workers.
+HARNESS = f"""\
+import json, multiprocessing, sys
+if json.loads(sys.argv[1]).get("spawned"):
+    child = multiprocessing.get_context("spawn").Process(target=exec, args=({PROCESS!r}, {{}}))
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+exec({PROCESS!r}, {{}})
+"""
 LIBRARY = str(Path(sys.prefix) / "lib" / "libiomp5.so")
 PREFIX = "vllm-cpu-launch plugin: "
 
@@ -190,22 +201,47 @@ def test_another_platform_is_left_alone(tmp_path: Path, device: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "variables",
+    ("variables", "spawned"),
     [
-        {"LD_PRELOAD": "/torch/lib/libgomp.so.1"},  # an engine core or worker vLLM started
-        {"LD_PRELOAD": LIBRARY},  # started by the launcher (or by hand) with Intel OpenMP
-        {PLANNED_VARIABLE: "launcher"},  # the launcher kept libgomp here
-        {PLUGIN_VARIABLE: "0"},
-        {PLUGIN_VARIABLE: "off"},
-        {"VLLM_PLUGINS": "vllm_cpu_launch", PLUGIN_VARIABLE: "false"},
+        ({"LD_PRELOAD": "/torch/lib/libgomp.so.1"}, True),  # an engine core or worker of vLLM
+        ({"LD_PRELOAD": LIBRARY}, True),  # ... whose front end chose Intel OpenMP
+        ({PLANNED_VARIABLE: "launcher"}, False),  # the launcher kept libgomp here
+        ({PLANNED_VARIABLE: "launcher:started", "LD_PRELOAD": LIBRARY}, False),  # it preloaded
+        ({PLANNED_VARIABLE: "launcher:started"}, False),  # a start without SD
+        ({PLUGIN_VARIABLE: "0"}, False),
+        ({PLUGIN_VARIABLE: "off"}, False),
+        ({"VLLM_PLUGINS": "vllm_cpu_launch", PLUGIN_VARIABLE: "false"}, False),
     ],
 )
 def test_where_a_choice_was_made_or_it_is_switched_off_it_wraps_nothing(
-    tmp_path: Path, variables: dict[str, str]
+    tmp_path: Path, variables: dict[str, str], spawned: bool
 ) -> None:
-    outcome = run_vllm_process(tmp_path, variables)
+    outcome = run_vllm_process(tmp_path, variables, case={"spawned": spawned})
     assert not outcome["wrapped"] and outcome["records"] == []
     assert outcome["seen"] == [variables.get("LD_PRELOAD")] * 2
+
+
+def test_a_front_end_with_a_runtime_in_ld_preload_keeps_it_and_says_so(
+    tmp_path: Path, debian_root: Path
+) -> None:
+    """vLLM's official CPU image sets LD_PRELOAD (tcmalloc, then its libiomp5) for every
+    process: in the front end the plan keeps it, adds nothing, and says so in one line;
+    the processes vLLM spawns from it say nothing."""
+    tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    preload = f"{tcmalloc}:{LIBRARY}"
+    outcome = run_vllm_process(tmp_path, {"LD_PRELOAD": preload})
+    assert outcome["wrapped"] and outcome["seen"] == [preload] * 2
+    assert outcome["env"] == {
+        "LD_PRELOAD": preload,
+        "KMP_BLOCKTIME": None,
+        "VLLM_CPU_OMP_THREADS_BIND": None,
+        PLANNED_VARIABLE: None,
+    }
+    ((level, line),) = outcome["records"]
+    assert level == "INFO" and line.startswith(f"{PREFIX}speculative decoding requested")
+    assert f"kept as set, nothing added; keeping your {LIBRARY} (intel" in line
+    spawned = run_vllm_process(tmp_path / "child", {"LD_PRELOAD": preload}, case={"spawned": True})
+    assert not spawned["wrapped"] and spawned["records"] == []
 
 
 def test_the_config_file_switch(tmp_path: Path) -> None:
@@ -259,23 +295,32 @@ def test_in_process_message_quotes_the_command() -> None:
 
 
 @pytest.mark.parametrize(
-    ("environ", "machine", "reason"),
+    ("environ", "machine", "spawned", "reason"),
     [
-        ({}, "x86_64", None),
-        ({"LD_PRELOAD": "/x/libtcmalloc.so.4"}, "x86_64", None),  # no OpenMP runtime named
-        ({PLUGIN_VARIABLE: "1"}, "x86_64", None),
-        ({}, "aarch64", "this host is aarch64, not x86-64"),
-        ({}, "ppc64le", "this host is ppc64le, not x86-64"),
-        ({"LD_PRELOAD": "/l/libomp.so.5"}, "x86_64", "LD_PRELOAD names an OpenMP runtime"),
-        ({PLUGIN_VARIABLE: "no"}, "x86_64", f"switched off by {PLUGIN_VARIABLE}=no"),
+        ({}, "x86_64", False, None),
+        ({"LD_PRELOAD": "/x/libtcmalloc.so.4"}, "x86_64", True, None),  # no OpenMP runtime named
+        ({PLUGIN_VARIABLE: "1"}, "x86_64", False, None),
+        ({}, "aarch64", False, "this host is aarch64, not x86-64"),
+        ({}, "ppc64le", False, "this host is ppc64le, not x86-64"),
+        ({"LD_PRELOAD": "/l/libomp.so.5"}, "x86_64", True, "LD_PRELOAD names the runtime"),
+        ({"LD_PRELOAD": "/l/libomp.so.5"}, "x86_64", False, None),  # a front end: the plan keeps it
+        ({PLANNED_VARIABLE: "launcher:started"}, "x86_64", False, "started with a plan already"),
+        ({PLUGIN_VARIABLE: "no"}, "x86_64", False, f"switched off by {PLUGIN_VARIABLE}=no"),
         # The name before our variables left vLLM's namespace still switches it off ...
-        ({"VLLM_CPU_LAUNCH_PLUGIN": "0"}, "x86_64", "switched off by VLLM_CPU_LAUNCH_PLUGIN=0"),
+        (
+            {"VLLM_CPU_LAUNCH_PLUGIN": "0"},
+            "x86_64",
+            False,
+            "switched off by VLLM_CPU_LAUNCH_PLUGIN=0",
+        ),
         # ... unless the current name says otherwise.
-        ({PLUGIN_VARIABLE: "1", "VLLM_CPU_LAUNCH_PLUGIN": "0"}, "x86_64", None),
+        ({PLUGIN_VARIABLE: "1", "VLLM_CPU_LAUNCH_PLUGIN": "0"}, "x86_64", False, None),
     ],
 )
-def test_standing_down(environ: dict[str, str], machine: str, reason: str | None) -> None:
-    found = stands_down(environ, machine)
+def test_standing_down(
+    environ: dict[str, str], machine: str, spawned: bool, reason: str | None
+) -> None:
+    found = stands_down(environ, machine, spawned)
     assert found == reason if reason is None else found is not None and reason in found
 
 
@@ -626,9 +671,12 @@ current_platform = CpuPlatform()
     assert len(said(outcome, "INFO")) == 1
 
 
-def test_what_the_user_set_between_configurations_is_theirs(tmp_path: Path) -> None:
-    """A script that sets LD_PRELOAD itself before its second LLM(...): kept, and, naming
-    an OpenMP runtime, it is the choice for that configuration."""
+def test_what_the_user_set_between_configurations_is_where_its_plan_starts(
+    tmp_path: Path,
+) -> None:
+    """A script that sets LD_PRELOAD itself before its second LLM(...): that configuration
+    is planned from it, as the launcher plans from the caller's: libgomp gives way to
+    Intel OpenMP for SD (vLLM refuses both), said in a warning naming the entry."""
     steps: list[dict[str, Any]] = [
         {"name": "sd"},
         {"name": "mine", "set": {"LD_PRELOAD": "/mine/libgomp.so.1"}},
@@ -636,11 +684,10 @@ def test_what_the_user_set_between_configurations_is_theirs(tmp_path: Path) -> N
     outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps)
     first, mine = outcome["steps"]
     assert first["env"]["LD_PRELOAD"] == LIBRARY
-    assert (
-        mine["seen"] == ["/mine/libgomp.so.1"] and mine["env"]["LD_PRELOAD"] == "/mine/libgomp.so.1"
-    )
-    assert mine["env"]["KMP_BLOCKTIME"] is None  # the first plan's, undone
-    assert len(said(outcome, "INFO")) == 1
+    assert mine["seen"] == [LIBRARY] and mine["env"]["LD_PRELOAD"] == LIBRARY
+    (warning,) = said(outcome, "WARNING")
+    assert warning.startswith(f"{PREFIX}removed /mine/libgomp.so.1 from LD_PRELOAD")
+    assert len(said(outcome, "INFO")) == 2
 
 
 def test_iomp_never_marks_each_configuration_it_plans(tmp_path: Path) -> None:

@@ -370,7 +370,7 @@ def test_where_vllm_runs_engine_and_workers_only_they_are_judged(
 def test_libgomp_the_plan_kept_on_purpose_is_fine(
     tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
 ) -> None:
-    """The launcher marks a plan that keeps libgomp for SD (the map's rule, --iomp never):
+    """The launcher marks a plan that keeps libgomp for SD by the user's word (--iomp never):
     the judged processes on libgomp are then as planned, not a problem."""
     children = [{"title": "VLLM::EngineCore"}, {"title": "VLLM::Worker_TP0"}]
     pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp, VLLMCPULAUNCH_PLANNED="launcher")
@@ -381,14 +381,16 @@ def test_libgomp_the_plan_kept_on_purpose_is_fine(
     assert worker["reason"].startswith("libgomp kept by the plan (VLLMCPULAUNCH_PLANNED=")
 
 
-def test_libgomp_kept_for_want_of_intel_openmp_is_a_problem(
-    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str
+@pytest.mark.parametrize("mark", ["launcher:not-found", "launcher:started"])
+def test_libgomp_under_a_mark_that_chose_none_is_a_problem(
+    tmp_path: Path, start_tree: Callable[..., list[int]], gomp: str, mark: str
 ) -> None:
-    """Where no usable libiomp5 was found the plan's mark says so: the plugin leaves those
-    processes alone, but that libgomp is nobody's choice, and the liveness probe must say."""
+    """Where no usable libiomp5 was found the plan's mark says so, and where the launcher
+    handed over an OpenMP runtime its mark says it started the process: the plugin leaves
+    those processes alone, but a libgomp there is nobody's choice, and the liveness probe
+    must say. (The bare mark, `iomp: never`, is a choice: the test above.)"""
     children = [{"title": "VLLM::EngineCore"}, {"title": "VLLM::Worker_TP0"}]
-    mark = {"VLLMCPULAUNCH_PLANNED": "launcher:not-found"}
-    pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp, **mark)
+    pids = start_tree(SERVE_SD, children, LD_PRELOAD=gomp, VLLMCPULAUNCH_PLANNED=mark)
     code, report = verify_json(tmp_path, pids[0])
     assert code == 1, report
     assert by_pid(report)[pids[2]]["verdict"] == "problem"

@@ -13,14 +13,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-# Set by a plan that keeps libgomp although SD is requested or Intel OpenMP is refused
-# (value: who planned: launcher, plugin), the one choice LD_PRELOAD does not show, so that
-# a process started with that plan, and its children, are left as planned.
+# The plan's mark, which tells vLLM's plugin that a process was started with a plan
+# already, and `verify` why libgomp is loaded. Its value is who planned (launcher, plugin),
+# alone where the plan keeps libgomp by the user's word (`iomp: never`), the one choice
+# LD_PRELOAD does not show; else with one of the suffixes below. The plugin marks only
+# where it keeps libgomp for SD: the processes vLLM spawns after it carry their runtime in
+# LD_PRELOAD, and stand down on that.
 PLANNED_VARIABLE = "VLLMCPULAUNCH_PLANNED"
+LAUNCHER, PLUGIN = "launcher", "plugin"  # who planned
 # Appended to the planner where the plan keeps libgomp only because no usable Intel OpenMP
 # was found: the plugin still leaves those processes alone (the warning was said once), but
 # `verify` does not count that libgomp as chosen.
 NOT_FOUND_MARK = ":not-found"
+# Appended to the launcher where the LD_PRELOAD it hands over names an OpenMP runtime
+# (Intel OpenMP it preloads, or the caller's runtime, kept) and no other mark is due:
+# vLLM's plugin plans a front end whose LD_PRELOAD names one (vLLM's CPU image), but not
+# the process the launcher execs, whose plan the launcher has said.
+STARTED_MARK = ":started"
 # The launcher's off switch for the plugin (also the config key `plugin`).
 PLUGIN_VARIABLE = "VLLMCPULAUNCH_PLUGIN"
 # Its name before our variables left vLLM's VLLM_* namespace, still obeyed
@@ -43,19 +52,20 @@ def names_openmp_runtime(ld_preload: str) -> bool:
 
 
 def already_planned(environ: Mapping[str, str]) -> str | None:
-    """Why this process needs no plan, from its environment alone; None if it may."""
+    """Why this process needs no plan: the mark of a plan it was started with; else None."""
     planner = environ.get(PLANNED_VARIABLE)
     if planner:
         return f"{PLANNED_VARIABLE}={planner}: started with a plan already"
-    if names_openmp_runtime(environ.get("LD_PRELOAD", "")):
-        return "LD_PRELOAD names an OpenMP runtime already"
     return None
 
 
-def stands_down(environ: Mapping[str, str], machine: str) -> str | None:
+def stands_down(environ: Mapping[str, str], machine: str, spawned: bool) -> str | None:
     """Why the plugin leaves this process alone, from what costs nothing to read; None if
-    it may plan. Every process vLLM starts inherits LD_PRELOAD with an OpenMP runtime in
-    it (vLLM's libgomp or the plan's libiomp5), so they all stop here."""
+    it may plan. `spawned`: started by Python's multiprocessing, as vLLM starts its engine
+    cores, workers and extra API servers; each inherits LD_PRELOAD with the OpenMP runtime
+    its front end chose in it (vLLM's libgomp, the plan's libiomp5, the caller's), so they
+    all stop here. A front end whose LD_PRELOAD names a runtime (vLLM's CPU image sets one
+    for every process) does not: the plan keeps it and says so."""
     for variable in (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE):
         switch = environ.get(variable)
         if switch:  # empty is unset
@@ -65,6 +75,8 @@ def stands_down(environ: Mapping[str, str], machine: str) -> str | None:
     planned = already_planned(environ)
     if planned:
         return planned
+    if spawned and names_openmp_runtime(environ.get("LD_PRELOAD", "")):
+        return "a process vLLM started: LD_PRELOAD names the runtime its front end chose"
     if machine not in IOMP_MACHINES:
         return f"this host is {machine}, not x86-64"
     return None

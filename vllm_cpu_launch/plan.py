@@ -14,7 +14,14 @@ from vllm_cpu_launch.evidence import (
     map_choice,
     map_host,
 )
-from vllm_cpu_launch.handoff import IOMP_MACHINES, NOT_FOUND_MARK, PLANNED_VARIABLE
+from vllm_cpu_launch.handoff import (
+    IOMP_MACHINES,
+    LAUNCHER,
+    NOT_FOUND_MARK,
+    PLANNED_VARIABLE,
+    STARTED_MARK,
+    names_openmp_runtime,
+)
 from vllm_cpu_launch.libraries import UNSAFE, Candidate, Search, find_library
 from vllm_cpu_launch.metadata import PYTHONPATH, Alias, alias_for, alias_problem, pythonpath_with
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, openmp_runtime_of, preload_entries
@@ -266,7 +273,7 @@ def build_plan(
     auto_iomp: bool,
     *,
     one_worker: bool,
-    planner: str = "launcher",
+    planner: str = LAUNCHER,
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Plan:
@@ -286,7 +293,7 @@ def build_plan(
     missing: list[str] = []
     searches: list[Search] = []
     warnings += settings.deprecated
-    refuses = settings.strict and planner == "launcher"  # a plugin cannot stop vLLM
+    refuses = settings.strict and planner == LAUNCHER  # a plugin cannot stop vLLM
     if speculative.note:
         warnings.append(speculative.note)
     if target.prefix:
@@ -444,9 +451,17 @@ def build_plan(
             env[BIND_VARIABLE] = "nobind"
     # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
     # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
+    # The launcher marks a start whose LD_PRELOAD names a runtime too, its own or the
+    # caller's: vLLM's plugin plans a front end that has one, but not one the launcher did.
     keeps_gomp = iomp is None and (mode == "never" or (speculative.requested and not yours))
-    mark = planner if mode == "never" or IOMP not in missing else planner + NOT_FOUND_MARK
-    if keeps_gomp and not refused and host.environ.get(PLANNED_VARIABLE) != mark:
+    mark = None
+    if keeps_gomp:
+        mark = planner if mode == "never" or IOMP not in missing else planner + NOT_FOUND_MARK
+    elif planner == LAUNCHER and names_openmp_runtime(
+        env.get(LD_PRELOAD, host.environ.get(LD_PRELOAD, ""))
+    ):
+        mark = planner + STARTED_MARK
+    if mark and not refused and host.environ.get(PLANNED_VARIABLE) != mark:
         env[PLANNED_VARIABLE] = mark
     alias = supplied_metadata(target, host, trusted, warnings) if supply_metadata else None
     if alias:

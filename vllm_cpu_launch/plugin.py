@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 import os
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.handoff import already_planned, stands_down
+from vllm_cpu_launch.handoff import PLUGIN, already_planned, stands_down
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -65,7 +66,8 @@ def register() -> None:
         return
     registered = True
     try:
-        reason = stands_down(os.environ, os.uname().machine)
+        spawned = multiprocessing.parent_process() is not None
+        reason = stands_down(os.environ, os.uname().machine, spawned)
         if reason is None:
             install_hook()
     except Exception as error:  # a bug here must not stop vLLM
@@ -281,7 +283,7 @@ def engine_plan(
         current_host(),
         speculative.requested,
         one_worker=one_worker(vllm_config) and not in_process,
-        planner="plugin",
+        planner=PLUGIN,
         model=getattr(getattr(vllm_config, "model_config", None), "model", None),
     )
 

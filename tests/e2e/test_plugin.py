@@ -288,6 +288,27 @@ def test_without_sd_the_children_get_exactly_what_vllm_makes(
     assert level == "INFO" and text.startswith("no speculative decoding requested")
 
 
+def test_vllms_cpu_image_ld_preload_is_kept_and_said_in_one_line(
+    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path, debian_root: Path
+) -> None:
+    """vLLM's official CPU image sets LD_PRELOAD to tcmalloc and its libiomp5 for every
+    process (here: Debian's tcmalloc and the environment's libiomp5, in that order): every
+    process keeps exactly that, and the front end's plugin says so in its one line."""
+    library = vllm_env / "lib" / "libiomp5.so"
+    tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    preload = f"{tcmalloc}:{library}"
+    with plain_serve(vllm_env, tiny_model, tmp_path, plugin_path, LD_PRELOAD=preload) as server:
+        records = model_records(server, tmp_path / "probe.jsonl")
+        views = tree_views(server)
+        lines = plugin_lines(server.log_text())
+    assert records == {"EngineCore": {preload}, "Worker": {preload}}
+    assert [str(view) for view in views if not view.maps_iomp()] == []  # the API server too
+    ((process, level, text),) = lines
+    assert (process, level) == ("APIServer", "INFO")
+    assert text.startswith("speculative decoding requested by vLLM's speculative_config")
+    assert f"kept as set, nothing added; keeping your {library} (intel, from ld-preload)" in text
+
+
 # ---------------------------------------------------------------- the offline API
 
 

@@ -24,7 +24,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
-from vllm_cpu_launch.handoff import NOT_FOUND_MARK, PLANNED_VARIABLE
+from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, PLUGIN
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -313,11 +313,12 @@ def assemble(
     # it started; the plugin sets its own in the front end after start-up, so only the
     # processes vLLM spawns show it (its renamed ones in the tail of their environment
     # that the title leaves; docs/design.md, "verify"). Else the user's own choice.
-    # A mark ending in NOT_FOUND_MARK kept libgomp only for want of Intel OpenMP: no choice.
+    # Only a planner's bare mark is a choice: NOT_FOUND_MARK kept libgomp for want of Intel
+    # OpenMP, and STARTED_MARK kept none.
     marks = [
         mark
         for _, _, _, _, _, env, _ in seen
-        if (mark := env.get(PLANNED_VARIABLE, "")) and not mark.endswith(NOT_FOUND_MARK)
+        if (mark := env.get(PLANNED_VARIABLE, "")) in (LAUNCHER, PLUGIN)
     ]
     chosen = f"libgomp kept by the plan ({PLANNED_VARIABLE}={marks[0]})" if marks else users
     processes = []

@@ -177,7 +177,7 @@ def plugin_section(
         else:
             where = f"plugin: off in {', '.join(settings.config_files)}"
         reason = f"installed, but switched off by {where}"
-    elif standing := stands_down(environ, machine):
+    elif standing := stands_down(environ, machine, spawned=False):
         # A mark exported by `eval "$(vllm-cpu-launch env ...)"` or an image's ENV, say.
         reason = f"installed, but it leaves vLLM alone started from here: {standing}"
     else:
