@@ -93,19 +93,25 @@ def free_loopback_port() -> int:
         return port
 
 
-def offline_settings(scratch: Path) -> dict[str, str]:
+def offline_settings(scratch: Path, compile_cache: Path | None = None) -> dict[str, str]:
     """A small, offline vLLM on CPU: 1 GiB of KV cache, no model hub, no usage statistics,
-    and a vLLM cache of its own under scratch (cold for every start)."""
+    and a vLLM cache: `compile_cache` where given, shared by starts that can reuse one
+    another's compiled model (vLLM keys it by configuration and code, and replaces files
+    atomically; the compiled code does not depend on the runtime preloaded, docs/
+    benchmarks.md), else one of its own under scratch (cold for every start)."""
     return {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
+        "VLLM_CACHE_ROOT": str(compile_cache or scratch / "vllm-cache"),
     }
 
 
 def isolated_environment(
-    scratch: Path, dropped: Iterable[str], dropped_prefixes: Iterable[str]
+    scratch: Path,
+    dropped: Iterable[str],
+    dropped_prefixes: Iterable[str],
+    compile_cache: Path | None = None,
 ) -> dict[str, str]:
     """The caller's environment without the `dropped` variables and those starting with one of
     `dropped_prefixes`, plus offline_settings() and a config directory of its own (so no user
@@ -116,7 +122,8 @@ def isolated_environment(
         for key, value in os.environ.items()
         if key not in names and not key.startswith(prefixes)
     }
-    return {**inherited, **offline_settings(scratch), "XDG_CONFIG_HOME": str(scratch / "config")}
+    settings = offline_settings(scratch, compile_cache)
+    return {**inherited, **settings, "XDG_CONFIG_HOME": str(scratch / "config")}
 
 
 def serve_arguments(
