@@ -1,9 +1,9 @@
 """What a vLLM process inherits that tells the plugin to leave it alone.
 
 The plugin runs in every vLLM process; in all but the front end it must stop at once,
-with nothing imported. stands_down() decides that from the environment and the machine
-alone (doctor asks it too), and the launcher's plan writes the mark it reads
-(docs/design.md, "The plugin").
+with nothing imported. stands_down() decides that from the environment, the machine and
+whether multiprocessing started the process (doctor asks it too, for a front end), and the
+plans write the mark it reads (docs/design.md, "The plugin").
 """
 
 from __future__ import annotations
