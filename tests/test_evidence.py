@@ -279,6 +279,7 @@ def test_nobind_set_by_the_user_gets_the_measured_blocktime(
     assert {name: v for name, v in plan["env"].items() if name != "PYTHONPATH"} == {
         "LD_PRELOAD": plan["preload"][0]["path"],
         "KMP_BLOCKTIME": evidence.NOBIND_BLOCKTIME,
+        PLANNED_VARIABLE: "launcher:started",
     }
     assert plan["rule"]["id"] == evidence.NGRAM_NOBIND.id
     given = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, "--kmp-blocktime", "1", **nobind)
@@ -296,7 +297,8 @@ def test_where_the_user_has_vllm_bind_the_launcher_preloads_libiomp5_as_vllm_adv
     vLLM binds it, the caller's variables as set, and no figure is claimed."""
     plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, **variables)
     assert kinds(plan) == ["iomp"] and plan["env"]["KMP_BLOCKTIME"] == "5"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"] and PLANNED_VARIABLE not in plan["env"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
+    assert plan["env"][PLANNED_VARIABLE] == "launcher:started"  # no libgomp kept: no bare mark
     assert plan["rule"] is None and plan["relies_on"] == variables
     assert any("no rule, no figure claimed" in n for n in plan["notes"])
 
