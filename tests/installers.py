@@ -46,10 +46,12 @@ FIX = re.compile(r"Fix: (.+?)(?:  \(|$)")  # the command, before "  (where...)" 
 LONG = "x" * 150
 
 
-def run_tool(command: list[str], environ: Mapping[str, str]) -> str:
-    """Run an installer; its failure is the test's failure, with what it said."""
+def run_tool(command: list[str], environ: Mapping[str, str], cwd: Path | None = None) -> str:
+    """Run an installer (in `cwd`, if given); its failure is the test's failure, with what
+    it said."""
     result = subprocess.run(
         command,
+        cwd=cwd,
         env=dict(environ),
         capture_output=True,
         text=True,
@@ -328,17 +330,7 @@ def newcomer_shell(home: Path, python: str = BASE_PYTHON) -> dict[str, str]:
 
 def run_block(lines: list[str], checkout: Path, environ: Mapping[str, str]) -> None:
     """The block's lines, one bash script, in the checkout, stopping at the first failure."""
-    result = subprocess.run(
-        ["bash", "-ec", "\n".join(lines)],
-        cwd=checkout,
-        env=dict(environ),
-        capture_output=True,
-        text=True,
-        timeout=INSTALL_LIMIT_S,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-    assert result.returncode == 0, f"{lines} failed ({result.returncode}):\n{result.stderr}"
+    run_tool(["bash", "-ec", "\n".join(lines)], environ, cwd=checkout)
 
 
 # ---------------------------------------------------------------- fixtures (conftest.py plugin)

@@ -29,6 +29,7 @@ from vllm_server import (
     MODEL_LIMIT_S,
     REQUEST_LIMIT_S,
     SD_WARNING,
+    ProcessView,
     isolated_environment,
     killed_on_exit,
     make_model_command,
@@ -43,7 +44,6 @@ from .conftest import (
     model_processes,
     plugin_lines,
     run_script,
-    tail,
     tree_views,
     wait_for_health,
 )
@@ -153,22 +153,30 @@ def test_vllm_fails_alone_as_installed(fresh_env: Path, newcomer: dict[str, str]
     assert "PackageNotFoundError: No package metadata was found for vllm" in result.stderr
 
 
-def test_launcher_quickstart(newcomer: dict[str, str], model: Path, tmp_path: Path) -> None:
-    prefix = [os.path.join(newcomer["HOME"], "vllm-env", "bin", "vllm-cpu-launch")]
-    server = start_server(prefix, model, tmp_path, newcomer, cwd=REPO)
+def served(
+    door: str, program: str, newcomer: dict[str, str], model: Path, scratch: Path
+) -> tuple[list[ProcessView], dict[str, Any], str]:
+    """`PROGRAM serve MODEL ...` from the newcomer's environment, healthy: its process
+    tree, one completion, and its log (what each process mapped printed for the note)."""
+    prefix = [os.path.join(newcomer["HOME"], "vllm-env", "bin", program)]
+    server = start_server(prefix, model, scratch, newcomer, cwd=REPO)
     with killed_on_exit(server):
         wait_for_health(server)
         views = tree_views(server)
         answer = complete(server)
-        print("launcher door:", mapped(views))
-        log = server.log_text()
+        print(f"{door} door:", mapped(views))
+        return views, answer, server.log_text()
+
+
+def test_launcher_quickstart(newcomer: dict[str, str], model: Path, tmp_path: Path) -> None:
+    views, answer, log = served("launcher", "vllm-cpu-launch", newcomer, model, tmp_path)
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     (line,) = [x for x in log.splitlines() if x.startswith("vllm-cpu-launch: ")]
     assert "`vllm` metadata 0.32.0+cpu from " in line, line
     assert "/home/.cache/vllm-cpu-launch/vllm-metadata/0.32.0+cpu" in line, line
     models = model_processes(views)
     assert {v.title.split("::")[1][:6] for v in models} == {"Engine", "Worker"}, views
-    assert all(v.maps_iomp() for v in [views[0], *models]), f"{views}\n{tail(server)}"
+    assert all(v.maps_iomp() for v in [views[0], *models]), f"{views}\n{log[-3000:]}"
     assert SD_WARNING not in log
 
 
@@ -181,17 +189,10 @@ def test_plugin_quickstart_after_doctors_fix(
     after = doctor(newcomer)
     assert "vllm-metadata" not in [r["id"] for r in after["recommendations"]]
     assert after["plugin"]["loads"], after["plugin"]
-    vllm = [os.path.join(newcomer["HOME"], "vllm-env", "bin", "vllm")]
-    server = start_server(vllm, model, tmp_path, newcomer, cwd=REPO)
-    with killed_on_exit(server):
-        wait_for_health(server)
-        views = tree_views(server)
-        answer = complete(server)
-        print("plugin door:", mapped(views))
-        log = server.log_text()
+    views, answer, log = served("plugin", "vllm", newcomer, model, tmp_path)
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert any("speculative decoding requested" in text for _, _, text in plugin_lines(log))
     models = model_processes(views)
     assert {v.title.split("::")[1][:6] for v in models} == {"Engine", "Worker"}, views
-    assert all(v.maps_iomp() for v in models), f"{views}\n{tail(server)}"
+    assert all(v.maps_iomp() for v in models), f"{views}\n{log[-3000:]}"
     assert not views[0].maps_iomp()  # the API server loaded torch's libgomp before any plugin
