@@ -8,7 +8,9 @@ fixtures, and a new check of a configuration is a test in the module that starts
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
 import re
 import subprocess
 import sys
@@ -137,23 +139,46 @@ def probe_records(path: Path) -> dict[int, dict[str, Any]]:
     return {record["pid"]: record for record in records}
 
 
-# vLLM's compile cache of this test worker: a start finds the compiled model of an earlier
-# one with the same configuration (about 20 s less on two CPUs). Set once per session by
-# the fixture below; conftest's server helpers give it to every vLLM they start.
-WORKER_CACHE: dict[str, Path] = {}
+@contextlib.contextmanager
+def shared_by_the_run(factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """`name` in this pytest run's directory, the one its xdist workers share (each has a
+    base directory of its own below it), held under an exclusive lock: what one worker
+    builds there, the others wait for and find."""
+    base = factory.getbasetemp()
+    run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with (run / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield run / name
+
+
+# vLLM's compile cache of this pytest run, shared by its workers: a start finds the compiled
+# model of an earlier one with the same configuration (about 20 s less on two CPUs) whichever
+# worker compiled it. vLLM keys the cache by configuration, model path and code, and
+# replaces its files atomically. Set once per session by the fixture below; every vLLM the
+# e2e tests start gets it (isolated_environment's compile_cache).
+RUN_CACHE: dict[str, Path] = {}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    WORKER_CACHE["vllm"] = tmp_path_factory.mktemp("vllm-compile-cache")
-    return WORKER_CACHE["vllm"]
+    with shared_by_the_run(tmp_path_factory, "vllm-compile-cache") as cache:
+        cache.mkdir(exist_ok=True)
+    RUN_CACHE["vllm"] = cache
+    return cache
 
 
 @pytest.fixture(scope="session")
 def tiny_model(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama made by the vLLM environment's own Python (one per session)."""
-    output = tmp_path_factory.mktemp("tiny-model")
-    return Path(run_script(make_model_command(vllm_env, output), MODEL_LIMIT_S))
+    """A tiny random Llama made by the vLLM environment's own Python, once per run: every
+    worker serves the same path, so the run's compile cache (vLLM keys it by the model's
+    path among the rest) holds one compiled model per configuration for all of them."""
+    with shared_by_the_run(tmp_path_factory, "tiny-model") as output:
+        made = output / "made"  # written last: a model a failed build left half is made again
+        if not made.exists():
+            output.mkdir(exist_ok=True)
+            path = run_script(make_model_command(vllm_env, output), MODEL_LIMIT_S)
+            made.write_text(path, encoding="utf-8")
+        return Path(made.read_text(encoding="utf-8"))
 
 
 def tail(server: Server) -> str:
@@ -231,9 +256,7 @@ MODEL_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 def plain_environment(scratch: Path, plugin_path: Path, **variables: str) -> dict[str, str]:
     """What a user's shell gives vLLM: no OpenMP or launcher settings, the plugins on
     PYTHONPATH, the probe's record file under scratch, and `variables`."""
-    env = isolated_environment(
-        scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_"), WORKER_CACHE["vllm"]
-    )
+    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLM_CPU_"), RUN_CACHE["vllm"])
     env.update(PYTHONPATH=str(plugin_path), **{PROBE_VARIABLE: str(scratch / "probe.jsonl")})
     env.update(variables)
     return env
@@ -288,7 +311,7 @@ def serving(
     environment without OpenMP or launcher settings (but `variables`); its session killed
     on the way out."""
     prefixes = ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
-    env = isolated_environment(scratch, ("LD_PRELOAD",), prefixes, WORKER_CACHE["vllm"])
+    env = isolated_environment(scratch, ("LD_PRELOAD",), prefixes, RUN_CACHE["vllm"])
     env.update(variables)
     server = start_server(prefix, model, scratch, env, cwd=SCRIPTS.parent, extra=extra)
     with killed_on_exit(server):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_server import Server, free_loopback_port, isolated_environment, start_server
 
-from .conftest import tail
+from .conftest import RUN_CACHE, tail
 
 REPO = Path(__file__).resolve().parents[2]
 # Two vLLM trees share 2 CPUs here: allow more than one server's start-up time.
@@ -81,7 +82,9 @@ def start_node(
     launcher settings, its log and vLLM cache under scratch: through the launcher (default
     settings), or, with `plugin` (a directory holding it, for PYTHONPATH), as plain `vllm`."""
     scratch.mkdir()
-    env = isolated_environment(scratch, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_"))
+    env = isolated_environment(
+        scratch, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_"), RUN_CACHE["vllm"]
+    )
     vllm = str(vllm_env / "bin" / "vllm")
     if plugin is not None:
         env["PYTHONPATH"] = str(plugin)
@@ -97,14 +100,16 @@ def start_cluster(
     scratch: Path,
     started: list[Server],
     plugin: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> Cluster:
     """Both nodes of `mode` (the primary first), on fresh loopback ports, logs under
     scratch/primary and scratch/secondary, through the launcher; with `plugin`, the headless
-    secondary is plain `vllm` with the plugin instead. Each node is appended to `started` as
-    soon as it runs, so the caller's teardown stops it whatever happens next."""
+    secondary is plain `vllm` with the plugin instead; `extra`: options both nodes get.
+    Each node is appended to `started` as soon as it runs, so the caller's teardown stops
+    it whatever happens next."""
     ports = {"rpc": free_loopback_port(), "master": free_loopback_port()}
     for rank, role in enumerate(("primary", "secondary")):
-        arguments = node_arguments(mode, rank, ports)
+        arguments = [*node_arguments(mode, rank, ports), *extra]
         node_plugin = plugin if rank else None
         started.append(start_node(vllm_env, model, scratch / role, arguments, node_plugin))
     plugged = frozenset({"secondary"} if plugin is not None else ())

@@ -42,6 +42,7 @@ from .conftest import (
     PROBE,
     PROBE_VARIABLE,
     REAL_VLLM,
+    RUN_CACHE,
     complete,
     model_processes,
     plugin_lines,
@@ -103,7 +104,10 @@ def container_environment(scratch: Path, places: Mapping[str, Path]) -> dict[str
     """The vLLM container's PYTHONPATH (mapped) in the tests' environment without OpenMP or
     launcher settings."""
     env = isolated_environment(
-        scratch, ("LD_PRELOAD", "PYTHONPATH"), ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
+        scratch,
+        ("LD_PRELOAD", "PYTHONPATH"),
+        ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_"),
+        RUN_CACHE["vllm"],
     )
     (vllm,) = pod_spec()["containers"]
     values = {entry["name"]: entry["value"] for entry in vllm["env"]}
