@@ -14,7 +14,12 @@ OpenMP as vLLM's workers tune it, with tcmalloc beside libgomp or libiomp5 (the 
 Docker image's recipe, compared with as a peer), and with libiomp5, alone or beside
 tcmalloc, under VLLM_CPU_OMP_THREADS_BIND=nobind, the only mode in which the launcher's
 KMP_BLOCKTIME reaches the worker (vLLM then sets no KMP_*, OMP_NUM_THREADS or affinity, so
-the worker's team spans every CPU whatever is reserved).
+the worker's team spans every CPU whatever is reserved). Beside Intel's: LLVM's libomp
+(`--libomp-path`, preloaded by the launcher as an Intel-interface runtime), libgomp's
+waiting policies (OMP_WAIT_POLICY=active, a GOMP_SPINCOUNT of ~200 ms), libiomp5's `dist`
+barriers, and one OpenMP thread (`libgomp-1thread`): its TPOT divided by a setting's
+threads is the limit the report measures each setting against. After its last phase each
+server sits idle for a few seconds, and the CPU it burns then is kept too.
 
 Starts alternate, the order rotating per round (bench_stats.interleaved). For each start:
 seconds to a healthy `/health`, then after a short warm-up, per concurrency level, clients
@@ -59,6 +64,7 @@ from typing import Any
 from bench_stats import REPO, interleaved
 from bench_vllm_plot import plot
 from bench_vllm_records import (
+    LLVM_OMP,
     METHODS,
     SETTINGS,
     THREADS,
@@ -204,6 +210,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=Path(DEBIAN_TCMALLOC),
         help=f"tcmalloc for the +tcmalloc settings (default {DEBIAN_TCMALLOC})",
     )
+    parser.add_argument(
+        "--libomp-path",
+        type=Path,
+        help="LLVM's libomp for the libomp settings, by a name holding 'libiomp' as the "
+        "launcher requires (Debian's libomp-14-dev: /usr/lib/llvm-14/lib/libiomp5.so; the "
+        "cmeel-libomp wheel: cmeel.prefix/lib/libiomp5.so)",
+    )
     parser.add_argument("--vllm-env", type=Path, help="vLLM environment (default: vllm_env.py)")
     parser.add_argument("--markdown", type=Path, help="also write the report into this file")
     parser.add_argument(
@@ -232,6 +245,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(
             f"--tcmalloc-path {args.tcmalloc_path} does not exist; Fix: apt-get install "
             "libtcmalloc-minimal4, or name another file, or leave out the +tcmalloc --settings"
+        )
+    needs_libomp = any(SETTINGS[key].runtime == LLVM_OMP for key in args.setting_keys)
+    if (
+        needs_libomp
+        and not args.from_json
+        and not (args.libomp_path and args.libomp_path.is_file())
+    ):
+        parser.error(
+            f"the libomp settings need --libomp-path FILE (given: {args.libomp_path}); Fix: "
+            "apt-get install libomp-14-dev and pass /usr/lib/llvm-14/lib/libiomp5.so, or "
+            "leave out the libomp --settings"
         )
     args.configs = grid(args.model_sizes, args.method_keys, args.thread_settings, args.setting_keys)
     if not args.configs:

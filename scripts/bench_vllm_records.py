@@ -20,34 +20,53 @@ FIRST_METHOD = "ngram3"
 TPOT_METRIC = "vllm:request_time_per_output_token_seconds"  # histogram: _sum, _count
 WARMUP_REQUESTS = 2  # per start, before any phase is measured
 ROLES = ("worker", "engine", "api")  # the processes whose CPU a phase keeps
+ONE_THREAD = "libgomp-1thread"  # the setting whose TPOT, per thread, is the limit
+IDLE_WINDOW_S = 5.0  # how long after its last request an idle server's CPU is read
 
 
 # ---------------------------------------------------------------- what is measured
 
 
+# The OpenMP runtimes a setting runs: torch's GNU libgomp (plain vLLM preloads it), Intel's
+# libiomp5 (the launcher's), LLVM's libomp (Intel's code base; --libomp-path names it).
+GOMP, IOMP, LLVM_OMP = "libgomp", "libiomp5", "libomp"
+# libgomp's spin count for ~200 ms before sleeping (GCC libgomp/env.c: "100000 spins per
+# msec"; its default 300000 is ~3 ms, OMP_WAIT_POLICY=active 30 billion, ~5 min): the
+# KMP_BLOCKTIME of the launcher's nobind rule, in libgomp's unit.
+SPIN_200_MS = "20000000"
+# libiomp5's distributed barrier (KMP_*_BARRIER_PATTERN), in place of its default hyper one.
+DIST_BARRIERS = tuple(
+    (f"KMP_{kind}_BARRIER_PATTERN", "dist,dist") for kind in ("FORKJOIN", "PLAIN", "REDUCTION")
+)
+
+
 @dataclass(frozen=True)
 class Setting:
-    """A runtime configuration: which libraries are preloaded, and how the worker binds."""
+    """A runtime configuration: the OpenMP runtime and what else is preloaded, how the
+    worker binds, and the variables the runtime reads (set for every vLLM process)."""
 
     key: str
-    iomp: bool
-    tcmalloc: bool
+    runtime: str  # GOMP, IOMP or LLVM_OMP
+    tcmalloc: bool = False
     blocktime: str | None = None  # the launcher's --kmp-blocktime
     nobind: bool = False  # VLLM_CPU_OMP_THREADS_BIND=nobind
+    variables: tuple[tuple[str, str], ...] = ()
 
     @property
     def plain(self) -> bool:
         """Plain `vllm serve`, no launcher: vLLM preloads libgomp itself."""
-        return not (self.iomp or self.tcmalloc)
+        return self.runtime == GOMP and not self.tcmalloc
 
     @property
     def baseline(self) -> str:
         """The plain setting this one is compared with: as bound as it is."""
         return "libgomp-nobind" if self.nobind else "libgomp"
 
-    def launcher_options(self, tcmalloc_path: Path) -> list[str]:
+    def launcher_options(self, tcmalloc_path: Path, libomp_path: Path | None) -> list[str]:
         tcmalloc = ["--tcmalloc", "always", "--tcmalloc-path", str(tcmalloc_path)]
-        options = ["--iomp", "always" if self.iomp else "never"]
+        options = ["--iomp", "never" if self.runtime == GOMP else "always"]
+        if self.runtime == LLVM_OMP:
+            options += ["--iomp-path", str(libomp_path)]
         options += tcmalloc if self.tcmalloc else ["--tcmalloc", "never"]
         return options + (["--kmp-blocktime", self.blocktime] if self.blocktime else [])
 
@@ -55,16 +74,38 @@ class Setting:
 SETTINGS = {
     s.key: s
     for s in (
-        Setting("libgomp", iomp=False, tcmalloc=False),
-        Setting("libgomp+tcmalloc", iomp=False, tcmalloc=True),
-        Setting("libiomp5", iomp=True, tcmalloc=False),
-        Setting("libiomp5+tcmalloc", iomp=True, tcmalloc=True),
-        Setting("libgomp-nobind", iomp=False, tcmalloc=False, nobind=True),
-        Setting("libiomp5-nobind-bt0", iomp=True, tcmalloc=False, blocktime="0", nobind=True),
-        Setting("libiomp5-nobind-bt200", iomp=True, tcmalloc=False, blocktime="200", nobind=True),
+        Setting("libgomp", GOMP),
+        Setting("libgomp+tcmalloc", GOMP, tcmalloc=True),
+        Setting("libiomp5", IOMP),
+        Setting("libiomp5+tcmalloc", IOMP, tcmalloc=True),
+        Setting("libgomp-nobind", GOMP, nobind=True),
+        Setting("libiomp5-nobind-bt0", IOMP, blocktime="0", nobind=True),
+        Setting("libiomp5-nobind-bt200", IOMP, blocktime="200", nobind=True),
+        Setting("libiomp5-nobind-bt200+tcmalloc", IOMP, True, "200", nobind=True),
+        # Issue 24: the runtimes and their waiting policies.
+        Setting("libgomp-active", GOMP, variables=(("OMP_WAIT_POLICY", "active"),)),
+        Setting("libgomp-spin200ms", GOMP, variables=(("GOMP_SPINCOUNT", SPIN_200_MS),)),
         Setting(
-            "libiomp5-nobind-bt200+tcmalloc", iomp=True, tcmalloc=True, blocktime="200", nobind=True
+            "libgomp-nobind-active", GOMP, nobind=True, variables=(("OMP_WAIT_POLICY", "active"),)
         ),
+        Setting(
+            "libgomp-nobind-spin200ms",
+            GOMP,
+            nobind=True,
+            variables=(("GOMP_SPINCOUNT", SPIN_200_MS),),
+        ),
+        Setting("libomp", LLVM_OMP),
+        Setting("libomp-nobind-bt200", LLVM_OMP, blocktime="200", nobind=True),
+        Setting("libiomp5-dist", IOMP, variables=DIST_BARRIERS),
+        Setting(
+            "libiomp5-nobind-bt200-dist",
+            IOMP,
+            blocktime="200",
+            nobind=True,
+            variables=DIST_BARRIERS,
+        ),
+        # The limit's reference: one OpenMP thread, unbound (bench_vllm_report.limit).
+        Setting(ONE_THREAD, GOMP, nobind=True, variables=(("OMP_NUM_THREADS", "1"),)),
     )
 }
 # vLLM's CPU Docker image preloads tcmalloc and libiomp5 (LD_PRELOAD in its Dockerfile) and
@@ -201,6 +242,9 @@ class Run:
     sd_warning: bool
     launcher_info: str
     load_before: float
+    # Cores busy by process role over IDLE_WINDOW_S after the last request (none: a run
+    # kept before the map read it).
+    idle: dict[str, float] = field(default_factory=dict)
 
     def phase(self, streams: int) -> Phase:
         return next(p for p in self.phases if p.streams == streams)

@@ -16,9 +16,10 @@ from typing import Any
 from bench_vllm_records import (
     DOCKER_RECIPE,
     EAGLE_HEAD,
+    IDLE_WINDOW_S,
     METHODS,
+    ONE_THREAD,
     ROLES,
-    SETTINGS,
     TPOT_METRIC,
     WARMUP_REQUESTS,
     Config,
@@ -68,6 +69,63 @@ def speedup(runs: Sequence[Run], baseline: Sequence[Run], streams: int, metric: 
     plain = {run.round: run for run in baseline}
     paired = [better(run, plain[run.round]) for run in runs if run.round in plain]
     return Ratio(statistics.median(paired), min(paired), max(paired), len(paired))
+
+
+def omp_threads(run: Run, cpus: int) -> int:
+    """The OpenMP threads the run's worker ran: one for ONE_THREAD, vLLM's bound cores
+    (its `core ids=[...]` line), else every CPU (nobind: the team spans them all)."""
+    if run.config.setting == ONE_THREAD:
+        return 1
+    ids = run.core_ids.strip("[]")
+    return len(ids.split(",")) if run.core_ids.startswith("[") and ids else cpus
+
+
+def limit_rows(
+    mine: Sequence[Config], by_config: dict[Config, list[Run]], meta: dict[str, Any]
+) -> list[str]:
+    """Each setting's idle cost and its distance from the limit: the TPOT this host would
+    give if the worker's threads shared the work with no cost (ONE_THREAD's TPOT divided by
+    the threads it runs), against what it gave (1.00 = at the limit)."""
+    levels: list[int] = meta["concurrency"]
+    cpus = int(meta["machine"]["cpus"])
+    one = next((c for c in mine if c.setting == ONE_THREAD), None)
+    lines = [
+        "",
+        f"Idle: cores busy over {IDLE_WINDOW_S:.0f} s after the last request, median "
+        "(worker / EngineCore / API server). The limit: the one-thread TPOT "
+        f"(`{ONE_THREAD}`, OpenMP threads 1) divided by the threads the worker runs; "
+        "`limit/this` > 1 would beat it. The gap holds synchronisation and the Python "
+        "(scheduler, proposer, sampler) that no thread count divides.",
+        "",
+        "| threads | setting | OpenMP threads | idle cores | "
+        + " | ".join(f"limit ms C={c} (limit/this)" for c in levels)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(levels),
+    ]
+    for config in mine:
+        group = by_config[config]
+        threads = omp_threads(group[0], cpus)
+        idle = (
+            " / ".join(
+                f"{statistics.median(r.idle.get(role, 0.0) for r in group):.2f}" for role in ROLES
+            )
+            if all(r.idle for r in group)
+            else "not read"
+        )
+        cells = []
+        for c in levels:
+            if one is None:
+                cells.append("no one-thread run")
+                continue
+            limit = statistics.median(r.phase(c).tpot_ms for r in by_config[one]) / threads
+            mine_tpot = statistics.median(r.phase(c).tpot_ms for r in group)
+            cells.append(f"{limit:.2f} ({limit / mine_tpot:.2f})")
+        lines.append(
+            f"| {config.threads} | {config.setting} | {threads} | {idle} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
 
 
 def spread(values: Sequence[float]) -> str:
@@ -159,7 +217,7 @@ def section(
             + " | ".join(tpots + rates)
             + " |"
         )
-    against_plain = [(c, baseline_of(c)) for c in mine if not SETTINGS[c.setting].plain]
+    against_plain = [(c, baseline_of(c)) for c in mine if c != baseline_of(c)]
     as_installed = Config(model, method, "default", "libgomp")
     docker = Config(model, method, "default", DOCKER_RECIPE)
     comparisons = [
@@ -201,7 +259,7 @@ def section(
             for c in levels
         ]
         lines.append(f"| {config.threads} | {config.setting} | " + " | ".join(cells) + " |")
-    return [*lines, ""]
+    return [*lines, *limit_rows(mine, by_config, meta), ""]
 
 
 def markdown(runs: Sequence[Run], meta: dict[str, Any], redrawn: bool = False) -> str:

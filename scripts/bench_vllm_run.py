@@ -22,6 +22,7 @@ from typing import Any
 
 from bench_stats import REPO
 from bench_vllm_records import (
+    IDLE_WINDOW_S,
     METHODS,
     ROLES,
     SETTINGS,
@@ -52,6 +53,8 @@ from vllm_server import (
     wait_until_healthy,
 )
 
+from vllm_cpu_launch.elf import openmp_runtime
+
 STARTUP_LIMIT_S = 420
 POLL_INTERVAL_S = 0.5
 
@@ -72,8 +75,9 @@ def server_environment(config: Config, scratch: Path, cache: Path) -> dict[str, 
     if config.threads == "all":
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     # Explicit either way: the launcher's own map rules (evidence.py) leave both as given.
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind" if SETTINGS[config.setting].nobind else "auto"
-    return env
+    setting = SETTINGS[config.setting]
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind" if setting.nobind else "auto"
+    return {**env, **dict(setting.variables)}
 
 
 def cache_key(config: Config) -> str:
@@ -82,7 +86,9 @@ def cache_key(config: Config) -> str:
     return f"{config.model}-{config.method}-cache"
 
 
-def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path) -> Server:
+def launch(
+    config: Config, paths: dict[str, Path], scratch: Path, args: argparse.Namespace
+) -> Server:
     """The server of one configuration, in scratch (its cwd; its config directory there)."""
     env, model, cache = paths["env"], paths[config.model], paths[cache_key(config)]
     method = METHODS[config.method]
@@ -98,7 +104,8 @@ def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path
             f"import sys; sys.path.insert(0, {str(REPO)!r}); "
             "from vllm_cpu_launch.cli import main; sys.exit(main())"
         )
-        prefix = [sys.executable, "-c", code, *setting.launcher_options(tcmalloc), "--vllm", vllm]
+        options = setting.launcher_options(args.tcmalloc_path, args.libomp_path)
+        prefix = [sys.executable, "-c", code, *options, "--vllm", vllm]
     scratch.mkdir(parents=True)
     environment = server_environment(config, scratch, cache)
     speculative = method.speculative_config(draft)
@@ -107,18 +114,42 @@ def launch(config: Config, paths: dict[str, Path], scratch: Path, tcmalloc: Path
     )
 
 
+def runtime_flavor(path: str) -> str | None:
+    """`intel` or `llvm` for a mapped Intel-interface OpenMP runtime (the launcher's ELF
+    check): LLVM's libomp may be mapped under a libiomp5.so name (cmeel-libomp's copy)."""
+    try:
+        with open(path, "rb") as stream:
+            flavor, _ = openmp_runtime(stream.fileno(), stream.read(64))
+    except (OSError, ValueError):
+        return None
+    return flavor
+
+
 def worker_libraries(server: Server) -> str:
     """The OpenMP runtime (and tcmalloc) vLLM's model worker has mapped (/proc/PID/maps)."""
     for pid in process_tree(server.process.pid):
         try:
             if "VLLM::Worker" not in command_line(pid):
                 continue
-            names = {Path(path).name for path in mapped_files(pid)}
+            paths = mapped_files(pid)
         except OSError:
             continue
-        iomp = any(name.startswith("libiomp5") for name in names)
+        names = {Path(path).name for path in paths}
+        flavors = {
+            runtime_flavor(path)
+            for path in paths
+            if Path(path).name.startswith(("libiomp5", "libomp"))
+        }
         gomp = any(name.startswith("libgomp") for name in names)
-        found = "libiomp5" if iomp else "libgomp" if gomp else "no OpenMP"
+        found = (
+            "libiomp5"
+            if "intel" in flavors
+            else "libomp (LLVM)"
+            if "llvm" in flavors
+            else "libgomp"
+            if gomp
+            else "no OpenMP"
+        )
         if any(name.startswith("libtcmalloc") for name in names):
             found += " + tcmalloc"
         return found
@@ -147,6 +178,15 @@ def tree_cpu(server: Server) -> dict[str, float]:
         # After the ')': state is field 3 of stat, utime and stime are fields 14 and 15.
         used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return used
+
+
+def idle_cores(server: Server, window_s: float) -> dict[str, float]:
+    """Cores busy by role over `window_s` from now, no request in flight: what a served model
+    costs while nobody asks (threads that spin after their last region show here)."""
+    before, started = tree_cpu(server), time.perf_counter()
+    time.sleep(window_s)
+    after, wall_s = tree_cpu(server), time.perf_counter() - started
+    return {role: (after.get(role, 0.0) - before.get(role, 0.0)) / wall_s for role in ROLES}
 
 
 def omp_core_ids(log: str) -> str:
@@ -258,7 +298,7 @@ def warmed_up(
     """A healthy server of config after its warm-up requests, with its seconds to healthy;
     stopped on the way out."""
     started = time.monotonic()
-    server = launch(config, paths, scratch, args.tcmalloc_path)
+    server = launch(config, paths, scratch, args)
     active.append(server)
     try:
         try:
@@ -290,6 +330,7 @@ def measure_one(
             run_phase(server, streams, args.phase_seconds, args.max_tokens)
             for streams in args.concurrency_levels
         ]
+        idle = idle_cores(server, IDLE_WINDOW_S)
         drafted = metric_total(server.url, DRAFT_TOKENS_METRIC) - drafted
         accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC) - accepted
         worker = worker_libraries(server)
@@ -305,4 +346,5 @@ def measure_one(
         SD_WARNING in log,
         launcher_line(log),
         load_before,
+        idle,
     )

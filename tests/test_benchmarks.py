@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from .conftest import clean_environ, read_record, run_launcher
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -177,6 +181,95 @@ def test_a_comparison_with_nothing_measured_is_left_out() -> None:
     assert report.comparison("title", [(measured, missing)], by_config, [1]) == []
     table = report.comparison("title", [(measured, measured)], by_config, [1])
     assert table[:3] == ["", "title", ""] and table[-1].startswith(f"| {measured.threads} |")
+
+
+def test_each_setting_preloads_its_runtime_through_the_launcher(
+    tmp_path: Path, vllm_env: Path, debian_root: Path, record_file: Path
+) -> None:
+    """The map's launcher settings, run as bench_vllm runs them (its options, its variables)
+    into a recording vLLM: each process maps the runtime its setting names (the real
+    libiomp5 of the intel-openmp wheel, Debian's LLVM libomp), tcmalloc where it says so,
+    and the block time it asks for."""
+    records = load_script("bench_vllm_records.py")
+    # LLVM's runtime under its libiomp5.so alias (libomp-14-dev): the launcher preloads
+    # only a name holding "libiomp", which vLLM's SD check looks for.
+    libomp = debian_root / "usr/lib/llvm-14/lib/libiomp5.so"
+    tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    # What /proc/PID/maps names: the files themselves, past any link (libtcmalloc's .so.4.5.x).
+    runtime_prefix = {records.IOMP: "libiomp5", records.LLVM_OMP: "libomp"}  # libomp.so.5
+    launched = [s for s in records.SETTINGS.values() if not s.plain]
+    assert {s.runtime for s in launched} == {records.GOMP, records.IOMP, records.LLVM_OMP}
+    for setting in launched:
+        record_file.unlink(missing_ok=True)
+        options = setting.launcher_options(tcmalloc, libomp)
+        environ = clean_environ(tmp_path, RECORD_TO=str(record_file), **dict(setting.variables))
+        serve = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
+        result = run_launcher([*options, "--vllm", str(vllm_env / "bin" / "vllm"), *serve], environ)
+        assert result.returncode == 0, (setting.key, result.stderr)
+        record = read_record(record_file)
+        names = [Path(path).name for path in record["mapped"]]  # type: ignore[attr-defined]
+        runtimes = [name for name in names if name.startswith(("libiomp5", "libomp"))]
+        expected = runtime_prefix.get(setting.runtime)
+        assert len(runtimes) == (expected is not None), (setting.key, runtimes)
+        assert all(name.startswith(f"{expected}.") for name in runtimes), (setting.key, runtimes)
+        tcmalloc_mapped = any(name.startswith("libtcmalloc") for name in names)
+        assert tcmalloc_mapped == setting.tcmalloc, (setting.key, names)
+        if setting.blocktime is not None:
+            assert record["KMP_BLOCKTIME"] == setting.blocktime, setting.key
+
+
+def test_the_worker_runtime_is_named_by_its_banner(debian_root: Path, real_iomp: Path) -> None:
+    """LLVM's runtime under a libiomp5.so name (Debian's alias; cmeel-libomp ships a copy so
+    named) is reported as libomp, Intel's as libiomp5: the map's `worker maps` column."""
+    run = load_script("bench_vllm_run.py")
+    assert run.runtime_flavor(str(debian_root / "usr/lib/llvm-14/lib/libiomp5.so")) == "llvm"
+    assert run.runtime_flavor(str(real_iomp)) == "intel"
+    assert run.runtime_flavor(str(debian_root / "usr/share/doc/libomp5-14/copyright")) is None
+
+
+def test_a_settings_variables_replace_the_callers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records, run = load_script("bench_vllm_records.py"), load_script("bench_vllm_run.py")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    monkeypatch.setenv("KMP_PLAIN_BARRIER_PATTERN", "hyper,hyper")
+    cache = tmp_path / "cache"
+    for key, setting in records.SETTINGS.items():
+        env = run.server_environment(
+            records.Config("tiny", "ngram3", "default", key), tmp_path, cache
+        )
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == ("nobind" if setting.nobind else "auto")
+        given = dict(setting.variables)
+        for name in ("OMP_WAIT_POLICY", "KMP_PLAIN_BARRIER_PATTERN", "GOMP_SPINCOUNT"):
+            assert env.get(name) == given.get(name), (key, name)  # the caller's never reaches it
+    assert dict(records.SETTINGS["libgomp-active"].variables) == {"OMP_WAIT_POLICY": "active"}
+    assert records.SETTINGS[records.ONE_THREAD].variables == (("OMP_NUM_THREADS", "1"),)
+
+
+def test_the_limit_divides_the_one_thread_tpot_by_the_threads(tmp_path: Path) -> None:
+    """Kept runs of the map, the same figures read again as the one-thread reference: a
+    bound one-thread worker with that TPOT is at the limit, a two-thread one is twice it.
+    Runs kept before the idle window say so."""
+    records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
+    kept = json.loads((REPO / "docs" / "bench_vllm_map.json").read_text(encoding="utf-8"))
+    runs = records.runs_from_json(kept)
+    bound = next(r for r in runs if r.core_ids == "[0]" and r.config.setting == "libgomp")
+    group = [r for r in runs if r.config == bound.config]
+    one = [
+        replace(r, config=replace(r.config, threads="nobind", setting=records.ONE_THREAD))
+        for r in group
+    ]
+    two = [
+        replace(r, config=replace(r.config, setting="libgomp-nobind"), core_ids="unbound")
+        for r in group
+    ]
+    by_config = {bound.config: group, one[0].config: one, two[0].config: two}
+    meta = {**kept["meta"], "concurrency": [1], "machine": {**kept["meta"]["machine"], "cpus": "2"}}
+    rows = report.limit_rows(list(by_config), by_config, meta)
+    tpot = statistics.median(r.phase(1).tpot_ms for r in group)
+    assert f"| default | libgomp | 1 | not read | {tpot:.2f} (1.00) |" in rows
+    assert f"| nobind | {records.ONE_THREAD} | 1 | not read | {tpot:.2f} (1.00) |" in rows
+    assert f"| default | libgomp-nobind | 2 | not read | {tpot / 2:.2f} (0.50) |" in rows
 
 
 def test_a_verdict_needs_four_rounds_that_agree() -> None:
