@@ -81,7 +81,9 @@ SETTINGS = {
         Setting("libgomp-nobind", GOMP, nobind=True),
         Setting("libiomp5-nobind-bt0", IOMP, blocktime="0", nobind=True),
         Setting("libiomp5-nobind-bt200", IOMP, blocktime="200", nobind=True),
-        Setting("libiomp5-nobind-bt200+tcmalloc", IOMP, True, "200", nobind=True),
+        Setting(
+            "libiomp5-nobind-bt200+tcmalloc", IOMP, tcmalloc=True, blocktime="200", nobind=True
+        ),
         # Issue 24: the runtimes and their waiting policies.
         Setting("libgomp-active", GOMP, variables=(("OMP_WAIT_POLICY", "active"),)),
         Setting("libgomp-spin200ms", GOMP, variables=(("GOMP_SPINCOUNT", SPIN_200_MS),)),
@@ -104,7 +106,7 @@ SETTINGS = {
             nobind=True,
             variables=DIST_BARRIERS,
         ),
-        # The limit's reference: one OpenMP thread, unbound (bench_vllm_report.limit).
+        # The limit's reference: one OpenMP thread, unbound (bench_vllm_report.limit_rows).
         Setting(ONE_THREAD, GOMP, nobind=True, variables=(("OMP_NUM_THREADS", "1"),)),
     )
 }
