@@ -27,6 +27,7 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
         raise ScriptError(
             "--plot needs matplotlib; Fix: python -m pip install -e '.[bench]'"
         ) from None
+    palette = matplotlib.colormaps["tab20"]
     levels: list[int] = meta["concurrency"]
     rows = list(dict.fromkeys((r.config.model, r.config.method) for r in runs))
     panels = ["default", "all"]
@@ -59,7 +60,8 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
                     i + (index - (len(configs) - 1) / 2) * width for i in range(len(levels))
                 ]
                 label = config.setting + (" (nobind)" if config.threads == NOBIND else "")
-                colour = f"C{list(SETTINGS).index(config.setting)}"  # the same in every panel
+                # One colour per setting, the same in every panel (tab20: more than SETTINGS).
+                colour = palette(list(SETTINGS).index(config.setting))
                 axis.bar(
                     positions,
                     medians,
@@ -70,6 +72,9 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
                     color=colour,
                 )
             axis.set_xticks(range(len(levels)), [f"C={c}" for c in levels])
+            # A shared scale labels only the first column, which a row without bound
+            # settings hides: every drawn panel labels its own.
+            axis.yaxis.set_tick_params(labelleft=True)
             axis.set_title(f"{model} model, {method}, threads: {THREADS[threads]}")
             axis.set_ylabel("TPOT ms (vLLM's own, lower is better)")
             axis.legend(fontsize=7)
