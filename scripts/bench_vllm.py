@@ -253,9 +253,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         and not (args.libomp_path and args.libomp_path.is_file())
     ):
         parser.error(
-            f"the libomp settings need --libomp-path FILE (given: {args.libomp_path}); Fix: "
-            "apt-get install libomp-14-dev and pass /usr/lib/llvm-14/lib/libiomp5.so, or "
-            "leave out the libomp --settings"
+            f"the libomp settings need --libomp-path FILE (given: {args.libomp_path}): LLVM's "
+            "libomp by a libiomp5.so name, as Debian's libomp-14-dev installs it "
+            "(/usr/lib/llvm-14/lib/libiomp5.so) or the cmeel-libomp wheel ships it "
+            "(cmeel.prefix/lib/libiomp5.so); or leave out the libomp --settings"
         )
     args.configs = grid(args.model_sizes, args.method_keys, args.thread_settings, args.setting_keys)
     if not args.configs:

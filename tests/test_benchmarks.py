@@ -218,6 +218,20 @@ def test_each_setting_preloads_its_runtime_through_the_launcher(
             assert record["KMP_BLOCKTIME"] == setting.blocktime, setting.key
 
 
+def test_the_libomp_settings_ask_for_the_library(debian_root: Path) -> None:
+    """Without --libomp-path a libomp setting is refused before any vLLM starts, in one line
+    naming the option; with the libiomp5.so alias the line names, the map takes it."""
+    command = [sys.executable, str(SCRIPTS / "bench_vllm.py"), "--settings", "libomp-nobind-bt200"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "the libomp settings need --libomp-path FILE (given: None)" in refused.stderr
+    bench = load_script("bench_vllm.py")
+    alias = debian_root / "usr/lib/llvm-14/lib/libiomp5.so"
+    chosen = ["--models", "tiny", "--methods", "ngram3", "--settings", "libomp-nobind-bt200"]
+    args = bench.parse_args([*chosen, "--libomp-path", str(alias)])
+    assert args.configs == [bench.Config("tiny", "ngram3", "nobind", "libomp-nobind-bt200")]
+
+
 def test_the_worker_runtime_is_named_by_its_banner(debian_root: Path, real_iomp: Path) -> None:
     """LLVM's runtime under a libiomp5.so name (Debian's alias; cmeel-libomp ships a copy so
     named) is reported as libomp, Intel's as libiomp5: the map's `worker maps` column."""
