@@ -110,32 +110,12 @@ VLLM_ENV_FIXTURES = frozenset({"torch_python"})
 INSTALLER_FIXTURES = frozenset({"wheelhouse", "pipx_launcher"})
 
 
-# The modules of the real-vLLM tier that take longest, in CI 2026-12-03: test_plugin.py's
-# 8 vLLM trees (570 s), the bench_vllm smoke (400 s), tune (385 s), the multi-node pairs
-# (340 s). They are collected first, and scripts/test gives that tier's modules to its
-# workers in collection order (--no-loadscope-reorder): longest first, so no long module
-# starts last while the other worker has nothing left (alphabetically, tune and the
-# benchmark smoke came last). docs/testing.md, "The budget".
-LONGEST_FIRST = tuple(
-    REPO / "tests" / name
-    for name in (
-        "e2e/test_plugin.py",
-        "test_benchmarks.py",
-        "e2e/test_tune.py",
-        "e2e/test_multinode.py",
-    )
-)
-
-
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the tiers see these marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tiers (docs/testing.md): every test under tests/e2e or needing the vLLM
     environment is real_vllm, every test that builds with the buildah fixture is image,
     every test whose fixtures run a real installer is installers;
-    VLLMCPULAUNCH_SKIP_E2E=1 skips real_vllm. The longest modules first (a stable sort:
-    each module's own order stays)."""
-    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path, len(rank)))
+    VLLMCPULAUNCH_SKIP_E2E=1 skips real_vllm."""
     skip = pytest.mark.skip(reason=f"{SKIP_E2E}=1 skips the real vLLM tests")
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
