@@ -98,6 +98,9 @@ SETTINGS = {
         ),
         Setting("libomp", LLVM_OMP),
         Setting("libomp-nobind-bt200", LLVM_OMP, blocktime="200", nobind=True),
+        Setting(
+            "libomp-nobind-bt200+tcmalloc", LLVM_OMP, tcmalloc=True, blocktime="200", nobind=True
+        ),
         Setting("libiomp5-dist", IOMP, variables=DIST_BARRIERS),
         Setting(
             "libiomp5-nobind-bt200-dist",
