@@ -37,8 +37,9 @@ def map_ratios(
     model: str | None = evidence.SERVED_MODEL,
 ) -> list[Any]:
     """bench_vllm's paired ratio for every measured cell of these settings, against plain
-    vLLM with the same threads and binding, or against the `baseline` setting at vLLM's
-    default reservation (the map's `default` threads) when one is named; in the `kept`
+    vLLM with the same threads and binding, or against the `baseline` setting when one is
+    named (with the same threads where measured so, else at vLLM's default reservation, the
+    map's `default` threads); in the `kept`
     map, of one (vLLM's SD method, token count) where one is named; of the served-shape
     105M model (None: every model)."""
     records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
@@ -50,6 +51,9 @@ def map_ratios(
     def plain(config: Any) -> Any:
         if baseline is None:
             return records.baseline_of(config)
+        same_threads = replace(config, setting=baseline)
+        if same_threads in by_config:
+            return same_threads
         return replace(config, threads="default", setting=baseline)
 
     def measured(config: Any) -> tuple[str, int]:
@@ -162,6 +166,35 @@ def test_rule_5_is_gone_bound_libiomp5_with_tcmalloc_was_not_every_round_a_gain(
 
 
 # ---------------------------------------------------------------- applied where measured
+
+
+RUNTIMES_JSON = REPO / "docs" / "bench_vllm_runtimes.json"
+# What each LLVM runtime rule rests on: (kept run, libomp's setting, the libgomp it beat).
+LLVM_MEASURED: dict[tuple[str, int | None], tuple[Path, str, str | None, tuple[str, int]]] = {
+    ("ngram", None): (RUNTIMES_JSON, "libomp-nobind-bt200", None, ("ngram", 3)),
+}
+
+
+@pytest.mark.parametrize("key", sorted(evidence.LLVM_RUNTIME, key=str))
+def test_llvm_libomp_stands_in_only_where_every_round_beat_libgomp(
+    key: tuple[str, int | None],
+) -> None:
+    """Its figures are the medians against libgomp in the same binding (under nobind, both
+    with the rule's block time), every round a gain in TPOT and tokens/s; and it measured
+    alike to libiomp5 in the same setting, which is why it stands in on any host."""
+    kept, setting, baseline, method = LLVM_MEASURED[key]
+    tpot = map_ratios((setting,), "tpot", baseline, kept, method)
+    assert len(tpot) == 2  # concurrency 1 and 4
+    assert median_range(tpot) == evidence.LLVM_RUNTIME[key].figures
+    assert verdicts(tpot) == {"gain"}
+    assert verdicts(map_ratios((setting,), "tok/s", baseline, kept, method)) == {"gain"}
+    intel = setting.replace("libomp", "libiomp5")
+    alike = map_ratios((setting,), "tpot", intel, kept, method)
+    assert verdicts(alike) == {"="} and all(0.9 < r.median < 1.1 for r in alike)
+
+
+def test_no_llvm_rule_claims_a_method_the_runtimes_maps_did_not_measure() -> None:
+    assert set(evidence.LLVM_RUNTIME) == set(LLVM_MEASURED)
 
 
 @pytest.fixture(scope="module")

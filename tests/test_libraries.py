@@ -183,6 +183,7 @@ def test_nothing_found_lists_every_place(tmp_path: Path) -> None:
         "conda",
         "virtualenv",
         "intel-openmp-package",
+        "cmeel-libomp-package",
         "user-base",
         "oneapi",
         "ld-library-path",

@@ -115,6 +115,7 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
         },
         "reason": "speculative decoding requested by --speculative-config",
         "rule": None,
+        "runtime": None,
         "tune": None,
         "inputs": dict.fromkeys(CALLER_VARIABLES),
         "preload": [

@@ -84,6 +84,38 @@ DRAFTER_METHODS = ("draft_model", "eagle")
 MAP_METHODS = ("ngram", *DRAFTER_METHODS)  # the SD methods mapped: the rules apply to them alone
 
 
+# LLVM's libomp where no Intel OpenMP is found (issue 24): the runtimes maps measured it in
+# the rules' unbound settings against libgomp, every paired round a gain on the 105M model.
+RUNTIMES_MAP = "docs/benchmarks.md, the runtimes map"
+LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
+
+
+def llvm_rule(rule_id: str, figures: tuple[float, float], versus: str) -> Rule:
+    return Rule(rule_id, LLVM_ADDS, figures, versus, RUNTIMES_MAP)
+
+
+# (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured.
+LLVM_RUNTIME: dict[tuple[str, int | None], Rule] = {
+    ("ngram", None): llvm_rule("runtimes-1", (1.24, 1.33), "libgomp under nobind"),
+}
+
+
+def llvm_runtime(method: str | None, tokens: int | None) -> tuple[Rule | None, str]:
+    """Whether LLVM's libomp may stand in for Intel's for this SD method: the measured
+    rule, or None with why not (the plan then keeps libgomp and warns, as where nothing
+    was found). The runtimes maps measured it on one kind of host; like libiomp5 it is
+    preloaded for that method on any host, as the same runtime code (Intel's code base,
+    the same KMP_* settings and defaults), which measured alike there."""
+    rule = LLVM_RUNTIME.get((method or "", None)) or LLVM_RUNTIME.get((method or "", tokens))
+    where = f"{method} SD" + (f" with {tokens} tokens" if tokens is not None else "")
+    if rule is None:
+        return None, (
+            f"not measured against libgomp for {where} ({RUNTIMES_MAP}): not preloaded in "
+            "place of Intel's"
+        )
+    return rule, (f"{described(rule)}, for {where}")
+
+
 @record
 class MapHost:
     """A host, vLLM and command the map measured, and what the user set."""

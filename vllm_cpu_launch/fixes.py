@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 
 PACKAGE = "intel-openmp"
+LLVM_PACKAGE = "cmeel-libomp"  # LLVM's libomp, x86-64 and aarch64 wheels (places.cmeel_libomp)
 
 
 def externally_managed(prefix: str) -> bool:
@@ -47,8 +48,9 @@ def made_by_uv(prefix: str) -> bool:
         return False
 
 
-def install_command(target: Target) -> tuple[str, str]:
-    """(command, where it installs) for Intel OpenMP in the target's environment.
+def install_command(target: Target, package: str = PACKAGE) -> tuple[str, str]:
+    """(command, where it installs) for an OpenMP runtime's wheel (Intel's by default) in
+    the target's environment.
 
     The command is "" when the target names no interpreter to install with.
     """
@@ -58,23 +60,23 @@ def install_command(target: Target) -> tuple[str, str]:
     quoted = shlex.quote(python)
     if target.user_base:
         managed = " --break-system-packages" if externally_managed(prefix) else ""
-        return f"{quoted} -m pip install --user{managed} {PACKAGE}", f"into {target.user_base}"
+        return f"{quoted} -m pip install --user{managed} {package}", f"into {target.user_base}"
     venv = os.path.exists(os.path.join(prefix, "pyvenv.cfg"))
     own_packages = venv or os.path.isdir(os.path.join(prefix, "conda-meta"))
     if venv and os.path.exists(os.path.join(prefix, "pipx_metadata.json")):
         name = shlex.quote(os.path.basename(prefix))
-        return f"pipx inject {name} {PACKAGE}", f"into pipx's venv {prefix}"
+        return f"pipx inject {name} {package}", f"into pipx's venv {prefix}"
     if own_packages and not has_pip(prefix):
         if made_by_uv(prefix):
-            return f"uv pip install --python {quoted} {PACKAGE}", f"into {prefix} (no pip there)"
-        install = f"{quoted} -m ensurepip && {quoted} -m pip install {PACKAGE}"
+            return f"uv pip install --python {quoted} {package}", f"into {prefix} (no pip there)"
+        install = f"{quoted} -m ensurepip && {quoted} -m pip install {package}"
         return install, f"into {prefix} (no pip there yet)"
     if not venv and externally_managed(prefix):
-        # intel-openmp holds only libraries (no Python modules): nothing of the
-        # distribution's can break; the user base lib/ is searched by the launcher.
-        command = f"{quoted} -m pip install --user --break-system-packages {PACKAGE}"
+        # intel-openmp and cmeel-libomp hold only libraries (no Python modules): nothing
+        # of the distribution's can break; the launcher searches the user base too.
+        command = f"{quoted} -m pip install --user --break-system-packages {package}"
         return command, "into your user base (this Python is externally managed, PEP 668)"
-    return f"{quoted} -m pip install {PACKAGE}", f"into {prefix}"
+    return f"{quoted} -m pip install {package}", f"into {prefix}"
 
 
 def tcmalloc_command(target: Target | None) -> tuple[str, str]:
@@ -97,10 +99,11 @@ def tcmalloc_command(target: Target | None) -> tuple[str, str]:
     )
 
 
-def fix_hint(target: Target, kind: str) -> str:
-    """The install command for `kind` and where it installs, as one phrase for a message."""
+def fix_hint(target: Target, kind: str, package: str = PACKAGE) -> str:
+    """The install command for `kind` (an OpenMP runtime: `package`) and where it
+    installs, as one phrase for a message."""
     if kind == TCMALLOC:
         command, where = tcmalloc_command(target)
         return f"{command}  ({where})" if command else f"install tcmalloc {where}"
-    command, where = install_command(target)
-    return f"{command}  ({where})" if command else f"pip install {PACKAGE}  ({where})"
+    command, where = install_command(target, package)
+    return f"{command}  ({where})" if command else f"pip install {package}  ({where})"

@@ -38,6 +38,9 @@ DEPRECATED_PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"
 # The plugin's entry point name (setup.cfg), which vLLM's VLLM_PLUGINS allowlist names.
 PLUGIN_NAME = "vllm_cpu_launch"
 IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp in LD_PRELOAD on x86 only
+# Where LLVM's libomp is the one KMP-style runtime built (intel-openmp has no wheel there):
+# preloaded with `--iomp always` alone until measured on such a host (docs/design.md).
+LLVM_OPT_IN_MACHINES = ("aarch64",)
 # The words a yes/no setting accepts (settings.parse_bool), in any case. An empty
 # variable of ours is the same as an unset one (docs/design.md).
 TRUE_WORDS = ("1", "true", "yes", "on")

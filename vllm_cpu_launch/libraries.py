@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.places import Host
     from vllm_cpu_launch.target import Target
 
-FLAVOR_RANK = {"intel": 0, "llvm": 1, None: 2}
+LLVM = "llvm"  # the flavor of LLVM's libomp (elf.FLAVOR_MARKERS)
+FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 
 
@@ -135,7 +136,9 @@ def find_library(
 ) -> Search:
     """Search the places in order; the first place with a usable file wins.
 
-    Within one place Intel's runtime is preferred over LLVM's. With `exhaustive`
+    An Intel OpenMP in any place wins over LLVM's: an LLVM runtime (cmeel-libomp,
+    llvm-openmp, Debian's alias) is taken only where no place has Intel's, and the plan
+    decides whether to preload it for SD (evidence.llvm_runtime). With `exhaustive`
     (doctor) every place is examined and reported. An `explicit` file (--iomp-path)
     is the only candidate: there is no falling back from what the user named.
     `trusted`: uids besides root whose files may be preloaded (the target's owners).
@@ -156,6 +159,7 @@ def find_library(
     candidates: list[Candidate] = []
     searched: list[str] = []
     chosen: Candidate | None = None
+    llvm: Candidate | None = None  # the first LLVM runtime, taken if no Intel one is found
     for place in search_places(kind, host, target):
         searched.append(place.origin)
         usable: list[Candidate] = []
@@ -170,14 +174,16 @@ def find_library(
             candidates.append(candidate)
             if not reason:
                 usable.append(candidate)
-        if usable and chosen is None:
-            chosen = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2))
+        best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
+        if best is not None and best.flavor == LLVM:
+            llvm = llvm or best
+        elif best is not None and chosen is None:
+            chosen = best
             if not exhaustive:
                 break
-    if chosen is not None:
-        winner = chosen
-        chosen = Candidate(
-            kind, winner.path, winner.origin, "chosen", "first usable", winner.flavor
-        )
+    winner = chosen or llvm
+    if winner is not None:
+        why = "first usable" if chosen else "first usable; no Intel OpenMP found, LLVM's"
+        chosen = Candidate(kind, winner.path, winner.origin, "chosen", why, winner.flavor)
         candidates = [chosen if c is winner else c for c in candidates]
     return Search(kind, chosen, tuple(candidates), tuple(searched))

