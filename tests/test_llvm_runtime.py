@@ -147,7 +147,8 @@ def test_cmeel_libomp_stays_out_of_a_method_it_was_not_measured_for_and_the_way_
     tmp_path: Path, cmeel_env_vllm: Path
 ) -> None:
     """draft_model with 3 tokens: no libomp measurement, so libgomp and today's warning,
-    which names the library, why, and the --iomp-path that preloads it anyway."""
+    which names the library, why, and the --iomp-path that preloads it anyway; --iomp
+    always preloads it too."""
     alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
     plan = dry_run(tmp_path, cmeel_env_vllm, DRAFT3)
     assert plan["preload"] == [] and plan["missing"] == ["iomp"] and plan["runtime"] is None
@@ -159,6 +160,13 @@ def test_cmeel_libomp_stays_out_of_a_method_it_was_not_measured_for_and_the_way_
     result, record = launched(tmp_path, cmeel_env_vllm, [*anyway.split(), *DRAFT3])
     assert result.returncode == 0, result.stderr
     assert openmp_mapped(record) == [alias]
+    # --iomp always (the user's word, and tune's candidate) takes it too, and says so.
+    forced = dry_run(tmp_path, cmeel_env_vllm, ["--iomp", "always", *DRAFT3])
+    assert [p["path"] for p in forced["preload"]] == [alias] and forced["runtime"] is None
+    assert any(
+        n.startswith("LLVM's libomp preloaded, as --iomp always asks: not measured")
+        for n in forced["notes"]
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the trust rule's owner checks apply as root")

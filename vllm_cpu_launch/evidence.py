@@ -109,10 +109,7 @@ def llvm_runtime(method: str | None, tokens: int | None) -> tuple[Rule | None, s
     rule = LLVM_RUNTIME.get((method or "", None)) or LLVM_RUNTIME.get((method or "", tokens))
     where = f"{method} SD" + (f" with {tokens} tokens" if tokens is not None else "")
     if rule is None:
-        return None, (
-            f"not measured against libgomp for {where} ({RUNTIMES_MAP}): not preloaded in "
-            "place of Intel's"
-        )
+        return None, f"not measured against libgomp for {where} ({RUNTIMES_MAP})"
     return rule, (f"{described(rule)}, for {where}")
 
 

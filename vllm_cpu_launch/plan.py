@@ -128,7 +128,8 @@ def declined(search: Search, why: str) -> Search:
         replace(
             c,
             verdict="rejected",
-            reason=f"LLVM's libomp, {why}; --iomp-path {c.path} preloads it anyway",
+            reason=f"LLVM's libomp, {why}: not in Intel's place; --iomp-path {c.path} "
+            "preloads it anyway",
         )
         if c.verdict in ("chosen", "usable")
         else c
@@ -411,14 +412,17 @@ def build_plan(
         search = explicit.get(IOMP) or find_library(IOMP, host, target, trusted=trusted)
         found = search.chosen
         # LLVM's runtime the search found in place of Intel's (not one the user named) goes
-        # into an x86-64 SD start only where the runtimes map measured it against libgomp
-        # (on aarch64 the user asked for it: --iomp always).
+        # into an x86-64 SD start under --iomp auto only where the runtimes map measured it
+        # against libgomp; --iomp always (tune's candidate, aarch64's opt-in) takes it.
         searched = found.origin not in ("explicit", "ld-preload") if found else False
-        measured_host = host.machine in IOMP_MACHINES and speculative.requested
-        if found and searched and found.flavor == LLVM and measured_host:
+        if found and searched and found.flavor == LLVM and speculative.requested:
             runtime, runtime_note = llvm_runtime(speculative.method, speculative.tokens)
-            if runtime is None:
+            if host.machine not in IOMP_MACHINES:
+                runtime = None
+            elif runtime is None and mode == "auto":
                 search = declined(search, runtime_note)
+            elif runtime is None:
+                notes.append(f"LLVM's libomp preloaded, as --iomp always asks: {runtime_note}")
             else:
                 reasons.append(f"runtimes rule {runtime.id}")
                 notes.append(runtime_note)
