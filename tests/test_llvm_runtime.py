@@ -301,3 +301,13 @@ def test_on_aarch64_the_printed_fix_installs_cmeel_libomp_where_the_plan_looks(
     assert found["origin"] == "cmeel-libomp-package"
     assert found["path"] == str(site_packages(root) / CMEEL_ALIAS)
     assert found["reason"] == "built for x86_64; this host is aarch64"
+
+
+def test_doctor_on_aarch64_names_the_opt_in_and_elsewhere_not() -> None:
+    from vllm_cpu_launch.verbs.doctor.advice import cpu_features
+
+    ((name, text, command),) = cpu_features({"cpu": {"arch": "aarch64"}}, None)
+    assert name == "not-x86" and command == ""
+    assert text.endswith("(--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)")
+    ((_, other, _),) = cpu_features({"cpu": {"arch": "ppc64le"}}, None)
+    assert other.endswith("the launcher preloads none here unless asked")

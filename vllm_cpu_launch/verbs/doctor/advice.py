@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.handoff import LLVM_OPT_IN_MACHINES
 from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.verbs.doctor.probe import GIB
 
@@ -108,8 +109,10 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
     if cpu["arch"] != "x86_64":
         text = (
             f"this host is {cpu['arch']}: vLLM checks for Intel OpenMP on x86 only, so the "
-            "launcher preloads none here"
+            "launcher preloads none here unless asked"
         )
+        if cpu["arch"] in LLVM_OPT_IN_MACHINES:
+            text += " (--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)"
         yield "not-x86", text, ""
     elif not flag_set(cpu, "avx2"):
         yield "no-avx2", "this CPU lacks AVX2, which vLLM's x86 CPU backend needs", ""

@@ -44,8 +44,9 @@ Measure, on this host, the command you serve with vLLM's own benchmark: `serve M
 runs as `vllm bench latency --model MODEL ARGS` (the real engine, with your speculative
 decoding and other engine options) under each candidate, in rounds, the order rotated
 every round. Candidates: libgomp (--iomp never) and libiomp5 (--iomp always, with the
-KMP_BLOCKTIME the launcher plans). KMP_BLOCKTIME is not varied: vLLM's workers set their
-own (5) when they see libiomp5, unless VLLM_CPU_OMP_THREADS_BIND=nobind.
+KMP_BLOCKTIME the launcher plans; LLVM's libomp where that is the runtime found).
+KMP_BLOCKTIME is not varied: vLLM's workers set their own (5) when they see libiomp5,
+unless VLLM_CPU_OMP_THREADS_BIND=nobind.
 Serve-only options of vLLM 0.32 (--host, --port, --api-key, --uvicorn-log-level, ...) are
 not passed to the benchmark, and are listed; a --config file is passed as it is.
 A progress line per run goes to stderr; the table to stdout: per candidate the median of
