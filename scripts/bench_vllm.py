@@ -29,7 +29,8 @@ per second, and the CPU each vLLM process used. Every server runs in its own ses
 killed before the next starts; every wait is bounded. The starts of a model and method
 share one VLLM_CACHE_ROOT, filled by an unmeasured start first: every measured start finds
 the same warm compile cache (30 s to healthy instead of 50 s here; the compiled code does
-not depend on the runtime preloaded).
+not depend on the runtime preloaded). `--no-warm-up` skips that start, for smoke tests: the
+first measured start then compiles, which its start-up and figures show.
 
 Prints a Markdown report (machine, command, tables, ratios against plain vLLM and against
 the Docker image's recipe of the same run with the per-round spread); `--markdown FILE`
@@ -217,6 +218,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "launcher requires (Debian's libomp-14-dev: /usr/lib/llvm-14/lib/libiomp5.so; the "
         "cmeel-libomp wheel: cmeel.prefix/lib/libiomp5.so)",
     )
+    parser.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="no unmeasured start to fill each compile cache: the first measured start "
+        "compiles (a smoke test's shortcut; its figures are not comparable)",
+    )
     parser.add_argument("--vllm-env", type=Path, help="vLLM environment (default: vllm_env.py)")
     parser.add_argument("--markdown", type=Path, help="also write the report into this file")
     parser.add_argument(
@@ -276,13 +283,16 @@ def made_models(configs: Sequence[Config]) -> list[Made]:
 
 def prepare(args: argparse.Namespace, scratch: Path, active: list[Server]) -> dict[str, Path]:
     """The vLLM environment, the made models, and a compile cache per model and method,
-    filled by one unmeasured start; by key: "env", a model size, cache_key(config)."""
+    filled by one unmeasured start (unless --no-warm-up); by key: "env", a model size,
+    cache_key(config)."""
     paths = {"env": prepare_env(args.vllm_env)}
     for made in made_models(args.configs):
         paths[made.key] = prepare_model(made, paths["env"], scratch)
     for model, method in dict.fromkeys((c.model, c.method) for c in args.configs):
         warm = Config(model, method, args.thread_settings[0], "libgomp")
         paths[cache_key(warm)] = scratch / f"vllm-cache-{model}-{method}"
+        if args.no_warm_up:
+            continue
         say(f"filling the compile cache of the {model} model with {method} (one unmeasured start)")
         with warmed_up(warm, paths, scratch / f"warm-{model}-{method}", args, active):
             pass
