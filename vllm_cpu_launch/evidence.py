@@ -110,7 +110,7 @@ def llvm_runtime(method: str | None, tokens: int | None) -> tuple[Rule | None, s
     where = f"{method} SD" + (f" with {tokens} tokens" if tokens is not None else "")
     if rule is None:
         return None, f"not measured against libgomp for {where} ({RUNTIMES_MAP})"
-    return rule, (f"{described(rule)}, for {where}")
+    return rule, f"{described(rule)}, for {where}"
 
 
 @record

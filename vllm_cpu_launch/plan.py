@@ -415,11 +415,10 @@ def build_plan(
         # into an x86-64 SD start under --iomp auto only where the runtimes map measured it
         # against libgomp; --iomp always (tune's candidate, aarch64's opt-in) takes it.
         searched = found.origin not in ("explicit", "ld-preload") if found else False
-        if found and searched and found.flavor == LLVM and speculative.requested:
+        x86_sd = speculative.requested and host.machine in IOMP_MACHINES
+        if found and searched and found.flavor == LLVM and x86_sd:
             runtime, runtime_note = llvm_runtime(speculative.method, speculative.tokens)
-            if host.machine not in IOMP_MACHINES:
-                runtime = None
-            elif runtime is None and mode == "auto":
+            if runtime is None and mode == "auto":
                 search = declined(search, runtime_note)
             elif runtime is None:
                 notes.append(f"LLVM's libomp preloaded, as --iomp always asks: {runtime_note}")
