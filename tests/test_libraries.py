@@ -382,3 +382,25 @@ def test_rules_for_a_user_other_than_root(tmp_path: Path, real_iomp: Path) -> No
     library.parent.chmod(0o777)
     reason = examine(str(library), IOMP, user)[0]
     assert reason is not None and "writable by others" in reason
+
+
+@pytest.mark.parametrize("exhaustive", [False, True])
+def test_intel_in_a_later_place_wins_over_llvm_in_an_earlier_one(
+    tmp_path: Path, real_iomp: Path, debian_root: Path, exhaustive: bool
+) -> None:
+    """LLVM's runtime in the vLLM environment, Intel's only in oneAPI's place: Intel's is
+    chosen, LLVM's reported usable, whether the search stops there or (doctor) goes on."""
+    (libomp,) = (debian_root / "usr/lib/llvm-14/lib").glob("libomp.so.5")
+    llvm = place_library(libomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so")
+    intel = place_library(real_iomp, tmp_path / "cmplr" / "lib" / "libiomp5.so")
+    environ = {"CMPLR_ROOT": str(tmp_path / "cmplr")}
+    target = in_environment(tmp_path / "vllm-env")
+    search = find_library(IOMP, host(tmp_path, environ), target, exhaustive=exhaustive)
+    assert search.chosen is not None
+    assert (search.chosen.path, search.chosen.flavor, search.chosen.origin) == (
+        str(intel),
+        "intel",
+        "oneapi",
+    )
+    verdicts = {c.path: (c.flavor, c.verdict) for c in search.candidates}
+    assert verdicts[str(llvm)] == ("llvm", "usable")

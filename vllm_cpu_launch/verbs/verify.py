@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, PLUGIN
+from vllm_cpu_launch.libraries import LLVM
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.speculative import SpeculativeRequest
 
 INTEL = "iomp"  # Intel's libiomp5
-LLVM = "llvm"  # LLVM's libomp (Debian's libiomp5.so resolves to it): same KMP_* interface
+# LLVM's libomp (Debian's libiomp5.so resolves to it): same KMP_* interface; libraries.LLVM
 GNU = "gomp"
 RUNTIME_TITLES = {INTEL: "Intel OpenMP", LLVM: "LLVM OpenMP", GNU: "GNU libgomp"}
 VARIABLES = (

@@ -109,10 +109,12 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
     if cpu["arch"] != "x86_64":
         text = (
             f"this host is {cpu['arch']}: vLLM checks for Intel OpenMP on x86 only, so the "
-            "launcher preloads none here unless asked"
+            "launcher preloads none here"
         )
         if cpu["arch"] in LLVM_OPT_IN_MACHINES:
-            text += " (--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)"
+            text += (
+                " unless asked (--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)"
+            )
         yield "not-x86", text, ""
     elif not flag_set(cpu, "avx2"):
         yield "no-avx2", "this CPU lacks AVX2, which vLLM's x86 CPU backend needs", ""
