@@ -41,18 +41,24 @@ DRAFT3 = [
     '{"method":"draft_model","model":"d","num_speculative_tokens":3}',
 ]
 MULTIARCH_LIB = Path("usr/lib/x86_64-linux-gnu")
+ARM_WHEEL_PLATFORM = "manylinux_2_28_aarch64"  # pip's name; uv's: ARM_PLATFORM below
 
 
 @pytest.fixture(scope="session")
 def cmeel_wheels() -> Path:
-    """cmeel-libomp and its one dependency, downloaded by pip once and cached."""
+    """cmeel-libomp (this machine's wheel and the aarch64 one) and its one dependency,
+    downloaded by pip once and cached."""
     directory = WHEEL_CACHE / "cmeel"
     directory.mkdir(parents=True, exist_ok=True)
     with (directory / ".lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        download = [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
+        download += ["-d", str(directory)]
         if len(list(directory.glob("cmeel*.whl"))) < len(CMEEL_WHEELS):
-            download = [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
-            run_tool([*download, "-d", str(directory), *CMEEL_WHEELS], os.environ)
+            run_tool([*download, *CMEEL_WHEELS], os.environ)
+        if not list(directory.glob("cmeel_libomp-*aarch64.whl")):
+            arm = ["--only-binary=:all:", "--platform", ARM_WHEEL_PLATFORM, CMEEL_WHEELS[0]]
+            run_tool([*download, *arm], os.environ)
     return directory
 
 
