@@ -170,8 +170,10 @@ def test_rule_5_is_gone_bound_libiomp5_with_tcmalloc_was_not_every_round_a_gain(
 
 RUNTIMES_JSON = REPO / "docs" / "bench_vllm_runtimes.json"
 # What each LLVM runtime rule rests on: (kept run, libomp's setting, the libgomp it beat).
+DRAFTER_RUNTIMES_JSON = REPO / "docs" / "bench_vllm_drafter_runtimes.json"
 LLVM_MEASURED: dict[tuple[str, int | None], tuple[Path, str, str | None, tuple[str, int]]] = {
     ("ngram", None): (RUNTIMES_JSON, "libomp-nobind-bt200", None, ("ngram", 3)),
+    ("eagle", 3): (DRAFTER_RUNTIMES_JSON, "libomp-nobind-bt200+tcmalloc", "libgomp", ("eagle", 3)),
 }
 
 
@@ -179,9 +181,10 @@ LLVM_MEASURED: dict[tuple[str, int | None], tuple[Path, str, str | None, tuple[s
 def test_llvm_libomp_stands_in_only_where_every_round_beat_libgomp(
     key: tuple[str, int | None],
 ) -> None:
-    """Its figures are the medians against libgomp in the same binding (under nobind, both
-    with the rule's block time), every round a gain in TPOT and tokens/s; and it measured
-    alike to libiomp5 in the same setting, which is why it stands in on any host."""
+    """Its figures are the medians against libgomp (ngram: under nobind, both with the
+    rule's block time; EAGLE: plain vLLM, against methods-4's setting), every round a gain
+    in TPOT and tokens/s; where the run had libiomp5 in the same setting too (ngram), it
+    measured alike to it."""
     kept, setting, baseline, method = LLVM_MEASURED[key]
     tpot = map_ratios((setting,), "tpot", baseline, kept, method)
     assert len(tpot) == 2  # concurrency 1 and 4
@@ -189,8 +192,10 @@ def test_llvm_libomp_stands_in_only_where_every_round_beat_libgomp(
     assert verdicts(tpot) == {"gain"}
     assert verdicts(map_ratios((setting,), "tok/s", baseline, kept, method)) == {"gain"}
     intel = setting.replace("libomp", "libiomp5")
-    alike = map_ratios((setting,), "tpot", intel, kept, method)
-    assert verdicts(alike) == {"="} and all(0.9 < r.median < 1.1 for r in alike)
+    runs = json.loads(kept.read_text(encoding="utf-8"))["runs"]
+    if any(run["config"]["setting"] == intel for run in runs):
+        alike = map_ratios((setting,), "tpot", intel, kept, method)
+        assert verdicts(alike) == {"="} and all(0.9 < r.median < 1.1 for r in alike)
 
 
 @pytest.fixture(scope="module")

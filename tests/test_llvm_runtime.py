@@ -377,3 +377,27 @@ def test_an_unmeasured_llvm_runtime_gets_no_rule_measured_with_intels(
     assert [p["flavor"] for p in plan["preload"] if p["kind"] == "iomp"] == ["llvm"]
     assert plan["rule"] is None and "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
     assert "map rule methods-4 not applied: measured with Intel's libiomp5" in plan["notes"]
+
+
+def test_eagle_gets_llvm_libomp_in_the_setting_measured_for_it(
+    tmp_path: Path, cmeel_env_vllm: Path, debian_root: Path
+) -> None:
+    """EAGLE with 3 tokens and a tcmalloc: the runtimes map measured LLVM's libomp in
+    methods-4's setting (runtimes-2), so both apply: tcmalloc, cmeel's libomp, nobind and
+    KMP_BLOCKTIME=200; the process maps those two libraries."""
+    alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
+    tcmalloc = str(debian_root / MULTIARCH_LIB / "libtcmalloc_minimal.so.4")
+    eagle = '{"method":"eagle","model":"e","num_speculative_tokens":3}'
+    args = ["--tcmalloc-path", tcmalloc, "serve", "m", "--speculative-config", eagle]
+    plan = dry_run(tmp_path, cmeel_env_vllm, args)
+    assert [(p["kind"], p["path"], p["flavor"]) for p in plan["preload"]] == [
+        ("tcmalloc", tcmalloc, None),
+        ("iomp", alias, "llvm"),
+    ]
+    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[("eagle", 3)].id
+    assert plan["rule"]["id"] == "methods-4"
+    assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
+    result, record = launched(tmp_path, cmeel_env_vllm, args)
+    assert result.returncode == 0, result.stderr
+    assert record["LD_PRELOAD"] == f"{tcmalloc}:{alias}" and openmp_mapped(record) == [alias]

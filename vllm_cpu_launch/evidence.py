@@ -97,6 +97,8 @@ def llvm_rule(rule_id: str, figures: tuple[float, float], versus: str) -> Rule:
 # (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured.
 LLVM_RUNTIME: dict[tuple[str, int | None], Rule] = {
     ("ngram", None): llvm_rule("runtimes-1", (1.24, 1.33), "libgomp under nobind"),
+    # methods-4's setting (tcmalloc, nobind, KMP_BLOCKTIME=200) with LLVM's runtime.
+    ("eagle", 3): llvm_rule("runtimes-2", (1.68, 1.70), PLAIN),
 }
 
 
