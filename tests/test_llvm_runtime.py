@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import configparser
 import fcntl
-import json
 import os
 import subprocess
 import sys
@@ -21,8 +20,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, clean_environ, install_recorder, read_record, run_launcher
+from tests import test_plan_contract as contract
+from tests.conftest import REPO, clean_environ, install_recorder
 from tests.installers import BASE_PYTHON, TOOLS, WHEEL_CACHE, offline, run_tool
+from tests.test_plan_contract import openmp_mapped
 from vllm_cpu_launch import evidence
 from vllm_cpu_launch.elf import openmp_runtime
 from vllm_cpu_launch.fixes import LLVM_PACKAGE
@@ -85,25 +86,11 @@ def site_packages(root: Path) -> Path:
 def launched(
     tmp_path: Path, vllm: Path, args: list[str], **env: str
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """A real start through the launcher on the map's host (2 CPUs), and what the recorder
-    saw."""
-    record = tmp_path / "record.json"
-    record.unlink(missing_ok=True)
-    environ = clean_environ(tmp_path, RECORD_TO=str(record), **env)
-    environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    result = run_launcher(["--vllm", str(vllm), *args], environ, BASE_LAUNCHER)
-    return result, read_record(record) if record.exists() else {}
+    return contract.launched(tmp_path, vllm, args, BASE_LAUNCHER, **env)
 
 
 def dry_run(tmp_path: Path, vllm: Path, args: list[str], **env: str) -> Any:
-    result, _ = launched(tmp_path, vllm, ["--dry-run", "--json", *args], **env)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def openmp_mapped(record: dict[str, Any]) -> list[str]:
-    names = ("libiomp", "libomp", "libgomp")
-    return [m for m in record["mapped"] if any(n in os.path.basename(m) for n in names)]
+    return contract.dry_run(tmp_path, vllm, args, BASE_LAUNCHER, **env)
 
 
 def banner(path: str) -> str | None:

@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,20 +57,27 @@ def map_vllm(tmp_path: Path, real_iomp: Path) -> Path:
 
 
 def launched(
-    tmp_path: Path, vllm: Path, args: list[str], **env: str
+    tmp_path: Path,
+    vllm: Path,
+    args: list[str],
+    launcher: Sequence[str] = PINNED,
+    **env: str,
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """A real start through the launcher, and what the recorder saw."""
+    """A real start through the launcher (on the map's host: 2 CPUs), and what the
+    recorder saw."""
     record = tmp_path / "record.json"
     record.unlink(missing_ok=True)
     environ = clean_environ(tmp_path, RECORD_TO=str(record), **env)
     environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     environ.update(env)
-    result = run_launcher(["--vllm", str(vllm), *args], environ, PINNED)
+    result = run_launcher(["--vllm", str(vllm), *args], environ, launcher)
     return result, read_record(record) if record.exists() else {}
 
 
-def dry_run(tmp_path: Path, vllm: Path, args: list[str], **env: str) -> Any:
-    result, _ = launched(tmp_path, vllm, ["--dry-run", "--json", *args], **env)
+def dry_run(
+    tmp_path: Path, vllm: Path, args: list[str], launcher: Sequence[str] = PINNED, **env: str
+) -> Any:
+    result, _ = launched(tmp_path, vllm, ["--dry-run", "--json", *args], launcher, **env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
