@@ -171,10 +171,42 @@ def test_rule_5_is_gone_bound_libiomp5_with_tcmalloc_was_not_every_round_a_gain(
 RUNTIMES_JSON = REPO / "docs" / "bench_vllm_runtimes.json"
 # What each LLVM runtime rule rests on: (kept run, libomp's setting, the libgomp it beat).
 DRAFTER_RUNTIMES_JSON = REPO / "docs" / "bench_vllm_drafter_runtimes.json"
+DRAFT_MODEL_RUNTIMES_JSON = REPO / "docs" / "bench_vllm_draft_model_runtimes.json"
+DRAFTERS_SETTING = "libomp-nobind-bt200+tcmalloc"  # methods-4's, with LLVM's runtime
 LLVM_MEASURED: dict[tuple[str, int | None], tuple[Path, str, str | None, tuple[str, int]]] = {
     ("ngram", None): (RUNTIMES_JSON, "libomp-nobind-bt200", None, ("ngram", 3)),
-    ("eagle", 3): (DRAFTER_RUNTIMES_JSON, "libomp-nobind-bt200+tcmalloc", "libgomp", ("eagle", 3)),
+    ("eagle", 3): (DRAFTER_RUNTIMES_JSON, DRAFTERS_SETTING, "libgomp", ("eagle", 3)),
+    ("draft_model", 7): (
+        DRAFT_MODEL_RUNTIMES_JSON,
+        DRAFTERS_SETTING,
+        "libgomp",
+        ("draft_model", 7),
+    ),
 }
+
+
+def test_every_map_rules_setting_was_measured_with_llvm_libomp_too() -> None:
+    """The plan applies a map rule to LLVM's runtime as to Intel's: each rule's method
+    (ngram at any token count; each drafter rule's method and tokens) has its LLVM row."""
+    assert ("ngram", None) in evidence.LLVM_RUNTIME
+    assert set(evidence.DRAFTER_RULES) <= set(evidence.LLVM_RUNTIME)
+
+
+def test_llvm_libomp_where_the_plan_would_run_it_for_draft_model_3_was_no_gain() -> None:
+    """draft_model with 3 tokens has no map rule, so the plan would run LLVM's runtime at
+    vLLM's binding: one OpenMP thread on this host, 0.98-1.01x of libgomp, a loss at 4
+    requests in every round; in methods-4's setting it gained, a setting the plan does not
+    give that method."""
+    method = ("draft_model", 3)
+    bound = map_ratios(("libomp",), "tpot", "libgomp", DRAFT_MODEL_RUNTIMES_JSON, method)
+    assert median_range(bound) == (0.98, 1.01)
+    assert [ratio.verdict for ratio in bound] == ["=", "loss"]  # at 1 and 4 requests
+    assert "0.98-1.01x of libgomp, a loss at 4 requests" in evidence.LLVM_NOT_A_GAIN[method]
+    unbound = (DRAFTERS_SETTING,)
+    assert verdicts(map_ratios(unbound, "tpot", "libgomp", DRAFT_MODEL_RUNTIMES_JSON, method)) == {
+        "gain"
+    }
+    assert method not in evidence.DRAFTER_RULES
 
 
 @pytest.mark.parametrize("key", sorted(evidence.LLVM_RUNTIME, key=str))

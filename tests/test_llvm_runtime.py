@@ -136,18 +136,20 @@ def test_cmeel_libomp_stands_in_for_intel_openmp_where_the_runtimes_map_measured
     assert banner(alias) == "llvm"
 
 
-def test_cmeel_libomp_stays_out_of_a_method_it_was_not_measured_for_and_the_way_in_works(
+def test_cmeel_libomp_stays_out_of_a_method_where_it_measured_no_gain_and_the_way_in_works(
     tmp_path: Path, cmeel_env_vllm: Path
 ) -> None:
-    """draft_model with 3 tokens: no libomp measurement, so libgomp and today's warning,
-    which names the library, why, and the --iomp-path that preloads it anyway; --iomp
-    always preloads it too."""
+    """draft_model with 3 tokens: LLVM's libomp measured no gain over libgomp in the setting
+    the plan would run it (vLLM's binding), so libgomp and today's warning, which names the
+    library, why, and the --iomp-path that preloads it anyway; --iomp always preloads it
+    too."""
     alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
     plan = dry_run(tmp_path, cmeel_env_vllm, DRAFT3)
     assert plan["preload"] == [] and plan["missing"] == ["iomp"] and plan["runtime"] is None
     (warning,) = plan["warnings"]
     assert warning.startswith("Intel OpenMP (libiomp5.so) not found")
-    assert f"{alias} (LLVM's libomp, not measured against libgomp for draft_model SD" in warning
+    why = evidence.LLVM_NOT_A_GAIN[("draft_model", 3)]
+    assert f"{alias} (LLVM's libomp, for draft_model SD with 3 tokens {why}" in warning
     anyway = f"--iomp-path {alias}"
     assert f"{anyway} or --iomp always preloads it anyway" in warning
     result, record = launched(tmp_path, cmeel_env_vllm, [*anyway.split(), *DRAFT3])
@@ -157,9 +159,61 @@ def test_cmeel_libomp_stays_out_of_a_method_it_was_not_measured_for_and_the_way_
     forced = dry_run(tmp_path, cmeel_env_vllm, ["--iomp", "always", *DRAFT3])
     assert [p["path"] for p in forced["preload"]] == [alias] and forced["runtime"] is None
     assert any(
-        n.startswith("LLVM's libomp preloaded, as iomp always asks: not measured")
+        n.startswith("LLVM's libomp preloaded, as iomp always asks: for draft_model SD")
         for n in forced["notes"]
     )
+
+
+@pytest.mark.parametrize(
+    "options, config, variables",
+    [
+        ([], NGRAM[3], {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
+        ([], NGRAM[3], {"OMP_NUM_THREADS": "2"}),
+        (["--tcmalloc", "never"], DRAFT3[3].replace(":3}", ":7}"), {}),
+    ],
+    ids=["your-binding", "your-thread-count", "no-tcmalloc"],
+)
+def test_on_the_maps_host_llvm_libomp_stays_out_where_your_setting_stops_its_map_rule(
+    tmp_path: Path,
+    cmeel_env_vllm: Path,
+    options: list[str],
+    config: str,
+    variables: dict[str, str],
+) -> None:
+    """ngram under your binding or thread count, draft_model 7 without tcmalloc: the map
+    rule whose setting LLVM's libomp was measured in does not apply, so the start keeps
+    libgomp with the warning, and the map's note says what stopped the rule; what you set
+    stays as set. --iomp always preloads it, with no rule."""
+    alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
+    args = [*options, "serve", "m", "--speculative-config", config]
+    plan = dry_run(tmp_path, cmeel_env_vllm, args, **variables)
+    assert plan["preload"] == [] and plan["missing"] == ["iomp"] and plan["runtime"] is None
+    (warning,) = plan["warnings"]
+    assert f"{alias} (LLVM's libomp, for " in warning
+    assert "measured faster than libgomp on this host only in the setting of its map rule" in (
+        warning
+    )
+    assert any("not applied" in n or "no rule" in n for n in plan["notes"]), plan["notes"]
+    assert not set(variables) & set(plan["env"])
+    forced = dry_run(tmp_path, cmeel_env_vllm, ["--iomp", "always", *args], **variables)
+    assert [p["path"] for p in forced["preload"]] == [alias]
+    assert forced["rule"] is None and not set(variables) & set(forced["env"])
+
+
+def test_off_the_maps_host_llvm_libomp_stands_in_at_vllms_binding(
+    tmp_path: Path, cmeel_env_vllm: Path
+) -> None:
+    """One CPU, not the map's two: no map rule, so LLVM's libomp for ngram at vLLM's own
+    settings (KMP_BLOCKTIME=5, no binding added), as libiomp5 would be; the process maps it."""
+    alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
+    one_cpu = ("taskset", "-c", "0", *BASE_LAUNCHER[3:])
+    plan = contract.dry_run(tmp_path, cmeel_env_vllm, NGRAM, one_cpu)
+    assert [(p["path"], p["flavor"]) for p in plan["preload"]] == [(alias, "llvm")]
+    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[("ngram", None)].id
+    assert plan["rule"] is None and plan["env"]["KMP_BLOCKTIME"] == "5"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
+    result, record = contract.launched(tmp_path, cmeel_env_vllm, NGRAM, one_cpu)
+    assert result.returncode == 0 and openmp_mapped(record) == [alias]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the trust rule's owner checks apply as root")
@@ -346,42 +400,23 @@ def test_a_callers_libomp_so_keeps_an_unmeasured_method_free_of_advice_it_cannot
     assert "kept as set" in plan["reason"]
 
 
-def test_an_unmeasured_llvm_runtime_gets_no_rule_measured_with_intels(
-    tmp_path: Path, cmeel_env_vllm: Path, debian_root: Path
+@pytest.mark.parametrize("method, tokens", [("eagle", 3), ("draft_model", 7)])
+def test_a_drafter_gets_llvm_libomp_in_the_setting_measured_for_it(
+    tmp_path: Path, cmeel_env_vllm: Path, debian_root: Path, method: str, tokens: int
 ) -> None:
-    """draft_model with 7 tokens and tcmalloc found: with Intel's runtime methods-4 would
-    apply; under --iomp always with LLVM's, whose drafter rows were not measured, it does
-    not, and the note says why."""
-    tcmalloc = debian_root / MULTIARCH_LIB / "libtcmalloc_minimal.so.4"
-    draft7 = [
-        *DRAFT3[:3],
-        DRAFT3[3].replace('"num_speculative_tokens":3', '"num_speculative_tokens":7'),
-    ]
-    args = ["--iomp", "always", "--tcmalloc-path", str(tcmalloc), *draft7]
-    if ("draft_model", 7) in evidence.LLVM_RUNTIME:
-        pytest.skip("the runtimes map measured LLVM's libomp for draft_model 7")
-    plan = dry_run(tmp_path, cmeel_env_vllm, args)
-    assert [p["flavor"] for p in plan["preload"] if p["kind"] == "iomp"] == ["llvm"]
-    assert plan["rule"] is None and "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
-    assert "map rule methods-4 not applied: measured with Intel's libiomp5" in plan["notes"]
-
-
-def test_eagle_gets_llvm_libomp_in_the_setting_measured_for_it(
-    tmp_path: Path, cmeel_env_vllm: Path, debian_root: Path
-) -> None:
-    """EAGLE with 3 tokens and a tcmalloc: the runtimes map measured LLVM's libomp in
-    methods-4's setting (runtimes-2), so both apply: tcmalloc, cmeel's libomp, nobind and
-    KMP_BLOCKTIME=200; the process maps those two libraries."""
+    """EAGLE with 3 tokens, draft_model with 7, a tcmalloc found: the runtimes map measured
+    LLVM's libomp in methods-4's setting (runtimes-2, runtimes-3), so both apply: tcmalloc,
+    cmeel's libomp, nobind and KMP_BLOCKTIME=200; the process maps those two libraries."""
     alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
     tcmalloc = str(debian_root / MULTIARCH_LIB / "libtcmalloc_minimal.so.4")
-    eagle = '{"method":"eagle","model":"e","num_speculative_tokens":3}'
-    args = ["--tcmalloc-path", tcmalloc, "serve", "m", "--speculative-config", eagle]
+    config = f'{{"method":"{method}","model":"d","num_speculative_tokens":{tokens}}}'
+    args = ["--tcmalloc-path", tcmalloc, "serve", "m", "--speculative-config", config]
     plan = dry_run(tmp_path, cmeel_env_vllm, args)
     assert [(p["kind"], p["path"], p["flavor"]) for p in plan["preload"]] == [
         ("tcmalloc", tcmalloc, None),
         ("iomp", alias, "llvm"),
     ]
-    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[("eagle", 3)].id
+    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[(method, tokens)].id
     assert plan["rule"]["id"] == "methods-4"
     assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME

@@ -84,39 +84,6 @@ DRAFTER_METHODS = ("draft_model", "eagle")
 MAP_METHODS = ("ngram", *DRAFTER_METHODS)  # the SD methods mapped: the rules apply to them alone
 
 
-# LLVM's libomp where no Intel OpenMP is found (issue 24): the runtimes maps measured it in
-# the rules' unbound settings against libgomp, every paired round a gain on the 105M model.
-RUNTIMES_MAP = "docs/benchmarks.md, the runtimes map"
-LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
-
-
-def llvm_rule(rule_id: str, figures: tuple[float, float], versus: str) -> Rule:
-    return Rule(rule_id, LLVM_ADDS, figures, versus, RUNTIMES_MAP)
-
-
-# (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured.
-LLVM_RUNTIME: dict[tuple[str, int | None], Rule] = {
-    ("ngram", None): llvm_rule("runtimes-1", (1.24, 1.33), "libgomp under nobind"),
-    # methods-4's setting (tcmalloc, nobind, KMP_BLOCKTIME=200) with LLVM's runtime.
-    ("eagle", 3): llvm_rule("runtimes-2", (1.68, 1.70), PLAIN),
-}
-
-
-def llvm_runtime(method: str | None, tokens: int | None) -> tuple[Rule | None, str]:
-    """Whether LLVM's libomp may stand in for Intel's for this SD method: the measured
-    rule, or None with why not (the plan then keeps libgomp and warns, as where nothing
-    was found). The runtimes maps measured it on one kind of host; like libiomp5 it is
-    preloaded for that method on any host, as the same runtime code (Intel's code base,
-    the same KMP_* settings and defaults), which measured alike there."""
-    rule = LLVM_RUNTIME.get((method or "", None)) or LLVM_RUNTIME.get((method or "", tokens))
-    where = f"{method or 'an unnamed'} SD" + (
-        f" with {tokens} tokens" if tokens is not None else ""
-    )
-    if rule is None:
-        return None, f"not measured against libgomp for {where} ({RUNTIMES_MAP})"
-    return rule, f"{described(rule)}, for {where}"
-
-
 @record
 class MapHost:
     """A host, vLLM and command the map measured, and what the user set."""
@@ -259,3 +226,58 @@ def map_choice(host: MapHost) -> tuple[MapChoice | None, str]:
         reason=reason,
     )
     return choice, f"{described(rule)} applied"
+
+
+# LLVM's libomp where no Intel OpenMP is found (issue 24): the runtimes maps measured it in
+# the rules' unbound settings against libgomp, every paired round a gain on the 105M model.
+RUNTIMES_MAP = "docs/benchmarks.md, the runtimes map"
+LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
+
+
+def llvm_rule(rule_id: str, figures: tuple[float, float], versus: str) -> Rule:
+    return Rule(rule_id, LLVM_ADDS, figures, versus, RUNTIMES_MAP)
+
+
+# (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured, each
+# in the setting of the map rule for that method on the map's host (map-1/map-2's nobind
+# and KMP_BLOCKTIME=200; the drafters' methods-4: tcmalloc, nobind, KMP_BLOCKTIME=200).
+LLVM_RUNTIME: dict[tuple[str, int | None], Rule] = {
+    ("ngram", None): llvm_rule("runtimes-1", (1.24, 1.33), "libgomp under nobind"),
+    ("eagle", 3): llvm_rule("runtimes-2", (1.68, 1.70), PLAIN),
+    ("draft_model", 7): llvm_rule("runtimes-3", (1.37, 1.39), PLAIN),
+}
+# Measured, and no gain where the plan would run it: no rule (test_evidence.py holds why).
+LLVM_NOT_A_GAIN = {
+    ("draft_model", 3): "at vLLM's binding (the setting the plan gives draft_model with 3 "
+    "tokens, which has no map rule) it measured 0.98-1.01x of libgomp, a loss at 4 requests "
+    "in every round",
+}
+
+
+def llvm_runtime(
+    method: str | None, tokens: int | None, mapped: MapChoice | None, on_map_host: bool
+) -> tuple[Rule | None, str]:
+    """Whether LLVM's libomp may stand in for Intel's for this SD method: the measured
+    rule, or None with why not (the plan then keeps libgomp and warns, as where nothing
+    was found). On the map's host it stands in only with the map rule whose setting it was
+    measured in (`mapped`: the rule that applies here, None where the user's settings stop
+    it). Elsewhere the runtimes maps measured nothing: like libiomp5 it is preloaded for
+    that method, as the same runtime code (Intel's code base, the same KMP_* settings and
+    defaults), which measured alike to libiomp5 where both ran (ngram)."""
+    key = (method or "", tokens)
+    rule = LLVM_RUNTIME.get((method or "", None)) or LLVM_RUNTIME.get(key)
+    where = f"{method or 'an unnamed'} SD" + (
+        f" with {tokens} tokens" if tokens is not None else ""
+    )
+    if key in LLVM_NOT_A_GAIN:
+        return None, f"for {where} {LLVM_NOT_A_GAIN[key]} ({RUNTIMES_MAP})"
+    if rule is None:
+        return None, f"not measured against libgomp for {where} ({RUNTIMES_MAP})"
+    if on_map_host and mapped is None:
+        # Nothing measured it faster here outside that setting; at vLLM's default binding
+        # (one core, one OpenMP thread) it measured a little slower (LLVM_NOT_A_GAIN).
+        return None, (
+            f"for {where} measured faster than libgomp on this host only in the setting of "
+            f"its map rule, which does not apply here ({rule.id}; the map's note says why)"
+        )
+    return rule, f"{described(rule)}, for {where}"

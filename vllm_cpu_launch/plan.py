@@ -414,10 +414,13 @@ def build_plan(
         found = search.chosen
         # LLVM's runtime the search found in place of Intel's (not one the user named) goes
         # into an x86-64 SD start under --iomp auto only where the runtimes map measured it
-        # against libgomp; --iomp always (tune's candidate, aarch64's opt-in) takes it.
+        # faster than libgomp (on the map's host: in the setting of the map rule that
+        # applies); --iomp always (tune's candidate, aarch64's opt-in) takes it.
         searched = found.origin not in ("explicit", "ld-preload") if found else False
         if found and searched and found.flavor == LLVM and x86_sd:
-            runtime, runtime_note = llvm_runtime(speculative.method, speculative.tokens)
+            runtime, runtime_note = llvm_runtime(
+                speculative.method, speculative.tokens, choice, measured is not None
+            )
             if runtime is None and mode == "auto":
                 search = declined(search, runtime_note)
             elif runtime is None:
@@ -451,12 +454,10 @@ def build_plan(
     elif mode == "auto" and not auto_iomp:
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
-    # What the map measured goes with the Intel OpenMP the plan preloads, whoever chose it,
-    # and with an LLVM runtime only where the runtimes map measured that one too.
-    unmeasured_llvm = iomp is not None and iomp.flavor == LLVM and runtime is None and x86_sd
-    applied = choice if choice and iomp is not None and not unmeasured_llvm else None
-    if choice and unmeasured_llvm:
-        notes.append(f"map rule {choice.rule.id} not applied: measured with Intel's libiomp5")
+    # What the map measured goes with the OpenMP runtime the plan preloads, whoever chose
+    # it, Intel's or LLVM's: every map rule's setting was measured with both
+    # (evidence.LLVM_RUNTIME; tests/test_evidence.py holds that).
+    applied = choice if choice and iomp is not None else None
     wants_tcmalloc = settings.tcmalloc == "always" or (
         settings.tcmalloc == "auto"
         and iomp is not None
