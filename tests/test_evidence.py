@@ -119,6 +119,22 @@ def test_rule_3_is_gone_vllms_binding_gets_libiomp5_with_no_figure_claimed() -> 
     assert cores == {"[0]"}
 
 
+WAITING_JSON = REPO / "docs" / "bench_vllm_waiting.json"
+
+
+def test_bound_with_none_reserved_no_runtime_measured_faster_than_libgomp() -> None:
+    """What the note of a binding or reservation of the user's quotes: bound on both CPUs
+    (VLLM_CPU_NUM_OF_RESERVED_CPU=0), libiomp5 and LLVM's libomp against libgomp, no
+    verdict in any cell."""
+    ratios = map_ratios(("libiomp5", "libomp"), "tpot", "libgomp", WAITING_JSON, ("ngram", 3))
+    assert len(ratios) == 2 * 2 and verdicts(ratios) == {"="}
+    assert median_range(ratios) == (0.95, 1.05)
+    assert (
+        "with none reserved 0.95-1.05x"
+        in evidence.rule_for(evidence.MapHost(2, "0.32.0", "ngram", "", True))[1]
+    )
+
+
 def test_the_methods_map_was_measured_where_the_rules_apply() -> None:
     data = json.loads(METHODS_JSON.read_text(encoding="utf-8"))
     meta = data["meta"]

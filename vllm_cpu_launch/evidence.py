@@ -28,6 +28,7 @@ MAP_CPUS = 2
 MAP_VLLM = "0.32"
 MAP = "docs/benchmarks.md, the map"
 METHODS_MAP = "docs/benchmarks.md, the SD methods map"
+WAITING_MAP = "docs/benchmarks.md, the waiting policies map"
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 BLOCKTIME_VARIABLE = "KMP_BLOCKTIME"
@@ -189,8 +190,9 @@ def rule_for(host: MapHost) -> tuple[Rule | None, str]:
     if host.binding or host.reserved:
         mine = f"{BIND_VARIABLE}={host.binding}" if host.binding else f"{RESERVED_VARIABLE} set"
         return None, (
-            f"{where}, your {mine}: vLLM binds the worker, which on {host.cpus} CPUs then runs "
-            "one OpenMP thread where the runtime barely matters: no rule, no figure claimed"
+            f"{where}, your {mine}: vLLM binds the worker, and bound on {host.cpus} CPUs no "
+            "runtime measured faster than libgomp (one OpenMP thread at vLLM's reservation; "
+            f"with none reserved 0.95-1.05x, {WAITING_MAP}): no rule, no figure claimed"
         )
     return NGRAM_UNBOUND, where
 
