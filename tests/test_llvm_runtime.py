@@ -164,56 +164,140 @@ def test_cmeel_libomp_stays_out_of_a_method_where_it_measured_no_gain_and_the_wa
     )
 
 
+DRAFT7_CONFIG = DRAFT3[3].replace(":3}", ":7}")
+NO_RULE = "no rule, no figure claimed"  # the map's note where the user's binding stops it
+NOT_APPLIED = "not applied for"  # the map's note where another setting stops the rule
+
+
 @pytest.mark.parametrize(
-    "options, config, variables",
+    "options, config, variables, map_note",
     [
-        ([], NGRAM[3], {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
-        ([], NGRAM[3], {"OMP_NUM_THREADS": "2"}),
-        (["--tcmalloc", "never"], DRAFT3[3].replace(":3}", ":7}"), {}),
+        ([], NGRAM[3], {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, NO_RULE),
+        ([], NGRAM[3], {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, None),  # a CPU list: unmapped
+        ([], NGRAM[3], {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, NO_RULE),
+        ([], NGRAM[3], {"OMP_NUM_THREADS": "2"}, NOT_APPLIED),
+        ([], NGRAM[3], {"KMP_BLOCKTIME": "5"}, NOT_APPLIED),
+        (["--kmp-blocktime", "5"], NGRAM[3], {}, NOT_APPLIED),
+        (["--tcmalloc", "always"], NGRAM[3], {}, NOT_APPLIED),  # map-1: without tcmalloc
+        (["--tcmalloc", "never"], DRAFT7_CONFIG, {}, NOT_APPLIED),  # methods-4: with one
     ],
-    ids=["your-binding", "your-thread-count", "no-tcmalloc"],
+    ids=[
+        "your-binding",
+        "your-cpu-list",
+        "your-reservation",
+        "your-thread-count",
+        "your-block-time",
+        "block-time-option",
+        "tcmalloc-always",
+        "drafter-without-tcmalloc",
+    ],
 )
-def test_on_the_maps_host_llvm_libomp_stays_out_where_your_setting_stops_its_map_rule(
+def test_on_the_maps_host_llvm_libomp_stays_out_where_the_start_misses_its_map_rule(
     tmp_path: Path,
     cmeel_env_vllm: Path,
+    debian_root: Path,
     options: list[str],
     config: str,
     variables: dict[str, str],
+    map_note: str | None,
 ) -> None:
-    """ngram under your binding or thread count, draft_model 7 without tcmalloc: the map
-    rule whose setting LLVM's libomp was measured in does not apply, so the start keeps
-    libgomp with the warning, and the map's note says what stopped the rule; what you set
-    stays as set. --iomp always preloads it, with no rule."""
+    """The map rule whose setting LLVM's libomp was measured in does not apply (a setting
+    of yours, or no tcmalloc for a drafter), so the start keeps libgomp with the warning,
+    and the map's note says what stopped the rule; what you set stays as set. --iomp
+    always preloads it, with no rule."""
     alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
-    args = [*options, "serve", "m", "--speculative-config", config]
+    tcmalloc = str(debian_root / MULTIARCH_LIB / "libtcmalloc_minimal.so.4")
+    args = [*options, "--tcmalloc-path", tcmalloc, "serve", "m", "--speculative-config", config]
     plan = dry_run(tmp_path, cmeel_env_vllm, args, **variables)
-    assert plan["preload"] == [] and plan["missing"] == ["iomp"] and plan["runtime"] is None
+    assert [p for p in plan["preload"] if p["kind"] == "iomp"] == []
+    assert plan["missing"] == ["iomp"] and plan["runtime"] is None and plan["rule"] is None
     (warning,) = plan["warnings"]
     assert f"{alias} (LLVM's libomp, for " in warning
     assert "measured faster than libgomp on this host only in the setting of its map rule" in (
         warning
     )
-    assert any("not applied" in n or "no rule" in n for n in plan["notes"]), plan["notes"]
+    if map_note:
+        assert any(map_note in note for note in plan["notes"]), plan["notes"]
     assert not set(variables) & set(plan["env"])
     forced = dry_run(tmp_path, cmeel_env_vllm, ["--iomp", "always", *args], **variables)
-    assert [p["path"] for p in forced["preload"]] == [alias]
+    assert [p["path"] for p in forced["preload"] if p["kind"] == "iomp"] == [alias]
     assert forced["rule"] is None and not set(variables) & set(forced["env"])
+    assert any(
+        note.startswith("LLVM's libomp preloaded, as iomp always asks: for ")
+        for note in forced["notes"]
+    )
 
 
-def test_off_the_maps_host_llvm_libomp_stands_in_at_vllms_binding(
+def test_under_your_nobind_llvm_libomp_gets_the_block_time_it_was_measured_with(
     tmp_path: Path, cmeel_env_vllm: Path
 ) -> None:
-    """One CPU, not the map's two: no map rule, so LLVM's libomp for ngram at vLLM's own
-    settings (KMP_BLOCKTIME=5, no binding added), as libiomp5 would be; the process maps it."""
+    """map-2's setting, the one runtimes-1 was measured in: your nobind stays yours (the
+    plan relies on it), LLVM's libomp and KMP_BLOCKTIME=200 are added."""
     alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
-    one_cpu = ("taskset", "-c", "0", *BASE_LAUNCHER[3:])
-    plan = contract.dry_run(tmp_path, cmeel_env_vllm, NGRAM, one_cpu)
-    assert [(p["path"], p["flavor"]) for p in plan["preload"]] == [(alias, "llvm")]
+    plan = dry_run(tmp_path, cmeel_env_vllm, NGRAM, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    assert [p["path"] for p in plan["preload"]] == [alias]
     assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[("ngram", None)].id
+    assert plan["rule"]["id"] == evidence.NGRAM_NOBIND.id
+    assert plan["env"] == {
+        "LD_PRELOAD": alias,
+        "KMP_BLOCKTIME": evidence.NOBIND_BLOCKTIME,
+        "VLLMCPULAUNCH_PLANNED": "launcher:started",
+    }
+    assert plan["relies_on"] == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert plan["reason"].endswith("runtimes rule runtimes-1; map rule map-2")
+
+
+def test_a_method_the_runtimes_map_never_ran_keeps_libgomp(
+    tmp_path: Path, cmeel_env_vllm: Path
+) -> None:
+    eagle5 = '{"method":"eagle","model":"e","num_speculative_tokens":5}'
+    plan = dry_run(tmp_path, cmeel_env_vllm, ["serve", "m", "--speculative-config", eagle5])
+    assert plan["preload"] == [] and plan["missing"] == ["iomp"]
+    (warning,) = plan["warnings"]
+    assert "LLVM's libomp, not measured against libgomp for eagle SD with 5 tokens" in warning
+
+
+ONE_CPU = ("taskset", "-c", "0", *BASE_LAUNCHER[3:])
+
+
+@pytest.mark.parametrize(
+    "launcher, config, extra",
+    [
+        (ONE_CPU, NGRAM[3], []),
+        (ONE_CPU, '{"method":"eagle","model":"e","num_speculative_tokens":3}', []),
+        (ONE_CPU, DRAFT7_CONFIG, []),
+        (BASE_LAUNCHER, NGRAM[3], ["--tensor-parallel-size", "2"]),  # two workers
+    ],
+    ids=["one-cpu-ngram", "one-cpu-eagle-3", "one-cpu-draft-7", "two-workers"],
+)
+def test_off_the_maps_host_llvm_libomp_stands_in_at_vllms_settings(
+    tmp_path: Path,
+    cmeel_env_vllm: Path,
+    launcher: tuple[str, ...],
+    config: str,
+    extra: list[str],
+) -> None:
+    """Not the map's host: no map rule, so LLVM's libomp at vLLM's own settings
+    (KMP_BLOCKTIME=5, no binding added), as libiomp5 would be, and the note says its
+    figures were measured elsewhere; the process maps it."""
+    alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
+    args = ["serve", "m", "--speculative-config", config, *extra]
+    plan = contract.dry_run(tmp_path, cmeel_env_vllm, args, launcher)
+    assert [(p["path"], p["flavor"]) for p in plan["preload"]] == [(alias, "llvm")]
+    assert plan["runtime"]["id"].startswith("runtimes-")
     assert plan["rule"] is None and plan["env"]["KMP_BLOCKTIME"] == "5"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
-    result, record = contract.launched(tmp_path, cmeel_env_vllm, NGRAM, one_cpu)
+    assert any("measured on the map's host (2 CPUs, vLLM 0.32)" in n for n in plan["notes"])
+    result, record = contract.launched(tmp_path, cmeel_env_vllm, args, launcher)
     assert result.returncode == 0 and openmp_mapped(record) == [alias]
+
+
+def test_off_the_maps_host_draft_model_3_keeps_libgomp_as_measured(
+    tmp_path: Path, cmeel_env_vllm: Path
+) -> None:
+    plan = contract.dry_run(tmp_path, cmeel_env_vllm, DRAFT3, ONE_CPU)
+    assert plan["preload"] == [] and plan["missing"] == ["iomp"]
+    assert evidence.LLVM_NOT_A_GAIN[("draft_model", 3)] in plan["warnings"][0]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the trust rule's owner checks apply as root")

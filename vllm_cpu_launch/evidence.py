@@ -113,6 +113,13 @@ class MapChoice:
     reason: str  # for the INFO line's reason
 
 
+def on_map_host(cpus: int, release: str | None, one_worker: bool) -> bool:
+    """The host and vLLM the maps measured (MAP_CPUS usable CPUs, vLLM MAP_VLLM, one
+    worker on one node), whatever the SD method and the user's settings."""
+    measured_release = release is not None and release.split(".")[:2] == MAP_VLLM.split(".")
+    return cpus == MAP_CPUS and one_worker and measured_release
+
+
 def map_host(
     environ: Mapping[str, str],
     cpus: int,
@@ -134,9 +141,9 @@ def map_host(
     tcmalloc was found that the settings let the launcher preload; `tcmalloc_always`: the
     settings preload one whatever a rule says.
     """
-    if cpus != MAP_CPUS or not one_worker or method not in MAP_METHODS:
+    if release is None or not on_map_host(cpus, release, one_worker):
         return None
-    if release is None or release.split(".")[:2] != MAP_VLLM.split("."):
+    if method not in MAP_METHODS:
         return None
     binding = environ.get(BIND_VARIABLE, "")
     if binding not in ("", "auto", "nobind"):
@@ -161,10 +168,11 @@ def figures(low_high: tuple[float, float]) -> str:
     return f"{low:.2f}-{high:.2f}x"
 
 
-def described(rule: Rule) -> str:
-    """`map rule map-1 (adds ...: TPOT 1.19-1.42x of plain vLLM's speed, ...)`."""
+def described(rule: Rule, kind: str = "map rule") -> str:
+    """`map rule map-1 (adds ...: TPOT 1.19-1.42x of plain vLLM's speed, ...)`; `kind`
+    names the rules it is one of (the runtimes rules)."""
     return (
-        f"map rule {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
+        f"{kind} {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
         f"{rule.versus}'s speed on the 105M model, every round a gain; {rule.source})"
     )
 
@@ -257,15 +265,16 @@ LLVM_NOT_A_GAIN = {
 
 
 def llvm_runtime(
-    method: str | None, tokens: int | None, mapped: MapChoice | None, on_map_host: bool
+    method: str | None, tokens: int | None, mapped: MapChoice | None, measured_here: bool
 ) -> tuple[Rule | None, str]:
     """Whether LLVM's libomp may stand in for Intel's for this SD method: the measured
     rule, or None with why not (the plan then keeps libgomp and warns, as where nothing
-    was found). On the map's host it stands in only with the map rule whose setting it was
-    measured in (`mapped`: the rule that applies here, None where the user's settings stop
-    it). Elsewhere the runtimes maps measured nothing: like libiomp5 it is preloaded for
-    that method, as the same runtime code (Intel's code base, the same KMP_* settings and
-    defaults), which measured alike to libiomp5 where both ran (ngram)."""
+    was found). On the map's host (`measured_here`, on_map_host) it stands in only with the
+    map rule whose setting it was measured in (`mapped`: the rule that applies here, None
+    where the user's settings stop it). Elsewhere the runtimes maps measured nothing: like
+    libiomp5 it is preloaded for that method, as the same runtime code (Intel's code base,
+    the same KMP_* settings and defaults), which measured alike to libiomp5 where both ran
+    (ngram)."""
     key = (method or "", tokens)
     rule = LLVM_RUNTIME.get((method or "", None)) or LLVM_RUNTIME.get(key)
     where = f"{method or 'an unnamed'} SD" + (
@@ -275,11 +284,17 @@ def llvm_runtime(
         return None, f"for {where} {LLVM_NOT_A_GAIN[key]} ({RUNTIMES_MAP})"
     if rule is None:
         return None, f"not measured against libgomp for {where} ({RUNTIMES_MAP})"
-    if on_map_host and mapped is None:
+    if measured_here and mapped is None:
         # Nothing measured it faster here outside that setting; at vLLM's default binding
         # (one core, one OpenMP thread) it measured a little slower (LLVM_NOT_A_GAIN).
         return None, (
             f"for {where} measured faster than libgomp on this host only in the setting of "
-            f"its map rule, which does not apply here ({rule.id}; the map's note says why)"
+            f"its map rule ({rule.id}), which this start does not get"
         )
-    return rule, f"{described(rule)}, for {where}"
+    said = f"{described(rule, 'runtimes rule')}, for {where}"
+    if measured_here:
+        return rule, said
+    return rule, (
+        f"{said}: measured on the map's host ({MAP_CPUS} CPUs, vLLM {MAP_VLLM}) in its map "
+        "rule's setting, not on this one, where it runs at vLLM's settings as libiomp5 would"
+    )

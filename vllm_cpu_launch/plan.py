@@ -14,6 +14,7 @@ from vllm_cpu_launch.evidence import (
     llvm_runtime,
     map_choice,
     map_host,
+    on_map_host,
 )
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
@@ -237,7 +238,7 @@ def environment_changes(
         for entry in dropped:
             warnings.append(
                 f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both "
-                "libgomp and Intel OpenMP preloaded"
+                "libgomp and Intel's (or LLVM's) OpenMP preloaded"
             )
         if preload_entries(composed) != preload_entries(current):  # else the caller's as set
             env["LD_PRELOAD"] = composed
@@ -388,6 +389,7 @@ def build_plan(
         tcmalloc_search = explicit.get(TCMALLOC) or find_library(
             TCMALLOC, host, target, trusted=trusted
         )
+    x86_sd = speculative.requested and host.machine in IOMP_MACHINES and not yours
     measured = (
         map_host(
             host.environ,
@@ -400,7 +402,7 @@ def build_plan(
             tcmalloc_search is not None and tcmalloc_search.chosen is not None,
             settings.tcmalloc == "always",
         )
-        if speculative.requested and wants_iomp and not yours and host.machine in IOMP_MACHINES
+        if x86_sd and wants_iomp
         else None
     )
     choice, map_note = map_choice(measured) if measured else (None, "")
@@ -408,7 +410,6 @@ def build_plan(
         notes.append(map_note)
     iomp: Candidate | None = None
     runtime: Rule | None = None
-    x86_sd = speculative.requested and host.machine in IOMP_MACHINES and not yours
     if wants_iomp:
         search = explicit.get(IOMP) or find_library(IOMP, host, target, trusted=trusted)
         found = search.chosen
@@ -416,17 +417,17 @@ def build_plan(
         # into an x86-64 SD start under --iomp auto only where the runtimes map measured it
         # faster than libgomp (on the map's host: in the setting of the map rule that
         # applies); --iomp always (tune's candidate, aarch64's opt-in) takes it.
-        searched = found.origin not in ("explicit", "ld-preload") if found else False
-        if found and searched and found.flavor == LLVM and x86_sd:
+        # (x86_sd: no runtime of the caller's, so none found in their LD_PRELOAD.)
+        if found and found.origin != "explicit" and found.flavor == LLVM and x86_sd:
+            here = on_map_host(host.cpus, release.release, one_worker)
             runtime, runtime_note = llvm_runtime(
-                speculative.method, speculative.tokens, choice, measured is not None
+                speculative.method, speculative.tokens, choice, here
             )
             if runtime is None and mode == "auto":
                 search = declined(search, runtime_note)
             elif runtime is None:
                 notes.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime_note}")
             else:
-                reasons.append(f"runtimes rule {runtime.id}")
                 notes.append(runtime_note)
         searches.append(search)
         iomp = search.chosen
@@ -465,7 +466,7 @@ def build_plan(
         and (not applied or applied.tcmalloc)
     )
     if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
-        notes.append("tcmalloc not preloaded: the map measured this libiomp5 setting without it")
+        notes.append("tcmalloc not preloaded: the map measured this setting without it")
     tcmalloc: Candidate | None = None
     if wants_tcmalloc:
         search = (
@@ -500,6 +501,8 @@ def build_plan(
         default_blocktime = applied.blocktime
     blocktime = None if refused else settings.kmp_blocktime
     env = environment_changes(host.environ, chosen, blocktime, warnings, default_blocktime)
+    if runtime and iomp in chosen:
+        reasons.append(f"runtimes rule {runtime.id}")
     if applied and chosen:
         reasons.append(f"map rule {applied.rule.id}")
         notes.append(map_note)
