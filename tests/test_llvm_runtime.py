@@ -247,6 +247,34 @@ def test_under_your_nobind_llvm_libomp_gets_the_block_time_it_was_measured_with(
     assert plan["reason"].endswith("runtimes rule runtimes-1; map rule map-2")
 
 
+def test_doctor_says_llvm_libomp_is_what_the_launcher_preloads_and_by_which_rule(
+    tmp_path: Path, cmeel_env_vllm: Path
+) -> None:
+    """doctor's map section, JSON and text, on the map's host with cmeel-libomp alone: the
+    launcher preloads LLVM's libomp (not "libiomp5"), by runtimes-1 with map-1. In this
+    process (doctor needs psutil, which the base Python of the fresh-process tests lacks),
+    with the host's places empty but for the vLLM environment."""
+    from vllm_cpu_launch.places import Host
+    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.target import Target
+    from vllm_cpu_launch.verbs.doctor import map_lines
+    from vllm_cpu_launch.verbs.doctor.probe import map_section
+
+    root = cmeel_env_vllm.parent.parent
+    (tmp_path / "empty-root").mkdir()
+    host = Host(
+        {}, "x86_64", os.geteuid(), str(tmp_path / "none"), (), str(tmp_path / "empty-root"), cpus=2
+    )
+    target = Target(str(cmeel_env_vllm), "--vllm", str(root / "bin" / "python"), str(root))
+    section = map_section(Settings(), target, host, "0.32.0")
+    assert [p["flavor"] for p in section["preload"]] == ["llvm"]
+    assert section["runtime"]["id"] == evidence.LLVM_RUNTIME[("ngram", None)].id
+    assert section["rule"]["id"] == evidence.NGRAM_UNBOUND.id
+    text = "\n".join(map_lines(section))
+    assert "  with SD  the launcher preloads LLVM's libomp, sets KMP_BLOCKTIME=200" in text
+    assert "  runtime  runtimes-1 adds LLVM's libomp" in text
+
+
 def test_a_method_the_runtimes_map_never_ran_keeps_libgomp(
     tmp_path: Path, cmeel_env_vllm: Path
 ) -> None:

@@ -192,7 +192,14 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     if section["iomp"] is None:
         lines.append(f"  with SD  unknown: {section['reason'] or 'no vLLM found'}")
         return lines
-    does = ["preloads libiomp5" if section["iomp"] == "libiomp5" else "keeps libgomp"]
+    flavors = [p["flavor"] for p in section["preload"] if p["kind"] == "iomp"]
+    does = [
+        "keeps libgomp"
+        if not flavors
+        else "preloads LLVM's libomp"
+        if flavors == ["llvm"]
+        else "preloads libiomp5"
+    ]
     does += [f"sets {k}={v}" for k, v in section["env"].items() if k != "LD_PRELOAD"]
     does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
@@ -200,6 +207,8 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     lines.append(f"  because  {section['reason']}")
     if section["rule"]:
         lines.append(f"  rule     {rule_words(section['rule'])}")
+    if section["runtime"]:
+        lines.append(f"  runtime  {rule_words(section['runtime'])}")
     lines += [f"  note     {note}" for note in section["notes"]]
     return lines
 

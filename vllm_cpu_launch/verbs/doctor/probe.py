@@ -306,6 +306,8 @@ def map_section(
         "missing": [],
         "reason": None,
         "rule": None,
+        "runtime": None,
+        "preload": [],
         "notes": [],
     }
     if target is None:
@@ -329,6 +331,8 @@ def map_section(
         "missing": record["missing"],
         "reason": plan.reason,
         "rule": record["rule"],
+        "runtime": record["runtime"],
+        "preload": record["preload"],
         "notes": [note for note in record["notes"] if "rule" in note or "measured" in note],
     }
 
