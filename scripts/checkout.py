@@ -20,7 +20,8 @@ BUILT = ("build", "dist", "*.egg-info")
 NOT_CHECKOUT = shutil.ignore_patterns(*LOCAL, *BUILT)
 
 
-def checkout_copy(directory: Path) -> Path:
-    """This checkout's files copied into `directory` (which must not exist); `directory`."""
-    shutil.copytree(REPO, directory, ignore=NOT_CHECKOUT)
+def checkout_copy(directory: Path, source: Path = REPO) -> Path:
+    """This checkout's files (or those of `source`, a project in it: the tests' probe
+    plugin) copied into `directory` (which must not exist); `directory`."""
+    shutil.copytree(source, directory, ignore=NOT_CHECKOUT)
     return directory

@@ -119,7 +119,13 @@ def plugin_path(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     target = tmp_path_factory.mktemp("plugins")
     source = checkout_copy(tmp_path_factory.mktemp("plugin-source") / "source")
     command = [str(vllm_env / "bin" / "python"), "-m", "pip", "install", "--no-deps"]
-    command += ["--no-input", "--target", str(target), str(source), str(PROBE)]
+    command += [
+        "--no-input",
+        "--target",
+        str(target),
+        str(source),
+        str(probe_copy(tmp_path_factory)),
+    ]
     try:
         completed = subprocess.run(
             command, capture_output=True, text=True, timeout=PLUGIN_INSTALL_LIMIT_S
@@ -129,6 +135,13 @@ def plugin_path(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     if completed.returncode != 0:
         pytest.fail(f"{' '.join(command)} failed:\n{completed.stderr}")
     return target
+
+
+def probe_copy(factory: pytest.TempPathFactory) -> Path:
+    """The probe plugin's project, copied to build from: two workers building it in its
+    own directory at once broke one build (setuptools writes build/ there; a CI run
+    failed 29 tests so), as with the package itself (scripts/checkout.py)."""
+    return checkout_copy(factory.mktemp("probe-source") / "probe_plugin", PROBE)
 
 
 def probe_records(path: Path) -> dict[int, dict[str, Any]]:

@@ -39,13 +39,13 @@ from vllm_cpu_launch.handoff import stands_down
 from .conftest import (
     MAX_TOKENS,
     PLUGIN_INSTALL_LIMIT_S,
-    PROBE,
     PROBE_VARIABLE,
     REAL_VLLM,
     RUN_CACHE,
     complete,
     model_processes,
     plugin_lines,
+    probe_copy,
     probe_records,
     run_script,
     tree_views,
@@ -95,7 +95,8 @@ def probe_path(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     target = tmp_path_factory.mktemp("probe")
     command = [str(vllm_env / "bin" / "python"), "-m", "pip", "install", "--no-deps"]
     run_script(
-        [*command, "--no-input", "--target", str(target), str(PROBE)], PLUGIN_INSTALL_LIMIT_S
+        [*command, "--no-input", "--target", str(target), str(probe_copy(tmp_path_factory))],
+        PLUGIN_INSTALL_LIMIT_S,
     )
     return target
 
