@@ -192,14 +192,9 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     if section["iomp"] is None:
         lines.append(f"  with SD  unknown: {section['reason'] or 'no vLLM found'}")
         return lines
-    flavors = [p["flavor"] for p in section["preload"] if p["kind"] == "iomp"]
-    does = [
-        "keeps libgomp"
-        if not flavors
-        else "preloads LLVM's libomp"
-        if flavors == ["llvm"]
-        else "preloads libiomp5"
-    ]
+    flavor = next((p["flavor"] for p in section["preload"] if p["kind"] == "iomp"), None)
+    runtime = "LLVM's libomp" if flavor == "llvm" else "libiomp5"
+    does = ["keeps libgomp" if flavor is None else f"preloads {runtime}"]
     does += [f"sets {k}={v}" for k, v in section["env"].items() if k != "LD_PRELOAD"]
     does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
