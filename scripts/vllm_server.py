@@ -54,6 +54,11 @@ def prepare_env_command(release: str | None = None) -> list[str]:
     return [sys.executable, str(SCRIPTS / "vllm_env.py"), *chosen]
 
 
+def real_model_command(*options: str) -> list[str]:
+    """scripts/real_model.py: prints the real model's directory (cached once per machine)."""
+    return [sys.executable, str(SCRIPTS / "real_model.py"), *options]
+
+
 def make_model_command(vllm_env: Path, output: Path) -> list[str]:
     """scripts/make_tiny_model.py run by the vLLM environment's Python: prints the model dir."""
     return [str(vllm_env / "bin" / "python"), str(SCRIPTS / "make_tiny_model.py"), str(output)]

@@ -36,6 +36,7 @@ from vllm_server import (  # noqa: E402
     ENV_SETUP_LIMIT_S,
     MODEL_LIMIT_S,
     REQUEST_LIMIT_S,
+    SPECULATIVE_CONFIG,
     ProcessView,
     Server,
     ServerError,
@@ -47,6 +48,7 @@ from vllm_server import (  # noqa: E402
     metric_total,
     prepare_env_command,
     process_tree,
+    real_model_command,
     snapshot,
     start_server,
     wait_until_healthy,
@@ -194,6 +196,13 @@ def tiny_model(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
         return Path(made.read_text(encoding="utf-8"))
 
 
+@pytest.fixture(scope="session")
+def real_model(vllm_env: Path) -> Path:
+    """SmolLM2-135M-Instruct, made by scripts/real_model.py from the environment's Python
+    (once per machine, in the project's cache; scripts/test starts it in the background)."""
+    return Path(run_script(real_model_command(), ENV_SETUP_LIMIT_S))
+
+
 def tail(server: Server) -> str:
     """The end of the server log, for failure messages."""
     return server.tail(LOG_TAIL_LINES)
@@ -283,6 +292,7 @@ def plain_serve(
     plugin_path: Path,
     *,
     speculative: bool = True,
+    speculative_config: str = SPECULATIVE_CONFIG,
     extra: Sequence[str] = (),
     **variables: str,
 ) -> Iterator[Server]:
@@ -290,7 +300,14 @@ def plain_serve(
     env = plain_environment(scratch, plugin_path, **variables)
     vllm = [str(vllm_env / "bin" / "vllm")]
     server = start_server(
-        vllm, model, scratch, env, cwd=SCRIPTS.parent, extra=extra, speculative=speculative
+        vllm,
+        model,
+        scratch,
+        env,
+        cwd=SCRIPTS.parent,
+        extra=extra,
+        speculative=speculative,
+        speculative_config=speculative_config,
     )
     with killed_on_exit(server):
         yield server
@@ -317,15 +334,24 @@ def serving(
     model: Path,
     scratch: Path,
     *,
+    speculative_config: str = SPECULATIVE_CONFIG,
     extra: Sequence[str] = (),
     **variables: str,
 ) -> Iterator[Server]:
     """`PREFIX serve MODEL ... EXTRA` in its own session, output to scratch/server.log, in an
-    environment without OpenMP or launcher settings (but `variables`); its session killed
-    on the way out."""
+    environment without OpenMP or launcher settings (but `variables`), with the speculative
+    decoding `speculative_config` names; its session killed on the way out."""
     prefixes = ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
     env = isolated_environment(scratch, ("LD_PRELOAD",), prefixes, RUN_CACHE["vllm"])
     env.update(variables)
-    server = start_server(prefix, model, scratch, env, cwd=SCRIPTS.parent, extra=extra)
+    server = start_server(
+        prefix,
+        model,
+        scratch,
+        env,
+        cwd=SCRIPTS.parent,
+        extra=extra,
+        speculative_config=speculative_config,
+    )
     with killed_on_exit(server):
         yield server
