@@ -5,16 +5,22 @@ The vLLM environment is the one a newcomer gets from the README's lines (scripts
 torchaudio and torchcodec removal the README asks for), with no `vllm` metadata written by
 anyone: its own `vllm` command fails with PackageNotFoundError. HOME is a scratch
 directory where `~/vllm-env` links to it, so the README's install lines run as written.
-Then the launcher quickstart (`vllm-cpu-launch serve` with ngram SD: the launcher supplies
-the metadata), `doctor` (it prints the fix for plain `vllm serve`, which this test runs),
-and the plugin quickstart (plain `vllm serve` with SD). Two vLLM starts, one per door.
-The environment is left as it was found. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
+Then the README's quickstart blocks, as written, with the model's block first in each shell
+(the real model of scripts/real_model.py; `~/.cache/vllm-cpu-launch/models` links to where
+the tests made it, so the block's run finds it made): the launcher quickstart
+(`vllm-cpu-launch serve` with ngram SD: the launcher supplies the metadata) and its request,
+`doctor` (it prints the fix for plain `vllm serve`, which this test runs), and the plugin
+quickstart (plain `vllm serve` with SD). The output a block shows (its comment lines after
+a command, `...` standing for any text) is found in what it printed. The shell has no
+setting of the README's beyond them: no KV-cache size, no model hub switch. Two vLLM
+starts, one per door. The environment is left as it was found. Set VLLMCPULAUNCH_SKIP_E2E=1
+to skip this module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -26,40 +32,80 @@ from typing import Any
 import pytest
 from vllm_server import (
     ENV_SETUP_LIMIT_S,
-    MODEL_LIMIT_S,
     REQUEST_LIMIT_S,
     SD_WARNING,
     ProcessView,
+    Server,
     isolated_environment,
     killed_on_exit,
-    make_model_command,
-    start_server,
 )
 
 from .conftest import (
-    MAX_TOKENS,
     REAL_VLLM,
     SCRIPTS,
-    complete,
     model_processes,
     plugin_lines,
+    process_views,
     run_script,
-    tree_views,
     wait_for_health,
 )
 
 REPO = SCRIPTS.parent
 README = REPO / "README.md"
 INSTALL_LIMIT_S = 600
-BLOCK = re.compile(r"<!-- install: (\w+) -->\n```bash\n(.*?)```", re.DOTALL)
+BLOCK = re.compile(r"<!-- (install|quickstart): (\w+) -->\n```bash\n(.*?)```", re.DOTALL)
+# Where the quickstart's request goes: vLLM's default port, as the README's serve lines leave it.
+QUICKSTART_PORT = 8000
+# The model's answer the quickstart's request shows (" Paris.\n\nThe answer is: ...").
+ANSWER = " Paris."
 
 pytestmark = REAL_VLLM
 
 
-def readme_blocks() -> dict[str, list[str]]:
-    """The README's install blocks by name: their command lines, as written."""
+def readme_blocks(kind: str = "install") -> dict[str, str]:
+    """The README's blocks of that kind (`<!-- KIND: NAME -->`) by name, as written."""
     text = README.read_text(encoding="utf-8")
-    return {name: body.strip().splitlines() for name, body in BLOCK.findall(text)}
+    return {name: body for found, name, body in BLOCK.findall(text) if found == kind}
+
+
+def install_lines(name: str) -> list[str]:
+    """An install block's command lines."""
+    return readme_blocks()[name].strip().splitlines()
+
+
+def commands(block: str) -> list[tuple[str, list[str]]]:
+    """A block's commands (a line, or lines joined by a trailing backslash), each with the
+    output it shows: the comment lines after it, joined (a comment after a command on its
+    own line says why, not what it prints)."""
+    found: list[tuple[str, list[str]]] = []
+    for line in block.strip().splitlines():
+        if line.startswith("#"):
+            found[-1][1].append(line.lstrip("#").strip())
+        elif found and found[-1][0].endswith("\\") and not found[-1][1]:
+            found[-1] = (f"{found[-1][0]}\n{line}", [])
+        else:
+            found.append((line, []))
+    return found
+
+
+def shown_pattern(shown: list[str], home: str, env: Path) -> re.Pattern[str]:
+    """What a command shows, as a pattern: `...` any text, `~/vllm-env` the link or the
+    environment it names, `~` HOME."""
+    alternatives = {
+        "...": ".*",
+        "~/vllm-env": f"(?:{re.escape(home)}/vllm-env|{re.escape(str(env))})",
+        "~": re.escape(home),
+    }
+    tokens = re.split(r"(\.\.\.|~/vllm-env|~)", " ".join(shown))
+    return re.compile("".join(alternatives.get(token, re.escape(token)) for token in tokens))
+
+
+def assert_shown(block: str, output: str, newcomer: dict[str, str], env: Path) -> None:
+    """Each output the block shows is in what it printed."""
+    for command, shown in commands(block):
+        if shown:
+            pattern = shown_pattern(shown, newcomer["HOME"], env)
+            assert pattern.search(output), f"{command}: {pattern.pattern}\n{output[-3000:]}"
 
 
 def run(command: str | list[str], env: dict[str, str], limit_s: float) -> str:
@@ -101,30 +147,31 @@ def fresh_env() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def newcomer(fresh_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A newcomer's shell: HOME with ~/vllm-env, no PYTHONPATH, no OpenMP or launcher
-    settings; this package installed into vLLM's environment by the README's own lines."""
+def newcomer(
+    fresh_env: Path, real_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    """A newcomer's shell: HOME with ~/vllm-env and the made model in its cache, no
+    PYTHONPATH, no OpenMP, launcher or vLLM CPU settings, none of the tests' vLLM settings
+    but two a reader does without (no usage report sent, vLLM's cache in scratch); this
+    package installed into vLLM's environment by the README's own lines."""
     scratch = tmp_path_factory.mktemp("newcomer")
     home = scratch / "home"
-    home.mkdir()
+    (home / ".cache" / "vllm-cpu-launch").mkdir(parents=True)
     (home / "vllm-env").symlink_to(fresh_env)
+    (home / ".cache" / "vllm-cpu-launch" / "models").symlink_to(real_model.parent)
     env = isolated_environment(
         scratch,
         ("LD_PRELOAD", "PYTHONPATH", "XDG_CACHE_HOME", "VIRTUAL_ENV"),
         ("KMP_", "OMP_", "VLLM_CPU_", "VLLMCPULAUNCH_"),
     )
+    for setting in ("VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"):
+        del env[setting]
     env["HOME"] = str(home)
-    lines = readme_blocks()["vllm"]
+    lines = install_lines("vllm")
     ours = [line for line in lines if line.endswith(" install .")]
     assert ours == ["~/vllm-env/bin/pip install ."], lines
     run(ours[0], env, INSTALL_LIMIT_S)
     return env
-
-
-@pytest.fixture(scope="module")
-def model(fresh_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = tmp_path_factory.mktemp("tiny-model")
-    return Path(run_script(make_model_command(fresh_env, output), MODEL_LIMIT_S))
 
 
 def doctor(env: dict[str, str]) -> dict[str, Any]:
@@ -153,26 +200,51 @@ def test_vllm_fails_alone_as_installed(fresh_env: Path, newcomer: dict[str, str]
     assert "PackageNotFoundError: No package metadata was found for vllm" in result.stderr
 
 
-def served(
-    door: str, program: str, newcomer: dict[str, str], model: Path, scratch: Path
-) -> tuple[list[ProcessView], dict[str, Any], str]:
-    """`PROGRAM serve MODEL ...` from the newcomer's environment, healthy: its process
-    tree, one completion, and its log (what each process mapped printed for the note)."""
-    prefix = [os.path.join(newcomer["HOME"], "vllm-env", "bin", program)]
-    server = start_server(prefix, model, scratch, newcomer, cwd=REPO)
+@contextlib.contextmanager
+def quickstart(script: str, newcomer: dict[str, str], scratch: Path) -> Iterator[Server]:
+    """The script (the model's block, then a door's lines) in bash in a session of its own,
+    its output in scratch/server.log; healthy on QUICKSTART_PORT."""
+    log = scratch / "server.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            ["bash", "-ec", script],
+            env=newcomer,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(process, QUICKSTART_PORT, log)
     with killed_on_exit(server):
         wait_for_health(server)
-        views = tree_views(server)
-        answer = complete(server)
-        print(f"{door} door:", mapped(views))
-        return views, answer, server.log_text()
+        yield server
 
 
-def test_launcher_quickstart(newcomer: dict[str, str], model: Path, tmp_path: Path) -> None:
-    views, answer, log = served("launcher", "vllm-cpu-launch", newcomer, model, tmp_path)
-    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+def vllm_processes(server: Server) -> list[ProcessView]:
+    """The server's processes below the shell: the API server first."""
+    views = process_views(server.process.pid)
+    return [view for view in views if not view.title.startswith("bash")]
+
+
+def asked(newcomer: dict[str, str], fresh_env: Path) -> str:
+    """The quickstart's request, as written; what it printed."""
+    block = readme_blocks("quickstart")["ask"]
+    output = run(block, newcomer, REQUEST_LIMIT_S)
+    assert_shown(block, output, newcomer, fresh_env)
+    return output
+
+
+def test_launcher_quickstart(newcomer: dict[str, str], fresh_env: Path, tmp_path: Path) -> None:
+    blocks = readme_blocks("quickstart")
+    with quickstart(blocks["model"] + blocks["launcher"], newcomer, tmp_path) as server:
+        views = vllm_processes(server)
+        answer = asked(newcomer, fresh_env)
+        log = server.log_text()
+    print("launcher door:", mapped(views))
+    assert ANSWER in json.loads(answer)["choices"][0]["text"]
+    assert_shown(blocks["launcher"], log, newcomer, fresh_env)
     (line,) = [x for x in log.splitlines() if x.startswith("vllm-cpu-launch: ")]
-    assert "`vllm` metadata 0.32.0+cpu from " in line, line
     assert "/home/.cache/vllm-cpu-launch/vllm-metadata/0.32.0+cpu" in line, line
     models = model_processes(views)
     assert {v.title.split("::")[1][:6] for v in models} == {"Engine", "Worker"}, views
@@ -181,16 +253,25 @@ def test_launcher_quickstart(newcomer: dict[str, str], model: Path, tmp_path: Pa
 
 
 def test_plugin_quickstart_after_doctors_fix(
-    newcomer: dict[str, str], model: Path, tmp_path: Path
+    newcomer: dict[str, str], fresh_env: Path, tmp_path: Path
 ) -> None:
+    blocks = readme_blocks("quickstart")
+    (doctor_line, doctor_shows), (serve_line, serve_shows) = commands(blocks["plugin"])
+    told = run(blocks["model"] + doctor_line, newcomer, REQUEST_LIMIT_S)
+    assert shown_pattern(doctor_shows, newcomer["HOME"], fresh_env).search(told), told
     before = doctor(newcomer)
     (fix,) = [r["command"] for r in before["recommendations"] if r["id"] == "vllm-metadata"]
     run(fix, newcomer, REQUEST_LIMIT_S)
     after = doctor(newcomer)
     assert "vllm-metadata" not in [r["id"] for r in after["recommendations"]]
     assert after["plugin"]["loads"], after["plugin"]
-    views, answer, log = served("plugin", "vllm", newcomer, model, tmp_path)
-    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    with quickstart(blocks["model"] + serve_line, newcomer, tmp_path) as server:
+        views = vllm_processes(server)
+        answer = asked(newcomer, fresh_env)
+        log = server.log_text()
+    print("plugin door:", mapped(views))
+    assert ANSWER in json.loads(answer)["choices"][0]["text"]
+    assert shown_pattern(serve_shows, newcomer["HOME"], fresh_env).search(log), log[-3000:]
     assert any("speculative decoding requested" in text for _, _, text in plugin_lines(log))
     models = model_processes(views)
     assert {v.title.split("::")[1][:6] for v in models} == {"Engine", "Worker"}, views
