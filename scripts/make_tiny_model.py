@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Write a tiny random-weight Llama with its own byte-level BPE tokenizer into a directory.
 
-The end-to-end test and the demo need a causal LM that vLLM can serve without a model hub:
-this one is made here, in seconds, from a fixed seed. Its answers are nonsense; its
+Most end-to-end tests need a causal LM that vLLM can serve without a model hub, quickly:
+this one is made here, in seconds, from a fixed seed. Its answers are nonsense (the demo
+and the real-weights tests serve scripts/real_model.py's model); its
 shapes (head_dim 64) are ones vLLM's CPU attention supports. `--size 100m` writes the
 compute-bound model of the benchmark map (scripts/bench_vllm.py) the same way. The same
 `--seed` gives the same tokenizer whatever the size, so one model can draft for another;

@@ -1,7 +1,8 @@
 """A real vLLM server, as the demo, the benchmarks and the end-to-end test start and drive it.
 
-All of them serve the tiny model of scripts/make_tiny_model.py from the cached vLLM CPU
-environment of scripts/vllm_env.py the same way: `serve MODEL` on a free loopback port
+All of them serve a local model (the tiny one of scripts/make_tiny_model.py, or the real
+one of scripts/real_model.py) from the cached vLLM CPU environment of scripts/vllm_env.py
+the same way: `serve MODEL` on a free loopback port
 with ngram speculative decoding, in a session of its own (so its whole process tree can be
 found and stopped), its stdout and stderr in SCRATCH/server.log. Every wait is bounded.
 

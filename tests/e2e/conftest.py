@@ -200,7 +200,7 @@ def tiny_model(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 def real_model(vllm_env: Path) -> Path:
     """SmolLM2-135M-Instruct, made by scripts/real_model.py from the environment's Python
     (once per machine, in the project's cache; scripts/test starts it in the background)."""
-    return Path(run_script(real_model_command(), ENV_SETUP_LIMIT_S))
+    return Path(run_script(real_model_command("--vllm-env", str(vllm_env)), ENV_SETUP_LIMIT_S))
 
 
 def tail(server: Server) -> str:
