@@ -27,6 +27,7 @@ from tests.conftest import (
     clean_environ,
     install_recorder,
     make_environment,
+    outside_tmp,
     run_launcher,
 )
 from vllm_cpu_launch.systemd_syntax import environment_word, exec_line
@@ -380,10 +381,8 @@ def test_private_tmp_is_left_out_for_a_deployment_under_tmp(
 @pytest.fixture
 def env_outside_tmp(real_iomp: Path) -> Iterator[Path]:
     """A vLLM-like environment (real libiomp5.so, recording `vllm`) where a private /tmp
-    would not hide it: under ~/.cache."""
-    cache = Path.home() / ".cache" / "vllm-cpu-launch"
-    cache.mkdir(parents=True, exist_ok=True)
-    outside = Path(tempfile.mkdtemp(prefix="systemd-unit-", dir=cache))
+    would not hide it."""
+    outside = outside_tmp()
     try:
         environment = make_environment(outside / "env", real_iomp)
         install_recorder(environment)
@@ -395,7 +394,7 @@ def env_outside_tmp(real_iomp: Path) -> Iterator[Path]:
 def test_private_tmp_is_kept_when_nothing_the_service_needs_is_under_tmp(
     tmp_path: Path, env_outside_tmp: Path
 ) -> None:
-    """The launcher as `python -m` of an interpreter outside /tmp, vLLM under ~/.cache."""
+    """The launcher as `python -m` of an interpreter outside /tmp, vLLM outside it too."""
     vllm = env_outside_tmp / "bin" / "vllm"
     python = getattr(sys, "_base_executable", sys.executable)
     assert not python.startswith(("/tmp/", "/var/tmp/"))

@@ -4,6 +4,7 @@ reason later plans give, and the whole verb run against a stand-in `vllm` that w
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import merged_config
 from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, decide, rotated, table
 
-from .conftest import LAUNCHER, clean_environ, make_environment, run_launcher
+from .conftest import LAUNCHER, SystemHost, clean_environ, make_environment, run_launcher
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 BENCH = {key: default for key, default in BENCH_OPTIONS.values()}
@@ -324,6 +325,16 @@ def runs(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 SERVE = ["serve", "/models/m", "--port", "8000", "-sc", NGRAM]
+
+
+def preloaded(dry_run: str) -> list[str]:
+    """The kinds of library in --dry-run's `preload:` lines (the first, then the indented)."""
+    _, found, rest = dry_run.partition("\npreload:")
+    lines = rest.splitlines() if found else []
+    block = lines[:1] + list(itertools.takewhile(lambda line: line.startswith(" "), lines[1:]))
+    return [line.split()[0] for line in block]
+
+
 USER_CONFIG = ("no-user-config", "vllm-cpu-launch", "config.yaml")
 
 
@@ -369,7 +380,9 @@ def test_tune_writes_the_winner_and_the_next_plan_follows_it(
     )
 
 
-def test_within_the_noise_the_default_is_kept_and_said(tmp_path: Path, bench_env: Path) -> None:
+def test_within_the_noise_the_default_is_kept_and_said(
+    tmp_path: Path, bench_env: Path, system_host: SystemHost
+) -> None:
     config = tmp_path / "chosen.yaml"  # --launcher-config: made by --write
     result = tune(
         tmp_path,
@@ -399,12 +412,12 @@ def test_within_the_noise_the_default_is_kept_and_said(tmp_path: Path, bench_env
         ],
         clean_environ(tmp_path),
     )
-    assert "preload:     iomp" in plan.stdout
+    assert preloaded(plan.stdout) == system_host.kinds("iomp")
     assert "(from tune " in plan.stdout and "within the noise" in plan.stdout
 
 
 def test_a_tune_applies_to_its_scope_and_a_later_one_of_the_same_scope_replaces_it(
-    tmp_path: Path, bench_env: Path
+    tmp_path: Path, bench_env: Path, system_host: SystemHost
 ) -> None:
     vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
     user_config = tmp_path.joinpath(*USER_CONFIG)
@@ -419,13 +432,15 @@ def test_a_tune_applies_to_its_scope_and_a_later_one_of_the_same_scope_replaces_
     assert models == ["/models/other", "/models/m"]  # the newest first, the other kept
     # Each command gets its own tune's choice; -v says which record was considered and why.
     first = run_launcher([*vllm, "-v", "--dry-run", *SERVE], clean_environ(tmp_path))
-    assert "preload:     iomp" in first.stdout and "not applied after all" in first.stdout
+    assert preloaded(first.stdout) == system_host.kinds("iomp")
+    assert "not applied after all" in first.stdout
     assert "not applied: model /models/m, not /models/other" in first.stdout
     second = run_launcher([*vllm, "--dry-run", *other], clean_environ(tmp_path))
-    assert "preload:     iomp" in second.stdout
+    assert preloaded(second.stdout) == system_host.kinds("iomp")
     untuned = ["serve", "/models/third", "-sc", NGRAM]
     third = run_launcher([*vllm, "--dry-run", *untuned], clean_environ(tmp_path))
-    assert "(from tune " not in third.stdout and "preload:     iomp" in third.stdout
+    assert "(from tune " not in third.stdout
+    assert preloaded(third.stdout) == system_host.kinds("iomp")
     # Tuned again, the first command's record is replaced, the other kept.
     assert (
         tune(tmp_path, bench_env, "iomp-faster", "--write", "--rounds", "2", *SERVE).returncode == 0

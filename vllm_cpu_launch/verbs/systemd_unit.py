@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
 from vllm_cpu_launch.settings import DEPRECATED_PREFIX, VARIABLE_PREFIX
 from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.systemd_syntax import (
@@ -221,11 +222,13 @@ def render_unit(
 
 
 def warn_unseen_variables() -> None:
-    """The caller's VLLMCPULAUNCH_* variables (or their deprecated VLLM_CPU_LAUNCH_* names)
-    do not reach the service."""
+    """The caller's VLLMCPULAUNCH_* settings (or their deprecated VLLM_CPU_LAUNCH_* names)
+    do not reach the service. (The system root is no setting: a test's host, where the
+    service is the system's own.)"""
     for variable in sorted(os.environ):
         ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
-        if ours and os.environ[variable] and not variable.endswith("LAUNCH_VLLM"):
+        unseen = not variable.endswith("LAUNCH_VLLM") and variable != SYSTEM_ROOT_VARIABLE
+        if ours and os.environ[variable] and unseen:
             emit(
                 "warning",
                 f"{variable} is set here but the service will not see it; pass the option "
