@@ -554,3 +554,81 @@ def test_a_broken_config_is_reported_not_overwritten(tmp_path: Path, bench_env: 
     )
     assert result.returncode == 2 and "unknown key 'colour'" in result.stderr
     assert config.read_text() == "colour: blue\n"
+
+
+def small_model(tmp_path: Path, vocabulary: int) -> Path:
+    """A local model directory whose config.json names its vocabulary, as HF writes it."""
+    model = tmp_path / "small-model"
+    model.mkdir(exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocabulary}
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_a_vocabulary_below_the_prompt_ids_is_refused_before_vllm_runs(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    """vllm bench latency prompts with token ids below 10000 (vllm/benchmarks/latency.py):
+    a 1024-token model is refused at once, the limit and a model that fits named."""
+    model = small_model(tmp_path, 1024)
+    result = tune(tmp_path, bench_env, "iomp-faster", "--input-len", "8", "serve", str(model))
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert f"{model}: its vocabulary holds 1024 tokens" in line
+    assert "below 10000 (--input-len does not change that)" in line
+    assert "such as SmolLM2-135M-Instruct (49152)" in line
+    assert not (tmp_path / "record" / "runs.jsonl").exists()  # vLLM never started
+    fits = tune(
+        tmp_path,
+        bench_env,
+        "iomp-faster",
+        "--rounds",
+        "1",
+        "serve",
+        str(model := small_model(tmp_path, 10000)),
+    )
+    assert fits.returncode == 0, fits.stderr
+    assert [run["argv"][3] for run in runs(tmp_path)] == [str(model)] * 2
+
+
+@pytest.mark.parametrize("where", ["parent-is-a-file", "read-only"])
+def test_write_proves_the_config_can_be_written_before_measuring(
+    tmp_path: Path, bench_env: Path, where: str
+) -> None:
+    if where == "parent-is-a-file":
+        config = write(tmp_path / "a-file", "") / "config.yaml"
+    else:
+        directory = tmp_path / "read-only"
+        directory.mkdir()
+        config = directory / "config.yaml"
+    args = ["--write", "--launcher-config", str(config), *SERVE]
+    if where == "read-only" and os.geteuid() == 0:  # root writes anywhere but on a ro mount
+        (tmp_path / "record").mkdir()
+        remount = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'
+        result = run_launcher(
+            [*LAUNCHER[1:], "--vllm", str(bench_env / "bin" / "vllm"), "tune", *args],
+            clean_environ(tmp_path, FAKE_BENCH="iomp-faster", FAKE_RECORD=str(tmp_path / "record")),
+            ["unshare", "--mount", "sh", "-c", remount, str(config.parent), LAUNCHER[0]],
+        )
+    else:
+        if where == "read-only":
+            config.parent.chmod(0o555)
+        result = tune(tmp_path, bench_env, "iomp-faster", *args)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"vllm-cpu-launch: error: --write: the launcher config {config}")
+    assert "give --launcher-config FILE in a directory you can write" in line
+    assert not (tmp_path / "record" / "runs.jsonl").exists()  # nothing was measured
+    assert not config.exists()
+
+
+def test_no_warm_up_is_accepted_as_vllm_accepts_it(tmp_path: Path, bench_env: Path) -> None:
+    """vllm bench latency runs range(--num-iters-warmup) warm-ups: 0 is none."""
+    result = tune(
+        tmp_path, bench_env, "iomp-faster", "--rounds", "1", "--num-iters-warmup", "0", *SERVE
+    )
+    assert result.returncode == 0, result.stderr
+    argv = runs(tmp_path)[0]["argv"]
+    assert argv[argv.index("--num-iters-warmup") + 1] == "0"
+    refused = tune(tmp_path, bench_env, "iomp-faster", "--num-iters-warmup", "-1", *SERVE)
+    assert refused.returncode == 2 and "needs a whole number, 0 or more" in refused.stderr

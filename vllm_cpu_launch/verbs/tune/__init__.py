@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.speculative import model_of
+from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
 from vllm_cpu_launch.verbs.tune.runner import run_once
@@ -72,9 +74,10 @@ libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as aut
   --time-limit SECONDS   bound on the whole tune (default 1800): no run starts after it,
                          a run still going then is killed, and the rounds done are used
   --batch-size N  --input-len N  --output-len N  --num-iters N  --num-iters-warmup N
-                         passed to vllm bench latency (defaults 1, 64, 128, 5, 1); its
-                         prompts are random token ids below 10000, so the model's
-                         vocabulary must be at least that large
+                         passed to vllm bench latency (defaults 1, 64, 128, 5, 1; the
+                         warm-up may be 0); its prompts are random token ids below
+                         10000, so a model whose config.json has a smaller vocab_size
+                         is refused before anything runs
 Launcher options (--vllm, --iomp-path, --tcmalloc, --kmp-blocktime, --strict, -q, -v,
 --launcher-config) apply to every candidate; --iomp is what tune varies.
 Exit codes: 0 measured (whatever won), 1 the time limit ended it before every candidate
@@ -87,6 +90,8 @@ TUNE_VALUED = {
     "--time-limit": "time_limit",
     **{option: key for option, (key, _) in BENCH_OPTIONS.items()},
 }
+# vLLM runs no warm-up iteration at 0 (range(args.num_iters_warmup), latency.py 0.32).
+BENCH_LEAST = {"num_iters_warmup": 0}
 DEFAULT_ROUNDS = 3
 DEFAULT_TIME_LIMIT_S = 1800.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -94,13 +99,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # ---------------------------------------------------------------- the verb
 
 
-def positive(value: object, option: str, whole: bool) -> float:
+def positive(value: object, option: str, whole: bool, least: float = 1) -> float:
+    """A number of at least `least` (whole) or above 0 (seconds), else a usage error."""
     try:
         number = int(str(value)) if whole else float(str(value))
     except ValueError:
-        number = 0
-    if not number > 0 or number == float("inf"):
-        kind = "a positive whole number" if whole else "a positive number of seconds"
+        number = -1
+    if not (number >= least if whole else number > 0) or number == float("inf"):
+        kind = "a positive number of seconds"
+        if whole:
+            kind = "a whole number, 0 or more" if least == 0 else "a positive whole number"
         raise LaunchError(EXIT_USAGE, f"{option} {value!r}: needs {kind}")
     return number
 
@@ -155,7 +163,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     rounds = int(positive(merged.get("rounds", DEFAULT_ROUNDS), "--rounds", whole=True))
     limit_s = positive(merged.get("time_limit", DEFAULT_TIME_LIMIT_S), "--time-limit", whole=False)
     bench = {
-        key: int(positive(merged.get(key, default), option, whole=True))
+        key: int(positive(merged.get(key, default), option, True, BENCH_LEAST.get(key, 1)))
         for option, (key, default) in BENCH_OPTIONS.items()
     }
     explicit = merged.get("config") or os.environ.get(CONFIG_VARIABLE)
@@ -167,6 +175,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     if explicit and not os.path.exists(str(explicit)):
         merged["config"] = os.devnull  # --write makes it; until then it holds nothing
     bench_arguments(serve, bench, "")  # usage errors before anything is made
+    check_vocabulary(model_of(serve))
+    if merged.get("write") and config_path:
+        check_writable(config_path)
     workdir = tempfile.mkdtemp(prefix="vllm-cpu-launch-tune-")
     # SIGTERM/SIGHUP (systemd, a closed terminal) unwind like Ctrl-C: the run in progress
     # is killed with its whole session on the way out, as on every other exit.
