@@ -185,8 +185,9 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     if section["measured"]:
         lines = ["benchmark map: measured here (docs/benchmarks.md, the map)"]
     else:
+        why = f"{section['unmeasured']}; " if section["unmeasured"] else ""
         lines = [
-            f"benchmark map: not measured here (it covers {MAP_CPUS} CPUs with vLLM "
+            f"benchmark map: not measured here ({why}it covers {MAP_CPUS} CPUs with vLLM "
             f"{MAP_VLLM}); the launcher does what vLLM advises"
         ]
     if section["iomp"] is None:
