@@ -322,14 +322,20 @@ def test_a_broken_config_file_keeps_the_options_and_variables(
     assert values["vllm"] == str(vllm) and values["tcmalloc"] == "never"
     assert values["iomp"] == "auto"  # neither the broken file's nor the broken variable's
     error = report["settings"]["error"]
-    assert f"{config}: invalid YAML" in error, error
+    # Where pyyaml's flow sequence began (line 3, column 16), in one line, with what to write.
+    assert f"{config}:3:16: invalid YAML (while parsing a flow sequence, expected" in error
+    assert "write one `key: value` per line" in error and "<unicode string>" not in error
     assert "VLLMCPULAUNCH_IOMP: 'sometimes' is not one of" in error, error
     assert report["settings"]["files"] == []
     assert "settings-error" in ids(report) and "vllm-not-found" not in ids(report)
     text = run_launcher([*args, "doctor"], clean_environ(tmp_path, **variables))
     assert text.returncode == 0, text.stderr
     assert f"vLLM       {vllm} (found via --vllm)" in text.stdout.splitlines()
-    assert f"  error    {error}" in text.stdout.splitlines()
+    # Once, at the top of its section; no "files none (defaults)" above it.
+    section = text.stdout.split("\nlauncher settings\n", 1)[1].splitlines()
+    assert section[0] == f"  error    {error}" and "none (defaults)" not in text.stdout
+    assert section[1].startswith("  values   the defaults, for the rest of this report: ")
+    assert text.stdout.count("invalid YAML") == 2  # and in the recommendation that fixes it
 
 
 def test_human_form(tmp_path: Path, vllm_env: Path) -> None:

@@ -85,6 +85,19 @@ class Settings:
     deprecated: tuple[str, ...] = ()
 
 
+def yaml_problem(path: str, error: Exception) -> str:
+    """pyyaml's error as `FILE:LINE:COLUMN: what`, where the construct it could not
+    finish began (its context), and what a config file holds."""
+    mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+    said = [getattr(error, name, None) for name in ("context", "problem")]
+    what = ", ".join(text for text in said if text) or " ".join(str(error).split())
+    return (
+        f"{where}: invalid YAML ({what}); write one `key: value` per line, e.g. "
+        "`iomp: always`, and quote a value holding : # [ ] { } or a leading -"
+    )
+
+
 def fail(where: str, problem: str) -> LaunchError:
     return LaunchError(EXIT_USAGE, f"{where}: {problem}")
 
@@ -302,8 +315,7 @@ def read_config_file(path: str) -> dict[str, object]:
         document = loader.get_single_node()
         content = None if document is None else loader.construct_document(document)
     except yaml.YAMLError as error:
-        detail = " ".join(str(error).split())
-        raise fail(path, f"invalid YAML: {detail}") from None
+        raise LaunchError(EXIT_USAGE, yaml_problem(path, error)) from None
     finally:
         loader.dispose()
     if content is None:

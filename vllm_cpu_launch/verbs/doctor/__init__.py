@@ -272,10 +272,14 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     settings = report["settings"]
     lines.append("")
     lines.append("launcher settings")
-    lines.append(f"  files    {', '.join(settings['files']) or 'none (defaults)'}")
     values = settings["values"].items()
     shown = ", ".join(f"{key.replace('_', '-')}={setting_text(value)}" for key, value in values)
-    lines.append(f"  values   {shown}")
+    if settings["error"]:  # nothing was read: the defaults below are what this report used
+        lines.append(f"  error    {settings['error']}")
+        lines.append(f"  values   the defaults, for the rest of this report: {shown}")
+    else:
+        lines.append(f"  files    {', '.join(settings['files']) or 'none (defaults)'}")
+        lines.append(f"  values   {shown}")
     lines.append(f"  {'':<9}(iomp from the {settings['iomp_from']})")
     for tuned in settings["tuned"]:
         scope = ", ".join(f"{k} {v}" for k, v in tuned["scope"].items() if v is not None)
@@ -284,8 +288,6 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         lines.append(f"  {'':<9}for {scope or 'any command'} ({tuned['origin']})")
         if tuned["not_here"]:
             lines.append(f"  {'':<9}not on this host: {'; '.join(tuned['not_here'])}")
-    if settings["error"]:
-        lines.append(f"  error    {settings['error']}")
     lines.append("")
     lines += map_lines(report["map"])
     lines.append("")
