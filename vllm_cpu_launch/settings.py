@@ -53,7 +53,7 @@ class Tuned:
     """What `tune --write` measured: it chose `iomp` at `when`; `result` says by what margin."""
 
     when: str  # ISO 8601 UTC time, e.g. 2026-12-01T10:02Z
-    iomp: str  # the value it found best (auto: within the noise, the default kept)
+    iomp: str  # the value it found best (auto: no clear winner, the default kept)
     result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
     rounds: int
     command: str  # the `vllm bench latency` command line it measured
