@@ -334,7 +334,7 @@ def test_a_broken_config_file_keeps_the_options_and_variables(
     # Once, at the top of its section; no "files none (defaults)" above it.
     section = text.stdout.split("\nlauncher settings\n", 1)[1].splitlines()
     assert section[0] == f"  error    {error}" and "none (defaults)" not in text.stdout
-    assert section[1].startswith("  values   the defaults, for the rest of this report: ")
+    assert section[1].startswith("  values   without it, for the rest of this report: ")
     assert text.stdout.count("invalid YAML") == 2  # and in the recommendation that fixes it
 
 

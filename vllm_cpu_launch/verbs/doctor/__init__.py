@@ -274,12 +274,12 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     lines.append("launcher settings")
     values = settings["values"].items()
     shown = ", ".join(f"{key.replace('_', '-')}={setting_text(value)}" for key, value in values)
-    if settings["error"]:  # nothing was read: the defaults below are what this report used
+    if settings["error"]:  # first: what is below was read without what it names
         lines.append(f"  error    {settings['error']}")
-        lines.append(f"  values   the defaults, for the rest of this report: {shown}")
-    else:
+    if settings["files"] or not settings["error"]:
         lines.append(f"  files    {', '.join(settings['files']) or 'none (defaults)'}")
-        lines.append(f"  values   {shown}")
+    without = "without it, for the rest of this report: " if settings["error"] else ""
+    lines.append(f"  values   {without}{shown}")
     lines.append(f"  {'':<9}(iomp from the {settings['iomp_from']})")
     for tuned in settings["tuned"]:
         scope = ", ".join(f"{k} {v}" for k, v in tuned["scope"].items() if v is not None)
