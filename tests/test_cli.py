@@ -207,7 +207,11 @@ def test_missing_tcmalloc_prints_a_fix_that_installs_tcmalloc(
     fix = tcmalloc_fix(tmp_path, vllm_env / "bin" / "vllm", strict)
     assert fix == "apt-get install libtcmalloc-minimal4"
     simulated = subprocess.run(
-        [*shlex.split(fix), "--simulate"], capture_output=True, text=True, timeout=300
+        # --reinstall: on a machine that has it installed, apt simulates installing it too
+        [*shlex.split(fix), "--simulate", "--reinstall"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     package = fix.split()[-1]
     assert simulated.returncode == 0, simulated.stderr
