@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings as hypothesis_settings
+
+from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
 
 # CI must be reproducible: the same examples every run (a developer's runs explore). No
 # deadline in either: a shared, loaded machine makes any time limit a flaky assertion.
@@ -28,6 +31,8 @@ sys.path.insert(0, str(SCRIPTS))
 # The installers' fixtures (wheelhouse, pipx_launcher, offline_environ) live beside them.
 pytest_plugins = ("tests.installers",)
 LAUNCHER = (sys.executable, "-m", "vllm_cpu_launch")
+# Debian's allocators, the ones vLLM's CPU docs install (apt-get install libtcmalloc-minimal4).
+ALLOCATOR_PACKAGES = ("libtcmalloc-minimal4", "libjemalloc2")
 # Debian packages with real LLVM OpenMP (and its libiomp5.so alias) and real tcmalloc.
 DEBIAN_PACKAGES = ("libomp5-14", "libomp-14-dev", "libtcmalloc-minimal4")
 DEB_CACHE = Path(
@@ -75,14 +80,13 @@ def apt_get(arguments: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="session")
-def debian_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real Debian tree (usr/lib/...) unpacked from the real packages, cached once."""
+def debian_packages(names: Sequence[str]) -> list[Path]:
+    """The .deb files of these Debian packages, downloaded once into DEB_CACHE."""
     DEB_CACHE.mkdir(parents=True, exist_ok=True)
-    # One download at a time: pytest-xdist's workers each set up this fixture.
+    # One download at a time: pytest-xdist's workers each set up the fixtures that call this.
     with (DEB_CACHE / ".lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        missing = [p for p in DEBIAN_PACKAGES if not list(DEB_CACHE.glob(f"{p}_*.deb"))]
+        missing = [p for p in names if not list(DEB_CACHE.glob(f"{p}_*.deb"))]
         if missing:
             result = apt_get(["download", *missing])
             if result.returncode != 0 and os.geteuid() == 0:
@@ -92,10 +96,116 @@ def debian_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
             if result.returncode != 0:
                 stderr = result.stderr.strip()
                 pytest.fail(f"apt-get download {' '.join(missing)} failed: {stderr}")
-    root = tmp_path_factory.mktemp("debian-root")
-    for deb in sorted(DEB_CACHE.glob("*.deb")):
+    return [deb for name in names for deb in sorted(DEB_CACHE.glob(f"{name}_*.deb"))]
+
+
+def unpack(debs: Sequence[Path], root: Path) -> Path:
+    for deb in debs:
         subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, timeout=120)
     return root
+
+
+@pytest.fixture(scope="session")
+def debian_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Debian tree (usr/lib/...) unpacked from the real packages, cached once."""
+    return unpack(debian_packages(DEBIAN_PACKAGES), tmp_path_factory.mktemp("debian-root"))
+
+
+# The system the launcher sees (VLLMCPULAUNCH_SYSTEM_ROOT, for every process the tests
+# start and every plan made in this one), never the machine's own /: "allocators", by
+# default, has Debian's tcmalloc and jemalloc as `apt-get install` leaves them (in the
+# loader cache, /lib a link to /usr/lib); "bare" has no system library at all. CI runs the
+# tests that assert what the host adds (they take `system_host`) on both.
+TEST_HOST_VARIABLE = "VLLMCPULAUNCH_TEST_HOST"
+TEST_HOSTS = ("allocators", "bare")
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemHost:
+    """The system the tests' launcher sees, and what it has that a plan may add."""
+
+    kind: str
+    root: Path
+    tcmalloc: str | None  # the system tcmalloc the launcher should find, if any
+
+    def preload(self, *first: object) -> str:
+        """The LD_PRELOAD a plan that adds tcmalloc (where found) makes: it, then `first`."""
+        entries = [self.tcmalloc, *map(str, first)]
+        return ":".join(entry for entry in entries if entry)
+
+    def preloaded(self) -> list[dict[str, object]]:
+        """The system tcmalloc as a plan's JSON lists it in `preload` (or nothing)."""
+        if self.tcmalloc is None:
+            return []
+        return [
+            {"kind": "tcmalloc", "path": self.tcmalloc, "flavor": None, "origin": "loader-cache"}
+        ]
+
+    def kinds(self, *then: str) -> list[str]:
+        """The kinds of library a plan that adds tcmalloc (where found) preloads."""
+        return ["tcmalloc"] * (self.tcmalloc is not None) + list(then)
+
+
+def bare_system(tmp_path: Path) -> dict[str, str]:
+    """The variable of a host without system libraries, for a test that needs none found."""
+    root = tmp_path / "bare-system"
+    root.mkdir(exist_ok=True)
+    return {SYSTEM_ROOT_VARIABLE: str(root)}
+
+
+def make_system_root(kind: str, root: Path) -> SystemHost:
+    """A system tree of `kind` (TEST_HOSTS) at `root`, readable by all (uid 65534 runs)."""
+    if kind == "bare":
+        return SystemHost(kind, root, None)
+    multiarch = f"{os.uname().machine}-linux-gnu"
+    unpack(debian_packages(ALLOCATOR_PACKAGES), root)
+    (root / "lib").symlink_to("usr/lib")  # merged /usr, as Debian 12 and Ubuntu have it
+    (root / "etc").mkdir()
+    (root / "etc" / "ld.so.conf").write_text(f"/lib/{multiarch}\n/usr/lib/{multiarch}\n")
+    subprocess.run(
+        ["ldconfig", "-r", str(root), "-C", "/etc/ld.so.cache", "-f", "/etc/ld.so.conf", "-X"],
+        check=True,
+        timeout=60,
+    )
+    return SystemHost(kind, root, str(root / "lib" / multiarch / "libtcmalloc_minimal.so.4"))
+
+
+PRIVATE_TMP = ("/tmp", "/var/tmp")  # what systemd's PrivateTmp=yes hides from a service
+
+
+def outside_tmp() -> Path:
+    """A directory of ours outside /tmp and /var/tmp, wherever HOME and the checkout are:
+    a systemd unit keeps PrivateTmp=yes only when nothing it needs lies under them."""
+    candidates = (Path.home() / ".cache", REPO.parent, Path("/dev/shm"))
+    for candidate in candidates:
+        inside = any(candidate.resolve().is_relative_to(tmp) for tmp in PRIVATE_TMP)
+        if not inside and os.access(candidate, os.W_OK):
+            return Path(tempfile.mkdtemp(prefix="vllm-cpu-launch-test-", dir=candidate))
+    pytest.fail(f"no writable directory outside /tmp among {', '.join(map(str, candidates))}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def system_under_test() -> Iterator[SystemHost]:
+    """Every test's system (TEST_HOST_VARIABLE), set for this process and its children.
+    Outside /tmp, where a systemd unit would see it."""
+    kind = os.environ.get(TEST_HOST_VARIABLE) or TEST_HOSTS[0]
+    if kind not in TEST_HOSTS:
+        pytest.fail(f"{TEST_HOST_VARIABLE}={kind}: give one of {', '.join(TEST_HOSTS)}")
+    root = outside_tmp()
+    try:
+        root.chmod(0o755)
+        host = make_system_root(kind, root)
+        os.environ[SYSTEM_ROOT_VARIABLE] = str(root)
+        yield host
+    finally:
+        os.environ.pop(SYSTEM_ROOT_VARIABLE, None)
+        shutil.rmtree(root)
+
+
+@pytest.fixture
+def system_host(system_under_test: SystemHost) -> SystemHost:
+    """The system a test's assertions follow: a test that takes it runs on both hosts in CI."""
+    return system_under_test
 
 
 E2E = REPO / "tests" / "e2e"
@@ -125,6 +235,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.image)
         if fixtures & INSTALLER_FIXTURES:
             item.add_marker(pytest.mark.installers)
+        if "system_host" in fixtures:
+            item.add_marker(pytest.mark.system_host)
         if os.environ.get(SKIP_E2E) == "1" and item.get_closest_marker("real_vllm"):
             item.add_marker(skip)
 
@@ -181,7 +293,14 @@ NOBODY_ENTRY = (
 
 def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The caller's environment without anything that would steer the launcher."""
-    steering = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CONDA_PREFIX", "VIRTUAL_ENV", "CMPLR_ROOT")
+    steering = (
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "CONDA_PREFIX",
+        "VIRTUAL_ENV",
+        "CMPLR_ROOT",
+        "XDG_CACHE_HOME",  # the cache is under the test's HOME unless a test sets it
+    )
     environ = {
         key: value
         for key, value in os.environ.items()
@@ -193,6 +312,7 @@ def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:
     environ["XDG_CONFIG_HOME"] = str(tmp_path / "no-user-config")
     environ["HOME"] = str(tmp_path / "home")
     environ["PYTHONPATH"] = str(REPO)
+    environ[SYSTEM_ROOT_VARIABLE] = os.environ[SYSTEM_ROOT_VARIABLE]  # the test's host
     environ.update(extra)
     return environ
 

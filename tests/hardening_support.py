@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 LAUNCHER: tuple[str, ...] = (PYTHON, "-m", "vllm_cpu_launch")
@@ -27,7 +29,14 @@ REAL_IOMP = Path(sys.prefix) / "lib" / "libiomp5.so"
 GUARD = 120.0  # seconds; a hang guard, never a speed assertion
 ERROR_PREFIX = "vllm-cpu-launch: error: "
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
-STEERING = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CONDA_PREFIX", "VIRTUAL_ENV", "CMPLR_ROOT")
+STEERING = (
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "CONDA_PREFIX",
+    "VIRTUAL_ENV",
+    "CMPLR_ROOT",
+    "XDG_CACHE_HOME",
+)
 
 # The recording stand-in for `vllm`. It first notes which of fds 0-4 are open (before it
 # opens anything itself), then does what the HARDENING_* variables ask, and writes one
@@ -89,7 +98,9 @@ sys.exit(int(os.environ.get("HARDENING_EXIT", "0")))
 
 
 def base_environ(home: Path, **extra: str) -> dict[str, str]:
-    """The test's environment without anything that steers the launcher; own HOME/XDG."""
+    """The test's environment without anything that steers the launcher; own HOME/XDG.
+    The host is one without system libraries (an empty system root, docs/testing.md): what
+    these tests assert is the libraries they lay out, whatever this machine has."""
     environ = {
         key: value
         for key, value in os.environ.items()
@@ -100,6 +111,8 @@ def base_environ(home: Path, **extra: str) -> dict[str, str]:
     environ["HOME"] = str(home)
     environ["XDG_CONFIG_HOME"] = str(home / "xdg-config")
     environ["PYTHONPATH"] = str(REPO)
+    (home / "bare-system").mkdir(exist_ok=True)
+    environ[SYSTEM_ROOT_VARIABLE] = str(home / "bare-system")
     environ.update(extra)
     return environ
 

@@ -19,6 +19,8 @@ from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
 
 from .conftest import (
     DEB_CACHE,
+    SystemHost,
+    bare_system,
     clean_environ,
     install_recorder,
     make_environment,
@@ -142,14 +144,17 @@ def test_intel_stub_in_ld_preload_gets_no_runtime_beside_it(
     assert "serial stub library" in warning and warning.endswith("Fix: unset LD_PRELOAD")
 
 
-def test_explicit_library_is_used(tmp_path: Path, vllm_env: Path, real_iomp: Path) -> None:
+def test_explicit_library_is_used(
+    tmp_path: Path, vllm_env: Path, real_iomp: Path, system_host: SystemHost
+) -> None:
     result = launcher(
         tmp_path,
         ["--dry-run", "--json", "--iomp-path", str(real_iomp), *sd_launch(vllm_env)],
     )
     plan = json.loads(result.stdout)
     assert plan["preload"] == [
-        {"kind": "iomp", "path": str(real_iomp), "flavor": "intel", "origin": "explicit"}
+        *system_host.preloaded(),
+        {"kind": "iomp", "path": str(real_iomp), "flavor": "intel", "origin": "explicit"},
     ]
 
 
@@ -183,12 +188,10 @@ def tcmalloc_fix(tmp_path: Path, vllm: Path, strict: bool) -> str:
     """The Fix of the launcher's one message about a missing tcmalloc (`--tcmalloc always`)."""
     args = ["--strict"] * strict + ["--tcmalloc", "always", "--vllm", str(vllm), "serve", "m"]
     record = str(tmp_path / "record.json")
-    result = launcher(tmp_path, [*args, "-sc", NGRAM], RECORD_TO=record)
+    # A host without a system tcmalloc: the message this test reads is that host's.
+    result = launcher(tmp_path, [*args, "-sc", NGRAM], RECORD_TO=record, **bare_system(tmp_path))
     assert result.returncode == (3 if strict else 0), result.stderr
-    lines = [line for line in result.stderr.splitlines() if "tcmalloc not found" in line]
-    if not lines:
-        pytest.fail(f"this host has a tcmalloc the launcher finds: {result.stderr}")
-    (line,) = lines
+    (line,) = [line for line in result.stderr.splitlines() if "tcmalloc not found" in line]
     assert "intel-openmp" not in line, line
     return line.split(" Fix: ", 1)[1].split("  (", 1)[0]
 
@@ -204,7 +207,11 @@ def test_missing_tcmalloc_prints_a_fix_that_installs_tcmalloc(
     fix = tcmalloc_fix(tmp_path, vllm_env / "bin" / "vllm", strict)
     assert fix == "apt-get install libtcmalloc-minimal4"
     simulated = subprocess.run(
-        [*shlex.split(fix), "--simulate"], capture_output=True, text=True, timeout=300
+        # --reinstall: on a machine that has it installed, apt simulates installing it too
+        [*shlex.split(fix), "--simulate", "--reinstall"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     package = fix.split()[-1]
     assert simulated.returncode == 0, simulated.stderr
@@ -263,12 +270,12 @@ def test_help_and_version(tmp_path: Path) -> None:
 
 
 def test_dry_run_prints_the_plan_and_execs_nothing(
-    tmp_path: Path, vllm_env: Path, record_file: Path
+    tmp_path: Path, vllm_env: Path, record_file: Path, system_host: SystemHost
 ) -> None:
     args = ["--dry-run", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
     result = launcher(tmp_path, args, RECORD_TO=str(record_file))
     assert result.returncode == 0 and not record_file.exists()
-    assert f"LD_PRELOAD={vllm_env / 'lib' / 'libiomp5.so'}" in result.stdout
+    assert f"LD_PRELOAD={system_host.preload(vllm_env / 'lib' / 'libiomp5.so')}" in result.stdout
 
 
 def test_no_variable_of_ours_is_in_vllms_namespace() -> None:
@@ -287,7 +294,7 @@ def test_no_variable_of_ours_is_in_vllms_namespace() -> None:
 
 @pytest.mark.parametrize("current_too", [False, True])
 def test_a_deprecated_variable_name_is_read_and_said_once(
-    tmp_path: Path, vllm_env: Path, current_too: bool
+    tmp_path: Path, vllm_env: Path, current_too: bool, system_host: SystemHost
 ) -> None:
     extra = {"VLLM_CPU_LAUNCH_IOMP": "never"}
     if current_too:
@@ -300,7 +307,7 @@ def test_a_deprecated_variable_name_is_read_and_said_once(
     assert len(said) == 1 and "rename it to VLLMCPULAUNCH_IOMP" in said[0]
     assert ("ignored" in said[0]) == current_too
     preloaded = [entry["kind"] for entry in plan["preload"]]
-    assert preloaded == (["iomp"] if current_too else [])
+    assert preloaded == (system_host.kinds("iomp") if current_too else [])
 
 
 # ---------------------------------------------------------------- settings

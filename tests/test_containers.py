@@ -27,7 +27,7 @@ import pytest
 import yaml
 from checkout import checkout_copy
 
-from tests.conftest import clean_environ, run_launcher
+from tests.conftest import SystemHost, clean_environ, run_launcher
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.verbs.env import docker_lines, kubernetes_lines
 
@@ -286,12 +286,12 @@ def test_kubernetes_control_characters_escaped_and_non_utf8_refused() -> None:
 
 
 def test_env_format_kubernetes_validates_in_a_deployment(
-    tmp_path: Path, vllm_env: Path, weird_iomp: Path
+    tmp_path: Path, vllm_env: Path, weird_iomp: Path, system_host: SystemHost
 ) -> None:
     text = launcher_env(tmp_path, vllm_env, "kubernetes", "--iomp-path", str(weird_iomp))
     entries = yaml.safe_load(text)["env"]
     assert {e["name"]: kubernetes_reads(e["value"]) for e in entries} == {
-        "LD_PRELOAD": str(weird_iomp),
+        "LD_PRELOAD": system_host.preload(weird_iomp),
         "KMP_BLOCKTIME": HOSTILE_BLOCKTIME,
         "VLLMCPULAUNCH_PLANNED": "launcher:started",
     }

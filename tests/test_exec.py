@@ -13,6 +13,7 @@ import pytest
 
 from .conftest import (
     LAUNCHER,
+    SystemHost,
     clean_environ,
     install_recorder,
     make_environment,
@@ -52,7 +53,7 @@ def start(args: list[str], environ: dict[str, str]) -> tuple[int, subprocess.Com
 
 
 def test_exec_keeps_pid_argv_and_maps_real_libiomp(
-    tmp_path: Path, vllm_env: Path, record_file: Path
+    tmp_path: Path, vllm_env: Path, record_file: Path, system_host: SystemHost
 ) -> None:
     vllm_args = ["serve", "model dir", "--speculative-config", NGRAM, *AWKWARD]
     environ = clean_environ(tmp_path, RECORD_TO=str(record_file))
@@ -62,7 +63,7 @@ def test_exec_keeps_pid_argv_and_maps_real_libiomp(
     assert record["pid"] == pid  # exec: the launcher's process became vLLM
     assert record["argv"] == vllm_args
     library = str(vllm_env / "lib" / "libiomp5.so")
-    assert record["LD_PRELOAD"] == library
+    assert record["LD_PRELOAD"] == system_host.preload(library)
     assert record["KMP_BLOCKTIME"] == "5"
     assert library in record["mapped"]  # type: ignore[operator]
     assert not any("libgomp" in m for m in record["mapped"])  # type: ignore[attr-defined]
@@ -70,24 +71,28 @@ def test_exec_keeps_pid_argv_and_maps_real_libiomp(
     assert result.stderr.startswith("vllm-cpu-launch: speculative decoding requested by")
 
 
-def test_target_environment_beats_the_launchers_own(launch: Launch, vllm_env: Path) -> None:
+def test_target_environment_beats_the_launchers_own(
+    launch: Launch, vllm_env: Path, system_host: SystemHost
+) -> None:
     """The launcher's venv has the wheel's libiomp5 too; vLLM's environment comes first."""
     own = Path(sys.prefix) / "lib" / "libiomp5.so"
     assert own.is_file()
     _, record = launch(["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM])
-    assert record["LD_PRELOAD"] == str(vllm_env / "lib" / "libiomp5.so")
+    assert record["LD_PRELOAD"] == system_host.preload(vllm_env / "lib" / "libiomp5.so")
 
 
-def test_launcher_environment_is_used_when_vllms_has_none(launch: Launch, tmp_path: Path) -> None:
+def test_launcher_environment_is_used_when_vllms_has_none(
+    launch: Launch, tmp_path: Path, system_host: SystemHost
+) -> None:
     environment = make_environment(tmp_path / "bare-env")
     vllm = install_recorder(environment)
     result, record = launch(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM])
     assert result.returncode == 0, result.stderr
-    assert record["LD_PRELOAD"] == str(Path(sys.prefix) / "lib" / "libiomp5.so")
+    assert record["LD_PRELOAD"] == system_host.preload(Path(sys.prefix) / "lib" / "libiomp5.so")
 
 
 def test_callers_preload_and_blocktime_are_respected(
-    launch: Launch, vllm_env: Path, tmp_path: Path
+    launch: Launch, vllm_env: Path, tmp_path: Path, system_host: SystemHost
 ) -> None:
     # A real, harmless library of the caller's, under a name vLLM does not look for.
     other = shutil.copy2(ZLIB, tmp_path / "libcaller.so")
@@ -97,13 +102,13 @@ def test_callers_preload_and_blocktime_are_respected(
         KMP_BLOCKTIME="200",
     )
     assert result.returncode == 0, result.stderr
-    assert record["LD_PRELOAD"] == f"{vllm_env / 'lib' / 'libiomp5.so'}:{other}"
+    assert record["LD_PRELOAD"] == system_host.preload(vllm_env / "lib" / "libiomp5.so", other)
     assert record["KMP_BLOCKTIME"] == "200"
     assert str(other) in record["mapped"]  # type: ignore[operator]
 
 
 def test_launching_the_launcher_through_itself_adds_nothing_twice(
-    launch: Launch, vllm_env: Path
+    launch: Launch, vllm_env: Path, system_host: SystemHost
 ) -> None:
     vllm = str(vllm_env / "bin" / "vllm")
     inner = [*LAUNCHER, "--vllm", vllm, "serve", "m", "-sc", NGRAM]
@@ -111,7 +116,7 @@ def test_launching_the_launcher_through_itself_adds_nothing_twice(
     assert result.returncode == 0, result.stderr
     # The outer launch preloads the library of the program it starts (the launcher's own
     # Python); the inner one finds it in LD_PRELOAD and keeps it, adding no second one.
-    assert record["LD_PRELOAD"] == str(Path(sys.prefix) / "lib" / "libiomp5.so")
+    assert record["LD_PRELOAD"] == system_host.preload(Path(sys.prefix) / "lib" / "libiomp5.so")
     assert record["argv"] == ["serve", "m", "-sc", NGRAM]
 
 
@@ -153,7 +158,9 @@ def test_vllm_on_path(tmp_path: Path, vllm_env: Path, record_file: Path) -> None
     assert read_record(record_file)["pid"] == pid
 
 
-def test_console_script(tmp_path: Path, vllm_env: Path, record_file: Path) -> None:
+def test_console_script(
+    tmp_path: Path, vllm_env: Path, record_file: Path, system_host: SystemHost
+) -> None:
     script = Path(sys.executable).parent / "vllm-cpu-launch"
     if not script.exists():
         pytest.fail(f"{script} missing: install the package (pip install -e .)")
@@ -161,7 +168,8 @@ def test_console_script(tmp_path: Path, vllm_env: Path, record_file: Path) -> No
     args = ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
     result = run_launcher(args, environ, launcher=[str(script)])
     assert result.returncode == 0, result.stderr
-    assert read_record(record_file)["LD_PRELOAD"] == str(vllm_env / "lib" / "libiomp5.so")
+    library = vllm_env / "lib" / "libiomp5.so"
+    assert read_record(record_file)["LD_PRELOAD"] == system_host.preload(library)
 
 
 def test_exit_status_is_vllms(launch: Launch, vllm_env: Path) -> None:

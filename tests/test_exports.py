@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import clean_environ, run_launcher
+from tests.conftest import SystemHost, clean_environ, run_launcher
 from vllm_cpu_launch.systemd_syntax import environment_file_line
 from vllm_cpu_launch.verbs.env import docker_value
 
@@ -48,7 +48,7 @@ def plan_env(tmp_path: Path, vllm_env: Path, *args: str, **extra: str) -> dict[s
 
 @pytest.mark.parametrize("shell", ["sh", "bash", "dash"])
 def test_shell_exports_eval_to_the_plan(
-    tmp_path: Path, vllm_env: Path, weird_iomp: Path, shell: str
+    tmp_path: Path, vllm_env: Path, weird_iomp: Path, shell: str, system_host: SystemHost
 ) -> None:
     if shutil.which(shell) is None:
         pytest.fail(f"{shell} missing")
@@ -56,13 +56,14 @@ def test_shell_exports_eval_to_the_plan(
     result = run_env(tmp_path, vllm_env, *args)
     assert result.returncode == 0, result.stderr
     expected = plan_env(tmp_path, vllm_env, *args)
-    assert expected["LD_PRELOAD"] == str(weird_iomp) and expected["KMP_BLOCKTIME"] == "5"
+    preload = system_host.preload(weird_iomp)
+    assert expected["LD_PRELOAD"] == preload and expected["KMP_BLOCKTIME"] == "5"
     script = 'eval "$EXPORTS"; printf "%s\\0%s" "$LD_PRELOAD" "$KMP_BLOCKTIME"'
     environ = {"EXPORTS": result.stdout, "PATH": "/usr/bin:/bin"}
     shown = subprocess.run(
         [shell, "-c", script], env=environ, capture_output=True, timeout=60, check=True
     )
-    assert os.fsdecode(shown.stdout).split("\0") == [str(weird_iomp), "5"]
+    assert os.fsdecode(shown.stdout).split("\0") == [preload, "5"]
     assert all(line.startswith("export ") for line in result.stdout.splitlines())
     assert "preloading" in result.stderr  # the INFO line goes to stderr, never to eval
 
@@ -97,9 +98,9 @@ def test_caller_values_the_plan_keeps_are_carried(tmp_path: Path, vllm_env: Path
 
 
 def test_gnu_openmp_entry_is_dropped_with_a_warning_on_stderr(
-    tmp_path: Path, vllm_env: Path
+    tmp_path: Path, vllm_env: Path, system_host: SystemHost
 ) -> None:
-    iomp = str(vllm_env / "lib" / "libiomp5.so")
+    iomp = system_host.preload(vllm_env / "lib" / "libiomp5.so")
     result = run_env(tmp_path, vllm_env, "serve", "m", "--speculative-config", SD, LD_PRELOAD=GOMP)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [f"export LD_PRELOAD={iomp}", "export KMP_BLOCKTIME=5"]
@@ -247,13 +248,13 @@ def test_environment_file_line_round_trips_for_any_text(value: str) -> None:
 
 
 def test_systemd_format_with_weird_path_reads_back(
-    tmp_path: Path, vllm_env: Path, weird_iomp: Path
+    tmp_path: Path, vllm_env: Path, weird_iomp: Path, system_host: SystemHost
 ) -> None:
     args = ("--iomp-path", str(weird_iomp), "serve", "m", "--speculative-config", SD)
     result = run_env(tmp_path, vllm_env, "--format", "systemd", *args)
     assert result.returncode == 0, result.stderr
     assert parse_environment_file(result.stdout) == {
-        "LD_PRELOAD": str(weird_iomp),
+        "LD_PRELOAD": system_host.preload(weird_iomp),
         "KMP_BLOCKTIME": "5",
         "VLLMCPULAUNCH_PLANNED": "launcher:started",
     }
@@ -286,7 +287,9 @@ def test_docker_value_round_trips(value: str) -> None:
     assert docker_word(docker_value("X", value)) == value
 
 
-def test_docker_format_with_weird_path(tmp_path: Path, vllm_env: Path, weird_iomp: Path) -> None:
+def test_docker_format_with_weird_path(
+    tmp_path: Path, vllm_env: Path, weird_iomp: Path, system_host: SystemHost
+) -> None:
     args = ("--iomp-path", str(weird_iomp), "serve", "m", "--speculative-config", SD)
     result = run_env(tmp_path, vllm_env, "--format", "docker", *args)
     assert result.returncode == 0, result.stderr
@@ -296,7 +299,7 @@ def test_docker_format_with_weird_path(tmp_path: Path, vllm_env: Path, weird_iom
         "ENV KMP_BLOCKTIME",
         "ENV VLLMCPULAUNCH_PLANNED",
     ]
-    assert docker_word(lines[0].split("=", 1)[1]) == str(weird_iomp)
+    assert docker_word(lines[0].split("=", 1)[1]) == system_host.preload(weird_iomp)
     assert lines[1] == 'ENV KMP_BLOCKTIME="5"'
 
 

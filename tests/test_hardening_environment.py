@@ -36,8 +36,22 @@ def test_no_vllm_anywhere_exits_127(tmp_path: Path) -> None:
     line = single_error(run(["serve", "m"], environ, launcher), 127)
     assert "vllm not found" in line
     assert str(tmp_path / "launcher" / "bin" / "vllm") in line  # beside the launcher
-    assert f"PATH={tmp_path / 'empty'}" in line
+    assert f"PATH ({tmp_path / 'empty'})" in line
     assert "--vllm" in line  # the way out
+
+
+def test_a_long_path_is_named_briefly_in_the_error_and_in_doctor(tmp_path: Path) -> None:
+    """A real PATH runs to hundreds of bytes: the places looked in, not all of it."""
+    launcher = isolated_launcher(tmp_path / "launcher")
+    path = ":".join(f"/nonexistent/dir{index}" for index in range(40))
+    environ = isolated_environ(tmp_path / "home", PATH=path)
+    line = single_error(run(["serve", "m"], environ, launcher), 127)
+    assert "PATH (/nonexistent/dir0, /nonexistent/dir1, /nonexistent/dir2 and 37 more)" in line
+    assert "dir39" not in line and len(line) < 300
+    doctor = run(["doctor"], environ, launcher)
+    assert doctor.returncode == 0, doctor.stderr
+    report = text(doctor.stdout)
+    assert "dir39" not in report and report.count("dir2 and 37 more") == 2
 
 
 def test_no_vllm_with_path_unset_names_the_default_path(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests import test_plan_contract as contract
-from tests.conftest import REPO, clean_environ, install_recorder
+from tests.conftest import REPO, SystemHost, clean_environ, install_recorder
 from tests.installers import BASE_PYTHON, TOOLS, WHEEL_CACHE, offline, run_tool
 from tests.test_plan_contract import openmp_mapped
 from vllm_cpu_launch import evidence
@@ -137,7 +137,7 @@ def test_cmeel_libomp_stands_in_for_intel_openmp_where_the_runtimes_map_measured
 
 
 def test_cmeel_libomp_stays_out_of_a_method_where_it_measured_no_gain_and_the_way_in_works(
-    tmp_path: Path, cmeel_env_vllm: Path
+    tmp_path: Path, cmeel_env_vllm: Path, system_host: SystemHost
 ) -> None:
     """draft_model with 3 tokens: LLVM's libomp measured no gain over libgomp in the setting
     the plan would run it (vLLM's binding), so libgomp and today's warning, which names the
@@ -157,7 +157,8 @@ def test_cmeel_libomp_stays_out_of_a_method_where_it_measured_no_gain_and_the_wa
     assert openmp_mapped(record) == [alias]
     # --iomp always (the user's word, and tune's candidate) takes it too, and says so.
     forced = dry_run(tmp_path, cmeel_env_vllm, ["--iomp", "always", *DRAFT3])
-    assert [p["path"] for p in forced["preload"]] == [alias] and forced["runtime"] is None
+    host = [p["path"] for p in system_host.preloaded()]
+    assert [p["path"] for p in forced["preload"]] == [*host, alias] and forced["runtime"] is None
     assert any(
         n.startswith("LLVM's libomp preloaded, as iomp always asks: for draft_model SD")
         for n in forced["notes"]
@@ -304,6 +305,7 @@ def test_off_the_maps_host_llvm_libomp_stands_in_at_vllms_settings(
     launcher: tuple[str, ...],
     config: str,
     extra: list[str],
+    system_host: SystemHost,
 ) -> None:
     """Not the map's host: no map rule, so LLVM's libomp at vLLM's own settings
     (KMP_BLOCKTIME=5, no binding added), as libiomp5 would be, and the note says its
@@ -311,7 +313,8 @@ def test_off_the_maps_host_llvm_libomp_stands_in_at_vllms_settings(
     alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
     args = ["serve", "m", "--speculative-config", config, *extra]
     plan = contract.dry_run(tmp_path, cmeel_env_vllm, args, launcher)
-    assert [(p["path"], p["flavor"]) for p in plan["preload"]] == [(alias, "llvm")]
+    host = [(p["path"], p["flavor"]) for p in system_host.preloaded()]
+    assert [(p["path"], p["flavor"]) for p in plan["preload"]] == [*host, (alias, "llvm")]
     assert plan["runtime"]["id"].startswith("runtimes-")
     assert plan["rule"] is None and plan["env"]["KMP_BLOCKTIME"] == "5"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]

@@ -22,6 +22,7 @@ import yaml
 
 from tests.conftest import (
     LAUNCHER,
+    SystemHost,
     clean_environ,
     install_recorder,
     make_environment,
@@ -98,14 +99,15 @@ def openmp_mapped(record: dict[str, Any]) -> list[str]:
     ],
 )
 def test_sd_gets_intel_openmp_and_the_callers_variables_reach_vllm_as_set(
-    tmp_path: Path, map_vllm: Path, variables: dict[str, str]
+    tmp_path: Path, map_vllm: Path, variables: dict[str, str], system_host: SystemHost
 ) -> None:
     """On the map's host no rule keeps libgomp nor changes what the caller set: the rule
     that would is not applied, and --dry-run's notes say which setting stopped it."""
     result, record = launched(tmp_path, map_vllm, NGRAM, **variables)
     assert result.returncode == 0, result.stderr
     library = str(map_vllm.parent.parent / "lib" / "libiomp5.so")
-    assert record["LD_PRELOAD"] == library and openmp_mapped(record) == [library]
+    assert record["LD_PRELOAD"] == system_host.preload(library)
+    assert openmp_mapped(record) == [library]
     assert record["KMP_BLOCKTIME"] == variables.get("KMP_BLOCKTIME", "5")
     assert "warning" not in result.stderr
     plan = dry_run(tmp_path, map_vllm, NGRAM, **variables)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import clean_environ
+from tests.conftest import SystemHost, clean_environ
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.plugin import in_process_message, one_worker
 
@@ -169,11 +169,14 @@ def test_the_entry_point_is_installed_as_vllm_looks_for_it() -> None:
     assert plugin.value == "vllm_cpu_launch.plugin:register"
 
 
-def test_sd_preloads_intel_openmp_before_vllm_decides(tmp_path: Path) -> None:
+def test_sd_preloads_intel_openmp_before_vllm_decides(
+    tmp_path: Path, system_host: SystemHost
+) -> None:
     outcome = run_vllm_process(tmp_path)
     assert outcome["wrapped"]
-    assert outcome["seen"] == [LIBRARY, LIBRARY]  # both calls: vLLM sees it, once added
-    assert outcome["env"]["LD_PRELOAD"] == LIBRARY and outcome["env"]["KMP_BLOCKTIME"] == "5"
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert outcome["seen"] == [preload, preload]  # both calls: vLLM sees it, once added
+    assert outcome["env"]["LD_PRELOAD"] == preload and outcome["env"]["KMP_BLOCKTIME"] == "5"
     assert outcome["env"][PLANNED_VARIABLE] is None  # LD_PRELOAD shows the choice
     (line,) = said(outcome, "INFO")  # once, though vLLM built two configurations
     assert line.startswith(f"{PREFIX}speculative decoding requested by vLLM's speculative_config")
@@ -341,11 +344,12 @@ def test_one_worker_reads_vllms_parallel_config(sizes: tuple[int, ...], single: 
 
 
 def test_without_the_field_in_vllms_configuration_the_command_line_decides(
-    tmp_path: Path,
+    tmp_path: Path, system_host: SystemHost
 ) -> None:
     argv = ["/venv/bin/vllm", "serve", "m", "-sc", '{"method":"ngram","num_speculative_tokens":3}']
     outcome = run_vllm_process(tmp_path, case={"argv": argv})
-    assert outcome["seen"] == [LIBRARY, LIBRARY]
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert outcome["seen"] == [preload, preload]
     (line,) = said(outcome, "INFO")
     assert line.startswith(f"{PREFIX}speculative decoding requested by -sc")
     plain = run_vllm_process(tmp_path / "plain", case={"argv": ["/venv/bin/vllm", "serve", "m"]})
@@ -561,13 +565,14 @@ current_platform = CpuPlatform()
     ids=["more-arguments", "keyword", "on-the-instance", "staticmethod", "method", "subclass"],
 )
 def test_whatever_vllm_passes_reaches_vllm_and_its_result_comes_back(
-    tmp_path: Path, platform: str, step: dict[str, Any], result: Any
+    tmp_path: Path, platform: str, step: dict[str, Any], result: Any, system_host: SystemHost
 ) -> None:
     outcome = run_vllm_front_end(tmp_path, platform, [{"name": "a", **step}])
     (done,) = outcome["steps"]
     assert done.get("raised") is None and done["result"] == result
-    assert done["seen"] == [LIBRARY]  # the plan was in place before vLLM's own code ran
-    assert done["env"]["LD_PRELOAD"] == LIBRARY
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert done["seen"] == [preload]  # the plan was in place before vLLM's own code ran
+    assert done["env"]["LD_PRELOAD"] == preload
     assert said(outcome, "WARNING") == [] and len(said(outcome, "INFO")) == 1
 
 
@@ -586,7 +591,7 @@ def test_a_subclass_is_wrapped_and_the_cpu_platform_left_as_it_is(tmp_path: Path
     assert outcome["steps"][0]["result"] == "ZenCpuPlatform"
 
 
-def test_vllms_own_exception_stays_vllms(tmp_path: Path) -> None:
+def test_vllms_own_exception_stays_vllms(tmp_path: Path, system_host: SystemHost) -> None:
     """vLLM 0.34 raises from inside the method on x86 without Triton."""
     platform = CLASSMETHOD.replace(
         "        return cls.__name__",
@@ -600,7 +605,8 @@ def test_vllms_own_exception_stays_vllms(tmp_path: Path) -> None:
         "vLLM on x86 CPUs requires Triton (triton-cpu).",
         True,
     ]
-    assert done["seen"] == [LIBRARY] and said(outcome, "WARNING") == []
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert done["seen"] == [preload] and said(outcome, "WARNING") == []
 
 
 def test_a_vllm_without_the_method_gets_one_warning(tmp_path: Path) -> None:
@@ -614,7 +620,7 @@ def test_a_vllm_without_the_method_gets_one_warning(tmp_path: Path) -> None:
     ]
 
 
-def test_each_configuration_gets_its_own_plan(tmp_path: Path) -> None:
+def test_each_configuration_gets_its_own_plan(tmp_path: Path, system_host: SystemHost) -> None:
     """The offline API builds several: a second LLM(...) is planned as if it were the first."""
     steps: list[dict[str, Any]] = [
         {"name": "plain", "sd": False},
@@ -624,14 +630,15 @@ def test_each_configuration_gets_its_own_plan(tmp_path: Path) -> None:
     outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps)
     plain, sd, again = outcome["steps"]
     assert plain["seen"] == [None] and plain["env"]["LD_PRELOAD"] == GOMP  # vLLM's own
-    assert sd["seen"] == [LIBRARY] and sd["env"]["KMP_BLOCKTIME"] == "5"
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert sd["seen"] == [preload] and sd["env"]["KMP_BLOCKTIME"] == "5"
     assert again["seen"] == [None] and again["env"] == plain["env"]  # all of the SD plan undone
     lines = said(outcome, "INFO")
     assert len(lines) == 3 and "speculative decoding requested" in lines[1]
     assert all(line.startswith(f"{PREFIX}no speculative decoding") for line in lines[::2])
 
 
-def test_a_copy_of_a_configuration_keeps_its_plan(tmp_path: Path) -> None:
+def test_a_copy_of_a_configuration_keeps_its_plan(tmp_path: Path, system_host: SystemHost) -> None:
     """vLLM re-runs the hook for replace(vllm_config, ...): not planned again, nothing undone,
     also after another configuration was planned."""
     steps: list[dict[str, Any]] = [
@@ -642,12 +649,15 @@ def test_a_copy_of_a_configuration_keeps_its_plan(tmp_path: Path) -> None:
     ]
     outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps)
     sd, copy, plain, later = outcome["steps"]
-    assert sd["seen"] == copy["seen"] == [LIBRARY] and copy["env"] == sd["env"]
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert sd["seen"] == copy["seen"] == [preload] and copy["env"] == sd["env"]
     assert plain["seen"] == [None] and later["env"] == plain["env"]
     assert len(said(outcome, "INFO")) == 2
 
 
-def test_a_copy_made_inside_vllms_own_method_is_not_planned_again(tmp_path: Path) -> None:
+def test_a_copy_made_inside_vllms_own_method_is_not_planned_again(
+    tmp_path: Path, system_host: SystemHost
+) -> None:
     platform = """
 import dataclasses
 
@@ -667,12 +677,13 @@ current_platform = CpuPlatform()
 """
     outcome = run_vllm_front_end(tmp_path, platform, [{"name": "sd"}])
     (done,) = outcome["steps"]
-    assert done["result"] == ["outer", "inner"] and done["seen"] == [LIBRARY, LIBRARY]
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert done["result"] == ["outer", "inner"] and done["seen"] == [preload, preload]
     assert len(said(outcome, "INFO")) == 1
 
 
 def test_what_the_user_set_between_configurations_is_where_its_plan_starts(
-    tmp_path: Path,
+    tmp_path: Path, system_host: SystemHost
 ) -> None:
     """A script that sets LD_PRELOAD itself before its second LLM(...): that configuration
     is planned from it, as the launcher plans from the caller's: libgomp gives way to
@@ -683,8 +694,9 @@ def test_what_the_user_set_between_configurations_is_where_its_plan_starts(
     ]
     outcome = run_vllm_front_end(tmp_path, CLASSMETHOD, steps)
     first, mine = outcome["steps"]
-    assert first["env"]["LD_PRELOAD"] == LIBRARY
-    assert mine["seen"] == [LIBRARY] and mine["env"]["LD_PRELOAD"] == LIBRARY
+    preload = system_host.preload(LIBRARY)  # what this host adds
+    assert first["env"]["LD_PRELOAD"] == preload
+    assert mine["seen"] == [preload] and mine["env"]["LD_PRELOAD"] == preload
     (warning,) = said(outcome, "WARNING")
     assert warning.startswith(f"{PREFIX}removed /mine/libgomp.so.1 from LD_PRELOAD")
     assert len(said(outcome, "INFO")) == 2

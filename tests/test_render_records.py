@@ -31,7 +31,7 @@ from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USA
 from vllm_cpu_launch.evidence import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_NAME, PLUGIN_VARIABLE
 from vllm_cpu_launch.libraries import Candidate, Search
-from vllm_cpu_launch.places import IOMP, TCMALLOC, Host
+from vllm_cpu_launch.places import IOMP, SYSTEM_ROOT_VARIABLE, TCMALLOC, Host
 from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, render_text, summary_line
 from vllm_cpu_launch.releases import target_release
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
@@ -307,7 +307,8 @@ def doctor_reports(draw: st.DrawFn, prefixes: list[str]) -> tuple[dict[str, Any]
     report["environment"] = caller_variables(environ)
     report["settings"] = settings_section(launcher_settings, draw(MAYBE_TEXT), draw(records(Scope)))
     cpus = draw(st.sampled_from([MAP_CPUS, 1, 64]))
-    host = Host(environ, "x86_64", os.geteuid(), sys.prefix, (), "/", cpus)
+    root = os.environ[SYSTEM_ROOT_VARIABLE]  # the test's host (tests/conftest.py), not this one
+    host = Host(environ, "x86_64", os.geteuid(), sys.prefix, (), root, cpus)
     report["map"] = map_section(launcher_settings, target, host, release)
     unsafe = st.lists(st.tuples(TEXT, st.just("") | TEXT).map(list), max_size=2)
     report["vllm"]["unsafe"] = draw(unsafe)

@@ -27,6 +27,7 @@ from tests.conftest import (
     clean_environ,
     install_recorder,
     make_environment,
+    outside_tmp,
     run_launcher,
 )
 from vllm_cpu_launch.systemd_syntax import environment_word, exec_line
@@ -380,10 +381,8 @@ def test_private_tmp_is_left_out_for_a_deployment_under_tmp(
 @pytest.fixture
 def env_outside_tmp(real_iomp: Path) -> Iterator[Path]:
     """A vLLM-like environment (real libiomp5.so, recording `vllm`) where a private /tmp
-    would not hide it: under ~/.cache."""
-    cache = Path.home() / ".cache" / "vllm-cpu-launch"
-    cache.mkdir(parents=True, exist_ok=True)
-    outside = Path(tempfile.mkdtemp(prefix="systemd-unit-", dir=cache))
+    would not hide it."""
+    outside = outside_tmp()
     try:
         environment = make_environment(outside / "env", real_iomp)
         install_recorder(environment)
@@ -395,7 +394,7 @@ def env_outside_tmp(real_iomp: Path) -> Iterator[Path]:
 def test_private_tmp_is_kept_when_nothing_the_service_needs_is_under_tmp(
     tmp_path: Path, env_outside_tmp: Path
 ) -> None:
-    """The launcher as `python -m` of an interpreter outside /tmp, vLLM under ~/.cache."""
+    """The launcher as `python -m` of an interpreter outside /tmp, vLLM outside it too."""
     vllm = env_outside_tmp / "bin" / "vllm"
     python = getattr(sys, "_base_executable", sys.executable)
     assert not python.startswith(("/tmp/", "/var/tmp/"))
@@ -521,6 +520,58 @@ def test_usage_errors_are_one_line(tmp_path: Path, args: list[str], message: str
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+# Names systemd's own loader refuses in User= and Group= (valid_user_group_name, relaxed).
+REFUSED_NAMES = ["bad:user", "a/b", "0100", "65535", "4294967295", "-1", "."]
+
+
+@pytest.mark.parametrize("setting", ["User", "Group"])
+@pytest.mark.parametrize("name", REFUSED_NAMES)
+def test_a_user_or_group_systemd_refuses_is_refused_with_the_rule(
+    tmp_path: Path, unit_dir: Path, setting: str, name: str
+) -> None:
+    """Refused before anything is planned, as the real systemd refuses the same name."""
+    unit = unit_dir / "named.service"
+    unit.write_text(f"[Service]\nExecStart=/bin/true\n{setting}={name}\n")
+    systemd = verify_unit(unit)
+    assert systemd.returncode != 0 and "Invalid user/group name" in systemd.stderr
+    option = f"--{setting.lower()}"
+    result = generate([option, name, "serve", "m"], tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"vllm-cpu-launch: error: {option} {name!r}: systemd refuses it")
+    assert "give a user or group name without ':' or '/', or a numeric id" in line
+
+
+@pytest.mark.parametrize("name", ["bad user", "john.doe", "a%b", "1000", "Ünï"])
+def test_a_user_systemd_accepts_is_the_user_systemd_reads(
+    tmp_path: Path, unit_dir: Path, name: str
+) -> None:
+    """Written as systemd reads User= and Group=: whole, quotes included, `%` a specifier."""
+    result = generate(["--name", "named", "--user", name, "--group", name, "serve", "/m"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    unit = unit_dir / "named.service"
+    unit.write_text(result.stdout)
+    assert verify_unit(unit).returncode == 0
+    dump = systemd_dump(unit)
+    assert (effective(dump, "User"), effective(dump, "Group")) == (name, name)
+
+
+def test_a_user_with_a_space_at_an_end_is_refused_as_systemd_would_read_another(
+    tmp_path: Path, unit_dir: Path
+) -> None:
+    unit = unit_dir / "named.service"
+    unit.write_text("[Service]\nExecStart=/bin/true\nUser= vllm \n")
+    assert effective(systemd_dump(unit), "User") == "vllm"  # the spaces are gone
+    result = generate(["--user", " vllm ", "serve", "m"], tmp_path)
+    assert result.returncode == 2 and "starts or ends with a space" in result.stderr
+
+
+def test_a_unit_name_longer_than_a_file_name_is_refused(tmp_path: Path) -> None:
+    result = generate(["--name", "a" * 248, "serve", "m"], tmp_path)
+    assert result.returncode == 2 and "over 255 bytes" in result.stderr
+    assert generate(["--name", "a" * 247, "--user", "vllm", "serve", "m"], tmp_path).returncode == 0
 
 
 def test_help(tmp_path: Path) -> None:

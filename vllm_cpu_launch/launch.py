@@ -121,7 +121,7 @@ def parse_options(
 
 
 def current_host() -> Host:
-    from vllm_cpu_launch.places import Host
+    from vllm_cpu_launch.places import Host, system_root
 
     return Host(
         environ=os.environ,
@@ -129,6 +129,7 @@ def current_host() -> Host:
         euid=os.geteuid(),
         launcher_prefix=sys.prefix,
         search_path=tuple(sys.path),
+        root=system_root(os.environ),
         cpus=len(os.sched_getaffinity(0)),
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.target import python_libraries, python_user_base
 
@@ -41,6 +42,25 @@ LOADER_CACHE = "etc/ld.so.cache"
 ONEAPI_ROOT = "opt/intel/oneapi"
 
 
+# Where the system places are, for a test that states the host it runs on (a bare one, or
+# one with Debian's allocators unpacked): it adds no way in, since whoever sets it could set
+# LD_PRELOAD, and every library found under it passes the same trust rule as one named by
+# --iomp-path (every directory from "/" to the file).
+SYSTEM_ROOT_VARIABLE = "VLLMCPULAUNCH_SYSTEM_ROOT"
+
+
+def system_root(environ: Mapping[str, str]) -> str:
+    """The directory the system places lie under: "/" unless SYSTEM_ROOT_VARIABLE says."""
+    value = environ.get(SYSTEM_ROOT_VARIABLE, "")
+    if value and not os.path.isabs(value):
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path; give the directory the "
+            "system libraries lie under, or unset it (the system's own: /)",
+        )
+    return value or "/"
+
+
 @record
 class Host:
     """What discovery needs to know of this process and machine."""
@@ -51,7 +71,8 @@ class Host:
     launcher_prefix: str  # sys.prefix of the launcher's own interpreter
     search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
     # Where the system places (/usr/lib..., /opt/intel, /etc/ld.so.cache) are: "/" but
-    # in tests, which lay out real Debian and oneAPI trees in a temporary directory.
+    # in tests, which lay out real Debian and oneAPI trees in a temporary directory
+    # (SYSTEM_ROOT_VARIABLE for a fresh process).
     root: str = "/"
     cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
 

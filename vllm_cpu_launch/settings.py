@@ -53,7 +53,7 @@ class Tuned:
     """What `tune --write` measured: it chose `iomp` at `when`; `result` says by what margin."""
 
     when: str  # ISO 8601 UTC time, e.g. 2026-12-01T10:02Z
-    iomp: str  # the value it found best (auto: within the noise, the default kept)
+    iomp: str  # the value it found best (auto: no clear winner, the default kept)
     result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
     rounds: int
     command: str  # the `vllm bench latency` command line it measured
@@ -83,6 +83,19 @@ class Settings:
     tuned: tuple[Tuned, ...] = ()
     # One warning for each variable read under its deprecated VLLM_CPU_LAUNCH_* name.
     deprecated: tuple[str, ...] = ()
+
+
+def yaml_problem(path: str, error: Exception) -> str:
+    """pyyaml's error as `FILE:LINE:COLUMN: what`, where the construct it could not
+    finish began (its context), and what a config file holds."""
+    mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+    said = [getattr(error, name, None) for name in ("context", "problem")]
+    what = ", ".join(text for text in said if text) or " ".join(str(error).split())
+    return (
+        f"{where}: invalid YAML ({what}); write one `key: value` per line, e.g. "
+        "`iomp: always`, and quote a value holding : # [ ] { } or a leading -"
+    )
 
 
 def fail(where: str, problem: str) -> LaunchError:
@@ -302,8 +315,7 @@ def read_config_file(path: str) -> dict[str, object]:
         document = loader.get_single_node()
         content = None if document is None else loader.construct_document(document)
     except yaml.YAMLError as error:
-        detail = " ".join(str(error).split())
-        raise fail(path, f"invalid YAML: {detail}") from None
+        raise LaunchError(EXIT_USAGE, yaml_problem(path, error)) from None
     finally:
         loader.dispose()
     if content is None:

@@ -92,3 +92,40 @@ def printable(text: str) -> str:
 def plain_text(text: str) -> str:
     """Free text for a unit setting such as Description=: one line, no specifiers."""
     return printable(text).replace("%", "%%").rstrip("\\")
+
+
+UID_MAX = 2**32 - 1
+
+
+def numeric_id(name: str) -> bool:
+    """A uid/gid as systemd's parse_uid takes it: decimal, no sign, no leading zero, and
+    neither (uid_t) -1 nor the 16-bit -1 (65535)."""
+    plain = name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
+    return plain and int(name) < UID_MAX and int(name) != 0xFFFF
+
+
+def user_group_problem(name: str) -> str | None:
+    """Why systemd refuses `name` in User= or Group=, or None: valid_user_group_name() of
+    systemd's src/basic/user-util.c, as unit files are read (relaxed, numeric ids allowed)."""
+    if not name:
+        return "it is empty"
+    if numeric_id(name):
+        return None
+    if name != name.strip(" "):
+        return "it starts or ends with a space"
+    if any(ord(char) < 0x20 or ord(char) == 0x7F or 0xDC80 <= ord(char) <= 0xDCFF for char in name):
+        return "it holds a control character or a byte that is not UTF-8"
+    if ":" in name or "/" in name:
+        return "it holds ':' or '/'"
+    digits = name.removeprefix("-")
+    if digits == "" or (digits.isascii() and digits.isdigit()):
+        return "it is all digits but no valid uid (0 to 4294967294, not 65535, no leading zero)"
+    if name in (".", ".."):
+        return "it is '.' or '..'"
+    return None
+
+
+def setting_value(text: str) -> str:
+    """A User=/Group= value: written as is (systemd takes it whole, quotes and all), only
+    `%` doubled, since specifiers are expanded there."""
+    return text.replace("%", "%%")

@@ -141,11 +141,20 @@ def described(found_via: str) -> str:
     return "program" if found_via == "program" else "vLLM executable"
 
 
+PATH_SHOWN = 3  # directories of PATH a message names; a real PATH runs to hundreds of bytes
+
+
 def describe_path(path_variable: str | None) -> str:
-    """PATH for a message; unset, it is the default the search used."""
+    """PATH for a message, briefly: its first directories and how many more; unset, the
+    default the search used."""
     if path_variable is None:
         return f"PATH (unset, so {os.defpath})"
-    return f"PATH={path_variable}"
+    directories = list(dict.fromkeys(d for d in path_variable.split(os.pathsep) if d))
+    if not directories:
+        return "PATH (empty)"
+    shown = ", ".join(directories[:PATH_SHOWN])
+    more = len(directories) - PATH_SHOWN
+    return f"PATH ({shown}{f' and {more} more' if more > 0 else ''})"
 
 
 def check_executable(path: str, described: str) -> None:

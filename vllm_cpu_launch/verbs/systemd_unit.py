@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
 from vllm_cpu_launch.settings import DEPRECATED_PREFIX, VARIABLE_PREFIX
 from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.systemd_syntax import (
     environment_word,
     exec_line,
     plain_text,
-    quote_word,
+    setting_value,
+    user_group_problem,
 )
 
 if TYPE_CHECKING:
@@ -31,6 +33,7 @@ DEFAULT_NAME = "vllm-cpu-launch"
 UNIT_OPTIONS = {"--name": "unit_name", "--user": "unit_user", "--group": "unit_group"}
 ENV_OPTION = {"--env": "unit_env"}
 UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.\\-]*\Z")
+UNIT_FILE_NAME_MAX = 255  # NAME_MAX: the unit file NAME.service is one file name
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 LIMIT_NOFILE = 65535
 STOP_MARGIN_S = 60  # beyond vLLM's own --shutdown-timeout (drain), for the engine to exit
@@ -177,12 +180,12 @@ def render_unit(
         f"ExecStart={exec_line(argv)}",
     ]
     if isinstance(user, str):
-        lines.append(f"User={quote_word(user)}")
+        lines.append(f"User={setting_value(user)}")
     else:
         lines.append("# No --user given: a transient user; the model must be world-readable.")
         lines.append("DynamicUser=yes")
     if isinstance(group, str):
-        lines.append(f"Group={quote_word(group)}")
+        lines.append(f"Group={setting_value(group)}")
     lines += environment_lines(values, name)
     lines += [
         f"CacheDirectory={name}",
@@ -221,11 +224,13 @@ def render_unit(
 
 
 def warn_unseen_variables() -> None:
-    """The caller's VLLMCPULAUNCH_* variables (or their deprecated VLLM_CPU_LAUNCH_* names)
-    do not reach the service."""
+    """The caller's VLLMCPULAUNCH_* settings (or their deprecated VLLM_CPU_LAUNCH_* names)
+    do not reach the service. (The system root is no setting: a test's host, where the
+    service is the system's own.)"""
     for variable in sorted(os.environ):
         ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
-        if ours and os.environ[variable] and not variable.endswith("LAUNCH_VLLM"):
+        unseen = not variable.endswith("LAUNCH_VLLM") and variable != SYSTEM_ROOT_VARIABLE
+        if ours and os.environ[variable] and unseen:
             emit(
                 "warning",
                 f"{variable} is set here but the service will not see it; pass the option "
@@ -295,6 +300,33 @@ def tmp_ok(needed: Sequence[str], values: dict[str, object]) -> bool:
     return not hidden
 
 
+def check_names(values: dict[str, object]) -> None:
+    """The unit name, user and group systemd would refuse, refused now with the rule."""
+    name = values.get("unit_name")
+    if name is not None and not UNIT_NAME.match(str(name)):
+        raise LaunchError(
+            EXIT_USAGE, f"--name {name!r}: use letters, digits and : _ . - (a unit name)"
+        )
+    if name is not None and len(os.fsencode(f"{name}.service")) > UNIT_FILE_NAME_MAX:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"--name {name!r}: {name}.service is over {UNIT_FILE_NAME_MAX} bytes, the longest "
+            "file name; give a shorter name",
+        )
+    for key, option, setting in (
+        ("unit_user", "--user", "User"),
+        ("unit_group", "--group", "Group"),
+    ):
+        value = values.get(key)
+        problem = user_group_problem(str(value)) if value is not None else None
+        if problem:
+            raise LaunchError(
+                EXIT_USAGE,
+                f"{option} {value!r}: systemd refuses it in {setting}= ({problem}); give a "
+                "user or group name without ':' or '/', or a numeric id",
+            )
+
+
 def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
 
@@ -309,11 +341,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     for key, option in (("dry_run", "--dry-run"), ("json", "--json"), ("version", "--version")):
         if merged.get(key):
             raise LaunchError(EXIT_USAGE, f"systemd-unit prints a unit; {option} does not apply")
-    name = merged.get("unit_name")
-    if name is not None and not UNIT_NAME.match(str(name)):
-        raise LaunchError(
-            EXIT_USAGE, f"--name {name!r}: use letters, digits and : _ . - (a unit name)"
-        )
+    check_names(merged)
     if not rest:
         raise LaunchError(
             EXIT_USAGE, "systemd-unit needs the vLLM command: systemd-unit -- serve MODEL [ARGS...]"

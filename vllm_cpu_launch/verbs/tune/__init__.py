@@ -3,9 +3,9 @@
 The one verb that runs children. Each candidate is a launcher plan, built by the code path
 `--dry-run` prints (`plan_from_options`), for `vllm bench latency --model MODEL ARGS...`
 translated from the user's `serve MODEL ARGS...`; its command runs with its environment,
-in rounds, the candidate order rotated every round. The medians of the runs' median
-latencies decide, within a noise rule; `--write` stores the result in the user's launcher
-config, where it is a config value like any other (option > variable > config).
+in rounds, the candidate order rotated every round. The rounds won and the medians of the
+runs' median latencies decide (verdict.decide); `--write` stores the result in the user's
+launcher config, where it is a config value like any other (option > variable > config).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.speculative import model_of
+from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
 from vllm_cpu_launch.verbs.tune.runner import run_once
@@ -27,13 +29,15 @@ from vllm_cpu_launch.verbs.tune.verdict import (
     CANDIDATES,
     Candidate,
     Summary,
+    Verdict,
+    besides_runtime,
     decide,
     rotated,
     table,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from vllm_cpu_launch.plan import Plan
 
@@ -52,9 +56,11 @@ not passed to the benchmark, and are listed; a --config file is passed as it is.
 A progress line per run goes to stderr; the table to stdout: per candidate the median of
 the runs' median latencies, their quartiles and range, and speed relative to libgomp.
 
-Noise rule: a candidate wins only when its median beats the other's by more than the
-larger of the two ranges (max - min of the runs' medians), and only with 2 or more runs
-each; otherwise the result is "within the noise: keeping the default" (the default is
+Rule: each round runs both candidates back to back, so a round is a pair. A candidate
+wins when it ran faster in every round, with 3 rounds or more; with 2 rounds, its median
+must also beat the other's by more than the larger of the two ranges (max - min of the
+runs' medians). The result line says the rounds won, the medians and the spreads either
+way; otherwise it is "no clear winner, default kept" (the default is
 what --iomp auto plans for this command: libiomp5 when it requests SD on x86-64, and
 on a host the benchmark map measured, what measured fastest there). Each candidate's
 libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as auto's is.
@@ -72,9 +78,10 @@ libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as aut
   --time-limit SECONDS   bound on the whole tune (default 1800): no run starts after it,
                          a run still going then is killed, and the rounds done are used
   --batch-size N  --input-len N  --output-len N  --num-iters N  --num-iters-warmup N
-                         passed to vllm bench latency (defaults 1, 64, 128, 5, 1); its
-                         prompts are random token ids below 10000, so the model's
-                         vocabulary must be at least that large
+                         passed to vllm bench latency (defaults 1, 64, 128, 5, 1; the
+                         warm-up may be 0); its prompts are random token ids below
+                         10000, so a model whose config.json has a smaller vocab_size
+                         is refused before anything runs
 Launcher options (--vllm, --iomp-path, --tcmalloc, --kmp-blocktime, --strict, -q, -v,
 --launcher-config) apply to every candidate; --iomp is what tune varies.
 Exit codes: 0 measured (whatever won), 1 the time limit ended it before every candidate
@@ -87,6 +94,8 @@ TUNE_VALUED = {
     "--time-limit": "time_limit",
     **{option: key for option, (key, _) in BENCH_OPTIONS.items()},
 }
+# vLLM runs no warm-up iteration at 0 (range(args.num_iters_warmup), latency.py 0.32).
+BENCH_LEAST = {"num_iters_warmup": 0}
 DEFAULT_ROUNDS = 3
 DEFAULT_TIME_LIMIT_S = 1800.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -94,13 +103,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 # ---------------------------------------------------------------- the verb
 
 
-def positive(value: object, option: str, whole: bool) -> float:
+def positive(value: object, option: str, whole: bool, least: float = 1) -> float:
+    """A number of at least `least` (whole) or above 0 (seconds), else a usage error."""
     try:
         number = int(str(value)) if whole else float(str(value))
     except ValueError:
-        number = 0
-    if not number > 0 or number == float("inf"):
-        kind = "a positive whole number" if whole else "a positive number of seconds"
+        number = -1
+    if not (number >= least if whole else number > 0) or number == float("inf"):
+        kind = "a positive number of seconds"
+        if whole:
+            kind = "a whole number, 0 or more" if least == 0 else "a positive whole number"
         raise LaunchError(EXIT_USAGE, f"{option} {value!r}: needs {kind}")
     return number
 
@@ -155,7 +167,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     rounds = int(positive(merged.get("rounds", DEFAULT_ROUNDS), "--rounds", whole=True))
     limit_s = positive(merged.get("time_limit", DEFAULT_TIME_LIMIT_S), "--time-limit", whole=False)
     bench = {
-        key: int(positive(merged.get(key, default), option, whole=True))
+        key: int(positive(merged.get(key, default), option, True, BENCH_LEAST.get(key, 1)))
         for option, (key, default) in BENCH_OPTIONS.items()
     }
     explicit = merged.get("config") or os.environ.get(CONFIG_VARIABLE)
@@ -167,6 +179,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     if explicit and not os.path.exists(str(explicit)):
         merged["config"] = os.devnull  # --write makes it; until then it holds nothing
     bench_arguments(serve, bench, "")  # usage errors before anything is made
+    check_vocabulary(model_of(serve))
+    if merged.get("write") and config_path:
+        check_writable(config_path)
     workdir = tempfile.mkdtemp(prefix="vllm-cpu-launch-tune-")
     # SIGTERM/SIGHUP (systemd, a closed terminal) unwind like Ctrl-C: the run in progress
     # is killed with its whole session on the way out, as on every other exit.
@@ -189,6 +204,72 @@ def main(values: dict[str, object], args: list[str]) -> int:
 
 def stop(number: int, _frame: object) -> None:
     raise SystemExit(128 + number)
+
+
+def report(
+    runs: Mapping[Candidate, list[float]],
+    default: Candidate,
+    plans: Mapping[Candidate, Plan],
+    shown: str,
+) -> tuple[Verdict, list[str]]:
+    """The verdict, and what tune prints of it: the command, the table, what the
+    candidates differ in, and the result."""
+    summaries = [Summary(c, tuple(runs[c])) for c in CANDIDATES]
+    verdict = decide(summaries, default)
+    envs = {c.name: dict(plans[c].env) for c in CANDIDATES}
+    lines = [
+        f"measured: {shown}",
+        f"default:  {default.name} (what --iomp auto plans for this command)",
+        table(summaries),
+        besides_runtime(envs, os.environ.get("LD_PRELOAD", "")),
+    ]
+    if verdict.winner is None:
+        lines.append(f"result: {verdict.result}: keeping the default ({default.name})")
+    elif verdict.winner == default:
+        lines.append(f"result: {verdict.result}: the default ({default.name}) is best")
+    else:
+        lines.append(f"result: {verdict.result}: best is --iomp {verdict.winner.iomp}")
+    return verdict, lines
+
+
+def run_rounds(
+    plans: Mapping[Candidate, Plan],
+    rounds: int,
+    limit_s: float,
+    workdir: str,
+    iterations: int,
+    say: Callable[[str], None],
+) -> dict[Candidate, list[float]]:
+    """Each candidate's run latencies, round by round in rotated order, within the limit."""
+    runs: dict[Candidate, list[float]] = {c: [] for c in CANDIDATES}
+    order = list(rotated(CANDIDATES, rounds))
+    deadline = time.monotonic() + limit_s
+    stopped = ""
+    for number, (round_index, candidate) in enumerate(order, 1):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            stopped = f"time limit of {limit_s:g} s reached before run {number}/{len(order)}"
+            break
+        log_path = os.path.join(workdir, f"{number:02d}-{candidate.name}.log")
+        output_json = os.path.join(workdir, "latency.json")
+        started = time.monotonic()
+        latency = run_once(plans[candidate], log_path, output_json, left)
+        took = time.monotonic() - started
+        if latency is None:
+            stopped = (
+                f"time limit of {limit_s:g} s reached during run {number}/{len(order)} (killed)"
+            )
+            break
+        runs[candidate].append(latency)
+        say(
+            f"run {number}/{len(order)} (round {round_index + 1}/{rounds}) {candidate.name}: "
+            f"median latency {latency:.4f} s over {iterations} iterations ({took:.0f} s)"
+        )
+    if stopped:
+        emit("warning", f"{stopped}; using the runs done")
+    if not all(runs.values()):
+        raise LaunchError(EXIT_PROBLEM, f"{stopped}: not every candidate ran once; nothing decided")
+    return runs
 
 
 def measure(
@@ -223,49 +304,10 @@ def measure(
         say(f"{candidate.name}: {plan.reason}; environment: {env}")
     say(f"measuring {len(plans)} candidates x {rounds} rounds: {shown} (logs in {workdir})")
 
-    runs: dict[Candidate, list[float]] = {c: [] for c in CANDIDATES}
-    order = list(rotated(CANDIDATES, rounds))
-    deadline = time.monotonic() + limit_s
-    stopped = ""
-    for number, (round_index, candidate) in enumerate(order, 1):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            stopped = f"time limit of {limit_s:g} s reached before run {number}/{len(order)}"
-            break
-        log_path = os.path.join(workdir, f"{number:02d}-{candidate.name}.log")
-        output_json = os.path.join(workdir, "latency.json")
-        started = time.monotonic()
-        latency = run_once(plans[candidate], log_path, output_json, left)
-        took = time.monotonic() - started
-        if latency is None:
-            stopped = (
-                f"time limit of {limit_s:g} s reached during run {number}/{len(order)} (killed)"
-            )
-            break
-        runs[candidate].append(latency)
-        say(
-            f"run {number}/{len(order)} (round {round_index + 1}/{rounds}) {candidate.name}: "
-            f"median latency {latency:.4f} s over {bench['num_iters']} iterations ({took:.0f} s)"
-        )
-    if stopped:
-        emit("warning", f"{stopped}; using the runs done")
-    if not all(runs.values()):
-        raise LaunchError(EXIT_PROBLEM, f"{stopped}: not every candidate ran once; nothing decided")
+    runs = run_rounds(plans, rounds, limit_s, workdir, bench["num_iters"], say)
 
-    summaries = [Summary(c, tuple(runs[c])) for c in CANDIDATES]
-    verdict = decide(summaries, default)
+    verdict, lines = report(runs, default, plans, shown)
     done = min(len(r) for r in runs.values())
-    lines = [
-        f"measured: {shown}",
-        f"default:  {default.name} (what --iomp auto plans for this command)",
-        table(summaries),
-    ]
-    if verdict.winner is None:
-        lines.append(f"result: {verdict.result}: keeping the default ({default.name})")
-    elif verdict.winner == default:
-        lines.append(f"result: {verdict.result}: the default ({default.name}) is best")
-    else:
-        lines.append(f"result: {verdict.result}: best is --iomp {verdict.winner.iomp}")
     if merged.get("write") and config_path:
         from datetime import datetime, timezone
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.places import openmp_runtime_of, preload_entries
 from vllm_cpu_launch.records import record
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
 
 
 MIN_RUNS_FOR_A_WINNER = 2
+# Rounds a candidate must all win, in rotated order, to win on that alone (with fewer, its
+# median must also beat the other's by more than the larger range).
+ROUNDS_FOR_A_SWEEP = 3
 
 
 @record
@@ -49,7 +53,7 @@ class Summary:
 
 @record
 class Verdict:
-    winner: Candidate | None  # None: within the noise (or too few runs)
+    winner: Candidate | None  # None: no clear winner (or too few runs)
     iomp: str  # what --write stores: the winner's --iomp when it is not the default, else auto
     result: str  # one line: who was faster, by how much, against what spread
 
@@ -66,23 +70,37 @@ def rotated(items: Sequence[Candidate], rounds: int) -> Iterator[tuple[int, Cand
 # ---------------------------------------------------------------- the verdict
 
 
+def rounds_won(fast: Summary, slow: Summary) -> tuple[int, int]:
+    """(rounds `fast` ran faster in, rounds both ran in): a round's runs are a pair, run
+    back to back in rotated order, so drift on the machine hits both alike."""
+    pairs = list(zip(fast.runs, slow.runs, strict=False))  # the time limit may cut a round
+    return sum(1 for mine, theirs in pairs if mine < theirs), len(pairs)
+
+
 def decide(summaries: Sequence[Summary], default: Candidate) -> Verdict:
-    """The noise rule of the help text: a winner must beat the other by more than the
-    larger of the two ranges, with MIN_RUNS_FOR_A_WINNER runs each."""
+    """The rule of the help text: a winner ran faster in every round, ROUNDS_FOR_A_SWEEP
+    or more; with fewer (MIN_RUNS_FOR_A_WINNER at least), its median also beats the
+    other's by more than the larger range. The result says what was measured either way,
+    and "faster" only of a winner."""
     ranked = sorted(summaries, key=lambda s: s.median)
     fast, slow = ranked[0], ranked[-1]
     if min(len(s.runs) for s in summaries) < MIN_RUNS_FOR_A_WINNER:
         return Verdict(None, "auto", "fewer than 2 runs each, no noise estimate: default kept")
-    noise = max(fast.spread, slow.spread)
-    ratio = slow.median / fast.median
-    comparison = f"{fast.candidate.name} {ratio:.2f}x faster than {slow.candidate.name}"
-    if slow.median - fast.median <= noise:
-        return Verdict(
-            None, "auto", f"within the noise, default kept: {comparison}, spread {noise:.3g} s"
-        )
+    won, rounds = rounds_won(fast, slow)
+    measured = (
+        f"{fast.candidate.name} won {won} of {rounds} rounds; median {fast.median:.4g} s vs "
+        f"{slow.median:.4g} s for {slow.candidate.name}, spread {fast.spread:.3g} s and "
+        f"{slow.spread:.3g} s"
+    )
+    beyond_noise = slow.median - fast.median > max(fast.spread, slow.spread)
+    if won < rounds or (rounds < ROUNDS_FOR_A_SWEEP and not beyond_noise):
+        return Verdict(None, "auto", f"no clear winner: {measured}")
     winner = fast.candidate
     iomp = "auto" if winner == default else winner.iomp
-    return Verdict(winner, iomp, f"{comparison}, spread {noise:.3g} s")
+    ratio = slow.median / fast.median
+    return Verdict(
+        winner, iomp, f"{winner.name} {ratio:.2f}x faster than {slow.candidate.name}: {measured}"
+    )
 
 
 def table(summaries: Sequence[Summary], baseline: str = "libgomp") -> str:
@@ -100,3 +118,33 @@ def table(summaries: Sequence[Summary], baseline: str = "libgomp") -> str:
             f"{f'{q1:.4f}-{q3:.4f}':>17} {f'{min(s.runs):.4f}-{max(s.runs):.4f}':>17} {speed:>17}"
         )
     return "\n".join(lines)
+
+
+# What goes with a runtime rather than besides it: its own block time, and the mark.
+RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
+
+
+def extras(env: Mapping[str, str], inherited: str) -> list[str]:
+    """What a candidate's environment adds besides its OpenMP runtime: the other
+    LD_PRELOAD entries (tcmalloc), and every other variable it sets."""
+    entries = preload_entries(env.get("LD_PRELOAD", inherited))
+    added = [f"preloads {e}" for e in entries if openmp_runtime_of(e) is None]
+    added += [
+        f"sets {k}={v}" for k, v in env.items() if k not in ("LD_PRELOAD", *RUNTIME_VARIABLES)
+    ]
+    return added
+
+
+def besides_runtime(envs: Mapping[str, Mapping[str, str]], inherited: str) -> str:
+    """One line: the candidates differ in the OpenMP runtime only, or what else differs
+    (a rule may add tcmalloc or a binding to one of them), so a result is read as what it
+    measured."""
+    found = {name: extras(env, inherited) for name, env in envs.items()}
+    common = set.intersection(*(set(items) for items in found.values()))
+    differing = {name: [i for i in items if i not in common] for name, items in found.items()}
+    if not any(differing.values()):
+        return "compared:  the OpenMP runtime only (and its KMP_BLOCKTIME)"
+    said = [
+        f"{name} {', '.join(items) or 'adds nothing else'}" for name, items in differing.items()
+    ]
+    return f"compared:  the OpenMP runtime and more: {'; '.join(said)}"
