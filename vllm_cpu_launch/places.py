@@ -8,7 +8,8 @@ library in the vLLM environment) stops after a handful of system calls.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.target import python_libraries, python_user_base
@@ -112,6 +113,16 @@ def library_path_place(names: tuple[str, ...], host: Host) -> Place:
     return Place("ld-library-path", tuple(paths))
 
 
+# glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
+# without them was written by the machine that reads it, in its byte order (s390x: big).
+CACHE_BYTE_ORDER: dict[int, Literal["little", "big"]] = {2: "little", 3: "big"}
+
+
+def cache_byte_order(flags: int) -> Literal["little", "big"]:
+    """The byte order of a loader cache's numbers, from its header's flags."""
+    return CACHE_BYTE_ORDER.get(flags & 3, sys.byteorder)
+
+
 def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[str]:
     """Library paths listed in glibc's /etc/ld.so.cache (format 'glibc-ld.so.cache1.1').
 
@@ -128,13 +139,14 @@ def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[s
     start = data.find(magic)  # after the old-format table on older systems
     if start < 0 or len(data) < start + 48:
         return []
-    count = int.from_bytes(data[start + 20 : start + 24], "little")
+    order = cache_byte_order(data[start + 28])
+    count = int.from_bytes(data[start + 20 : start + 24], order)
     paths = []
     for index in range(count):
         entry = start + 48 + 24 * index
         if entry + 24 > len(data):
             break
-        value = int.from_bytes(data[entry + 8 : entry + 12], "little")
+        value = int.from_bytes(data[entry + 8 : entry + 12], order)
         end = data.find(b"\0", start + value)
         if end > 0:
             paths.append(data[start + value : end].decode("utf-8", "surrogateescape"))
