@@ -67,6 +67,12 @@ def plan_sd(target: Target, host: Host, settings: Settings = DEFAULTS) -> Plan:
             "/t/libtcmalloc_minimal.so.4:/a/libiomp5.so:/x/libfoo.so",
             (),
         ),
+        (  # the runtime is the file's name, not a directory's (issue 29, defect 4)
+            "/opt/libomp-17/lib/libgomp.so.1",
+            ["/t/libtcmalloc_minimal.so.4"],
+            "/t/libtcmalloc_minimal.so.4:/opt/libomp-17/lib/libgomp.so.1",
+            (),
+        ),
     ],
 )
 def test_compose_ld_preload(

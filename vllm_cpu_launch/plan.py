@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -115,7 +116,9 @@ def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tup
     """
     entries = preload_entries(current)
     merged = [path for path in additions if path not in entries] + entries
-    has_iomp = any("libiomp" in e or "libomp" in e for e in merged)
+    # The runtime an entry is, by its file's name (not a directory's, `/opt/libomp-17/`);
+    # dropped, what vLLM would read as libgomp: the substring anywhere in the entry.
+    has_iomp = any(openmp_runtime_of(os.path.basename(e)) == "intel" for e in merged)
     dropped = tuple(e for e in merged if has_iomp and "libgomp" in e)
     return ":".join(e for e in merged if e not in dropped), dropped
 
