@@ -30,6 +30,9 @@ TCMALLOC_NAMES = (
 )
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
+# A malloc of the caller's other than tcmalloc: theirs, so no tcmalloc of ours goes in.
+ALLOCATOR = "allocator"
+ALLOCATOR_MARKERS = ("libjemalloc", "libmimalloc")
 
 MULTIARCH = {
     "x86_64": "x86_64-linux-gnu",
@@ -96,9 +99,58 @@ def openmp_runtime_of(entry: str) -> str | None:
     return None
 
 
+def callers_kind(entry: str) -> str | None:
+    """The kind of library a caller's LD_PRELOAD entry is, by its file's name: an Intel or
+    LLVM OpenMP runtime (IOMP: vLLM's `libiomp`/`libomp`), a malloc of theirs (ALLOCATOR,
+    a tcmalloc among them: TCMALLOC), or None for any other library."""
+    name = os.path.basename(entry)
+    if openmp_runtime_of(name) == "intel":
+        return IOMP
+    if MARKER[TCMALLOC] in name:
+        return TCMALLOC
+    return ALLOCATOR if any(marker in name for marker in ALLOCATOR_MARKERS) else None
+
+
 def ld_preload_place(kind: str, host: Host) -> Place:
     entries = preload_entries(host.environ.get("LD_PRELOAD", ""))
-    return Place("ld-preload", tuple(e for e in entries if MARKER[kind] in os.path.basename(e)))
+    return Place("ld-preload", tuple(e for e in entries if callers_kind(e) == kind))
+
+
+def lib_expansions(host: Host) -> tuple[str, ...]:
+    """What glibc's `$LIB` may stand for: its build's choice (Debian's lib/<multiarch>,
+    Fedora's lib64, else lib), tried in that order."""
+    multiarch = MULTIARCH.get(host.machine)
+    return (*((f"lib/{multiarch}",) if multiarch else ()), "lib64", "lib")
+
+
+def expansions(entry: str, host: Host) -> list[str]:
+    """The paths an LD_PRELOAD entry may name once the loader expands `$LIB` and
+    `$PLATFORM` (ld.so(8)'s dynamic string tokens)."""
+    paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
+    if "$LIB" in entry or "${LIB}" in entry:
+        libs = lib_expansions(host)
+        paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
+    return paths
+
+
+def resolve_preload_entry(entry: str, host: Host) -> str | None:
+    """The file the loader preloads for a caller's LD_PRELOAD entry, or None where it finds
+    none: a path (relative to the working directory, as the loader opens it), tokens
+    expanded; a bare name where the loader looks (LD_LIBRARY_PATH, its cache, the system
+    directories)."""
+    if "/" in entry:
+        paths = expansions(entry, host)
+        found = next((p for p in paths if os.path.lexists(p)), paths[0])
+        return os.path.abspath(found)  # examined: the reason it does not load, if so
+    names = (entry,)
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    directories = [d for d in value.split(":") if os.path.isabs(d)]
+    places = (
+        files_named("", directories, names),
+        loader_cache_place(names, host),
+        files_named("", system_directories(host), names),
+    )
+    return next((place.paths[0] for place in places if place.paths), None)
 
 
 def library_path_place(names: tuple[str, ...], host: Host) -> Place:

@@ -26,9 +26,26 @@ from vllm_cpu_launch.handoff import (
     STARTED_MARK,
     names_openmp_runtime,
 )
-from vllm_cpu_launch.libraries import LLVM, UNSAFE, Candidate, Search, find_library
+from vllm_cpu_launch.libraries import (
+    LLVM,
+    NOT_FOUND_BY_LOADER,
+    Candidate,
+    Search,
+    Verdict,
+    find_library,
+    verdict,
+)
 from vllm_cpu_launch.metadata import PYTHONPATH, Alias, alias_for, alias_problem, pythonpath_with
-from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, openmp_runtime_of, preload_entries
+from vllm_cpu_launch.places import (
+    ALLOCATOR,
+    IOMP,
+    TCMALLOC,
+    Host,
+    callers_kind,
+    openmp_runtime_of,
+    preload_entries,
+    resolve_preload_entry,
+)
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.releases import support, target_release
 from vllm_cpu_launch.settings import blocktime_problem
@@ -104,6 +121,9 @@ class Plan:
     # The caller's LD_PRELOAD entries that fail the trust rule beside the plan's own
     # libraries: the launcher refuses to start (exit 126), the plugin changes nothing.
     refused: tuple[str, ...] = ()
+    # With --strict (the launcher's), the messages of the wanted libraries not found: the
+    # launcher refuses to start with them (exit 127); they are among `warnings` too.
+    fatal: tuple[str, ...] = ()
     # The `vllm` metadata the launcher supplies to a vllm-cpu install (metadata.py).
     metadata: Alias | None = None
 
@@ -269,11 +289,10 @@ def without_entry(current: str, entry: str) -> str:
 
 def refusal(candidate: Candidate) -> str:
     """The one line for a caller's LD_PRELOAD entry the trust rule refuses."""
-    problem = candidate.reason.removeprefix(UNSAFE)
     fix = candidate.fix or "make it and its directories writable by root alone"
     return (
-        f"your LD_PRELOAD entry {candidate.path} is unsafe to preload ({problem}), and the "
-        f"plan's own {candidate.kind} library would go beside it; Fix: {fix}"
+        f"your LD_PRELOAD entry {candidate.path} is {candidate.reason}, and the plan's own "
+        f"{candidate.kind} library would go beside it; Fix: {fix}"
     )
 
 
@@ -284,13 +303,45 @@ def callers_runtime_problems(
     nothing is preloaded beside it (two runtimes in one process). True where it is not."""
     rejected = {c.path: c for c in search.candidates if c.origin == "ld-preload"}
     broken = [rejected[e] for e in yours if e in rejected and rejected[e].verdict == "rejected"]
-    for candidate in (c for c in broken if not c.reason.startswith(UNSAFE)):
+    for candidate in (c for c in broken if not c.unsafe):
         warnings.append(
             f"your LD_PRELOAD entry {candidate.path} is no usable Intel OpenMP "
             f"({candidate.reason}): nothing is preloaded beside it, two OpenMP runtimes in "
             f"one process; Fix: {without_entry(current, candidate.path)}"
         )
     return bool(broken)
+
+
+def callers_entry_problems(
+    current: str, examined: Sequence[Candidate], host: Host, trusted: frozenset[int]
+) -> list[str]:
+    """One warning for each other entry of the caller's LD_PRELOAD that the loader will not
+    preload (missing, no ELF file of this machine) or the trust rule refuses, saying what
+    the loader will do with it; it stays as set (issue 31)."""
+    done = {c.path for c in examined}
+    problems = []
+    for entry in dict.fromkeys(preload_entries(current)):
+        if entry in done or "ORIGIN" in entry:  # $ORIGIN: the program's, not known here
+            continue
+        resolved = resolve_preload_entry(entry, host)
+        found = (
+            verdict(resolved, None, host, trusted, as_written=False)
+            if resolved
+            else Verdict(NOT_FOUND_BY_LOADER)
+        )
+        if found.unsafe:
+            fix = f"; Fix: {found.fix}" if found.fix else ""
+            problems.append(
+                f"your LD_PRELOAD entry {entry} is {found.reason}: the loader will preload "
+                f"it into every vLLM process all the same; it stays as you set it{fix}"
+            )
+        elif found.reason:
+            problems.append(
+                f"your LD_PRELOAD entry {entry} cannot be preloaded ({found.reason}): the "
+                f"loader will print 'ERROR: ld.so: object {entry} ... cannot be preloaded' in "
+                "every vLLM process and go on without it; it stays as you set it"
+            )
+    return problems
 
 
 def build_plan(
@@ -320,6 +371,7 @@ def build_plan(
     warnings: list[str] = []
     notes: list[str] = []
     missing: list[str] = []
+    fatal: list[str] = []
     searches: list[Search] = []
     warnings += settings.deprecated
     refuses = settings.strict and planner == LAUNCHER  # a plugin cannot stop vLLM
@@ -384,11 +436,20 @@ def build_plan(
         warnings.append(
             f"--iomp never, but your LD_PRELOAD names {', '.join(yours)}: it stays as you set it"
         )
+    # A malloc of the caller's (jemalloc, tcmalloc in any form the loader takes) is
+    # theirs, like their runtime: no tcmalloc of ours goes beside it.
+    allocators = [e for e in preload_entries(current) if callers_kind(e) in (TCMALLOC, ALLOCATOR)]
+    other_malloc = [e for e in allocators if callers_kind(e) == ALLOCATOR]
+    if other_malloc and settings.tcmalloc == "always":
+        warnings.append(
+            f"--tcmalloc always, but your LD_PRELOAD names {', '.join(other_malloc)}: it "
+            "stays as you set it, no tcmalloc beside it"
+        )
     # A drafter's method was measured unbound only with tcmalloc: whether one is found
     # decides its rule (evidence.map_choice), so it is looked for first.
     tcmalloc_search: Search | None = None
     drafter = speculative.requested and speculative.method in DRAFTER_METHODS
-    if drafter and wants_iomp and not yours and settings.tcmalloc != "never":
+    if drafter and wants_iomp and not yours and not other_malloc and settings.tcmalloc != "never":
         tcmalloc_search = explicit.get(TCMALLOC) or find_library(
             TCMALLOC, host, target, trusted=trusted
         )
@@ -455,6 +516,7 @@ def build_plan(
                 else "the program will use GNU libgomp"
             )
             warnings.append(missing_message(search, target, consequence, llvm_opt_in))
+            fatal += warnings[-1:] if refuses else []
     elif mode == "auto" and not auto_iomp:
         notes.append("no speculative decoding requested: Intel OpenMP not needed")
 
@@ -462,11 +524,14 @@ def build_plan(
     # it, Intel's or LLVM's: every map rule's setting was measured with both
     # (evidence.LLVM_RUNTIME; tests/test_evidence.py holds that).
     applied = choice if choice and iomp is not None else None
-    wants_tcmalloc = settings.tcmalloc == "always" or (
-        settings.tcmalloc == "auto"
-        and iomp is not None
-        and not yours
-        and (not applied or applied.tcmalloc)
+    wants_tcmalloc = not other_malloc and (
+        settings.tcmalloc == "always"
+        or (
+            settings.tcmalloc == "auto"
+            and iomp is not None
+            and not yours
+            and (not applied or applied.tcmalloc)
+        )
     )
     if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
         notes.append("tcmalloc not preloaded: the map measured this setting without it")
@@ -479,15 +544,18 @@ def build_plan(
         )
         searches.append(search)
         tcmalloc = search.chosen
-        if tcmalloc is None and settings.tcmalloc == "always":
+        if allocators and (tcmalloc is None or tcmalloc.origin != "ld-preload"):
+            tcmalloc = None  # theirs, unusable: its warning says so; nothing goes beside it
+        elif tcmalloc is None and settings.tcmalloc == "always":
             missing.append(TCMALLOC)
             consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
             warnings.append(missing_message(search, target, consequence))
+            fatal += warnings[-1:] if refuses else []
         elif tcmalloc is None:
             notes.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
 
     callers = [c for s in searches for c in s.candidates if c.origin == "ld-preload"]
-    refused = [c for c in callers if c.verdict == "rejected" and c.reason.startswith(UNSAFE)]
+    refused = [c for c in callers if c.unsafe]
     for candidate in callers:
         if candidate.verdict == "rejected" and candidate not in refused:
             if candidate.kind == IOMP and candidate.path in yours:
@@ -496,6 +564,7 @@ def build_plan(
                 f"your LD_PRELOAD entry {candidate.path} stays as you set it, but it is no "
                 f"usable {candidate.kind} library: {candidate.reason}"
             )
+    warnings += callers_entry_problems(current, callers, host, trusted)
     chosen = [c for c in (tcmalloc, iomp) if c is not None]
     if refused:  # nothing changes: the launcher refuses to start, the plugin leaves it
         chosen = []
@@ -551,6 +620,7 @@ def build_plan(
         tuned=tuned,
         inputs=tuple((name, host.environ.get(name)) for name in CALLER_VARIABLES),
         refused=tuple(refusal(c) for c in refused),
+        fatal=tuple(fatal),
         metadata=alias,
     )
 
