@@ -24,11 +24,10 @@ from vllm_cpu_launch.records import record
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-MAP_CPUS = 2
-MAP_VLLM = "0.32"
 MAP = "docs/benchmarks.md, the map"
 METHODS_MAP = "docs/benchmarks.md, the SD methods map"
 WAITING_MAP = "docs/benchmarks.md, the waiting policies map"
+RUNTIMES_MAP = "docs/benchmarks.md, the runtimes map"
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 BLOCKTIME_VARIABLE = "KMP_BLOCKTIME"
@@ -37,50 +36,187 @@ NOBIND_BLOCKTIME = "200"
 # The map's model whose rounds decide (the tiny one is bound by Python, not OpenMP).
 SERVED_MODEL = "100m"
 PLAIN = "plain vLLM (libgomp as installed)"
+LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
+
+
+@record
+class Measured:
+    """Where a rule was measured: every condition must hold on a start for it to apply
+    (`vllm-cpu-launch rules serve ...` names the first that does not)."""
+
+    method: str  # vLLM's SD method
+    tokens: int | None = None  # num_speculative_tokens (None: any)
+    machine: str = "x86_64"
+    cpus: int = 2  # usable CPUs (sched_getaffinity)
+    vllm: str = "0.32"  # the release series
+    workers: int = 1  # workers, on one node
+    bindings: tuple[str, ...] = ("",)  # VLLM_CPU_OMP_THREADS_BIND as measured ("": unset)
+    # The caller's variables it needs unset ("KMP_BLOCKTIME": unset or the rule's value).
+    unset: tuple[str, ...] = (RESERVED_VARIABLE, THREADS_VARIABLE, BLOCKTIME_VARIABLE)
+    allocator: str = "none"  # "tcmalloc": measured with one preloaded; "none": without
+    runtime: str = "intel"  # the OpenMP runtime measured ("llvm": LLVM's libomp)
 
 
 @record
 class Rule:
     """A measured rule: what it adds, and the figures it rests on, the lowest and highest
     median TPOT ratio (> 1 = faster) over the concurrency levels measured on the 105M
-    model, every paired round of each a gain; test_evidence.py recomputes them."""
+    model, every paired round of each a gain; test_evidence.py recomputes them from
+    `evidence`, the kept run. A non-rule (`adds` "nothing") records a measurement that
+    was no gain in every round, and `why`."""
 
     id: str
     adds: str  # what it adds, in words
     figures: tuple[float, float]
     versus: str  # what the figures compare with
     source: str  # where they were measured
+    measured: Measured | None = None
+    evidence: str = ""  # the kept run's JSON file, from the repository's root
+    variables: tuple[tuple[str, str], ...] = ()  # the variables it adds, if left unset
+    allocator: str | None = None  # the allocator it adds
+    runtime: str | None = None  # the OpenMP runtime it lets stand in
+    why: str = ""  # a non-rule's reason
 
 
-NGRAM_UNBOUND = Rule(
-    "map-1",
-    f"{BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}, no tcmalloc",
-    (1.19, 1.42),
-    PLAIN,
-    MAP,
+UNBOUND = ((BIND_VARIABLE, "nobind"), (BLOCKTIME_VARIABLE, NOBIND_BLOCKTIME))
+MAP_JSON = "docs/bench_vllm_map.json"
+METHODS_JSON = "docs/bench_vllm_methods.json"
+# Every measured rule, and the measured non-rules: the one table the plan, `rules`,
+# docs/design.md's table and tests/test_evidence.py read. Changing or removing a rule is
+# an edit here and in its evidence test.
+RULES = (
+    Rule(
+        "map-1",
+        f"{BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}, no tcmalloc",
+        (1.19, 1.42),
+        PLAIN,
+        MAP,
+        Measured("ngram"),
+        MAP_JSON,
+        UNBOUND,
+    ),
+    Rule(
+        "map-2",
+        f"{BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME} under your {BIND_VARIABLE}=nobind, no tcmalloc",
+        (1.32, 1.55),
+        "libgomp under nobind",
+        MAP,
+        Measured("ngram", bindings=("nobind",), unset=(THREADS_VARIABLE, BLOCKTIME_VARIABLE)),
+        MAP_JSON,
+        UNBOUND[1:],
+    ),
+    *(
+        Rule(
+            "methods-4",
+            f"tcmalloc, {BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}",
+            figures,
+            PLAIN,
+            METHODS_MAP,
+            Measured(method, tokens, allocator="tcmalloc"),
+            METHODS_JSON,
+            UNBOUND,
+            "tcmalloc",
+        )
+        for method, tokens, figures in (
+            ("draft_model", 7, (1.22, 1.41)),
+            ("eagle", 3, (1.31, 1.51)),
+        )
+    ),
+    Rule(
+        "methods-none",
+        "nothing",
+        (0.86, 1.45),
+        PLAIN,
+        METHODS_MAP,
+        Measured("draft_model", 3, allocator="tcmalloc"),
+        METHODS_JSON,
+        why="at 1 request its rounds ranged 0.86-1.45x",
+    ),
+    *(
+        Rule(
+            rule_id,
+            LLVM_ADDS,
+            figures,
+            versus,
+            RUNTIMES_MAP,
+            Measured(method, tokens, bindings=bindings, allocator=allocator, runtime="llvm"),
+            json_file,
+            runtime="llvm",
+        )
+        for rule_id, method, tokens, bindings, allocator, figures, versus, json_file in (
+            (
+                "runtimes-1",
+                "ngram",
+                None,
+                ("", "nobind"),
+                "none",
+                (1.24, 1.33),
+                "libgomp under nobind",
+                "docs/bench_vllm_runtimes.json",
+            ),
+            (
+                "runtimes-2",
+                "eagle",
+                3,
+                ("",),
+                "tcmalloc",
+                (1.68, 1.70),
+                PLAIN,
+                "docs/bench_vllm_drafter_runtimes.json",
+            ),
+            (
+                "runtimes-3",
+                "draft_model",
+                7,
+                ("",),
+                "tcmalloc",
+                (1.37, 1.39),
+                PLAIN,
+                "docs/bench_vllm_draft_model_runtimes.json",
+            ),
+        )
+    ),
+    Rule(
+        "runtimes-none",
+        "nothing",
+        (0.98, 1.01),
+        "libgomp",
+        RUNTIMES_MAP,
+        Measured("draft_model", 3, bindings=("", "auto"), runtime="llvm"),
+        "docs/bench_vllm_draft_model_runtimes.json",
+        runtime="llvm",
+        why="at vLLM's binding (the setting the plan gives draft_model with 3 tokens, which "
+        "has no map rule) it measured 0.98-1.01x of libgomp, a loss at 4 requests in every "
+        "round",
+    ),
 )
-NGRAM_NOBIND = Rule(
-    "map-2",
-    f"{BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME} under your {BIND_VARIABLE}=nobind, no tcmalloc",
-    (1.32, 1.55),
-    "libgomp under nobind",
-    MAP,
-)
 
 
-def drafter_rule(figures: tuple[float, float]) -> Rule:
-    adds = f"tcmalloc, {BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}"
-    return Rule("methods-4", adds, figures, PLAIN, METHODS_MAP)
+def rule(rule_id: str, method: str | None = None) -> Rule:
+    """The table's rule of that id (and method, where one id covers several)."""
+    return next(
+        r
+        for r in RULES
+        if r.id == rule_id and (method is None or (r.measured and r.measured.method == method))
+    )
 
 
+def measured_key(item: Rule) -> tuple[str, int | None]:
+    where = item.measured
+    assert where is not None  # every rule of the table says where it was measured
+    return where.method, where.tokens
+
+
+# Views of the table, by what the plan looks up.
+NGRAM_UNBOUND = rule("map-1")
+NGRAM_NOBIND = rule("map-2")
+MAP_CPUS = NGRAM_UNBOUND.measured.cpus if NGRAM_UNBOUND.measured else 0
+MAP_VLLM = NGRAM_UNBOUND.measured.vllm if NGRAM_UNBOUND.measured else ""
 # (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc, where every
 # round at 1 and 4 concurrent requests was a gain.
-DRAFTER_RULES = {
-    ("draft_model", 7): drafter_rule((1.22, 1.41)),
-    ("eagle", 3): drafter_rule((1.31, 1.51)),
-}
+DRAFTER_RULES = {measured_key(r): r for r in RULES if r.id == "methods-4"}
 # Measured, but not a gain in every round: no rule (test_evidence.py holds why).
-NOT_EVERY_ROUND = {("draft_model", 3): "at 1 request its rounds ranged 0.86-1.45x"}
+NOT_EVERY_ROUND = {measured_key(r): r.why for r in RULES if r.id == "methods-none"}
 DRAFTER_METHODS = ("draft_model", "eagle")
 MAP_METHODS = ("ngram", *DRAFTER_METHODS)  # the SD methods mapped: the rules apply to them alone
 
@@ -240,28 +376,12 @@ def map_choice(host: MapHost) -> tuple[MapChoice | None, str]:
 
 # LLVM's libomp where no Intel OpenMP is found (issue 24): the runtimes maps measured it in
 # the rules' unbound settings against libgomp, every paired round a gain on the 105M model.
-RUNTIMES_MAP = "docs/benchmarks.md, the runtimes map"
-LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
-
-
-def llvm_rule(rule_id: str, figures: tuple[float, float], versus: str) -> Rule:
-    return Rule(rule_id, LLVM_ADDS, figures, versus, RUNTIMES_MAP)
-
-
 # (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured, each
 # in the setting of the map rule for that method on the map's host (map-1/map-2's nobind
 # and KMP_BLOCKTIME=200; the drafters' methods-4: tcmalloc, nobind, KMP_BLOCKTIME=200).
-LLVM_RUNTIME: dict[tuple[str, int | None], Rule] = {
-    ("ngram", None): llvm_rule("runtimes-1", (1.24, 1.33), "libgomp under nobind"),
-    ("eagle", 3): llvm_rule("runtimes-2", (1.68, 1.70), PLAIN),
-    ("draft_model", 7): llvm_rule("runtimes-3", (1.37, 1.39), PLAIN),
-}
+LLVM_RUNTIME = {measured_key(r): r for r in RULES if r.runtime == "llvm" and r.why == ""}
 # Measured, and no gain where the plan would run it: no rule (test_evidence.py holds why).
-LLVM_NOT_A_GAIN = {
-    ("draft_model", 3): "at vLLM's binding (the setting the plan gives draft_model with 3 "
-    "tokens, which has no map rule) it measured 0.98-1.01x of libgomp, a loss at 4 requests "
-    "in every round",
-}
+LLVM_NOT_A_GAIN = {measured_key(r): r.why for r in RULES if r.runtime == "llvm" and r.why}
 
 
 def llvm_runtime(
