@@ -12,10 +12,6 @@ from vllm_cpu_launch.evidence import (
     DRAFTER_METHODS,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
-    llvm_runtime,
-    map_choice,
-    map_host,
-    on_map_host,
 )
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
@@ -48,6 +44,7 @@ from vllm_cpu_launch.places import (
 )
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.releases import support, target_release
+from vllm_cpu_launch.rules import Setting, Start, llvm_runtime, setting_rule
 from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.tunes import choose, launch_scope
@@ -454,24 +451,24 @@ def build_plan(
             TCMALLOC, host, target, trusted=trusted
         )
     x86_sd = speculative.requested and host.machine in IOMP_MACHINES and not yours
-    measured = (
-        map_host(
-            host.environ,
-            host.cpus,
-            release.release,
-            one_worker,
-            speculative.method,
-            speculative.tokens,
-            settings.kmp_blocktime,
-            tcmalloc_search is not None and tcmalloc_search.chosen is not None,
-            settings.tcmalloc == "always",
-        )
-        if x86_sd and wants_iomp
-        else None
+    theirs = {callers_kind(e) for e in allocators}
+    start = Start(
+        host.machine,
+        host.cpus,
+        release.release,
+        one_worker,
+        speculative.method,
+        speculative.tokens,
+        host.environ,
+        settings.kmp_blocktime,
+        settings.tcmalloc,
+        tcmalloc_search is not None and tcmalloc_search.chosen is not None,
+        "other" if ALLOCATOR in theirs else "tcmalloc" if theirs else None,
     )
-    choice, map_note = map_choice(measured) if measured else (None, "")
-    if map_note and choice is None:
-        notes.append(map_note)
+    setting = setting_rule(start) if x86_sd and wants_iomp else Setting(None, "")
+    choice = setting if setting.rule else None
+    if setting.note and choice is None:
+        notes.append(setting.note)
     iomp: Candidate | None = None
     runtime: Rule | None = None
     if wants_iomp:
@@ -483,10 +480,8 @@ def build_plan(
         # applies); --iomp always (tune's candidate, aarch64's opt-in) takes it.
         # (x86_sd: no runtime of the caller's, so none found in their LD_PRELOAD.)
         if found and found.origin != "explicit" and found.flavor == LLVM and x86_sd:
-            here = on_map_host(host.cpus, release.release, one_worker)
-            runtime, runtime_note = llvm_runtime(
-                speculative.method, speculative.tokens, choice, here
-            )
+            stand_in = llvm_runtime(start)
+            runtime, runtime_note = stand_in.rule, stand_in.note
             if runtime is None and mode == "auto":
                 search = declined(search, runtime_note)
             elif runtime is None:
@@ -569,17 +564,16 @@ def build_plan(
     if refused:  # nothing changes: the launcher refuses to start, the plugin leaves it
         chosen = []
     default_blocktime = None if yours else DEFAULT_KMP_BLOCKTIME
-    if applied and applied.blocktime:
-        default_blocktime = applied.blocktime
+    added = dict(applied.variables) if applied else {}
+    default_blocktime = added.pop(BLOCKTIME_VARIABLE, default_blocktime)
     blocktime = None if refused else settings.kmp_blocktime
     env = environment_changes(host.environ, chosen, blocktime, warnings, default_blocktime)
     if runtime and iomp in chosen:
         reasons.append(f"runtimes rule {runtime.id}")
-    if applied and chosen:
+    if applied and applied.rule and chosen:
         reasons.append(f"map rule {applied.rule.id}")
-        notes.append(map_note)
-        if applied.nobind:
-            env[BIND_VARIABLE] = "nobind"
+        notes.append(applied.note)
+        env.update(added)
     # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
     # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
     # The launcher marks a start whose LD_PRELOAD names a runtime too, its own or the
@@ -598,7 +592,7 @@ def build_plan(
     if alias:
         env[PYTHONPATH] = pythonpath_with(alias, host.environ)
     relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen or yours else []
-    if measured:  # the map's rule read these
+    if setting.read:  # the rules read these
         relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
     kept = {name: host.environ[name] for name in relied if name in host.environ}
     relies_on = tuple((name, value) for name, value in kept.items() if name not in env)
