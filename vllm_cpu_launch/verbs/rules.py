@@ -109,19 +109,32 @@ def table_lines() -> list[str]:
     return lines
 
 
+def table_where(where: Measured) -> str:
+    """Where a rule was measured, for docs/design.md's table (x86-64, one worker: its
+    caption)."""
+    tokens = f" {where.tokens} tokens" if where.tokens is not None else ""
+    head = f"{where.method}{tokens}, {where.cpus} CPUs, vLLM {where.vllm}"
+    if where.within:
+        return f"{head}, as {'/'.join(where.within)}"
+    binding = "/".join(b or "unset" for b in where.bindings)
+    unset = ", ".join(where.unset)
+    allocator = "tcmalloc" if where.allocator == "tcmalloc" else "no tcmalloc"
+    return f"{head}; binding {binding}; unset: {unset}; {allocator}"
+
+
 def markdown_table() -> str:
     """The table as docs/design.md shows it (tests/test_rules.py keeps them in agreement)."""
     from vllm_cpu_launch.evidence import RULES, figures
 
-    rows = [
-        "| rule | measured under | adds | TPOT vs | evidence |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    rows = ["| rule | measured under | adds | TPOT |", "| --- | --- | --- | --- |"]
     for rule in RULES:
-        adds = rule.adds if not rule.why else f"nothing (no rule: {rule.why})"
+        adds = [f"{name}={value}" for name, value in rule.variables]
+        adds += [rule.allocator or "", "LLVM's libomp" if rule.runtime else ""]
+        added = ", ".join(a for a in adds if a) if not rule.why else "nothing (no gain every round)"
+        versus = rule.versus.split(" (")[0]
         rows.append(
-            f"| {rule.id} | {measured_words(rule.measured)} | {adds} | "
-            f"{figures(rule.figures)} {rule.versus} | {rule.evidence} |"
+            f"| {rule.id} | {table_where(rule.measured)} | {added} | "
+            f"{figures(rule.figures)} {versus} |"
         )
     return "\n".join(rows)
 
