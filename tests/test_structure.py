@@ -26,7 +26,6 @@ def lengths() -> dict[str, int]:
 # unit's names): split there, then removed from here. Nothing may join this list or grow.
 NOT_YET_SPLIT = {
     "vllm_cpu_launch/verbs/systemd_unit.py:render_unit": 70,
-    "vllm_cpu_launch/verbs/doctor/measure.py:measure_openmp": 76,
     "vllm_cpu_launch/verbs/doctor/__init__.py:render_text": 89,
     "vllm_cpu_launch/verbs/tune/__init__.py:measure": 93,
 }
