@@ -312,7 +312,9 @@ def test_a_callers_llvm_runtime_that_does_not_exist_is_said_like_an_intel_one(
     entry = "/usr/lib/llvm-17/lib/nonexistent/libomp.so.5"
     plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=entry)
     assert (plan["env"], plan["preload"], plan["missing"]) == (STARTED, [], ["iomp"])
-    (warning,) = plan["warnings"]
+    warnings = plan["warnings"]
+    assert isinstance(warnings, list)
+    (warning,) = warnings
     assert f"{entry} is no usable Intel OpenMP (does not exist)" in warning
     assert warning.endswith("Fix: unset LD_PRELOAD")
 
@@ -393,7 +395,9 @@ def test_a_callers_entry_that_cannot_load_is_said_once_and_kept(
         plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=":".join(entries))
     finally:
         shared.chmod(0o755)
-    missing, not_elf, unsafe = plan["warnings"]  # type: ignore[misc]
+    said = plan["warnings"]
+    assert isinstance(said, list)
+    missing, not_elf, unsafe = said
     for entry, warning in zip(entries[:2], (missing, not_elf), strict=True):
         assert warning.startswith(f"your LD_PRELOAD entry {entry} cannot be preloaded (")
         assert "the loader will print 'ERROR: ld.so: object" in warning

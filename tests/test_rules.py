@@ -124,7 +124,7 @@ def test_the_matcher_reads_only_the_table() -> None:
     with none (map-1 as the example: its data, not code, names them)."""
     rule = evidence.rule("map-1")
     assert misses(rule, start()) == [] and setting_rule(start()).rule == rule
-    for change, condition in [
+    changes: list[tuple[dict[str, Any], str]] = [
         ({"cpus": 4}, "cpus"),
         ({"release": "0.33.1"}, "vllm"),
         ({"one_worker": False}, "workers"),
@@ -133,7 +133,8 @@ def test_the_matcher_reads_only_the_table() -> None:
         ({"environ": {"OMP_NUM_THREADS": "2"}}, "OMP_NUM_THREADS"),
         ({"tcmalloc": "always"}, "allocator"),
         ({"callers_allocator": "other"}, "allocator"),
-    ]:
+    ]
+    for change, condition in changes:
         assert [m.condition for m in misses(rule, start(**change))] == [condition], change
     assert setting_rule(start(cpus=4)).rule is None
 
