@@ -22,6 +22,7 @@ from tests.test_benchmarks import load_script
 from vllm_cpu_launch import evidence
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.releases import vllm_release
+from vllm_cpu_launch.rules import Start, setting_rule
 
 MAP_JSON = REPO / "docs" / "bench_vllm_map.json"
 METHODS_JSON = REPO / "docs" / "bench_vllm_methods.json"
@@ -129,10 +130,9 @@ def test_bound_with_none_reserved_no_runtime_measured_faster_than_libgomp() -> N
     ratios = map_ratios(("libiomp5", "libomp"), "tpot", "libgomp", WAITING_JSON, ("ngram", 3))
     assert len(ratios) == 2 * 2 and verdicts(ratios) == {"="}
     assert median_range(ratios) == (0.95, 1.05)
-    assert (
-        "with none reserved 0.95-1.05x"
-        in evidence.rule_for(evidence.MapHost(2, "0.32.0", "ngram", "", True))[1]
-    )
+    reserved = {evidence.RESERVED_VARIABLE: "0"}
+    start = Start("x86_64", 2, "0.32.0", True, "ngram", None, reserved)
+    assert "with none reserved 0.95-1.05x" in setting_rule(start).note
 
 
 def test_the_methods_map_was_measured_where_the_rules_apply() -> None:

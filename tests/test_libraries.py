@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_launch.libraries import examine, find_library
-from vllm_cpu_launch.places import IOMP, TCMALLOC, Host
+from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, loader_cache_entries
 from vllm_cpu_launch.target import Target
 
 MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"
@@ -404,3 +404,43 @@ def test_intel_in_a_later_place_wins_over_llvm_in_an_earlier_one(
     )
     verdicts = {c.path: (c.flavor, c.verdict) for c in search.candidates}
     assert verdicts[str(llvm)] == ("llvm", "usable")
+
+
+def big_endian_copy(cache: bytes) -> bytes:
+    """An ldconfig cache as a big-endian machine (s390x) writes it: the same strings, its
+    header's and entries' numbers byte-swapped, the header's flags saying big-endian."""
+    start = cache.index(b"glibc-ld.so.cache1.1")
+    data = bytearray(cache)
+    count = int.from_bytes(cache[start + 20 : start + 24], "little")
+    swap = [start + 20, start + 24, start + 32]  # nlibs, len_strings, extension_offset
+    for index in range(count):  # flags, key, value, osversion (hwcap: 8 bytes)
+        swap += [start + 48 + 24 * index + field for field in (0, 4, 8, 12)]
+    for at in swap:
+        data[at : at + 4] = cache[at : at + 4][::-1]
+    for index in range(count):
+        at = start + 48 + 24 * index + 16
+        data[at : at + 8] = cache[at : at + 8][::-1]
+    data[start + 28] = 3  # cache_file_new_flags_endian_big
+    return bytes(data)
+
+
+def test_a_big_endian_loader_cache_is_read_in_its_byte_order(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """s390x is a listed machine: its cache's numbers are big-endian (issue 29, defect 5)."""
+    root = tmp_path / "root"
+    library = place_library(real_iomp, root / "opt" / "vendor" / "lib" / "libiomp5.so")
+    (root / "etc").mkdir()
+    (root / "etc" / "ld.so.conf").write_text("/opt/vendor/lib\n")
+    subprocess.run(
+        ["ldconfig", "-r", str(root), "-C", "/etc/ld.so.cache", "-f", "/etc/ld.so.conf", "-X"],
+        check=True,
+        timeout=60,
+    )
+    cache = root / "etc" / "ld.so.cache"
+    little = loader_cache_entries(str(cache))
+    assert "/opt/vendor/lib/libiomp5.so" in little
+    cache.write_bytes(big_endian_copy(cache.read_bytes()))
+    assert loader_cache_entries(str(cache)) == little
+    search = find_library(IOMP, host(tmp_path, root=root), None)
+    assert search.chosen is not None and search.chosen.path == str(library)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,10 @@ from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 from vllm_cpu_launch.target import Target
 
 from .conftest import install_recorder, make_environment
+from .hardening_support import patch_elf
 
 DEFAULTS = Settings()
+MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"
 SD = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
 # Where a plan keeps libgomp for SD or refuses Intel OpenMP, for vLLM's plugin.
 MARK = (PLANNED_VARIABLE, "launcher")
@@ -65,6 +68,12 @@ def plan_sd(target: Target, host: Host, settings: Settings = DEFAULTS) -> Plan:
             " /x/libfoo.so ",
             ["/t/libtcmalloc_minimal.so.4", "/a/libiomp5.so"],
             "/t/libtcmalloc_minimal.so.4:/a/libiomp5.so:/x/libfoo.so",
+            (),
+        ),
+        (  # the runtime is the file's name, not a directory's (issue 29, defect 4)
+            "/opt/libomp-17/lib/libgomp.so.1",
+            ["/t/libtcmalloc_minimal.so.4"],
+            "/t/libtcmalloc_minimal.so.4:/opt/libomp-17/lib/libgomp.so.1",
             (),
         ),
     ],
@@ -263,7 +272,10 @@ def test_blocktime_units(value: str, valid: bool) -> None:
 def test_a_callers_intel_openmp_stays_as_set(tmp_path: Path, real_iomp: Path) -> None:
     """--iomp never with libiomp5 in the caller's LD_PRELOAD: it stays, said (once it was
     removed); with SD, the caller's runtime is the one, and nothing is added beside it."""
-    preload = f"/x/libfoo.so:{real_iomp}"
+    foo = tmp_path / "x" / "libfoo.so"  # another library of theirs, a real one
+    foo.parent.mkdir()
+    shutil.copy(real_iomp, foo)
+    preload = f"{foo}:{real_iomp}"
     plan = plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"), LD_PRELOAD=preload)
     assert plan["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher"}
     warnings = plan["warnings"]
@@ -279,11 +291,32 @@ def test_a_callers_intel_openmp_stays_as_set(tmp_path: Path, real_iomp: Path) ->
 
 
 def test_an_llvm_runtime_of_the_callers_gets_no_second_runtime(
+    tmp_path: Path, real_iomp: Path, debian_root: Path
+) -> None:
+    """vLLM takes `libomp` for Intel's interface too: nothing is added beside it, and it is
+    examined as an Intel one is (issue 29, defect 1): a real one is kept and shown kept."""
+    (libomp,) = (debian_root / "usr/lib/llvm-14/lib").glob("libomp.so.5")
+    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=str(libomp))
+    assert (plan["env"], plan["warnings"], plan["missing"]) == (STARTED, [], [])
+    assert plan["preload"] == [
+        {"kind": "iomp", "path": str(libomp), "flavor": "llvm", "origin": "ld-preload"}
+    ]
+
+
+def test_a_callers_llvm_runtime_that_does_not_exist_is_said_like_an_intel_one(
     tmp_path: Path, real_iomp: Path
 ) -> None:
-    """vLLM takes `libomp` for Intel's interface too: nothing is added beside it."""
-    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD="/usr/lib/llvm-17/lib/libomp.so.5")
-    assert (plan["env"], plan["preload"], plan["warnings"]) == (STARTED, [], [])
+    """Issue 29, defect 1: a `libomp` entry of the caller's that cannot load gets the
+    warning an unusable `libiomp` one gets; nothing goes beside it (tests/test_plan.py's
+    /gone/libiomp5.so case, and tests/test_plan_contract.py runs the fix)."""
+    entry = "/usr/lib/llvm-17/lib/nonexistent/libomp.so.5"
+    plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=entry)
+    assert (plan["env"], plan["preload"], plan["missing"]) == (STARTED, [], ["iomp"])
+    warnings = plan["warnings"]
+    assert isinstance(warnings, list)
+    (warning,) = warnings
+    assert f"{entry} is no usable Intel OpenMP (does not exist)" in warning
+    assert warning.endswith("Fix: unset LD_PRELOAD")
 
 
 def test_the_schema_names_the_output_and_the_layouts_version() -> None:
@@ -297,3 +330,109 @@ def test_a_callers_runtime_leaves_their_ld_preload_byte_for_byte(
     preload = f" {real_iomp} ::/x/libfoo.so "
     plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=preload)
     assert plan["env"] == STARTED and plan["relies_on"] == {"LD_PRELOAD": preload}
+
+
+def allocator_host(debian_root: Path, preload: str) -> Host:
+    """4 CPUs (no map rule), Debian's tcmalloc in the system places, the caller's preload."""
+    return Host(
+        {"LD_PRELOAD": preload}, "x86_64", os.geteuid(), "/nonexistent", (), str(debian_root), 4
+    )
+
+
+def preloaded_kinds(tmp_path: Path, real_iomp: Path, host: Host) -> list[tuple[str, str]]:
+    plan = plan_as_json(plan_sd(make_target(tmp_path, real_iomp), host))
+    assert not [w for w in plan["warnings"] if "LD_PRELOAD" in w], plan["warnings"]
+    return [(p["kind"], p["origin"]) for p in plan["preload"]]
+
+
+def test_a_callers_jemalloc_gets_no_tcmalloc_beside_it(
+    tmp_path: Path, real_iomp: Path, debian_root: Path
+) -> None:
+    """Issue 29, defect 2: their allocator is theirs, as their runtime is; Intel OpenMP
+    still goes in for SD."""
+    tcmalloc = debian_root / MULTIARCH_LIB / "libtcmalloc_minimal.so.4"
+    jemalloc = tmp_path / "jemalloc" / "libjemalloc.so.2"  # a real ELF file of that name
+    jemalloc.parent.mkdir()
+    shutil.copy(tcmalloc, jemalloc)
+    host = allocator_host(debian_root, str(jemalloc))
+    assert preloaded_kinds(tmp_path, real_iomp, host) == [("iomp", "vllm-environment")]
+    without = allocator_host(debian_root, "")  # the same host without theirs: both go in
+    assert preloaded_kinds(tmp_path / "b", real_iomp, without) == [
+        ("tcmalloc", "system"),
+        ("iomp", "vllm-environment"),
+    ]
+
+
+@pytest.mark.parametrize("form", ["bare", "$LIB", "${LIB}"])
+def test_a_callers_tcmalloc_in_any_form_the_loader_takes_is_kept_alone(
+    tmp_path: Path, real_iomp: Path, debian_root: Path, form: str
+) -> None:
+    """Issue 29, defect 2: `libtcmalloc_minimal.so.4` (the loader looks it up) and
+    `/usr/$LIB/...` are the caller's tcmalloc: kept, no second one in front of it."""
+    name = "libtcmalloc_minimal.so.4"
+    entry = name if form == "bare" else f"{debian_root}/usr/{form}/{name}"
+    host = allocator_host(debian_root, entry)
+    assert preloaded_kinds(tmp_path, real_iomp, host) == [
+        ("tcmalloc", "ld-preload"),
+        ("iomp", "vllm-environment"),
+    ]
+
+
+def test_a_callers_entry_that_cannot_load_is_said_once_and_kept(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """Issue 31: an entry that does not exist, is no ELF file of this machine, or is
+    unsafe gets one warning naming it and what the loader will do; it stays."""
+    wrong = tmp_path / "wrong" / "libwrong.so"  # a 32-bit copy: not for this machine
+    wrong.parent.mkdir()
+    patch_elf(real_iomp, wrong, ei_class=1)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shutil.copy(real_iomp, shared / "libshared.so")
+    shared.chmod(0o777)
+    entries = ["/nonexistent/libfoo.so", str(wrong), str(shared / "libshared.so")]
+    try:
+        plan = plan_for(tmp_path, real_iomp, LD_PRELOAD=":".join(entries))
+    finally:
+        shared.chmod(0o755)
+    said = plan["warnings"]
+    assert isinstance(said, list)
+    missing, not_elf, unsafe = said
+    for entry, warning in zip(entries[:2], (missing, not_elf), strict=True):
+        assert warning.startswith(f"your LD_PRELOAD entry {entry} cannot be preloaded (")
+        assert "the loader will print 'ERROR: ld.so: object" in warning
+    assert "(does not exist)" in missing
+    assert unsafe.startswith(f"your LD_PRELOAD entry {entries[2]} is unsafe to preload: ")
+    assert "the loader will preload it into every vLLM process all the same" in unsafe
+    assert plan["env"]["LD_PRELOAD"].endswith(":".join(entries))  # type: ignore[index]
+
+
+def test_verdicts_are_fields_never_read_back_from_message_text(
+    tmp_path: Path, real_iomp: Path
+) -> None:
+    """Issue 29, defect 6: a library the trust rule refuses is a field of its candidate,
+    and --strict's fatal messages are the plan's own field, not warnings searched."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shutil.copy(real_iomp, shared / "libiomp5.so")
+    shared.chmod(0o777)
+    try:
+        plan = plan_sd(
+            make_target(tmp_path, real_iomp),
+            make_host(tmp_path, LD_PRELOAD=str(shared / "libiomp5.so")),
+        )
+    finally:
+        shared.chmod(0o755)
+    (refused,) = (c for c in plan.candidates if c.origin == "ld-preload")
+    assert refused.unsafe and refused.verdict == "rejected" and plan.refused
+    (tmp_path / "b").mkdir()
+    strict = plan_sd(
+        Target(str(tmp_path / "bin" / "vllm"), "--vllm", None, None),
+        make_host(tmp_path / "b"),
+        Settings(strict=True),
+    )
+    assert strict.missing == ("iomp",) and strict.fatal == strict.warnings[-1:]
+    package = Path(build_plan.__code__.co_filename).parent
+    source = "\n".join(path.read_text() for path in sorted(package.rglob("*.py")))
+    for reading in ("STRICT_REFUSAL in", "startswith(UNSAFE)", "removeprefix(UNSAFE)"):
+        assert reading not in source

@@ -257,7 +257,8 @@ def test_an_unusable_callers_runtime_gets_nothing_beside_it_and_its_fix_works(
     entry = str(tmp_path / "gone" / "libiomp5.so")
     plan = dry_run(tmp_path, map_vllm, NGRAM, LD_PRELOAD=f"/x/libfoo.so:{entry}")
     assert plan["preload"] == [] and plan["env"] == STARTED and plan["missing"] == ["iomp"]
-    (warning,) = plan["warnings"]
+    warning, foo = plan["warnings"]  # /x/libfoo.so is said too (issue 31): it cannot load
+    assert foo.startswith("your LD_PRELOAD entry /x/libfoo.so cannot be preloaded (does not")
     assert entry in warning and "does not exist" in warning
     assert warning.endswith("Fix: export LD_PRELOAD=/x/libfoo.so")
     alone = dry_run(tmp_path, map_vllm, NGRAM, LD_PRELOAD=entry)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.speculative import detect
+from vllm_cpu_launch.speculative import detect, model_of
 
 from .conftest import REPO, clean_environ, read_record, run_launcher
 
@@ -351,3 +351,22 @@ def test_malformed_json_is_one_line_with_the_fix_under_every_python(
     result = run_launcher(["--dry-run", "--json", "--vllm", vllm, *argv], environ, launcher)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["speculative"]["requested"] is True
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--port", "8000"], ["--port=8000"], ["--trust-remote-code", "--port", "8000"], ["--"]],
+)
+def test_a_model_named_after_options_is_found(tmp_path: Path, options: list[str]) -> None:
+    """vLLM's `serve` takes its positional model after options too (argparse's
+    `model_tag`, nargs="?"): `serve --port 8000 MODEL` serves MODEL (issue 29, defect 3)."""
+    model = str(speculators_model(tmp_path / "spm", True))
+    argv = ["serve", *options, model]
+    assert model_of(argv) == model
+    assert detect(argv).requested
+    assert detect(argv).source == f"{model}/config.json (speculators_config)"
+
+
+def test_an_options_value_is_not_taken_for_the_model() -> None:
+    assert model_of(["serve", "--port", "8000"]) is None
+    assert model_of(["serve", "--host", "h", "--port", "8000", "m", "--seed", "1"]) == "m"

@@ -15,7 +15,7 @@ from vllm_cpu_launch.messages import emit
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune")
+VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune", "rules")
 # vLLM's own subcommands (vllm/entrypoints/cli/main.py, CMD_MODULES, the same in vLLM 0.32,
 # 0.33 and 0.34): always passed on, never taken for a mistyped verb.
 VLLM_SUBCOMMANDS = (
@@ -40,6 +40,7 @@ usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
        vllm-cpu-launch verify [--json] [--speculative] PID
        vllm-cpu-launch systemd-unit [UNIT OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
        vllm-cpu-launch tune [--write] [TUNE OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
+       vllm-cpu-launch rules [--json] [[OPTIONS] [--] VLLM_SUBCOMMAND ...]
 """
 
 HELP = (
@@ -94,6 +95,10 @@ def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
         from vllm_cpu_launch.verbs.tune import main as tune_main
 
         return tune_main(values, rest)
+    if verb == "rules":
+        from vllm_cpu_launch.verbs.rules import main as rules_main
+
+        return rules_main(values, rest)
     from vllm_cpu_launch.verbs.systemd_unit import main as systemd_main
 
     return systemd_main(values, rest)

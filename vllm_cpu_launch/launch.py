@@ -188,7 +188,7 @@ def plan_from_options(
         fatal, code = list(plan.unsafe), EXIT_NOT_EXECUTABLE
         message = f"{STRICT_REFUSAL}: {'; '.join(fatal)}"
     else:
-        fatal = [w for w in plan.warnings if STRICT_REFUSAL in w]
+        fatal = list(plan.fatal)
         code, message = EXIT_LIBRARY_MISSING, "; ".join(fatal)
     for warning in plan.warnings:
         if warning not in fatal:

@@ -7,7 +7,7 @@ import stat
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.elf import elf_problem, elf_truncation, openmp_runtime
-from vllm_cpu_launch.places import IOMP, MARKER, search_places
+from vllm_cpu_launch.places import IOMP, MARKER, resolve_preload_entry, search_places
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.trust import insecure_reason
 
@@ -31,6 +31,17 @@ class Candidate:
     reason: str
     flavor: str | None = None
     fix: str = ""  # for a library refused as unsafe: the command that makes it trusted
+    unsafe: bool = False  # refused by the trust rule (reason says why, fix how)
+
+
+@record
+class Verdict:
+    """What examining one file found: the reason to reject it (None: usable)."""
+
+    reason: str | None
+    flavor: str | None = None
+    fix: str = ""
+    unsafe: bool = False
 
 
 def runtime_problem(flavor: str | None, library_type: str | None) -> str | None:
@@ -55,29 +66,73 @@ def runtime_problem(flavor: str | None, library_type: str | None) -> str | None:
     return None
 
 
-def examine(
-    path: str, kind: str, host: Host, trusted: frozenset[int] = frozenset()
-) -> tuple[str | None, str | None, str]:
-    """(reason to reject or None, flavor, fix for an unsafe one) for one candidate file."""
+def form_problem(path: str, kind: str) -> str | None:
+    """Why a path the plan would put in LD_PRELOAD cannot stand there as written."""
     if not path:
-        return "an empty path means the current directory to the loader", None, ""
+        return "an empty path means the current directory to the loader"
     if "/" not in path:
-        return "a bare name, which the loader looks up itself: give the absolute path", None, ""
+        return "a bare name, which the loader looks up itself: give the absolute path"
     if not os.path.isabs(path):
-        return "a relative path depends on the working directory", None, ""
+        return "a relative path depends on the working directory"
     if " " in path or ":" in path:
         return (
             "its path holds a space or colon, which split LD_PRELOAD: the loader would "
-            "not preload it (link it from a path without them)",
-            None,
-            "",
+            "not preload it (link it from a path without them)"
         )
     if MARKER[kind] not in os.path.basename(path):
-        return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD", None, ""
+        return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD"
     if "libgomp" in path:
         # vLLM tests LD_PRELOAD for the substring: it would see GNU OpenMP next to Intel's
         # and refuse to start (vllm/utils/ompmultiprocessing.py).
-        return "its path contains 'libgomp', which vLLM would take for GNU OpenMP", None, ""
+        return "its path contains 'libgomp', which vLLM would take for GNU OpenMP"
+    return None
+
+
+def examine(
+    path: str,
+    kind: str | None,
+    host: Host,
+    trusted: frozenset[int] = frozenset(),
+    as_written: bool = True,
+) -> tuple[str | None, str | None, str]:
+    """(reason to reject or None, flavor, fix for an unsafe one) for one candidate file.
+
+    `kind` None: any library (a caller's), examined as a file alone. `as_written` False:
+    `path` is where the loader finds a caller's entry (resolve_preload_entry), whose form
+    is theirs to choose."""
+    found = verdict(path, kind, host, trusted, as_written)
+    return found.reason, found.flavor, found.fix
+
+
+def verdict(
+    path: str,
+    kind: str | None,
+    host: Host,
+    trusted: frozenset[int] = frozenset(),
+    as_written: bool = True,
+) -> Verdict:
+    """examine's finding as a record: whether the trust rule refused it is a field."""
+    problem = form_problem(path, kind) if as_written and kind is not None else None
+    if problem:
+        return Verdict(problem)
+    reason, flavor, fix = file_verdict(path, kind, host, trusted)
+    if isinstance(reason, Unsafe):
+        return Verdict(f"{UNSAFE}{reason.why}", None, fix, unsafe=True)
+    return Verdict(reason, flavor, fix)
+
+
+@record
+class Unsafe:
+    """file_verdict's refusal by the trust rule, told apart by its type, not its text."""
+
+    why: str
+
+
+def file_verdict(
+    path: str, kind: str | None, host: Host, trusted: frozenset[int]
+) -> tuple[str | Unsafe | None, str | None, str]:
+    """examine's checks of the file itself: a regular, readable ELF file of this machine
+    that the trust rule accepts, and for an OpenMP runtime, a runtime's banner."""
     try:
         status = os.stat(path)
     except OSError as error:
@@ -107,13 +162,45 @@ def examine(
             return problem, None, ""
         unsafe = insecure_reason(path, host.euid, trusted)
         if unsafe:
-            return f"{UNSAFE}{unsafe[0]}", None, unsafe[1]
+            return Unsafe(unsafe[0]), None, unsafe[1]
         if kind != IOMP:
             return None, None, ""
         # The banners are looked for only once it is known to be a fitting ELF file.
         flavor, library_type = openmp_runtime(descriptor, header)
         problem = runtime_problem(flavor, library_type)
         return problem, None if problem else flavor, ""
+
+
+# Why a caller's bare-named LD_PRELOAD entry is rejected where the loader finds no file.
+NOT_FOUND_BY_LOADER = (
+    "the loader finds no file of that name where it looks (LD_LIBRARY_PATH, its cache, "
+    "the system directories): it prints 'cannot be preloaded' and goes on without it"
+)
+
+
+def candidate_of(
+    kind: str, path: str, origin: str, host: Host, trusted: frozenset[int]
+) -> Candidate:
+    """One file examined where `origin` proposed it. A caller's LD_PRELOAD entry is theirs
+    as written: examined where the loader finds it (a bare name, `$LIB`), its name
+    unjudged; ours must be an absolute path vLLM recognises."""
+    if origin == "ld-preload":
+        resolved = resolve_preload_entry(path, host)
+        if resolved is None:
+            return Candidate(kind, path, origin, "rejected", NOT_FOUND_BY_LOADER)
+        found = verdict(resolved, kind, host, trusted, as_written=False)
+    else:
+        found = verdict(path, kind, host, trusted)
+    return Candidate(
+        kind,
+        path,
+        origin,
+        "rejected" if found.reason else "usable",
+        found.reason or "valid",
+        found.flavor,
+        found.fix,
+        found.unsafe,
+    )
 
 
 @record
@@ -144,17 +231,10 @@ def find_library(
     `trusted`: uids besides root whose files may be preloaded (the target's owners).
     """
     if explicit is not None:
-        reason, flavor, fix = examine(explicit, kind, host, trusted)
-        given = Candidate(
-            kind,
-            explicit,
-            "explicit",
-            "rejected" if reason else "chosen",
-            reason or "given",
-            flavor,
-            fix,
-        )
-        return Search(kind, None if reason else given, (given,), ("explicit",))
+        given = candidate_of(kind, explicit, "explicit", host, trusted)
+        if given.verdict == "usable":
+            given = Candidate(kind, explicit, "explicit", "chosen", "given", given.flavor)
+        return Search(kind, given if given.verdict == "chosen" else None, (given,), ("explicit",))
     seen: set[str] = set()
     candidates: list[Candidate] = []
     searched: list[str] = []
@@ -168,11 +248,9 @@ def find_library(
             if normalized in seen:
                 continue
             seen.add(normalized)
-            reason, flavor, fix = examine(path, kind, host, trusted)
-            verdict = "rejected" if reason else "usable"
-            candidate = Candidate(kind, path, place.origin, verdict, reason or "valid", flavor, fix)
+            candidate = candidate_of(kind, path, place.origin, host, trusted)
             candidates.append(candidate)
-            if not reason:
+            if candidate.verdict == "usable":
                 usable.append(candidate)
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).

@@ -8,7 +8,8 @@ library in the vLLM environment) stops after a handful of system calls.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.records import record
@@ -30,6 +31,9 @@ TCMALLOC_NAMES = (
 )
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
+# A malloc of the caller's other than tcmalloc: theirs, so no tcmalloc of ours goes in.
+ALLOCATOR = "allocator"
+ALLOCATOR_MARKERS = ("libjemalloc", "libmimalloc")
 
 MULTIARCH = {
     "x86_64": "x86_64-linux-gnu",
@@ -116,9 +120,58 @@ def openmp_runtime_of(entry: str) -> str | None:
     return None
 
 
+def callers_kind(entry: str) -> str | None:
+    """The kind of library a caller's LD_PRELOAD entry is, by its file's name: an Intel or
+    LLVM OpenMP runtime (IOMP: vLLM's `libiomp`/`libomp`), a malloc of theirs (ALLOCATOR,
+    a tcmalloc among them: TCMALLOC), or None for any other library."""
+    name = os.path.basename(entry)
+    if openmp_runtime_of(name) == "intel":
+        return IOMP
+    if MARKER[TCMALLOC] in name:
+        return TCMALLOC
+    return ALLOCATOR if any(marker in name for marker in ALLOCATOR_MARKERS) else None
+
+
 def ld_preload_place(kind: str, host: Host) -> Place:
     entries = preload_entries(host.environ.get("LD_PRELOAD", ""))
-    return Place("ld-preload", tuple(e for e in entries if MARKER[kind] in os.path.basename(e)))
+    return Place("ld-preload", tuple(e for e in entries if callers_kind(e) == kind))
+
+
+def lib_expansions(host: Host) -> tuple[str, ...]:
+    """What glibc's `$LIB` may stand for: its build's choice (Debian's lib/<multiarch>,
+    Fedora's lib64, else lib), tried in that order."""
+    multiarch = MULTIARCH.get(host.machine)
+    return (*((f"lib/{multiarch}",) if multiarch else ()), "lib64", "lib")
+
+
+def expansions(entry: str, host: Host) -> list[str]:
+    """The paths an LD_PRELOAD entry may name once the loader expands `$LIB` and
+    `$PLATFORM` (ld.so(8)'s dynamic string tokens)."""
+    paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
+    if "$LIB" in entry or "${LIB}" in entry:
+        libs = lib_expansions(host)
+        paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
+    return paths
+
+
+def resolve_preload_entry(entry: str, host: Host) -> str | None:
+    """The file the loader preloads for a caller's LD_PRELOAD entry, or None where it finds
+    none: a path (relative to the working directory, as the loader opens it), tokens
+    expanded; a bare name where the loader looks (LD_LIBRARY_PATH, its cache, the system
+    directories)."""
+    if "/" in entry:
+        paths = expansions(entry, host)
+        found = next((p for p in paths if os.path.lexists(p)), paths[0])
+        return os.path.abspath(found)  # examined: the reason it does not load, if so
+    names = (entry,)
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    directories = [d for d in value.split(":") if os.path.isabs(d)]
+    places = (
+        files_named("", directories, names),
+        loader_cache_place(names, host),
+        files_named("", system_directories(host), names),
+    )
+    return next((place.paths[0] for place in places if place.paths), None)
 
 
 def library_path_place(names: tuple[str, ...], host: Host) -> Place:
@@ -131,6 +184,16 @@ def library_path_place(names: tuple[str, ...], host: Host) -> Place:
         else:  # "" is the current directory to the loader
             paths.append(os.path.join(directory, names[0]) if directory else "")
     return Place("ld-library-path", tuple(paths))
+
+
+# glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
+# without them was written by the machine that reads it, in its byte order (s390x: big).
+CACHE_BYTE_ORDER: dict[int, Literal["little", "big"]] = {2: "little", 3: "big"}
+
+
+def cache_byte_order(flags: int) -> Literal["little", "big"]:
+    """The byte order of a loader cache's numbers, from its header's flags."""
+    return CACHE_BYTE_ORDER.get(flags & 3, sys.byteorder)
 
 
 def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[str]:
@@ -149,13 +212,14 @@ def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[s
     start = data.find(magic)  # after the old-format table on older systems
     if start < 0 or len(data) < start + 48:
         return []
-    count = int.from_bytes(data[start + 20 : start + 24], "little")
+    order = cache_byte_order(data[start + 28])
+    count = int.from_bytes(data[start + 20 : start + 24], order)
     paths = []
     for index in range(count):
         entry = start + 48 + 24 * index
         if entry + 24 > len(data):
             break
-        value = int.from_bytes(data[entry + 8 : entry + 12], "little")
+        value = int.from_bytes(data[entry + 8 : entry + 12], order)
         end = data.find(b"\0", start + value)
         if end > 0:
             paths.append(data[start + value : end].decode("utf-8", "surrogateescape"))

@@ -1,53 +1,50 @@
-"""The plan: what to exec and with which environment. Computed, never executed, here."""
+"""The plan: what to exec and with which environment. Computed, never executed, here.
+
+build_plan gathers the facts (gather.py, all of the plan's I/O), decides over them in
+small pure stages (decide.py), then says the decision: its warnings, notes and reason
+are derived here from the decision's fields, never read back."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.decide import (
+    DEFAULT_KMP_BLOCKTIME,
+    LD_PRELOAD,
+    compose_ld_preload,
+    decide,
+    searches,
+)
 from vllm_cpu_launch.evidence import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
-    DRAFTER_METHODS,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
-    llvm_runtime,
-    map_choice,
-    map_host,
-    on_map_host,
 )
-from vllm_cpu_launch.handoff import (
-    IOMP_MACHINES,
-    LAUNCHER,
-    LLVM_OPT_IN_MACHINES,
-    NOT_FOUND_MARK,
-    PLANNED_VARIABLE,
-    STARTED_MARK,
-    names_openmp_runtime,
-)
-from vllm_cpu_launch.libraries import LLVM, UNSAFE, Candidate, Search, find_library
-from vllm_cpu_launch.metadata import PYTHONPATH, Alias, alias_for, alias_problem, pythonpath_with
-from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, openmp_runtime_of, preload_entries
+from vllm_cpu_launch.gather import Request, gather
+from vllm_cpu_launch.handoff import LAUNCHER, LLVM_OPT_IN_MACHINES, PLANNED_VARIABLE
+
+# Candidate at run time: Plan's field names it (tests/test_render_records.py reads hints).
+from vllm_cpu_launch.libraries import Candidate
+from vllm_cpu_launch.metadata import PYTHONPATH, Alias
+from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
-from vllm_cpu_launch.releases import support, target_release
-from vllm_cpu_launch.settings import blocktime_problem
-from vllm_cpu_launch.speculative import model_of
-from vllm_cpu_launch.tunes import choose, launch_scope
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
     from typing import Any
 
+    from vllm_cpu_launch.decide import Decision
     from vllm_cpu_launch.evidence import Rule
+    from vllm_cpu_launch.gather import Facts
+    from vllm_cpu_launch.libraries import Search, Verdict
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.speculative import SpeculativeRequest
     from vllm_cpu_launch.target import Target
 
-# The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
-DEFAULT_KMP_BLOCKTIME = "5"
-LD_PRELOAD = "LD_PRELOAD"
+__all__ = ["DEFAULT_KMP_BLOCKTIME", "Host", "compose_ld_preload"]  # for the tests and verbs
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
-# What a wanted library's absence means with --strict, in its message (launch.py finds it).
+# What a wanted library's absence means with --strict, in its message.
 STRICT_REFUSAL = "--strict: not starting"
 # The caller's variables a plan reads and never changes (docs/design.md, "What it changes
 # and never changes"): the decision record's `inputs`.
@@ -103,51 +100,11 @@ class Plan:
     # The caller's LD_PRELOAD entries that fail the trust rule beside the plan's own
     # libraries: the launcher refuses to start (exit 126), the plugin changes nothing.
     refused: tuple[str, ...] = ()
+    # With --strict (the launcher's), the messages of the wanted libraries not found: the
+    # launcher refuses to start with them (exit 127); they are among `warnings` too.
+    fatal: tuple[str, ...] = ()
     # The `vllm` metadata the launcher supplies to a vllm-cpu install (metadata.py).
     metadata: Alias | None = None
-
-
-def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
-    """New LD_PRELOAD (additions first, caller's entries kept in order) and dropped entries.
-
-    A libgomp entry is dropped once an Intel/LLVM OpenMP runtime is in the list:
-    vLLM asserts that not both are preloaded (vllm/utils/ompmultiprocessing.py).
-    """
-    entries = preload_entries(current)
-    merged = [path for path in additions if path not in entries] + entries
-    has_iomp = any("libiomp" in e or "libomp" in e for e in merged)
-    dropped = tuple(e for e in merged if has_iomp and "libgomp" in e)
-    return ":".join(e for e in merged if e not in dropped), dropped
-
-
-def declined(search: Search, why: str) -> Search:
-    """The search with its LLVM runtimes turned down for SD (evidence.llvm_runtime): each
-    says why and how to preload it anyway, in the warning that nothing usable was found."""
-    from dataclasses import replace
-
-    candidates = tuple(
-        replace(
-            c,
-            verdict="rejected",
-            reason=f"LLVM's libomp, {why}: not preloaded in Intel OpenMP's place; "
-            f"--iomp-path {c.path} or --iomp always preloads it anyway",
-        )
-        if c.verdict in ("chosen", "usable")
-        else c
-        for c in search.candidates
-    )
-    return replace(search, chosen=None, candidates=candidates)
-
-
-def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]) -> Search:
-    """An `--iomp-path`/`--tcmalloc-path` library; a bad one is an error, never skipped."""
-    search = find_library(kind, host, None, explicit=path, trusted=trusted)
-    if search.chosen is None:
-        given = search.candidates[0]
-        fix = f"; Fix: {given.fix}" if given.fix else ""
-        message = f"{kind} library {path} cannot be preloaded: {given.reason}{fix}"
-        raise LaunchError(EXIT_USAGE, message)
-    return search
 
 
 def missing_message(search: Search, target: Target, consequence: str, llvm: bool = False) -> str:
@@ -173,39 +130,6 @@ def missing_message(search: Search, target: Target, consequence: str, llvm: bool
     )
 
 
-def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:
-    """(uids trusted besides root, problems with the target itself as (text, fix)), by
-    one rule.
-
-    As root, the owner of the vLLM script and of its interpreter already decides what
-    code runs as root: a library of the same owner adds no trust, so it is accepted;
-    the same check that refuses a library writable by others finds such a script or
-    interpreter, which is reported (and refused with --strict). See docs/design.md.
-    """
-    from vllm_cpu_launch.trust import insecure_reason, owners
-
-    programs = tuple(
-        dict.fromkeys(p for p in (target.executable, target.runner, target.interpreter) if p)
-    )
-    trusted = owners(programs) if euid == 0 else frozenset()
-    problems = []
-    for path in programs:
-        unsafe = insecure_reason(path, euid, trusted)
-        if unsafe:
-            text = f"{path} (what runs the server) is unsafe: {unsafe[0]}"
-            problems.append((f"{text}, so another user could change the code it runs", unsafe[1]))
-    others = sorted(uid for uid in trusted if uid != 0)
-    if others:
-        text = (
-            f"running as root a vLLM owned by uid {', '.join(map(str, others))} "
-            f"({target.executable}): that user can change the code root runs, so libraries "
-            "they own are trusted alike; run the server as that user (systemd User=) or "
-            "install vLLM as root"
-        )
-        problems.append((text, ""))
-    return trusted - {0}, problems
-
-
 def why(mode: str, speculative: SpeculativeRequest, auto_iomp: bool, tuned: Tuned | None) -> str:
     """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it)."""
     if mode != "auto":
@@ -221,41 +145,6 @@ def why(mode: str, speculative: SpeculativeRequest, auto_iomp: bool, tuned: Tune
     return f"{reason} (from tune {tuned.when}: {tuned.result})"
 
 
-def environment_changes(
-    environ: Mapping[str, str],
-    chosen: Sequence[Candidate],
-    kmp_blocktime: str | None,
-    warnings: list[str],
-    default_blocktime: str | None = DEFAULT_KMP_BLOCKTIME,
-) -> dict[str, str]:
-    """LD_PRELOAD and KMP_BLOCKTIME as they must change (only what changes). The caller's
-    KMP_BLOCKTIME is never replaced; `default_blocktime` (None: none) only fills it in
-    beside the Intel OpenMP the plan preloads; `kmp_blocktime` is the launcher's setting."""
-    env: dict[str, str] = {}
-    current = environ.get("LD_PRELOAD", "")
-    if chosen:
-        composed, dropped = compose_ld_preload(current, [c.path for c in chosen])
-        for entry in dropped:
-            warnings.append(
-                f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both "
-                "libgomp and Intel's (or LLVM's) OpenMP preloaded"
-            )
-        if preload_entries(composed) != preload_entries(current):  # else the caller's as set
-            env["LD_PRELOAD"] = composed
-    callers = environ.get("KMP_BLOCKTIME")
-    iomp_preloaded = any(c.kind == IOMP for c in chosen)
-    if kmp_blocktime is None and iomp_preloaded:
-        if callers is None:
-            kmp_blocktime = default_blocktime
-        elif problem := blocktime_problem(callers):  # the caller's is kept, but said
-            warnings.append(
-                f"{problem} (yours is kept; --kmp-blocktime {DEFAULT_KMP_BLOCKTIME} overrides it)"
-            )
-    if kmp_blocktime is not None and callers != kmp_blocktime:
-        env["KMP_BLOCKTIME"] = kmp_blocktime
-    return env
-
-
 def without_entry(current: str, entry: str) -> str:
     """The command that removes `entry` from the caller's LD_PRELOAD, keeping the rest."""
     import shlex
@@ -266,28 +155,238 @@ def without_entry(current: str, entry: str) -> str:
 
 def refusal(candidate: Candidate) -> str:
     """The one line for a caller's LD_PRELOAD entry the trust rule refuses."""
-    problem = candidate.reason.removeprefix(UNSAFE)
     fix = candidate.fix or "make it and its directories writable by root alone"
     return (
-        f"your LD_PRELOAD entry {candidate.path} is unsafe to preload ({problem}), and the "
-        f"plan's own {candidate.kind} library would go beside it; Fix: {fix}"
+        f"your LD_PRELOAD entry {candidate.path} is {candidate.reason}, and the plan's own "
+        f"{candidate.kind} library would go beside it; Fix: {fix}"
     )
 
 
-def callers_runtime_problems(
-    search: Search, yours: Sequence[str], current: str, warnings: list[str]
-) -> bool:
-    """Said once where the caller's LD_PRELOAD names an OpenMP runtime that is not usable:
-    nothing is preloaded beside it (two runtimes in one process). True where it is not."""
-    rejected = {c.path: c for c in search.candidates if c.origin == "ld-preload"}
-    broken = [rejected[e] for e in yours if e in rejected and rejected[e].verdict == "rejected"]
-    for candidate in (c for c in broken if not c.reason.startswith(UNSAFE)):
-        warnings.append(
-            f"your LD_PRELOAD entry {candidate.path} is no usable Intel OpenMP "
-            f"({candidate.reason}): nothing is preloaded beside it, two OpenMP runtimes in "
-            f"one process; Fix: {without_entry(current, candidate.path)}"
+def entry_problem(entry: str, found: Verdict) -> str | None:
+    """The warning for a caller's LD_PRELOAD entry the loader will not preload, or the
+    trust rule refuses: what the loader will do with it (issue 31)."""
+    if found.unsafe:
+        fix = f"; Fix: {found.fix}" if found.fix else ""
+        return (
+            f"your LD_PRELOAD entry {entry} is {found.reason}: the loader will preload "
+            f"it into every vLLM process all the same; it stays as you set it{fix}"
         )
-    return bool(broken)
+    if found.reason:
+        return (
+            f"your LD_PRELOAD entry {entry} cannot be preloaded ({found.reason}): the "
+            f"loader will print 'ERROR: ld.so: object {entry} ... cannot be preloaded' in "
+            "every vLLM process and go on without it; it stays as you set it"
+        )
+    return None
+
+
+def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str], list[str]]:
+    """The warnings on the caller's LD_PRELOAD: (a runtime of theirs that cannot be used,
+    nothing beside it; a tcmalloc of theirs that cannot; any other entry that will not
+    load)."""
+    current = facts.request.host.environ.get(LD_PRELOAD, "")
+    broken = [
+        f"your LD_PRELOAD entry {c.path} is no usable Intel OpenMP ({c.reason}): nothing is "
+        "preloaded beside it, two OpenMP runtimes in one process; Fix: "
+        f"{without_entry(current, c.path)}"
+        for c in decision.broken
+        if not c.unsafe
+    ]
+    callers = [c for s in searches(decision) for c in s.candidates if c.origin == "ld-preload"]
+    rejected = [
+        f"your LD_PRELOAD entry {c.path} stays as you set it, but it is no usable {c.kind} "
+        f"library: {c.reason}"
+        for c in callers
+        if c.verdict == "rejected"
+        and not c.unsafe
+        and not (c.kind == IOMP and c.path in decision.yours)
+    ]
+    done = {c.path for c in callers} | set(decision.dropped)  # dropped: said as such
+    problems = (entry_problem(e, found) for e, found in facts.entries if e not in done)
+    return broken, rejected, [p for p in problems if p]
+
+
+def missing_words(facts: Facts, decision: Decision) -> list[str]:
+    """A wanted library not found: where it looked, and the fix (--strict: fatal)."""
+    request = facts.request
+    refuses = request.settings.strict and request.planner == LAUNCHER
+    llvm = request.host.machine in LLVM_OPT_IN_MACHINES
+    said = []
+    if decision.iomp_missing and not decision.broken and decision.iomp_search:
+        consequence = (
+            STRICT_REFUSAL
+            if refuses
+            else "speculative decoding on CPU runs about 2x slower with GNU libgomp"
+            if request.speculative.requested and not llvm
+            else "the program will use GNU libgomp"
+        )
+        said.append(missing_message(decision.iomp_search, request.target, consequence, llvm))
+    if decision.tcmalloc_missing and decision.tcmalloc_search:
+        consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
+        said.append(missing_message(decision.tcmalloc_search, request.target, consequence))
+    return said
+
+
+def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str], list[str]]:
+    """(warnings, the target's unsafe problems, --strict's fatal messages), in order."""
+    request = facts.request
+    unsafe = [f"{text}; Fix: {fix}" if fix else text for text, fix in facts.target_problems]
+    said = [*request.settings.deprecated, *filter(None, [request.speculative.note])]
+    said += [*filter(None, [request.target.disagreement]), *unsafe]
+    if decision.machine_gate == "off" and decision.mode == "always":
+        said.append(machine_words(request.host.machine))
+    if decision.yours and decision.mode == "never" and not decision.wants_iomp:
+        names = ", ".join(decision.yours)
+        said.append(f"--iomp never, but your LD_PRELOAD names {names}: it stays as you set it")
+    if decision.other_malloc and request.settings.tcmalloc == "always":
+        said.append(
+            f"--tcmalloc always, but your LD_PRELOAD names {', '.join(decision.other_malloc)}:"
+            " it stays as you set it, no tcmalloc beside it"
+        )
+    broken, rejected, others = callers_words(facts, decision)
+    missing = missing_words(facts, decision)
+    said += broken + missing + rejected + others
+    said += [
+        f"removed {entry} from LD_PRELOAD: vLLM refuses to start with both libgomp and "
+        "Intel's (or LLVM's) OpenMP preloaded"
+        for entry in decision.dropped
+    ]
+    if decision.blocktime_problem:
+        said.append(
+            f"{decision.blocktime_problem} (yours is kept; --kmp-blocktime "
+            f"{DEFAULT_KMP_BLOCKTIME} overrides it)"
+        )
+    if facts.alias and facts.alias_problem:
+        said.append(alias_words(facts.alias, facts.alias_problem))
+    refuses = request.settings.strict and request.planner == LAUNCHER
+    return said, unsafe, missing if refuses else []
+
+
+def machine_words(machine: str) -> str:
+    message = f"not preloading Intel OpenMP: this host is {machine}, not x86-64"
+    if machine in LLVM_OPT_IN_MACHINES:
+        message += "; LLVM's libomp is opt-in here until measured: --iomp always"
+    return message
+
+
+def alias_words(alias: Alias, problem: tuple[str, str]) -> str:
+    fix = f"; Fix: {problem[1]}" if problem[1] else ""
+    return (
+        f"not supplying vLLM's missing `vllm` metadata from {alias.directory}: "
+        f"{problem[0]}, so `vllm` may fail with PackageNotFoundError{fix}"
+    )
+
+
+def notes_of(facts: Facts, decision: Decision) -> list[str]:
+    """The notes (-v, --dry-run), in the order the decision was made."""
+    request, target = facts.request, facts.request.target
+    said = []
+    if target.prefix:
+        owner = f"{target.executable}'s" if target.found_via == "program" else "vLLM's"
+        said.append(f"{owner} environment: {target.prefix} ({target.evidence})")
+    said += facts.tune_notes
+    if decision.tune_dropped and facts.tuned:
+        said.append(
+            f"tune of {facts.tuned.when} not applied after all: it kept libgomp "
+            f"({facts.tuned.result}), but speculative decoding gets Intel OpenMP unless "
+            "you set iomp: never"
+        )
+    machine = request.host.machine
+    if decision.machine_gate == "opt-in":
+        said.append(
+            f"--iomp always on {machine}: LLVM's libomp, never measured on such a host "
+            "(the runtimes map ran on x86-64)"
+        )
+    elif decision.machine_gate == "off" and decision.mode != "always":
+        said.append(machine_words(machine))
+    if decision.setting.note and decision.setting.rule is None:
+        said.append(decision.setting.note)
+    return said + later_notes(facts, decision)
+
+
+def later_notes(facts: Facts, decision: Decision) -> list[str]:
+    """notes_of's, from the runtime chosen on."""
+    settings, said = facts.request.settings, []
+    runtime = decision.runtime
+    if runtime and runtime.rule is None and decision.mode != "auto":
+        said.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime.note}")
+    elif runtime and runtime.rule:
+        said.append(runtime.note)
+    if not decision.wants_iomp and decision.mode == "auto" and not facts.request.auto_iomp:
+        said.append("no speculative decoding requested: Intel OpenMP not needed")
+    applied = decision.applied
+    if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
+        said.append("tcmalloc not preloaded: the map measured this setting without it")
+    wanted = decision.tcmalloc_search is not None
+    absent = decision.tcmalloc is None and not decision.tcmalloc_missing
+    if wanted and absent and not decision.allocators:
+        said.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
+    if applied and decision.chosen:
+        said.append(applied.note)
+    return said
+
+
+def reason_of(facts: Facts, decision: Decision) -> str:
+    """Why Intel OpenMP is wanted or not, and the rules applied: the INFO line's reason."""
+    release, iomp = facts.release, decision.iomp
+    request = facts.request
+    reasons = [why(decision.mode, request.speculative, request.auto_iomp, decision.tuned)]
+    if decision.release_gate == "older":
+        reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
+    elif decision.release_gate == "newer":
+        reasons.append(release.note)
+    if decision.yours and decision.wants_iomp:
+        reasons.append("your LD_PRELOAD names an OpenMP runtime: kept as set, nothing added")
+    runtime = decision.runtime.rule if decision.runtime else None
+    if runtime and iomp in decision.chosen:
+        reasons.append(f"runtimes rule {runtime.id}")
+    applied = decision.applied
+    if applied and applied.rule and decision.chosen:
+        reasons.append(f"map rule {applied.rule.id}")
+    return "; ".join(reasons)
+
+
+def relies_on(facts: Facts, decision: Decision) -> tuple[tuple[str, str], ...]:
+    """The caller's variables the plan keeps and depends on (a unit must carry them)."""
+    environ, env = facts.request.host.environ, dict(decision.env)
+    relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if decision.chosen or decision.yours else []
+    if decision.setting.read:  # the rules read these
+        relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
+    kept = {name: environ[name] for name in relied if name in environ}
+    return tuple((name, value) for name, value in kept.items() if name not in env)
+
+
+def missing_kinds(decision: Decision) -> tuple[str, ...]:
+    return (IOMP,) * decision.iomp_missing + (TCMALLOC,) * decision.tcmalloc_missing
+
+
+def said(facts: Facts, decision: Decision) -> Plan:
+    """The plan as printed and executed: the decision, and the words derived from it."""
+    warnings, unsafe, fatal = warnings_of(facts, decision)
+    request, chosen = facts.request, decision.chosen
+    runtime = decision.runtime.rule if decision.runtime else None
+    applied = decision.applied
+    return Plan(
+        command=(request.target.executable, *request.arguments),
+        speculative=request.speculative,
+        reason=reason_of(facts, decision),
+        preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
+        env=decision.env,
+        warnings=tuple(warnings),
+        notes=tuple(notes_of(facts, decision)),
+        candidates=tuple(c for s in searches(decision) for c in s.candidates),
+        missing=missing_kinds(decision),
+        unsafe=tuple(unsafe),
+        relies_on=relies_on(facts, decision),
+        scope=facts.scope,
+        rule=applied.rule if applied and chosen else None,
+        runtime=runtime if decision.iomp in chosen else None,
+        tuned=decision.tuned,
+        inputs=tuple((n, request.host.environ.get(n)) for n in CALLER_VARIABLES),
+        refused=tuple(refusal(c) for c in decision.refused),
+        fatal=tuple(fatal),
+        metadata=facts.alias if facts.alias and not facts.alias_problem else None,
+    )
 
 
 def build_plan(
@@ -306,7 +405,7 @@ def build_plan(
     """Decide what to preload and which variables to set for `target arguments...`.
 
     `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
-    `one_worker`: one worker on one node (where the benchmark map's rules may apply).
+    `one_worker`: one worker on one node (where the measured rules may apply).
     `model`: the model served (default: the one `arguments` name), a tune's scope.
     `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
     libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
@@ -314,259 +413,20 @@ def build_plan(
     `supply_metadata`: the launcher execs this vLLM, so it gives a vllm-cpu install the
     `vllm` metadata it lacks (metadata.py), with or without SD.
     """
-    warnings: list[str] = []
-    notes: list[str] = []
-    missing: list[str] = []
-    searches: list[Search] = []
-    warnings += settings.deprecated
-    refuses = settings.strict and planner == LAUNCHER  # a plugin cannot stop vLLM
-    if speculative.note:
-        warnings.append(speculative.note)
-    if target.prefix:
-        owner = f"{target.executable}'s" if target.found_via == "program" else "vLLM's"
-        notes.append(f"{owner} environment: {target.prefix} ({target.evidence})")
-    if target.disagreement:
-        warnings.append(target.disagreement)
-    trusted, problems = target_trust(target, host.euid)
-    unsafe = [f"{text}; Fix: {fix}" if fix else text for text, fix in problems]
-    warnings += unsafe
-
-    # A bad path given is an error even when that library turns out not to be wanted.
-    named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
-    explicit = {
-        kind: validated_explicit(kind, path, host, trusted) for kind, path in named.items() if path
-    }
-    release = support(target_release(target))
-    # A tune of this very command and host wins over a config file's iomp (tunes.py).
-    scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
-    tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
-    notes += tune_notes
-    if tuned and tuned.iomp == "never" and speculative.requested:
-        notes.append(
-            f"tune of {tuned.when} not applied after all: it kept libgomp ({tuned.result}), "
-            "but speculative decoding gets Intel OpenMP unless you set iomp: never"
-        )
-        tuned = None
-    mode = tuned.iomp if tuned else settings.iomp
-    wants_iomp = mode == "always" or (mode == "auto" and auto_iomp)
-    reasons = [why(mode, speculative, auto_iomp, tuned)]
-    # For SD, what the launcher knows of the target's vLLM release decides first
-    # (releases.py), then the benchmark map where it measured this host (evidence.py).
-    if speculative.requested and release.status == "older" and mode == "auto":
-        reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
-        wants_iomp = False
-    elif speculative.requested and release.status == "newer":
-        reasons.append(release.note)
-    # Where intel-openmp is not built (aarch64), LLVM's libomp is the runtime to ask for,
-    # opt-in until measured there: vLLM's SD check and its advice are x86-only.
-    llvm_opt_in = host.machine in LLVM_OPT_IN_MACHINES
-    if wants_iomp and llvm_opt_in and mode == "always":
-        notes.append(
-            f"--iomp always on {host.machine}: LLVM's libomp, never measured on such a host "
-            "(the runtimes map ran on x86-64)"
-        )
-    elif wants_iomp and host.machine not in IOMP_MACHINES:
-        message = f"not preloading Intel OpenMP: this host is {host.machine}, not x86-64"
-        if llvm_opt_in:
-            message += "; LLVM's libomp is opt-in here until measured: --iomp always"
-        (warnings if mode == "always" else notes).append(message)
-        wants_iomp = False
-    current = host.environ.get(LD_PRELOAD, "")
-    # An Intel or LLVM OpenMP in the caller's LD_PRELOAD: the runtime is theirs, and so
-    # are its settings; nothing is preloaded beside it, no rule or default added.
-    yours = [e for e in preload_entries(current) if openmp_runtime_of(e) == "intel"]
-    if yours and wants_iomp:
-        reasons.append("your LD_PRELOAD names an OpenMP runtime: kept as set, nothing added")
-    elif yours and mode == "never":
-        warnings.append(
-            f"--iomp never, but your LD_PRELOAD names {', '.join(yours)}: it stays as you set it"
-        )
-    # A drafter's method was measured unbound only with tcmalloc: whether one is found
-    # decides its rule (evidence.map_choice), so it is looked for first.
-    tcmalloc_search: Search | None = None
-    drafter = speculative.requested and speculative.method in DRAFTER_METHODS
-    if drafter and wants_iomp and not yours and settings.tcmalloc != "never":
-        tcmalloc_search = explicit.get(TCMALLOC) or find_library(
-            TCMALLOC, host, target, trusted=trusted
-        )
-    x86_sd = speculative.requested and host.machine in IOMP_MACHINES and not yours
-    measured = (
-        map_host(
-            host.environ,
-            host.cpus,
-            release.release,
-            one_worker,
-            speculative.method,
-            speculative.tokens,
-            settings.kmp_blocktime,
-            tcmalloc_search is not None and tcmalloc_search.chosen is not None,
-            settings.tcmalloc == "always",
-        )
-        if x86_sd and wants_iomp
-        else None
+    request = Request(
+        settings,
+        tuple(arguments),
+        speculative,
+        target,
+        host,
+        auto_iomp,
+        one_worker,
+        planner,
+        model,
+        supply_metadata,
     )
-    choice, map_note = map_choice(measured) if measured else (None, "")
-    if map_note and choice is None:
-        notes.append(map_note)
-    iomp: Candidate | None = None
-    runtime: Rule | None = None
-    if wants_iomp:
-        search = explicit.get(IOMP) or find_library(IOMP, host, target, trusted=trusted)
-        found = search.chosen
-        # LLVM's runtime the search found in place of Intel's (not one the user named) goes
-        # into an x86-64 SD start under --iomp auto only where the runtimes map measured it
-        # faster than libgomp (on the map's host: in the setting of the map rule that
-        # applies); --iomp always (tune's candidate, aarch64's opt-in) takes it.
-        # (x86_sd: no runtime of the caller's, so none found in their LD_PRELOAD.)
-        if found and found.origin != "explicit" and found.flavor == LLVM and x86_sd:
-            here = on_map_host(host.cpus, release.release, one_worker)
-            runtime, runtime_note = llvm_runtime(
-                speculative.method, speculative.tokens, choice, here
-            )
-            if runtime is None and mode == "auto":
-                search = declined(search, runtime_note)
-            elif runtime is None:
-                notes.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime_note}")
-            else:
-                notes.append(runtime_note)
-        searches.append(search)
-        iomp = search.chosen
-        foreign = [e for e in yours if iomp is None or e != iomp.path]
-        if foreign and IOMP in explicit:
-            raise LaunchError(
-                EXIT_USAGE,
-                f"--iomp-path {settings.iomp_path} and your LD_PRELOAD entry {foreign[0]} "
-                "would put two OpenMP runtimes in one process: give one of them",
-            )
-        if foreign:
-            iomp = None  # the caller's runtime stays; nothing goes beside it
-            if callers_runtime_problems(search, yours, current, warnings):
-                missing.append(IOMP)
-        elif iomp is None:
-            missing.append(IOMP)
-            consequence = (
-                STRICT_REFUSAL
-                if refuses
-                else "speculative decoding on CPU runs about 2x slower with GNU libgomp"
-                if speculative.requested and not llvm_opt_in
-                else "the program will use GNU libgomp"
-            )
-            warnings.append(missing_message(search, target, consequence, llvm_opt_in))
-    elif mode == "auto" and not auto_iomp:
-        notes.append("no speculative decoding requested: Intel OpenMP not needed")
-
-    # What the map measured goes with the OpenMP runtime the plan preloads, whoever chose
-    # it, Intel's or LLVM's: every map rule's setting was measured with both
-    # (evidence.LLVM_RUNTIME; tests/test_evidence.py holds that).
-    applied = choice if choice and iomp is not None else None
-    wants_tcmalloc = settings.tcmalloc == "always" or (
-        settings.tcmalloc == "auto"
-        and iomp is not None
-        and not yours
-        and (not applied or applied.tcmalloc)
-    )
-    if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
-        notes.append("tcmalloc not preloaded: the map measured this setting without it")
-    tcmalloc: Candidate | None = None
-    if wants_tcmalloc:
-        search = (
-            tcmalloc_search
-            or explicit.get(TCMALLOC)
-            or find_library(TCMALLOC, host, target, trusted=trusted)
-        )
-        searches.append(search)
-        tcmalloc = search.chosen
-        if tcmalloc is None and settings.tcmalloc == "always":
-            missing.append(TCMALLOC)
-            consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
-            warnings.append(missing_message(search, target, consequence))
-        elif tcmalloc is None:
-            notes.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
-
-    callers = [c for s in searches for c in s.candidates if c.origin == "ld-preload"]
-    refused = [c for c in callers if c.verdict == "rejected" and c.reason.startswith(UNSAFE)]
-    for candidate in callers:
-        if candidate.verdict == "rejected" and candidate not in refused:
-            if candidate.kind == IOMP and candidate.path in yours:
-                continue  # said once above
-            warnings.append(
-                f"your LD_PRELOAD entry {candidate.path} stays as you set it, but it is no "
-                f"usable {candidate.kind} library: {candidate.reason}"
-            )
-    chosen = [c for c in (tcmalloc, iomp) if c is not None]
-    if refused:  # nothing changes: the launcher refuses to start, the plugin leaves it
-        chosen = []
-    default_blocktime = None if yours else DEFAULT_KMP_BLOCKTIME
-    if applied and applied.blocktime:
-        default_blocktime = applied.blocktime
-    blocktime = None if refused else settings.kmp_blocktime
-    env = environment_changes(host.environ, chosen, blocktime, warnings, default_blocktime)
-    if runtime and iomp in chosen:
-        reasons.append(f"runtimes rule {runtime.id}")
-    if applied and chosen:
-        reasons.append(f"map rule {applied.rule.id}")
-        notes.append(map_note)
-        if applied.nobind:
-            env[BIND_VARIABLE] = "nobind"
-    # libgomp kept although SD is requested or Intel OpenMP refused: that choice does not
-    # show in LD_PRELOAD, so it is marked for vLLM's plugin (docs/design.md, "The plugin").
-    # The launcher marks a start whose LD_PRELOAD names a runtime too, its own or the
-    # caller's: vLLM's plugin plans a front end that has one, but not one the launcher did.
-    keeps_gomp = iomp is None and (mode == "never" or (speculative.requested and not yours))
-    mark = None
-    if keeps_gomp:
-        mark = planner if mode == "never" or IOMP not in missing else planner + NOT_FOUND_MARK
-    elif planner == LAUNCHER and names_openmp_runtime(
-        env.get(LD_PRELOAD, host.environ.get(LD_PRELOAD, ""))
-    ):
-        mark = planner + STARTED_MARK
-    if mark and not refused and host.environ.get(PLANNED_VARIABLE) != mark:
-        env[PLANNED_VARIABLE] = mark
-    alias = supplied_metadata(target, host, trusted, warnings) if supply_metadata else None
-    if alias:
-        env[PYTHONPATH] = pythonpath_with(alias, host.environ)
-    relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if chosen or yours else []
-    if measured:  # the map's rule read these
-        relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
-    kept = {name: host.environ[name] for name in relied if name in host.environ}
-    relies_on = tuple((name, value) for name, value in kept.items() if name not in env)
-    return Plan(
-        command=(target.executable, *arguments),
-        speculative=speculative,
-        reason="; ".join(reasons),
-        preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
-        env=tuple(env.items()),
-        warnings=tuple(warnings),
-        notes=tuple(notes),
-        candidates=tuple(c for s in searches for c in s.candidates),
-        missing=tuple(missing),
-        unsafe=tuple(unsafe),
-        relies_on=relies_on,
-        scope=scope,
-        rule=applied.rule if applied and chosen else None,
-        runtime=runtime if iomp in chosen else None,
-        tuned=tuned,
-        inputs=tuple((name, host.environ.get(name)) for name in CALLER_VARIABLES),
-        refused=tuple(refusal(c) for c in refused),
-        metadata=alias,
-    )
-
-
-def supplied_metadata(
-    target: Target, host: Host, trusted: frozenset[int], warnings: list[str]
-) -> Alias | None:
-    """The launcher's `vllm` dist-info for a vLLM installed only as vllm-cpu, when the
-    trust rule of the preloaded libraries accepts where it lives (else a warning)."""
-    alias = alias_for(target, host.environ)
-    problem = alias_problem(alias, host.euid, trusted) if alias else None
-    if alias and problem:
-        fix = f"; Fix: {problem[1]}" if problem[1] else ""
-        warnings.append(
-            f"not supplying vLLM's missing `vllm` metadata from {alias.directory}: "
-            f"{problem[0]}, so `vllm` may fail with PackageNotFoundError{fix}"
-        )
-        return None
-    return alias
+    facts = gather(request)
+    return said(facts, decide(facts))
 
 
 def rule_json(rule: Rule | None) -> dict[str, Any] | None:

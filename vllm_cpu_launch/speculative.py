@@ -170,8 +170,9 @@ def model_of(argv: Sequence[str]) -> str | None:
     """The model of a vLLM command line as vLLM resolves it: `serve MODEL`, else the last
     `--model`, the command line's over its --config file's (`model:`). A --config file
     that cannot be read names none: vLLM reports it (requested_by_arguments notes it)."""
-    if len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-"):
-        return argv[1]
+    positional = serve_positional(argv)
+    if positional is not None:
+        return positional
     path = config_file_path(argv)
     in_file: list[Occurrence] = []
     if path is not None:
@@ -181,6 +182,25 @@ def model_of(argv: Sequence[str]) -> str | None:
             in_file = []
     models = [item.value for item in (*in_file, *on_command_line(argv, MODEL_OPTION))]
     return next((model for model in reversed(models) if model), None)
+
+
+def serve_positional(argv: Sequence[str]) -> str | None:
+    """`serve`'s positional model (`model_tag`), which argparse takes before or after the
+    options: the first token that is no option and no option's value. A bare option's
+    next token is taken for its value (`--port 8000`); a flag then hides a model right
+    after it (`--enforce-eager MODEL`), which `--model` or the model first still name."""
+    if not argv or argv[0] != "serve":
+        return None
+    index = 1
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":  # what follows is positional to argparse
+            return argv[index + 1] if index + 1 < len(argv) else None
+        if not token.startswith("-"):
+            return token
+        takes_next = "=" not in token and index + 1 < len(argv)
+        index += 2 if takes_next and not argv[index + 1].startswith("-") else 1
+    return None
 
 
 def speculators_checkpoint(model: str | None) -> str | None:

@@ -35,8 +35,9 @@ from vllm_server import (
     survivors,
 )
 
-from vllm_cpu_launch.evidence import NOBIND_BLOCKTIME, map_host
+from vllm_cpu_launch.evidence import NOBIND_BLOCKTIME
 from vllm_cpu_launch.releases import vllm_release
+from vllm_cpu_launch.rules import Start, setting_rule
 
 # scripts/vllm_server.py (on sys.path through conftest) starts and drives the server, for
 # the demo and benchmarks too.
@@ -212,7 +213,8 @@ def test_auto_follows_the_map_here(vllm_env: Path, tiny_model: Path, tmp_path: P
     vllm = str(vllm_env / "bin" / "vllm")
     launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", vllm]
     release = vllm_release(str(vllm_env))
-    measured = map_host({}, len(os.sched_getaffinity(0)), release, True, "ngram", 3)
+    cpus = len(os.sched_getaffinity(0))
+    measured = setting_rule(Start("x86_64", cpus, release, True, "ngram", 3, {})).rule
     with serving(launcher, tiny_model, tmp_path) as server:
         wait_for_health(server)
         processes = tree_views(server)

@@ -60,10 +60,10 @@ Exit code 0: doctor explains, it does not judge.
 def build_report(
     values: dict[str, object], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], Target | None]:
+    from vllm_cpu_launch.gather import target_trust
     from vllm_cpu_launch.launch import SETTING_KEYS, current_host
     from vllm_cpu_launch.libraries import find_library
     from vllm_cpu_launch.places import IOMP, TCMALLOC
-    from vllm_cpu_launch.plan import target_trust
     from vllm_cpu_launch.releases import target_release
     from vllm_cpu_launch.settings import Scope, load_settings
     from vllm_cpu_launch.target import resolve_vllm

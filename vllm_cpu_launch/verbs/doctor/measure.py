@@ -207,6 +207,27 @@ def _problems(config: OmpConfig, runs: Sequence[_Run], threads: int) -> list[str
     return found
 
 
+def _result(config: OmpConfig, config_runs: list[_Run], gomp_ms: list[float]) -> ConfigResult:
+    """One configuration's rounds, summarised against libgomp's of the same rounds."""
+    ms = [run.median_ms for run in config_runs]
+    speedups = [g / m for g, m in zip(gomp_ms, ms, strict=True)]
+    first = config_runs[0]
+    return ConfigResult(
+        config=config,
+        median_ms=statistics.median(ms),
+        min_ms=min(ms),
+        max_ms=max(ms),
+        speedup=statistics.median(speedups),
+        speedup_min=min(speedups),
+        speedup_max=max(speedups),
+        round_ms=tuple(ms),
+        threads=first.threads,
+        runtime_path=first.runtime_path,
+        openmp_libs=first.openmp_libs,
+        runtime_ok=all(_runtime_ok(config, run) for run in config_runs),
+    )
+
+
 def measure_openmp(
     python: str,
     iomp_path: str,
@@ -249,25 +270,7 @@ def measure_openmp(
     results: list[ConfigResult] = []
     problems: list[str] = []
     for config, config_runs in zip(configs, runs, strict=True):
-        ms = [run.median_ms for run in config_runs]
-        speedups = [g / m for g, m in zip(gomp_ms, ms, strict=True)]
-        first = config_runs[0]
-        results.append(
-            ConfigResult(
-                config=config,
-                median_ms=statistics.median(ms),
-                min_ms=min(ms),
-                max_ms=max(ms),
-                speedup=statistics.median(speedups),
-                speedup_min=min(speedups),
-                speedup_max=max(speedups),
-                round_ms=tuple(ms),
-                threads=first.threads,
-                runtime_path=first.runtime_path,
-                openmp_libs=first.openmp_libs,
-                runtime_ok=all(_runtime_ok(config, run) for run in config_runs),
-            )
-        )
+        results.append(_result(config, config_runs, gomp_ms))
         problems.extend(_problems(config, config_runs, nthreads))
     return OmpMeasurement(
         python=python,

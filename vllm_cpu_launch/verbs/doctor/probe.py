@@ -309,15 +309,17 @@ def map_section(
     ngram `serve`, one worker), and whether the benchmark map measured this host and
     vLLM (vllm_cpu_launch/evidence.py), with the rule it applies when it did."""
     from vllm_cpu_launch.errors import LaunchError
-    from vllm_cpu_launch.evidence import BIND_VARIABLE, map_host
+    from vllm_cpu_launch.evidence import BIND_VARIABLE
     from vllm_cpu_launch.plan import build_plan, plan_as_json
+    from vllm_cpu_launch.rules import Start, measured_host
     from vllm_cpu_launch.speculative import detect
 
     probe = detect(SD_PROBE)
-    host_measured = map_host(host.environ, host.cpus, release, True, probe.method, probe.tokens)
+    start = Start(host.machine, host.cpus, release, True, probe.method, probe.tokens, host.environ)
+    measured = measured_host(start)
     section: dict[str, Any] = {
-        "measured": host_measured is not None,
-        "unmeasured": "" if host_measured else unmeasured(target, host, release),
+        "measured": measured,
+        "unmeasured": "" if measured else unmeasured(target, host, release),
         "iomp": None,
         "nobind": None,
         "kmp_blocktime": None,

@@ -1,0 +1,147 @@
+"""`vllm-cpu-launch rules`: the table of measured rules, and which one a command gets, as
+a fresh process; the matcher's misses are the conditions of the table (evidence.RULES)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from vllm_cpu_launch import evidence
+from vllm_cpu_launch.rules import Start, llvm_runtime, misses, setting_rule
+from vllm_cpu_launch.verbs.rules import markdown_table
+
+from . import test_plan_contract as contract
+from .conftest import LAUNCHER, REPO, clean_environ, run_launcher
+
+PINNED = contract.PINNED
+map_vllm = contract.map_vllm  # the fixture: vLLM 0.32's dist-info, the real libiomp5
+
+NGRAM = ["serve", "m", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
+ONE_CPU = ("taskset", "-c", "0", *LAUNCHER)
+
+
+def rules_json(
+    tmp_path: Path, args: list[str], launcher: tuple[str, ...] = PINNED, **env: str
+) -> Any:
+    result = run_launcher(["rules", "--json", *args], clean_environ(tmp_path, **env), launcher)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    return json.loads(result.stdout)
+
+
+def test_the_table_lists_every_rule_with_where_it_was_measured(tmp_path: Path) -> None:
+    result = run_launcher(["rules"], clean_environ(tmp_path))
+    assert result.returncode == 0 and result.stderr == ""
+    for rule in evidence.RULES:
+        assert re.search(rf"^{rule.id} +(adds|no rule)", result.stdout, re.MULTILINE)
+        assert f"evidence: {rule.evidence}" in result.stdout
+    assert "measured under: ngram SD; x86_64, 2 CPUs, vLLM 0.32, 1 worker" in result.stdout
+
+
+def test_the_json_is_the_table_versioned_and_every_evidence_file_is_kept(
+    tmp_path: Path,
+) -> None:
+    record = rules_json(tmp_path, [])
+    assert record["schema"] == "vllm-cpu-launch/rules/1"
+    assert [r["id"] for r in record["rules"]] == [r.id for r in evidence.RULES]
+    for rule in record["rules"]:
+        assert (REPO / rule["evidence"]).is_file()
+        assert rule["rule"] == (rule["why"] is None)
+    first = record["rules"][0]
+    assert first["measured"]["cpus"] == evidence.RULES[0].measured.cpus
+    assert first["adds"]["variables"] == dict(evidence.RULES[0].variables)
+
+
+def test_a_command_on_the_measured_host_gets_its_rule(tmp_path: Path, map_vllm: Path) -> None:
+    """vLLM 0.32 on 2 CPUs, nothing set: map-1, as the plan (--dry-run) applies it."""
+    record = rules_json(tmp_path, ["--vllm", str(map_vllm), *NGRAM])
+    assert (record["rule"], record["start"]["cpus"], record["start"]["vllm"]) == (
+        "map-1",
+        2,
+        "0.32.0",
+    )
+    assert record["misses"]["map-1 ngram"] == []
+    assert record["misses"]["map-2 ngram"][0].startswith("your VLLM_CPU_OMP_THREADS_BIND=unset")
+    plan = run_launcher(
+        ["--dry-run", "--json", "--vllm", str(map_vllm), *NGRAM], clean_environ(tmp_path), PINNED
+    )
+    assert json.loads(plan.stdout)["rule"]["id"] == "map-1"
+
+
+def test_the_condition_that_decides_the_cliff_is_shown(tmp_path: Path, map_vllm: Path) -> None:
+    """One CPU, or an OMP_NUM_THREADS of yours: no rule, and `rules serve` says which
+    condition failed first (the text form too)."""
+    one = rules_json(tmp_path, ["--vllm", str(map_vllm), *NGRAM], ONE_CPU)
+    assert one["rule"] is None
+    assert one["misses"]["map-1 ngram"][0] == "1 usable CPUs (measured on 2)"
+    threads = rules_json(tmp_path, ["--vllm", str(map_vllm), *NGRAM], OMP_NUM_THREADS="2")
+    assert threads["misses"]["map-1 ngram"] == ["your OMP_NUM_THREADS=2 (never measured unbound)"]
+    text = run_launcher(
+        ["rules", "--vllm", str(map_vllm), *NGRAM], clean_environ(tmp_path), ONE_CPU
+    ).stdout
+    assert re.search(r"^map-1 ngram +fails: 1 usable CPUs \(measured on 2\)$", text, re.M)
+
+
+def test_without_vllm_it_says_so_and_still_answers(tmp_path: Path) -> None:
+    record = rules_json(tmp_path, ["--vllm", str(tmp_path / "no-vllm"), *NGRAM])
+    assert record["start"]["vllm"] is None and "none found" in record["start"]["found"]
+    assert all(
+        failed[0] == "no vLLM found (measured with vLLM 0.32)"
+        for key, failed in record["misses"].items()
+        if failed and not failed[0].endswith("usable CPUs (measured on 2)")
+    )
+
+
+def test_the_help_says_what_it_answers(tmp_path: Path) -> None:
+    result = run_launcher(["rules", "--help"], clean_environ(tmp_path))
+    assert result.returncode == 0
+    assert "rules serve MODEL ...  which rule this command gets on this host" in result.stdout
+
+
+def test_design_md_shows_the_table_generated_from_the_data() -> None:
+    design = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    begin, end = "<!-- rules table: generated -->\n", "\n<!-- end of the rules table -->"
+    shown = design.split(begin, 1)[1].split(end, 1)[0]
+    assert shown == markdown_table(), "regenerate it: vllm_cpu_launch.verbs.rules.markdown_table"
+
+
+def start(**changes: Any) -> Start:
+    facts: dict[str, Any] = {
+        "machine": "x86_64",
+        "cpus": 2,
+        "release": "0.32.0",
+        "one_worker": True,
+        "method": "ngram",
+        "tokens": 3,
+        "environ": {},
+    }
+    return Start(**{**facts, **changes})
+
+
+def test_the_matcher_reads_only_the_table() -> None:
+    """Each condition of a rule, changed alone, is the one miss; the rule applies only
+    with none (map-1 as the example: its data, not code, names them)."""
+    rule = evidence.rule("map-1")
+    assert misses(rule, start()) == [] and setting_rule(start()).rule == rule
+    changes: list[tuple[dict[str, Any], str]] = [
+        ({"cpus": 4}, "cpus"),
+        ({"release": "0.33.1"}, "vllm"),
+        ({"one_worker": False}, "workers"),
+        ({"machine": "aarch64"}, "machine"),
+        ({"method": "eagle"}, "method"),
+        ({"environ": {"OMP_NUM_THREADS": "2"}}, "OMP_NUM_THREADS"),
+        ({"tcmalloc": "always"}, "allocator"),
+        ({"callers_allocator": "other"}, "allocator"),
+    ]
+    for change, condition in changes:
+        assert [m.condition for m in misses(rule, start(**change))] == [condition], change
+    assert setting_rule(start(cpus=4)).rule is None
+
+
+def test_llvm_libomp_off_the_measured_host_stands_in_by_method() -> None:
+    """The generic rule elsewhere; on the measured host only in the setting measured; never
+    where a loss was measured (the non-rule of the table)."""
+    assert llvm_runtime(start(cpus=4)).rule == evidence.rule("runtimes-1")
+    assert llvm_runtime(start(environ={"OMP_NUM_THREADS": "2"})).rule is None
+    assert llvm_runtime(start(method="draft_model", tokens=3, cpus=4)).rule is None

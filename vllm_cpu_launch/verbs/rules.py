@@ -1,0 +1,264 @@
+"""`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
+
+The table is evidence.RULES; whether a rule applies to a start is rules.py's matcher,
+the one the plan uses. With a vLLM command it reads the command, the caller's variables
+and settings as a launch does, but needs no vLLM installed: without one, the vLLM
+condition fails and says so.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+
+if TYPE_CHECKING:
+    from vllm_cpu_launch.evidence import Measured, Rule
+    from vllm_cpu_launch.rules import Start
+
+USAGE = """\
+usage: vllm-cpu-launch rules [--json]
+       vllm-cpu-launch rules [--json] [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
+
+What the launcher adds for speculative decoding beyond Intel OpenMP at vLLM's own
+settings, and why: each measured rule adds a binding, a block time or tcmalloc (or lets
+LLVM's libomp stand in where no Intel OpenMP is found), and only where every condition it
+was measured under holds: the SD method and tokens, the machine, the usable CPUs, the
+vLLM release, one worker, and the variables you left unset. What you set stays yours.
+
+  rules                  the table: id, measured under, adds, figures, evidence
+  rules --json           the same, as data (schema vllm-cpu-launch/rules/1)
+  rules serve MODEL ...  which rule this command gets on this host, and for every other
+                         rule the first condition that fails here (why 2 CPUs and 4 CPUs,
+                         or your OMP_NUM_THREADS, give different plans)
+
+The launcher OPTIONS (--vllm, --kmp-blocktime, --tcmalloc, ...) are read as a start reads
+them. No vLLM needs to be installed; nothing is started.
+"""
+SCHEMA = "vllm-cpu-launch/rules/1"
+NOT_MEASURED_HERE = (
+    "no setting rule was measured on this host (see each rule's first failing condition)"
+)
+
+
+def measured_json(where: Measured) -> dict[str, Any]:
+    return {
+        "method": where.method,
+        "tokens": where.tokens,
+        "machine": where.machine,
+        "cpus": where.cpus,
+        "vllm": where.vllm,
+        "workers": where.workers,
+        "bindings": list(where.bindings),
+        "unset": list(where.unset),
+        "allocator": where.allocator,
+        "within": list(where.within),
+    }
+
+
+def rule_json(rule: Rule) -> dict[str, Any]:
+    return {
+        "id": rule.id,
+        "measured": measured_json(rule.measured),
+        "adds": {
+            "words": rule.adds,
+            "variables": dict(rule.variables),
+            "allocator": rule.allocator,
+            "runtime": rule.runtime,
+        },
+        "figures": list(rule.figures),
+        "versus": rule.versus,
+        "source": rule.source,
+        "evidence": rule.evidence,
+        "rule": not rule.why,
+        "why": rule.why or None,
+    }
+
+
+def measured_words(where: Measured) -> str:
+    """Where a rule was measured, in one line."""
+    tokens = f" with {where.tokens} tokens" if where.tokens is not None else ""
+    binding = " or ".join(b or "unset" for b in where.bindings)
+    parts = [
+        f"{where.method} SD{tokens}",
+        f"{where.machine}, {where.cpus} CPUs, vLLM {where.vllm}, {where.workers} worker",
+        f"VLLM_CPU_OMP_THREADS_BIND {binding}",
+    ]
+    if where.unset:
+        parts.append(f"unset: {' '.join(where.unset)}")
+    if where.within:
+        parts.append(f"in the setting of {' or '.join(where.within)}")
+    else:
+        parts.append("with tcmalloc" if where.allocator == "tcmalloc" else "without tcmalloc")
+    return "; ".join(parts)
+
+
+def table_lines() -> list[str]:
+    from vllm_cpu_launch.evidence import RULES, figures
+
+    lines = []
+    for rule in RULES:
+        adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"
+        lines += [
+            f"{rule.id:<14} {adds}",
+            f"{'':<14} measured under: {measured_words(rule.measured)}",
+            f"{'':<14} figures: TPOT {figures(rule.figures)} of {rule.versus} ({rule.source})",
+            f"{'':<14} evidence: {rule.evidence}",
+        ]
+    return lines
+
+
+def table_where(where: Measured) -> str:
+    """Where a rule was measured, for docs/design.md's table (x86-64, one worker: its
+    caption)."""
+    tokens = f" {where.tokens} tokens" if where.tokens is not None else ""
+    head = f"{where.method}{tokens}, {where.cpus} CPUs, vLLM {where.vllm}"
+    if where.within:
+        return f"{head}, as {'/'.join(where.within)}"
+    binding = "/".join(b or "unset" for b in where.bindings)
+    unset = ", ".join(where.unset)
+    allocator = "tcmalloc" if where.allocator == "tcmalloc" else "no tcmalloc"
+    return f"{head}; binding {binding}; unset: {unset}; {allocator}"
+
+
+def markdown_table() -> str:
+    """The table as docs/design.md shows it (tests/test_rules.py keeps them in agreement)."""
+    from vllm_cpu_launch.evidence import RULES, figures
+
+    rows = ["| rule | measured under | adds | TPOT |", "| --- | --- | --- | --- |"]
+    for rule in RULES:
+        adds = [f"{name}={value}" for name, value in rule.variables]
+        adds += [rule.allocator or "", "LLVM's libomp" if rule.runtime else ""]
+        added = ", ".join(a for a in adds if a) if not rule.why else "nothing (no gain every round)"
+        versus = rule.versus.split(" (")[0]
+        rows.append(
+            f"| {rule.id} | {table_where(rule.measured)} | {added} | "
+            f"{figures(rule.figures)} {versus} |"
+        )
+    return "\n".join(rows)
+
+
+def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]:
+    """The start the rules read for `command`, as a launch reads it, and where its vLLM
+    was found (or why none was)."""
+    import os
+    import sys
+
+    from vllm_cpu_launch.launch import SETTING_KEYS, current_host
+    from vllm_cpu_launch.libraries import find_library
+    from vllm_cpu_launch.places import ALLOCATOR, TCMALLOC, callers_kind, preload_entries
+    from vllm_cpu_launch.releases import target_release
+    from vllm_cpu_launch.rules import Start
+    from vllm_cpu_launch.settings import load_settings
+    from vllm_cpu_launch.speculative import detect
+    from vllm_cpu_launch.target import resolve_vllm
+    from vllm_cpu_launch.vllm_cli import single_worker
+
+    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
+    settings = load_settings(options, os.environ)
+    host = current_host()
+    try:
+        target = resolve_vllm(settings.vllm, os.environ, sys.executable)
+        release, found = target_release(target), f"vLLM: {target.executable}"
+    except LaunchError:
+        target, release = None, None
+        found = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
+    speculative = detect(command)
+    kinds = {callers_kind(e) for e in preload_entries(host.environ.get("LD_PRELOAD", ""))}
+    theirs = "other" if ALLOCATOR in kinds else "tcmalloc" if TCMALLOC in kinds else None
+    tcmalloc = settings.tcmalloc_path or None
+    found_tcmalloc = find_library(TCMALLOC, host, target, explicit=tcmalloc).chosen is not None
+    start = Start(
+        host.machine,
+        host.cpus,
+        release,
+        single_worker(command),
+        speculative.method,
+        speculative.tokens,
+        host.environ,
+        settings.kmp_blocktime,
+        settings.tcmalloc,
+        found_tcmalloc,
+        theirs,
+    )
+    return start, found
+
+
+def verdicts(start: Start) -> dict[str, Any]:
+    """Which setting rule and which runtimes rule apply to `start`, and every rule's
+    conditions that fail here (the first is the one that decides)."""
+    from dataclasses import replace
+
+    from vllm_cpu_launch.evidence import RULES
+    from vllm_cpu_launch.rules import llvm_runtime, misses, setting_rule, words
+
+    setting = setting_rule(start) if start.method else None
+    if setting and not setting.note:
+        setting = replace(setting, note=f"{NOT_MEASURED_HERE}; libiomp5 at vLLM's settings")
+    runtime = llvm_runtime(start) if start.method else None
+    return {
+        "rule": setting.rule.id if setting and setting.rule else None,
+        "note": setting.note if setting else "no speculative decoding requested",
+        "runtime": runtime.rule.id if runtime and runtime.rule else None,
+        "runtime_note": runtime.note if runtime else None,
+        "misses": {
+            f"{rule.id} {rule.measured.method}": [words(m) for m in misses(rule, start)]
+            for rule in RULES
+        },
+    }
+
+
+def start_json(start: Start, found: str) -> dict[str, Any]:
+    return {
+        "machine": start.machine,
+        "cpus": start.cpus,
+        "vllm": start.release,
+        "found": found,
+        "one_worker": start.one_worker,
+        "method": start.method,
+        "tokens": start.tokens,
+    }
+
+
+def command_lines(start: Start, found: str, verdict: dict[str, Any]) -> list[str]:
+    tokens = f", {start.tokens} tokens" if start.tokens is not None else ""
+    workers = "one worker" if start.one_worker else "several workers or nodes"
+    lines = [
+        f"here:     {start.method or 'no'} SD{tokens}; {start.machine}, {start.cpus} usable "
+        f"CPUs, vLLM {start.release or 'not found'}, {workers}",
+        f"          {found}",
+        f"setting:  {verdict['rule'] or 'no rule'}: {verdict['note']}",
+    ]
+    if verdict["runtime_note"]:
+        runtime = verdict["runtime"] or "no rule"
+        lines.append(
+            f"llvm:     where LLVM's libomp is the runtime found, {runtime}: "
+            f"{verdict['runtime_note']}"
+        )
+    for key, failed in verdict["misses"].items():
+        lines.append(f"{key:<24} {'matches here' if not failed else 'fails: ' + failed[0]}")
+    return lines
+
+
+def main(values: dict[str, object], args: list[str]) -> int:
+    from vllm_cpu_launch.evidence import RULES
+    from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
+
+    more, command = parse_options(args, VALUED_OPTIONS, FLAG_OPTIONS, verb="rules")
+    merged = {**values, **more}
+    if merged.get("help"):
+        write_stdout(USAGE.rstrip())
+        return 0
+    for key, option in (("dry_run", "--dry-run"), ("version", "--version")):
+        if merged.get(key):
+            raise LaunchError(EXIT_USAGE, f"rules starts nothing; {option} does not apply")
+    record: dict[str, Any] = {"schema": SCHEMA, "rules": [rule_json(r) for r in RULES]}
+    lines = table_lines()
+    if command:
+        start, found = start_of(merged, command)
+        verdict = verdicts(start)
+        record.update(start=start_json(start, found), **verdict)
+        lines = command_lines(start, found, verdict)
+    write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
+    return 0
