@@ -148,6 +148,36 @@ def hidden_by_private_tmp(paths: Sequence[str]) -> list[str]:
     return hidden
 
 
+def header_lines(name: str, description: str) -> list[str]:
+    """How to install the unit and read its logs, and its [Unit] section."""
+    return [
+        f"# {name}.service, written by vllm-cpu-launch {__version__} systemd-unit.",
+        f"# Install: save as /etc/systemd/system/{name}.service, then",
+        f"#   systemctl daemon-reload && systemctl enable --now {name}.service",
+        f"# Logs: journalctl -u {name}.service (launcher messages keep their levels)",
+        "[Unit]",
+        f"Description={plain_text(description)}",
+        "Wants=network-online.target",
+        "After=network-online.target",
+        "",
+    ]
+
+
+def identity_lines(values: dict[str, object]) -> list[str]:
+    """User= (else a transient DynamicUser) and Group=, as given."""
+    user = values.get("unit_user")
+    group = values.get("unit_group")
+    lines = []
+    if isinstance(user, str):
+        lines.append(f"User={setting_value(user)}")
+    else:
+        lines.append("# No --user given: a transient user; the model must be world-readable.")
+        lines.append("DynamicUser=yes")
+    if isinstance(group, str):
+        lines.append(f"Group={setting_value(group)}")
+    return lines
+
+
 def render_unit(
     values: dict[str, object],
     command: Sequence[str],
@@ -161,31 +191,15 @@ def render_unit(
     name = str(values.get("unit_name") or DEFAULT_NAME)
     drain = shutdown_timeout(arguments)
     stop_timeout = DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S
-    user = values.get("unit_user")
-    group = values.get("unit_group")
     argv = [*launcher_command(), *command, *baked_options(values, target), "--", *arguments]
     lines = [
-        f"# {name}.service, written by vllm-cpu-launch {__version__} systemd-unit.",
-        f"# Install: save as /etc/systemd/system/{name}.service, then",
-        f"#   systemctl daemon-reload && systemctl enable --now {name}.service",
-        f"# Logs: journalctl -u {name}.service (launcher messages keep their levels)",
-        "[Unit]",
-        f"Description={plain_text(description)}",
-        "Wants=network-online.target",
-        "After=network-online.target",
-        "",
+        *header_lines(name, description),
         "[Service]",
         "# exec: started once the launcher runs; it execs vLLM, which keeps the main PID.",
         "Type=exec",
         f"ExecStart={exec_line(argv)}",
     ]
-    if isinstance(user, str):
-        lines.append(f"User={setting_value(user)}")
-    else:
-        lines.append("# No --user given: a transient user; the model must be world-readable.")
-        lines.append("DynamicUser=yes")
-    if isinstance(group, str):
-        lines.append(f"Group={setting_value(group)}")
+    lines += identity_lines(values)
     lines += environment_lines(values, name)
     lines += [
         f"CacheDirectory={name}",

@@ -209,21 +209,23 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
-    """The report for a terminal: sections, then numbered recommendations."""
-    cpu, cores, vllm = report["cpu"], report["cores"], report["vllm"]
-    launcher = report["launcher"]
-    flag_names = {
-        "avx2": "AVX2",
-        "avx512f": "AVX-512F",
-        "avx512_bf16": "AVX-512 BF16",
-        "avx512_vnni": "AVX-512 VNNI",
-        "avx512_fp16": "AVX-512 FP16",
-        "amx_tile": "AMX",
-        "amx_bf16": "AMX-BF16",
-        "amx_int8": "AMX-INT8",
-    }
-    flags = "  ".join(f"{flag_names[f]} {'yes' if v else 'no'}" for f, v in cpu["flags"].items())
+FLAG_NAMES = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512F",
+    "avx512_bf16": "AVX-512 BF16",
+    "avx512_vnni": "AVX-512 VNNI",
+    "avx512_fp16": "AVX-512 FP16",
+    "amx_tile": "AMX",
+    "amx_bf16": "AMX-BF16",
+    "amx_int8": "AMX-INT8",
+}
+LIBRARY_TITLES = {"iomp": "Intel OpenMP (libiomp5.so)", "tcmalloc": "tcmalloc"}
+
+
+def machine_lines(report: dict[str, Any]) -> list[str]:
+    """The header, the CPU, its cores, NUMA nodes and memory."""
+    cpu, cores, launcher = report["cpu"], report["cores"], report["launcher"]
+    flags = "  ".join(f"{FLAG_NAMES[f]} {'yes' if v else 'no'}" for f, v in cpu["flags"].items())
     lines = [
         f"vllm-cpu-launch {launcher['version']} doctor (Python {launcher['python']}, "
         f"prefix {launcher['prefix']})",
@@ -242,36 +244,29 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         lines.append(f"NUMA       no nodes listed under {NODE_ROOT}")
     memory = report["memory"]
     lines.append(f"memory     {size(memory['total'])} total, {size(memory['available'])} available")
-    lines.append("")
-    lines += vllm_lines(vllm)
-    plugin = report["plugin"]
-    lines.append(f"  plugin   {plugin['reason']}")
-    if plugin["installed"]:
-        lines.append(f"  {'':<9}{plugin['installed']}")
-    titles = {"iomp": "Intel OpenMP (libiomp5.so)", "tcmalloc": "tcmalloc"}
-    for kind, section in report["libraries"].items():
-        lines.append("")
-        lines.append(titles[kind])
-        for c in section["candidates"]:
-            flavor = f", {c['flavor']}" if c["flavor"] else ""
-            lines.append(f"  {c['verdict']:<9}{c['path'] or repr(c['path'])}")
-            lines.append(f"  {'':<9}from {c['origin']}{flavor}: {c['reason']}")
-            if c["fix"]:
-                lines.append(f"  {'':<9}fix: {c['fix']}")
-        searched = ", ".join(section["places"])
-        if section["candidates"]:
-            lines.append(f"  searched {searched}")
-        else:
-            lines.append(f"  none found (searched {searched})")
-    lines.append("")
-    lines.append("your environment")
-    for key, value in report["environment"].items():
-        lines.append(f"  {key}={value}")
-    if not report["environment"]:
-        lines.append("  none of LD_PRELOAD, LD_LIBRARY_PATH, KMP_*, OMP_*, VLLM_CPU_* is set")
-    settings = report["settings"]
-    lines.append("")
-    lines.append("launcher settings")
+    return lines
+
+
+def library_lines(kind: str, section: dict[str, Any]) -> list[str]:
+    """One library's candidates, each with its verdict, origin and fix, and the places."""
+    lines = ["", LIBRARY_TITLES[kind]]
+    for c in section["candidates"]:
+        flavor = f", {c['flavor']}" if c["flavor"] else ""
+        lines.append(f"  {c['verdict']:<9}{c['path'] or repr(c['path'])}")
+        lines.append(f"  {'':<9}from {c['origin']}{flavor}: {c['reason']}")
+        if c["fix"]:
+            lines.append(f"  {'':<9}fix: {c['fix']}")
+    searched = ", ".join(section["places"])
+    if section["candidates"]:
+        lines.append(f"  searched {searched}")
+    else:
+        lines.append(f"  none found (searched {searched})")
+    return lines
+
+
+def settings_lines(settings: dict[str, Any]) -> list[str]:
+    """The launcher's settings: a broken config first, the files, values and tune records."""
+    lines = ["launcher settings"]
     values = settings["values"].items()
     shown = ", ".join(f"{key.replace('_', '-')}={setting_text(value)}" for key, value in values)
     if settings["error"]:  # first: what is below was read without what it names
@@ -288,9 +283,23 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
         lines.append(f"  {'':<9}for {scope or 'any command'} ({tuned['origin']})")
         if tuned["not_here"]:
             lines.append(f"  {'':<9}not on this host: {'; '.join(tuned['not_here'])}")
-    lines.append("")
-    lines += map_lines(report["map"])
-    lines.append("")
+    return lines
+
+
+def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
+    """The report for a terminal: sections, then numbered recommendations."""
+    lines = [*machine_lines(report), "", *vllm_lines(report["vllm"])]
+    plugin = report["plugin"]
+    lines.append(f"  plugin   {plugin['reason']}")
+    if plugin["installed"]:
+        lines.append(f"  {'':<9}{plugin['installed']}")
+    for kind, section in report["libraries"].items():
+        lines += library_lines(kind, section)
+    lines += ["", "your environment"]
+    lines += [f"  {key}={value}" for key, value in report["environment"].items()]
+    if not report["environment"]:
+        lines.append("  none of LD_PRELOAD, LD_LIBRARY_PATH, KMP_*, OMP_*, VLLM_CPU_* is set")
+    lines += ["", *settings_lines(report["settings"]), "", *map_lines(report["map"]), ""]
     if measure_text:
         lines += [measure_text, ""]
     advice = report["recommendations"]
