@@ -389,6 +389,18 @@ def prepare(args: argparse.Namespace, scratch: Path, active: list[Server]) -> di
     return paths
 
 
+def partial_path(kept: Path) -> Path:
+    return kept.with_name(kept.name + ".partial")
+
+
+def keep_partial(kept: Path | None, run: Run) -> None:
+    """Each start as it is measured, one JSON line in KEPT.partial: a map stopped early
+    keeps what it measured (the full record replaces it at the end)."""
+    if kept is not None:
+        with partial_path(kept).open("a", encoding="utf-8") as stream:
+            stream.write(json.dumps(asdict(run)) + "\n")
+
+
 def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str, Any]]:
     """Every configuration for every round, servers stopped; the runs and what they ran on."""
     active: list[Server] = []
@@ -401,6 +413,8 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
             total = len(configs) * args.rounds
             say(f"{len(configs)} configurations x {args.rounds} rounds = {total} starts")
             runs: list[Run] = []
+            if args.json is not None:
+                partial_path(args.json).unlink(missing_ok=True)  # an earlier run's
             for number, (round_index, config) in enumerate(interleaved(configs, args.rounds), 1):
                 say(f"start {number}/{total}, round {round_index + 1}: {config.name}")
                 where = scratch / f"r{round_index}-{number}"
@@ -411,6 +425,7 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
                     + f"; worker {run.worker}"
                 )
                 runs.append(run)
+                keep_partial(args.json, run)
             models = {key: parameter_count(paths[key]) for key in model_keys(configs)}
     finally:
         for server in list(active):
@@ -442,6 +457,7 @@ def bench(args: argparse.Namespace, command: str) -> None:
         if args.json is not None:
             kept = {"meta": meta, "runs": [asdict(run) for run in runs]}
             args.json.write_text(json.dumps(kept, indent=1) + "\n", encoding="utf-8")
+            partial_path(args.json).unlink(missing_ok=True)
             say(f"kept every measurement in {args.json}")
     report = markdown(runs, meta, redrawn=args.from_json is not None)
     print(report)
