@@ -129,10 +129,14 @@ SELF_DRAFT = "self"  # Method.draft: the target drafts for itself (near-total ac
 SHALLOW_DRAFT = "shallow"  # Method.draft: --real-draft, the target's first layers
 REAL_DRAFTS = (SELF_DRAFT, SHALLOW_DRAFT)
 # What the real model's clients ask (vllm_server.PROMPT, a repetition, is the made models'):
-# prose, so that ngram finds only what the model's own continuation repeats.
+# prose with a task that quotes it, as editing or answering from a document does, so that
+# ngram finds what the model's own text repeats (a story alone: 0 of 15 drafted tokens
+# accepted in a first start) and a draft model is accepted as the model's text allows.
 REAL_PROMPT = (
-    "The lighthouse keeper climbed the stairs at dusk, as he had every evening for thirty "
-    "years. That night, though, something on the rocks below caught his eye:"
+    "Text: The lighthouse keeper climbed the stairs at dusk, as he had every evening for "
+    "thirty years. That night, though, something on the rocks below caught his eye.\n"
+    "Repeat the text above, then say what the keeper saw.\n"
+    "Answer: The lighthouse keeper"
 )
 # vLLM's options for the real model (its config allows 8192 tokens; the map needs few).
 REAL_SERVE_OPTIONS = ("--max-model-len", "2048")
