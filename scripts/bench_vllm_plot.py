@@ -112,9 +112,8 @@ def gains(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
         by_config.setdefault(run.config, []).append(run)
     methods = list(dict.fromkeys((c.model, c.method) for c in by_config))
     settings = list(dict.fromkeys(c.setting for c in by_config if c.setting != "libgomp"))
-    figure, axes = plt.subplots(
-        1, len(levels), figsize=(4 + 2.2 * len(methods) * len(levels), 5), squeeze=False
-    )
+    width_in = max(10.0, 4 + 2.2 * len(methods) * len(levels))
+    figure, axes = plt.subplots(1, len(levels), figsize=(width_in, 5.5), squeeze=False)
     width = 0.8 / max(len(settings), 1)
     for axis, level in zip(axes[0], levels, strict=True):
         for index, setting in enumerate(settings):
@@ -134,15 +133,19 @@ def gains(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
                 lows.append(ratio.median - ratio.low)
                 highs.append(ratio.high - ratio.median)
             colour = palette(list(SETTINGS).index(setting))
-            axis.bar(xs, medians, width, yerr=[lows, highs], capsize=2, label=setting, color=colour)
+            # Points, not bars: on a log scale a bar's height from the axis means nothing.
+            axis.errorbar(
+                xs, medians, yerr=[lows, highs], fmt="o", capsize=3, label=setting, color=colour
+            )
         axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_yscale("log")  # a loss of 2x as far from 1 as a gain of 2x
         axis.set_xticks(range(len(methods)), [method_label(by_config, *m) for m in methods])
         axis.set_title(f"C={level} concurrent request{'s' if level > 1 else ''}")
         axis.set_ylabel("TPOT of plain vLLM / this (> 1 faster)")
         axis.legend(fontsize=7)
     figure.suptitle(
         f"{meta['versions']}, {meta['machine']['cpus']} CPUs: gain on plain vLLM (libgomp, "
-        f"vLLM's binding), paired by round, {meta['rounds']} rounds, whiskers min-max"
+        f"vLLM's binding),\npaired by round, {meta['rounds']} rounds, whiskers min-max"
     )
     figure.tight_layout()
     figure.savefig(path, dpi=90)
