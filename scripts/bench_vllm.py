@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Real vLLM with speculative decoding: where each OpenMP/malloc setting helps or hurts.
 
-A map over model size (`--models`: the tiny random Llama and a compute-bound one of ~105M
-parameters, both made locally by scripts/make_tiny_model.py), the speculative-decoding
+A map over the model (`--models`: the tiny random Llama and a compute-bound one of ~105M
+parameters, both made locally by scripts/make_tiny_model.py with random weights, whose
+drafts are never accepted; or `smollm2`, SmolLM2-135M-Instruct's real weights as
+scripts/real_model.py makes them, `--real-model DIR`, drafted for by itself or by a
+shallow draft of its first layers, `--real-draft DIR`), the speculative-decoding
 method (`--methods`, METHODS in bench_vllm_records: vLLM's ngram proposer; the tiny model
 as a draft model, made with the same seed and so the same tokenizer; or an EAGLE head made
 for the target; both draft for the larger model only), the worker's OpenMP threads
@@ -19,13 +22,16 @@ the worker's team spans every CPU whatever is reserved). Beside Intel's: LLVM's 
 waiting policies (OMP_WAIT_POLICY=active, a GOMP_SPINCOUNT of ~200 ms), libiomp5's `dist`
 barriers, and one OpenMP thread (`libgomp-1thread`): its TPOT divided by a setting's
 threads is the limit the report measures each setting against. After its last phase each
-server sits idle for a few seconds, and the CPU it burns then is kept too.
+server sits idle for a few seconds, and the CPU it burns then is kept too. `--map real`
+names the real-weights map (bench_vllm_records.MAPS): each method with only the settings
+its rules' pairs need.
 
 Starts alternate, the order rotating per round (bench_stats.interleaved). For each start:
 seconds to a healthy `/health`, then after a short warm-up, per concurrency level, clients
 stream greedy `ignore_eos` completions for `--phase-seconds`: vLLM's own mean time per
 output token over the phase (`vllm:request_time_per_output_token_seconds`), output tokens
-per second, and the CPU each vLLM process used. Every server runs in its own session and is
+per second, the CPU each vLLM process used, and vLLM's SD counters (acceptance: accepted
+of drafted tokens; accepted tokens per verifying step). Every server runs in its own session and is
 killed before the next starts; every wait is bounded. The starts of a model and method
 share one VLLM_CACHE_ROOT, filled by an unmeasured start first: every measured start finds
 the same warm compile cache (30 s to healthy instead of 50 s here; the compiled code does
@@ -63,20 +69,33 @@ from types import FrameType
 from typing import Any
 
 from bench_stats import REPO, interleaved
-from bench_vllm_plot import plot
+from bench_vllm_plot import gains, plot
 from bench_vllm_records import (
     LLVM_OMP,
+    MAPS,
     METHODS,
+    MODELS,
+    REAL,
     SETTINGS,
+    SHALLOW_DRAFT,
+    SYNTHETIC,
     THREADS,
     Config,
     Made,
     Run,
     grid,
+    mapped,
     runs_from_json,
 )
 from bench_vllm_report import MARKERS, markdown, update_markdown
-from bench_vllm_run import POLL_INTERVAL_S, cache_key, measure_one, warmed_up
+from bench_vllm_run import (
+    COMPILING_LIMIT_S,
+    POLL_INTERVAL_S,
+    cache_key,
+    measure_one,
+    prompt_of,
+    warmed_up,
+)
 from script_cli import ScriptError, exit_code, last_line, narrator
 from vllm_server import (
     ENV_SETUP_LIMIT_S,
@@ -101,6 +120,7 @@ INTERESTING_FLAGS = (
 )
 
 say = narrator("bench_vllm")
+FILLED = "bench_vllm-filled"  # in a compile cache an unmeasured start filled
 
 
 # ---------------------------------------------------------------- set-up
@@ -194,7 +214,28 @@ def listed(
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4, help="starts per configuration")
-    parser.add_argument("--models", default="tiny,100m", help="tiny,100m (default both)")
+    parser.add_argument(
+        "--models",
+        default=",".join(SYNTHETIC),
+        help=f"from {', '.join(MODELS)} (default the made ones; {REAL} needs --real-model)",
+    )
+    parser.add_argument(
+        "--map",
+        choices=sorted(MAPS),
+        help="a named map: its models, methods and settings (each method its own settings), "
+        "in place of --models/--methods/--threads/--settings",
+    )
+    parser.add_argument(
+        "--real-model",
+        type=Path,
+        help=f"the {REAL} model's directory (real weights: scripts/real_model.py makes it)",
+    )
+    parser.add_argument(
+        "--real-draft",
+        type=Path,
+        help="the shallow draft's directory, cut from the real model's first layers "
+        "(scripts/real_model.py makes it): the shallow* methods draft with it",
+    )
     parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"from {', '.join(METHODS)} (default all)"
     )
@@ -224,6 +265,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="no unmeasured start to fill each compile cache: the first measured start "
         "compiles (a smoke test's shortcut; its figures are not comparable)",
     )
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="keep each model and method's compile cache (VLLM_CACHE_ROOT) under this "
+        "directory across runs: one a run filled needs no unmeasured start again (default: "
+        "a temporary one per run)",
+    )
     parser.add_argument("--vllm-env", type=Path, help="vLLM environment (default: vllm_env.py)")
     parser.add_argument("--markdown", type=Path, help="also write the report into this file")
     parser.add_argument(
@@ -233,9 +281,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="also keep every measurement in this file")
     parser.add_argument("--plot", type=Path, help="draw TPOT per configuration into this PNG")
+    parser.add_argument(
+        "--gains-plot",
+        type=Path,
+        help="draw each setting's paired gain on plain vLLM, per method with its acceptance, "
+        "into this PNG",
+    )
     parser.add_argument("--from-json", type=Path, help="report (and plot) a kept run; no vLLM")
     args = parser.parse_args(argv)
-    args.model_sizes = listed(parser, "--models", args.models, ("tiny", "100m"))
+    args.model_sizes = listed(parser, "--models", args.models, MODELS)
     args.method_keys = listed(parser, "--methods", args.methods, tuple(METHODS))
     args.thread_settings = listed(parser, "--threads", args.threads, tuple(THREADS))
     args.setting_keys = listed(parser, "--settings", args.settings, tuple(SETTINGS))
@@ -247,6 +301,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--rounds and --concurrency must be >= 1, --phase-seconds > 0")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2")
+    if args.map is not None:
+        args.model_sizes, args.thread_settings = [REAL], ["default"]
+        args.setting_keys = list(dict.fromkeys(k for keys in MAPS[args.map].values() for k in keys))
     needs_tcmalloc = any(SETTINGS[key].tcmalloc for key in args.setting_keys)
     if needs_tcmalloc and not args.from_json and not args.tcmalloc_path.is_file():
         parser.error(
@@ -265,10 +322,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "(/usr/lib/llvm-14/lib/libiomp5.so) or the cmeel-libomp wheel ships it "
             "(cmeel.prefix/lib/libiomp5.so); or leave out the libomp --settings"
         )
-    args.configs = grid(args.model_sizes, args.method_keys, args.thread_settings, args.setting_keys)
+    args.configs = (
+        mapped(MAPS[args.map])
+        if args.map is not None
+        else grid(args.model_sizes, args.method_keys, args.thread_settings, args.setting_keys)
+    )
+    check_real_paths(parser, args)
     if not args.configs:
         parser.error("no configuration: a draft method drafts only for a larger --models one")
     return args
+
+
+def check_real_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The real model's directories, where a configuration needs them: one line naming the
+    option and how to make the directory, before any vLLM starts."""
+    if args.from_json is not None:
+        return
+    fix = "Fix: make it with scripts/real_model.py and name the directory it prints"
+    needed = [("--real-model", args.real_model, any(c.model == REAL for c in args.configs))]
+    shallow = any(METHODS[c.method].draft == SHALLOW_DRAFT for c in args.configs)
+    needed.append(("--real-draft", args.real_draft, shallow))
+    for option, path, wanted in needed:
+        if wanted and not (path is not None and (path / "config.json").is_file()):
+            parser.error(f"{option} {path} is not a model directory (no config.json); {fix}")
 
 
 def terminate(signum: int, _frame: FrameType | None) -> None:
@@ -278,25 +354,51 @@ def terminate(signum: int, _frame: FrameType | None) -> None:
 def made_models(configs: Sequence[Config]) -> list[Made]:
     """The made models configs need: targets, then what drafts for them."""
     drafts = (METHODS[c.method].draft_for(c.model) for c in configs)
-    return list(dict.fromkeys([*(Made(c.model) for c in configs), *filter(None, drafts)]))
+    targets = (Made(c.model) for c in configs if c.model in SYNTHETIC)
+    return list(dict.fromkeys([*targets, *filter(None, drafts)]))
+
+
+def model_keys(configs: Sequence[Config]) -> list[str]:
+    """The keys among the map's paths of every model configs serve or draft with."""
+    drafts = (METHODS[c.method].draft_key(c.model) for c in configs)
+    return list(dict.fromkeys([*(c.model for c in configs), *filter(None, drafts)]))
 
 
 def prepare(args: argparse.Namespace, scratch: Path, active: list[Server]) -> dict[str, Path]:
-    """The vLLM environment, the made models, and a compile cache per model and method,
-    filled by one unmeasured start (unless --no-warm-up); by key: "env", a model size,
-    cache_key(config)."""
+    """The vLLM environment, the models, and a compile cache per model and method, filled
+    by one unmeasured start (unless --no-warm-up, or a --compile-cache an earlier run
+    filled); by key: "env", a model (or draft) key, cache_key(config)."""
     paths = {"env": prepare_env(args.vllm_env)}
     for made in made_models(args.configs):
         paths[made.key] = prepare_model(made, paths["env"], scratch)
+    for key, given in ((REAL, args.real_model), (SHALLOW_DRAFT, args.real_draft)):
+        if given is not None:
+            paths[key] = given.absolute()
+    caches = scratch if args.compile_cache is None else args.compile_cache.absolute()
     for model, method in dict.fromkeys((c.model, c.method) for c in args.configs):
         warm = Config(model, method, args.thread_settings[0], "libgomp")
-        paths[cache_key(warm)] = scratch / f"vllm-cache-{model}-{method}"
-        if args.no_warm_up:
-            continue
+        paths[cache_key(warm)] = caches / f"vllm-cache-{model}-{method}"
+        filled = paths[cache_key(warm)] / FILLED
+        if args.no_warm_up or filled.exists():
+            continue  # no warm-up asked for, or a kept cache an earlier run filled
         say(f"filling the compile cache of the {model} model with {method} (one unmeasured start)")
-        with warmed_up(warm, paths, scratch / f"warm-{model}-{method}", args, active):
-            pass
+        where = scratch / f"warm-{model}-{method}"
+        with warmed_up(warm, paths, where, args, active, COMPILING_LIMIT_S):
+            filled.parent.mkdir(parents=True, exist_ok=True)
+            filled.touch()
     return paths
+
+
+def partial_path(kept: Path) -> Path:
+    return kept.with_name(kept.name + ".partial")
+
+
+def keep_partial(kept: Path | None, run: Run) -> None:
+    """Each start as it is measured, one JSON line in KEPT.partial: a map stopped early
+    keeps what it measured (the full record replaces it at the end)."""
+    if kept is not None:
+        with partial_path(kept).open("a", encoding="utf-8") as stream:
+            stream.write(json.dumps(asdict(run)) + "\n")
 
 
 def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str, Any]]:
@@ -311,6 +413,8 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
             total = len(configs) * args.rounds
             say(f"{len(configs)} configurations x {args.rounds} rounds = {total} starts")
             runs: list[Run] = []
+            if args.json is not None:
+                partial_path(args.json).unlink(missing_ok=True)  # an earlier run's
             for number, (round_index, config) in enumerate(interleaved(configs, args.rounds), 1):
                 say(f"start {number}/{total}, round {round_index + 1}: {config.name}")
                 where = scratch / f"r{round_index}-{number}"
@@ -321,7 +425,8 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
                     + f"; worker {run.worker}"
                 )
                 runs.append(run)
-            models = {made.key: parameter_count(paths[made.key]) for made in made_models(configs)}
+                keep_partial(args.json, run)
+            models = {key: parameter_count(paths[key]) for key in model_keys(configs)}
     finally:
         for server in list(active):
             stop_session(server, POLL_INTERVAL_S)
@@ -338,6 +443,7 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
         "phase_seconds": args.phase_seconds,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "prompts": sorted({prompt_of(config) for config in configs}),
     }
     return runs, meta
 
@@ -351,6 +457,7 @@ def bench(args: argparse.Namespace, command: str) -> None:
         if args.json is not None:
             kept = {"meta": meta, "runs": [asdict(run) for run in runs]}
             args.json.write_text(json.dumps(kept, indent=1) + "\n", encoding="utf-8")
+            partial_path(args.json).unlink(missing_ok=True)
             say(f"kept every measurement in {args.json}")
     report = markdown(runs, meta, redrawn=args.from_json is not None)
     print(report)
@@ -360,6 +467,9 @@ def bench(args: argparse.Namespace, command: str) -> None:
     if args.plot is not None:
         plot(runs, meta, args.plot)
         say(f"drew {args.plot}")
+    if args.gains_plot is not None:
+        gains(runs, meta, args.gains_plot)
+        say(f"drew {args.gains_plot}")
     print(f"rerun: cd {REPO} && {meta['command']}")
 
 

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_vllm_records import NOBIND, SETTINGS, THREADS, Run
+from bench_vllm_records import NOBIND, SETTINGS, THREADS, Config, Run
+from bench_vllm_report import speedup
 from script_cli import ScriptError
 
 
-def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
-    """TPOT per configuration: a row of panels per model and method, a panel per thread
-    setting, bars per concurrency, whiskers from the fastest to the slowest round."""
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (the `bench` extra), or one line saying so."""
     try:
         import matplotlib
 
@@ -27,7 +27,20 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
         raise ScriptError(
             "--plot needs matplotlib; Fix: python -m pip install -e '.[bench]'"
         ) from None
-    palette = matplotlib.colormaps["tab20"]
+    return plt
+
+
+def palette(index: int) -> Any:
+    """One colour per setting, the same in every plot (tab20: more than SETTINGS)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](index)
+
+
+def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
+    """TPOT per configuration: a row of panels per model and method, a panel per thread
+    setting, bars per concurrency, whiskers from the fastest to the slowest round."""
+    plt = pyplot()
     levels: list[int] = meta["concurrency"]
     rows = list(dict.fromkeys((r.config.model, r.config.method) for r in runs))
     panels = ["default", "all"]
@@ -85,3 +98,65 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
+
+
+def gains(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
+    """What each setting gains on plain vLLM as installed, per method: the paired TPOT ratio
+    (plain's / this one's, > 1 faster) per concurrency level, median bar, whiskers from the
+    worst to the best round; each method labelled with its acceptance and accepted tokens
+    per step, the figures the gain moves with."""
+    plt = pyplot()
+    levels: list[int] = meta["concurrency"]
+    by_config: dict[Config, list[Run]] = {}
+    for run in runs:
+        by_config.setdefault(run.config, []).append(run)
+    methods = list(dict.fromkeys((c.model, c.method) for c in by_config))
+    settings = list(dict.fromkeys(c.setting for c in by_config if c.setting != "libgomp"))
+    width_in = max(10.0, 4 + 2.2 * len(methods) * len(levels))
+    figure, axes = plt.subplots(1, len(levels), figsize=(width_in, 5.5), squeeze=False)
+    width = 0.8 / max(len(settings), 1)
+    for axis, level in zip(axes[0], levels, strict=True):
+        for index, setting in enumerate(settings):
+            xs, medians, lows, highs = [], [], [], []
+            for x, (model, method) in enumerate(methods):
+                plain = by_config.get(Config(model, method, "default", "libgomp"))
+                mine = [
+                    g
+                    for c, g in by_config.items()
+                    if (c.model, c.method, c.setting) == (model, method, setting)
+                ]
+                if not plain or not mine:
+                    continue
+                ratio = speedup(mine[0], plain, level, "tpot")
+                xs.append(x + (index - (len(settings) - 1) / 2) * width)
+                medians.append(ratio.median)
+                lows.append(ratio.median - ratio.low)
+                highs.append(ratio.high - ratio.median)
+            colour = palette(list(SETTINGS).index(setting))
+            # Points, not bars: on a log scale a bar's height from the axis means nothing.
+            axis.errorbar(
+                xs, medians, yerr=[lows, highs], fmt="o", capsize=3, label=setting, color=colour
+            )
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_yscale("log")  # a loss of 2x as far from 1 as a gain of 2x
+        axis.set_xticks(range(len(methods)), [method_label(by_config, *m) for m in methods])
+        axis.set_title(f"C={level} concurrent request{'s' if level > 1 else ''}")
+        axis.set_ylabel("TPOT of plain vLLM / this (> 1 faster)")
+        axis.legend(fontsize=7)
+    figure.suptitle(
+        f"{meta['versions']}, {meta['machine']['cpus']} CPUs: gain on plain vLLM (libgomp, "
+        f"vLLM's binding),\npaired by round, {meta['rounds']} rounds, whiskers min-max"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def method_label(by_config: dict[Config, list[Run]], model: str, method: str) -> str:
+    """`method`, and its acceptance and accepted tokens per step (median over its starts)."""
+    group = [r for c, g in by_config.items() if (c.model, c.method) == (model, method) for r in g]
+    if not all(r.sd_counts for r in group):
+        return f"{model}\n{method}"
+    acceptance = statistics.median(r.acceptance for r in group)
+    per_step = statistics.median(r.accepted_per_step for r in group)
+    return f"{method}\naccepted {acceptance:.0%}\n{per_step:.1f}/step"

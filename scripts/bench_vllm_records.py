@@ -119,6 +119,27 @@ DOCKER_RECIPE = "libiomp5+tcmalloc"
 
 DRAFT_SIZE = "tiny"  # the draft model's size: too small for anything to draft for it
 EAGLE_HEAD = "eagle-head"  # Method.draft of EAGLE: the head made for the target
+# Real weights (issue 30): SmolLM2-135M-Instruct as scripts/real_model.py makes it
+# (--real-model), drafted for by itself or by a shallow draft cut from its first layers
+# (--real-draft); the made models above have random weights, whose drafts are never accepted.
+REAL = "smollm2"
+SYNTHETIC = ("tiny", "100m")  # the sizes scripts/make_tiny_model.py makes
+MODELS = (*SYNTHETIC, REAL)
+SELF_DRAFT = "self"  # Method.draft: the target drafts for itself (near-total acceptance)
+SHALLOW_DRAFT = "shallow"  # Method.draft: --real-draft, the target's first layers
+REAL_DRAFTS = (SELF_DRAFT, SHALLOW_DRAFT)
+# What the real model's clients ask (vllm_server.PROMPT, a repetition, is the made models'):
+# prose with a task that quotes it, as editing or answering from a document does, so that
+# ngram finds what the model's own text repeats (a story alone: 0 of 15 drafted tokens
+# accepted in a first start) and a draft model is accepted as the model's text allows.
+REAL_PROMPT = (
+    "Text: The lighthouse keeper climbed the stairs at dusk, as he had every evening for "
+    "thirty years. That night, though, something on the rocks below caught his eye.\n"
+    "Repeat the text above, then say what the keeper saw.\n"
+    "Answer: The lighthouse keeper"
+)
+# vLLM's options for the real model (its config allows 8192 tokens; the map needs few).
+REAL_SERVE_OPTIONS = ("--max-model-len", "2048")
 
 
 @dataclass(frozen=True)
@@ -146,7 +167,7 @@ class Method:
     key: str
     method: str  # vLLM's `method`
     tokens: int  # `num_speculative_tokens`
-    draft: str | None = None  # what drafts: DRAFT_SIZE's model, or EAGLE_HEAD
+    draft: str | None = None  # what drafts: DRAFT_SIZE's model, EAGLE_HEAD, or REAL_DRAFTS
     prompt_lookup_max: int | None = None  # ngram: the longest n-gram looked up
 
     def speculative_config(self, draft: str) -> str:
@@ -161,15 +182,28 @@ class Method:
 
     def draft_for(self, model: str) -> Made | None:
         """The made model that drafts for the target `model`, if one does."""
-        if self.draft is None:
+        if self.draft is None or self.draft in REAL_DRAFTS:
             return None
         return Made(model, eagle_head=True) if self.draft == EAGLE_HEAD else Made(self.draft)
 
+    def draft_key(self, model: str) -> str | None:
+        """The key of the draft's directory among the map's paths (bench_vllm.prepare): a
+        made model's, the target's own (self-draft), or the shallow draft's."""
+        made = self.draft_for(model)
+        if made is not None:
+            return made.key
+        return model if self.draft == SELF_DRAFT else self.draft
+
     def runs_on(self, model: str) -> bool:
-        """Whether the method runs on the target `model`: ngram always, a draft (the tiny
-        model, or an EAGLE head) only for a target larger than the tiny model, for which
-        nothing made here drafts at much less than the target's own cost."""
-        return self.draft is None or model != DRAFT_SIZE
+        """Whether the method runs on the target `model`: ngram always; the real drafts on
+        the real model alone; a made draft (the tiny model, or an EAGLE head) only for the
+        larger made model (nothing made here drafts the tiny one at much less than its own
+        cost, and the real model's tokenizer is not theirs)."""
+        if self.draft is None:
+            return True
+        if self.draft in REAL_DRAFTS:
+            return model == REAL
+        return model in SYNTHETIC and model != DRAFT_SIZE
 
 
 METHODS = {
@@ -180,6 +214,11 @@ METHODS = {
         Method("draft7", "draft_model", 7, draft=DRAFT_SIZE),
         # Not `eagle3`: that is vLLM's name for EAGLE-3, another method.
         Method("eagle-3", "eagle", 3, draft=EAGLE_HEAD),
+        # Real weights only (issue 30): no EAGLE head is trained for SmolLM2.
+        Method("self3", "draft_model", 3, draft=SELF_DRAFT),
+        Method("self7", "draft_model", 7, draft=SELF_DRAFT),
+        Method("shallow3", "draft_model", 3, draft=SHALLOW_DRAFT),
+        Method("shallow7", "draft_model", 7, draft=SHALLOW_DRAFT),
     )
 }
 THREADS = {"default": "vLLM's default reservation", "all": "all CPUs (reserved 0, or nobind)"}
@@ -210,6 +249,31 @@ def grid(
                 counts = [NOBIND] if SETTINGS[key].nobind else threads
                 configs += [Config(model, method, count, key) for count in counts]
     return configs
+
+
+# Named maps (--map): each method with the settings its rules' pairs need, served at vLLM's
+# default reservation, the rules' condition. `real` (issue 30), sized for the shared 2 CPUs
+# (a start took 2-3 minutes there under other sessions' load): plain vLLM (libgomp) against
+# the plan's settings, map-1/map-2 for ngram (nobind, KMP_BLOCKTIME=200; map-2's baseline
+# libgomp under nobind) and methods-4 for draft_model with 7 tokens (tcmalloc beside them),
+# at near-total acceptance (the model drafting for itself) and partial (its shallow draft).
+# The methods' other token counts and LLVM's libomp are left to `--methods`/`--settings`.
+MAPS = {
+    "real": {
+        FIRST_METHOD: ("libgomp", "libgomp-nobind", "libiomp5-nobind-bt200"),
+        **{key: ("libgomp", "libiomp5-nobind-bt200+tcmalloc") for key in ("self7", "shallow7")},
+    }
+}
+
+
+def mapped(table: dict[str, tuple[str, ...]]) -> list[Config]:
+    """The configurations of a named map, on the real model: a nobind setting's threads are
+    NOBIND, a bound one's vLLM's default reservation."""
+    return [
+        Config(REAL, method, NOBIND if SETTINGS[key].nobind else "default", key)
+        for method, keys in table.items()
+        for key in keys
+    ]
 
 
 def baseline_of(config: Config) -> Config:
@@ -250,9 +314,19 @@ class Run:
     # Cores busy by process role over IDLE_WINDOW_S after the last request (none: a run
     # kept before the map read it).
     idle: dict[str, float] = field(default_factory=dict)
+    # vLLM's SD counters over the phases (bench_vllm_run.SD_COUNTERS: drafts, draft_tokens,
+    # accepted_tokens); none: a run kept before the map read them.
+    sd_counts: dict[str, float] = field(default_factory=dict)
 
     def phase(self, streams: int) -> Phase:
         return next(p for p in self.phases if p.streams == streams)
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Draft tokens accepted per verifying step of the target (0 to the method's
+        tokens): what one target forward pass gains beyond its own token."""
+        drafts = self.sd_counts.get("drafts", 0.0)
+        return self.sd_counts.get("accepted_tokens", 0.0) / drafts if drafts else float("nan")
 
 
 def runs_from_json(data: dict[str, Any]) -> list[Run]:

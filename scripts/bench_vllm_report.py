@@ -20,6 +20,8 @@ from bench_vllm_records import (
     METHODS,
     ONE_THREAD,
     ROLES,
+    SELF_DRAFT,
+    SHALLOW_DRAFT,
     TPOT_METRIC,
     WARMUP_REQUESTS,
     Config,
@@ -188,8 +190,22 @@ def method_line(key: str) -> str:
         config = method.speculative_config("<an EAGLE head made for the target>")
         note = "random weights; vLLM shares the target's embeddings and lm_head"
         return f"`{key}`: `--speculative-config '{config}'` ({note})"
+    if method.draft == SELF_DRAFT:
+        config = method.speculative_config("<the target itself>")
+        return f"`{key}`: `--speculative-config '{config}'` (the target drafts for itself)"
+    if method.draft == SHALLOW_DRAFT:
+        config = method.speculative_config("<the shallow draft>")
+        return f"`{key}`: `--speculative-config '{config}'` (the target's first layers)"
     config = method.speculative_config(f"<the {method.draft} model>")
     return f"`{key}`: `--speculative-config '{config}'` (same seed, so the target's tokenizer)"
+
+
+def drafting(group: Sequence[Run]) -> list[str]:
+    """`acceptance` and `accepted/step` cells, `median (min-max)` over the group's starts;
+    none for runs kept before the map read the SD counters."""
+    if not all(run.sd_counts for run in group):
+        return []
+    return [spread([r.acceptance for r in group]), spread([r.accepted_per_step for r in group])]
 
 
 def section(
@@ -201,11 +217,13 @@ def section(
     mine = [c for c in by_config if c.model == model and c.method == method]
     header = " | ".join(f"TPOT ms C={c}" for c in levels)
     header += " | " + " | ".join(f"tok/s C={c}" for c in levels)
+    counted = all(drafting(by_config[c]) for c in mine)
+    header += " | acceptance | accepted/step" if counted else ""
     lines = [
         f"### Model `{model}`, method `{method}`",
         "",
         f"| threads (cores) | setting | worker maps | start-up s | {header} |",
-        "|---|---|---|---|" + "---|" * (2 * len(levels)),
+        "|---|---|---|---|" + "---|" * (2 * len(levels) + 2 * counted),
     ]
     for config in mine:
         group = by_config[config]
@@ -214,7 +232,7 @@ def section(
         lines.append(
             f"| {config.threads} ({group[0].core_ids}) | {config.setting} | {group[0].worker} "
             f"| {statistics.median(r.startup_s for r in group):.0f} | "
-            + " | ".join(tpots + rates)
+            + " | ".join(tpots + rates + (drafting(group) if counted else []))
             + " |"
         )
     against_plain = [(c, baseline_of(c)) for c in mine if c != baseline_of(c)]
@@ -262,6 +280,15 @@ def section(
     return [*lines, *limit_rows(mine, by_config, meta), ""]
 
 
+def round_loads(runs: Sequence[Run]) -> str:
+    """`1: median (min-max)` of the load average before each start, per round: what else
+    ran on the host then (the rounds pair configurations measured under the same load)."""
+    rounds = sorted({run.round for run in runs})
+    return "; ".join(
+        f"{r + 1}: {spread([run.load_before for run in runs if run.round == r])}" for r in rounds
+    )
+
+
 def markdown(runs: Sequence[Run], meta: dict[str, Any], redrawn: bool = False) -> str:
     configs = list(dict.fromkeys(run.config for run in runs))
     by_config = {c: [r for r in runs if r.config == c] for c in configs}
@@ -277,7 +304,8 @@ def markdown(runs: Sequence[Run], meta: dict[str, Any], redrawn: bool = False) -
         f"- Software: {meta['versions']}; Python {meta['python']}",
         f"- Command: `{meta['command']}`",
         f"- Ran {meta['started']}, {meta['minutes']:.0f} min, {len(runs)} vLLM starts; "
-        f"1-min load average before each start: {min(loads):.1f}-{max(loads):.1f}",
+        f"1-min load average before each start: {min(loads):.1f}-{max(loads):.1f} "
+        f"(by round: {round_loads(runs)})",
         *(f"- Model `{name}`: {text}" for name, text in meta["models"].items()),
         "- Methods: " + "; ".join(method_line(key) for key in methods),
         f"- Load per start, after {WARMUP_REQUESTS} warm-up requests: for each concurrency "

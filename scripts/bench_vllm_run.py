@@ -24,6 +24,9 @@ from bench_stats import REPO
 from bench_vllm_records import (
     IDLE_WINDOW_S,
     METHODS,
+    REAL,
+    REAL_PROMPT,
+    REAL_SERVE_OPTIONS,
     ROLES,
     SETTINGS,
     TPOT_METRIC,
@@ -36,7 +39,9 @@ from script_cli import ScriptError
 from vllm_server import (
     ACCEPTED_TOKENS_METRIC,
     DRAFT_TOKENS_METRIC,
+    DRAFTS_METRIC,
     LOOPBACK,
+    PROMPT,
     REQUEST_LIMIT_S,
     SD_WARNING,
     Server,
@@ -47,6 +52,7 @@ from vllm_server import (
     json_request,
     mapped_files,
     metric_total,
+    metric_totals,
     process_tree,
     start_server,
     stop_session,
@@ -56,7 +62,17 @@ from vllm_server import (
 from vllm_cpu_launch.elf import openmp_runtime
 
 STARTUP_LIMIT_S = 420
+# A start that fills a compile cache compiles the target and its draft: on 2 CPUs that other
+# work shares it took over 7 minutes (the real model with itself as draft, load 10-30).
+COMPILING_LIMIT_S = 1500
 POLL_INTERVAL_S = 0.5
+# What Run.sd_counts keeps, from /metrics: steps that verified a draft, tokens drafted,
+# tokens accepted.
+SD_COUNTERS = {
+    "drafts": DRAFTS_METRIC,
+    "draft_tokens": DRAFT_TOKENS_METRIC,
+    "accepted_tokens": ACCEPTED_TOKENS_METRIC,
+}
 
 
 # ---------------------------------------------------------------- servers
@@ -92,8 +108,8 @@ def launch(
     """The server of one configuration, in scratch (its cwd; its config directory there)."""
     env, model, cache = paths["env"], paths[config.model], paths[cache_key(config)]
     method = METHODS[config.method]
-    made = method.draft_for(config.model)
-    draft = str(paths[made.key]) if made is not None else ""
+    draft_key = method.draft_key(config.model)
+    draft = str(paths[draft_key]) if draft_key is not None else ""
     vllm = str(env / "bin" / "vllm")
     setting = SETTINGS[config.setting]
     if setting.plain:
@@ -109,8 +125,15 @@ def launch(
     scratch.mkdir(parents=True)
     environment = server_environment(config, scratch, cache)
     speculative = method.speculative_config(draft)
+    extra = REAL_SERVE_OPTIONS if config.model == REAL else ()
     return start_server(
-        prefix, model, scratch, environment, cwd=scratch, speculative_config=speculative
+        prefix,
+        model,
+        scratch,
+        environment,
+        cwd=scratch,
+        extra=extra,
+        speculative_config=speculative,
     )
 
 
@@ -219,10 +242,20 @@ def sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
         yield event
 
 
-def stream_completion(url: str, max_tokens: int) -> int:
+def prompt_of(config: Config) -> str:
+    """What config's clients ask: prose for the real model (what a user sends; its drafts
+    are accepted as the model's own text allows), PROMPT's repetition for the made ones."""
+    return REAL_PROMPT if config.model == REAL else PROMPT
+
+
+def stream_completion(url: str, max_tokens: int, prompt: str) -> int:
     """One streamed completion of exactly max_tokens tokens (ignore_eos); its token count."""
     payload = completion_payload(
-        max_tokens, ignore_eos=True, stream=True, stream_options={"include_usage": True}
+        max_tokens,
+        prompt=prompt,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     request = json_request(f"{url}/v1/completions", payload)
     tokens = 0
@@ -236,7 +269,7 @@ def stream_completion(url: str, max_tokens: int) -> int:
     return tokens
 
 
-def run_phase(server: Server, streams: int, seconds: float, max_tokens: int) -> Phase:
+def run_phase(server: Server, streams: int, seconds: float, max_tokens: int, prompt: str) -> Phase:
     """`streams` clients at once, each sending requests one after another for `seconds`."""
     url = server.url
     cpu_before = tree_cpu(server)
@@ -252,7 +285,7 @@ def run_phase(server: Server, streams: int, seconds: float, max_tokens: int) -> 
         try:
             gate.wait(timeout=REQUEST_LIMIT_S)
             while time.perf_counter() < deadline[0]:
-                tokens = stream_completion(url, max_tokens)
+                tokens = stream_completion(url, max_tokens, prompt)
                 with lock:
                     phase.tokens += tokens
                     phase.requests += 1
@@ -294,19 +327,20 @@ def warmed_up(
     scratch: Path,
     args: argparse.Namespace,
     active: list[Server],
+    limit_s: float = STARTUP_LIMIT_S,
 ) -> Iterator[tuple[Server, float]]:
-    """A healthy server of config after its warm-up requests, with its seconds to healthy;
-    stopped on the way out."""
+    """A healthy server of config after its warm-up requests (healthy within limit_s), with
+    its seconds to healthy; stopped on the way out."""
     started = time.monotonic()
     server = launch(config, paths, scratch, args)
     active.append(server)
     try:
         try:
-            startup = wait_until_healthy(server, STARTUP_LIMIT_S, POLL_INTERVAL_S, started=started)
+            startup = wait_until_healthy(server, limit_s, POLL_INTERVAL_S, started=started)
         except ServerError as error:
             raise ScriptError(f"{config.name}: {error}: {tail(server)}") from None
         for _ in range(WARMUP_REQUESTS):
-            stream_completion(server.url, args.max_tokens)
+            stream_completion(server.url, args.max_tokens, prompt_of(config))
         yield server, startup
     finally:
         stop_session(server, POLL_INTERVAL_S)
@@ -323,28 +357,35 @@ def measure_one(
 ) -> Run:
     """One start of config, measured at every concurrency level."""
     load_before = os.getloadavg()[0]
+    prompt = prompt_of(config)
     with warmed_up(config, paths, scratch, args, active) as (server, startup):
-        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC)
-        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC)
+        before = sd_counts(server)
         phases = [
-            run_phase(server, streams, args.phase_seconds, args.max_tokens)
+            run_phase(server, streams, args.phase_seconds, args.max_tokens, prompt)
             for streams in args.concurrency_levels
         ]
         idle = idle_cores(server, IDLE_WINDOW_S)
-        drafted = metric_total(server.url, DRAFT_TOKENS_METRIC) - drafted
-        accepted = metric_total(server.url, ACCEPTED_TOKENS_METRIC) - accepted
+        counts = {key: value - before[key] for key, value in sd_counts(server).items()}
         worker = worker_libraries(server)
         log = server.log_text()
+    drafted = counts["draft_tokens"]
     return Run(
         config,
         round_index,
         startup,
         phases,
-        accepted / drafted if drafted else float("nan"),
+        counts["accepted_tokens"] / drafted if drafted else float("nan"),
         worker,
         omp_core_ids(log),
         SD_WARNING in log,
         launcher_line(log),
         load_before,
         idle,
+        counts,
     )
+
+
+def sd_counts(server: Server) -> dict[str, float]:
+    """vLLM's SD counters now, by SD_COUNTERS' keys (one read of /metrics)."""
+    totals = metric_totals(server.url)
+    return {key: totals.get(name, 0.0) for key, name in SD_COUNTERS.items()}

@@ -34,6 +34,9 @@ SERVED_MODEL_NAME = "tiny-llama"
 PROMPT = "ab ba " * 8
 # Printed by vllm/v1/worker/cpu_worker.py (vLLM 0.32.0) when LD_PRELOAD lacks "libiomp".
 SD_WARNING = "Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD"
+# vLLM's SD counters (vllm/v1/spec_decode/metrics.py; Prometheus adds `_total`): verifying
+# steps that had a draft, tokens drafted, tokens accepted.
+DRAFTS_METRIC = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS_METRIC = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED_TOKENS_METRIC = "vllm:spec_decode_num_accepted_tokens_total"
 ENV_SETUP_LIMIT_S = 1800

@@ -163,6 +163,76 @@ def test_draft_methods_draft_only_for_a_larger_model() -> None:
     assert eagle.options() == ["--size", "100m", "--eagle-head"] and eagle.key == "100m-eagle-head"
 
 
+def test_real_drafts_draft_only_for_the_real_model() -> None:
+    """The self-draft is the target's own directory, the shallow draft --real-draft's; the
+    made drafts never draft for the real model (another tokenizer), nor the real ones for a
+    made model."""
+    records = load_script("bench_vllm_records.py")
+    methods = ["ngram3", "draft7", "self7", "shallow3"]
+    configs = records.grid(["100m", records.REAL], methods, ["default"], ["libgomp"])
+    assert [(c.model, c.method) for c in configs] == [
+        ("100m", "ngram3"),
+        ("100m", "draft7"),
+        (records.REAL, "ngram3"),
+        (records.REAL, "self7"),
+        (records.REAL, "shallow3"),
+    ]
+    assert records.METHODS["self7"].draft_key(records.REAL) == records.REAL
+    assert records.METHODS["shallow3"].draft_key(records.REAL) == records.SHALLOW_DRAFT
+    assert records.METHODS["draft7"].draft_key("100m") == "tiny"
+    assert records.METHODS["ngram3"].draft_key(records.REAL) is None
+    config = json.loads(records.METHODS["self3"].speculative_config("/models/smollm2"))
+    assert config == {
+        "method": "draft_model",
+        "model": "/models/smollm2",
+        "num_speculative_tokens": 3,
+    }
+
+
+def test_the_real_map_pairs_each_rule_with_plain_vllm(tmp_path: Path) -> None:
+    """--map real: every configuration on the real model, a nobind setting unbound, the rest
+    at vLLM's default reservation, each method with plain vLLM to pair with; without the
+    model's directories it stops in one line naming the option and how to make them."""
+    bench = load_script("bench_vllm.py")
+    model, draft = tmp_path / "model", tmp_path / "draft"
+    for made in (model, draft):
+        made.mkdir()
+        (made / "config.json").write_text("{}", encoding="utf-8")
+    chosen = ["--map", "real", "--libomp-path", sys.executable, "--tcmalloc-path", sys.executable]
+    args = bench.parse_args([*chosen, "--real-model", str(model), "--real-draft", str(draft)])
+    records = load_script("bench_vllm_records.py")
+    assert {c.model for c in args.configs} == {records.REAL}
+    assert {c.method for c in args.configs} == set(records.MAPS["real"])
+    for config in args.configs:
+        nobind = records.SETTINGS[config.setting].nobind
+        assert config.threads == (records.NOBIND if nobind else "default")
+        assert bench.Config(records.REAL, config.method, "default", "libgomp") in args.configs
+    command = [sys.executable, str(SCRIPTS / "bench_vllm.py"), *chosen]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "--real-model None is not a model directory (no config.json); Fix: " in refused.stderr
+
+
+def test_acceptance_and_accepted_tokens_per_step_are_read_from_the_counters() -> None:
+    """A run keeps vLLM's three SD counters; the report shows accepted of drafted tokens and
+    accepted tokens per verifying step, and leaves both out for runs kept before."""
+    records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
+    kept = json.loads((REPO / "docs" / "bench_vllm_map.json").read_text(encoding="utf-8"))
+    old = records.runs_from_json(kept)[:2]
+    assert report.drafting(old) == []
+    counts = {"drafts": 40.0, "draft_tokens": 120.0, "accepted_tokens": 90.0}
+    new = [replace(run, sd_counts=counts, acceptance=0.75) for run in old]
+    assert new[0].accepted_per_step == 90 / 40
+    assert report.drafting(new) == ["0.75 (0.75-0.75)", "2.25 (2.25-2.25)"]
+
+
+def test_the_gains_plot_is_drawn_from_a_kept_run(tmp_path: Path) -> None:
+    picture = tmp_path / "gains.png"
+    kept = REPO / "docs" / "bench_vllm_methods.json"
+    run_script("bench_vllm.py", "--from-json", str(kept), "--gains-plot", str(picture))
+    assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def test_runs_kept_without_a_method_read_as_ngram3() -> None:
     records = load_script("bench_vllm_records.py")
     kept = json.loads((REPO / "docs" / "bench_vllm_map.json").read_text(encoding="utf-8"))
