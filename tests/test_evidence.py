@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, clean_environ, run_launcher
+from tests.conftest import REPO, SystemHost, clean_environ, run_launcher
 from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
 from tests.test_benchmarks import load_script
 from vllm_cpu_launch import evidence
@@ -308,6 +308,11 @@ def kinds(plan: Any) -> list[str]:
     return [p["kind"] for p in plan["preload"]]
 
 
+def without_rule(host: SystemHost) -> list[str]:
+    """What SD gets where no rule applies: libiomp5, with the host's tcmalloc if it has one."""
+    return ["tcmalloc", "iomp"] if host.tcmalloc else ["iomp"]
+
+
 def test_where_vllm_defaults_the_launcher_unbinds_libiomp5(
     standin_vllms: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -324,7 +329,7 @@ def test_where_vllm_defaults_the_launcher_unbinds_libiomp5(
 
 
 def test_a_callers_block_time_is_kept_and_the_rule_that_needs_another_does_not_apply(
-    standin_vllms: dict[str, Path], tmp_path: Path
+    standin_vllms: dict[str, Path], tmp_path: Path, system_host: SystemHost
 ) -> None:
     """Under nobind the block time decides the gain: the rule measured 200. A caller's
     KMP_BLOCKTIME=1 (a common Intel setting) is theirs: once it was replaced by 200 with a
@@ -332,7 +337,7 @@ def test_a_callers_block_time_is_kept_and_the_rule_that_needs_another_does_not_a
     --kmp-blocktime is the user's too: 200 lets the rule apply, another value stops it."""
     vllm = standin_vllms["0.32.0"]
     mine = plan_on("0,1", vllm, tmp_path, KMP_BLOCKTIME="1")
-    assert kinds(mine) == ["iomp"] and mine["rule"] is None
+    assert kinds(mine) == without_rule(system_host) and mine["rule"] is None
     assert "KMP_BLOCKTIME" not in mine["env"] and mine["relies_on"]["KMP_BLOCKTIME"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in mine["env"] and mine["warnings"] == []
     (note,) = (n for n in mine["notes"] if "not applied" in n)
@@ -346,13 +351,13 @@ def test_a_callers_block_time_is_kept_and_the_rule_that_needs_another_does_not_a
 
 
 def test_a_callers_thread_count_gets_libiomp5_as_vllm_advises(
-    standin_vllms: dict[str, Path], tmp_path: Path
+    standin_vllms: dict[str, Path], tmp_path: Path, system_host: SystemHost
 ) -> None:
     """Under nobind vLLM leaves OMP_NUM_THREADS to the caller: one thread was never
     measured, so no rule applies (once libgomp was kept); the unit carries the value."""
     vllm = standin_vllms["0.32.0"]
     plan = plan_on("0,1", vllm, tmp_path, OMP_NUM_THREADS="1")
-    assert kinds(plan) == ["iomp"] and plan["rule"] is None
+    assert kinds(plan) == without_rule(system_host) and plan["rule"] is None
     assert plan["relies_on"] == {"OMP_NUM_THREADS": "1"}
     assert plan["env"]["KMP_BLOCKTIME"] == "5"
     assert any("your OMP_NUM_THREADS=1 (never measured unbound)" in n for n in plan["notes"])
@@ -380,12 +385,15 @@ def test_nobind_set_by_the_user_gets_the_measured_blocktime(
     [{"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}],
 )
 def test_where_the_user_has_vllm_bind_the_launcher_preloads_libiomp5_as_vllm_advises(
-    standin_vllms: dict[str, Path], tmp_path: Path, variables: dict[str, str]
+    standin_vllms: dict[str, Path],
+    tmp_path: Path,
+    variables: dict[str, str],
+    system_host: SystemHost,
 ) -> None:
     """Once rule 3 kept libgomp here ("bound libiomp5 0.87-1.22x"); now SD gets libiomp5 as
     vLLM binds it, the caller's variables as set, and no figure is claimed."""
     plan = plan_on("0,1", standin_vllms["0.32.0"], tmp_path, **variables)
-    assert kinds(plan) == ["iomp"] and plan["env"]["KMP_BLOCKTIME"] == "5"
+    assert kinds(plan) == without_rule(system_host) and plan["env"]["KMP_BLOCKTIME"] == "5"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in plan["env"]
     assert plan["env"][PLANNED_VARIABLE] == "launcher:started"  # no libgomp kept: no bare mark
     assert plan["rule"] is None and plan["relies_on"] == variables
@@ -507,7 +515,7 @@ def doctor_on(cpus: str, vllm: Path, tmp_path: Path, **variables: str) -> Any:
 
 
 def test_doctor_says_what_the_map_says_and_its_command_works(
-    standin_vllms: dict[str, Path], tmp_path: Path
+    standin_vllms: dict[str, Path], tmp_path: Path, system_host: SystemHost
 ) -> None:
     vllm = standin_vllms["0.32.0"]
     measured = doctor_on("0,1", vllm, tmp_path)
@@ -516,10 +524,13 @@ def test_doctor_says_what_the_map_says_and_its_command_works(
     assert measured["map"]["kmp_blocktime"] == evidence.NOBIND_BLOCKTIME
     assert measured["map"]["reason"] == plan_on("0,1", vllm, tmp_path)["reason"]
     assert measured["map"]["rule"]["id"] == evidence.NGRAM_UNBOUND.id  # with its figures
-    # ngram's rules preload no tcmalloc here; a drafter's best needs one, and doctor says so.
-    (install,) = (a for a in measured["recommendations"] if a["id"] == "install-tcmalloc")
-    assert "with a draft model or EAGLE" in install["text"]
-    assert evidence.METHODS_MAP in install["text"]
+    # ngram's rules preload no tcmalloc here; a drafter's best needs one, and doctor says
+    # so where the host has none.
+    install = [a for a in measured["recommendations"] if a["id"] == "install-tcmalloc"]
+    assert bool(install) == (system_host.tcmalloc is None)
+    if install:
+        assert "with a draft model or EAGLE" in install[0]["text"]
+        assert evidence.METHODS_MAP in install[0]["text"]
     # Where the user's explicit binding stops the rule, doctor's command lifts it, as printed.
     bound = doctor_on("0,1", vllm, tmp_path, VLLM_CPU_OMP_THREADS_BIND="auto")
     (advice,) = (a for a in bound["recommendations"] if a["id"] == "map-binding")
@@ -543,7 +554,8 @@ def test_doctor_says_what_the_map_says_and_its_command_works(
     elsewhere = doctor_on("0", vllm, tmp_path)
     assert elsewhere["map"]["measured"] is False and elsewhere["map"]["iomp"] == "libiomp5"
     assert elsewhere["map"]["nobind"] is False and elsewhere["map"]["kmp_blocktime"] == "5"
-    assert "install-tcmalloc" in [item["id"] for item in elsewhere["recommendations"]]
+    recommended = "install-tcmalloc" in [item["id"] for item in elsewhere["recommendations"]]
+    assert recommended == (system_host.tcmalloc is None)
 
 
 def test_every_env_format_carries_the_binding_the_plan_relies_on(
