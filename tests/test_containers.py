@@ -158,12 +158,12 @@ def launcher_env(tmp_path: Path, vllm_env: Path, output_format: str, *options: s
 
 
 def test_env_format_docker_built_by_buildah(
-    tmp_path: Path, vllm_env: Path, weird_iomp: Path, buildah: list[str]
+    tmp_path: Path, vllm_env: Path, weird_iomp: Path, buildah: list[str], system_host: SystemHost
 ) -> None:
     lines = launcher_env(tmp_path, vllm_env, "docker", "--iomp-path", str(weird_iomp))
     containerfile = scratch_containerfile(tmp_path / "context", lines.splitlines())
     built = image_env(build(buildah, containerfile))
-    assert built["LD_PRELOAD"] == str(weird_iomp)
+    assert built["LD_PRELOAD"] == system_host.preload(weird_iomp)
     assert built["KMP_BLOCKTIME"] == HOSTILE_BLOCKTIME
 
 

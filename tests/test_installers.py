@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from checkout import checkout_copy
 
-from .conftest import read_record, run_launcher
+from .conftest import SystemHost, read_record, run_launcher
 from .installers import (
     BASE_PYTHON,
     LAYOUTS,
@@ -55,7 +55,11 @@ def install(
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_each_installer_gets_its_own_library_chosen_and_mapped(
-    layout: str, tmp_path: Path, offline_environ: dict[str, str], pipx_launcher: list[str]
+    layout: str,
+    tmp_path: Path,
+    offline_environ: dict[str, str],
+    pipx_launcher: list[str],
+    system_host: SystemHost,
 ) -> None:
     installed = install(layout, tmp_path, offline_environ, with_iomp=True)
     assert installed.library.is_file(), f"{layout} put no libiomp5.so at {installed.library}"
@@ -75,7 +79,7 @@ def test_each_installer_gets_its_own_library_chosen_and_mapped(
     )
     assert result.returncode == 0, result.stderr
     record = read_record(record_file)
-    assert record["LD_PRELOAD"] == str(installed.library)
+    assert record["LD_PRELOAD"] == system_host.preload(installed.library)
     assert os.path.realpath(installed.library) in record["mapped"]  # type: ignore[operator]
     assert record["argv"] == SD
 

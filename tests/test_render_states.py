@@ -42,7 +42,7 @@ from vllm_cpu_launch.errors import (
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.verbs.env import FORMATS
 
-from .conftest import NOBODY, clean_environ, install_recorder, run_launcher
+from .conftest import NOBODY, SystemHost, clean_environ, install_recorder, run_launcher
 from .installers import LAYOUTS, SD, Installed, offline
 from .render_facts import (
     READERS,
@@ -536,11 +536,12 @@ def test_every_output_of_an_installers_environment(
     installed: dict[str, tuple[Installed, dict[str, str]]],
     layout: str,
     library: str,
+    system_host: SystemHost,
 ) -> None:
     runs = layouts[layout, library]
     check_all(runs, Expect(None, False, library == "intel"))
     plan = json.loads(runs["--dry-run --json"].stdout)
     made, _ = installed[layout]
     assert [p["path"] for p in plan["preload"]] == (
-        [str(made.library)] if library == "intel" else []
+        system_host.preload(made.library).split(":") if library == "intel" else []
     )

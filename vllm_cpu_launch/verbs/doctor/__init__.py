@@ -196,7 +196,12 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     flavor = next((p["flavor"] for p in section["preload"] if p["kind"] == "iomp"), None)
     runtime = "LLVM's libomp" if flavor == "llvm" else "libiomp5"
     does = ["keeps libgomp" if flavor is None else f"preloads {runtime}"]
-    does += [f"sets {k}={v}" for k, v in section["env"].items() if k != "LD_PRELOAD"]
+    # LD_PRELOAD goes unsaid where it is the runtime alone; with tcmalloc or the caller's
+    # entries beside it, the whole value.
+    alone = [p["path"] for p in section["preload"] if p["kind"] == "iomp"]
+    does += [
+        f"sets {k}={v}" for k, v in section["env"].items() if k != "LD_PRELOAD" or [v] != alone
+    ]
     does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
     lines.append(f"  with SD  the launcher {', '.join(does)}")
