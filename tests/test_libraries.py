@@ -151,9 +151,9 @@ def test_intel_preferred_over_llvm_in_the_same_place(
     assert [c.verdict for c in search.candidates] == ["usable", "chosen"]
 
 
-def test_loader_cache(tmp_path: Path, real_iomp: Path) -> None:
-    """A real cache built by ldconfig for a directory listed in ld.so.conf."""
-    root = tmp_path / "root"
+def cached_vendor_library(real_iomp: Path, root: Path) -> Path:
+    """libiomp5 in /opt/vendor/lib under `root`, listed in ld.so.conf and cached by the real
+    ldconfig; the library's path."""
     library = place_library(real_iomp, root / "opt" / "vendor" / "lib" / "libiomp5.so")
     (root / "etc").mkdir()
     (root / "etc" / "ld.so.conf").write_text("/opt/vendor/lib\n")
@@ -162,6 +162,13 @@ def test_loader_cache(tmp_path: Path, real_iomp: Path) -> None:
         check=True,
         timeout=60,
     )
+    return library
+
+
+def test_loader_cache(tmp_path: Path, real_iomp: Path) -> None:
+    """A real cache built by ldconfig for a directory listed in ld.so.conf."""
+    root = tmp_path / "root"
+    library = cached_vendor_library(real_iomp, root)
     search = find_library(IOMP, host(tmp_path, root=root), None)
     assert search.chosen is not None
     assert (search.chosen.path, search.chosen.origin) == (str(library), "loader-cache")
@@ -429,14 +436,7 @@ def test_a_big_endian_loader_cache_is_read_in_its_byte_order(
 ) -> None:
     """s390x is a listed machine: its cache's numbers are big-endian (issue 29, defect 5)."""
     root = tmp_path / "root"
-    library = place_library(real_iomp, root / "opt" / "vendor" / "lib" / "libiomp5.so")
-    (root / "etc").mkdir()
-    (root / "etc" / "ld.so.conf").write_text("/opt/vendor/lib\n")
-    subprocess.run(
-        ["ldconfig", "-r", str(root), "-C", "/etc/ld.so.cache", "-f", "/etc/ld.so.conf", "-X"],
-        check=True,
-        timeout=60,
-    )
+    library = cached_vendor_library(real_iomp, root)
     cache = root / "etc" / "ld.so.cache"
     little = loader_cache_entries(str(cache))
     assert "/opt/vendor/lib/libiomp5.so" in little
