@@ -252,16 +252,24 @@ def grid(
 
 
 # Named maps (--map): each method with the settings its rules' pairs need, served at vLLM's
-# default reservation, the rules' condition. `real` (issue 30), sized for the shared 2 CPUs
-# (a start took 2-3 minutes there under other sessions' load): plain vLLM (libgomp) against
-# the plan's settings, map-1/map-2 for ngram (nobind, KMP_BLOCKTIME=200; map-2's baseline
-# libgomp under nobind) and methods-4 for draft_model with 7 tokens (tcmalloc beside them),
-# at near-total acceptance (the model drafting for itself) and partial (its shallow draft).
-# The methods' other token counts and LLVM's libomp are left to `--methods`/`--settings`.
+# default reservation, the rules' condition. `real` (issue 30): plain vLLM (libgomp) against
+# the settings of each rule a real model can run, to re-judge it: map-1/map-2 and
+# runtimes-1 for ngram (nobind, KMP_BLOCKTIME=200, Intel's or LLVM's runtime; map-2's and
+# runtimes-1's baseline libgomp under nobind), methods-4 and runtimes-3 for draft_model
+# with 7 tokens (tcmalloc beside them) at near-total acceptance (the model drafting for
+# itself) and partial (its shallow draft; LLVM's runtime with the self-draft alone). Sized
+# for one working session on 2 idle CPUs (9 starts a round, about 19 minutes): 3-token
+# drafts, where no rule adds anything, are left to `--methods`/`--settings`.
 MAPS = {
     "real": {
-        FIRST_METHOD: ("libgomp", "libgomp-nobind", "libiomp5-nobind-bt200"),
-        **{key: ("libgomp", "libiomp5-nobind-bt200+tcmalloc") for key in ("self7", "shallow7")},
+        FIRST_METHOD: (
+            "libgomp",
+            "libgomp-nobind",
+            "libiomp5-nobind-bt200",
+            "libomp-nobind-bt200",
+        ),
+        "self7": ("libgomp", "libiomp5-nobind-bt200+tcmalloc", "libomp-nobind-bt200+tcmalloc"),
+        "shallow7": ("libgomp", "libiomp5-nobind-bt200+tcmalloc"),
     }
 }
 
