@@ -36,6 +36,7 @@ def test_the_table_lists_every_rule_with_where_it_was_measured(tmp_path: Path) -
     for rule in evidence.RULES:
         assert re.search(rf"^{rule.id} +(adds|no rule)", result.stdout, re.MULTILINE)
         assert f"evidence: {rule.evidence}" in result.stdout
+        assert f"real weights: {evidence.real_words(rule)}" in result.stdout
     assert "measured under: ngram SD; x86_64, 2 CPUs, vLLM 0.32, 1 worker" in result.stdout
 
 
@@ -48,6 +49,12 @@ def test_the_json_is_the_table_versioned_and_every_evidence_file_is_kept(
     for rule in record["rules"]:
         assert (REPO / rule["evidence"]).is_file()
         assert rule["rule"] == (rule["why"] is None)
+        # Every rule a real model can run held there too (tests/test_evidence.py recomputes
+        # it); EAGLE has no trained head for it.
+        real = rule["real"]
+        if rule["rule"]:
+            assert (real is None) == (rule["measured"]["method"] == "eagle")
+        assert real is None or (REPO / real["evidence"]).is_file()
     first = record["rules"][0]
     assert first["measured"]["cpus"] == evidence.RULES[0].measured.cpus
     assert first["adds"]["variables"] == dict(evidence.RULES[0].variables)
@@ -62,6 +69,7 @@ def test_a_command_on_the_measured_host_gets_its_rule(tmp_path: Path, map_vllm: 
         "0.32.0",
     )
     assert record["misses"]["map-1 ngram"] == []
+    assert len(record["misses"]) == len(evidence.RULES)  # a key for every row of the table
     assert record["misses"]["map-2 ngram"][0].startswith("your VLLM_CPU_OMP_THREADS_BIND=unset")
     plan = run_launcher(
         ["--dry-run", "--json", "--vllm", str(map_vllm), *NGRAM], clean_environ(tmp_path), PINNED

@@ -27,7 +27,8 @@ LLVM's libomp stand in where no Intel OpenMP is found), and only where every con
 was measured under holds: the SD method and tokens, the machine, the usable CPUs, the
 vLLM release, one worker, and the variables you left unset. What you set stays yours.
 
-  rules                  the table: id, measured under, adds, figures, evidence
+  rules                  the table: id, measured under, adds, figures, the figures on a
+                         real model's weights, evidence
   rules --json           the same, as data (schema vllm-cpu-launch/rules/1)
   rules serve MODEL ...  which rule this command gets on this host, and for every other
                          rule the first condition that fails here (why 2 CPUs and 4 CPUs,
@@ -58,6 +59,8 @@ def measured_json(where: Measured) -> dict[str, Any]:
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
+    from vllm_cpu_launch.evidence import REAL_JSON, REAL_MODEL
+
     return {
         "id": rule.id,
         "measured": measured_json(rule.measured),
@@ -73,6 +76,14 @@ def rule_json(rule: Rule) -> dict[str, Any]:
         "evidence": rule.evidence,
         "rule": not rule.why,
         "why": rule.why or None,
+        "real": None
+        if rule.real is None
+        else {
+            "model": REAL_MODEL,
+            "figures": list(rule.real.figures),
+            "accepted": list(rule.real.accepted),
+            "evidence": REAL_JSON,
+        },
     }
 
 
@@ -95,7 +106,7 @@ def measured_words(where: Measured) -> str:
 
 
 def table_lines() -> list[str]:
-    from vllm_cpu_launch.evidence import RULES, figures
+    from vllm_cpu_launch.evidence import RULES, figures, real_words
 
     lines = []
     for rule in RULES:
@@ -104,29 +115,38 @@ def table_lines() -> list[str]:
             f"{rule.id:<14} {adds}",
             f"{'':<14} measured under: {measured_words(rule.measured)}",
             f"{'':<14} figures: TPOT {figures(rule.figures)} of {rule.versus} ({rule.source})",
+            f"{'':<14} real weights: {real_words(rule)}",
             f"{'':<14} evidence: {rule.evidence}",
         ]
     return lines
 
 
 def table_where(where: Measured) -> str:
-    """Where a rule was measured, for docs/design.md's table (x86-64, one worker: its
-    caption)."""
+    """Where a rule was measured, for docs/design.md's table (the host: its caption)."""
     tokens = f" {where.tokens} tokens" if where.tokens is not None else ""
-    head = f"{where.method}{tokens}, {where.cpus} CPUs, vLLM {where.vllm}"
     if where.within:
-        return f"{head}, as {'/'.join(where.within)}"
+        return f"{where.method}{tokens}, as {'/'.join(where.within)}"
     binding = "/".join(b or "unset" for b in where.bindings)
     unset = ", ".join(where.unset)
     allocator = "tcmalloc" if where.allocator == "tcmalloc" else "no tcmalloc"
-    return f"{head}; binding {binding}; unset: {unset}; {allocator}"
+    return f"{where.method}{tokens}; binding {binding}; unset: {unset}; {allocator}"
 
 
 def markdown_table() -> str:
-    """The table as docs/design.md shows it (tests/test_rules.py keeps them in agreement)."""
-    from vllm_cpu_launch.evidence import RULES, figures
+    """The table as docs/design.md shows it, under a caption naming the hosts every rule
+    was measured on (tests/test_rules.py keeps them in agreement)."""
+    from vllm_cpu_launch.evidence import RULES, figures, real_words
 
-    rows = ["| rule | measured under | adds | TPOT |", "| --- | --- | --- | --- |"]
+    def values(field: str) -> str:
+        return " or ".join(sorted({str(getattr(rule.measured, field)) for rule in RULES}))
+
+    rows = [
+        f"All on {values('machine')}, {values('cpus')} CPUs, vLLM {values('vllm')}, "
+        f"{values('workers')} worker:",
+        "",
+        "| rule | measured under | adds | TPOT | real weights |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for rule in RULES:
         adds = [f"{name}={value}" for name, value in rule.variables]
         adds += [rule.allocator or "", "LLVM's libomp" if rule.runtime else ""]
@@ -134,7 +154,7 @@ def markdown_table() -> str:
         versus = rule.versus.split(" (")[0]
         rows.append(
             f"| {rule.id} | {table_where(rule.measured)} | {added} | "
-            f"{figures(rule.figures)} {versus} |"
+            f"{figures(rule.figures)} {versus} | {real_words(rule)} |"
         )
     return "\n".join(rows)
 
@@ -185,6 +205,13 @@ def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]
     return start, found
 
 
+def rule_key(rule: Rule) -> str:
+    """`map-1 ngram`, `methods-none draft_model 7`: one row of the table, by what it was
+    measured for (an id may cover several methods and token counts)."""
+    tokens = f" {rule.measured.tokens}" if rule.measured.tokens is not None else ""
+    return f"{rule.id} {rule.measured.method}{tokens}"
+
+
 def verdicts(start: Start) -> dict[str, Any]:
     """Which setting rule and which runtimes rule apply to `start`, and every rule's
     conditions that fail here (the first is the one that decides)."""
@@ -202,10 +229,7 @@ def verdicts(start: Start) -> dict[str, Any]:
         "note": setting.note if setting else "no speculative decoding requested",
         "runtime": runtime.rule.id if runtime and runtime.rule else None,
         "runtime_note": runtime.note if runtime else None,
-        "misses": {
-            f"{rule.id} {rule.measured.method}": [words(m) for m in misses(rule, start)]
-            for rule in RULES
-        },
+        "misses": {rule_key(rule): [words(m) for m in misses(rule, start)] for rule in RULES},
     }
 
 

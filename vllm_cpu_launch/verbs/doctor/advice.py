@@ -149,8 +149,9 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
     command, where = tcmalloc_command(target)
     if report["map"]["measured"]:  # ngram's rules preload none; a drafter's best needs one
         ratios = [ratio for rule in DRAFTER_RULES.values() for ratio in rule.figures]
+        methods = " or ".join(f"{method} {tokens}" for method, tokens in DRAFTER_RULES)
         text = (
-            "no tcmalloc found: with a draft model or EAGLE, SD ran fastest on this host with "
+            f"no tcmalloc found: with {methods} SD, it ran fastest on this host with "
             f"libiomp5 and tcmalloc unbound ({figures((min(ratios), max(ratios)))} of plain "
             f"vLLM's speed; {METHODS_MAP}), which the launcher then chooses; install it {where}"
         )
