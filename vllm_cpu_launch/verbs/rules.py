@@ -106,16 +106,17 @@ def measured_words(where: Measured) -> str:
 
 
 def table_lines() -> list[str]:
-    from vllm_cpu_launch.evidence import RULES, figures, real_words
+    from vllm_cpu_launch.evidence import REAL_JSON, REAL_MODEL, RULES, figures, real_words
 
     lines = []
     for rule in RULES:
+        real = f" ({REAL_MODEL}, {REAL_JSON})" if rule.real else ""
         adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"
         lines += [
             f"{rule.id:<14} {adds}",
             f"{'':<14} measured under: {measured_words(rule.measured)}",
             f"{'':<14} figures: TPOT {figures(rule.figures)} of {rule.versus} ({rule.source})",
-            f"{'':<14} real weights: {real_words(rule)}",
+            f"{'':<14} real weights: {real_words(rule)}{real}",
             f"{'':<14} evidence: {rule.evidence}",
         ]
     return lines
