@@ -91,10 +91,16 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
             axis.set_title(f"{model} model, {method}, threads: {THREADS[threads]}")
             axis.set_ylabel("TPOT ms (vLLM's own, lower is better)")
             axis.legend(fontsize=7)
-    figure.suptitle(
+    title = (
         f"{meta['versions']}, speculative decoding, on {meta['machine']['cpu']}, "
         f"{meta['machine']['cpus']} CPUs: median of {meta['rounds']} rounds, whiskers min-max"
     )
+    save(plt, figure, title, path)
+
+
+def save(plt: Any, figure: Any, title: str, path: Path) -> None:
+    """Title the figure, write it to path and free it."""
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
@@ -143,13 +149,11 @@ def gains(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
         axis.set_title(f"C={level} concurrent request{'s' if level > 1 else ''}")
         axis.set_ylabel("TPOT of plain vLLM / this (> 1 faster)")
         axis.legend(fontsize=7)
-    figure.suptitle(
+    title = (
         f"{meta['versions']}, {meta['machine']['cpus']} CPUs: gain on plain vLLM (libgomp, "
         f"vLLM's binding),\npaired by round, {meta['rounds']} rounds, whiskers min-max"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save(plt, figure, title, path)
 
 
 def method_label(by_config: dict[Config, list[Run]], model: str, method: str) -> str:
