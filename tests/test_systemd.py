@@ -30,7 +30,7 @@ from tests.conftest import (
     outside_tmp,
     run_launcher,
 )
-from vllm_cpu_launch.systemd_syntax import environment_word, exec_line
+from vllm_cpu_launch.systemd_syntax import environment_word, exec_line, quote_word
 
 SYSTEMD = "/lib/systemd/systemd"
 SHIPPED = REPO / "scripts"
@@ -641,3 +641,59 @@ def test_shipped_unit_execstart_parses_as_documented(unit_dir: Path) -> None:
     spec = argv[argv.index(b"--speculative-config") + 1]
     assert re.fullmatch(rb"\{.*\}", spec) and b'"method": "ngram"' in spec
     assert argv[:3] == [b"/usr/local/bin/vllm-cpu-launch", b"--", b"serve"]
+
+
+@pytest.mark.parametrize("directory", ["a$b", "a$$b", "${HOME}x"])
+def test_a_launcher_under_a_path_with_a_dollar_runs_as_systemd_reads_it(
+    tmp_path: Path, unit_dir: Path, directory: str
+) -> None:
+    """systemd substitutes variables in ExecStart's arguments, not in its executable: a
+    `$` doubled there stays doubled in the path it runs (issue 35, defect 7)."""
+    outside = outside_tmp()
+    try:
+        environment = make_environment(outside / directory)
+        python = environment / "bin" / "python"
+        result = run_launcher(
+            ["systemd-unit", "--user", "vllm", "serve", "m", "--x", "$HOME"],
+            clean_environ(tmp_path, PATH="/usr/bin:/bin"),
+            launcher=(str(python), "-m", "vllm_cpu_launch"),
+        )
+        assert result.returncode == 0, result.stderr
+        unit = unit_dir / "dollar.service"
+        unit.write_text(result.stdout)
+        checked = verify_unit(unit)
+        assert "not executable" not in checked.stderr, checked.stderr
+        program, *arguments = systemd_parsed_argv(unit)
+        assert program == os.fsencode(python)  # as systemd runs it: no substitution there
+        assert substitute_dollars(arguments[-1]) == b"$HOME"
+    finally:
+        shutil.rmtree(outside)
+
+
+@pytest.mark.parametrize("directory", ["back\\slash", "quo'te", 'double"quote', "bell\a"])
+def test_a_launcher_under_a_path_systemd_refuses_is_one_line_not_a_unit(
+    tmp_path: Path, unit_dir: Path, directory: str
+) -> None:
+    """systemd refuses an executable path holding a quote, a backslash or a control character
+    ("Executable name contains special characters"), however quoted: no unit it would refuse
+    is printed with exit 0 (issue 35, defect 7). The rule is systemd's own, shown first."""
+    outside = outside_tmp()
+    try:
+        environment = make_environment(outside / directory)
+        install_recorder(environment)  # vLLM beside the launcher: no warning about it
+        python = environment / "bin" / "python"
+        by_hand = unit_dir / "by-hand.service"
+        by_hand.write_text(f"[Service]\nExecStart={quote_word(str(python))} x\n")
+        assert "special characters" in verify_unit(by_hand).stderr
+        result = run_launcher(
+            ["systemd-unit", "--user", "vllm", "serve", "m"],
+            clean_environ(tmp_path, PATH="/usr/bin:/bin"),
+            launcher=(str(python), "-m", "vllm_cpu_launch"),
+        )
+        assert result.returncode == 2, result.stdout
+        assert result.stdout == ""
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert "vllm-cpu-launch: error: systemd refuses to start an executable" in result.stderr
+        assert "install vllm-cpu-launch where its path has none of them" in result.stderr
+    finally:
+        shutil.rmtree(outside)

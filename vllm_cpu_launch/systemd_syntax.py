@@ -2,10 +2,11 @@
 
 Escaping follows systemd.service(5) "Command lines" and systemd.syntax(7): a word is
 double-quoted when it holds anything but plain characters, with C-style escapes inside
-(`\\\\`, `\\"`, `\\n`, `\\xNN`); `%` becomes `%%` (specifiers) and, in ExecStart, `$`
-becomes `$$` (environment substitution). `EnvironmentFile=` values (used by `env
---format systemd`) follow systemd.exec(5): double quotes, with `\\` before `"`, `\\`,
-`` ` `` and `$`; everything else, newlines included, is literal there.
+(`\\\\`, `\\"`, `\\n`, `\\xNN`); `%` becomes `%%` (specifiers) and, in ExecStart's
+arguments (systemd substitutes variables there, not in the executable), `$` becomes `$$`.
+`EnvironmentFile=` values (used by `env --format systemd`) follow systemd.exec(5): double
+quotes, with `\\` before `"`, `\\`, `` ` `` and `$`; everything else, newlines included, is
+literal there.
 """
 
 from __future__ import annotations
@@ -62,9 +63,28 @@ def exec_word(argument: str) -> str:
     return quote_word(argument.replace("%", "%%").replace("$", "$$"))
 
 
+# What systemd's string_is_safe() refuses in ExecStart's executable (src/basic/string-util.c,
+# called from config_parse_exec): quotes, backslashes, control characters.
+UNSAFE_IN_EXECUTABLE = frozenset("\"'\\\x7f" + "".join(map(chr, range(1, 0x20))))
+
+
+def exec_program(path: str) -> str:
+    """ExecStart's executable: specifiers disarmed, `$` left alone (systemd substitutes
+    variables only in the arguments: a doubled `$` would stay doubled in the path)."""
+    if any(char in UNSAFE_IN_EXECUTABLE for char in path):
+        raise LaunchError(
+            EXIT_USAGE,
+            f"systemd refuses to start an executable whose path holds a quote, a backslash "
+            f"or a control character ({printable(path)}): install vllm-cpu-launch where its "
+            "path has none of them",
+        )
+    return quote_word(path.replace("%", "%%"))
+
+
 def exec_line(argv: Sequence[str]) -> str:
     """The value of ExecStart= that systemd turns back into exactly `argv`."""
-    return " ".join(exec_word(argument) for argument in argv)
+    program, *arguments = argv
+    return " ".join([exec_program(program), *(exec_word(argument) for argument in arguments)])
 
 
 def environment_word(name: str, value: str) -> str:
