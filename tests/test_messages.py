@@ -72,6 +72,34 @@ def test_a_file_that_is_no_program_gets_no_chmod_advice(tmp_path: Path) -> None:
         assert "neither a #! script nor an ELF executable" in line and "chmod +x" not in line
 
 
+def test_an_executable_file_that_is_no_program_is_refused_before_the_exec(tmp_path: Path) -> None:
+    """With the x bit set, execve would fail with "Exec format error" after the INFO line
+    said what it preloads (issue 35, defect 8): refused first, as without the x bit."""
+    data = tmp_path / "notes"
+    data.write_text("not a program\n")
+    data.chmod(0o755)
+    sd = ["-sc", NGRAM]
+    for args in (
+        ["--vllm", str(data), "serve", "m", *sd],
+        ["--iomp", "always", "exec", "--", str(data)],
+    ):
+        result = launched(tmp_path, args)
+        assert result.returncode == 126, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("vllm-cpu-launch: error: ") and "preloading" not in line
+        assert "neither a #! script nor an ELF executable, so the kernel cannot run it" in line
+        assert "chmod" not in line
+
+
+def test_a_path_with_a_line_break_is_named_on_one_line(tmp_path: Path) -> None:
+    """A message is one line whatever the input holds (issue 35, defect 8): the line break
+    is shown as the escape a user can read back."""
+    result = launched(tmp_path, ["--vllm", f"{tmp_path}/vllm\n", "serve", "m"])
+    assert result.returncode == 127, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == f"vllm-cpu-launch: error: vLLM executable {tmp_path}/vllm\\n does not exist"
+
+
 def test_a_script_without_the_x_bit_gets_the_chmod_that_fixes_it(
     tmp_path: Path, vllm_env: Path, record_file: Path
 ) -> None:

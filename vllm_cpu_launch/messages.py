@@ -22,11 +22,24 @@ def stderr_is_journal(journal_stream: str | None) -> bool:
         return False
 
 
+def one_line(text: str) -> str:
+    """`text` with each unprintable character (a line break in a path, a byte that is not
+    UTF-8) written as its escape, so a message stays one line and says what was given."""
+    return "".join(char if char.isprintable() else visible(char) for char in text)
+
+
+def visible(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    return ascii(char)[1:-1]
+
+
 def format_message(level: str, text: str, journal: bool) -> str:
     """One line as it is written: priority (under journald), prefix, level word, text."""
     label = "" if level == "info" else f"{level}: "
     priority = PRIORITY[level] if journal else ""
-    return f"{priority}{PREFIX}{label}{text}"
+    return f"{priority}{PREFIX}{label}{one_line(text)}"
 
 
 def emit(level: str, text: str) -> None:

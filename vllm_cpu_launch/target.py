@@ -173,14 +173,16 @@ def check_executable(path: str, described: str) -> None:
         raise LaunchError(
             EXIT_NOT_EXECUTABLE, f"{described} {path} is not a regular file", subject=path
         )
-    if not os.access(path, os.X_OK):
-        if not is_program(path):  # a data file named by mistake: chmod would not help
-            raise LaunchError(
-                EXIT_NOT_EXECUTABLE,
-                f"{described} {path} is neither a #! script nor an ELF executable, so no "
-                f"chmod makes it run; {PROGRAM_FIX[described]}",
-                subject=path,
-            )
+    executable = os.access(path, os.X_OK)
+    if not is_program(path):  # a data file named by mistake: execve would only say ENOEXEC
+        cannot = "the kernel cannot run it" if executable else "no chmod makes it run"
+        raise LaunchError(
+            EXIT_NOT_EXECUTABLE,
+            f"{described} {path} is neither a #! script nor an ELF executable, so {cannot}; "
+            f"{PROGRAM_FIX[described]}",
+            subject=path,
+        )
+    if not executable:
         raise LaunchError(
             EXIT_NOT_EXECUTABLE,
             f"{described} {path} is not executable; fix it with: chmod +x {path}",
