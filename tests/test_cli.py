@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -440,6 +441,55 @@ def test_missing_explicit_config_file_is_an_error(tmp_path: Path, vllm_env: Path
     ):
         result = launcher(tmp_path, [*head, *args], **extra)
         assert_one_error(result, 2, f"{missing}: config file not found")
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda path: os.mkfifo(path), "config file is a FIFO, not a regular file"),
+        (lambda path: path.mkdir(), "config file is a directory, not a regular file"),
+        (
+            lambda path: path.symlink_to("/dev/zero"),
+            "config file is a character device, not a regular file",
+        ),
+    ],
+    ids=["fifo", "directory", "device"],
+)
+def test_a_config_file_that_is_no_regular_file_is_one_line_never_a_hang(
+    tmp_path: Path, vllm_env: Path, make: Callable[[Path], object], problem: str
+) -> None:
+    """Opening a FIFO for reading waits for a writer: the launcher checks what a file is
+    before it reads it (issue 35, defect 4), for its own config and vLLM's --config."""
+    config = tmp_path / "config.yaml"
+    make(config)
+    vllm = str(vllm_env / "bin" / "vllm")
+    result = launcher(tmp_path, ["--launcher-config", str(config), "--vllm", vllm, "serve", "m"])
+    assert_one_error(result, 2, f"{config}: {problem}")
+    doctor = launcher(tmp_path, ["doctor"], VLLMCPULAUNCH_CONFIG=str(config))
+    assert "Traceback" not in doctor.stderr and f"{config}: {problem}" in doctor.stdout
+    args = ["--vllm", vllm, "--dry-run", "--json", "serve", "m", "--config", str(config)]
+    planned = json.loads(launcher(tmp_path, args).stdout)
+    (warning,) = planned["warnings"]
+    assert warning.startswith(f"vLLM config file {config} {problem.removeprefix('config file ')}")
+
+
+def test_yaml_nested_deeper_than_the_reader_takes_is_one_line_in_every_verb(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """pyyaml composes nodes recursively: 600 levels ended in a RecursionError traceback
+    (issue 35, defect 5)."""
+    config = tmp_path / "deep.yaml"
+    config.write_text("iomp: " + "[" * 600 + "]" * 600 + "\n")
+    vllm = str(vllm_env / "bin" / "vllm")
+    problem = f"{config}: config file nests its YAML deeper than the reader can take"
+    for args in (["serve", "m"], ["env", "serve", "m"], ["rules", "serve", "m"]):
+        result = launcher(tmp_path, ["--launcher-config", str(config), "--vllm", vllm, *args])
+        assert_one_error(result, 2, problem)
+    doctor = launcher(tmp_path, ["doctor"], VLLMCPULAUNCH_CONFIG=str(config))
+    assert "Traceback" not in doctor.stderr and problem in doctor.stdout
+    args = ["--vllm", vllm, "--dry-run", "--json", "serve", "m", "--config", str(config)]
+    (warning,) = json.loads(launcher(tmp_path, args).stdout)["warnings"]
+    assert "nests its YAML deeper than the reader can take" in warning
 
 
 def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:

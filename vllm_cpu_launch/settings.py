@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.files import FileProblem, read_checked
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.records import record
 
@@ -96,6 +97,9 @@ def yaml_problem(path: str, error: Exception) -> str:
         f"{where}: invalid YAML ({what}); write one `key: value` per line, e.g. "
         "`iomp: always`, and quote a value holding : # [ ] { } or a leading -"
     )
+
+
+TOO_DEEP = "nests its YAML deeper than the reader can take; a config file holds `key: value` lines"
 
 
 def fail(where: str, problem: str) -> LaunchError:
@@ -296,14 +300,9 @@ def user_config_path(environ: Mapping[str, str]) -> str | None:
 def read_config_file(path: str) -> dict[str, object]:
     """A config file's settings, validated; any problem is an error naming the file."""
     try:
-        with open(path, "rb") as stream:
-            raw = stream.read()
-    except FileNotFoundError:
-        raise fail(path, "config file not found") from None
-    except IsADirectoryError:
-        raise fail(path, "is a directory, not a config file") from None
-    except OSError as error:
-        raise fail(path, f"cannot read config file: {error.strerror}") from None
+        raw = read_checked(path)
+    except FileProblem as problem:
+        raise fail(path, f"config file {problem.problem}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -316,6 +315,8 @@ def read_config_file(path: str) -> dict[str, object]:
         content = None if document is None else loader.construct_document(document)
     except yaml.YAMLError as error:
         raise LaunchError(EXIT_USAGE, yaml_problem(path, error)) from None
+    except RecursionError:
+        raise fail(path, f"config file {TOO_DEEP}") from None
     finally:
         loader.dispose()
     if content is None:

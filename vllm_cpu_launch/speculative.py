@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.files import FileProblem
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.vllm_cli import (
     Occurrence,
@@ -235,8 +236,12 @@ def requested_by_arguments(argv: Sequence[str]) -> SpeculativeRequest:
         return decide(spelled)
     try:
         in_file = in_config_file(path, SD_OPTIONS)
+    except FileProblem as error:
+        problem = error.problem
     except (OSError, UnicodeDecodeError) as error:
         problem = f"cannot be read ({error.__class__.__name__})"
+    except RecursionError:
+        problem = "nests its YAML deeper than the reader can take"
     except Exception as error:  # yaml.YAMLError, without importing yaml up front
         problem = f"is not valid YAML ({(str(error).splitlines() or [repr(error)])[0]})"
     else:

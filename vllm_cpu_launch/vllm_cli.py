@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.files import read_checked
 from vllm_cpu_launch.records import record
 
 if TYPE_CHECKING:
@@ -111,11 +112,11 @@ def config_file_path(argv: Sequence[str]) -> str | None:
 
 def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
     """The occurrences of `options` a vLLM `--config` YAML file contributes, as vLLM
-    would see them. Raises OSError, UnicodeDecodeError or yaml's error for a bad file."""
+    would see them. Raises OSError (FileProblem: no regular file), UnicodeDecodeError,
+    RecursionError (nested too deep) or yaml's error for a bad file."""
     import yaml  # only when the command line names a config file
 
-    with open(path, encoding="utf-8") as stream:
-        content = yaml.safe_load(stream)
+    content = yaml.safe_load(read_checked(path).decode("utf-8"))
     if not isinstance(content, dict):
         return []
     found = []
