@@ -30,6 +30,7 @@ from .conftest import (
 )
 
 NGRAM = '{"method":"ngram"}'
+NGRAM_TOKENS = '{"method":"ngram","num_speculative_tokens":3}'
 # The launcher's mark on a start whose LD_PRELOAD names a runtime: the plugin adds nothing.
 STARTED = {"VLLMCPULAUNCH_PLANNED": "launcher:started"}
 
@@ -490,6 +491,18 @@ def test_yaml_nested_deeper_than_the_reader_takes_is_one_line_in_every_verb(
     args = ["--vllm", vllm, "--dry-run", "--json", "serve", "m", "--config", str(config)]
     (warning,) = json.loads(launcher(tmp_path, args).stdout)["warnings"]
     assert "nests its YAML deeper than the reader can take" in warning
+
+
+def test_dev_null_is_an_empty_config_file(tmp_path: Path, vllm_env: Path) -> None:
+    """The usual way to say "no file" (it hides the user's config): read as empty."""
+    (tmp_path / "no-user-config" / "vllm-cpu-launch").mkdir(parents=True)
+    (tmp_path / "no-user-config" / "vllm-cpu-launch" / "config.yaml").write_text("iomp: never\n")
+    args = ["--vllm", str(vllm_env / "bin" / "vllm"), "--dry-run", "--json", "serve", "m"]
+    hidden = launcher(tmp_path, ["--launcher-config", os.devnull, *args, "-sc", NGRAM_TOKENS])
+    assert hidden.returncode == 0, hidden.stderr
+    assert json.loads(hidden.stdout)["preload"]
+    read = launcher(tmp_path, [*args, "-sc", NGRAM_TOKENS])
+    assert not json.loads(read.stdout)["preload"]  # the user's iomp: never, without it
 
 
 def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:

@@ -40,6 +40,9 @@ def read_checked(path: str, limit: int = MAX_BYTES) -> bytes:
         raise FileProblem(f"cannot be read ({error.strerror})") from None
     status = os.fstat(descriptor)
     problem = None
+    if is_null_device(status):  # /dev/null, the usual "no file": empty, at once
+        os.close(descriptor)
+        return b""
     if not stat.S_ISREG(status.st_mode):
         kind = KINDS.get(stat.S_IFMT(status.st_mode), "no regular file")
         problem = f"is {kind}, not a regular file"
@@ -53,3 +56,11 @@ def read_checked(path: str, limit: int = MAX_BYTES) -> bytes:
             return stream.read(limit + 1)[:limit]
         except OSError as error:
             raise FileProblem(f"cannot be read ({error.strerror})") from None
+
+
+def is_null_device(status: os.stat_result) -> bool:
+    try:
+        null = os.stat(os.devnull)
+    except OSError:
+        return False
+    return stat.S_ISCHR(status.st_mode) and status.st_rdev == null.st_rdev
