@@ -91,6 +91,27 @@ def test_the_condition_that_decides_the_cliff_is_shown(tmp_path: Path, map_vllm:
     assert re.search(r"^map-1 ngram +fails: 1 usable CPUs \(measured on 2\)$", text, re.M)
 
 
+def test_a_draft_model_named_without_a_method_is_the_start_the_plan_reads(
+    tmp_path: Path, map_vllm: Path
+) -> None:
+    """`rules serve` said `no SD` where --dry-run planned SD with 7 tokens (issue 35, defect
+    1): both read the method as vLLM infers it, draft_model, and its rows decide."""
+    command = ["serve", "m", "--speculative-config", '{"model":"/d","num_speculative_tokens":7}']
+    record = rules_json(tmp_path, ["--vllm", str(map_vllm), *command])
+    assert (record["start"]["method"], record["start"]["tokens"]) == ("draft_model", 7)
+    assert record["misses"]["methods-none draft_model 7"] == []
+    assert "no speculative decoding requested" not in record["note"]
+    plan = run_launcher(
+        ["--dry-run", "--json", "--vllm", str(map_vllm), *command], clean_environ(tmp_path), PINNED
+    )
+    speculative = json.loads(plan.stdout)["speculative"]
+    assert (speculative["method"], speculative["tokens"]) == ("draft_model", 7)
+    unnamed = ["serve", "m", "--speculative-config.num_speculative_tokens", "3"]
+    text = run_launcher(["rules", "--vllm", str(map_vllm), *unnamed], clean_environ(tmp_path))
+    assert "here:     unnamed SD, 3 tokens;" in text.stdout
+    assert "no speculative decoding requested" not in text.stdout
+
+
 def test_without_vllm_it_says_so_and_still_answers(tmp_path: Path) -> None:
     record = rules_json(tmp_path, ["--vllm", str(tmp_path / "no-vllm"), *NGRAM])
     assert record["start"]["vllm"] is None and "none found" in record["start"]["found"]

