@@ -122,7 +122,8 @@ def test_directory_named_vllm_on_path_is_skipped_like_a_shell_does(tmp_path: Pat
         ("/nonexistent/bin/python3", "interpreter /nonexistent/bin/python3, which does not exist"),
         ("{tmp}/text-file", "interpreter {tmp}/text-file, which is not an executable file"),
         ("{tmp}", "interpreter {tmp}, which is not an executable file"),  # a directory
-        (None, "Exec format error"),  # neither ELF nor #!: execve refuses it
+        # neither ELF nor #!: refused before the exec, which would only say ENOEXEC
+        (None, "is neither a #! script nor an ELF executable, so the kernel cannot run it"),
     ],
     ids=["missing-interpreter", "interpreter-not-executable", "interpreter-directory", "no-#!"],
 )
