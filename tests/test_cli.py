@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -491,6 +492,41 @@ def test_yaml_nested_deeper_than_the_reader_takes_is_one_line_in_every_verb(
     args = ["--vllm", vllm, "--dry-run", "--json", "serve", "m", "--config", str(config)]
     (warning,) = json.loads(launcher(tmp_path, args).stdout)["warnings"]
     assert "nests its YAML deeper than the reader can take" in warning
+
+
+@pytest.mark.parametrize("change", ["mode 666", "owned by another user", "directory 777"])
+def test_a_config_file_another_user_can_change_is_refused_with_the_fix(
+    tmp_path: Path, vllm_env: Path, change: str
+) -> None:
+    """A config file says what runs and what is preloaded: as root, one another user can
+    change was read silently (issue 35, defect 3). Refused, naming owner and mode; the
+    printed fix is run, and the file is then read."""
+    if os.geteuid() != 0 and change != "mode 666":
+        pytest.skip("a file owned by another user, as root: this test runs as a user")
+    directory = tmp_path / "etc"
+    directory.mkdir()
+    config = directory / "config.yaml"
+    config.write_text("iomp: never\n")
+    if change == "mode 666":
+        config.chmod(0o666)
+    elif change == "owned by another user":
+        os.chown(config, 1000, 1000)
+    else:
+        directory.chmod(0o777)
+    args = ["--launcher-config", str(config), "--vllm", str(vllm_env / "bin" / "vllm")]
+    args += ["--dry-run", "--json", "serve", "m", "-sc", NGRAM_TOKENS]
+    result = launcher(tmp_path, args)
+    assert_one_error(result, 2, f"{config}: config file not read: ", "Fix: ")
+    line = result.stderr.strip()
+    status = (directory if change == "directory 777" else config).stat()
+    if change != "directory 777":
+        assert f"(owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)})" in line
+    doctor = launcher(tmp_path, ["doctor"], VLLMCPULAUNCH_CONFIG=str(config))
+    assert "config file not read" in doctor.stdout and "Traceback" not in doctor.stderr
+    subprocess.run(["sh", "-c", line.rpartition("Fix: ")[2]], check=True, timeout=60)
+    fixed = launcher(tmp_path, args)
+    assert fixed.returncode == 0, fixed.stderr
+    assert json.loads(fixed.stdout)["preload"] == []  # its iomp: never, read now
 
 
 def test_dev_null_is_an_empty_config_file(tmp_path: Path, vllm_env: Path) -> None:
