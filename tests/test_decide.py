@@ -55,6 +55,7 @@ def facts(
         (),
         None,
         None,
+        {},
     )
     return replace(base, **changes)
 

@@ -241,8 +241,6 @@ NOT_EVERY_ROUND = {measured_key(r): r.why for r in RULES if r.id == "methods-non
 LLVM_RUNTIME = {measured_key(r): r for r in RULES if r.runtime == "llvm" and r.why == ""}
 # Measured, and no gain where the plan would run it: no rule (test_evidence.py holds why).
 LLVM_NOT_A_GAIN = {measured_key(r): r.why for r in RULES if r.runtime == "llvm" and r.why}
-DRAFTER_METHODS = ("draft_model", "eagle")
-MAP_METHODS = ("ngram", *DRAFTER_METHODS)  # the SD methods mapped: the rules apply to them alone
 
 
 def figures(low_high: tuple[float, float]) -> str:

@@ -79,19 +79,20 @@ def install_command(target: Target, package: str = PACKAGE) -> tuple[str, str]:
     return f"{quoted} -m pip install {package}", f"into {prefix}"
 
 
-def tcmalloc_command(target: Target | None) -> tuple[str, str]:
+def tcmalloc_command(target: Target | None, path_variable: str | None) -> tuple[str, str]:
     """(command, how or where it installs) for tcmalloc, in a place the launcher searches.
 
     A conda environment gets conda-forge's gperftools in its own lib/ (searched as the
     vLLM environment's); elsewhere Debian's and Ubuntu's libtcmalloc-minimal4 puts
     libtcmalloc_minimal.so.4 in the loader's directory. Other systems get no command
-    (tests/test_cli.py runs the apt-get one, simulated, and finds its files).
+    (tests/test_cli.py runs the apt-get one, simulated, and finds its files). apt-get is
+    looked for on `path_variable`, the PATH of the host the plan is for.
     """
     prefix = target.prefix if target else None
     if prefix and os.path.isdir(os.path.join(prefix, "conda-meta")):
         command = f"conda install --prefix {shlex.quote(prefix)} --channel conda-forge gperftools"
         return command, f"into {prefix}"
-    if shutil.which("apt-get"):
+    if shutil.which("apt-get", path=path_variable):
         return "apt-get install libtcmalloc-minimal4", "as root, from Debian's or Ubuntu's archive"
     return "", (
         "with the system's package manager (gperftools' libtcmalloc_minimal.so.4: "
@@ -99,11 +100,11 @@ def tcmalloc_command(target: Target | None) -> tuple[str, str]:
     )
 
 
-def fix_hint(target: Target, kind: str, package: str = PACKAGE) -> str:
+def fix_hint(target: Target, kind: str, package: str, path_variable: str | None) -> str:
     """The install command for `kind` (an OpenMP runtime: `package`) and where it
     installs, as one phrase for a message."""
     if kind == TCMALLOC:
-        command, where = tcmalloc_command(target)
+        command, where = tcmalloc_command(target, path_variable)
         return f"{command}  ({where})" if command else f"install tcmalloc {where}"
     command, where = install_command(target, package)
     return f"{command}  ({where})" if command else f"pip install {package}  ({where})"

@@ -4,11 +4,12 @@ once. The decision (decide.py) is pure over these facts."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES
-from vllm_cpu_launch.libraries import NOT_FOUND_BY_LOADER, Verdict, find_library, verdict
+from vllm_cpu_launch.libraries import LLVM, NOT_FOUND_BY_LOADER, Verdict, find_library, verdict
 from vllm_cpu_launch.metadata import alias_for, alias_problem
 from vllm_cpu_launch.places import (
     ALLOCATOR,
@@ -68,6 +69,9 @@ class Facts:
     entries: tuple[tuple[str, Verdict], ...]  # the caller's LD_PRELOAD entries, examined
     alias: Alias | None  # the `vllm` metadata to supply (supply_metadata)
     alias_problem: tuple[str, str] | None  # why the alias cannot be supplied
+    # The install command of each library a search found none of (IOMP, LLVM, TCMALLOC):
+    # read here, so that the words say it without looking at the machine (fixes.py).
+    install_fixes: Mapping[str, str]
 
 
 def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:
@@ -171,6 +175,8 @@ def gather(request: Request) -> Facts:
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
     wants_runtime, wants_tcmalloc = may_want(request, tuned, release)
     alias = alias_for(target, host.environ) if request.supply_metadata else None
+    iomp = search(IOMP, request, explicit, trusted) if wants_runtime else None
+    tcmalloc = search(TCMALLOC, request, explicit, trusted) if wants_tcmalloc else None
     return Facts(
         request,
         trusted,
@@ -180,12 +186,35 @@ def gather(request: Request) -> Facts:
         scope,
         tuned,
         tuple(tune_notes),
-        search(IOMP, request, explicit, trusted) if wants_runtime else None,
-        search(TCMALLOC, request, explicit, trusted) if wants_tcmalloc else None,
+        iomp,
+        tcmalloc,
         examined_entries(host, trusted),
         alias,
         alias_problem(alias, host.euid, trusted) if alias else None,
+        install_fixes(request, iomp, tcmalloc),
     )
+
+
+def install_fixes(
+    request: Request, iomp: Search | None, tcmalloc: Search | None
+) -> Mapping[str, str]:
+    """The install command of each library a search found none of (Intel's and LLVM's
+    OpenMP wheels for a runtime), by package."""
+    # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
+    runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
+    allocator = tcmalloc is not None and tcmalloc.chosen is None
+    if not (runtime or allocator):
+        return MappingProxyType({})
+    from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # only when missing
+
+    path_variable = request.host.environ.get("PATH")
+    fixes = {}
+    if runtime:
+        fixes[IOMP] = fix_hint(request.target, IOMP, PACKAGE, path_variable)
+        fixes[LLVM] = fix_hint(request.target, IOMP, LLVM_PACKAGE, path_variable)
+    if allocator:
+        fixes[TCMALLOC] = fix_hint(request.target, TCMALLOC, TCMALLOC, path_variable)
+    return MappingProxyType(fixes)
 
 
 def search(

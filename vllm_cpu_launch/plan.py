@@ -25,7 +25,7 @@ from vllm_cpu_launch.gather import Request, gather
 from vllm_cpu_launch.handoff import LAUNCHER, LLVM_OPT_IN_MACHINES, PLANNED_VARIABLE
 
 # Candidate at run time: Plan's field names it (tests/test_render_records.py reads hints).
-from vllm_cpu_launch.libraries import Candidate
+from vllm_cpu_launch.libraries import LLVM, Candidate
 from vllm_cpu_launch.metadata import PYTHONPATH, Alias
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
@@ -107,23 +107,18 @@ class Plan:
     metadata: Alias | None = None
 
 
-def missing_message(search: Search, target: Target, consequence: str, llvm: bool = False) -> str:
+def missing_message(search: Search, install: str, consequence: str, llvm: bool = False) -> str:
     """Not found: where it looked, what it refused, and the one fix that works here.
 
     A library refused only for who may change it is fixed by changing that (the
     first such candidate's chmod/chown), not by installing another copy. `llvm`: the
     runtime asked for is LLVM's (an --iomp always on aarch64): its wheel is the fix.
+    `install`: the install command (Facts.install_fixes).
     """
-    from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint
-
     rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
     tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
     unsafe = next((c for c in search.candidates if c.fix), None)
-    fix = (
-        f"{unsafe.fix}  (then {unsafe.path} is trusted)"
-        if unsafe
-        else fix_hint(target, search.kind, LLVM_PACKAGE if llvm else PACKAGE)
-    )
+    fix = f"{unsafe.fix}  (then {unsafe.path} is trusted)" if unsafe else install
     title = "LLVM's libomp (a libiomp5.so)" if llvm else LIBRARY_TITLES[search.kind]
     return (
         f"{title} not found (searched {', '.join(search.places)}{tried}); {consequence}. Fix: {fix}"
@@ -220,10 +215,12 @@ def missing_words(facts: Facts, decision: Decision) -> list[str]:
             if request.speculative.requested and not llvm
             else "the program will use GNU libgomp"
         )
-        said.append(missing_message(decision.iomp_search, request.target, consequence, llvm))
+        install = facts.install_fixes[LLVM if llvm else IOMP]
+        said.append(missing_message(decision.iomp_search, install, consequence, llvm))
     if decision.tcmalloc_missing and decision.tcmalloc_search:
         consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
-        said.append(missing_message(decision.tcmalloc_search, request.target, consequence))
+        install = facts.install_fixes[TCMALLOC]
+        said.append(missing_message(decision.tcmalloc_search, install, consequence))
     return said
 
 

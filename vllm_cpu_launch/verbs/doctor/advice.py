@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -146,7 +147,7 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
 
     if report["libraries"]["tcmalloc"]["chosen"] is not None:
         return
-    command, where = tcmalloc_command(target)
+    command, where = tcmalloc_command(target, os.environ.get("PATH"))
     if report["map"]["measured"]:  # ngram's rules preload none; a drafter's best needs one
         ratios = [ratio for rule in DRAFTER_RULES.values() for ratio in rule.figures]
         methods = " or ".join(f"{method} {tokens}" for method, tokens in DRAFTER_RULES)
