@@ -30,6 +30,9 @@ CHILD = '''
 import ctypes, os, sys, time
 if os.environ.get("LOAD_LATE"):
     ctypes.CDLL(os.environ["LOAD_LATE"])
+if os.environ.get("RENAME"):  # as vLLM renames its processes, over argv and environ
+    import setproctitle
+    setproctitle.setproctitle(os.environ["RENAME"])
 print("ready", flush=True)
 time.sleep(600)
 '''
@@ -42,6 +45,8 @@ for spec in json.loads(os.environ.get("CHILDREN", "[]")):
         else:
             env[key] = value
     env.pop("CHILDREN", None)
+    if spec.get("rename"):
+        env["RENAME"] = spec["rename"]
     # A title takes argv[0]'s place in /proc/PID/cmdline, as vLLM's setproctitle does.
     command = [spec.get("title", sys.executable), "-c", CHILD]
     child = subprocess.Popen(
@@ -481,3 +486,37 @@ def test_iomp_never_in_the_config_file_pid_names_counts(
     )
     code, report = verify_json(tmp_path, pids[0])
     assert code == 0 and f"(iomp: never, from {config})" in by_pid(report)[pids[1]]["reason"]
+
+
+def test_a_process_vllm_renamed_shows_what_it_inherited_not_not_set(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """vLLM's title (setproctitle, as vLLM calls it) overwrites /proc/PID/environ: verify
+    says so, shows the start-up environment of the parent that spawned the process, and
+    what vLLM writes over it in a worker (vllm/utils/ompmultiprocessing.py)."""
+    children = [{"rename": "VLLM::EngineCore"}, {"rename": "VLLM::Worker_TP0"}]
+    start = {"LD_PRELOAD": str(real_iomp), "KMP_BLOCKTIME": "200"}
+    pids = start_tree(SERVE_SD, children, **start)
+    environ = (Path("/proc") / str(pids[2]) / "environ").read_bytes()
+    assert b"LD_PRELOAD=" not in environ, environ  # the title really took the environment
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0, report
+    worker = by_pid(report)[pids[2]]
+    assert worker["role"] == "worker" and "LD_PRELOAD" not in worker["env"]
+    assert worker["environment"]["readable"] is False
+    assert worker["environment"]["why"].startswith("vLLM renamed the process (VLLM::Worker_TP0)")
+    assert worker["environment"]["inherited"] == {"from_pid": pids[0], "env": start}
+    assert "KMP_BLOCKTIME=5, KMP_TPAUSE=0" in worker["environment"]["vllm_sets"]
+    assert "vllm_sets" not in by_pid(report)[pids[1]]["environment"]  # the engine core
+    text = verify(tmp_path, str(pids[0])).stdout
+    worker_text = text.partition(f"{pids[2]:>7}  ")[2].partition("\nok: ")[0]
+    assert "no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set" not in worker_text, worker_text
+    assert "environment unreadable: vLLM renamed the process (VLLM::Worker_TP0)" in worker_text
+    inherited = f"inherited at spawn from PID {pids[0]}'s start-up environment"
+    assert f"{inherited} (changes it made after start-up" in worker_text
+    assert f"LD_PRELOAD={real_iomp} KMP_BLOCKTIME=200" in worker_text
+    # Under nobind vLLM writes nothing: what the worker inherited is what it runs with.
+    pids = start_tree(SERVE_SD, children, VLLM_CPU_OMP_THREADS_BIND="nobind", **start)
+    _, report = verify_json(tmp_path, pids[0])
+    vllm_sets = by_pid(report)[pids[2]]["environment"]["vllm_sets"]
+    assert vllm_sets.startswith("nothing (VLLM_CPU_OMP_THREADS_BIND=nobind)")

@@ -163,7 +163,7 @@ class Choice:
         return f"libgomp {verb} {self.by} ({self.why})"
 
 
-LOAD_ORDER = "in load order (the link map, read as pldd reads it)"
+LOAD_ORDER = "in load order (the link map, as pldd reads it)"
 
 
 @dataclass(frozen=True)
@@ -607,12 +607,11 @@ def variables_text(environment: dict[str, str]) -> str:
 def process_lines(process: dict[str, Any]) -> list[str]:
     """Which runtime serves and how that was read; the environment, or why it is unreadable
     and what was inherited instead."""
-    serves = process["serves"]
-    order = ", ".join(f"{RUNTIME_TITLES[r['kind']]} {r['path']}" for r in process["load_order"])
-    lines = []
-    if serves is not None:
-        lines.append(f"serves: {RUNTIME_TITLES[serves['kind']]} {serves['path']}")
-    lines.append(f"OpenMP runtimes, {process['order']}: {order or 'none'}")
+    order = ", ".join(
+        f"{RUNTIME_TITLES[r['kind']]} {r['path']}{' (serves)' if r == process['serves'] else ''}"
+        for r in process["load_order"]
+    )
+    lines = [f"OpenMP runtimes, {process['order']}: {order or 'none'}"]
     mapped = process["runtimes"]
     if {r["path"] for r in mapped} != {r["path"] for r in process["load_order"]}:
         lines.append(f"mapped (/proc/PID/maps): {', '.join(r['path'] for r in mapped)}")
@@ -620,11 +619,12 @@ def process_lines(process: dict[str, Any]) -> list[str]:
     shown = variables_text(process["env"])
     if environment["readable"]:
         return [*lines, shown or NONE_SET]
-    lines.append(f"environment unreadable: {environment['why']}: {shown or NONE_SET}")
+    left = shown or "none of LD_PRELOAD, KMP_*, OMP_NUM_THREADS in it"
+    lines.append(f"environment unreadable: {environment['why']}: {left}")
     inherited = environment["inherited"]
     if inherited is not None:
         lines.append(
-            f"inherited at spawn from {inherited['from_pid']}'s start-up environment (changes "
+            f"inherited at spawn from PID {inherited['from_pid']}'s start-up environment (changes "
             f"it made after start-up, e.g. the plugin's, do not show there): "
             f"{variables_text(inherited['env']) or NONE_SET}"
         )
