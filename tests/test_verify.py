@@ -14,13 +14,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import AS_NOBODY, clean_environ, run_launcher
+from tests.conftest import AS_NOBODY, LAUNCHER, clean_environ, run_launcher
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -520,3 +521,39 @@ def test_a_process_vllm_renamed_shows_what_it_inherited_not_not_set(
     _, report = verify_json(tmp_path, pids[0])
     vllm_sets = by_pid(report)[pids[2]]["environment"]["vllm_sets"]
     assert vllm_sets.startswith("nothing (VLLM_CPU_OMP_THREADS_BIND=nobind)")
+
+
+def wait_for_exec(pid: int, program: str) -> None:
+    """Until PID runs PROGRAM: the launcher says its line just before its execve."""
+    while os.readlink(f"/proc/{pid}/exe") != program:
+        time.sleep(0.01)
+
+
+def test_a_program_the_launcher_started_as_iomp_never_says_is_ok(tmp_path: Path) -> None:
+    """`--iomp never exec -- PROGRAM`: the plan preloads nothing and marks the process; a
+    tree started as its plan says exits 0, and the reason says what is true (no OpenMP
+    runtime loaded, none preloaded by the plan's choice), not "libgomp"."""
+    started = subprocess.Popen(
+        [*LAUNCHER, "--iomp", "never", "exec", "--", "/bin/sleep", "600"],
+        env=clean_environ(tmp_path),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert started.stderr is not None
+        assert "--iomp never; starting /bin/sleep unchanged" in started.stderr.readline()
+        wait_for_exec(started.pid, os.path.realpath("/bin/sleep"))
+        result = verify(tmp_path, "--speculative", "--json", str(started.pid))
+        assert result.returncode == 0, result.stdout
+        (process,) = json.loads(result.stdout)["processes"]
+        assert process["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher"}  # the exec'd sleep
+        assert process["reason"] == (
+            "no OpenMP runtime loaded yet; none preloaded, as the plan chose "
+            "(VLLMCPULAUNCH_PLANNED=launcher)"
+        )
+        text = verify(tmp_path, "--speculative", str(started.pid)).stdout
+        assert text.endswith("ok: 1 process judged, 1 checked\n") and "libgomp" not in text
+    finally:
+        os.killpg(started.pid, signal.SIGKILL)  # the process this test started, by its id
+        started.wait()
