@@ -406,7 +406,25 @@ def verify_reports(draw: st.DrawFn) -> dict[str, Any]:
                 pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited, renamed
             )
         )
-    return verify.assemble(pids[0], request, seen)
+    return verify.assemble(pids[0], request, seen, None, draw(insides(pids)))
+
+
+INSIDE_LABELS = ("role", "runtime", "library", "blocktime_ms", "threads", "bind")
+
+
+@st.composite
+def insides(draw: st.DrawFn, pids: list[int]) -> verify.Inside:
+    """What /metrics said: nothing, or the plugin's series for some of the processes."""
+    url = draw(st.none() | TEXT)
+    if url is None or draw(st.booleans()):
+        return verify.Inside(url, None)
+    readings = {}
+    for pid in draw(st.lists(st.sampled_from(pids), min_size=1, unique=True)):
+        labels = {
+            name: draw(st.sampled_from(["intel", "none", ""]) | TEXT) for name in INSIDE_LABELS
+        }
+        readings[pid] = {"pid": str(pid), **labels}
+    return verify.Inside(url, readings)
 
 
 @EXAMPLES

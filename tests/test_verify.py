@@ -14,8 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -557,3 +559,101 @@ def test_a_program_the_launcher_started_as_iomp_never_says_is_ok(tmp_path: Path)
     finally:
         os.killpg(started.pid, signal.SIGKILL)  # the process this test started, by its id
         started.wait()
+
+
+# ---------------------------------------------------------------- read from inside
+
+
+@pytest.fixture
+def metrics_server() -> Iterator[Callable[[list[str]], int]]:
+    """A real HTTP server on 127.0.0.1 answering GET /metrics with the text it is given
+    (the list's last, read at each request), as vLLM's front end answers with the
+    plugin's series; returns its port."""
+    served: list[ThreadingHTTPServer] = []
+
+    def serve(text: list[str]) -> int:
+        class Metrics(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = text[-1].encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        served.append(server)
+        return server.server_address[1]
+
+    yield serve
+    for server in served:
+        server.shutdown()
+        server.server_close()
+
+
+def series(**labels: str) -> str:
+    pairs = ",".join(f'{name}="{value}"' for name, value in labels.items())
+    return f"vllm_cpu_launch_openmp_info{{{pairs}}} 1.0"
+
+
+def test_the_plugins_reading_from_inside_is_read_from_metrics_and_shown_per_process(
+    tmp_path: Path,
+    start_tree: Callable[..., list[int]],
+    real_iomp: Path,
+    metrics_server: Callable[[list[str]], int],
+) -> None:
+    """verify finds the port on the API server's command line (`--port=N`, `--port N`),
+    reads /metrics, and puts each series beside the process whose pid it names."""
+    body = [""]  # a server without the series first
+    port = metrics_server(body)
+    pids = start_tree([*SERVE_SD, f"--port={port}"], MODEL_CHILDREN, LD_PRELOAD=str(real_iomp))
+    _, report = verify_json(tmp_path, pids[0])
+    assert report["inside"] == {"url": f"http://127.0.0.1:{port}/metrics", "read": False}
+    text = verify(tmp_path, str(pids[0])).stdout
+    note = f"no inside reading from http://127.0.0.1:{port}/metrics (the plugin is not installed"
+    assert text.count(note) == 1, text
+    pids = start_tree(
+        [*SERVE_SD, "--host", "127.0.0.1", "--port", str(port)],
+        MODEL_CHILDREN,
+        LD_PRELOAD=str(real_iomp),
+    )
+    library = "/v/lib/lib iomp5.so"  # a space, and an escaped quote below
+    worker = {"role": "worker", "pid": str(pids[2]), "runtime": "intel", "library": library}
+    worker |= {"blocktime_ms": "200", "threads": "1", "bind": "nobind"}
+    engine = {"role": "engine-core", "pid": str(pids[1]), "runtime": "gnu"}
+    engine |= {"library": '/x/\\"q\\"/libgomp.so.1', "blocktime_ms": "", "threads": "4"}
+    lines = [
+        "# HELP vllm_cpu_launch_openmp_info The OpenMP runtime serving each vLLM process",
+        "# TYPE vllm_cpu_launch_openmp_info gauge",
+        series(**worker),
+        series(**engine, bind=""),
+        'vllm_other_metric{pid="1"} 2.0',
+    ]
+    body.append("\n".join(lines) + "\n")
+    _, report = verify_json(tmp_path, pids[0])
+    assert report["inside"]["read"] is True
+    processes = by_pid(report)
+    assert processes[pids[2]]["inside"] == worker
+    assert processes[pids[1]]["inside"]["library"] == '/x/"q"/libgomp.so.1'
+    assert processes[pids[0]]["inside"] is None  # the front end published none here
+    text = verify(tmp_path, str(pids[0])).stdout
+    assert (
+        f"read from inside (worker, /metrics): intel serves ({library}), block time 200 ms, "
+        "1 thread, bind nobind"
+    ) in text
+    assert "no inside reading" not in text
+
+
+def test_without_a_server_there_is_one_note_not_an_error(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """vLLM's default port, nothing listening there (or the plugin not installed)."""
+    pids = start_tree(SERVE_SD, MODEL_CHILDREN, LD_PRELOAD=str(real_iomp))
+    result = verify(tmp_path, str(pids[0]))
+    assert result.returncode == 0 and result.stderr == ""
+    note = "no inside reading from http://127.0.0.1:8000/metrics (the plugin is not installed, "
+    assert result.stdout.count(note + "or /metrics unreachable)") == 1

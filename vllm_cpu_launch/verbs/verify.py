@@ -396,6 +396,80 @@ class Seen:
     renamed: str | None = None
 
 
+# The plugin's reading from inside each vLLM process, published by the front end on
+# vLLM's /metrics (docs/design.md, "verify"): one series per process, labelled so.
+INFO_METRIC = "vllm_cpu_launch_openmp_info"
+DEFAULT_PORT = 8000  # vLLM's `--port` default
+NO_INSIDE = "the plugin is not installed, or /metrics unreachable"
+
+
+@dataclass(frozen=True)
+class Inside:
+    """What the server's /metrics said: its address (None without an API server in the
+    tree), and the plugin's series by process ID (None where none could be read)."""
+
+    url: str | None
+    readings: dict[int, dict[str, str]] | None
+
+
+def metrics_url(cmdline: Sequence[str]) -> str:
+    """/metrics of the API server, from its `--host`/`--port` (`--port=N` too)."""
+    given: dict[str, str] = {}
+    for index, word in enumerate(cmdline):
+        name, equals, value = word.partition("=")
+        if name in ("--host", "--port"):
+            given[name] = value if equals else "".join(cmdline[index + 1 : index + 2])
+    host = given.get("--host") or "127.0.0.1"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # all addresses: ask here
+    port = given.get("--port") or str(DEFAULT_PORT)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def openmp_readings(text: str) -> dict[int, dict[str, str]]:
+    """The labels of each `vllm_cpu_launch_openmp_info{...} 1.0` line, by its pid label
+    (Prometheus text format: label values escape backslash, quote and newline)."""
+    import re
+
+    label = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+    escapes = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+    readings = {}
+    for line in text.splitlines():
+        name, brace, rest = line.partition("{")
+        if name != INFO_METRIC or not brace:
+            continue
+        labels, _, _ = rest.rpartition("}")
+        pairs = {
+            match.group(1): re.sub(
+                r"\\.", lambda e: escapes.get(e.group(0), e.group(0)), match.group(2)
+            )
+            for match in label.finditer(labels)
+        }
+        if pairs.get("pid", "").isdigit():
+            readings[int(pairs["pid"])] = pairs
+    return readings
+
+
+def read_inside(url: str) -> dict[int, dict[str, str]] | None:
+    """GET /metrics (2 s): the plugin's series, or None where none could be read."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return openmp_readings(text) or None
+
+
+def inside_of(seen: Sequence[Seen]) -> Inside:
+    servers = [one for one in seen if one.role == "api-server"]
+    if not servers:
+        return Inside(None, None)
+    url = metrics_url(servers[0].cmdline)
+    return Inside(url, read_inside(url))
+
+
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     """The verify report for PID and its descendants (see docs/operating.md); with
     `speculative`, SD counts as requested whatever the command lines say."""
@@ -449,14 +523,19 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
                 cmdline[0] if title is not None else None,
             )
         )
-    return assemble(pid, root_request, seen, users)
+    return assemble(pid, root_request, seen, users, inside_of(seen))
 
 
 def assemble(
-    pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen], users: Choice | None = None
+    pid: int,
+    root_request: SpeculativeRequest,
+    seen: Sequence[Seen],
+    users: Choice | None = None,
+    inside: Inside = Inside(None, None),
 ) -> dict[str, Any]:
     """The report from what was read: each process judged or reported, PID first.
-    `users`: why libgomp is the user's own choice (users_choice), if it is."""
+    `users`: why libgomp is the user's own choice (users_choice), if it is; `inside`: the
+    plugin's readings from /metrics."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
     split = any(one.role in MODEL_ROLES.values() for one in seen)
     # A plan that keeps libgomp marks it. The launcher's mark is in PID's environment as
@@ -491,6 +570,7 @@ def assemble(
                 "order": order.how,
                 "env": one.environment,
                 "environment": environment_entry(one),
+                "inside": (inside.readings or {}).get(one.pid),
                 "speculative": one.speculative,
                 "verdict": verdict,
                 "reason": reason,
@@ -501,6 +581,7 @@ def assemble(
         "pid": pid,
         "speculative": {"requested": root_request.requested, "source": root_request.source},
         "ok": not problems,
+        "inside": {"url": inside.url, "read": inside.readings is not None},
         "processes": processes,
     }
 
@@ -580,6 +661,7 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {role}: {command}")
         lines.append(f"{'':>9}{process['reason']}")
         lines.extend(f"{'':>9}{line}" for line in process_lines(process))
+    lines.append(inside_note(report["inside"]))
     problems = sum(p["verdict"] == "problem" for p in report["processes"])
     judged = sum(p["verdict"] != "reported" for p in report["processes"])
     if problems:
@@ -598,6 +680,31 @@ def render_text(report: dict[str, Any]) -> str:
 NONE_SET = "no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set"
 
 
+def inside_text(labels: dict[str, str]) -> str:
+    """One series of the plugin's, as a sentence."""
+    runtime, library = labels.get("runtime", ""), labels.get("library", "")
+    serves = f"{runtime} serves ({library})"
+    if runtime == "none":
+        serves = (
+            f"no OpenMP runtime serves (runtime none{', library ' if library else ''}{library})"
+        )
+    threads = labels.get("threads") or "?"
+    return (
+        f"read from inside ({labels.get('role', '?')}, /metrics): {serves}, block time "
+        f"{labels.get('blocktime_ms') or '-'} ms, {threads} thread"
+        f"{'' if threads == '1' else 's'}, bind {labels.get('bind') or 'unset'}"
+    )
+
+
+def inside_note(inside: dict[str, Any]) -> str:
+    """Once per report: where the readings from inside came from, or why there are none."""
+    if inside["read"]:
+        return f"read from inside: the plugin's series on {inside['url']}"
+    if inside["url"] is None:
+        return "no inside reading (no API server in this tree to ask its /metrics)"
+    return f"no inside reading from {inside['url']} ({NO_INSIDE})"
+
+
 def variables_text(environment: dict[str, str]) -> str:
     import shlex
 
@@ -612,6 +719,8 @@ def process_lines(process: dict[str, Any]) -> list[str]:
         for r in process["load_order"]
     )
     lines = [f"OpenMP runtimes, {process['order']}: {order or 'none'}"]
+    if process["inside"] is not None:
+        lines.append(inside_text(process["inside"]))
     mapped = process["runtimes"]
     if {r["path"] for r in mapped} != {r["path"] for r in process["load_order"]}:
         lines.append(f"mapped (/proc/PID/maps): {', '.join(r['path'] for r in mapped)}")
