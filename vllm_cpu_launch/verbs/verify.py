@@ -569,7 +569,9 @@ def assemble(
                 "serves": None if order.serves is None else runtime_entry(*order.serves),
                 "order": order.how,
                 "env": one.environment,
-                "environment": environment_entry(one),
+                "environment": environment_entry(
+                    one, None if order.serves is None else order.serves[0]
+                ),
                 "inside": (inside.readings or {}).get(one.pid),
                 "speculative": one.speculative,
                 "verdict": verdict,
@@ -598,17 +600,27 @@ VLLM_BINDS = {
 }
 
 
-def vllm_sets(environment: dict[str, str]) -> str:
-    """What vLLM overwrites in a worker it spawns, from the environment it spawns it with."""
-    if environment.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+def vllm_sets(environment: dict[str, str], serves: str | None) -> str:
+    """What vLLM overwrites in a worker it spawns, from the environment it spawns it with:
+    vLLM goes by LD_PRELOAD, which a worker served by Intel or LLVM OpenMP had (that is
+    how the runtime came first), and by the bind setting, which may have been set after
+    start-up where it does not show."""
+    bind = environment.get("VLLM_CPU_OMP_THREADS_BIND")
+    if bind == "nobind":
         return "nothing (VLLM_CPU_OMP_THREADS_BIND=nobind): the worker keeps what it inherited"
     preload = environment.get("LD_PRELOAD", "")
-    kind = INTEL if "libiomp" in preload or "libomp" in preload else ""
+    kind = INTEL if serves in (INTEL, LLVM) or "libiomp" in preload or "libomp" in preload else ""
     kind = GNU if not kind and "libgomp" in preload else kind
-    return f"{VLLM_BINDS[kind]}, over what it inherited (VLLM_CPU_OMP_THREADS_BIND is not nobind)"
+    unless = (
+        f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+        if bind is not None
+        else "unless VLLM_CPU_OMP_THREADS_BIND=nobind was set after start-up, where it does "
+        "not show"
+    )
+    return f"{VLLM_BINDS[kind]}, over what it inherited ({unless})"
 
 
-def environment_entry(one: Seen) -> dict[str, Any]:
+def environment_entry(one: Seen, serves: str | None) -> dict[str, Any]:
     """Whether /proc/PID/environ could be read; where vLLM's title overwrote it, what the
     process inherited at spawn and, for a worker, what vLLM wrote over that."""
     if one.renamed is None:
@@ -623,7 +635,7 @@ def environment_entry(one: Seen) -> dict[str, Any]:
         entry["inherited"] = {"from_pid": one.inherited.from_pid, "env": one.inherited.environment}
         basis = {**one.inherited.environment, **one.environment}
     if one.role == "worker":
-        entry["vllm_sets"] = vllm_sets(basis)
+        entry["vllm_sets"] = vllm_sets(basis, serves)
     return entry
 
 
