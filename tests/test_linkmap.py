@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import AS_NOBODY, clean_environ, run_launcher
-from vllm_cpu_launch.linkmap import read_link_map
+from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build")
 
@@ -179,7 +179,7 @@ def test_the_link_map_is_in_load_order_as_pldd_reads_it() -> None:
 def test_an_unreadable_process_says_why_instead_of_an_order() -> None:
     """PID 1's memory is closed to an unprivileged user: no order is guessed."""
     code = (
-        "import sys; from vllm_cpu_launch.linkmap import read_link_map; "
+        "import sys; from vllm_cpu_launch.linkmap import LinkMap, read_link_map; "
         "m = read_link_map(1); print(m.objects, m.unreadable)"
     )
     environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])}
@@ -192,3 +192,44 @@ def test_an_unreadable_process_says_why_instead_of_an_order() -> None:
         check=False,
     )
     assert result.stdout.strip() == "None /proc/1/exe: permission denied", result.stderr
+
+
+SLEEPER_C = """\
+#include <stdio.h>
+#include <unistd.h>
+int main(void) { puts("ready"); fflush(stdout); sleep(600); return 0; }
+"""
+
+
+def test_where_no_link_map_exists_verify_says_so_and_names_no_server(tmp_path: Path) -> None:
+    """A statically linked program has no dynamic section: verify says the load order is
+    unreadable and why, lists the runtimes in map order, and names none as serving."""
+    source = tmp_path / "sleeper.c"
+    source.write_text(SLEEPER_C)
+    program = tmp_path / "sleeper"
+    built = subprocess.run(
+        ["gcc", "-static", "-o", str(program), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if built.returncode != 0:
+        pytest.skip(f"gcc -static failed (no static libc here): {built.stderr.strip()}")
+    process = subprocess.Popen(
+        [str(program)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+        link_map = read_link_map(process.pid)
+        assert link_map == LinkMap(None, "a statically linked program (no PT_DYNAMIC)")
+        code, seen = verify_speculative(tmp_path, process.pid)
+        assert seen["serves"] is None and seen["load_order"] == []
+        assert seen["order"] == (
+            "load order unreadable: a statically linked program (no PT_DYNAMIC); in "
+            "/proc/PID/maps (address) order, which does not say which serves"
+        )
+        assert code == 1  # SD asked, no runtime loaded and none preloaded: as before
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the process this test started, by its id
+        process.wait()
