@@ -1,20 +1,25 @@
 """`vllm-cpu-launch verify PID`: does a running vLLM run the OpenMP runtime its plan chose?
 
 For the process and all its descendants it reads which OpenMP runtimes are mapped
-(/proc/PID/maps), the LD_PRELOAD/KMP_* variables the process started with
-(/proc/PID/environ), and whether its command line requests speculative decoding
-(children inherit the verdict of their parent: vLLM's workers are spawned with a
-command line of their own). The processes that run model code are judged: vLLM's
-engine cores and workers (by the titles vLLM gives them), or, where there are none (an
-engine in the front end), the process itself; the others, the API server first, are
-reported, since vLLM's plugin cannot change the runtime of the process that loads it.
+(/proc/PID/maps) and in which order they were loaded (the link map, linkmap.py): the
+first one serves the process's GOMP_*/omp_* calls. It reads the LD_PRELOAD/KMP_*
+variables the process started with (/proc/PID/environ; for a process vLLM renamed,
+whose title overwrote them, what it inherited instead), whether its command line
+requests speculative decoding (children inherit the verdict of their parent: vLLM's
+workers are spawned with a command line of their own), and, where the API server
+answers, the plugin's readings from inside each process on its /metrics. The processes
+that run model code are judged: vLLM's engine cores and workers (by the titles vLLM
+gives them), or, where there are none (an engine in the front end), the process itself;
+the others, the API server first, are reported, since vLLM's plugin cannot change the
+runtime of the process that loads it.
 
 libgomp is a choice, not a problem, where the plan that started the tree made it: its
 mark (VLLMCPULAUNCH_PLANNED) where a process still shows it, or the user's `iomp: never`,
 re-read from PID's start-up environment and the config files it names, as the plan read
 them (docs/design.md, "verify", says why those are the evidence). Exit 1 when SD is
-requested and a judged process lacks Intel OpenMP that no plan chose to leave out; 0 when
-all is well; 2 when the process cannot be found or read.
+requested and a judged process is served by libgomp (or loads no runtime) where no plan
+chose to leave Intel OpenMP out; 0 when all is well; 2 when the process cannot be found
+or read.
 """
 
 from __future__ import annotations
@@ -58,15 +63,18 @@ USAGE = """\
 usage: vllm-cpu-launch verify [--json] [--speculative] PID
 
 Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and all its
-descendants: which OpenMP runtime each has loaded, the LD_PRELOAD/KMP_* it started
-with, and whether speculative decoding is requested. The processes that run the model
-are judged (vLLM's engine cores and workers; where there are none, PID itself and its
-children); the API server and other helpers are reported. libgomp that the plan chose
+descendants: which OpenMP runtimes each has loaded and which one serves it (the first in
+its link map), the LD_PRELOAD/KMP_* it started with (or, where vLLM's process title
+overwrote them, what it inherited), whether speculative decoding is requested, and the
+plugin's readings from inside on the server's /metrics (--port from its command line).
+The processes that run the model are judged (vLLM's engine cores and workers; where
+there are none, PID itself and its children); the API server and other helpers are
+reported. libgomp that the plan chose
 (the launcher's or the plugin's mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's
 environment or config files) is fine.
-Exit 0 when every judged process has Intel OpenMP, or the libgomp it runs was chosen, or
-SD is not requested; 1 when one runs libgomp that nothing chose; 2 when PID cannot be
-found or read (as the user vLLM runs as, verify can read it).
+Exit 0 when every judged process is served by Intel or LLVM OpenMP, or the libgomp it
+runs was chosen, or SD is not requested; 1 when one is served by libgomp nothing chose;
+2 when PID cannot be found or read (as the user vLLM runs as, verify can read it).
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
@@ -357,12 +365,11 @@ class Inherited:
     """What a renamed process inherited at spawn: the start-up environment (VARIABLES) of
     its nearest ancestor that vLLM did not rename."""
 
-    title: str
     from_pid: int
     environment: dict[str, str]
 
 
-def inherited_by(process: psutil.Process, title: str) -> Inherited | None:
+def inherited_by(process: psutil.Process) -> Inherited | None:
     """vLLM's title overwrites /proc/PID/environ; the nearest unrenamed ancestor's start-up
     environment is what reached it at spawn (less what that ancestor changed later)."""
     import psutil
@@ -372,7 +379,7 @@ def inherited_by(process: psutil.Process, title: str) -> Inherited | None:
             if vllm_title(ancestor.cmdline()) is None:
                 whole = environment_of(read_proc(ancestor.pid, "environ"))
                 shown = {name: whole[name] for name in VARIABLES if name in whole}
-                return Inherited(title, ancestor.pid, shown)
+                return Inherited(ancestor.pid, shown)
     except (OSError, psutil.Error):
         return None
     return None
@@ -506,7 +513,7 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
             request = speculative_of(process)
         shown = {name: environment[name] for name in VARIABLES if name in environment}
         title = vllm_title(cmdline)
-        inherited = inherited_by(process, cmdline[0]) if title is not None else None
+        inherited = inherited_by(process) if title is not None else None
         role = role_of(cmdline, is_root)
         link_map = read_link_map(process.pid)
         seen.append(
