@@ -35,6 +35,11 @@ MAX_NAME = 4096
 ELF_MAGIC = b"\x7fELF"
 ELFCLASS64 = 2
 ELFDATA2LSB = 1
+# Who may read another process's memory (the kernel's ptrace access check, "attach" mode).
+PTRACE_HINT = (
+    "it needs ptrace access: the process's user, or root with CAP_SYS_PTRACE; "
+    "kernel.yama.ptrace_scope 1 or more narrows it further"
+)
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,11 @@ def read_link_map(pid: int) -> LinkMap:
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
             return LinkMap(tuple(walk(mem, auxv)))
     except PermissionError as error:
-        return LinkMap(None, f"/proc/{pid}/{file_of(error)}: permission denied")
+        return LinkMap(None, f"/proc/{pid}/{file_of(error)}: permission denied ({PTRACE_HINT})")
     except (FileNotFoundError, ProcessLookupError):
         return LinkMap(None, f"process {pid} exited")
-    except (OSError, Unreadable, struct.error) as error:
+    except (OSError, Unreadable, struct.error, OverflowError, ValueError) as error:
+        # A pointer past the end of the address space (a corrupt or changing chain) lands here.
         return LinkMap(None, str(error) or type(error).__name__)
 
 
