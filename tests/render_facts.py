@@ -111,9 +111,19 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
     for process in processes:
         found.append(shortened(shlex.join(process["cmdline"])))
         found += [RUNTIME_TITLES[r["kind"]] for r in process["runtimes"]]
-        found += [f"{name}={shlex.quote(value)}" for name, value in process["env"].items()]
+        inherited = (process["environment"].get("inherited") or {}).get("env", {})
+        for environment in (process["env"], inherited):
+            found += [f"{name}={shlex.quote(value)}" for name, value in environment.items()]
         rest = {k: v for k, v in process.items() if k not in ("cmdline", "env")}
-        found += facts(rest, {("runtimes", ANY, "kind"): "by its name, above"})
+        by_name = "by its name, above"
+        shown_elsewhere: dict[Path, str] = {
+            ("runtimes", ANY, "kind"): by_name,
+            ("load_order", ANY, "kind"): by_name,
+            ("serves", "kind"): by_name,
+            ("environment", "inherited", "env", ANY): "as NAME=VALUE, above",
+        }
+        found += facts(rest, shown_elsewhere)
+        found += [RUNTIME_TITLES[r["kind"]] for r in process["load_order"]]
     return found
 
 

@@ -31,6 +31,7 @@ from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USA
 from vllm_cpu_launch.evidence import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_NAME, PLUGIN_VARIABLE
 from vllm_cpu_launch.libraries import Candidate, Search
+from vllm_cpu_launch.linkmap import LinkMap
 from vllm_cpu_launch.places import IOMP, SYSTEM_ROOT_VARIABLE, TCMALLOC, Host
 from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, render_text, summary_line
 from vllm_cpu_launch.releases import target_release
@@ -360,9 +361,26 @@ MAPPED_PATH = st.tuples(
     st.sampled_from(LIBRARY_NAMES),
     st.sampled_from(["", " (deleted)"]),
 ).map(lambda parts: f"/{parts[0]}/{parts[1]}{parts[2]}")
-MAPS_LINE = MAPPED_PATH.map(
-    lambda path: f"7f0000000000-7f0000001000 r-xp 00000000 08:01 42    {path}"
-)
+
+
+def maps_line(start: int, path: str) -> str:
+    return f"{start:x}-{start + 0x1000:x} r-xp 00000000 08:01 42    {path}"
+
+
+@st.composite
+def mapped_process(draw: st.DrawFn) -> tuple[str, LinkMap]:
+    """A /proc/PID/maps text and the link map of the same files in some load order (by
+    their names as loaded, or by the addresses maps names them at), or an unreadable one."""
+    paths = draw(st.lists(MAPPED_PATH, max_size=4))
+    starts = [0x7F0000000000 + index * 0x10000 for index in range(len(paths))]
+    maps = "\n".join(maps_line(start, path) for start, path in zip(starts, paths, strict=True))
+    if draw(st.booleans()):
+        return maps, LinkMap(None, draw(TEXT))
+    objects = [
+        (start, draw(st.sampled_from(["", path])))
+        for start, path in zip(starts, paths, strict=True)
+    ]
+    return maps, LinkMap(tuple(draw(st.permutations(objects))))
 
 
 @st.composite
@@ -373,20 +391,51 @@ def verify_reports(draw: st.DrawFn) -> dict[str, Any]:
     seen: list[verify.Seen] = []
     for index, pid in enumerate(pids):
         cmdline = draw(st.lists(st.sampled_from(TITLES) | TEXT, max_size=4))
-        maps = "\n".join(draw(st.lists(MAPS_LINE, max_size=4)))
+        maps, link_map = draw(mapped_process())
         environment = draw(st.dictionaries(st.sampled_from(verify.VARIABLES), TEXT))
         ppid = draw(st.integers(1, 2**22)) if index == 0 else pids[0]
         wanted = request.requested or (index > 0 and draw(st.booleans()))
         role = verify.role_of(cmdline, index == 0)
-        seen.append((pid, ppid, cmdline, role, maps, environment, wanted))
-    return verify.assemble(pids[0], request, seen)
+        renamed = cmdline[0] if verify.vllm_title(cmdline) is not None else None
+        inherited = None
+        if renamed is not None and draw(st.booleans()):
+            inherited_env = draw(st.dictionaries(st.sampled_from(verify.VARIABLES), TEXT))
+            inherited = verify.Inherited(draw(st.integers(1, 2**22)), inherited_env)
+        seen.append(
+            verify.Seen(
+                pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited, renamed
+            )
+        )
+    return verify.assemble(pids[0], request, seen, None, draw(insides(pids)))
+
+
+INSIDE_LABELS = ("role", "runtime", "library", "blocktime_ms", "threads", "bind")
+
+
+@st.composite
+def insides(draw: st.DrawFn, pids: list[int]) -> verify.Inside:
+    """What /metrics said: nothing, or the plugin's series for some of the processes."""
+    url = draw(st.none() | TEXT)
+    if url is None or draw(st.booleans()):
+        return verify.Inside(url, None)
+    readings = {}
+    for pid in draw(st.lists(st.sampled_from(pids), min_size=1, unique=True)):
+        labels = {
+            name: draw(st.sampled_from(["intel", "none", ""]) | TEXT) for name in INSIDE_LABELS
+        }
+        readings[pid] = {"pid": str(pid), **labels}
+    return verify.Inside(url, readings)
 
 
 @EXAMPLES
 @given(report=verify_reports())
 # The text once left out the parent PID, and the source of SD turned off.
 @example(
-    report=verify.assemble(7, SD_OFF, [(7, 1, ["vllm", "serve"], "api-server", "", {}, False)])
+    report=verify.assemble(
+        7,
+        SD_OFF,
+        [verify.Seen(7, 1, ["vllm", "serve"], "api-server", "", {}, False, LinkMap(()))],
+    )
 )
 def test_verify_text_shows_every_fact_of_the_report(report: dict[str, Any]) -> None:
     json.dumps(report)

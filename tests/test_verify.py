@@ -14,13 +14,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import AS_NOBODY, clean_environ, run_launcher
+from tests.conftest import AS_NOBODY, LAUNCHER, clean_environ, run_launcher
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -30,6 +33,9 @@ CHILD = '''
 import ctypes, os, sys, time
 if os.environ.get("LOAD_LATE"):
     ctypes.CDLL(os.environ["LOAD_LATE"])
+if os.environ.get("RENAME"):  # as vLLM renames its processes, over argv and environ
+    import setproctitle
+    setproctitle.setproctitle(os.environ["RENAME"])
 print("ready", flush=True)
 time.sleep(600)
 '''
@@ -42,6 +48,8 @@ for spec in json.loads(os.environ.get("CHILDREN", "[]")):
         else:
             env[key] = value
     env.pop("CHILDREN", None)
+    if spec.get("rename"):
+        env["RENAME"] = spec["rename"]
     # A title takes argv[0]'s place in /proc/PID/cmdline, as vLLM's setproctitle does.
     command = [spec.get("title", sys.executable), "-c", CHILD]
     child = subprocess.Popen(
@@ -481,3 +489,171 @@ def test_iomp_never_in_the_config_file_pid_names_counts(
     )
     code, report = verify_json(tmp_path, pids[0])
     assert code == 0 and f"(iomp: never, from {config})" in by_pid(report)[pids[1]]["reason"]
+
+
+def test_a_process_vllm_renamed_shows_what_it_inherited_not_not_set(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """vLLM's title (setproctitle, as vLLM calls it) overwrites /proc/PID/environ: verify
+    says so, shows the start-up environment of the parent that spawned the process, and
+    what vLLM writes over it in a worker (vllm/utils/ompmultiprocessing.py)."""
+    children = [{"rename": "VLLM::EngineCore"}, {"rename": "VLLM::Worker_TP0"}]
+    start = {"LD_PRELOAD": str(real_iomp), "KMP_BLOCKTIME": "200"}
+    pids = start_tree(SERVE_SD, children, **start)
+    environ = (Path("/proc") / str(pids[2]) / "environ").read_bytes()
+    assert b"LD_PRELOAD=" not in environ, environ  # the title really took the environment
+    code, report = verify_json(tmp_path, pids[0])
+    assert code == 0, report
+    worker = by_pid(report)[pids[2]]
+    assert worker["role"] == "worker" and "LD_PRELOAD" not in worker["env"]
+    assert worker["environment"]["readable"] is False
+    assert worker["environment"]["why"].startswith("vLLM renamed the process (VLLM::Worker_TP0)")
+    assert worker["environment"]["inherited"] == {"from_pid": pids[0], "env": start}
+    assert "KMP_BLOCKTIME=5, KMP_TPAUSE=0" in worker["environment"]["vllm_sets"]
+    assert "vllm_sets" not in by_pid(report)[pids[1]]["environment"]  # the engine core
+    text = verify(tmp_path, str(pids[0])).stdout
+    worker_text = text.partition(f"{pids[2]:>7}  ")[2].partition("\nok: ")[0]
+    assert "no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set" not in worker_text, worker_text
+    assert "environment unreadable: vLLM renamed the process (VLLM::Worker_TP0)" in worker_text
+    inherited = f"inherited at spawn from PID {pids[0]}'s start-up environment"
+    assert f"{inherited} (changes it made after start-up" in worker_text
+    assert f"LD_PRELOAD={real_iomp} KMP_BLOCKTIME=200" in worker_text
+    # Under nobind vLLM writes nothing: what the worker inherited is what it runs with.
+    pids = start_tree(SERVE_SD, children, VLLM_CPU_OMP_THREADS_BIND="nobind", **start)
+    _, report = verify_json(tmp_path, pids[0])
+    vllm_sets = by_pid(report)[pids[2]]["environment"]["vllm_sets"]
+    assert vllm_sets.startswith("nothing (VLLM_CPU_OMP_THREADS_BIND=nobind)")
+
+
+def wait_for_exec(pid: int, program: str) -> None:
+    """Until PID runs PROGRAM: the launcher says its line just before its execve."""
+    while os.readlink(f"/proc/{pid}/exe") != program:
+        time.sleep(0.01)
+
+
+def test_a_program_the_launcher_started_as_iomp_never_says_is_ok(tmp_path: Path) -> None:
+    """`--iomp never exec -- PROGRAM`: the plan preloads nothing and marks the process; a
+    tree started as its plan says exits 0, and the reason says what is true (no OpenMP
+    runtime loaded, none preloaded by the plan's choice), not "libgomp"."""
+    started = subprocess.Popen(
+        [*LAUNCHER, "--iomp", "never", "exec", "--", "/bin/sleep", "600"],
+        env=clean_environ(tmp_path),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert started.stderr is not None
+        assert "--iomp never; starting /bin/sleep unchanged" in started.stderr.readline()
+        wait_for_exec(started.pid, os.path.realpath("/bin/sleep"))
+        result = verify(tmp_path, "--speculative", "--json", str(started.pid))
+        assert result.returncode == 0, result.stdout
+        (process,) = json.loads(result.stdout)["processes"]
+        assert process["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher"}  # the exec'd sleep
+        assert process["reason"] == (
+            "no OpenMP runtime loaded yet; none preloaded, as the plan chose "
+            "(VLLMCPULAUNCH_PLANNED=launcher)"
+        )
+        text = verify(tmp_path, "--speculative", str(started.pid)).stdout
+        assert text.endswith("ok: 1 process judged, 1 checked\n") and "libgomp" not in text
+    finally:
+        os.killpg(started.pid, signal.SIGKILL)  # the process this test started, by its id
+        started.wait()
+
+
+# ---------------------------------------------------------------- read from inside
+
+
+@pytest.fixture
+def metrics_server() -> Iterator[Callable[[list[str]], int]]:
+    """A real HTTP server on 127.0.0.1 answering GET /metrics with the text it is given
+    (the list's last, read at each request), as vLLM's front end answers with the
+    plugin's series; returns its port."""
+    served: list[ThreadingHTTPServer] = []
+
+    def serve(text: list[str]) -> int:
+        class Metrics(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = text[-1].encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        served.append(server)
+        return server.server_address[1]
+
+    yield serve
+    for server in served:
+        server.shutdown()
+        server.server_close()
+
+
+def series(**labels: str) -> str:
+    pairs = ",".join(f'{name}="{value}"' for name, value in labels.items())
+    return f"vllm_cpu_launch_openmp_info{{{pairs}}} 1.0"
+
+
+def test_the_plugins_reading_from_inside_is_read_from_metrics_and_shown_per_process(
+    tmp_path: Path,
+    start_tree: Callable[..., list[int]],
+    real_iomp: Path,
+    metrics_server: Callable[[list[str]], int],
+) -> None:
+    """verify finds the port on the API server's command line (`--port=N`, `--port N`),
+    reads /metrics, and puts each series beside the process whose pid it names."""
+    body = [""]  # a server without the series first
+    port = metrics_server(body)
+    pids = start_tree([*SERVE_SD, f"--port={port}"], MODEL_CHILDREN, LD_PRELOAD=str(real_iomp))
+    _, report = verify_json(tmp_path, pids[0])
+    assert report["inside"] == {"url": f"http://127.0.0.1:{port}/metrics", "read": False}
+    text = verify(tmp_path, str(pids[0])).stdout
+    note = f"no inside reading from http://127.0.0.1:{port}/metrics (the plugin is not installed"
+    assert text.count(note) == 1, text
+    pids = start_tree(
+        [*SERVE_SD, "--host", "127.0.0.1", "--port", str(port)],
+        MODEL_CHILDREN,
+        LD_PRELOAD=str(real_iomp),
+    )
+    library = "/v/lib/lib iomp5.so"  # a space, and an escaped quote below
+    worker = {"role": "worker", "pid": str(pids[2]), "runtime": "intel", "library": library}
+    worker |= {"blocktime_ms": "200", "threads": "1", "bind": "nobind"}
+    engine = {"role": "engine-core", "pid": str(pids[1]), "runtime": "gnu"}
+    engine |= {"library": '/x/\\"q\\"/libgomp.so.1', "blocktime_ms": "", "threads": "4"}
+    lines = [
+        "# HELP vllm_cpu_launch_openmp_info The OpenMP runtime serving each vLLM process",
+        "# TYPE vllm_cpu_launch_openmp_info gauge",
+        series(**worker),
+        series(**engine, bind=""),
+        'vllm_other_metric{pid="1"} 2.0',
+    ]
+    body.append("\n".join(lines) + "\n")
+    _, report = verify_json(tmp_path, pids[0])
+    assert report["inside"]["read"] is True
+    processes = by_pid(report)
+    assert processes[pids[2]]["inside"] == worker
+    assert processes[pids[1]]["inside"]["library"] == '/x/"q"/libgomp.so.1'
+    assert processes[pids[0]]["inside"] is None  # the front end published none here
+    text = verify(tmp_path, str(pids[0])).stdout
+    assert (
+        f"read from inside (worker, /metrics): intel serves ({library}), block time 200 ms, "
+        "1 thread, bind nobind"
+    ) in text
+    assert "no inside reading" not in text
+
+
+def test_without_a_server_there_is_one_note_not_an_error(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """vLLM's default port, nothing listening there (or the plugin not installed)."""
+    pids = start_tree(SERVE_SD, MODEL_CHILDREN, LD_PRELOAD=str(real_iomp))
+    result = verify(tmp_path, str(pids[0]))
+    assert result.returncode == 0 and result.stderr == ""
+    note = "no inside reading from http://127.0.0.1:8000/metrics (the plugin is not installed, "
+    assert result.stdout.count(note + "or /metrics unreachable)") == 1

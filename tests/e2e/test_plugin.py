@@ -246,6 +246,9 @@ def test_verify_judges_the_model_processes_and_reports_the_api_server(
     verdicts = {(p["role"], p["verdict"]) for p in report["processes"]}
     assert {("engine-core", "ok"), ("worker", "ok"), ("api-server", "reported")} <= verdicts
     assert {verdict for _, verdict in verdicts} <= {"ok", "reported"}
+    # The plugin's LD_PRELOAD put libiomp5 first in each model process's link map.
+    models = [p for p in report["processes"] if p["role"] in ("engine-core", "worker")]
+    assert {p["serves"]["kind"] for p in models} == {"iomp"}, models
 
 
 def test_control_plain_vllm_warns_and_has_no_iomp(vllm_alone: Alone) -> None:

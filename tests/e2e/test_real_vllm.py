@@ -173,6 +173,22 @@ def test_verify_finds_intel_openmp_in_every_process(launched: Server) -> None:
     judged = {p["verdict"] for p in report["processes"] if p["role"] in MODEL_ROLES.values()}
     assert judged == {"ok"}
     assert {p["verdict"] for p in report["processes"]} <= {"ok", "reported"}
+    # Which runtime serves, from each model process's link map: the preloaded libiomp5,
+    # ahead of torch's own libgomp, which stays mapped.
+    models = [p for p in report["processes"] if p["role"] in MODEL_ROLES.values()]
+    for process in models:
+        assert process["serves"]["kind"] == "iomp", process
+        assert process["load_order"][0] == process["serves"], process
+        assert "gomp" in {runtime["kind"] for runtime in process["load_order"]}, process
+        # vLLM's title overwrote their environment: said, and what they inherited shown.
+        environment = process["environment"]
+        assert environment["readable"] is False and "renamed" in environment["why"]
+        assert environment["inherited"]["from_pid"] == launched.process.pid
+        assert "libiomp" in environment["inherited"]["env"]["LD_PRELOAD"]
+    workers = [p for p in models if p["role"] == "worker"]
+    assert workers and all(
+        "KMP_BLOCKTIME=5" in p["environment"]["vllm_sets"] for p in workers
+    )  # VLLM_CPU_OMP_THREADS_BIND=auto: vLLM binds, and writes its own block time
 
 
 def test_log_has_no_openmp_warnings(launched: Server) -> None:

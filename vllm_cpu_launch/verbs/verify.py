@@ -1,31 +1,38 @@
 """`vllm-cpu-launch verify PID`: does a running vLLM run the OpenMP runtime its plan chose?
 
 For the process and all its descendants it reads which OpenMP runtimes are mapped
-(/proc/PID/maps), the LD_PRELOAD/KMP_* variables the process started with
-(/proc/PID/environ), and whether its command line requests speculative decoding
-(children inherit the verdict of their parent: vLLM's workers are spawned with a
-command line of their own). The processes that run model code are judged: vLLM's
-engine cores and workers (by the titles vLLM gives them), or, where there are none (an
-engine in the front end), the process itself; the others, the API server first, are
-reported, since vLLM's plugin cannot change the runtime of the process that loads it.
+(/proc/PID/maps) and in which order they were loaded (the link map, linkmap.py): the
+first one serves the process's GOMP_*/omp_* calls. It reads the LD_PRELOAD/KMP_*
+variables the process started with (/proc/PID/environ; for a process vLLM renamed,
+whose title overwrote them, what it inherited instead), whether its command line
+requests speculative decoding (children inherit the verdict of their parent: vLLM's
+workers are spawned with a command line of their own), and, where the API server
+answers, the plugin's readings from inside each process on its /metrics. The processes
+that run model code are judged: vLLM's engine cores and workers (by the titles vLLM
+gives them), or, where there are none (an engine in the front end), the process itself;
+the others, the API server first, are reported, since vLLM's plugin cannot change the
+runtime of the process that loads it.
 
 libgomp is a choice, not a problem, where the plan that started the tree made it: its
 mark (VLLMCPULAUNCH_PLANNED) where a process still shows it, or the user's `iomp: never`,
 re-read from PID's start-up environment and the config files it names, as the plan read
 them (docs/design.md, "verify", says why those are the evidence). Exit 1 when SD is
-requested and a judged process lacks Intel OpenMP that no plan chose to leave out; 0 when
-all is well; 2 when the process cannot be found or read.
+requested and a judged process is served by libgomp (or loads no runtime) where no plan
+chose to leave Intel OpenMP out; 0 when all is well; 2 when the process cannot be found
+or read.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, PLUGIN
 from vllm_cpu_launch.libraries import LLVM
+from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -56,15 +63,18 @@ USAGE = """\
 usage: vllm-cpu-launch verify [--json] [--speculative] PID
 
 Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and all its
-descendants: which OpenMP runtime each has loaded, the LD_PRELOAD/KMP_* it started
-with, and whether speculative decoding is requested. The processes that run the model
-are judged (vLLM's engine cores and workers; where there are none, PID itself and its
-children); the API server and other helpers are reported. libgomp that the plan chose
+descendants: which OpenMP runtimes each has loaded and which one serves it (the first in
+its link map), the LD_PRELOAD/KMP_* it started with (or, where vLLM's process title
+overwrote them, what it inherited), whether speculative decoding is requested, and the
+plugin's readings from inside on the server's /metrics (--port from its command line).
+The processes that run the model are judged (vLLM's engine cores and workers; where
+there are none, PID itself and its children); the API server and other helpers are
+reported. libgomp that the plan chose
 (the launcher's or the plugin's mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's
 environment or config files) is fine.
-Exit 0 when every judged process has Intel OpenMP, or the libgomp it runs was chosen, or
-SD is not requested; 1 when one runs libgomp that nothing chose; 2 when PID cannot be
-found or read (as the user vLLM runs as, verify can read it).
+Exit 0 when every judged process is served by Intel or LLVM OpenMP, or the libgomp it
+runs was chosen, or SD is not requested; 1 when one is served by libgomp nothing chose;
+2 when PID cannot be found or read (as the user vLLM runs as, verify can read it).
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
@@ -149,15 +159,73 @@ def speculative_of(process: psutil.Process) -> SpeculativeRequest:
     return detect(vllm_arguments(cmdline, cwd_of(process)))
 
 
+@dataclass(frozen=True)
+class Choice:
+    """Why the plan left Intel OpenMP out: `by` "the plan" (its mark) or "the user"."""
+
+    by: str
+    why: str
+
+    def keeps_libgomp(self) -> str:
+        verb = "kept by" if self.by == "the plan" else "chosen by"
+        return f"libgomp {verb} {self.by} ({self.why})"
+
+
+LOAD_ORDER = "in load order (the link map, as pldd reads it)"
+
+
+@dataclass(frozen=True)
+class Order:
+    """The OpenMP runtimes of one process in load order (else in map order), the one that
+    serves its GOMP_*/omp_* calls (None where the order is unknown), how it was read."""
+
+    runtimes: list[tuple[str, str]]
+    serves: tuple[str, str] | None
+    how: str
+
+
+def load_order(link_map: LinkMap, maps: str) -> Order:
+    """Which runtime serves: the first OpenMP runtime in the link map. The preloads come
+    right after the program and every library's references search the global scope first,
+    so a preloaded runtime serves the others' calls; one loaded first by a library serves
+    every later one. Each is named by the file mapped at its l_addr, as maps names it."""
+    if link_map.objects is None:
+        how = (
+            f"load order unreadable: {link_map.unreadable}; in /proc/PID/maps (address) "
+            "order, which does not say which serves"
+        )
+        return Order(mapped_runtimes(maps), None, how)
+    files = mapped_files(maps)
+    ordered: dict[str, str] = {}
+    for address, name in link_map.objects:
+        path = files.get(address, name)
+        kind = runtime_of(path)
+        if kind is not None and path not in ordered:
+            ordered[path] = kind
+    runtimes = [(kind, path) for path, kind in ordered.items()]
+    return Order(runtimes, runtimes[0] if runtimes else None, LOAD_ORDER)
+
+
+def mapped_files(maps: str) -> dict[int, str]:
+    """The file mapped from offset 0 at each start address of a /proc/PID/maps text."""
+    files: dict[int, str] = {}
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith("/") and int(fields[2], 16) == 0:
+            start = int(fields[0].partition("-")[0], 16)
+            files.setdefault(start, fields[5].removesuffix(" (deleted)"))
+    return files
+
+
 def judge(
-    runtimes: list[tuple[str, str]],
+    order: Order,
     environment: dict[str, str],
     is_root: bool,
     wanted: bool,
-    chosen: str | None = None,
+    chosen: Choice | None = None,
 ) -> tuple[str, str]:
-    """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP).
-    `chosen`: why libgomp is the plan's choice for this tree (assemble), if it is."""
+    """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP)."""
+    runtimes = order.runtimes
     kinds = [kind for kind, _ in runtimes]
     preload = environment.get("LD_PRELOAD", "")
     preloaded_iomp = "libiomp" in preload or "libomp" in preload
@@ -167,25 +235,53 @@ def judge(
             return "skipped", "no OpenMP runtime loaded"
         if not wanted:
             return "ok", "no OpenMP runtime loaded yet"
+        if chosen:
+            return (
+                "ok",
+                f"no OpenMP runtime loaded yet; none preloaded, as {chosen.by} chose "
+                f"({chosen.why})",
+            )
         if preloaded_iomp:
             return "problem", f"LD_PRELOAD names {preload} but no OpenMP runtime is loaded"
         return "problem", "started without Intel OpenMP in LD_PRELOAD"
     if not wanted:
         return "ok", f"speculative decoding not requested; runs {described}"
+    if order.serves is not None:
+        return judge_served(order.serves, runtimes, chosen)
     if INTEL not in kinds and LLVM not in kinds and chosen:
-        return "ok", f"{chosen}: {described}"
+        return "ok", f"{chosen.keeps_libgomp()}: {described}"
     if INTEL not in kinds and LLVM not in kinds:
         return "problem", f"runs GNU libgomp only ({described})"
-    # torch's own libgomp is mapped in every vLLM process; it only matters when Intel
-    # OpenMP was loaded after it. That shows in a visible LD_PRELOAD; vLLM's renamed
-    # processes (VLLM::Worker...) have their start-up environment overwritten by the
-    # process title, so an absent LD_PRELOAD there tells nothing.
+    # The load order unread: a visible LD_PRELOAD without Intel OpenMP says libgomp was
+    # bound first. vLLM's renamed processes (VLLM::Worker...) have their start-up
+    # environment overwritten by the process title, so an absent LD_PRELOAD there tells
+    # nothing.
     if GNU in kinds and "LD_PRELOAD" in environment and not preloaded_iomp:
         return "problem", f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})"
     return "ok", described
 
 
-def users_choice(start_environment: dict[str, str], cwd: str | None) -> str | None:
+def judge_served(
+    serves: tuple[str, str], runtimes: list[tuple[str, str]], chosen: Choice | None
+) -> tuple[str, str]:
+    """With SD requested and the load order read: the serving runtime decides."""
+    kind, path = serves
+    others = [runtime for runtime in runtimes if runtime != serves]
+    also = f"; also mapped, not serving: {described_runtimes(others)}" if others else ""
+    if kind != GNU:
+        return "ok", f"{RUNTIME_TITLES[kind]} serves ({path}){also}"
+    if chosen:
+        return "ok", f"{chosen.keeps_libgomp()}: {described_runtimes(runtimes)}"
+    late = next((RUNTIME_TITLES[other] for other, _ in others if other != GNU), None)
+    if late is None:
+        return "problem", f"runs GNU libgomp only ({described_runtimes(runtimes)})"
+    return "problem", (
+        f"GNU libgomp serves ({path}, first in the link map){also}: {late} was loaded "
+        "after it, not preloaded"
+    )
+
+
+def users_choice(start_environment: dict[str, str], cwd: str | None) -> Choice | None:
     """Why libgomp is the user's own choice, `iomp: never`, read as the plan read it: from
     PID's start-up environment and the config files it names (a relative
     VLLMCPULAUNCH_CONFIG is PID's working directory's); None where it is not."""
@@ -200,15 +296,21 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> str | No
         return None
     where = {"variable": "VLLMCPULAUNCH_IOMP", "config": ", ".join(settings.config_files)}
     source = where.get(settings.iomp_from, settings.iomp_from)
-    return f"libgomp chosen by the user (iomp: never, from {source})"
+    return Choice("the user", f"iomp: never, from {source}")
+
+
+def vllm_title(cmdline: Sequence[str]) -> str | None:
+    """The NAME of a process vLLM renamed "VLLM::NAME" (setproctitle), else None."""
+    title = cmdline[0] if cmdline else ""
+    prefix, separator, name = title.partition("::")
+    return name if separator and prefix and " " not in prefix else None
 
 
 def role_of(cmdline: Sequence[str], is_root: bool) -> str:
     """engine-core or worker (model code), api-server (so titled, or PID itself where it
     runs `vllm serve`), main (PID itself otherwise: a script, a program), other."""
-    title = cmdline[0] if cmdline else ""
-    prefix, separator, name = title.partition("::")
-    if separator and prefix and " " not in prefix:  # a vLLM process title
+    name = vllm_title(cmdline)
+    if name is not None:
         for start, role in MODEL_ROLES.items():
             if name.startswith(start):
                 return role
@@ -258,6 +360,123 @@ def read_process(process: psutil.Process) -> tuple[str, dict[str, str], list[str
     return maps, environment, cmdline, ppid
 
 
+@dataclass(frozen=True)
+class Inherited:
+    """What a renamed process inherited at spawn: the start-up environment (VARIABLES) of
+    its nearest ancestor that vLLM did not rename."""
+
+    from_pid: int
+    environment: dict[str, str]
+
+
+def inherited_by(process: psutil.Process) -> Inherited | None:
+    """vLLM's title overwrites /proc/PID/environ; the nearest unrenamed ancestor's start-up
+    environment is what reached it at spawn (less what that ancestor changed later)."""
+    import psutil
+
+    try:
+        for ancestor in process.parents():
+            if vllm_title(ancestor.cmdline()) is None:
+                whole = environment_of(read_proc(ancestor.pid, "environ"))
+                shown = {name: whole[name] for name in VARIABLES if name in whole}
+                return Inherited(ancestor.pid, shown)
+    except (OSError, psutil.Error):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What inspect read of one process: the variables of VARIABLES that show in its
+    environ, whether SD is requested, its link map, and, for a process vLLM renamed, what
+    it inherited."""
+
+    pid: int
+    ppid: int
+    cmdline: list[str]
+    role: str
+    maps: str
+    environment: dict[str, str]
+    speculative: bool
+    link_map: LinkMap
+    inherited: Inherited | None = None
+    renamed: str | None = None
+
+
+# The plugin's reading from inside each vLLM process, published by the front end on
+# vLLM's /metrics (docs/design.md, "verify"): one series per process, labelled so.
+INFO_METRIC = "vllm_cpu_launch_openmp_info"
+DEFAULT_PORT = 8000  # vLLM's `--port` default
+NO_INSIDE = "the plugin is not installed, or /metrics unreachable"
+
+
+@dataclass(frozen=True)
+class Inside:
+    """What the server's /metrics said: its address (None without an API server in the
+    tree), and the plugin's series by process ID (None where none could be read)."""
+
+    url: str | None
+    readings: dict[int, dict[str, str]] | None
+
+
+def metrics_url(cmdline: Sequence[str]) -> str:
+    """/metrics of the API server, from its `--host`/`--port` (`--port=N` too)."""
+    given: dict[str, str] = {}
+    for index, word in enumerate(cmdline):
+        name, equals, value = word.partition("=")
+        if name in ("--host", "--port"):
+            given[name] = value if equals else "".join(cmdline[index + 1 : index + 2])
+    host = given.get("--host") or "127.0.0.1"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # all addresses: ask here
+    port = given.get("--port") or str(DEFAULT_PORT)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def openmp_readings(text: str) -> dict[int, dict[str, str]]:
+    """The labels of each `vllm_cpu_launch_openmp_info{...} 1.0` line, by its pid label
+    (Prometheus text format: label values escape backslash, quote and newline)."""
+    import re
+
+    label = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+    escapes = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+    readings = {}
+    for line in text.splitlines():
+        name, brace, rest = line.partition("{")
+        if name != INFO_METRIC or not brace:
+            continue
+        labels, _, _ = rest.rpartition("}")
+        pairs = {
+            match.group(1): re.sub(
+                r"\\.", lambda e: escapes.get(e.group(0), e.group(0)), match.group(2)
+            )
+            for match in label.finditer(labels)
+        }
+        if pairs.get("pid", "").isdigit():
+            readings[int(pairs["pid"])] = pairs
+    return readings
+
+
+def read_inside(url: str) -> dict[int, dict[str, str]] | None:
+    """GET /metrics (2 s): the plugin's series, or None where none could be read."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            text = response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return openmp_readings(text) or None
+
+
+def inside_of(seen: Sequence[Seen]) -> Inside:
+    servers = [one for one in seen if one.role == "api-server"]
+    if not servers:
+        return Inside(None, None)
+    url = metrics_url(servers[0].cmdline)
+    return Inside(url, read_inside(url))
+
+
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     """The verify report for PID and its descendants (see docs/operating.md); with
     `speculative`, SD counts as requested whatever the command lines say."""
@@ -292,24 +511,40 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
         request = root_request
         if not is_root and not request.requested:
             request = speculative_of(process)
-        role = role_of(cmdline, is_root)
         shown = {name: environment[name] for name in VARIABLES if name in environment}
-        seen.append((process.pid, ppid, cmdline, role, maps, shown, request.requested))
-    return assemble(pid, root_request, seen, users)
-
-
-# What inspect reads of each process: PID, parent PID, command line, role, the text of
-# /proc/PID/maps, the variables of VARIABLES it started with, whether SD is requested.
-Seen = tuple[int, int, list[str], str, str, dict[str, str], bool]
+        title = vllm_title(cmdline)
+        inherited = inherited_by(process) if title is not None else None
+        role = role_of(cmdline, is_root)
+        link_map = read_link_map(process.pid)
+        seen.append(
+            Seen(
+                process.pid,
+                ppid,
+                cmdline,
+                role,
+                maps,
+                shown,
+                request.requested,
+                link_map,
+                inherited,
+                cmdline[0] if title is not None else None,
+            )
+        )
+    return assemble(pid, root_request, seen, users, inside_of(seen))
 
 
 def assemble(
-    pid: int, root_request: SpeculativeRequest, seen: Sequence[Seen], users: str | None = None
+    pid: int,
+    root_request: SpeculativeRequest,
+    seen: Sequence[Seen],
+    users: Choice | None = None,
+    inside: Inside = Inside(None, None),
 ) -> dict[str, Any]:
     """The report from what was read: each process judged or reported, PID first.
-    `users`: why libgomp is the user's own choice (users_choice), if it is."""
+    `users`: why libgomp is the user's own choice (users_choice), if it is; `inside`: the
+    plugin's readings from /metrics."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
-    split = any(role in MODEL_ROLES.values() for _, _, _, role, *_ in seen)
+    split = any(one.role in MODEL_ROLES.values() for one in seen)
     # A plan that keeps libgomp marks it. The launcher's mark is in PID's environment as
     # it started; the plugin sets its own in the front end after start-up, so only the
     # processes vLLM spawns show it (its renamed ones in the tail of their environment
@@ -318,27 +553,34 @@ def assemble(
     # OpenMP, and STARTED_MARK kept none.
     marks = [
         mark
-        for _, _, _, _, _, env, _ in seen
-        if (mark := env.get(PLANNED_VARIABLE, "")) in (LAUNCHER, PLUGIN)
+        for one in seen
+        if (mark := one.environment.get(PLANNED_VARIABLE, "")) in (LAUNCHER, PLUGIN)
     ]
-    chosen = f"libgomp kept by the plan ({PLANNED_VARIABLE}={marks[0]})" if marks else users
+    chosen = Choice("the plan", f"{PLANNED_VARIABLE}={marks[0]}") if marks else users
     processes = []
-    for process_id, ppid, cmdline, role, maps, environment, wanted in seen:
-        runtimes = mapped_runtimes(maps)
-        if split and role not in MODEL_ROLES.values():
-            runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
+    for one in seen:
+        order = load_order(one.link_map, one.maps)
+        if split and one.role not in MODEL_ROLES.values():
+            runs = described_runtimes(order.runtimes) or "no OpenMP runtime loaded"
             verdict, reason = "reported", f"{runs}; runs no model code, so not judged"
         else:
-            verdict, reason = judge(runtimes, environment, process_id == pid, wanted, chosen)
+            verdict, reason = judge(order, one.environment, one.pid == pid, one.speculative, chosen)
         processes.append(
             {
-                "pid": process_id,
-                "ppid": ppid,
-                "cmdline": cmdline,
-                "role": role,
-                "runtimes": [{"kind": kind, "path": path} for kind, path in runtimes],
-                "env": environment,
-                "speculative": wanted,
+                "pid": one.pid,
+                "ppid": one.ppid,
+                "cmdline": one.cmdline,
+                "role": one.role,
+                "runtimes": [runtime_entry(*runtime) for runtime in mapped_runtimes(one.maps)],
+                "load_order": [runtime_entry(*runtime) for runtime in order.runtimes],
+                "serves": None if order.serves is None else runtime_entry(*order.serves),
+                "order": order.how,
+                "env": one.environment,
+                "environment": environment_entry(
+                    one, None if order.serves is None else order.serves[0]
+                ),
+                "inside": (inside.readings or {}).get(one.pid),
+                "speculative": one.speculative,
                 "verdict": verdict,
                 "reason": reason,
             }
@@ -348,8 +590,64 @@ def assemble(
         "pid": pid,
         "speculative": {"requested": root_request.requested, "source": root_request.source},
         "ok": not problems,
+        "inside": {"url": inside.url, "read": inside.readings is not None},
         "processes": processes,
     }
+
+
+# What vLLM writes into a worker's environment at spawn when it binds its threads
+# (vllm/utils/ompmultiprocessing.py, configure_omp_envs, vllm-cpu 0.32.0), by what
+# LD_PRELOAD names; OMP_NUM_THREADS is the worker's CPU count. Under
+# VLLM_CPU_OMP_THREADS_BIND=nobind it writes none of them.
+VLLM_BINDS = {
+    INTEL: "OMP_NUM_THREADS, KMP_AFFINITY=granularity=fine,explicit,proclist=[...], "
+    "KMP_BLOCKTIME=5, KMP_TPAUSE=0",
+    GNU: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
+    "": "OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND=true",
+}
+
+
+def vllm_sets(environment: dict[str, str], serves: str | None) -> str:
+    """What vLLM overwrites in a worker it spawns, from the environment it spawns it with:
+    vLLM goes by LD_PRELOAD, which a worker served by Intel or LLVM OpenMP had (that is
+    how the runtime came first), and by the bind setting, which may have been set after
+    start-up where it does not show."""
+    bind = environment.get("VLLM_CPU_OMP_THREADS_BIND")
+    if bind == "nobind":
+        return "nothing (VLLM_CPU_OMP_THREADS_BIND=nobind): the worker keeps what it inherited"
+    preload = environment.get("LD_PRELOAD", "")
+    kind = INTEL if serves in (INTEL, LLVM) or "libiomp" in preload or "libomp" in preload else ""
+    kind = GNU if not kind and "libgomp" in preload else kind
+    unless = (
+        f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+        if bind is not None
+        else "unless VLLM_CPU_OMP_THREADS_BIND=nobind was set after start-up, where it does "
+        "not show"
+    )
+    return f"{VLLM_BINDS[kind]}, over what it inherited ({unless})"
+
+
+def environment_entry(one: Seen, serves: str | None) -> dict[str, Any]:
+    """Whether /proc/PID/environ could be read; where vLLM's title overwrote it, what the
+    process inherited at spawn and, for a worker, what vLLM wrote over that."""
+    if one.renamed is None:
+        return {"readable": True}
+    why = (
+        f"vLLM renamed the process ({one.renamed}) and the title overwrote "
+        f"/proc/{one.pid}/environ: only its tail shows"
+    )
+    entry: dict[str, Any] = {"readable": False, "why": why, "inherited": None}
+    basis = dict(one.environment)
+    if one.inherited is not None:
+        entry["inherited"] = {"from_pid": one.inherited.from_pid, "env": one.inherited.environment}
+        basis = {**one.inherited.environment, **one.environment}
+    if one.role == "worker":
+        entry["vllm_sets"] = vllm_sets(basis, serves)
+    return entry
+
+
+def runtime_entry(kind: str, path: str) -> dict[str, str]:
+    return {"kind": kind, "path": path}
 
 
 def described_runtimes(runtimes: Sequence[tuple[str, str]]) -> str:
@@ -381,21 +679,86 @@ def render_text(report: dict[str, Any]) -> str:
         role = f"{process['role']} (parent {process['ppid']})"
         lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {role}: {command}")
         lines.append(f"{'':>9}{process['reason']}")
-        variables = " ".join(f"{k}={shlex.quote(v)}" for k, v in process["env"].items())
-        lines.append(f"{'':>9}{variables or 'no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set'}")
+        lines.extend(f"{'':>9}{line}" for line in process_lines(process))
+    lines.append(inside_note(report["inside"]))
     problems = sum(p["verdict"] == "problem" for p in report["processes"])
     judged = sum(p["verdict"] != "reported" for p in report["processes"])
     if problems:
         lacks = "process lacks" if judged == 1 else "processes lack"
         lines.append(
-            f"PROBLEM: {problems} of {judged} judged {lacks} Intel OpenMP while speculative "
-            "decoding is requested and no plan chose libgomp; start vLLM through "
+            f"PROBLEM: {problems} of {judged} judged {lacks} Intel OpenMP serving it while "
+            "speculative decoding is requested and no plan chose libgomp; start vLLM through "
             "vllm-cpu-launch, or install vllm-cpu-launch into vLLM's environment (its plugin)"
         )
     else:
         noun = "process" if judged == 1 else "processes"
         lines.append(f"ok: {judged} {noun} judged, {len(report['processes'])} checked")
     return "\n".join(lines)
+
+
+NONE_SET = "no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set"
+
+
+def inside_text(labels: dict[str, str]) -> str:
+    """One series of the plugin's, as a sentence."""
+    runtime, library = labels.get("runtime", ""), labels.get("library", "")
+    serves = f"{runtime} serves ({library})"
+    if runtime == "none":
+        serves = (
+            f"no OpenMP runtime serves (runtime none{', library ' if library else ''}{library})"
+        )
+    threads = labels.get("threads") or "?"
+    return (
+        f"read from inside ({labels.get('role', '?')}, /metrics): {serves}, block time "
+        f"{labels.get('blocktime_ms') or '-'} ms, {threads} thread"
+        f"{'' if threads == '1' else 's'}, bind {labels.get('bind') or 'unset'}"
+    )
+
+
+def inside_note(inside: dict[str, Any]) -> str:
+    """Once per report: where the readings from inside came from, or why there are none."""
+    if inside["read"]:
+        return f"read from inside: the plugin's series on {inside['url']}"
+    if inside["url"] is None:
+        return "no inside reading (no API server in this tree to ask its /metrics)"
+    return f"no inside reading from {inside['url']} ({NO_INSIDE})"
+
+
+def variables_text(environment: dict[str, str]) -> str:
+    import shlex
+
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
+
+
+def process_lines(process: dict[str, Any]) -> list[str]:
+    """Which runtime serves and how that was read; the environment, or why it is unreadable
+    and what was inherited instead."""
+    order = ", ".join(
+        f"{RUNTIME_TITLES[r['kind']]} {r['path']}{' (serves)' if r == process['serves'] else ''}"
+        for r in process["load_order"]
+    )
+    lines = [f"OpenMP runtimes, {process['order']}: {order or 'none'}"]
+    if process["inside"] is not None:
+        lines.append(inside_text(process["inside"]))
+    mapped = process["runtimes"]
+    if {r["path"] for r in mapped} != {r["path"] for r in process["load_order"]}:
+        lines.append(f"mapped (/proc/PID/maps): {', '.join(r['path'] for r in mapped)}")
+    environment = process["environment"]
+    shown = variables_text(process["env"])
+    if environment["readable"]:
+        return [*lines, shown or NONE_SET]
+    left = shown or "none of LD_PRELOAD, KMP_*, OMP_NUM_THREADS in it"
+    lines.append(f"environment unreadable: {environment['why']}: {left}")
+    inherited = environment["inherited"]
+    if inherited is not None:
+        lines.append(
+            f"inherited at spawn from PID {inherited['from_pid']}'s start-up environment (changes "
+            f"it made after start-up, e.g. the plugin's, do not show there): "
+            f"{variables_text(inherited['env']) or NONE_SET}"
+        )
+    if "vllm_sets" in environment:
+        lines.append(f"vLLM sets in the worker at spawn: {environment['vllm_sets']}")
+    return lines
 
 
 def parse_pid(text: str) -> int:
