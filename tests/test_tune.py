@@ -566,6 +566,34 @@ def test_usage_errors_are_one_line_exit_2(
     assert not (tmp_path / "record" / "runs.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        ("/proc/x/config.yaml", "creating a file in /proc fails (No such file or directory)"),
+        ("{tmp}/file/x/config.yaml", "{tmp}/file is not a directory"),
+    ],
+)
+def test_an_unwritable_launcher_config_names_the_directory_it_needs_and_why(
+    tmp_path: Path, bench_env: Path, config: str, why: str
+) -> None:
+    """Once "(/proc: No such file or directory)": /proc exists. The directory the file
+    goes in is missing, and making anything where it would go fails."""
+    (tmp_path / "file").write_text("")
+    config, why = config.format(tmp=tmp_path), why.format(tmp=tmp_path)
+    result = tune(
+        tmp_path, bench_env, "iomp-faster", "--write", "--launcher-config", config, *SERVE
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    directory = os.path.dirname(config)
+    assert line == (
+        f"vllm-cpu-launch: error: --write: the launcher config {config} cannot be written: "
+        f"its directory {directory} does not exist and cannot be made: {why}; give "
+        "--launcher-config FILE in a directory you can write"
+    )
+    assert not (tmp_path / "record" / "runs.jsonl").exists()
+
+
 def test_a_broken_config_is_reported_not_overwritten(tmp_path: Path, bench_env: Path) -> None:
     config = write(tmp_path / "c.yaml", "colour: blue\n")
     result = tune(
