@@ -52,6 +52,10 @@ count = sum(1 for _ in open(runs))
 if story == "fail":
     print("vllm.exceptions.VLLMValidationError: Token id 9554 is out of vocabulary")
     sys.exit(1)
+if story == "no-result":  # exits 0 and writes no --output-json (a vLLM that changed it)
+    for line in range(20):
+        print(f"INFO bench line {line}")
+    sys.exit(0)
 if story == "hang":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(os.path.join(os.environ["FAKE_RECORD"], "child.pid"), "w").write(str(child.pid))
@@ -523,6 +527,27 @@ def test_sigterm_stops_the_run_and_its_children(tmp_path: Path, bench_env: Path)
     assert "Traceback" not in stderr
     logs = stderr.partition("(logs in ")[2].partition(")")[0]
     assert logs and not Path(logs).exists()  # the scratch directory went with it
+
+
+def test_a_run_that_exits_0_without_its_result_is_one_error_naming_file_and_log(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    """Once exit 1, documented only as the time limit's, and the log's tail as 15
+    `error:` lines: now one line naming the result file it did not write and the log, and
+    exit 1 is documented for it too (tune --help)."""
+    result = tune(tmp_path, bench_env, "no-result", *SERVE)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "INFO bench line" not in result.stderr, result.stderr
+    (line,) = errors
+    prefix = "vllm-cpu-launch: error: vllm bench latency exited 0 but wrote no result file ("
+    assert line.startswith(prefix), line
+    output = line.removeprefix(prefix).partition(")")[0]
+    log = Path(line.rpartition("; log: ")[2])
+    assert output.endswith(".json") and not Path(output).exists()
+    assert "INFO bench line 19" in log.read_text()
+    help_text = run_launcher(["tune", "--help"], clean_environ(tmp_path)).stdout
+    assert "or a run exited 0 without writing its result" in " ".join(help_text.split())
 
 
 def process_state(pid: int) -> str | None:
