@@ -60,6 +60,16 @@ def test_the_json_is_the_table_versioned_and_every_evidence_file_is_kept(
     assert first["adds"]["variables"] == dict(evidence.RULES[0].variables)
 
 
+def test_every_rule_has_an_id_of_its_own(tmp_path: Path) -> None:
+    """Ids are what a user quotes: once two rows were both `methods-none`. The table as
+    `rules` prints it, text and JSON, names each row by an id no other row has."""
+    ids = [rule["id"] for rule in rules_json(tmp_path, [])["rules"]]
+    assert len(ids) == len(evidence.RULES) and len(set(ids)) == len(ids), ids
+    text = run_launcher(["rules"], clean_environ(tmp_path)).stdout
+    rows = re.findall(r"^(\S+) +(?:adds|no rule)", text, re.MULTILINE)
+    assert rows == ids
+
+
 def test_a_command_on_the_measured_host_gets_its_rule(tmp_path: Path, map_vllm: Path) -> None:
     """vLLM 0.32 on 2 CPUs, nothing set: map-1, as the plan (--dry-run) applies it."""
     record = rules_json(tmp_path, ["--vllm", str(map_vllm), *NGRAM])

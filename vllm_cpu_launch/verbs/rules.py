@@ -208,8 +208,8 @@ def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]
 
 
 def rule_key(rule: Rule) -> str:
-    """`map-1 ngram`, `methods-none draft_model 7`: one row of the table, by what it was
-    measured for (an id may cover several methods and token counts)."""
+    """`map-1 ngram`, `methods-none-7 draft_model 7`: one row of the table, by its id and
+    what it was measured for."""
     tokens = f" {rule.measured.tokens}" if rule.measured.tokens is not None else ""
     return f"{rule.id} {rule.measured.method}{tokens}"
 
