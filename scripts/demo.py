@@ -28,7 +28,6 @@ from vllm_server import (
     DRAFT_TOKENS_METRIC,
     ENV_SETUP_LIMIT_S,
     REQUEST_LIMIT_S,
-    SERVED_MODEL_NAME,
     STOP_LIMIT_S,
     NotHealthy,
     Server,
@@ -42,6 +41,7 @@ from vllm_server import (
     process_tree,
     real_model_command,
     serve_arguments,
+    served_name,
     snapshot,
     start_server,
     survivors,
@@ -192,10 +192,10 @@ def accepted_share(server: Server) -> tuple[float, float]:
     return totals.get(ACCEPTED_TOKENS_METRIC, 0.0), totals.get(DRAFT_TOKENS_METRIC, 0.0)
 
 
-def ask(server: Server) -> str:
+def ask(server: Server, model: Path) -> str:
     """The model's greedy completion of QUESTION."""
     payload = {
-        "model": SERVED_MODEL_NAME,
+        "model": served_name(model),
         "prompt": QUESTION,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
@@ -204,11 +204,11 @@ def ask(server: Server) -> str:
     return str(answer["choices"][0]["text"])
 
 
-def show_answer(server: Server) -> None:
+def show_answer(server: Server, model: Path) -> None:
     """The model's answer and the share of the drafted tokens vLLM accepted."""
     say(f"== one request: POST /v1/completions {{prompt: {QUESTION!r}}} (greedy)")
     try:
-        text = ask(server)
+        text = ask(server, model)
         accepted, drafted = accepted_share(server)
     except (OSError, http.client.HTTPException, ValueError, LookupError) as error:
         raise DemoError(f"the request failed: {error}\n{log_tail(server)}") from None
@@ -250,7 +250,7 @@ def demo() -> None:
         with killed_on_exit(server):
             say(f"   healthy after {wait_for_health(server):.0f} s")
             show_evidence(server, vllm_env)
-            show_answer(server)
+            show_answer(server, model)
             stop(server)
 
 

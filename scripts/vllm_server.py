@@ -29,7 +29,6 @@ from typing import Any
 
 SCRIPTS = Path(__file__).resolve().parent
 SPECULATIVE_CONFIG = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3}'
-SERVED_MODEL_NAME = "tiny-llama"
 # Repetitive, so the ngram proposer finds matches and drafts tokens from the first step.
 PROMPT = "ab ba " * 8
 # Printed by vllm/v1/worker/cpu_worker.py (vLLM 0.32.0) when LD_PRELOAD lacks "libiomp".
@@ -135,6 +134,13 @@ def isolated_environment(
     return {**inherited, **settings, "XDG_CONFIG_HOME": str(scratch / "config")}
 
 
+def served_name(model: Path) -> str:
+    """The name vLLM serves `model` under: its directory's, in lower case
+    (`smollm2-135m-instruct` for the real model), so that a request and the log name the
+    model really served."""
+    return model.name.lower()
+
+
 def serve_arguments(
     model: Path, port: int, speculative: bool = True, speculative_config: str = SPECULATIVE_CONFIG
 ) -> list[str]:
@@ -148,7 +154,7 @@ def serve_arguments(
         "--port",
         str(port),
         "--served-model-name",
-        SERVED_MODEL_NAME,
+        served_name(model),
         *(["--speculative-config", speculative_config] if speculative else []),
     ]
 
@@ -308,9 +314,10 @@ def http_post_json(url: str, payload: Mapping[str, Any], limit_s: float) -> dict
 
 
 def completion_payload(max_tokens: int, **options: Any) -> dict[str, Any]:
-    """A greedy /v1/completions request for PROMPT; `options` adds fields (ignore_eos...)."""
+    """A greedy /v1/completions request for PROMPT; `options` adds fields (ignore_eos...).
+    It names no model: vLLM answers one that names none with the model it serves
+    (`_is_model_supported` in vllm/entrypoints/serve/engine/serving.py, 0.27 and 0.32)."""
     return {
-        "model": SERVED_MODEL_NAME,
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "temperature": 0,

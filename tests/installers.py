@@ -35,6 +35,11 @@ IOMP_WHEELS = ("intel-openmp==2024.2.1", "intel-cmplr-lib-ur==2024.2.1")
 WHEEL_CACHE = (
     Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-cpu-launch" / "wheels"
 )
+# The newest intel-openmp (2026-10): its wheel requires intel-cmplr-lib-ur of the same
+# release, which requires tcmlib and umf; all four cached apart from vLLM's pinned pair, so
+# that the other tests' wheelhouse keeps offering 2024.2.1 alone.
+NEWEST_IOMP = "intel-openmp==2026.2.0"
+NEWEST_IOMP_CACHE = WHEEL_CACHE / "intel-openmp-2026.2.0"
 STANDIN = "vllm-recorder"  # the stand-in distribution; its console script is `vllm`
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)  # no intel-openmp there
 TOOLS = Path(sys.executable).parent  # uv, virtualenv and pipx from the test extra
@@ -74,6 +79,17 @@ def build_wheelhouse(directory: Path) -> Path:
     for wheel in WHEEL_CACHE.glob("intel_*.whl"):
         (directory / wheel.name).symlink_to(wheel)
     return standin_wheel(directory, STANDIN, "1.0")
+
+
+def newest_iomp_wheels() -> Path:
+    """NEWEST_IOMP and what it requires, resolved by pip and downloaded once (cached)."""
+    ready = NEWEST_IOMP_CACHE / "complete"
+    if not ready.exists():
+        NEWEST_IOMP_CACHE.mkdir(parents=True, exist_ok=True)
+        download = [sys.executable, "-m", "pip", "download", "-q", "-d", str(NEWEST_IOMP_CACHE)]
+        run_tool([*download, NEWEST_IOMP], os.environ)
+        ready.write_text("")
+    return NEWEST_IOMP_CACHE
 
 
 def standin_wheel(directory: Path, name: str, version: str) -> Path:

@@ -313,6 +313,22 @@ def test_a_deprecated_variable_name_is_read_and_said_once(
     assert preloaded == (system_host.kinds("iomp") if current_too else [])
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("IOMP", "bad", "'bad' is not one of auto, always, never"),
+        ("IOMP_PATH", "relative/libiomp5.so", "is relative"),
+    ],
+)
+def test_a_bad_value_under_a_deprecated_name_names_the_variable_set(
+    tmp_path: Path, vllm_env: Path, variable: str, value: str, said: str
+) -> None:
+    """The user set the old name: the error names that one, and the name to use instead."""
+    old, new = f"VLLM_CPU_LAUNCH_{variable}", f"VLLMCPULAUNCH_{variable}"
+    result = launcher(tmp_path, ["--dry-run", *sd_launch(vllm_env)], **{old: value})
+    assert_one_error(result, 2, f"error: {old} (deprecated name of {new}): ", said)
+
+
 # ---------------------------------------------------------------- settings
 
 

@@ -34,3 +34,17 @@ def test_demo_names_the_python_it_needs_before_installing_anything(tmp_path: Pat
     assert "Python 3.10." in line and python in line
     assert line.endswith("Fix: PYTHON=python3.11 scripts/demo (any Python in that range)")
     assert result.stdout == ""  # nothing installed, nothing narrated
+
+
+def test_the_demo_serves_the_real_model_under_its_own_name() -> None:
+    """Once `--served-model-name tiny-llama` for SmolLM2-135M-Instruct: the name vLLM
+    serves a model under is the model's, in the command the demo prints and runs."""
+    from vllm_server import serve_arguments
+
+    model = Path.home() / ".cache" / "vllm-cpu-launch" / "models" / "SmolLM2-135M-Instruct"
+    arguments = serve_arguments(model, 8000)
+    named = arguments[arguments.index("--served-model-name") + 1]
+    assert named == "smollm2-135m-instruct"
+    for script in ("demo", "demo.py", "vllm_server.py"):
+        assert "tiny-llama" not in (REPO / "scripts" / script).read_text(encoding="utf-8")
+    assert "tiny model" not in (REPO / "scripts" / "demo").read_text(encoding="utf-8")

@@ -265,7 +265,7 @@ REAL_PAIRS: dict[tuple[str, str], tuple[str, str | None]] = {
     ("map-1", "ngram"): (UNBOUND[0], "libgomp"),
     ("map-2", "ngram"): (UNBOUND[0], None),
     ("methods-4", "draft_model"): (DRAFTER_UNBOUND[0], "libgomp"),
-    ("methods-none", "draft_model"): (DRAFTER_UNBOUND[0], "libgomp"),  # methods-4's, removed
+    ("methods-none-7", "draft_model"): (DRAFTER_UNBOUND[0], "libgomp"),  # methods-4's, removed
     ("runtimes-1", "ngram"): ("libomp-nobind-bt200", None),
     ("runtimes-3", "draft_model"): (DRAFTERS_SETTING, "libgomp"),
 }

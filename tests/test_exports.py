@@ -103,7 +103,11 @@ def test_gnu_openmp_entry_is_dropped_with_a_warning_on_stderr(
     iomp = system_host.preload(vllm_env / "lib" / "libiomp5.so")
     result = run_env(tmp_path, vllm_env, "serve", "m", "--speculative-config", SD, LD_PRELOAD=GOMP)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [f"export LD_PRELOAD={iomp}", "export KMP_BLOCKTIME=5"]
+    assert result.stdout.splitlines() == [
+        f"export LD_PRELOAD={iomp}",
+        "export KMP_BLOCKTIME=5",
+        "export VLLMCPULAUNCH_PLANNED=launcher:started",  # the plan's mark: every format's
+    ]
     assert f"warning: removed {GOMP} from LD_PRELOAD" in result.stderr
 
 

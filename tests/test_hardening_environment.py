@@ -54,6 +54,24 @@ def test_a_long_path_is_named_briefly_in_the_error_and_in_doctor(tmp_path: Path)
     assert "dir39" not in report and report.count("dir2 and 37 more") == 2
 
 
+@pytest.mark.parametrize("path", [".", "bin:/nonexistent/dir0"])
+def test_a_relative_path_entry_is_named_as_skipped_and_why(tmp_path: Path, path: str) -> None:
+    """A relative PATH entry names whatever directory the launch runs in: never searched,
+    even where it holds the program, and the not-found error says so."""
+    for directory in (tmp_path, tmp_path / "bin"):
+        directory.mkdir(exist_ok=True)
+        (directory / "vllm").write_text(f"#!/bin/sh\ntouch {tmp_path / 'record'}\n")
+        (directory / "vllm").chmod(0o755)
+    environ = isolated_environ(tmp_path / "home", PATH=path)
+    result = run(["exec", "--", "vllm"], environ, cwd=tmp_path)
+    line = single_error(result, 127)
+    relative = [entry for entry in path.split(":") if not entry.startswith("/")]
+    assert f"skipped {relative[0]} as relative" in line
+    assert "never searched" in line
+    assert ("/nonexistent/dir0" in line) == ("/nonexistent/dir0" in path)
+    assert not (tmp_path / "record").exists()
+
+
 def test_no_vllm_with_path_unset_names_the_default_path(tmp_path: Path) -> None:
     if any(os.path.exists(os.path.join(d, "vllm")) for d in os.defpath.split(os.pathsep) if d):
         pytest.skip(f"a vllm is installed on the default path {os.defpath}")

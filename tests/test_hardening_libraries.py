@@ -92,6 +92,28 @@ def aarch64(lib: Path) -> None:
     patch_elf(REAL_IOMP, lib, e_machine=183)
 
 
+def big_endian(lib: Path) -> None:
+    """The real libiomp5.so's ELF header written as a big-endian s390x file writes it:
+    each field byte-swapped, EI_DATA 2, e_machine 22 (the rest of the file left as is)."""
+    import struct
+
+    data = bytearray(REAL_IOMP.read_bytes())
+    layout = "HHIQQQIHHHHHH"  # e_type ... e_shstrndx, after the 16 bytes of e_ident
+    fields = list(struct.unpack_from(f"<{layout}", data, 16))
+    fields[1] = 22  # EM_S390
+    struct.pack_into(f">{layout}", data, 16, *fields)
+    data[5] = 2
+    lib.write_bytes(bytes(data))
+
+
+def data_byte_flipped(lib: Path) -> None:
+    """The real libiomp5.so with only EI_DATA set to big-endian: its fields, read in that
+    order, name no machine known (the issue's "ELF file of type 768")."""
+    data = bytearray(REAL_IOMP.read_bytes())
+    data[5] = 2
+    lib.write_bytes(bytes(data))
+
+
 def real_i386(lib: Path) -> None:
     if not I386_ELF.is_file():
         pytest.skip(f"no real 32-bit shared object here ({I386_ELF})")
@@ -148,6 +170,14 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "elf-32-bit": (elf32, "a 32-bit ELF file; this x86_64 host needs 64-bit"),
     "elf-aarch64": (aarch64, "built for aarch64; this host is x86_64"),
     "real-i386-elf": (real_i386, "a 32-bit ELF file"),
+    "elf-big-endian-s390x": (
+        big_endian,
+        "a big-endian ELF file built for s390x; this x86_64 host runs little-endian ones",
+    ),
+    "elf-data-byte-big-endian": (
+        data_byte_flipped,
+        "a big-endian ELF file built for ELF machine 15872; this x86_64 host runs little-endian",
+    ),
     "file-world-writable": (mode(file_mode=0o666), "is writable by others"),
     "file-group-writable": (mode(file_mode=0o664), "is writable by its group"),
     "dir-world-writable": (mode(dir_mode=0o777), "/lib is writable by others"),

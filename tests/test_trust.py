@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import AS_NOBODY, NOBODY, run_launcher
+from .conftest import AS_NOBODY, NOBODY, clean_environ, run_launcher
 from .hardening_support import public_directory
 from .installers import (
     FIX,
@@ -162,6 +162,40 @@ def test_a_library_in_a_shared_sticky_directory_is_fixed_by_installing_not_by_ch
         run_fix(fix, offline_environ)
         iomp = chosen_iomp(dry_run(pipx_launcher, offline_environ, *vllm_args(bare)))
         assert iomp["path"] == str(bare.library)
+
+
+@pytest.mark.parametrize("given_as", ["--iomp-path", "LD_PRELOAD"])
+def test_a_library_in_a_shared_sticky_directory_is_refused_with_the_move_that_fixes_it(
+    tmp_path: Path, real_iomp: Path, given_as: str
+) -> None:
+    """Named by the user (--iomp-path, LD_PRELOAD), a library in a sticky, world-writable
+    directory is refused like any other unsafe one, and the printed fix moves it into a
+    directory only its owner can write (chmod would break the shared directory); run, the
+    library at its new path is preloaded."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shutil.copy2(real_iomp, shared / "libiomp5.so")
+    shared.chmod(0o1777)
+
+    def planned(path: Path) -> subprocess.CompletedProcess[str]:
+        named = {"LD_PRELOAD": str(path)} if given_as == "LD_PRELOAD" else {}
+        option = ["--iomp-path", str(path)] if given_as == "--iomp-path" else []
+        args = [*option, "--iomp", "always", "--dry-run", "--json", "exec", "--", "/bin/true"]
+        return run_launcher(args, clean_environ(tmp_path, **named))
+
+    refused = planned(shared / "libiomp5.so")
+    assert refused.returncode == (2 if given_as == "--iomp-path" else 126), refused.stderr
+    (line,) = refused.stderr.splitlines()
+    assert f"directory {shared} is writable by others" in line
+    match = FIX.search(line)
+    assert match, line
+    moved = shared / "libiomp5" / "libiomp5.so"
+    assert line.endswith(f"  (then name it {moved})")
+    subprocess.run(["sh", "-c", match.group(1)], check=True, timeout=60)
+    accepted = planned(moved)
+    assert accepted.returncode == 0, accepted.stderr
+    preload = json.loads(accepted.stdout)["preload"]
+    assert [entry["path"] for entry in preload if entry["kind"] == "iomp"] == [str(moved)]
 
 
 def test_several_problems_are_not_promised_away_by_one_chmod(

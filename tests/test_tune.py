@@ -52,6 +52,10 @@ count = sum(1 for _ in open(runs))
 if story == "fail":
     print("vllm.exceptions.VLLMValidationError: Token id 9554 is out of vocabulary")
     sys.exit(1)
+if story == "no-result":  # exits 0 and writes no --output-json (a vLLM that changed it)
+    for line in range(20):
+        print(f"INFO bench line {line}")
+    sys.exit(0)
 if story == "hang":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(os.path.join(os.environ["FAKE_RECORD"], "child.pid"), "w").write(str(child.pid))
@@ -525,6 +529,27 @@ def test_sigterm_stops_the_run_and_its_children(tmp_path: Path, bench_env: Path)
     assert logs and not Path(logs).exists()  # the scratch directory went with it
 
 
+def test_a_run_that_exits_0_without_its_result_is_one_error_naming_file_and_log(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    """Once exit 1, documented only as the time limit's, and the log's tail as 15
+    `error:` lines: now one line naming the result file it did not write and the log, and
+    exit 1 is documented for it too (tune --help)."""
+    result = tune(tmp_path, bench_env, "no-result", *SERVE)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "INFO bench line" not in result.stderr, result.stderr
+    (line,) = errors
+    prefix = "vllm-cpu-launch: error: vllm bench latency exited 0 but wrote no result file ("
+    assert line.startswith(prefix), line
+    output = line.removeprefix(prefix).partition(")")[0]
+    log = Path(line.rpartition("; log: ")[2])
+    assert output.endswith(".json") and not Path(output).exists()
+    assert "INFO bench line 19" in log.read_text()
+    help_text = run_launcher(["tune", "--help"], clean_environ(tmp_path)).stdout
+    assert "or a run exited 0 without writing its result" in " ".join(help_text.split())
+
+
 def process_state(pid: int) -> str | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -563,6 +588,34 @@ def test_usage_errors_are_one_line_exit_2(
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"vllm-cpu-launch: error: {result.stderr[24:].strip()}"]
     assert part in result.stderr
+    assert not (tmp_path / "record" / "runs.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        ("/proc/x/config.yaml", "creating a file in /proc fails (No such file or directory)"),
+        ("{tmp}/file/x/config.yaml", "{tmp}/file is not a directory"),
+    ],
+)
+def test_an_unwritable_launcher_config_names_the_directory_it_needs_and_why(
+    tmp_path: Path, bench_env: Path, config: str, why: str
+) -> None:
+    """Once "(/proc: No such file or directory)": /proc exists. The directory the file
+    goes in is missing, and making anything where it would go fails."""
+    (tmp_path / "file").write_text("")
+    config, why = config.format(tmp=tmp_path), why.format(tmp=tmp_path)
+    result = tune(
+        tmp_path, bench_env, "iomp-faster", "--write", "--launcher-config", config, *SERVE
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    directory = os.path.dirname(config)
+    assert line == (
+        f"vllm-cpu-launch: error: --write: the launcher config {config} cannot be written: "
+        f"its directory {directory} does not exist and cannot be made: {why}; give "
+        "--launcher-config FILE in a directory you can write"
+    )
     assert not (tmp_path / "record" / "runs.jsonl").exists()
 
 

@@ -176,6 +176,23 @@ def declined(search: Search, why: str) -> Search:
     return replace(search, chosen=None, candidates=candidates)
 
 
+def set_aside(search: Search, entry: str) -> Search:
+    """The search with its choice not preloaded beside the caller's own runtime `entry`
+    (kept as set, nothing added): the candidates say what the plan preloads."""
+    candidates = tuple(
+        replace(
+            c,
+            verdict="usable",
+            reason=f"not preloaded: your LD_PRELOAD entry {entry} is named as an OpenMP "
+            "runtime, kept as set, and none goes beside it",
+        )
+        if c.verdict == "chosen" and c.origin != "ld-preload"
+        else c
+        for c in search.candidates
+    )
+    return replace(search, candidates=candidates)
+
+
 def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     """The OpenMP runtime to preload: the search's, LLVM's only where the runtimes rules
     let it stand in (--iomp always takes it); none beside the caller's."""
@@ -195,6 +212,8 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
             f"--iomp-path {facts.request.settings.iomp_path} and your LD_PRELOAD entry "
             f"{foreign[0]} would put two OpenMP runtimes in one process: give one of them",
         )
+    if foreign:
+        search = set_aside(search, foreign[0])
     rejected = {c.path: c for c in search.candidates if c.origin == "ld-preload"}
     broken = tuple(rejected[e] for e in decision.yours if e in rejected)
     broken = tuple(c for c in broken if c.verdict == "rejected") if foreign else ()

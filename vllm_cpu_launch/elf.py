@@ -25,6 +25,9 @@ ELF_MACHINES = {
     "i386": 3,
 }
 ELF_MACHINE_NAMES = {number: name for name, number in ELF_MACHINES.items()}
+# The same machine numbers in a big-endian file name other machines; s390x is big-endian.
+BIG_ENDIAN_NAMES = {21: "ppc64", 183: "aarch64_be", 22: "s390x"}
+BIG_ENDIAN_MACHINES = ("s390x",)
 ELF_TYPE_SHARED = 3
 
 
@@ -39,13 +42,21 @@ def elf_problem(header: bytes, machine: str) -> str | None:
     wanted_bits = 32 if machine in ("i686", "i386") else 64
     if bits != wanted_bits:
         return f"a {bits}-bit ELF file; this {machine} host needs {wanted_bits}-bit"
+    # Every field in the file's own byte order (EI_DATA), which must be the host's.
     elf_type = int.from_bytes(header[16:18], order)  # type: ignore[arg-type]
     elf_machine = int.from_bytes(header[18:20], order)  # type: ignore[arg-type]
+    names = BIG_ENDIAN_NAMES if order == "big" else ELF_MACHINE_NAMES
+    built_for = names.get(elf_machine, f"ELF machine {elf_machine}")
+    host_order = "big" if machine in BIG_ENDIAN_MACHINES else "little"
+    if order != host_order:
+        return (
+            f"a {order}-endian ELF file built for {built_for}; this {machine} host runs "
+            f"{host_order}-endian ones"
+        )
     if elf_type != ELF_TYPE_SHARED:
         return f"an ELF file of type {elf_type}, not a shared object"
     wanted_machine = ELF_MACHINES.get(machine)
     if wanted_machine is not None and elf_machine != wanted_machine:
-        built_for = ELF_MACHINE_NAMES.get(elf_machine, f"ELF machine {elf_machine}")
         return f"built for {built_for}; this host is {machine}"
     return None
 

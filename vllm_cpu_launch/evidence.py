@@ -129,7 +129,7 @@ RULES = (
         "tcmalloc",
     ),
     Rule(
-        "methods-none",
+        "methods-none-3",
         "nothing",
         (0.86, 1.45),
         PLAIN,
@@ -140,7 +140,7 @@ RULES = (
     ),
     # methods-4 for draft_model with 7 tokens until the real weights re-judged it.
     Rule(
-        "methods-none",
+        "methods-none-7",
         "nothing",
         (1.22, 1.41),
         PLAIN,
@@ -235,7 +235,7 @@ MAP_VLLM = NGRAM_UNBOUND.measured.vllm
 # round at 1 and 4 concurrent requests was a gain.
 DRAFTER_RULES = {measured_key(r): r for r in RULES if r.id == "methods-4"}
 # Measured, but not a gain in every round: no rule (test_evidence.py holds why).
-NOT_EVERY_ROUND = {measured_key(r): r.why for r in RULES if r.id == "methods-none"}
+NOT_EVERY_ROUND = {measured_key(r): r.why for r in RULES if r.why and r.runtime is None}
 # (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured, each
 # in the setting of the rules named in its `within`.
 LLVM_RUNTIME = {measured_key(r): r for r in RULES if r.runtime == "llvm" and r.why == ""}

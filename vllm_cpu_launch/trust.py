@@ -12,6 +12,7 @@ import os
 import stat
 
 MAX_LINK_HOPS = 40  # the kernel's own limit before ELOOP
+MOVE = "move"  # the fix for a file in a shared, sticky directory: moved out (moved_out)
 
 
 def unsafe_owner_or_mode(
@@ -34,8 +35,9 @@ def unsafe_owner_or_mode(
     sticky = bool(status.st_mode & stat.S_ISVTX)
     if status.st_mode & mask and (is_file or not sticky):
         who = "others" if status.st_mode & stat.S_IWOTH else "its group"
-        # A sticky directory (/tmp, /dev/shm) is meant to be shared: no chmod fixes that.
-        fix = "" if sticky else "chmod go-w" if as_root else "chmod o-w"
+        # A sticky directory (/tmp, /dev/shm) is meant to be shared: chmod would break it
+        # for everyone, so the file moves out of it instead (insecure_reason).
+        fix = MOVE if sticky else "chmod go-w" if as_root else "chmod o-w"
         return f"writable by {who}", fix
     return None
 
@@ -70,13 +72,15 @@ def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
 
 
 def insecure_reason(
-    path: str, euid: int, trusted: frozenset[int] = frozenset()
+    path: str, euid: int, trusted: frozenset[int] = frozenset(), named: bool = False
 ) -> tuple[str, str] | None:
     """(why, fix) when `path` could be swapped by an untrusted user: the file, a link on
     the way to it, or any directory searched on the way (see unsafe_owner_or_mode).
 
     The fix is one chmod/chown, given only when it removes the one problem found; with
-    several problems, or a shared (sticky) directory, there is none ("").
+    several, none (""). A file in a shared sticky directory is moved out of it, where the
+    user `named` it (and so can name its new path); one found where the launcher
+    searches would no longer be found there: none.
     """
     problems: list[tuple[str, str]] = []
     try:
@@ -94,7 +98,9 @@ def insecure_reason(
             problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home, trusted)
             if problem:
                 why = f"directory {directory} is {problem[0]}"
-                problems.append((why, command(problem[1], directory)))
+                moved = moved_out(real) if named else ""
+                fix = moved if problem[1] == MOVE else command(problem[1], directory)
+                problems.append((why, fix))
     except OSError as error:
         return f"cannot check its permissions: {error.strerror}", ""
     if not problems:
@@ -107,6 +113,19 @@ def insecure_reason(
 def command(change: str, path: str) -> str:
     """`CHANGE PATH` quoted for a shell, or "" when there is no change to make."""
     return f"{change} {quoted(path)}" if change else ""
+
+
+def moved_out(path: str) -> str:
+    """The file moved from its shared, sticky directory into a new one beside it that only
+    its owner (the user running the fix) can write, and the path to name it by then.
+    `mkdir` without -p fails on a directory someone else made first."""
+    name = os.path.basename(path)
+    stem = name.split(".")[0]
+    directory = os.path.join(os.path.dirname(path), stem if stem not in ("", name) else f"{name}.d")
+    new = os.path.join(directory, name)
+    return (
+        f"mkdir -m 755 {quoted(directory)} && mv {quoted(path)} {quoted(new)}  (then name it {new})"
+    )
 
 
 def quoted(path: str) -> str:

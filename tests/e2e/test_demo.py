@@ -41,6 +41,8 @@ def test_the_demo_shows_the_models_answer_the_drafts_accepted_and_libiomp5(
     )
     print(result.stdout)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The plan shown names the model served by its own name (once `tiny-llama`).
+    assert "--served-model-name smollm2-135m-instruct" in result.stdout, result.stdout
     (answer,) = [line for line in result.stdout.splitlines() if line.startswith("   answer: ")]
     assert "The capital of Germany is Berlin." in answer, answer
     (counts,) = ACCEPTED.findall(result.stdout)

@@ -27,13 +27,13 @@ from vllm_server import (
     DRAFT_TOKENS_METRIC,
     REQUEST_LIMIT_S,
     SD_WARNING,
-    SERVED_MODEL_NAME,
     SPECULATIVE_CONFIG,
     ProcessView,
     Server,
     http_post_json,
     metric_totals,
     real_model_command,
+    served_name,
 )
 
 from .conftest import (
@@ -81,10 +81,10 @@ class Served:
     started_s: float
 
 
-def asked(server: Server) -> tuple[str, dict[str, float]]:
+def asked(server: Server, model: Path) -> tuple[str, dict[str, float]]:
     """QUESTION's greedy answer, then the repetitive prompt (so ngram finds matches); the
     metrics once drafts are counted."""
-    payload = {"model": SERVED_MODEL_NAME, "prompt": QUESTION, "max_tokens": 8, "temperature": 0}
+    payload = {"model": served_name(model), "prompt": QUESTION, "max_tokens": 8, "temperature": 0}
     answer = http_post_json(f"{server.url}/v1/completions", payload, REQUEST_LIMIT_S)
     assert complete(server)["usage"]["completion_tokens"] == MAX_TOKENS
     wait_for_drafts(server)
@@ -125,7 +125,7 @@ def served(
     with started(door, method, vllm_env, real_model, plugin_path, scratch) as server:
         print(f"{door} {method}: healthy after {wait_for_health(server):.0f} s")
         views = tree_views(server)
-        answer, metrics = asked(server)
+        answer, metrics = asked(server, real_model)
         yield Served(
             door, method, views, answer, metrics, server.log_text(), time.monotonic() - begun
         )

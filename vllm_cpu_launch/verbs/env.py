@@ -11,10 +11,11 @@ reservation, block time and thread count the benchmark map's rule read), since a
 an image does not inherit the caller's shell. `json` is the plan as docs/design.md
 defines it.
 
-The plan's mark (VLLMCPULAUNCH_PLANNED, which tells vLLM's plugin to leave a process
-alone) belongs to the one program a unit, an image or a container starts: `systemd`,
-`docker` and `kubernetes` carry it. `shell` does not: an `eval`ed shell passes it to every
-later command, and it would switch the plugin off for every vLLM started from there.
+Every format carries the plan's mark (VLLMCPULAUNCH_PLANNED, which tells vLLM's plugin
+to leave a process alone as planned): an `eval`ed shell's `vllm serve` is one program
+started with the plan, as a unit's is, and without the mark the plugin would undo the
+plan (preload Intel OpenMP where it kept libgomp on purpose). A later vLLM of that shell
+inherits the plan's LD_PRELOAD as much as its mark.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import shlex
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -38,24 +38,20 @@ usage: vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json]
                            [OPTIONS] [--] VLLM_SUBCOMMAND ...
 
 Print the environment the launcher would give vLLM, for starting it another way:
-  shell    export lines:  eval "$(vllm-cpu-launch env serve MODEL ...)" (without the
-           plan's mark VLLMCPULAUNCH_PLANNED, which the other formats carry for their
-           one program: in a shell it would switch vLLM's plugin off for every vLLM)
+  shell    export lines:  eval "$(vllm-cpu-launch env serve MODEL ...)"
   systemd  an EnvironmentFile= body (systemd.exec(5) quoting)
   docker   ENV lines for a Dockerfile
   kubernetes  a container's env: list (YAML, every value a quoted string)
   json     the plan, as --dry-run --json prints it
-Warnings go to standard error; the launcher OPTIONS are those of a normal start.
+Every format carries the plan's mark VLLMCPULAUNCH_PLANNED, which tells vLLM's plugin
+the program was started with this plan. Warnings go to standard error; the launcher
+OPTIONS are those of a normal start.
 """
 
 
-def final_environment(plan: Plan, output_format: str) -> dict[str, str]:
-    """What the started program sees of the variables the plan sets or relies on, as
-    `output_format` carries them: `shell` without the plan's mark (the docstring says why)."""
-    environment = {**dict(plan.relies_on), **dict(plan.env)}
-    if output_format == "shell":
-        environment.pop(PLANNED_VARIABLE, None)
-    return environment
+def final_environment(plan: Plan) -> dict[str, str]:
+    """What the started program sees of the variables the plan sets or relies on."""
+    return {**dict(plan.relies_on), **dict(plan.env)}
 
 
 def shell_lines(environment: Mapping[str, str]) -> list[str]:
@@ -131,7 +127,7 @@ def render(plan: Plan, output_format: str) -> str:
         from vllm_cpu_launch.plan import plan_as_json
 
         return json.dumps(plan_as_json(plan), indent=2)
-    environment = final_environment(plan, output_format)
+    environment = final_environment(plan)
     if not environment:
         # One comment line in every format, whatever the reason holds (a config file's
         # words): a line break would end the comment, and YAML refuses a control

@@ -202,6 +202,7 @@ def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str,
         settings.tcmalloc,
         found_tcmalloc,
         theirs,
+        vllm_found=target is not None,
     )
     return start, found, speculative.requested
 
@@ -211,8 +212,8 @@ NO_METHOD = "speculative decoding requested without a method or a draft model: n
 
 
 def rule_key(rule: Rule) -> str:
-    """`map-1 ngram`, `methods-none draft_model 7`: one row of the table, by what it was
-    measured for (an id may cover several methods and token counts)."""
+    """`map-1 ngram`, `methods-none-7 draft_model 7`: one row of the table, by its id and
+    what it was measured for."""
     tokens = f" {rule.measured.tokens}" if rule.measured.tokens is not None else ""
     return f"{rule.id} {rule.measured.method}{tokens}"
 
@@ -252,12 +253,14 @@ def start_json(start: Start, found: str) -> dict[str, Any]:
 
 
 def command_lines(start: Start, found: str, requested: bool, verdict: dict[str, Any]) -> list[str]:
+    from vllm_cpu_launch.rules import release_words
+
     tokens = f", {start.tokens} tokens" if start.tokens is not None else ""
     workers = "one worker" if start.one_worker else "several workers or nodes"
     method = start.method or ("unnamed" if requested else "no")
     lines = [
         f"here:     {method} SD{tokens}; {start.machine}, {start.cpus} usable "
-        f"CPUs, vLLM {start.release or 'not found'}, {workers}",
+        f"CPUs, {release_words(start)}, {workers}",
         f"          {found}",
         f"setting:  {verdict['rule'] or 'no rule'}: {verdict['note']}",
     ]

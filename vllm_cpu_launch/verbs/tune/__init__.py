@@ -85,8 +85,9 @@ libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as aut
 Launcher options (--vllm, --iomp-path, --tcmalloc, --kmp-blocktime, --strict, -q, -v,
 --launcher-config) apply to every candidate; --iomp is what tune varies.
 Exit codes: 0 measured (whatever won), 1 the time limit ended it before every candidate
-ran once, 2 usage or config error, 3 libiomp5 not found, 126/127 vLLM not startable;
-a benchmark run that fails ends the tune with vLLM's exit code (its log is kept).
+ran once, or a run exited 0 without writing its result (one line names the file and the
+log), 2 usage or config error, 3 libiomp5 not found, 126/127 vLLM not startable; a
+benchmark run that fails ends the tune with vLLM's exit code (its log is kept).
 """
 
 TUNE_VALUED = {

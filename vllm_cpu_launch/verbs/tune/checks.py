@@ -44,9 +44,14 @@ def check_vocabulary(model: str | None) -> None:
 def check_writable(path: str) -> None:
     """--write's file can be made: a file created and removed beside it (in the nearest
     directory that exists, which the write makes the rest of) before any run."""
-    directory = os.path.dirname(os.path.realpath(path))
+    home = os.path.dirname(os.path.realpath(path))
+    directory = home
     while not os.path.lexists(directory):
         directory = os.path.dirname(directory)
+    # The message names the directory the file goes in, and the one the probe tried.
+    missing = (
+        f"its directory {home} does not exist and cannot be made: " if directory != home else ""
+    )
     try:
         if not os.path.isdir(directory):
             raise NotADirectoryError(20, "not a directory", directory)
@@ -54,8 +59,13 @@ def check_writable(path: str) -> None:
         os.close(handle)
         os.unlink(probe)
     except OSError as error:
+        why = (
+            f"{directory} is not a directory"
+            if isinstance(error, NotADirectoryError)
+            else f"creating a file in {directory} fails ({error.strerror})"
+        )
         raise LaunchError(
             EXIT_USAGE,
-            f"--write: the launcher config {path} cannot be written ({directory}: "
-            f"{error.strerror}); give --launcher-config FILE in a directory you can write",
+            f"--write: the launcher config {path} cannot be written: {missing}{why}; "
+            "give --launcher-config FILE in a directory you can write",
         ) from None

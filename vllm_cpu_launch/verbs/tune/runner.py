@@ -67,13 +67,23 @@ def run_once(plan: Plan, log_path: str, output_json: str, limit_s: float) -> flo
             latencies = json.load(f).get("latencies")
     if code == 0 and isinstance(latencies, list) and latencies:
         return float(statistics.median(float(value) for value in latencies))
+    if code == 0:  # the log holds no error to show: the result is what is missing
+        what = (
+            f"its result file {output_json} holds no latencies"
+            if os.path.exists(output_json)
+            else f"wrote no result file ({output_json})"
+        )
+        raise LaunchError(
+            EXIT_PROBLEM,
+            f"vllm bench latency exited 0 but {what}; log: {log_path}",
+            subject=os.path.dirname(log_path),
+        )
     tail = log_tail(log_path)
     for line in tail:
         emit("error", f"  {line}")
     hint = f" ({VOCABULARY_HINT})" if any("out of vocabulary" in line for line in tail) else ""
-    what = f"exit code {code}" if code else f"no latencies in {output_json}"
     raise LaunchError(
         code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
-        f"vllm bench latency failed ({what}){hint}; log: {log_path}",
+        f"vllm bench latency failed (exit code {code}){hint}; log: {log_path}",
         subject=os.path.dirname(log_path),
     )
