@@ -261,7 +261,9 @@ def test_iomp_never_keeps_libgomp_and_marks_it(tmp_path: Path) -> None:
     assert outcome["seen"] == [None, None]
     assert outcome["env"][PLANNED_VARIABLE] == "plugin"
     (line,) = said(outcome, "INFO")
-    assert line.startswith(f"{PREFIX}--iomp never; vLLM's engine processes start unchanged")
+    assert line.startswith(
+        f"{PREFIX}VLLMCPULAUNCH_IOMP=never; vLLM's engine processes start unchanged"
+    )
 
 
 def test_a_broken_config_is_said_and_vllm_goes_on(tmp_path: Path) -> None:
@@ -363,7 +365,7 @@ def test_an_engine_in_this_process_that_the_plan_keeps_on_libgomp_gets_no_advice
     outcome = run_vllm_process(tmp_path, variables)
     assert said(outcome, "WARNING") == [] and set(outcome["env"].values()) == {None}
     (line,) = said(outcome, "INFO")
-    assert line.startswith(f"{PREFIX}--iomp never; ")
+    assert line.startswith(f"{PREFIX}VLLMCPULAUNCH_IOMP=never; ")
 
 
 def test_an_unsafe_callers_entry_is_one_error_and_no_change(

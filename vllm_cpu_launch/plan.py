@@ -29,6 +29,7 @@ from vllm_cpu_launch.libraries import Candidate
 from vllm_cpu_launch.metadata import PYTHONPATH, Alias
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.settings import said_setting
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -130,10 +131,17 @@ def missing_message(search: Search, target: Target, consequence: str, llvm: bool
     )
 
 
-def why(mode: str, speculative: SpeculativeRequest, auto_iomp: bool, tuned: Tuned | None) -> str:
-    """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it)."""
+def why(
+    mode: str,
+    speculative: SpeculativeRequest,
+    auto_iomp: bool,
+    tuned: Tuned | None,
+    named: str | None = None,
+) -> str:
+    """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it).
+    `named`: the iomp setting as said_setting names it, where the user's setting decided."""
     if mode != "auto":
-        reason = f"--iomp {mode}"
+        reason = named if named and tuned is None else f"--iomp {mode}"
     elif speculative.requested:
         reason = f"speculative decoding requested by {speculative.source}"
     elif auto_iomp:
@@ -237,10 +245,14 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
         said.append(machine_words(request.host.machine))
     if decision.yours and decision.mode == "never" and not decision.wants_iomp:
         names = ", ".join(decision.yours)
-        said.append(f"--iomp never, but your LD_PRELOAD names {names}: it stays as you set it")
+        said.append(
+            f"{said_setting(request.settings, 'iomp')}, but your LD_PRELOAD names {names}: "
+            "it stays as you set it"
+        )
     if decision.other_malloc and request.settings.tcmalloc == "always":
         said.append(
-            f"--tcmalloc always, but your LD_PRELOAD names {', '.join(decision.other_malloc)}:"
+            f"{said_setting(request.settings, 'tcmalloc')}, but your LD_PRELOAD names "
+            f"{', '.join(decision.other_malloc)}:"
             " it stays as you set it, no tcmalloc beside it"
         )
     broken, rejected, others = callers_words(facts, decision)
@@ -330,7 +342,8 @@ def reason_of(facts: Facts, decision: Decision) -> str:
     """Why Intel OpenMP is wanted or not, and the rules applied: the INFO line's reason."""
     release, iomp = facts.release, decision.iomp
     request = facts.request
-    reasons = [why(decision.mode, request.speculative, request.auto_iomp, decision.tuned)]
+    named = said_setting(request.settings, "iomp")
+    reasons = [why(decision.mode, request.speculative, request.auto_iomp, decision.tuned, named)]
     if decision.release_gate == "older":
         reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
     elif decision.release_gate == "newer":
