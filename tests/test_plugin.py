@@ -256,6 +256,25 @@ def test_the_config_file_switch(tmp_path: Path) -> None:
     assert line == f"{PREFIX}switched off (plugin: off, from {config}); vLLM unchanged"
 
 
+def test_the_old_switch_is_obeyed_and_said_deprecated_once_in_the_front_end(
+    tmp_path: Path,
+) -> None:
+    """VLLM_CPU_LAUNCH_PLUGIN=0 still stands the plugin down before it reads a setting;
+    the front end says once (vLLM loads plugins once, the harness registers twice) that
+    the name is deprecated and which to use; the processes it spawns say nothing."""
+    old = {"VLLM_CPU_LAUNCH_PLUGIN": "0"}
+    outcome = run_vllm_process(tmp_path, old)
+    assert not outcome["wrapped"] and outcome["seen"] == [None, None]
+    ((level, line),) = outcome["records"]
+    assert level == "WARNING" and line.startswith(f"{PREFIX}VLLM_CPU_LAUNCH_PLUGIN is deprecated")
+    assert line.endswith(f"rename it to {PLUGIN_VARIABLE}")
+    spawned = run_vllm_process(tmp_path / "child", old, case={"spawned": True})
+    assert not spawned["wrapped"] and spawned["records"] == []
+    both = run_vllm_process(tmp_path / "both", {**old, PLUGIN_VARIABLE: "0"})
+    ((level, line),) = both["records"]
+    assert line.endswith(f"(ignored: {PLUGIN_VARIABLE} is set too)")
+
+
 def test_iomp_never_keeps_libgomp_and_marks_it(tmp_path: Path) -> None:
     outcome = run_vllm_process(tmp_path, {"VLLMCPULAUNCH_IOMP": "never"})
     assert outcome["seen"] == [None, None]
