@@ -28,7 +28,7 @@ from .conftest import (
     run_launcher,
 )
 
-NGRAM = '{"method":"ngram"}'
+NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 # The launcher's mark on a start whose LD_PRELOAD names a runtime: the plugin adds nothing.
 STARTED = {"VLLMCPULAUNCH_PLANNED": "launcher:started"}
 
@@ -483,7 +483,8 @@ def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> No
         "from vllm_cpu_launch.cli import main\n"
         "main(sys.argv[1:])\n"
     )
-    for request in (["-sc", NGRAM], ["--speculative-config.method", "ngram"], []):
+    dotted = ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens"]
+    for request in (["-sc", NGRAM], [*dotted, "3"], []):
         launch = [sys.executable, "-c", probe, "-q", *sd_launch(vllm_env)[:-2], *request]
         result = subprocess.run(
             launch, env=clean_environ(tmp_path), capture_output=True, text=True, timeout=60

@@ -20,6 +20,8 @@ from vllm_cpu_launch.evidence import (
     BLOCKTIME_VARIABLE,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
+    bound_worker_overrides,
+    override_words,
 )
 from vllm_cpu_launch.gather import Request, gather
 from vllm_cpu_launch.handoff import LAUNCHER, LLVM_OPT_IN_MACHINES, PLANNED_VARIABLE
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vllm_cpu_launch.decide import Decision
-    from vllm_cpu_launch.evidence import Rule
+    from vllm_cpu_launch.evidence import Override, Rule
     from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.libraries import Search, Verdict
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
@@ -106,6 +108,8 @@ class Plan:
     fatal: tuple[str, ...] = ()
     # The `vllm` metadata the launcher supplies to a vllm-cpu install (metadata.py).
     metadata: Alias | None = None
+    # With SD, the values handed on that vLLM writes over in each worker it binds.
+    overridden: tuple[Override, ...] = ()
 
 
 def missing_message(search: Search, target: Target, consequence: str, llvm: bool = False) -> str:
@@ -148,6 +152,8 @@ def why(
         reason = "exec preloads Intel OpenMP unless --iomp never"
     else:
         reason = "no speculative decoding requested"
+        if speculative.near_miss:
+            reason += f" ({speculative.near_miss[0]}: did you mean {speculative.near_miss[1]}?)"
     if tuned is None:
         return reason
     return f"{reason} (from tune {tuned.when}: {tuned.result})"
@@ -240,6 +246,8 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
     request = facts.request
     unsafe = [f"{text}; Fix: {fix}" if fix else text for text, fix in facts.target_problems]
     said = [*request.settings.deprecated, *filter(None, [request.speculative.note])]
+    if decision.release_gate != "older":  # an older vLLM refuses SD on CPU altogether
+        said += request.speculative.refusals
     said += [*filter(None, [request.target.disagreement]), *unsafe]
     if decision.machine_gate == "off" and decision.mode == "always":
         said.append(machine_words(request.host.machine))
@@ -379,6 +387,8 @@ def said(facts: Facts, decision: Decision) -> Plan:
     request, chosen = facts.request, decision.chosen
     runtime = decision.runtime.rule if decision.runtime else None
     applied = decision.applied
+    environ = {**request.host.environ, **dict(decision.env)}  # what vLLM starts with
+    overridden = bound_worker_overrides(environ) if request.speculative.requested else ()
     return Plan(
         command=(request.target.executable, *request.arguments),
         speculative=request.speculative,
@@ -386,7 +396,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
         env=decision.env,
         warnings=tuple(warnings),
-        notes=tuple(notes_of(facts, decision)),
+        notes=(*notes_of(facts, decision), *[override_words(overridden)] * bool(overridden)),
         candidates=tuple(c for s in searches(decision) for c in s.candidates),
         missing=missing_kinds(decision),
         unsafe=tuple(unsafe),
@@ -399,6 +409,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         refused=tuple(refusal(c) for c in decision.refused),
         fatal=tuple(fatal),
         metadata=facts.alias if facts.alias and not facts.alias_problem else None,
+        overridden=overridden,
     )
 
 
@@ -512,6 +523,8 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
     parts += [f"{name}={value}" for name, value in plan.env if name not in shown]
     if plan.metadata:
         parts.append(metadata_words(plan.metadata))
+    if plan.overridden:
+        parts.append(override_words(plan.overridden, short=True))
     if not parts:
         parts = [unchanged or f"starting {plan.command[0]} unchanged"]
     return f"{plan.reason}; {'; '.join(parts)}"

@@ -16,6 +16,7 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 if TYPE_CHECKING:
     from vllm_cpu_launch.evidence import Measured, Rule
     from vllm_cpu_launch.rules import Start
+    from vllm_cpu_launch.speculative import SpeculativeRequest
 
 USAGE = """\
 usage: vllm-cpu-launch rules [--json]
@@ -160,9 +161,11 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]:
-    """The start the rules read for `command`, as a launch reads it, and where its vLLM
-    was found (or why none was)."""
+def start_of(
+    values: dict[str, object], command: list[str]
+) -> tuple[Start, str, SpeculativeRequest]:
+    """The start the rules read for `command`, as a launch reads it, where its vLLM
+    was found (or why none was), and its SD request."""
     import os
     import sys
 
@@ -203,7 +206,7 @@ def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str]
         found_tcmalloc,
         theirs,
     )
-    return start, found
+    return start, found, speculative
 
 
 def rule_key(rule: Rule) -> str:
@@ -266,6 +269,32 @@ def command_lines(start: Start, found: str, verdict: dict[str, Any]) -> list[str
     return lines
 
 
+def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) -> list[str]:
+    """What vLLM itself will do with this command that the plan does not: refuse its
+    speculative config or an unknown option, and write over the block time and thread
+    count it hands on in each worker it binds (with libiomp5 preloaded, as SD gets it)."""
+    from vllm_cpu_launch.evidence import (
+        BLOCKTIME_VARIABLE,
+        RULES,
+        bound_worker_overrides,
+        override_words,
+    )
+    from vllm_cpu_launch.handoff import names_openmp_runtime
+
+    said = [*speculative.refusals, *filter(None, [speculative.note])]
+    if not speculative.requested:
+        return said
+    environ = dict(start.environ)
+    if start.chosen_blocktime:
+        environ[BLOCKTIME_VARIABLE] = start.chosen_blocktime
+    added = next((r.variables for r in RULES if r.id == rule), ())
+    environ = {**dict(added), **environ}  # a rule adds only what is unset
+    if not names_openmp_runtime(environ.get("LD_PRELOAD", "")):
+        environ["LD_PRELOAD"] = "libiomp5.so"
+    overrides = bound_worker_overrides(environ)
+    return said + ([override_words(overrides)] if overrides else [])
+
+
 def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.evidence import RULES
     from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
@@ -281,9 +310,10 @@ def main(values: dict[str, object], args: list[str]) -> int:
     record: dict[str, Any] = {"schema": SCHEMA, "rules": [rule_json(r) for r in RULES]}
     lines = table_lines()
     if command:
-        start, found = start_of(merged, command)
+        start, found, speculative = start_of(merged, command)
         verdict = verdicts(start)
-        record.update(start=start_json(start, found), **verdict)
-        lines = command_lines(start, found, verdict)
+        said = vllm_words(start, speculative, verdict["rule"])
+        record.update(start=start_json(start, found), **verdict, vllm=said)
+        lines = command_lines(start, found, verdict) + [f"vLLM:     {w}" for w in said]
     write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0
