@@ -93,13 +93,15 @@ def commands(block: str) -> list[tuple[str, list[str]]]:
 
 def shown_pattern(shown: list[str], home: str, env: Path) -> re.Pattern[str]:
     """What a command shows, as a pattern: `...` any text, `~/vllm-env` the link or the
-    environment it names, `~` HOME."""
+    environment it names, `~` HOME; the comment lines joined by a space or a line break
+    (one output line wrapped, or one line each)."""
     alternatives = {
         "...": ".*",
         "~/vllm-env": f"(?:{re.escape(home)}/vllm-env|{re.escape(str(env))})",
         "~": re.escape(home),
+        "\n": r"\s+",
     }
-    tokens = re.split(r"(\.\.\.|~/vllm-env|~)", " ".join(shown))
+    tokens = re.split(r"(\.\.\.|~/vllm-env|~|\n)", "\n".join(shown))
     return re.compile("".join(alternatives.get(token, re.escape(token)) for token in tokens))
 
 
