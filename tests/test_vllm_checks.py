@@ -39,6 +39,7 @@ def dry_run(tmp_path: Path, vllm_env: Path, vllm_args: list[str], **extra: str) 
         (["--speculative-config", '{"model":"ngram"}'], "ngram without num_spec", "add"),
         (["--speculative-config.method", "ngram"], "ngram without num_speculative_tokens", "3"),
         (["-sc", '{"method":"ngram","num_speculative_tokens":0}'], "greater than zero", "3"),
+        (["-sc", NGRAM, "--speculative-config.num_speculative_tokens", "-1"], "than zero", "3"),
         (
             ["-sc", '{"method":"ngram","num_speculative_tokens":3,"tensor_parallel_size":1}'],
             "tensor_parallel_size is no field",

@@ -139,8 +139,11 @@ def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
 def whole_number(value: object, default: int) -> int:
     """A field's integer as vLLM's pydantic reads it (3, or "3" from a dotted key);
     `default` where it is unset or no integer (vLLM's own error then says so)."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit() and value.isascii():
-        return int(value)
+    if isinstance(value, str) and value.isascii():
+        try:
+            return int(value)
+        except ValueError:
+            return default
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
