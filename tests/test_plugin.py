@@ -183,6 +183,22 @@ def test_sd_preloads_intel_openmp_before_vllm_decides(
     assert f"preloading {LIBRARY} (intel, from vllm-environment)" in line
 
 
+def test_a_kept_block_time_is_said_to_stop_at_the_workers_vllm_binds(tmp_path: Path) -> None:
+    """The plugin door's INFO line says where the user's KMP_BLOCKTIME reaches, and that
+    vLLM sets 5 in each worker it binds (VLLM_CPU_OMP_THREADS_BIND unset: it binds)."""
+    outcome = run_vllm_process(tmp_path, {"KMP_BLOCKTIME": "1"})
+    assert outcome["env"]["KMP_BLOCKTIME"] == "1"  # kept
+    (line,) = said(outcome, "INFO")
+    assert (
+        "KMP_BLOCKTIME=1 in the front end and engine core; KMP_BLOCKTIME=5 in the workers "
+        "vLLM binds (VLLM_CPU_OMP_THREADS_BIND=nobind keeps yours)" in line
+    )
+    unbound = run_vllm_process(
+        tmp_path / "nobind", {"KMP_BLOCKTIME": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    )
+    assert "in the workers vLLM binds" not in said(unbound, "INFO")[0]
+
+
 def test_without_sd_the_children_get_what_vllm_makes(tmp_path: Path) -> None:
     outcome = run_vllm_process(tmp_path, sd=False)
     assert outcome["seen"] == [None, None]
