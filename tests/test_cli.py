@@ -30,8 +30,8 @@ from .conftest import (
     run_launcher,
 )
 
-NGRAM = '{"method":"ngram"}'
-NGRAM_TOKENS = '{"method":"ngram","num_speculative_tokens":3}'
+NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
+NGRAM_TOKENS = NGRAM
 # The launcher's mark on a start whose LD_PRELOAD names a runtime: the plugin adds nothing.
 STARTED = {"VLLMCPULAUNCH_PLANNED": "launcher:started"}
 
@@ -53,6 +53,29 @@ def assert_one_error(result: subprocess.CompletedProcess[str], code: int, *parts
     assert lines[0].startswith("vllm-cpu-launch: error: ")
     for part in parts:
         assert part in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"VLLMCPULAUNCH_IOMP": "never"}, "VLLMCPULAUNCH_IOMP=never"),
+        ({"config": "iomp: never\n"}, "iomp: never in {config}"),
+        ({"option": "never"}, "--iomp never"),
+    ],
+)
+def test_the_info_line_names_where_iomp_never_came_from(
+    tmp_path: Path, vllm_env: Path, record_file: Path, given: dict[str, str], named: str
+) -> None:
+    config = tmp_path / "launcher.yaml"
+    config.write_text(given.pop("config", ""))
+    head = ["--iomp", given.pop("option")] if "option" in given else []
+    environ = clean_environ(
+        tmp_path, VLLMCPULAUNCH_CONFIG=str(config), RECORD_TO=str(record_file), **given
+    )
+    result = run_launcher([*head, *sd_launch(vllm_env)], environ)
+    assert result.returncode == 0, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"vllm-cpu-launch: {named.format(config=config)}; "), line
 
 
 @pytest.mark.parametrize(
@@ -368,14 +391,15 @@ def test_launcher_config_replaces_the_user_file(tmp_path: Path, vllm_env: Path) 
     chosen = write_config(tmp_path / "chosen.yaml", "iomp: always\n")
     args = ["--dry-run", "--json", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"]
     xdg = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    for head, extra, mode in (
-        (["--launcher-config", str(chosen)], xdg, "always"),
-        ([], {**xdg, "VLLMCPULAUNCH_CONFIG": str(chosen)}, "always"),
-        ([], xdg, "never"),
+    user = tmp_path / "xdg" / "vllm-cpu-launch" / "config.yaml"
+    for head, extra, reason in (
+        (["--launcher-config", str(chosen)], xdg, f"iomp: always in {chosen}"),
+        ([], {**xdg, "VLLMCPULAUNCH_CONFIG": str(chosen)}, f"iomp: always in {chosen}"),
+        ([], xdg, f"iomp: never in {user}"),
     ):
         result = launcher(tmp_path, [*head, *args], **extra)
         assert result.returncode == 0, result.stderr
-        assert json.loads(result.stdout)["reason"] == f"--iomp {mode}"
+        assert json.loads(result.stdout)["reason"] == reason
 
 
 @pytest.mark.parametrize(
@@ -574,7 +598,8 @@ def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> No
         "from vllm_cpu_launch.cli import main\n"
         "main(sys.argv[1:])\n"
     )
-    for request in (["-sc", NGRAM], ["--speculative-config.method", "ngram"], []):
+    dotted = ["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens"]
+    for request in (["-sc", NGRAM], [*dotted, "3"], []):
         launch = [sys.executable, "-c", probe, "-q", *sd_launch(vllm_env)[:-2], *request]
         result = subprocess.run(
             launch, env=clean_environ(tmp_path), capture_output=True, text=True, timeout=60

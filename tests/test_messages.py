@@ -211,13 +211,19 @@ def test_modes_are_read_in_any_case_as_yes_no_values_are(tmp_path: Path, vllm_en
     base = ["--dry-run", "--json", "--vllm", vllm]
     expected = launched(tmp_path, [*base, "--iomp", "always", "--tcmalloc", "never", "serve", "m"])
     assert expected.returncode == 0, expected.stderr
-    for args, extra in (
-        (["--iomp", "ALWAYS", "--tcmalloc", "NEVER"], {}),
-        (["--launcher-config", str(config)], {"VLLMCPULAUNCH_IOMP": "Always"}),
+    for args, extra, named in (
+        (["--iomp", "ALWAYS", "--tcmalloc", "NEVER"], {}, "--iomp always"),
+        (
+            ["--launcher-config", str(config)],
+            {"VLLMCPULAUNCH_IOMP": "Always"},
+            "VLLMCPULAUNCH_IOMP=always",
+        ),
     ):
         result = launched(tmp_path, [*base, *args, "serve", "m"], **extra)
         assert result.returncode == 0, result.stderr
-        assert json.loads(result.stdout) == json.loads(expected.stdout)
+        plan, same = json.loads(result.stdout), json.loads(expected.stdout)
+        assert plan.pop("reason") == named  # the same plan, said with where iomp came from
+        assert same.pop("reason") == "--iomp always" and plan == same
     strict = launched(tmp_path, [*base, "serve", "m"], VLLMCPULAUNCH_STRICT="YES")
     assert strict.returncode == 0, strict.stderr
 

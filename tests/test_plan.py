@@ -29,7 +29,7 @@ from .hardening_support import patch_elf
 
 DEFAULTS = Settings()
 MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"
-SD = ["serve", "m", "--speculative-config", '{"method":"ngram"}']
+SD = ["serve", "m", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
 # Where a plan keeps libgomp for SD or refuses Intel OpenMP, for vLLM's plugin.
 MARK = (PLANNED_VARIABLE, "launcher")
 # The launcher's mark on a start that keeps no libgomp for SD: the plugin adds nothing to it.
@@ -120,7 +120,7 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
             "requested": True,
             "source": "--speculative-config",
             "method": "ngram",
-            "tokens": None,
+            "tokens": 3,
         },
         "reason": "speculative decoding requested by --speculative-config",
         "rule": None,

@@ -183,6 +183,22 @@ def test_sd_preloads_intel_openmp_before_vllm_decides(
     assert f"preloading {LIBRARY} (intel, from vllm-environment)" in line
 
 
+def test_a_kept_block_time_is_said_to_stop_at_the_workers_vllm_binds(tmp_path: Path) -> None:
+    """The plugin door's INFO line says where the user's KMP_BLOCKTIME reaches, and that
+    vLLM sets 5 in each worker it binds (VLLM_CPU_OMP_THREADS_BIND unset: it binds)."""
+    outcome = run_vllm_process(tmp_path, {"KMP_BLOCKTIME": "1"})
+    assert outcome["env"]["KMP_BLOCKTIME"] == "1"  # kept
+    (line,) = said(outcome, "INFO")
+    assert (
+        "KMP_BLOCKTIME=1 in the front end and engine core; KMP_BLOCKTIME=5 in the workers "
+        "vLLM binds (VLLM_CPU_OMP_THREADS_BIND=nobind keeps yours)" in line
+    )
+    unbound = run_vllm_process(
+        tmp_path / "nobind", {"KMP_BLOCKTIME": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    )
+    assert "in the workers vLLM binds" not in said(unbound, "INFO")[0]
+
+
 def test_without_sd_the_children_get_what_vllm_makes(tmp_path: Path) -> None:
     outcome = run_vllm_process(tmp_path, sd=False)
     assert outcome["seen"] == [None, None]
@@ -256,12 +272,33 @@ def test_the_config_file_switch(tmp_path: Path) -> None:
     assert line == f"{PREFIX}switched off (plugin: off, from {config}); vLLM unchanged"
 
 
+def test_the_old_switch_is_obeyed_and_said_deprecated_once_in_the_front_end(
+    tmp_path: Path,
+) -> None:
+    """VLLM_CPU_LAUNCH_PLUGIN=0 still stands the plugin down before it reads a setting;
+    the front end says once (vLLM loads plugins once, the harness registers twice) that
+    the name is deprecated and which to use; the processes it spawns say nothing."""
+    old = {"VLLM_CPU_LAUNCH_PLUGIN": "0"}
+    outcome = run_vllm_process(tmp_path, old)
+    assert not outcome["wrapped"] and outcome["seen"] == [None, None]
+    ((level, line),) = outcome["records"]
+    assert level == "WARNING" and line.startswith(f"{PREFIX}VLLM_CPU_LAUNCH_PLUGIN is deprecated")
+    assert line.endswith(f"rename it to {PLUGIN_VARIABLE}")
+    spawned = run_vllm_process(tmp_path / "child", old, case={"spawned": True})
+    assert not spawned["wrapped"] and spawned["records"] == []
+    both = run_vllm_process(tmp_path / "both", {**old, PLUGIN_VARIABLE: "0"})
+    ((level, line),) = both["records"]
+    assert line.endswith(f"(ignored: {PLUGIN_VARIABLE} is set too)")
+
+
 def test_iomp_never_keeps_libgomp_and_marks_it(tmp_path: Path) -> None:
     outcome = run_vllm_process(tmp_path, {"VLLMCPULAUNCH_IOMP": "never"})
     assert outcome["seen"] == [None, None]
     assert outcome["env"][PLANNED_VARIABLE] == "plugin"
     (line,) = said(outcome, "INFO")
-    assert line.startswith(f"{PREFIX}--iomp never; vLLM's engine processes start unchanged")
+    assert line.startswith(
+        f"{PREFIX}VLLMCPULAUNCH_IOMP=never; vLLM's engine processes start unchanged"
+    )
 
 
 def test_a_broken_config_is_said_and_vllm_goes_on(tmp_path: Path) -> None:
@@ -363,7 +400,7 @@ def test_an_engine_in_this_process_that_the_plan_keeps_on_libgomp_gets_no_advice
     outcome = run_vllm_process(tmp_path, variables)
     assert said(outcome, "WARNING") == [] and set(outcome["env"].values()) == {None}
     (line,) = said(outcome, "INFO")
-    assert line.startswith(f"{PREFIX}--iomp never; ")
+    assert line.startswith(f"{PREFIX}VLLMCPULAUNCH_IOMP=never; ")
 
 
 def test_an_unsafe_callers_entry_is_one_error_and_no_change(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.launch import parse_options, run_exec, run_plan, write_stdout
-from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.messages import did_you_mean, emit
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -128,13 +128,11 @@ def check_verb(word: str) -> None:
     verb it resembles (`--` before it still passes it to vLLM)."""
     if word in VLLM_SUBCOMMANDS:
         return
-    from difflib import get_close_matches
-
-    close = get_close_matches(word, VERBS, n=1)
+    close = did_you_mean(word, VERBS)
     if close:
         raise LaunchError(
             EXIT_USAGE,
-            f"unknown verb {word!r}: did you mean {close[0]}? (to pass it to vLLM as a "
+            f"unknown verb {word!r}: did you mean {close}? (to pass it to vLLM as a "
             f"subcommand: vllm-cpu-launch -- {word} ...)",
         )
 

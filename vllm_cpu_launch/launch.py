@@ -20,7 +20,7 @@ from vllm_cpu_launch.errors import (
     EXIT_USAGE,
     LaunchError,
 )
-from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.messages import did_you_mean, emit
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -66,12 +66,10 @@ def unknown_option(token: str, verb: str | None, known: Sequence[str]) -> str:
     """Before the vLLM subcommand, an unknown option is most likely vLLM's, put too early,
     unless it is close to one of `known` (a typo); after a verb, it is not one of that
     verb's, whose help lists them."""
-    from difflib import get_close_matches
-
     # 0.8: a letter or two off (--iomp-pth, --stric); vLLM's --config or --model is no
     # typo of --launcher-config or --help.
-    close = get_close_matches(token.partition("=")[0], known, n=1, cutoff=0.8)
-    hint = f" (did you mean {close[0]}?)" if close else ""
+    close = did_you_mean(token.partition("=")[0], known, cutoff=0.8)
+    hint = f" (did you mean {close}?)" if close else ""
     if verb is not None:
         return f"unknown option {token!r} for {verb}{hint}; see vllm-cpu-launch {verb} --help"
     if close:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 PREFIX = "vllm-cpu-launch: "
 # sd-daemon(3) priority prefixes, which journald turns into log levels.
@@ -50,3 +54,12 @@ def emit(level: str, text: str) -> None:
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
         pass
+
+
+def did_you_mean(word: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
+    """The one of `known` that `word` is most likely a typo of (difflib's ratio of at least
+    `cutoff`), or None: every "did you mean" the launcher says."""
+    from difflib import get_close_matches
+
+    close = get_close_matches(word, known, n=1, cutoff=cutoff)
+    return close[0] if close else None

@@ -20,6 +20,8 @@ from vllm_cpu_launch.evidence import (
     BLOCKTIME_VARIABLE,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
+    bound_worker_overrides,
+    override_words,
 )
 from vllm_cpu_launch.gather import Request, gather
 from vllm_cpu_launch.handoff import LAUNCHER, LLVM_OPT_IN_MACHINES, PLANNED_VARIABLE
@@ -29,13 +31,14 @@ from vllm_cpu_launch.libraries import LLVM, Candidate
 from vllm_cpu_launch.metadata import PYTHONPATH, Alias
 from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, preload_entries
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.settings import said_setting
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any
 
     from vllm_cpu_launch.decide import Decision
-    from vllm_cpu_launch.evidence import Rule
+    from vllm_cpu_launch.evidence import Override, Rule
     from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.libraries import Search, Verdict
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
@@ -105,6 +108,8 @@ class Plan:
     fatal: tuple[str, ...] = ()
     # The `vllm` metadata the launcher supplies to a vllm-cpu install (metadata.py).
     metadata: Alias | None = None
+    # With SD, the values handed on that vLLM writes over in each worker it binds.
+    overridden: tuple[Override, ...] = ()
 
 
 def missing_message(search: Search, install: str, consequence: str, llvm: bool = False) -> str:
@@ -125,16 +130,25 @@ def missing_message(search: Search, install: str, consequence: str, llvm: bool =
     )
 
 
-def why(mode: str, speculative: SpeculativeRequest, auto_iomp: bool, tuned: Tuned | None) -> str:
-    """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it)."""
+def why(
+    mode: str,
+    speculative: SpeculativeRequest,
+    auto_iomp: bool,
+    tuned: Tuned | None,
+    named: str | None = None,
+) -> str:
+    """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it).
+    `named`: the iomp setting as said_setting names it, where the user's setting decided."""
     if mode != "auto":
-        reason = f"--iomp {mode}"
+        reason = named if named and tuned is None else f"--iomp {mode}"
     elif speculative.requested:
         reason = f"speculative decoding requested by {speculative.source}"
     elif auto_iomp:
         reason = "exec preloads Intel OpenMP unless --iomp never"
     else:
         reason = "no speculative decoding requested"
+        if speculative.near_miss:
+            reason += f" ({speculative.near_miss[0]}: did you mean {speculative.near_miss[1]}?)"
     if tuned is None:
         return reason
     return f"{reason} (from tune {tuned.when}: {tuned.result})"
@@ -236,15 +250,21 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
     request = facts.request
     unsafe = [f"{text}; Fix: {fix}" if fix else text for text, fix in facts.target_problems]
     said = [*request.settings.deprecated, *filter(None, [request.speculative.note])]
+    if decision.release_gate != "older":  # an older vLLM refuses SD on CPU altogether
+        said += request.speculative.refusals
     said += [*filter(None, [request.target.disagreement]), *unsafe]
     if decision.machine_gate == "off" and decision.mode == "always":
         said.append(machine_words(request.host.machine))
     if decision.yours and decision.mode == "never" and not decision.wants_iomp:
         names = ", ".join(decision.yours)
-        said.append(f"--iomp never, but your LD_PRELOAD names {names}: it stays as you set it")
+        said.append(
+            f"{said_setting(request.settings, 'iomp')}, but your LD_PRELOAD names {names}: "
+            "it stays as you set it"
+        )
     if decision.other_malloc and request.settings.tcmalloc == "always":
         said.append(
-            f"--tcmalloc always, but your LD_PRELOAD names {', '.join(decision.other_malloc)}:"
+            f"{said_setting(request.settings, 'tcmalloc')}, but your LD_PRELOAD names "
+            f"{', '.join(decision.other_malloc)}:"
             " it stays as you set it, no tcmalloc beside it"
         )
     broken, rejected, others = callers_words(facts, decision)
@@ -335,7 +355,8 @@ def reason_of(facts: Facts, decision: Decision) -> str:
     """Why Intel OpenMP is wanted or not, and the rules applied: the INFO line's reason."""
     release, iomp = facts.release, decision.iomp
     request = facts.request
-    reasons = [why(decision.mode, request.speculative, request.auto_iomp, decision.tuned)]
+    named = said_setting(request.settings, "iomp")
+    reasons = [why(decision.mode, request.speculative, request.auto_iomp, decision.tuned, named)]
     if decision.release_gate == "older":
         reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
     elif decision.release_gate == "newer":
@@ -371,6 +392,8 @@ def said(facts: Facts, decision: Decision) -> Plan:
     request, chosen = facts.request, decision.chosen
     runtime = decision.runtime.rule if decision.runtime else None
     applied = decision.applied
+    environ = {**request.host.environ, **dict(decision.env)}  # what vLLM starts with
+    overridden = bound_worker_overrides(environ) if request.speculative.requested else ()
     return Plan(
         command=(request.target.executable, *request.arguments),
         speculative=request.speculative,
@@ -378,7 +401,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
         env=decision.env,
         warnings=tuple(warnings),
-        notes=tuple(notes_of(facts, decision)),
+        notes=(*notes_of(facts, decision), *[override_words(overridden)] * bool(overridden)),
         candidates=tuple(c for s in searches(decision) for c in s.candidates),
         missing=missing_kinds(decision),
         unsafe=tuple(unsafe),
@@ -391,6 +414,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         refused=tuple(refusal(c) for c in decision.refused),
         fatal=tuple(fatal),
         metadata=facts.alias if facts.alias and not facts.alias_problem else None,
+        overridden=overridden,
     )
 
 
@@ -504,6 +528,8 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
     parts += [f"{name}={value}" for name, value in plan.env if name not in shown]
     if plan.metadata:
         parts.append(metadata_words(plan.metadata))
+    if plan.overridden:
+        parts.append(override_words(plan.overridden, short=True))
     if not parts:
         parts = [unchanged or f"starting {plan.command[0]} unchanged"]
     return f"{plan.reason}; {'; '.join(parts)}"

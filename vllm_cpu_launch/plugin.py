@@ -26,7 +26,14 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.handoff import PLUGIN, already_planned, stands_down
+from vllm_cpu_launch.handoff import (
+    DEPRECATED_PLUGIN_VARIABLE,
+    PLUGIN,
+    PLUGIN_VARIABLE,
+    already_planned,
+    stands_down,
+    switched_off,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -70,8 +77,24 @@ def register() -> None:
         reason = stands_down(os.environ, os.uname().machine, spawned)
         if reason is None:
             install_hook()
+        elif (
+            not spawned and switched_off(os.environ) and os.environ.get(DEPRECATED_PLUGIN_VARIABLE)
+        ):
+            deprecated_switch()
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not install its hook (%r); vLLM runs without it", PREFIX, error)
+
+
+def deprecated_switch() -> None:
+    """The old name of the off switch, read where the plugin stood down before reading
+    any setting: said once, in the front end (the processes it spawns inherit it), in the
+    words every deprecated name of ours gets (settings.with_current_names)."""
+    from vllm_cpu_launch.settings import with_current_names
+
+    names = (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE)
+    _, warnings = with_current_names({n: os.environ[n] for n in names if n in os.environ})
+    for warning in warnings:
+        logger.warning("%s%s", PREFIX, warning)
 
 
 def install_hook() -> None:

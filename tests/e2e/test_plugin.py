@@ -218,6 +218,26 @@ def test_vllms_environ_validation_passes_with_our_variables(
     assert UNKNOWN_VARIABLE not in server.log_text(), tail(server)
 
 
+def test_the_block_time_handed_on_stops_at_the_bound_worker_as_the_plugin_says(
+    plugged: tuple[Server, Path],
+) -> None:
+    """Plugin door 2 (issue 36): the plan's KMP_BLOCKTIME reaches the engine core; vLLM
+    binds the worker (VLLM_CPU_OMP_THREADS_BIND unset) and sets 5 there, as the plugin's
+    INFO line says (vllm/utils/ompmultiprocessing.py)."""
+    server, probe = plugged
+    started = {
+        view.title.split("::")[1].split("_")[0]: records["KMP_BLOCKTIME"]
+        for view in model_processes(tree_views(server))
+        if (records := probe_records(probe).get(view.pid))
+    }
+    assert started == {"EngineCore": SET_BLOCKTIME, "Worker": "5"}, probe_records(probe)
+    ((_, _, text),) = plugin_lines(server.log_text())
+    assert (
+        f"KMP_BLOCKTIME={SET_BLOCKTIME} in the front end and engine core; KMP_BLOCKTIME=5 in "
+        "the workers vLLM binds (VLLM_CPU_OMP_THREADS_BIND=nobind keeps yours)"
+    ) in text
+
+
 def test_the_plugin_says_what_it_did_in_vllms_log(plugged: tuple[Server, Path]) -> None:
     server, _ = plugged
     log = server.log_text()

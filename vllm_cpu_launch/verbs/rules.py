@@ -16,6 +16,7 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 if TYPE_CHECKING:
     from vllm_cpu_launch.evidence import Measured, Rule
     from vllm_cpu_launch.rules import Start
+    from vllm_cpu_launch.speculative import SpeculativeRequest
 
 USAGE = """\
 usage: vllm-cpu-launch rules [--json]
@@ -160,9 +161,11 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str, bool]:
-    """The start the rules read for `command`, as a launch reads it, where its vLLM was
-    found (or why none was), and whether it requests SD."""
+def start_of(
+    values: dict[str, object], command: list[str]
+) -> tuple[Start, str, SpeculativeRequest]:
+    """The start the rules read for `command`, as a launch reads it, where its vLLM
+    was found (or why none was), and its SD request."""
     import os
     import sys
 
@@ -204,7 +207,7 @@ def start_of(values: dict[str, object], command: list[str]) -> tuple[Start, str,
         theirs,
         vllm_found=target is not None,
     )
-    return start, found, speculative.requested
+    return start, found, speculative
 
 
 NO_SD = "no speculative decoding requested"
@@ -275,6 +278,32 @@ def command_lines(start: Start, found: str, requested: bool, verdict: dict[str, 
     return lines
 
 
+def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) -> list[str]:
+    """What vLLM itself will do with this command that the plan does not: refuse its
+    speculative config or an unknown option, and write over the block time and thread
+    count it hands on in each worker it binds (with libiomp5 preloaded, as SD gets it)."""
+    from vllm_cpu_launch.evidence import (
+        BLOCKTIME_VARIABLE,
+        RULES,
+        bound_worker_overrides,
+        override_words,
+    )
+    from vllm_cpu_launch.handoff import names_openmp_runtime
+
+    said = [*speculative.refusals, *filter(None, [speculative.note])]
+    if not speculative.requested:
+        return said
+    environ = dict(start.environ)
+    if start.chosen_blocktime:
+        environ[BLOCKTIME_VARIABLE] = start.chosen_blocktime
+    added = next((r.variables for r in RULES if r.id == rule), ())
+    environ = {**dict(added), **environ}  # a rule adds only what is unset
+    if not names_openmp_runtime(environ.get("LD_PRELOAD", "")):
+        environ["LD_PRELOAD"] = "libiomp5.so"
+    overrides = bound_worker_overrides(environ)
+    return said + ([override_words(overrides)] if overrides else [])
+
+
 def main(values: dict[str, object], args: list[str]) -> int:
     from vllm_cpu_launch.evidence import RULES
     from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
@@ -290,9 +319,11 @@ def main(values: dict[str, object], args: list[str]) -> int:
     record: dict[str, Any] = {"schema": SCHEMA, "rules": [rule_json(r) for r in RULES]}
     lines = table_lines()
     if command:
-        start, found, requested = start_of(merged, command)
-        verdict = verdicts(start, requested)
-        record.update(start=start_json(start, found), **verdict)
-        lines = command_lines(start, found, requested, verdict)
+        start, found, speculative = start_of(merged, command)
+        verdict = verdicts(start, speculative.requested)
+        said = vllm_words(start, speculative, verdict["rule"])
+        record.update(start=start_json(start, found), **verdict, vllm=said)
+        lines = command_lines(start, found, speculative.requested, verdict)
+        lines += [f"vLLM:     {w}" for w in said]
     write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0
