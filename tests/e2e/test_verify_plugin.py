@@ -73,7 +73,7 @@ def test_verify_agrees_with_the_plan(never: Server) -> None:
         assert process["reason"].startswith(
             (
                 f"libgomp kept by the plan ({PLANNED_VARIABLE}=plugin): GNU libgomp ",
-                f"libgomp chosen by the user (iomp: never, from {IOMP_VARIABLE}): GNU libgomp ",
+                f"libgomp chosen by the user ({IOMP_VARIABLE}=never): GNU libgomp ",
             )
         ), process
     root = report["processes"][0]

@@ -285,7 +285,12 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> Choice |
     """Why libgomp is the user's own choice, `iomp: never`, read as the plan read it: from
     PID's start-up environment and the config files it names (a relative
     VLLMCPULAUNCH_CONFIG is PID's working directory's); None where it is not."""
-    from vllm_cpu_launch.settings import CONFIG_VARIABLE, deprecated_name, load_settings
+    from vllm_cpu_launch.settings import (
+        CONFIG_VARIABLE,
+        deprecated_name,
+        load_settings,
+        said_setting,
+    )
 
     environ = dict(start_environment)
     for name in (CONFIG_VARIABLE, deprecated_name(CONFIG_VARIABLE)):
@@ -294,9 +299,7 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> Choice |
     settings = load_settings({}, environ, errors=[])  # what is broken is left out
     if settings.iomp != "never":
         return None
-    where = {"variable": "VLLMCPULAUNCH_IOMP", "config": ", ".join(settings.config_files)}
-    source = where.get(settings.iomp_from, settings.iomp_from)
-    return Choice("the user", f"iomp: never, from {source}")
+    return Choice("the user", said_setting(settings, "iomp"))
 
 
 def vllm_title(cmdline: Sequence[str]) -> str | None:
