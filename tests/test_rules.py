@@ -109,7 +109,7 @@ def test_a_draft_model_named_without_a_method_is_the_start_the_plan_reads(
     command = ["serve", "m", "--speculative-config", '{"model":"/d","num_speculative_tokens":7}']
     record = rules_json(tmp_path, ["--vllm", str(map_vllm), *command])
     assert (record["start"]["method"], record["start"]["tokens"]) == ("draft_model", 7)
-    assert record["misses"]["methods-none draft_model 7"] == []
+    assert record["misses"]["methods-none-7 draft_model 7"] == []
     assert "no speculative decoding requested" not in record["note"]
     plan = run_launcher(
         ["--dry-run", "--json", "--vllm", str(map_vllm), *command], clean_environ(tmp_path), PINNED

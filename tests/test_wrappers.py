@@ -112,7 +112,14 @@ def test_a_shell_script_wrapper_is_served_by_the_environment_it_lies_in(
     )
     record = tmp_path / "record.json"
     environ = clean_environ(tmp_path, RECORD_TO=str(record))
-    args = ["--vllm", str(script), "serve", "m", "-sc", '{"method":"ngram"}']
+    args = [
+        "--vllm",
+        str(script),
+        "serve",
+        "m",
+        "-sc",
+        '{"method":"ngram","num_speculative_tokens":3}',
+    ]
     plan = json.loads(run_launcher(["--dry-run", "--json", *args], environ).stdout)
     host = [p["path"] for p in system_host.preloaded()]
     assert [p["path"] for p in plan["preload"]] == [*host, str(venv / "lib" / "libiomp5.so")]
