@@ -4,7 +4,9 @@ to the command (`vllm serve`, `python -m vllm.entrypoints...`, `LLM(...)`, `vllm
 vLLM loads the entry points of the group `vllm.general_plugins` in every process it starts
 (the front end, the engine core, each worker, a helper subprocess) and calls them
 unguarded: an exception here would kill vLLM. So `register` never raises, does its work
-once, and in every process but the front end stops after reading a few variables.
+once, and in every process but the front end stops after reading a few variables and
+wrapping the vLLM method after which that process reads its OpenMP runtime for /metrics
+(inside.py; the launcher's front end too, which plans nothing).
 
 The hook (docs/design.md, "The plugin"): in the front end, `register` wraps the CPU
 platform's `check_and_update_config`. vLLM calls it from `VllmConfig.__post_init__` with
@@ -20,12 +22,12 @@ vLLM's own code runs, the wrapper applies the launcher's plan for that configura
 from __future__ import annotations
 
 import functools
-import logging
 import multiprocessing
 import os
 import sys
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch import inside
 from vllm_cpu_launch.handoff import (
     DEPRECATED_PLUGIN_VARIABLE,
     PLUGIN,
@@ -44,8 +46,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.speculative import SpeculativeRequest
 
 # A child of vLLM's "vllm" logger: the plugin's lines come out in vLLM's own log format.
-logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
-PREFIX = "vllm-cpu-launch plugin: "
+logger, PREFIX = inside.logger, inside.PREFIX
 HOOK = "check_and_update_config"
 # Set on the wrapper, so that a second register() in the same process wraps nothing.
 WRAPPED = "_vllm_cpu_launch_wrapped"
@@ -74,6 +75,7 @@ def register() -> None:
     registered = True
     try:
         spawned = multiprocessing.parent_process() is not None
+        inside.start(spawned)  # the reading on /metrics, through both doors
         reason = stands_down(os.environ, os.uname().machine, spawned)
         if reason is None:
             install_hook()
