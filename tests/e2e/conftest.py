@@ -328,6 +328,14 @@ def model_processes(views: Sequence[ProcessView]) -> list[ProcessView]:
     return [view for view in views if view.title.startswith(MODEL_TITLES)]
 
 
+def serving_environment(scratch: Path, **variables: str) -> dict[str, str]:
+    """An environment without OpenMP or launcher settings, but `variables`."""
+    prefixes = ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
+    env = isolated_environment(scratch, ("LD_PRELOAD",), prefixes, RUN_CACHE["vllm"])
+    env.update(variables)
+    return env
+
+
 @contextlib.contextmanager
 def serving(
     prefix: Sequence[str],
@@ -338,17 +346,14 @@ def serving(
     extra: Sequence[str] = (),
     **variables: str,
 ) -> Iterator[Server]:
-    """`PREFIX serve MODEL ... EXTRA` in its own session, output to scratch/server.log, in an
-    environment without OpenMP or launcher settings (but `variables`), with the speculative
-    decoding `speculative_config` names; its session killed on the way out."""
-    prefixes = ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
-    env = isolated_environment(scratch, ("LD_PRELOAD",), prefixes, RUN_CACHE["vllm"])
-    env.update(variables)
+    """`PREFIX serve MODEL ... EXTRA` in its own session, output to scratch/server.log, in
+    serving_environment(scratch, **variables), with the speculative decoding
+    `speculative_config` names; its session killed on the way out."""
     server = start_server(
         prefix,
         model,
         scratch,
-        env,
+        serving_environment(scratch, **variables),
         cwd=SCRIPTS.parent,
         extra=extra,
         speculative_config=speculative_config,
