@@ -75,6 +75,7 @@ register = entry.load()
 loaded = time.perf_counter()
 register()
 result.update(load=loaded - started, register=time.perf_counter() - loaded)
+result["package"] = sys.modules["vllm_cpu_launch"].__file__
 hook = type(current_platform).check_and_update_config
 result["wrapped"] = getattr(hook, "_vllm_cpu_launch_wrapped", False)
 if config is not None:
@@ -136,8 +137,13 @@ def measure_once(
 ) -> dict[str, float]:
     """One fresh vLLM process of the role; its timings in seconds."""
     command = [str(vllm_env / "bin" / "python"), "-c", PROCESS, role, str(model)]
+    # Not in a checkout: `python -c` imports from the working directory first.
     output = checked_output(
-        [*command, SPECULATIVE_CONFIG], f"a {role} process", PROCESS_LIMIT_S, env=environ
+        [*command, SPECULATIVE_CONFIG],
+        f"a {role} process",
+        PROCESS_LIMIT_S,
+        env=environ,
+        cwd=model.parent,
     )
     lines = [line for line in output.splitlines() if line.startswith(RESULT)]
     if not lines:
@@ -145,6 +151,8 @@ def measure_once(
     result: dict[str, float] = json.loads(lines[-1][len(RESULT) :])
     if role == "front-end" and "libiomp5" not in str(result.get("LD_PRELOAD")):
         raise ScriptError(f"the hook did not plan libiomp5: LD_PRELOAD={result.get('LD_PRELOAD')}")
+    if not str(result.pop("package")).startswith(environ["PYTHONPATH"]):
+        raise ScriptError(f"a {role} process imported the plugin from elsewhere")
     if result.pop("wrapped") != (role == "front-end"):
         raise ScriptError(f"a {role} process did not take the plugin's path for its kind")
     return result
