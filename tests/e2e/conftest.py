@@ -268,9 +268,11 @@ def verify_pid(pid: int, *options: str) -> tuple[int, dict[str, Any]]:
     return result.returncode, report
 
 
-# vLLM's plugin's line as vLLM's logger prints it: "(APIServer pid=N) INFO 12-02 ... [plugin.py:N]".
+# vLLM's plugin's line as vLLM's logger prints it: "(APIServer pid=N) INFO 12-02 ... [plugin.py:N]"
+# (or [inside.py:N], the module of its reading).
 PLUGIN_LINE = re.compile(
-    r"^\((\w+) pid=\d+\) (INFO|WARNING) .*\[plugin\.py:\d+\] vllm-cpu-launch plugin: (.*)$"
+    r"^\((\w+) pid=\d+\) (INFO|WARNING) .*\[(?:plugin|inside)\.py:\d+\] "
+    r"vllm-cpu-launch plugin: (.*)$"
 )
 MODEL_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 

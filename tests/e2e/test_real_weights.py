@@ -54,6 +54,7 @@ from .conftest import (
     model_processes,
     plain_environment,
     plain_serve,
+    plugin_lines,
     serving,
     serving_environment,
     tree_views,
@@ -266,8 +267,11 @@ def test_each_process_says_on_metrics_what_the_plan_set(served: Served) -> None:
     assert front_end["runtime"] == ("intel" if served.door == "launcher" else "gnu"), front_end
     pids = {int(labels["pid"]) for found in series.values() for labels in found}
     assert pids == {view.pid for view in [served.views[0], *model_processes(served.views)]}
-    if served.door == "launcher":  # it read and published, and planned nothing
-        assert "vllm-cpu-launch plugin:" not in served.log
+    # Reading and publishing said nothing: the launcher's start has no plugin line (it
+    # planned nothing), plain vLLM the front end's one INFO line.
+    levels = [level for _, level, _ in plugin_lines(served.log)]
+    assert levels == ([] if served.door == "launcher" else ["INFO"]), served.log[-3000:]
+    assert served.log.count("vllm-cpu-launch plugin: ") == len(levels)  # no ERROR line either
 
 
 def test_a_second_run_of_the_script_is_a_no_op(real_model: Path) -> None:
