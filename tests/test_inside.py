@@ -249,3 +249,18 @@ def test_a_process_outside_vllm_changes_nothing(tmp_path: Path, spawned: bool) -
     )
     out = run_python(code, clean_environ(tmp_path, TMPDIR=str(tmp_path)))
     assert out == ("\n" if spawned else f"{tmp_path}\n")
+
+
+@pytest.mark.parametrize(("switch", "reads"), [("0", False), ("off", False), ("1", True)])
+def test_the_plugins_off_switch_stops_the_reading_too(
+    tmp_path: Path, switch: str, reads: bool
+) -> None:
+    """vLLM's front end registers the plugin (no vLLM here: its hook is one warning)."""
+    code = (
+        "import os\n"
+        "from vllm_cpu_launch import plugin\n"
+        "plugin.register()\n"
+        f"print({READINGS_VARIABLE!r} in os.environ)\n"
+    )
+    environ = clean_environ(tmp_path, TMPDIR=str(tmp_path), VLLMCPULAUNCH_PLUGIN=switch)
+    assert run_python(code, environ) == f"{reads}\n"

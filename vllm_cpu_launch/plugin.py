@@ -78,7 +78,8 @@ def register() -> None:
     registered = True
     try:
         spawned = multiprocessing.parent_process() is not None
-        inside.start(spawned)  # the reading on /metrics, through both doors
+        if not switched_off(os.environ):
+            inside.start(spawned)  # the reading on /metrics, through both doors
         reason = stands_down(os.environ, os.uname().machine, spawned)
         if reason is None:
             install_hook()
