@@ -6,7 +6,8 @@ vLLM loads the entry points of the group `vllm.general_plugins` in every process
 unguarded: an exception here would kill vLLM. So `register` never raises, does its work
 once, and in every process but the front end stops after reading a few variables and
 wrapping the vLLM method after which that process reads its OpenMP runtime for /metrics
-(inside.py; the launcher's front end too, which plans nothing).
+(inside.py). The reading is done also where the launcher started vLLM and the plugin
+plans nothing.
 
 The hook (docs/design.md, "The plugin"): in the front end, `register` wraps the CPU
 platform's `check_and_update_config`. vLLM calls it from `VllmConfig.__post_init__` with
