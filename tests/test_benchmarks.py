@@ -383,7 +383,15 @@ def test_bench_plugin_times_each_kind_of_vllm_process(tmp_path: Path) -> None:
     output = run_script("bench_plugin.py", "--rounds", "1", "--json", str(kept), limit_s=1200)
     samples = json.loads(kept.read_text(encoding="utf-8"))
     assert set(samples) == {"front-end", "engine-or-worker"}
-    assert set(samples["front-end"][0]) == {"vllm", "load", "register", "hook", "LD_PRELOAD"}
+    assert set(samples["front-end"][0]) == {
+        "vllm",
+        "load",
+        "register",
+        "hook",
+        "read",
+        "LD_PRELOAD",
+    }
+    assert set(samples["engine-or-worker"][0]) == {"vllm", "load", "register", "read"}
     assert "libiomp5" in samples["front-end"][0]["LD_PRELOAD"]  # the hook planned, for real
     for role in samples:
         assert f"ratio plugin-{role} (plugin / import vllm, {role}, median of 1" in output

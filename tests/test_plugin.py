@@ -46,6 +46,14 @@ class Platform:
 
 current_platform = Platform()
 """
+# vLLM's offline engine (vllm/v1/engine/llm_engine.py): `from_engine_args` builds the
+# configuration, which calls check_and_update_config (here: `build`).
+OFFLINE_ENGINE = """\
+class LLMEngine:
+    @classmethod
+    def from_engine_args(cls, build):
+        return build()
+"""
 # What vLLM does in a process: load the plugin (more than once, as several entry points
 # may), then build configurations, each calling check_and_update_config.
 # What both harnesses start with: vLLM's logger kept, and our entry point found as vLLM does.
@@ -86,7 +94,13 @@ if case.get("parallel", True):
     config.parallel_config = types.SimpleNamespace(
         tensor_parallel_size=case.get("tp", 1), pipeline_parallel_size=1, data_parallel_size=1
     )
-results = [type(current_platform).check_and_update_config(config) for _ in range(2)]
+def build():
+    return type(current_platform).check_and_update_config(config)
+if case.get("offline"):  # vLLM's offline engine builds the configuration (LLM(...))
+    from vllm.v1.engine.llm_engine import LLMEngine
+    results = [LLMEngine.from_engine_args(build) for _ in range(2)]
+else:
+    results = [build() for _ in range(2)]
 wrapped = getattr(type(current_platform).check_and_update_config, "_vllm_cpu_launch_wrapped", False)
 names = ("LD_PRELOAD", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND", "VLLMCPULAUNCH_PLANNED")
 print(json.dumps({
@@ -126,6 +140,10 @@ def run_standin(
     (package / "platforms").mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
     (package / "platforms" / "__init__.py").write_text(platforms)
+    (package / "v1" / "engine").mkdir(parents=True, exist_ok=True)
+    (package / "v1" / "__init__.py").write_text("")
+    (package / "v1" / "engine" / "__init__.py").write_text("")
+    (package / "v1" / "engine" / "llm_engine.py").write_text(OFFLINE_ENGINE)
     environ = clean_environ(tmp_path, **(variables or {}))
     environ["PYTHONPATH"] = f"{package.parent}:{environ['PYTHONPATH']}"
     completed = subprocess.run(
@@ -320,11 +338,25 @@ def test_a_configuration_it_cannot_read_is_said_and_vllm_goes_on(tmp_path: Path)
 def test_an_engine_in_this_process_is_said_once_with_the_launcher_command(
     tmp_path: Path,
 ) -> None:
-    outcome = run_vllm_process(tmp_path, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    variables = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    outcome = run_vllm_process(tmp_path, variables, case={"offline": True})
     assert outcome["seen"] == [None, None] and set(outcome["env"].values()) == {None}
     (warning,) = said(outcome, "WARNING")
     assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in warning
     assert f"start it with: vllm-cpu-launch exec -- {sys.executable} -c " in warning
+
+
+def test_a_server_with_multiprocessing_off_still_spawns_its_engine_and_is_planned(
+    tmp_path: Path, system_host: SystemHost
+) -> None:
+    """vLLM honours VLLM_ENABLE_V1_MULTIPROCESSING=0 in its offline engine only: a
+    configuration built elsewhere (`vllm serve`, whose AsyncLLM spawns EngineCore) is
+    planned as without it, and no line says the engine runs in this process."""
+    plain = run_vllm_process(tmp_path / "plain")
+    off = run_vllm_process(tmp_path / "off", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert off["seen"] == plain["seen"] == [system_host.preload(LIBRARY)] * 2
+    assert off["env"] == plain["env"]
+    assert said(off, "WARNING") == [] and said(off, "INFO") == said(plain, "INFO")
 
 
 def test_in_process_message_quotes_the_command() -> None:
@@ -397,7 +429,7 @@ def test_an_engine_in_this_process_that_the_plan_keeps_on_libgomp_gets_no_advice
     tmp_path: Path,
 ) -> None:
     variables = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLMCPULAUNCH_IOMP": "never"}
-    outcome = run_vllm_process(tmp_path, variables)
+    outcome = run_vllm_process(tmp_path, variables, case={"offline": True})
     assert said(outcome, "WARNING") == [] and set(outcome["env"].values()) == {None}
     (line,) = said(outcome, "INFO")
     assert line.startswith(f"{PREFIX}VLLMCPULAUNCH_IOMP=never; ")

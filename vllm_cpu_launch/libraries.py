@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch.elf import elf_problem, elf_truncation, openmp_runtime
 from vllm_cpu_launch.places import IOMP, MARKER, resolve_preload_entry, search_places
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.runtimes import LLVM as LLVM  # also the flavor of LLVM's libomp (elf)
 from vllm_cpu_launch.trust import insecure_reason
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.places import Host
     from vllm_cpu_launch.target import Target
 
-LLVM = "llvm"  # the flavor of LLVM's libomp (elf.FLAVOR_MARKERS)
 FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 

