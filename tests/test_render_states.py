@@ -39,7 +39,6 @@ from vllm_cpu_launch.errors import (
     EXIT_NOT_FOUND,
     EXIT_PROBLEM,
 )
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.verbs.env import FORMATS
 
 from .conftest import NOBODY, SystemHost, clean_environ, install_recorder, run_launcher
@@ -386,9 +385,7 @@ def check_env(runs: Runs, expect: Expect) -> None:
             assert result.stderr == runs["--dry-run"].stderr
             continue
         plan = json.loads(runs["--dry-run --json"].stdout)
-        exported = dict(plan["env"])
-        if output_format == "shell":  # the plan's mark is for one program, not a shell
-            exported.pop(PLANNED_VARIABLE, None)
+        exported = dict(plan["env"])  # the mark too: every format carries it (issue 36)
         assert READERS[output_format](result.stdout) == exported, result.stdout
         assert exported or says_why(result.stdout, plan["reason"]), result.stdout
         lines = result.stderr.splitlines()
