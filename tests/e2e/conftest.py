@@ -74,6 +74,22 @@ POLL_INTERVAL_S = 1.0
 LOG_TAIL_LINES = 60
 
 
+def last_json_line_of(vllm_env: Path, script: str, payload: object, limit_s: float) -> Any:
+    """What `script` prints last, as JSON, run by the vLLM environment's Python with
+    `payload` as JSON on its standard input (vLLM's own parsers and checks, no server)."""
+    result = subprocess.run(
+        [str(vllm_env / "bin" / "python"), "-c", script],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+        env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def run_script(command: Sequence[str], limit_s: float) -> str:
     """Run one of the repo's scripts and return the last line it printed (its result)."""
     try:

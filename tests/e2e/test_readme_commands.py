@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .conftest import REAL_VLLM, SCRIPTS
+from .conftest import REAL_VLLM, SCRIPTS, last_json_line_of
 
 pytestmark = REAL_VLLM
 
@@ -139,17 +139,9 @@ def serve_arguments(words: list[str], model: Path, spec: str) -> list[str]:
 
 
 def vllm_verdicts(vllm_env: Path, cases: list[list[str]]) -> list[dict[str, Any]]:
-    result = subprocess.run(
-        [str(vllm_env / "bin" / "python"), "-c", CHECK_WITH_VLLM],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=CHECK_LIMIT_S,
-        env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
-        check=False,
+    verdicts: list[dict[str, Any]] = last_json_line_of(
+        vllm_env, CHECK_WITH_VLLM, cases, CHECK_LIMIT_S
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    verdicts: list[dict[str, Any]] = json.loads(result.stdout.strip().splitlines()[-1])
     return verdicts
 
 

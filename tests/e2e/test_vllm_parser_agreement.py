@@ -11,8 +11,6 @@ parallel size it parsed is 1 and `--headless` is not set.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from ..test_speculative import (
     YAML_REQUESTED,
 )
 from ..test_vllm_cli import PARALLEL_CASES, PARALLEL_YAML_CASES
-from .conftest import REAL_VLLM, WINDOW_EDGES
+from .conftest import REAL_VLLM, WINDOW_EDGES, last_json_line_of
 
 pytestmark = REAL_VLLM
 
@@ -68,17 +66,10 @@ PARSE_LIMIT_S = 300
 def vllm_verdicts(vllm_env: Path, cases: list[list[str]]) -> list[dict[str, bool] | None]:
     """What vLLM's parser makes of each `serve` argv: whether SD is requested and whether
     it is one worker on one node, or None where vLLM rejects the argv."""
-    result = subprocess.run(
-        [str(vllm_env / "bin" / "python"), "-c", PARSE_WITH_VLLM],
-        input=json.dumps([case[1:] for case in cases]),
-        capture_output=True,
-        text=True,
-        timeout=PARSE_LIMIT_S,
-        env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
-        check=False,
+    payload = [case[1:] for case in cases]
+    verdicts: list[dict[str, bool] | None] = last_json_line_of(
+        vllm_env, PARSE_WITH_VLLM, payload, PARSE_LIMIT_S
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    verdicts: list[dict[str, bool] | None] = json.loads(result.stdout.strip().splitlines()[-1])
     return verdicts
 
 
