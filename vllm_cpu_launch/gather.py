@@ -202,7 +202,9 @@ def install_fixes(
     OpenMP wheels for a runtime), by package."""
     # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
     runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
-    allocator = tcmalloc is not None and tcmalloc.chosen is None
+    # tcmalloc is missing to the plan only where the user asked for it (--tcmalloc always).
+    always = request.settings.tcmalloc == "always"
+    allocator = always and tcmalloc is not None and tcmalloc.chosen is None
     if not (runtime or allocator):
         return MappingProxyType({})
     from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # only when missing
