@@ -269,6 +269,12 @@ def test_verify_judges_the_model_processes_and_reports_the_api_server(
     # The plugin's LD_PRELOAD put libiomp5 first in each model process's link map.
     models = [p for p in report["processes"] if p["role"] in ("engine-core", "worker")]
     assert {p["serves"]["kind"] for p in models} == {"iomp"}, models
+    # And from inside: the plugin's series on this server's /metrics, read by verify,
+    # names the same runtime in each model process (docs/operating.md, "verify").
+    assert report["inside"]["read"], report["inside"]
+    assert {(p["inside"] or {}).get("runtime") for p in models} == {"intel"}, models
+    real = os.path.realpath
+    assert all(real(p["inside"]["library"]) == real(p["serves"]["path"]) for p in models)
 
 
 def test_control_plain_vllm_warns_and_has_no_iomp(vllm_alone: Alone) -> None:
