@@ -251,6 +251,46 @@ def test_an_unsafe_callers_entry_refuses_the_start_and_its_fix_works(
     assert result.returncode == 0 and openmp_mapped(record) == [entry]
 
 
+def test_a_relative_runtime_in_the_callers_ld_preload_is_refused_and_its_fix_works(
+    tmp_path: Path, map_vllm: Path, real_iomp: Path
+) -> None:
+    """`LD_PRELOAD=good/libiomp5.so` was chosen without a word and written as is into
+    `env --format systemd`, whose unit runs elsewhere and so preloaded nothing (issue 35,
+    defect 2). Refused by the trust rule like a relative VIRTUAL_ENV, in every verb; the
+    printed fix names the same file absolutely, and the start then keeps it."""
+    (tmp_path / "good").mkdir()
+    shutil.copy2(real_iomp, tmp_path / "good" / "libiomp5.so")
+    environ = clean_environ(tmp_path, LD_PRELOAD="good/libiomp5.so")
+    lines = set()
+    for verb in (["--dry-run"], ["env", "--format", "systemd"], ["systemd-unit", "--user", "v"]):
+        result = subprocess.run(
+            [*PINNED, "--vllm", str(map_vllm), *verb, *NGRAM],
+            env=environ,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if verb[0] == "systemd-unit":  # the unit does not take the caller's LD_PRELOAD
+            assert result.returncode == 0 and "good/libiomp5.so" not in result.stdout
+            assert "--env LD_PRELOAD=good" not in result.stderr, result.stderr
+            (said,) = [ln for ln in result.stderr.splitlines() if "relative path" in ln]
+            assert said.endswith("; the unit does not pass it on")
+            continue
+        assert result.returncode == EXIT_NOT_EXECUTABLE, (verb, result.stderr)
+        (line,) = [ln for ln in result.stderr.splitlines() if "error:" in ln]
+        lines.add(line)
+    (line,) = lines  # the same refusal, both verbs that start or export it
+    assert line.startswith("vllm-cpu-launch: error: not starting: your LD_PRELOAD entry ")
+    assert "good/libiomp5.so is a relative path" in line
+    fix = line.rpartition("Fix: ")[2]
+    absolute = str(tmp_path / "good" / "libiomp5.so")
+    assert fix == f"export LD_PRELOAD={absolute}"
+    after = run_fix(f"cd {shlex.quote(str(tmp_path))} && {fix}", tmp_path, map_vllm, environ)
+    assert [p["path"] for p in after["preload"]] == [absolute] and after["env"] == STARTED
+
+
 def test_an_unusable_callers_runtime_gets_nothing_beside_it_and_its_fix_works(
     tmp_path: Path, map_vllm: Path
 ) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES
-from vllm_cpu_launch.libraries import LLVM, NOT_FOUND_BY_LOADER, Verdict, find_library, verdict
+from vllm_cpu_launch.libraries import LLVM, Verdict, callers_verdict, find_library
 from vllm_cpu_launch.metadata import alias_for, alias_problem
 from vllm_cpu_launch.places import (
     ALLOCATOR,
@@ -17,7 +17,6 @@ from vllm_cpu_launch.places import (
     TCMALLOC,
     callers_kind,
     preload_entries,
-    resolve_preload_entry,
 )
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.releases import support, target_release
@@ -125,13 +124,7 @@ def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Ve
     for entry in dict.fromkeys(preload_entries(host.environ.get("LD_PRELOAD", ""))):
         if "ORIGIN" in entry:
             continue
-        resolved = resolve_preload_entry(entry, host)
-        checked = (
-            verdict(resolved, None, host, trusted, as_written=False, named=True)
-            if resolved
-            else Verdict(NOT_FOUND_BY_LOADER)
-        )
-        found.append((entry, checked))
+        found.append((entry, callers_verdict(entry, None, host, trusted)))
     return tuple(found)
 
 

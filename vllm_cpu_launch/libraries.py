@@ -10,7 +10,7 @@ from vllm_cpu_launch.elf import elf_problem, elf_truncation, openmp_runtime
 from vllm_cpu_launch.places import IOMP, MARKER, resolve_preload_entry, search_places
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.runtimes import LLVM as LLVM  # also the flavor of LLVM's libomp (elf)
-from vllm_cpu_launch.trust import insecure_reason
+from vllm_cpu_launch.trust import insecure_reason, quoted
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.places import Host
@@ -180,17 +180,38 @@ NOT_FOUND_BY_LOADER = (
 )
 
 
+RELATIVE_ENTRY = (
+    "a relative path, which the loader opens from each process's working directory (a "
+    "unit, container or worker started elsewhere preloads nothing)"
+)
+
+
+def callers_verdict(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Verdict:
+    """A caller's LD_PRELOAD entry, judged once for every use: theirs as written, examined
+    where the loader finds it (a bare name, `$LIB`), its name unjudged; a relative path is
+    refused by the trust rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that
+    names the same files absolutely."""
+    if "/" in entry and not os.path.isabs(entry) and "$" not in entry:
+        entries = host.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":")
+        absolute = ":".join(
+            os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
+            for e in entries
+            if e
+        )
+        return Verdict(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
+    resolved = resolve_preload_entry(entry, host)
+    if resolved is None:
+        return Verdict(NOT_FOUND_BY_LOADER)
+    return verdict(resolved, kind, host, trusted, as_written=False, named=True)
+
+
 def candidate_of(
     kind: str, path: str, origin: str, host: Host, trusted: frozenset[int]
 ) -> Candidate:
-    """One file examined where `origin` proposed it. A caller's LD_PRELOAD entry is theirs
-    as written: examined where the loader finds it (a bare name, `$LIB`), its name
-    unjudged; ours must be an absolute path vLLM recognises."""
+    """One file examined where `origin` proposed it: a caller's LD_PRELOAD entry as
+    callers_verdict judges it; ours must be an absolute path vLLM recognises."""
     if origin == "ld-preload":
-        resolved = resolve_preload_entry(path, host)
-        if resolved is None:
-            return Candidate(kind, path, origin, "rejected", NOT_FOUND_BY_LOADER)
-        found = verdict(resolved, kind, host, trusted, as_written=False, named=True)
+        found = callers_verdict(path, kind, host, trusted)
     else:
         found = verdict(path, kind, host, trusted, named=origin == "explicit")
     return Candidate(

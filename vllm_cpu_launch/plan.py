@@ -166,8 +166,8 @@ def refusal(candidate: Candidate) -> str:
     """The one line for a caller's LD_PRELOAD entry the trust rule refuses."""
     fix = candidate.fix or "make it and its directories writable by root alone"
     return (
-        f"your LD_PRELOAD entry {candidate.path} is {candidate.reason}, and the plan's own "
-        f"{candidate.kind} library would go beside it; Fix: {fix}"
+        f"your LD_PRELOAD entry {candidate.path} is {candidate.reason}, which the trust "
+        f"rule refuses; Fix: {fix}"
     )
 
 

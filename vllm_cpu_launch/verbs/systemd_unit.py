@@ -269,10 +269,12 @@ def check_plan(
         return None, []
     for warning in plan.warnings:
         emit("warning", warning)
+    for refused in plan.refused:  # the caller's LD_PRELOAD: never advised into the unit
+        emit("warning", f"{refused}; the unit does not pass it on")
     extra = values.get("unit_env") or []
     given = {str(item).partition("=")[0] for item in extra} if isinstance(extra, list) else set()
     for name, value in plan.relies_on:
-        if name not in given:
+        if name not in given and not (plan.refused and name == "LD_PRELOAD"):
             emit(
                 "warning",
                 f"the plan relies on your {name}={value}, which the service will not see; "
