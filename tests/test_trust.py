@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import AS_NOBODY, NOBODY, clean_environ, run_launcher
+from .conftest import AS_NOBODY, LAUNCHER, NOBODY, clean_environ, run_launcher
 from .hardening_support import public_directory
 from .installers import (
     FIX,
@@ -210,3 +211,52 @@ def test_several_problems_are_not_promised_away_by_one_chmod(
     assert "(and 1 more)" in rejected[str(installed.library)]
     fix = printed_fix(plan, "not found")
     assert not fix.startswith(("chmod", "chown")) and "intel-openmp" in fix, fix
+
+
+def test_a_config_on_a_read_only_mount_is_trusted_whatever_its_mode_says(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """A Kubernetes ConfigMap volume: a directory of mode 0777 on a file system mounted
+    read-only, which no user can change. Its config is read; the same directory writable
+    is refused (the trust rule of config files, issue 35). Mounted in a mount namespace of
+    the test's own (unshare -m), as root."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounts a read-only tmpfs: needs root and unshare")
+    mount = tmp_path / "configmap"
+    mount.mkdir()
+    config = mount / "config.yaml"
+    launcher = [
+        *LAUNCHER,
+        "--launcher-config",
+        str(config),
+        "--vllm",
+        str(vllm_env / "bin" / "vllm"),
+    ]
+    launcher += [
+        "--dry-run",
+        "--json",
+        "serve",
+        "m",
+        "-sc",
+        '{"method":"ngram","num_speculative_tokens":3}',
+    ]
+    results = {}
+    for remount in ("", f"mount -o remount,ro {mount} && "):
+        script = (
+            f"mount -t tmpfs -o size=64k tmpfs {mount} && printf 'iomp: never\\n' > {config} && "
+            f"chmod 777 {mount} && {remount}exec {shlex.join(launcher)}"
+        )
+        results[bool(remount)] = subprocess.run(
+            ["unshare", "-m", "sh", "-c", script],
+            env=clean_environ(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    writable, read_only = results[False], results[True]
+    assert (
+        writable.returncode == 2 and f"directory {mount} is writable by others" in writable.stderr
+    )
+    assert read_only.returncode == 0, read_only.stderr
+    assert json.loads(read_only.stdout)["preload"] == []  # its iomp: never, read

@@ -85,16 +85,20 @@ def insecure_reason(
     problems: list[tuple[str, str]] = []
     try:
         directories, links, real = lookup_steps(path)
-        problem = unsafe_owner_or_mode(os.stat(real), euid, True, trusted)
+        problem = (
+            None if read_only(real) else unsafe_owner_or_mode(os.stat(real), euid, True, trusted)
+        )
         if problem:
             problems.append((f"{real} is {problem[0]}", command(problem[1], real)))
         for link in links:  # a link's own mode means nothing; who may replace it does
             owner = os.lstat(link).st_uid
-            if euid == 0 and owner != 0 and owner not in trusted:
+            if euid == 0 and owner != 0 and owner not in trusted and not read_only(link, False):
                 why = f"symbolic link {link} is owned by uid {owner}, not root"
                 problems.append((why, command("chown -h root", link)))
         home = os.path.dirname(real)
         for directory in directories:
+            if read_only(directory):
+                continue
             problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home, trusted)
             if problem:
                 why = f"directory {directory} is {problem[0]}"
@@ -108,6 +112,17 @@ def insecure_reason(
     if len(problems) > 1:
         return f"{problems[0][0]} (and {len(problems) - 1} more)", ""
     return problems[0]
+
+
+def read_only(path: str, follow: bool = True) -> bool:
+    """Whether `path` lies on a file system mounted read-only (a Kubernetes ConfigMap or
+    Secret volume, whose directory is mode 0777): no user can change what is there, so its
+    mode bits mean nothing. A link is judged where it lies (its directory's mount)."""
+    try:
+        where = path if follow else os.path.dirname(path) or "/"
+        return bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def command(change: str, path: str) -> str:
