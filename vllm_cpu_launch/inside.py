@@ -41,7 +41,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.runtimes import INTEL, LLVM, METRIC_WORDS, NONE, runtime_of
+from vllm_cpu_launch.runtimes import INTEL, LLVM, METRIC, METRIC_WORDS, NONE, runtime_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -52,7 +52,6 @@ PREFIX = "vllm-cpu-launch plugin: "
 # The directory the front end made for its children's readings (ours, never VLLM_*).
 READINGS_VARIABLE = "VLLMCPULAUNCH_READINGS"
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
-METRIC = "vllm_cpu_launch_openmp"  # an info metric: prometheus_client appends `_info`
 DOCUMENTATION = "The OpenMP runtime serving GOMP_parallel in each vLLM process, read inside"
 SUFFIX = ".json"
 WRAPPED = "_vllm_cpu_launch_reads"
@@ -67,7 +66,6 @@ class Role(enum.Enum):
     API_SERVER = "api-server"
     ENGINE_CORE = "engine-core"
     WORKER = "worker"
-    OTHER = "other"
 
 
 @dataclass(frozen=True)

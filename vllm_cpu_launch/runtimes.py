@@ -13,6 +13,9 @@ GNU = "gomp"
 # no OpenMP runtime serves.
 METRIC_WORDS = {INTEL: "intel", LLVM: "llvm", GNU: "gnu"}
 NONE = "none"
+# The plugin's info metric (prometheus_client appends `_info` to an info family's name).
+METRIC = "vllm_cpu_launch_openmp"
+INFO_METRIC = f"{METRIC}_info"
 
 
 def runtime_of(path: str) -> str | None:

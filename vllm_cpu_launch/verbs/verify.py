@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, PLUGIN
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
-from vllm_cpu_launch.runtimes import GNU, INTEL, LLVM, runtime_of
+from vllm_cpu_launch.runtimes import GNU, INFO_METRIC, INTEL, LLVM, runtime_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -393,7 +393,6 @@ class Seen:
 
 # The plugin's reading from inside each vLLM process, published by the front end on
 # vLLM's /metrics (docs/design.md, "verify"): one series per process, labelled so.
-INFO_METRIC = "vllm_cpu_launch_openmp_info"
 DEFAULT_PORT = 8000  # vLLM's `--port` default
 NO_INSIDE = "the plugin is not installed, or /metrics unreachable"
 
