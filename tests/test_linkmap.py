@@ -176,15 +176,18 @@ def test_the_link_map_is_in_load_order_as_pldd_reads_it() -> None:
     assert listed.stdout.splitlines()[1:] == named
 
 
-def test_an_unreadable_process_says_why_instead_of_an_order() -> None:
-    """PID 1's memory is closed to an unprivileged user: no order is guessed."""
+def test_an_unreadable_process_says_why_instead_of_an_order(nobody_launcher: list[str]) -> None:
+    """PID 1's memory is closed to an unprivileged user: no order is guessed. Run as uid
+    65534 from the public copy of the package (the checkout may be closed to it)."""
+    python, public = nobody_launcher[0], nobody_launcher[-1]
     code = (
-        "import sys; from vllm_cpu_launch.linkmap import LinkMap, read_link_map; "
+        f"import sys; sys.path.insert(0, {public!r}); "
+        "from vllm_cpu_launch.linkmap import read_link_map; "
         "m = read_link_map(1); print(m.objects, m.unreadable)"
     )
-    environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])}
+    environ = {"PATH": "/usr/bin:/bin"}
     result = subprocess.run(
-        [*AS_NOBODY, sys.executable, "-c", code],
+        [*AS_NOBODY, python, "-c", code],
         env=environ,
         capture_output=True,
         text=True,
