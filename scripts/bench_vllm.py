@@ -28,9 +28,11 @@ its rules' pairs need.
 
 Starts alternate, the order rotating per round (bench_stats.interleaved). For each start:
 seconds to a healthy `/health`, then after a short warm-up, per concurrency level, clients
-stream greedy `ignore_eos` completions for `--phase-seconds`: vLLM's own mean time per
-output token over the phase (`vllm:request_time_per_output_token_seconds`), output tokens
-per second, the CPU each vLLM process used, and vLLM's SD counters (acceptance: accepted
+stream greedy `ignore_eos` completions for `--phase-seconds` (one completion prompt per
+model, or `--prompts FILE`'s set, vLLM's custom dataset JSONL, sent as chat, client i
+asking prompts i, i + C, ...): vLLM's own mean time per output token over the phase
+(`vllm:request_time_per_output_token_seconds`), output tokens per second, the CPU each
+vLLM process used, and vLLM's SD counters, per phase and per start (acceptance: accepted
 of drafted tokens; accepted tokens per verifying step). Every server runs in its own session and is
 killed before the next starts; every wait is bounded. The starts of a model and method
 share one VLLM_CACHE_ROOT, filled by an unmeasured start first: every measured start finds
@@ -69,7 +71,7 @@ from types import FrameType
 from typing import Any
 
 from bench_stats import REPO, interleaved
-from bench_vllm_plot import gains, plot
+from bench_vllm_plot import gain_by_load, gains, plot
 from bench_vllm_records import (
     LLVM_OMP,
     MAPS,
@@ -91,9 +93,10 @@ from bench_vllm_report import MARKERS, markdown, update_markdown
 from bench_vllm_run import (
     COMPILING_LIMIT_S,
     POLL_INTERVAL_S,
+    asks_of,
     cache_key,
+    load_prompts,
     measure_one,
-    prompt_of,
     warmed_up,
 )
 from script_cli import ScriptError, exit_code, last_line, narrator
@@ -244,6 +247,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--settings", default=",".join(SETTINGS), help=f"from {', '.join(SETTINGS)} (default all)"
     )
     parser.add_argument("--concurrency", default="1,4,8", help="client counts (default 1,4,8)")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        help="a prompt set in vLLM's custom dataset JSONL, sent as chat (the package ships "
+        "vllm_cpu_launch/serving_prompts.jsonl); default: one completion prompt per model",
+    )
     parser.add_argument("--phase-seconds", type=float, default=8.0, help="load per level")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument(
@@ -287,6 +296,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="draw each setting's paired gain on plain vLLM, per method with its acceptance, "
         "into this PNG",
     )
+    parser.add_argument(
+        "--load-plot",
+        type=Path,
+        help="draw each setting's paired gain on plain vLLM against the concurrency, a "
+        "panel per method, into this PNG",
+    )
     parser.add_argument("--from-json", type=Path, help="report (and plot) a kept run; no vLLM")
     args = parser.parse_args(argv)
     args.model_sizes = listed(parser, "--models", args.models, MODELS)
@@ -301,6 +316,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--rounds and --concurrency must be >= 1, --phase-seconds > 0")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2")
+    try:
+        args.prompt_set = None if args.prompts is None else load_prompts(args.prompts)
+    except (OSError, ScriptError) as error:
+        parser.error(f"--prompts: {error}")
     if args.map is not None:
         args.model_sizes, args.thread_settings = [REAL], ["default"]
         args.setting_keys = list(dict.fromkeys(k for keys in MAPS[args.map].values() for k in keys))
@@ -443,7 +462,8 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
         "phase_seconds": args.phase_seconds,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "prompts": sorted({prompt_of(config) for config in configs}),
+        "prompts": sorted({p for c in configs for p in asks_of(c, args.prompt_set).prompts}),
+        "prompt_file": None if args.prompts is None else str(args.prompts),
     }
     return runs, meta
 
@@ -470,6 +490,9 @@ def bench(args: argparse.Namespace, command: str) -> None:
     if args.gains_plot is not None:
         gains(runs, meta, args.gains_plot)
         say(f"drew {args.gains_plot}")
+    if args.load_plot is not None:
+        gain_by_load(runs, meta, args.load_plot)
+        say(f"drew {args.load_plot}")
     print(f"rerun: cd {REPO} && {meta['command']}")
 
 

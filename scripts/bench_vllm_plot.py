@@ -164,3 +164,59 @@ def method_label(by_config: dict[Config, list[Run]], model: str, method: str) ->
     acceptance = statistics.median(r.acceptance for r in group)
     per_step = statistics.median(r.accepted_per_step for r in group)
     return f"{method}\naccepted {acceptance:.0%}\n{per_step:.1f}/step"
+
+
+def gain_by_load(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
+    """How each setting's gain on plain vLLM moves with load: a panel per method, the
+    paired TPOT ratio (plain's / this one's, > 1 faster) against the concurrency, median
+    point and min-max whiskers over the rounds; each concurrency labelled with the share
+    of drafts accepted there (plain vLLM's starts)."""
+    plt = pyplot()
+    levels: list[int] = meta["concurrency"]
+    by_config: dict[Config, list[Run]] = {}
+    for run in runs:
+        by_config.setdefault(run.config, []).append(run)
+    methods = list(dict.fromkeys((c.model, c.method) for c in by_config))
+    figure, axes = plt.subplots(
+        1, len(methods), figsize=(4.6 * len(methods), 4.8), squeeze=False, sharey=True
+    )
+    for axis, (model, method) in zip(axes[0], methods, strict=True):
+        plain = by_config.get(Config(model, method, "default", "libgomp"), [])
+        mine = {
+            c.setting: g
+            for c, g in by_config.items()
+            if (c.model, c.method) == (model, method) and c.setting != "libgomp"
+        }
+        for setting, group in mine.items():
+            ratios = [speedup(group, plain, level, "tpot") for level in levels]
+            axis.errorbar(
+                range(len(levels)),
+                [r.median for r in ratios],
+                yerr=[[r.median - r.low for r in ratios], [r.high - r.median for r in ratios]],
+                fmt="o-",
+                capsize=3,
+                label=setting,
+                color=palette(list(SETTINGS).index(setting)),
+            )
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_yscale("log")
+        axis.set_xticks(range(len(levels)), [load_label(plain, level) for level in levels])
+        axis.set_title(f"{model}, {method}")
+        axis.set_ylabel("TPOT of plain vLLM / this (> 1 faster)")
+        axis.legend(fontsize=7)
+    title = (
+        f"{meta['versions']}, {meta['machine']['cpus']} CPUs: gain on plain vLLM (libgomp, "
+        f"vLLM's binding) by concurrent requests,\npaired by round, {meta['rounds']} rounds, "
+        "whiskers min-max"
+    )
+    save(plt, figure, title, path)
+
+
+def load_label(plain: Sequence[Run], level: int) -> str:
+    """`C=4`, and the share of drafts accepted at that concurrency where it was kept."""
+    phases = [run.phase(level) for run in plain]
+    drafted = sum(p.sd_counts.get("draft_tokens", 0.0) for p in phases)
+    if not drafted:
+        return f"C={level}"
+    accepted = sum(p.sd_counts.get("accepted_tokens", 0.0) for p in phases)
+    return f"C={level}\naccepted {accepted / drafted:.0%}"

@@ -301,6 +301,8 @@ class Phase:
     wall_s: float = 0.0
     tpot_ms: float = float("nan")  # vLLM's own per-request TPOT, mean over the phase
     cores: dict[str, float] = field(default_factory=dict)  # CPU-s per wall-s, by process role
+    # vLLM's SD counters over this phase (as Run.sd_counts); none: kept before issue 37.
+    sd_counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -242,24 +243,63 @@ def sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
         yield event
 
 
-def prompt_of(config: Config) -> str:
-    """What config's clients ask: prose for the real model (what a user sends; its drafts
-    are accepted as the model's own text allows), PROMPT's repetition for the made ones."""
-    return REAL_PROMPT if config.model == REAL else PROMPT
+@dataclass(frozen=True)
+class Asks:
+    """What a start's clients ask: one completion prompt (PROMPT's repetition for the made
+    models, REAL_PROMPT for the real one), or a prompt set (`--prompts`, vLLM's `custom`
+    dataset JSONL) sent as chat, as `vllm-cpu-launch tune` sends them (the server applies
+    the model's chat template); client i asks prompt i, i + streams, ..."""
+
+    prompts: tuple[str, ...]
+    chat: bool
+
+    def send(self, url: str, max_tokens: int, number: int) -> int:
+        """The number-th request, streamed, of exactly max_tokens tokens; its token count."""
+        text = self.prompts[number % len(self.prompts)]
+        options: dict[str, Any] = {
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.chat:
+            payload = {
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **options,
+            }
+            return streamed_tokens(f"{url}/v1/chat/completions", payload)
+        payload = completion_payload(max_tokens, prompt=text, **options)
+        return streamed_tokens(f"{url}/v1/completions", payload)
 
 
-def stream_completion(url: str, max_tokens: int, prompt: str) -> int:
-    """One streamed completion of exactly max_tokens tokens (ignore_eos); its token count."""
-    payload = completion_payload(
-        max_tokens,
-        prompt=prompt,
-        ignore_eos=True,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    request = json_request(f"{url}/v1/completions", payload)
+def load_prompts(path: Path) -> tuple[str, ...]:
+    """The `prompt` of each line of a `custom` dataset JSONL file."""
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError):
+                raise ScriptError(f"{path}:{number}: not a JSON object with a prompt") from None
+    if not prompts:
+        raise ScriptError(f"{path}: no prompts")
+    return tuple(prompts)
+
+
+def asks_of(config: Config, prompts: tuple[str, ...] | None) -> Asks:
+    """What config's clients ask: `--prompts`' set if given; else prose for the real model
+    (what a user sends; its drafts are accepted as the model's own text allows), PROMPT's
+    repetition for the made ones."""
+    if prompts is not None:
+        return Asks(prompts, chat=True)
+    return Asks((REAL_PROMPT if config.model == REAL else PROMPT,), chat=False)
+
+
+def streamed_tokens(url: str, payload: dict[str, Any]) -> int:
+    """One streamed request's completion tokens, as its final usage says."""
     tokens = 0
-    with LOOPBACK.open(request, timeout=REQUEST_LIMIT_S) as response:
+    with LOOPBACK.open(json_request(url, payload), timeout=REQUEST_LIMIT_S) as response:
         for event in sse_events(response):
             usage = event.get("usage")
             if usage:
@@ -269,10 +309,11 @@ def stream_completion(url: str, max_tokens: int, prompt: str) -> int:
     return tokens
 
 
-def run_phase(server: Server, streams: int, seconds: float, max_tokens: int, prompt: str) -> Phase:
+def run_phase(server: Server, streams: int, seconds: float, max_tokens: int, asks: Asks) -> Phase:
     """`streams` clients at once, each sending requests one after another for `seconds`."""
     url = server.url
     cpu_before = tree_cpu(server)
+    counts_before = sd_counts(server)
     tpot_sum = metric_total(url, TPOT_METRIC + "_sum")
     tpot_count = metric_total(url, TPOT_METRIC + "_count")
     phase = Phase(streams)
@@ -281,11 +322,13 @@ def run_phase(server: Server, streams: int, seconds: float, max_tokens: int, pro
     lock = threading.Lock()
     deadline = [0.0]
 
-    def client() -> None:
+    def client(index: int) -> None:
         try:
             gate.wait(timeout=REQUEST_LIMIT_S)
+            number = index
             while time.perf_counter() < deadline[0]:
-                tokens = stream_completion(url, max_tokens, prompt)
+                tokens = asks.send(url, max_tokens, number)
+                number += streams
                 with lock:
                     phase.tokens += tokens
                     phase.requests += 1
@@ -295,7 +338,9 @@ def run_phase(server: Server, streams: int, seconds: float, max_tokens: int, pro
         except threading.BrokenBarrierError:
             pass
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(streams)]
+    threads = [
+        threading.Thread(target=client, args=(index,), daemon=True) for index in range(streams)
+    ]
     for thread in threads:
         thread.start()
     started = time.perf_counter()
@@ -311,6 +356,7 @@ def run_phase(server: Server, streams: int, seconds: float, max_tokens: int, pro
     }
     if errors or any(thread.is_alive() for thread in threads):
         raise ScriptError(f"load failed: {errors[0] if errors else 'a client did not finish'}")
+    phase.sd_counts = {key: value - counts_before[key] for key, value in sd_counts(server).items()}
     count = metric_total(url, TPOT_METRIC + "_count") - tpot_count
     if count > 0:
         phase.tpot_ms = (metric_total(url, TPOT_METRIC + "_sum") - tpot_sum) / count * 1e3
@@ -339,8 +385,9 @@ def warmed_up(
             startup = wait_until_healthy(server, limit_s, POLL_INTERVAL_S, started=started)
         except ServerError as error:
             raise ScriptError(f"{config.name}: {error}: {tail(server)}") from None
-        for _ in range(WARMUP_REQUESTS):
-            stream_completion(server.url, args.max_tokens, prompt_of(config))
+        asks = asks_of(config, args.prompt_set)
+        for number in range(WARMUP_REQUESTS):
+            asks.send(server.url, args.max_tokens, number)
         yield server, startup
     finally:
         stop_session(server, POLL_INTERVAL_S)
@@ -357,11 +404,11 @@ def measure_one(
 ) -> Run:
     """One start of config, measured at every concurrency level."""
     load_before = os.getloadavg()[0]
-    prompt = prompt_of(config)
+    asks = asks_of(config, args.prompt_set)
     with warmed_up(config, paths, scratch, args, active) as (server, startup):
         before = sd_counts(server)
         phases = [
-            run_phase(server, streams, args.phase_seconds, args.max_tokens, prompt)
+            run_phase(server, streams, args.phase_seconds, args.max_tokens, asks)
             for streams in args.concurrency_levels
         ]
         idle = idle_cores(server, IDLE_WINDOW_S)
