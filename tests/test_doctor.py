@@ -394,13 +394,21 @@ def test_tune_records_are_reported_with_their_scope(tmp_path: Path, vllm_env: Pa
         "command": "vllm bench latency --model /m",
         "scope": {"model": "/m", "method": "ngram", "tokens": 3, "vllm": None, "cpus": 512},
     }
+    serving = {
+        **record,
+        "command": "vllm serve /s --port PORT",
+        "scope": {**record["scope"], "model": "/s"},  # type: ignore[dict-item]
+        "concurrency": {1: "never", 4: "auto"},
+    }
     config = tmp_path / "no-user-config" / "vllm-cpu-launch" / "config.yaml"
-    write_config(str(config), {"tuned": [record]})
+    write_config(str(config), {"tuned": [record, serving]})
     result, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"))
     assert result.returncode == 0, result.stderr
     usable = len(os.sched_getaffinity(0))
+    here = {"origin": str(config), "not_here": [f"CPUs {usable}, not 512"]}
     assert report["settings"]["tuned"] == [
-        {**record, "origin": str(config), "not_here": [f"CPUs {usable}, not 512"]}
+        {**record, "concurrency": {}, **here},
+        {**serving, "concurrency": {"1": "never", "4": "auto"}, **here},
     ]
     assert report["settings"]["values"]["iomp"] == "auto"
     text = run_launcher(
@@ -409,6 +417,7 @@ def test_tune_records_are_reported_with_their_scope(tmp_path: Path, vllm_env: Pa
     assert "tuned    iomp=never at 2026-12-01T10:02Z: libgomp 1.12x faster" in text
     assert f"for model /m, method ngram, tokens 3, cpus 512 ({config})" in text
     assert f"not on this host: CPUs {usable}, not 512" in text
+    assert "what each concurrency pointed to: 1: never, 4: auto" in text
 
 
 def test_doctor_says_whether_vllm_will_load_the_plugin(tmp_path: Path, wheelhouse: Path) -> None:

@@ -40,7 +40,47 @@ GOMP, IOMP = CANDIDATES
 # A stand-in `vllm`: records its argv and preload, then answers like `vllm bench latency`.
 # FAKE_BENCH picks the story: which runtime is faster, both alike, a failure or a hang.
 FAKE_BENCH = """\
-import json, os, subprocess, sys, time
+import http.server, json, os, subprocess, sys, time, urllib.request
+
+def serve_story(args, story, iomp):
+    # `vllm serve`: /health, and /iomp saying what this server preloaded.
+    if story == "serve-dies":
+        print("RuntimeError: the engine core died")
+        sys.exit(3)
+    if story == "hang":
+        time.sleep(600)
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"iomp": iomp}).encode())
+        def log_message(self, *_):
+            pass
+    port = int(args[args.index("--port") + 1])
+    http.server.HTTPServer((args[args.index("--host") + 1], port), Answer).serve_forever()
+
+def client_story(args, story):
+    # `vllm bench serve`: asks the server what it preloaded; its TPOT follows the story.
+    value = lambda name: args[args.index(name) + 1]
+    url, concurrency = value("--base-url"), int(value("--max-concurrency"))
+    with open(value("--dataset-path")) as dataset, open(os.path.join(
+            os.environ["FAKE_RECORD"], "asked.jsonl"), "a") as asked:
+        turns = [entry["conversations"][0]["value"] for entry in json.load(dataset)]
+        asked.write(json.dumps(turns) + "\\n")
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # as aiohttp: no proxy
+    iomp = json.load(direct.open(url + "/iomp"))["iomp"]
+    # iomp-faster, gomp-faster: at every concurrency; any other: iomp at 1, libgomp above.
+    faster = iomp if story == "iomp-faster" else not iomp if story == "gomp-faster" else (
+        iomp if concurrency == 1 else not iomp)
+    tpot = 10.0 if faster else 20.0
+    result = os.path.join(value("--result-dir"), value("--result-filename"))
+    if story == "no-chat":  # vLLM's client exits 0 when every request failed
+        tpot = 0.0
+    json.dump({"mean_tpot_ms": tpot, "output_throughput": tpot and 1000 / tpot * concurrency,
+               "completed": 0 if story == "no-chat" else 8, "spec_decode_draft_tokens": 30,
+               "spec_decode_accepted_tokens": 20 if iomp else 19}, open(result, "w"))
+    sys.exit(0)
+
 args = sys.argv[1:]
 story = os.environ["FAKE_BENCH"]
 runs = os.path.join(os.environ["FAKE_RECORD"], "runs.jsonl")
@@ -49,6 +89,10 @@ with open(runs, "a") as stream:
     stream.write(json.dumps({"argv": args, "iomp": iomp,
                              "blocktime": os.environ.get("KMP_BLOCKTIME")}) + "\\n")
 count = sum(1 for _ in open(runs))
+if args[:1] == ["serve"]:
+    serve_story(args, story, iomp)
+if args[:2] == ["bench", "serve"]:
+    client_story(args, story)
 if story == "fail":
     print("vllm.exceptions.VLLMValidationError: Token id 9554 is out of vocabulary")
     sys.exit(1)
@@ -323,15 +367,23 @@ def bench_env(tmp_path: Path, real_iomp: Path) -> Path:
 
 
 def tune(
-    tmp_path: Path, bench_env: Path, story: str, *args: str
+    tmp_path: Path,
+    bench_env: Path,
+    story: str,
+    *args: str,
+    benchmark: str = "latency",
+    **variables: str,
 ) -> subprocess.CompletedProcess[str]:
+    """tune against the stand-in (`benchmark`: the --benchmark given; "": none), with
+    `variables` in its environment."""
     record = tmp_path / "record"
     record.mkdir(exist_ok=True)
     environ = clean_environ(
-        tmp_path, FAKE_BENCH=story, FAKE_RECORD=str(record), TMPDIR=str(tmp_path)
+        tmp_path, FAKE_BENCH=story, FAKE_RECORD=str(record), TMPDIR=str(tmp_path), **variables
     )  # a failed run's logs are kept: under tmp_path, not /tmp
     vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
-    return run_launcher([*vllm, "tune", *args], environ)
+    chosen = ["--benchmark", benchmark] if benchmark else []
+    return run_launcher([*vllm, "tune", *chosen, *args], environ)
 
 
 def runs(tmp_path: Path) -> list[dict[str, Any]]:
@@ -513,7 +565,8 @@ def test_sigterm_stops_the_run_and_its_children(tmp_path: Path, bench_env: Path)
     record = tmp_path / "record"
     record.mkdir()
     environ = clean_environ(tmp_path, FAKE_BENCH="hang", FAKE_RECORD=str(record))
-    command = [*LAUNCHER, "--vllm", str(bench_env / "bin" / "vllm"), "tune", *SERVE]
+    vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
+    command = [*LAUNCHER, *vllm, "tune", "--benchmark", "latency", *SERVE]
     with subprocess.Popen(command, env=environ, stderr=subprocess.PIPE, text=True) as process:
         pid_file = record / "child.pid"
         for _ in range(600):  # bounded wait for the run to be under way (not a timing check)
@@ -740,3 +793,173 @@ def test_the_table_names_what_else_the_candidates_differ_in() -> None:
     assert "sets VLLM_CPU_OMP_THREADS_BIND=nobind" in besides_runtime(
         {"libgomp": both, "libiomp5": nobind}, ""
     )
+
+
+# ---------------------------------------------------------------- the serving benchmark
+
+SHIPPED = str(Path(__file__).resolve().parent.parent / "vllm_cpu_launch" / "serving_prompts.jsonl")
+
+
+def argvs(tmp_path: Path, first: str) -> list[dict[str, Any]]:
+    """The stand-in's recorded runs whose argv starts with `first` (serve, or bench)."""
+    return [run for run in runs(tmp_path) if run["argv"][0] == first]
+
+
+def only_record(tmp_path: Path) -> Tuned:
+    """The one tune record of the user config."""
+    records = read_config_file(str(tmp_path.joinpath(*USER_CONFIG)))["tuned"]
+    assert isinstance(records, tuple) and len(records) == 1
+    record: Tuned = records[0]
+    return record
+
+
+def asked(tmp_path: Path) -> list[list[str]]:
+    """The prompts each client run of the stand-in was given, as vLLM's reader reads them."""
+    lines = (tmp_path / "record" / "asked.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_a_serving_tune_judges_each_concurrency_and_records_what_won_at_each(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    """libiomp5 faster at 1 request at a time, libgomp at 2: no winner at every
+    concurrency, so the default is kept, and the record says what each one pointed to.
+    A proxy in the environment is not asked for the loopback server."""
+    vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
+    args = ["--write", "--rounds", "3", "--concurrency", "2,1", "--output-len", "16"]
+    proxy = "http://127.0.0.1:9"  # nothing listens there
+    result = tune(tmp_path, bench_env, "split", *args, *SERVE, benchmark="", http_proxy=proxy)
+    assert result.returncode == 0, result.stderr
+    assert "replaced by tune's loopback port: --port 8000" in result.stderr
+    servers = argvs(tmp_path, "serve")
+    assert [run["iomp"] for run in servers] == [False, True, True, False, False, True]
+    for run in servers:  # the user's command, on a loopback port of tune's own
+        assert run["argv"][:2] == ["serve", "/models/m"] and "8000" not in run["argv"]
+        assert run["argv"][-4:-1] == ["--host", "127.0.0.1", "--port"]
+    clients = [run["argv"] for run in argvs(tmp_path, "bench")]
+    assert [option(argv, "--max-concurrency") for argv in clients] == ["1", "2"] * 6
+    for argv in clients:  # chat requests through vLLM's sharegpt reader (custom needs pandas)
+        assert option(argv, "--backend") == "openai-chat"
+        assert option(argv, "--dataset-name") == "sharegpt"
+        assert option(argv, "--sharegpt-output-len") == "16"
+        assert option(argv, "--model") == "/models/m" and "--ignore-eos" in argv
+        assert option(argv, "--num-prompts") == "8"  # 4 a stream, at least 8
+    shipped = [json.loads(line)["prompt"] for line in Path(SHIPPED).read_text().splitlines()]
+    assert asked(tmp_path) == [shipped] * 12
+    out = result.stdout
+    assert "concurrency 1 (8 requests of 16 tokens a start)" in out
+    assert "result at 1: libiomp5 2.00x faster than libgomp: libiomp5 won 3 of 3 rounds" in out
+    assert "result at 2: libgomp 2.00x faster than libiomp5: libgomp won 3 of 3 rounds" in out
+    assert "no candidate won at every concurrency (at 1: libiomp5; at 2: libgomp)" in out
+    assert "keeping the default (libiomp5)" in out
+    assert "60/90" in out and "57/90" in out  # drafts accepted, summed over the rounds
+    record = only_record(tmp_path)
+    assert record.iomp == "auto" and record.concurrency == ((1, "auto"), (2, "never"))
+    assert record.command.startswith("vllm serve /models/m -sc ")
+    plan = run_launcher([*vllm, "-v", "--dry-run", *SERVE], clean_environ(tmp_path))
+    assert "not applied: its iomp: auto did not hold at every concurrency (never at 2)" in (
+        plan.stdout
+    )
+
+
+def test_a_serving_tune_won_at_every_concurrency_is_a_winner_the_plan_follows(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "Repeat: a b c"}\n\n{"prompt": "Why?", "kind": "open"}\n')
+    args = ["--write", "--rounds", "3", "--concurrency", "1,4", "--prompts", str(prompts)]
+    result = tune(
+        tmp_path, bench_env, "gomp-faster", *args, "--num-prompts", "5", *SERVE, benchmark=""
+    )
+    assert result.returncode == 0, result.stderr
+    assert "libgomp won at every concurrency (1, 4): best is --iomp never" in result.stdout
+    clients = [run["argv"] for run in argvs(tmp_path, "bench")]
+    assert asked(tmp_path) == [["Repeat: a b c", "Why?"]] * 12
+    assert {option(argv, "--num-prompts") for argv in clients} == {"5"}
+    record = only_record(tmp_path)
+    assert record.iomp == "never" and record.concurrency == ((1, "never"), (4, "never"))
+    plan = run_launcher(
+        ["--vllm", str(bench_env / "bin" / "vllm"), "-v", "--dry-run", *SERVE],
+        clean_environ(tmp_path),
+    )
+    assert "did not hold" not in plan.stdout and f"tune of {record.when}" in plan.stdout
+
+
+def test_a_server_that_dies_before_it_is_ready_ends_the_tune_with_its_code_and_log(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    result = tune(tmp_path, bench_env, "serve-dies", *SERVE, benchmark="serve")
+    assert result.returncode == 3, result.stderr
+    assert "RuntimeError: the engine core died" in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert "error: vllm serve exited before it was ready (exit code 3); log: " in last
+    assert Path(last.rpartition("; log: ")[2]).is_file()
+
+
+def test_a_client_run_that_completed_no_request_is_one_error_with_the_way_out(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    """A model without a chat template: vLLM refuses every chat request, and its client
+    still exits 0 with zero figures; tune ends with one line, not a division by zero."""
+    result = tune(tmp_path, bench_env, "no-chat", *SERVE, benchmark="serve")
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.stderr
+    (error,) = errors
+    assert "vllm bench serve at concurrency 1: no request completed" in error
+    assert "use --benchmark latency); log: " in error and "Traceback" not in result.stderr
+
+
+def test_the_time_limit_kills_a_server_that_never_gets_ready(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    result = tune(tmp_path, bench_env, "hang", "--time-limit", "3", *SERVE, benchmark="serve")
+    assert result.returncode == 1, result.stderr
+    assert "time limit of 3 s reached during start 1/6 (killed)" in result.stderr
+    assert "not every candidate started once" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "part"),
+    [
+        (["--benchmark", "bench"], "--benchmark 'bench': use serve (the default) or latency"),
+        (["--batch-size", "2"], "--batch-size is --benchmark latency's option, not serve's"),
+        (["--concurrency", "0,2"], "--concurrency '0,2': needs positive whole numbers"),
+        (["--concurrency", "x"], "needs positive whole numbers, comma-separated"),
+        (["--num-prompts", "0"], "--num-prompts '0': needs a positive whole number"),
+        (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl: cannot be read"),
+        (["--prompts", "/etc/hostname"], "vLLM's custom dataset must be named *.jsonl"),
+        (["--prompts", "{tmp}/bad.jsonl"], 'line 2 is not a JSON object with a "prompt" text'),
+        (["--prompts", "{tmp}/empty.jsonl"], "holds no prompts"),
+        ([*SERVE, "--headless"], "needs an API server, which --headless leaves out"),
+    ],
+)
+def test_serving_usage_errors_are_one_line_exit_2(
+    tmp_path: Path, bench_env: Path, args: list[str], part: str
+) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n["not", "an", "object"]\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    given = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    command = given if given[:1] == ["serve"] else [*given, *SERVE]
+    result = tune(tmp_path, bench_env, "iomp-faster", *command, benchmark="")
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and part in result.stderr, result.stderr
+    assert not (tmp_path / "record" / "runs.jsonl").exists()
+
+
+def test_latency_takes_none_of_the_serving_options(tmp_path: Path, bench_env: Path) -> None:
+    result = tune(tmp_path, bench_env, "iomp-faster", "--concurrency", "4", *SERVE)
+    assert result.returncode == 2
+    assert "--concurrency is --benchmark serve's option, not latency's" in result.stderr
+
+
+def test_the_shipped_prompts_hold_both_kinds_of_request() -> None:
+    """Half quote or edit their own text (ngram drafts from it), half are open-ended."""
+    rows = [json.loads(line) for line in Path(SHIPPED).read_text().splitlines()]
+    kinds = [row["kind"] for row in rows]
+    assert kinds.count("quote") == kinds.count("open") >= 8
+    assert all(isinstance(row["prompt"], str) and row["prompt"] for row in rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -35,6 +36,7 @@ LARGE_BLOCKTIME_MS = 200
 # The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`); `scope`
 # is optional (records written before tunes were scoped have none).
 TUNED_FIELDS = ("when", "iomp", "result", "rounds", "command")
+TUNED_OPTIONAL = ("scope", "concurrency")
 SCOPE_FIELDS = ("model", "method", "tokens", "vllm", "cpus")
 
 
@@ -63,6 +65,9 @@ class Tuned:
     # scopes it to the command it records.
     scope: Scope | None = None
     origin: str = ""  # the config file it was read from
+    # A serving tune's concurrencies, each with the --iomp value it alone pointed to
+    # (auto: no clear winner there, or the default won); empty: `vllm bench latency`.
+    concurrency: tuple[tuple[int, str], ...] = ()
 
 
 @record
@@ -213,8 +218,8 @@ def parse_tune_record(value: object, where: str) -> Tuned:
         raise fail(where, f"must be a mapping of {', '.join(TUNED_FIELDS)}, not {value!r}")
     fields: dict[str, object] = {}
     for key, item in value.items():
-        if key not in (*TUNED_FIELDS, "scope"):
-            allowed = ", ".join((*TUNED_FIELDS, "scope"))
+        if key not in (*TUNED_FIELDS, *TUNED_OPTIONAL):
+            allowed = ", ".join((*TUNED_FIELDS, *TUNED_OPTIONAL))
             raise fail(f"{where}.{key}", f"unknown key; allowed keys: {allowed}")
         fields[key] = item
     missing = [key for key in TUNED_FIELDS if key not in fields]
@@ -233,7 +238,20 @@ def parse_tune_record(value: object, where: str) -> Tuned:
         rounds=rounds,
         command=parse_text(fields["command"], f"{where}.command"),
         scope=parse_scope(fields["scope"], f"{where}.scope") if "scope" in fields else None,
+        concurrency=parse_concurrency(fields.get("concurrency", {}), f"{where}.concurrency"),
     )
+
+
+def parse_concurrency(value: object, where: str) -> tuple[tuple[int, str], ...]:
+    """A serving tune's `concurrency:` mapping: positive whole numbers to --iomp values."""
+    if not isinstance(value, dict):
+        raise fail(where, f"must map each concurrency to auto, always or never, not {value!r}")
+    found = []
+    for key, item in value.items():
+        if not isinstance(key, int) or isinstance(key, bool) or key < 1:
+            raise fail(f"{where}.{key}", "is not a concurrency (a positive whole number)")
+        found.append((key, parse_mode(item, f"{where}.{key}")))
+    return tuple(sorted(found))
 
 
 def parse_scope(value: object, where: str) -> Scope:
@@ -510,7 +528,5 @@ def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
             if item.iomp != content["iomp"]:
                 continue  # edited since: the value is the user's own
             del content["iomp"]
-        kept.append(
-            Tuned(item.when, item.iomp, item.result, item.rounds, item.command, item.scope, path)
-        )
+        kept.append(replace(item, origin=path))
     return kept

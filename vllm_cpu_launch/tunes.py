@@ -86,8 +86,9 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
         scope = record_scope(tuned)
         what = f"tune of {tuned.when} ({describe(scope)}; {tuned.origin})"
         missed = differences(scope, launch)
-        if missed:
-            notes.append(f"{what} not applied: {'; '.join(missed)}")
+        uneven = not_won_everywhere(tuned)
+        if missed or uneven:
+            notes.append(f"{what} not applied: {'; '.join([*missed, *filter(None, [uneven])])}")
         elif settings.iomp_from in ("option", "variable"):
             given = said_setting(settings, "iomp")
             notes.append(f"{what} not applied: {given} given, which wins")
@@ -108,8 +109,9 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
 
 
 def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
-    """A record as a config file holds it (and doctor shows it), with its scope."""
-    return {
+    """A record as a config file holds it (and doctor shows it), with its scope and, from
+    a serving tune, what each concurrency pointed to."""
+    fields: dict[str, object] = {
         "when": tuned.when,
         "iomp": tuned.iomp,
         "result": tuned.result,
@@ -117,3 +119,14 @@ def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
         "command": tuned.command,
         "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
     }
+    if tuned.concurrency:
+        fields["concurrency"] = dict(tuned.concurrency)
+    return fields
+
+
+def not_won_everywhere(tuned: Tuned) -> str | None:
+    """Why a serving record does not hold at every concurrency it measured, or None."""
+    others = [f"{iomp} at {level}" for level, iomp in tuned.concurrency if iomp != tuned.iomp]
+    if not others:
+        return None
+    return f"its iomp: {tuned.iomp} did not hold at every concurrency ({', '.join(others)})"

@@ -285,6 +285,9 @@ def settings_lines(settings: dict[str, Any]) -> list[str]:
         scope = ", ".join(f"{k} {v}" for k, v in tuned["scope"].items() if v is not None)
         lines.append(f"  tuned    iomp={tuned['iomp']} at {tuned['when']}: {tuned['result']}")
         lines.append(f"  {'':<9}over {tuned['rounds']} rounds of: {tuned['command']}")
+        if tuned["concurrency"]:
+            said = ", ".join(f"{k}: {v}" for k, v in tuned["concurrency"].items())
+            lines.append(f"  {'':<9}what each concurrency pointed to: {said}")
         lines.append(f"  {'':<9}for {scope or 'any command'} ({tuned['origin']})")
         if tuned["not_here"]:
             lines.append(f"  {'':<9}not on this host: {'; '.join(tuned['not_here'])}")

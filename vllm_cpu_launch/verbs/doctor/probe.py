@@ -273,6 +273,7 @@ def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
     host_only = Scope(vllm=scope.vllm, cpus=scope.cpus)
     return {
         **record_fields(tuned, scope),
+        "concurrency": {str(level): iomp for level, iomp in tuned.concurrency},
         "origin": tuned.origin,
         "not_here": differences(host_only, here),
     }

@@ -10,6 +10,7 @@ launcher config, where it is a config value like any other (option > variable > 
 
 from __future__ import annotations
 
+import enum
 import os
 import shlex
 import shutil
@@ -25,6 +26,17 @@ from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
 from vllm_cpu_launch.verbs.tune.runner import run_once
+from vllm_cpu_launch.verbs.tune.serving import (
+    SHIPPED_PROMPTS,
+    Load,
+    check_prompts,
+    client_command,
+    default_concurrencies,
+    parse_concurrencies,
+    server_arguments,
+    write_dataset,
+)
+from vllm_cpu_launch.verbs.tune.serving_rounds import decide_at_load, report_lines, run_rounds
 from vllm_cpu_launch.verbs.tune.verdict import (
     CANDIDATES,
     Candidate,
@@ -44,56 +56,96 @@ if TYPE_CHECKING:
 USAGE = """\
 usage: vllm-cpu-launch tune [--write] [TUNE OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
 
-Measure, on this host, the command you serve with vLLM's own benchmark: `serve MODEL ARGS`
-runs as `vllm bench latency --model MODEL ARGS` (the real engine, with your speculative
-decoding and other engine options) under each candidate, in rounds, the order rotated
-every round. Candidates: libgomp (--iomp never) and libiomp5 (--iomp always, with the
-KMP_BLOCKTIME the launcher plans; LLVM's libomp where that is the runtime found).
-KMP_BLOCKTIME is not varied: vLLM's workers set their own (5) when they see libiomp5,
-unless VLLM_CPU_OMP_THREADS_BIND=nobind.
-Serve-only options of vLLM 0.32 (--host, --port, --api-key, --uvicorn-log-level, ...) are
-not passed to the benchmark, and are listed; a --config file is passed as it is.
-A progress line per run goes to stderr; the table to stdout: per candidate the median of
-the runs' median latencies, their quartiles and range, and speed relative to libgomp.
+Measure, on this host, the command you serve under each candidate, in rounds, the order
+rotated every round. Candidates: libgomp (--iomp never) and libiomp5 (--iomp always, with
+the KMP_BLOCKTIME the launcher plans; LLVM's libomp where that is the runtime found), each
+started through the plan the launcher would use. KMP_BLOCKTIME is not varied: vLLM's
+workers set their own (5) when they see libiomp5, unless VLLM_CPU_OMP_THREADS_BIND=nobind.
+
+--benchmark serve (the default): your `serve MODEL ARGS` itself, on a loopback port of
+tune's own (your --host, --port, --uds, --api-key, --root-path and --ssl-* are replaced),
+one start per candidate a round, driven by vLLM's client (`vllm bench serve`, greedy
+chat requests, every one --output-len tokens) at each --concurrency in turn, on the
+shipped prompts or yours (a model without a chat template needs --benchmark latency).
+Per concurrency the table gives each candidate's mean time per output token (TPOT:
+median over the rounds and range), output tokens/s, the drafts accepted (vLLM's /metrics)
+and speed against libgomp.
+--benchmark latency: `vllm bench latency --model MODEL ARGS` (batch only, no port; its
+prompts are random token ids, on which ngram drafts almost nothing). Serve-only options of
+vLLM 0.32 are not passed to it and are listed; a --config file is passed as it is.
 
 Rule: each round runs both candidates back to back, so a round is a pair. A candidate
 wins when it ran faster in every round, with 3 rounds or more; with 2 rounds, its median
-must also beat the other's by more than the larger of the two ranges (max - min of the
-runs' medians). The result line says the rounds won, the medians and the spreads either
-way; otherwise it is "no clear winner, default kept" (the default is
-what --iomp auto plans for this command: libiomp5 when it requests SD on x86-64, and
-on a host the benchmark map measured, what measured fastest there). Each candidate's
-libiomp5 is tuned as the map says for this host (binding, KMP_BLOCKTIME), as auto's is.
+must also beat the other's by more than the larger of the two ranges. Serving: the rule
+holds at each concurrency, and a candidate wins only where it won at every one of them.
+Otherwise the result is "no clear winner, default kept" (the default is what --iomp auto
+plans for this command: libiomp5 when it requests SD on x86-64, and on a host the
+benchmark map measured, what measured fastest there). A progress line per start or run
+goes to stderr; the tables and the result to stdout.
 
   --write                store the result in your launcher config (--launcher-config FILE,
                          else $XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml) as a `tuned:`
-                         record (when, result, rounds, command) scoped to what it measured:
-                         the model, the SD method and token count, the vLLM release and
-                         the usable CPUs. A later launch of that command on such a host
-                         applies it (its INFO line and --dry-run say so; --iomp and
-                         VLLMCPULAUNCH_IOMP still win); any other does not, and -v and
-                         --dry-run say why. A later tune of the same scope replaces it;
-                         records of other scopes, other keys and comments are kept
+                         record (when, result, rounds, command; serving: what won at each
+                         concurrency) scoped to what it measured: the model, the SD method
+                         and token count, the vLLM release and the usable CPUs. A later
+                         launch of that command on such a host applies it (its INFO line
+                         and --dry-run say so; --iomp and VLLMCPULAUNCH_IOMP still win),
+                         and a serving record only where one candidate won at every
+                         concurrency it holds; any other does not, and -v and --dry-run
+                         say why. A later tune of the same scope replaces it; records of
+                         other scopes, other keys and comments are kept
   --rounds N             rounds of every candidate (default 3)
-  --time-limit SECONDS   bound on the whole tune (default 1800): no run starts after it,
-                         a run still going then is killed, and the rounds done are used
-  --batch-size N  --input-len N  --output-len N  --num-iters N  --num-iters-warmup N
-                         passed to vllm bench latency (defaults 1, 64, 128, 5, 1; the
-                         warm-up may be 0); its prompts are random token ids below
-                         10000, so a model whose config.json has a smaller vocab_size
-                         is refused before anything runs
+  --time-limit SECONDS   bound on the whole tune (default 1800): no start or run begins
+                         after it, one still going then is killed, and the rounds done
+                         are used
+  --output-len N         output tokens per request (default 128)
+Serving (--benchmark serve):
+  --concurrency LIST     concurrent requests, measured in turn on each start (default 1,4;
+                         1,4,8 with 8 usable CPUs or more)
+  --prompts FILE         your prompts, as vLLM's custom dataset: a .jsonl file of
+                         {"prompt": "..."} lines (default: the shipped set, half asking to
+                         quote or edit their text, where ngram drafts, half open-ended)
+  --num-prompts N        requests at each concurrency (default 4 per concurrent request,
+                         at least 8)
+Latency (--benchmark latency):
+  --batch-size N  --input-len N  --num-iters N  --num-iters-warmup N
+                         passed to vllm bench latency (defaults 1, 64, 5, 1; the warm-up
+                         may be 0); its prompt ids are below 10000, so a model whose
+                         config.json has a smaller vocab_size is refused before anything
+                         runs
 Launcher options (--vllm, --iomp-path, --tcmalloc, --kmp-blocktime, --strict, -q, -v,
 --launcher-config) apply to every candidate; --iomp is what tune varies.
 Exit codes: 0 measured (whatever won), 1 the time limit ended it before every candidate
 ran once, or a run exited 0 without writing its result (one line names the file and the
 log), 2 usage or config error, 3 libiomp5 not found, 126/127 vLLM not startable; a
-benchmark run that fails ends the tune with vLLM's exit code (its log is kept).
+benchmark run or server that fails ends the tune with vLLM's exit code (its log is kept).
 """
 
 TUNE_VALUED = {
     "--rounds": "rounds",
     "--time-limit": "time_limit",
+    "--benchmark": "benchmark",
+    "--concurrency": "concurrency",
+    "--prompts": "prompts",
+    "--num-prompts": "num_prompts",
     **{option: key for option, (key, _) in BENCH_OPTIONS.items()},
+}
+
+
+class Benchmark(enum.Enum):
+    """--benchmark: which of vLLM's benchmarks drives the candidates."""
+
+    SERVE = "serve"  # `vllm bench serve` against the user's own server (the default)
+    LATENCY = "latency"  # `vllm bench latency`: batch only, no port
+
+
+LATENCY_ONLY = {
+    option: key for option, (key, _) in BENCH_OPTIONS.items() if option != "--output-len"
+}
+SERVING_ONLY = {
+    "--concurrency": "concurrency",
+    "--prompts": "prompts",
+    "--num-prompts": "num_prompts",
 }
 # vLLM runs no warm-up iteration at 0 (range(args.num_iters_warmup), latency.py 0.32).
 BENCH_LEAST = {"num_iters_warmup": 0}
@@ -180,7 +232,11 @@ def main(values: dict[str, object], args: list[str]) -> int:
     if explicit and not os.path.exists(str(explicit)):
         merged["config"] = os.devnull  # --write makes it; until then it holds nothing
     bench_arguments(serve, bench, "")  # usage errors before anything is made
-    check_vocabulary(model_of(serve))
+    load = load_of(merged, bench["output_len"])
+    if load is None:
+        check_vocabulary(model_of(serve))
+    else:
+        server_arguments(serve, 0)  # refuses --headless
     if merged.get("write") and config_path:
         check_writable(config_path)
     workdir = tempfile.mkdtemp(prefix="vllm-cpu-launch-tune-")
@@ -188,7 +244,10 @@ def main(values: dict[str, object], args: list[str]) -> int:
     # is killed with its whole session on the way out, as on every other exit.
     previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
     try:
-        code = measure(merged, serve, bench, rounds, limit_s, config_path, workdir)
+        if load is None:
+            code = measure(merged, serve, bench, rounds, limit_s, config_path, workdir)
+        else:
+            code = measure_serving(merged, serve, load, rounds, limit_s, config_path, workdir)
     except LaunchError as error:
         if error.subject != workdir:  # a failed run keeps its logs; nothing else does
             shutil.rmtree(workdir, ignore_errors=True)
@@ -201,6 +260,39 @@ def main(values: dict[str, object], args: list[str]) -> int:
             signal.signal(number, handler)
     shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def load_of(merged: Mapping[str, object], output_len: int) -> Load | None:
+    """What the serving benchmark sends (None: --benchmark latency), after the checks of
+    its options; an option of the other benchmark is a usage error, not ignored."""
+    given = str(merged.get("benchmark", Benchmark.SERVE.value))
+    try:
+        benchmark = Benchmark(given)
+    except ValueError:
+        raise LaunchError(
+            EXIT_USAGE, f"--benchmark {given!r}: use serve (the default) or latency"
+        ) from None
+    serving = benchmark is Benchmark.SERVE
+    other = LATENCY_ONLY if serving else SERVING_ONLY
+    theirs = Benchmark.LATENCY if serving else Benchmark.SERVE
+    foreign = [option for option, key in other.items() if key in merged]
+    if foreign:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{foreign[0]} is --benchmark {theirs.value}'s option, not {benchmark.value}'s: "
+            f"add --benchmark {theirs.value} or leave it out",
+        )
+    if not serving:
+        return None
+    concurrencies = (
+        parse_concurrencies(merged["concurrency"])
+        if "concurrency" in merged
+        else default_concurrencies(len(os.sched_getaffinity(0)))
+    )
+    prompts, texts = check_prompts(str(merged.get("prompts", SHIPPED_PROMPTS)))
+    number = merged.get("num_prompts")
+    count = None if number is None else int(positive(number, "--num-prompts", whole=True))
+    return Load(concurrencies, prompts, texts, count, output_len)
 
 
 def stop(number: int, _frame: object) -> None:
@@ -224,16 +316,19 @@ def report(
         table(summaries),
         besides_runtime(envs, os.environ.get("LD_PRELOAD", "")),
     ]
-    if verdict.winner is None:
-        lines.append(f"result: {verdict.result}: keeping the default ({default.name})")
-    elif verdict.winner == default:
-        lines.append(f"result: {verdict.result}: the default ({default.name}) is best")
-    else:
-        lines.append(f"result: {verdict.result}: best is --iomp {verdict.winner.iomp}")
+    lines.append(result_line(verdict, default))
     return verdict, lines
 
 
-def run_rounds(
+def result_line(verdict: Verdict, default: Candidate) -> str:
+    if verdict.winner is None:
+        return f"result: {verdict.result}: keeping the default ({default.name})"
+    if verdict.winner == default:
+        return f"result: {verdict.result}: the default ({default.name}) is best"
+    return f"result: {verdict.result}: best is --iomp {verdict.winner.iomp}"
+
+
+def run_latency_rounds(
     plans: Mapping[Candidate, Plan],
     rounds: int,
     limit_s: float,
@@ -283,32 +378,57 @@ def measure(
     workdir: str,
 ) -> int:
     """Plan, run the rounds, print the table, write the config with --write."""
-    from vllm_cpu_launch.launch import write_stdout
-
     arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
     plans, auto = candidate_plans(merged, arguments)
-    by_name = {c.name: c for c in CANDIDATES}
-    default = by_name["libiomp5" if any(p.kind == "iomp" for p in auto.preload) else "libgomp"]
-    quiet = bool(merged.get("quiet"))
+    default = default_of(auto)
     shown = shlex.join(["vllm", *arguments[: arguments.index("--output-json")]])
+    say = announce(plans, bool(merged.get("quiet")))
+    if dropped:
+        say(f"not passed to vllm bench latency (serve-only options): {shlex.join(dropped)}")
+    say(f"measuring {len(plans)} candidates x {rounds} rounds: {shown} (logs in {workdir})")
+
+    runs = run_latency_rounds(plans, rounds, limit_s, workdir, bench["num_iters"], say)
+
+    verdict, lines = report(runs, default, plans, shown)
+    done = min(len(r) for r in runs.values())
+    finish(merged, config_path, verdict, done, shown, auto, lines)
+    return 0
+
+
+def default_of(auto: Plan) -> Candidate:
+    """The candidate --iomp auto amounts to for this command."""
+    by_name = {c.name: c for c in CANDIDATES}
+    return by_name["libiomp5" if any(p.kind == "iomp" for p in auto.preload) else "libgomp"]
+
+
+def announce(plans: Mapping[Candidate, Plan], quiet: bool) -> Callable[[str], None]:
+    """Each candidate's warnings and plan on stderr; the progress writer (-q: silent)."""
 
     def say(text: str) -> None:
         if not quiet:
             emit("info", text)
 
-    if dropped:
-        say(f"not passed to vllm bench latency (serve-only options): {shlex.join(dropped)}")
     for candidate, plan in plans.items():
         for warning in plan.warnings:
             emit("warning", f"{candidate.name}: {warning}")
         env = shlex.join(f"{k}={v}" for k, v in plan.env) if plan.env else "unchanged"
         say(f"{candidate.name}: {plan.reason}; environment: {env}")
-    say(f"measuring {len(plans)} candidates x {rounds} rounds: {shown} (logs in {workdir})")
+    return say
 
-    runs = run_rounds(plans, rounds, limit_s, workdir, bench["num_iters"], say)
 
-    verdict, lines = report(runs, default, plans, shown)
-    done = min(len(r) for r in runs.values())
+def finish(
+    merged: Mapping[str, object],
+    config_path: str | None,
+    verdict: Verdict,
+    done: int,
+    shown: str,
+    auto: Plan,
+    lines: list[str],
+    at_load: Mapping[int, str] | None = None,
+) -> None:
+    """Store the record with --write (at_load: what won at each concurrency), then print."""
+    from vllm_cpu_launch.launch import write_stdout
+
     if merged.get("write") and config_path:
         from datetime import datetime, timezone
 
@@ -317,7 +437,7 @@ def measure(
 
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
         scope = auto.scope or Scope()  # build_plan always gives one
-        updates, removed = tune_updates(config_path, verdict, when, done, shown, scope)
+        updates, removed = tune_updates(config_path, verdict, when, done, shown, scope, at_load)
         write_config(config_path, updates, removed)
         lines.append(
             f"wrote: the tune record (iomp: {verdict.iomp}, for {describe(scope)}) to "
@@ -326,4 +446,53 @@ def measure(
     else:
         lines.append("not written (use --write to store it in your launcher config)")
     write_stdout("\n".join(lines))
+
+
+def measure_serving(
+    merged: dict[str, object],
+    serve: Sequence[str],
+    load: Load,
+    rounds: int,
+    limit_s: float,
+    config_path: str | None,
+    workdir: str,
+) -> int:
+    """Plan, start and drive each candidate's server in rounds, print the tables, write."""
+    from vllm_cpu_launch.launch import plan_from_options
+
+    shown_arguments, replaced = server_arguments(serve, 0)
+    plans, auto = candidate_plans(merged, shown_arguments)
+    default = default_of(auto)
+    model = str(model_of(serve))
+    shown = shlex.join(["vllm", *shown_arguments[:-1], "PORT"])
+    say = announce(plans, bool(merged.get("quiet")))
+    if replaced:
+        say(f"replaced by tune's loopback port: {shlex.join(replaced)}")
+    levels = ",".join(str(c) for c in load.concurrencies)
+    say(
+        f"measuring {len(plans)} candidates x {rounds} rounds, each start at concurrency "
+        f"{levels}: {shown} (logs in {workdir})"
+    )
+
+    dataset = write_dataset(load, os.path.join(workdir, "prompts.json"))
+
+    def client(program: Sequence[str], url: str, concurrency: int, result: str) -> list[str]:
+        return client_command(program, model, serve, url, load, dataset, concurrency, result)
+
+    def plan_for(candidate: Candidate, arguments: Sequence[str]) -> Plan:
+        return plan_from_options({**merged, "iomp": candidate.iomp}, arguments)
+
+    starts = run_rounds(plan_for, serve, client, load, rounds, limit_s, workdir, say)
+    verdict = decide_at_load(starts, load, default)
+    envs = {c.name: dict(plans[c].env) for c in CANDIDATES}
+    lines = [
+        f"measured: {shown}",
+        f"clients:  vllm bench serve on {load.prompts}, {load.output_len} tokens a request",
+        f"default:  {default.name} (what --iomp auto plans for this command)",
+        *report_lines(starts, load, verdict),
+        besides_runtime(envs, os.environ.get("LD_PRELOAD", "")),
+        result_line(verdict.overall, default),
+    ]
+    done = min(len(s) for s in starts.values())
+    finish(merged, config_path, verdict.overall, done, shown, auto, lines, verdict.iomp_at())
     return 0

@@ -119,6 +119,32 @@ def option_name(token: str) -> str:
     return "--" + head.replace("_", "-") + dot + tail
 
 
+def split_options(
+    tokens: Sequence[str], table: Mapping[str, int | str]
+) -> tuple[list[str], list[str]]:
+    """(the tokens kept, the options of `table` taken out with their values): the table
+    says what follows each option (0 a flag, 1 a value, "+" values up to the next option)."""
+    kept: list[str] = []
+    taken: list[str] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        arity = table.get(option_name(token)) if token.startswith("-") else None
+        if arity is None:
+            kept.append(token)
+            index += 1
+            continue
+        end = index + 1
+        if "=" not in token and arity == 1:
+            end = min(index + 2, len(tokens))
+        elif "=" not in token and arity == "+":
+            while end < len(tokens) and not tokens[end].startswith("-"):
+                end += 1
+        taken += tokens[index:end]
+        index = end
+    return kept, taken
+
+
 def bench_arguments(
     serve: Sequence[str], bench: Mapping[str, int], output_json: str
 ) -> tuple[list[str], list[str]]:
@@ -132,23 +158,8 @@ def bench_arguments(
         kept = []
     else:
         raise LaunchError(EXIT_USAGE, "tune needs the model: tune [--] serve MODEL [ARGS...]")
-    dropped: list[str] = []
-    index = 0
-    while index < len(rest):
-        token = rest[index]
-        arity = SERVE_ONLY.get(option_name(token)) if token.startswith("-") else None
-        if arity is None:
-            kept.append(token)
-            index += 1
-            continue
-        end = index + 1
-        if "=" not in token and arity == 1:
-            end = min(index + 2, len(rest))
-        elif "=" not in token and arity == "+":
-            while end < len(rest) and not rest[end].startswith("-"):
-                end += 1
-        dropped += rest[index:end]
-        index = end
+    kept_rest, dropped = split_options(rest, SERVE_ONLY)
+    kept += kept_rest
     ours = [item for option, (key, _) in BENCH_OPTIONS.items() for item in (option, bench[key])]
     arguments = ["bench", "latency", *kept, *map(str, ours), "--output-json", output_json]
     return arguments, dropped

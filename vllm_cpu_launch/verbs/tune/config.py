@@ -18,7 +18,13 @@ if TYPE_CHECKING:
 
 
 def tune_updates(
-    path: str, verdict: Verdict, when: str, rounds: int, command: str, scope: Scope
+    path: str,
+    verdict: Verdict,
+    when: str,
+    rounds: int,
+    command: str,
+    scope: Scope,
+    at_load: Mapping[int, str] | None = None,
 ) -> tuple[dict[str, object], tuple[str, ...]]:
     """(updates, keys to remove) for the config at path: this tune's record first, the
     file's records of other scopes after it, and the one of the same scope replaced. The
@@ -28,7 +34,8 @@ def tune_updates(
     from vllm_cpu_launch.settings import read_config_file, tuned_in_file
     from vllm_cpu_launch.tunes import record_fields, record_scope
 
-    tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope)
+    load = tuple(sorted((at_load or {}).items()))
+    tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope, concurrency=load)
     records = [record_fields(tuned, scope)]
     removed: tuple[str, ...] = ()
     if os.path.exists(path):

@@ -29,10 +29,12 @@ CANDIDATES = (Candidate("libgomp", "never"), Candidate("libiomp5", "always"))
 
 @record
 class Summary:
-    """One candidate's runs: each run's median latency (seconds), in the order they ran."""
+    """One candidate's runs, in the order they ran: each run's median latency (`vllm bench
+    latency`), or its mean time per output token (`vllm bench serve`): lower is faster."""
 
     candidate: Candidate
     runs: tuple[float, ...]
+    unit: str = "s"
 
     @property
     def median(self) -> float:
@@ -87,10 +89,11 @@ def decide(summaries: Sequence[Summary], default: Candidate) -> Verdict:
     if min(len(s.runs) for s in summaries) < MIN_RUNS_FOR_A_WINNER:
         return Verdict(None, "auto", "fewer than 2 runs each, no noise estimate: default kept")
     won, rounds = rounds_won(fast, slow)
+    unit = fast.unit
     measured = (
-        f"{fast.candidate.name} won {won} of {rounds} rounds; median {fast.median:.4g} s vs "
-        f"{slow.median:.4g} s for {slow.candidate.name}, spread {fast.spread:.3g} s and "
-        f"{slow.spread:.3g} s"
+        f"{fast.candidate.name} won {won} of {rounds} rounds; median {fast.median:.4g} {unit} "
+        f"vs {slow.median:.4g} {unit} for {slow.candidate.name}, spread {fast.spread:.3g} "
+        f"{unit} and {slow.spread:.3g} {unit}"
     )
     beyond_noise = slow.median - fast.median > max(fast.spread, slow.spread)
     if won < rounds or (rounds < ROUNDS_FOR_A_SWEEP and not beyond_noise):

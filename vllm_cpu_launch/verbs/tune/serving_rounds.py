@@ -1,0 +1,161 @@
+"""tune's serving rounds: one start of each candidate a round, rotated, measured at every
+concurrency; the verdict per concurrency by the rule of the latency benchmark, and a
+winner only where it won at every concurrency."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError
+from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.records import record
+from vllm_cpu_launch.verbs.tune.serving import free_port, serve_once, server_arguments
+from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, Verdict, decide, rotated
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.verbs.tune.serving import Load, Reading
+    from vllm_cpu_launch.verbs.tune.verdict import Candidate
+
+
+@record
+class LoadVerdict:
+    """The tune's verdict over every concurrency, and each concurrency's own."""
+
+    overall: Verdict
+    at: tuple[tuple[int, Verdict], ...]
+
+    def iomp_at(self) -> dict[int, str]:
+        """What each concurrency alone says to set (the record keeps it)."""
+        return {concurrency: verdict.iomp for concurrency, verdict in self.at}
+
+
+def run_rounds(
+    plan_for: Callable[[Candidate, Sequence[str]], Plan],
+    serve: Sequence[str],
+    client: Callable[[Sequence[str], str, int, str], list[str]],
+    load: Load,
+    rounds: int,
+    limit_s: float,
+    workdir: str,
+    say: Callable[[str], None],
+) -> dict[Candidate, list[list[Reading]]]:
+    """Each candidate's starts, each a list of readings by concurrency, within the limit.
+    `client(program, url, concurrency, result)` is the client's command; `program` is what
+    the plan runs vLLM as (the command before the arguments)."""
+    starts: dict[Candidate, list[list[Reading]]] = {c: [] for c in CANDIDATES}
+    order = list(rotated(CANDIDATES, rounds))
+    deadline = time.monotonic() + limit_s
+    stopped = ""
+    for number, (round_index, candidate) in enumerate(order, 1):
+        if time.monotonic() >= deadline:
+            stopped = f"time limit of {limit_s:g} s reached before start {number}/{len(order)}"
+            break
+        port = free_port()
+        arguments, _ = server_arguments(serve, port)
+        plan = plan_for(candidate, arguments)
+        url = f"http://127.0.0.1:{port}"
+        logs = os.path.join(workdir, f"{number:02d}-{candidate.name}")
+        started = time.monotonic()
+        program = plan.command[: len(plan.command) - len(arguments)]
+
+        def command(
+            concurrency: int, result: str, program: Sequence[str] = program, url: str = url
+        ) -> list[str]:
+            return client(program, url, concurrency, result)
+
+        readings = serve_once(plan, command, url, load, logs, deadline)
+        if readings is None:
+            stopped = (
+                f"time limit of {limit_s:g} s reached during start {number}/{len(order)} (killed)"
+            )
+            break
+        starts[candidate].append(readings)
+        figures = ", ".join(
+            f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
+            for r in readings
+        )
+        say(
+            f"start {number}/{len(order)} (round {round_index + 1}/{rounds}) {candidate.name}: "
+            f"{figures} ({time.monotonic() - started:.0f} s)"
+        )
+    if stopped:
+        emit("warning", f"{stopped}; using the starts done")
+    if not all(starts.values()):
+        raise LaunchError(
+            EXIT_PROBLEM, f"{stopped}: not every candidate started once; nothing decided"
+        )
+    return starts
+
+
+def summaries_at(starts: Mapping[Candidate, list[list[Reading]]], index: int) -> list[Summary]:
+    """Each candidate's TPOT per round at the index-th concurrency."""
+    return [
+        Summary(c, tuple(readings[index].tpot_ms for readings in starts[c]), "ms/token")
+        for c in CANDIDATES
+    ]
+
+
+def decide_at_load(
+    starts: Mapping[Candidate, list[list[Reading]]], load: Load, default: Candidate
+) -> LoadVerdict:
+    """Today's rule at each concurrency; a winner overall only where the same candidate
+    won at every one (the default kept otherwise)."""
+    at = tuple(
+        (concurrency, decide(summaries_at(starts, index), default))
+        for index, concurrency in enumerate(load.concurrencies)
+    )
+    winners = {verdict.winner for _, verdict in at}
+    levels = ", ".join(str(c) for c in load.concurrencies)
+    if len(winners) == 1 and None not in winners:
+        winner = at[0][1].winner
+        assert winner is not None
+        iomp = "auto" if winner == default else winner.iomp
+        return LoadVerdict(
+            Verdict(winner, iomp, f"{winner.name} won at every concurrency ({levels})"), at
+        )
+    said = "; ".join(f"at {c}: {v.winner.name if v.winner else 'no clear winner'}" for c, v in at)
+    return LoadVerdict(Verdict(None, "auto", f"no candidate won at every concurrency ({said})"), at)
+
+
+def table_at(
+    concurrency: int, index: int, starts: Mapping[Candidate, list[list[Reading]]], load: Load
+) -> list[str]:
+    """One concurrency's table: TPOT (median, range), output tokens/s, drafts accepted,
+    speed against libgomp."""
+    base = statistics.median(r[index].tpot_ms for r in starts[CANDIDATES[0]])
+    lines = [
+        f"concurrency {concurrency} ({load.requests(concurrency)} requests of "
+        f"{load.output_len} tokens a start)",
+        f"  {'candidate':<10} {'--iomp':<7} {'rounds':>6} {'TPOT ms':>9} {'min-max ms':>13} "
+        f"{'tokens/s':>9} {'accepted':>15} {'speed vs libgomp':>17}",
+    ]
+    for candidate in CANDIDATES:
+        runs = [readings[index] for readings in starts[candidate]]
+        tpots = [r.tpot_ms for r in runs]
+        median = statistics.median(tpots)
+        drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
+        drafts = f"{accepted}/{drafted}" if drafted else "none drafted"
+        lines.append(
+            f"  {candidate.name:<10} {candidate.iomp:<7} {len(runs):>6} {median:>9.2f} "
+            f"{f'{min(tpots):.2f}-{max(tpots):.2f}':>13} "
+            f"{statistics.median(r.output_tps for r in runs):>9.1f} {drafts:>15} "
+            f"{base / median:>16.2f}x"
+        )
+    return lines
+
+
+def report_lines(
+    starts: Mapping[Candidate, list[list[Reading]]], load: Load, verdict: LoadVerdict
+) -> list[str]:
+    """Every concurrency's table and its result line."""
+    lines = []
+    for index, (concurrency, at) in enumerate(verdict.at):
+        lines += table_at(concurrency, index, starts, load)
+        lines.append(f"  result at {concurrency}: {at.result}")
+    return lines
