@@ -98,6 +98,14 @@ def plot(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
     save(plt, figure, title, path)
 
 
+def grouped(runs: Sequence[Run]) -> dict[Config, list[Run]]:
+    """The runs of each configuration, in the order first seen."""
+    by_config: dict[Config, list[Run]] = {}
+    for run in runs:
+        by_config.setdefault(run.config, []).append(run)
+    return by_config
+
+
 def save(plt: Any, figure: Any, title: str, path: Path) -> None:
     """Title the figure, write it to path and free it."""
     figure.suptitle(title)
@@ -113,9 +121,7 @@ def gains(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
     per step, the figures the gain moves with."""
     plt = pyplot()
     levels: list[int] = meta["concurrency"]
-    by_config: dict[Config, list[Run]] = {}
-    for run in runs:
-        by_config.setdefault(run.config, []).append(run)
+    by_config = grouped(runs)
     methods = list(dict.fromkeys((c.model, c.method) for c in by_config))
     settings = list(dict.fromkeys(c.setting for c in by_config if c.setting != "libgomp"))
     width_in = max(10.0, 4 + 2.2 * len(methods) * len(levels))
@@ -173,9 +179,7 @@ def gain_by_load(runs: Sequence[Run], meta: dict[str, Any], path: Path) -> None:
     of drafts accepted there (every start of the method)."""
     plt = pyplot()
     levels: list[int] = meta["concurrency"]
-    by_config: dict[Config, list[Run]] = {}
-    for run in runs:
-        by_config.setdefault(run.config, []).append(run)
+    by_config = grouped(runs)
     methods = list(dict.fromkeys((c.model, c.method) for c in by_config))
     figure, axes = plt.subplots(
         1, len(methods), figsize=(4.6 * len(methods), 4.8), squeeze=False, sharey=True

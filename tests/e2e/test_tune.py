@@ -123,6 +123,30 @@ def kill_tree(process: subprocess.Popen[str]) -> None:
     process.wait(timeout=60)
 
 
+def run_tune(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """One real tune, bounded: its result, which must be exit 0; killed with every
+    descendant if it runs past WAIT_LIMIT_S."""
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=WAIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        pytest.fail(f"tune did not finish within {WAIT_LIMIT_S} s")
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    assert result.returncode == 0, stderr[-4000:]
+    return result
+
+
 @pytest.fixture(scope="module")
 def tuned(
     vllm_env: Path, wide_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -148,24 +172,7 @@ def tuned(
         "--",
         *serve_command(wide_model),
     ]
-    process = subprocess.Popen(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=WAIT_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(process)
-        pytest.fail(f"tune did not finish within {WAIT_LIMIT_S} s")
-    finally:
-        if process.poll() is None:
-            kill_tree(process)
-    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-    assert result.returncode == 0, stderr[-4000:]
+    result = run_tune(command, env)
     config = scratch / "config" / "vllm-cpu-launch" / "config.yaml"
     return result, env, config
 
@@ -297,22 +304,7 @@ def served_tune(
         "--",
         *serve,
     ]
-    process = subprocess.Popen(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=WAIT_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(process)
-        pytest.fail(f"tune did not finish within {WAIT_LIMIT_S} s")
-    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-    assert result.returncode == 0, stderr[-4000:]
-    return result
+    return run_tune(command, env)
 
 
 def test_a_serving_tune_drives_each_candidates_server_at_each_concurrency(

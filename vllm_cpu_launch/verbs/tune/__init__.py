@@ -19,13 +19,13 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
-from vllm_cpu_launch.verbs.tune.runner import run_once
+from vllm_cpu_launch.verbs.tune.runner import ended, run_once
 from vllm_cpu_launch.verbs.tune.serving import (
     SHIPPED_PROMPTS,
     Load,
@@ -361,10 +361,7 @@ def run_latency_rounds(
             f"run {number}/{len(order)} (round {round_index + 1}/{rounds}) {candidate.name}: "
             f"median latency {latency:.4f} s over {iterations} iterations ({took:.0f} s)"
         )
-    if stopped:
-        emit("warning", f"{stopped}; using the runs done")
-    if not all(runs.values()):
-        raise LaunchError(EXIT_PROBLEM, f"{stopped}: not every candidate ran once; nothing decided")
+    ended(stopped, runs, "ran")
     return runs
 
 

@@ -14,7 +14,10 @@ from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError
 from vllm_cpu_launch.messages import emit
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence, Sized
+
     from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.verbs.tune.verdict import Candidate
 
 KILL_WAIT_S = 30
 LOG_TAIL_LINES = 15
@@ -37,6 +40,32 @@ def log_tail(path: str) -> list[str]:
         return stream.read().splitlines()[-LOG_TAIL_LINES:]
 
 
+def start_logged(
+    command: Sequence[str], log_path: str, environment: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """command in a session of its own (to be killed whole), its output into log_path."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+
+
+def ended(stopped: str, done: Mapping[Candidate, Sized], verb: str) -> None:
+    """After the rounds: the time limit's warning, and nothing decided (exit 1) unless
+    every candidate `verb` (ran, started) at least once."""
+    if stopped:
+        emit("warning", f"{stopped}; using what was done")
+    if not all(done.values()):
+        raise LaunchError(
+            EXIT_PROBLEM, f"{stopped}: not every candidate {verb} once; nothing decided"
+        )
+
+
 def run_once(plan: Plan, log_path: str, output_json: str, limit_s: float) -> float | None:
     """One benchmark run: the median of its latencies, or None when limit_s ran out (the
     run's whole session is killed). A failed run raises, with its log's last lines shown."""
@@ -45,16 +74,7 @@ def run_once(plan: Plan, log_path: str, output_json: str, limit_s: float) -> flo
     from vllm_cpu_launch.launch import provide_metadata
 
     provide_metadata(plan)
-    environment = {**os.environ, **dict(plan.env)}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            list(plan.command),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=environment,
-            start_new_session=True,
-        )
+    process = start_logged(plan.command, log_path, {**os.environ, **dict(plan.env)})
     try:
         code = process.wait(timeout=max(limit_s, 0.0))
     except subprocess.TimeoutExpired:

@@ -27,7 +27,7 @@ from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.files import FileProblem, read_checked
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.verbs.tune.command import split_options
-from vllm_cpu_launch.verbs.tune.runner import kill_group, log_tail
+from vllm_cpu_launch.verbs.tune.runner import kill_group, log_tail, start_logged
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -328,15 +328,7 @@ def serve_once(
 
     provide_metadata(plan)
     server_log = f"{logs}-serve.log"
-    with open(server_log, "wb") as log:
-        server = subprocess.Popen(
-            list(plan.command),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **dict(plan.env)},
-            start_new_session=True,
-        )
+    server = start_logged(plan.command, server_log, {**os.environ, **dict(plan.env)})
     try:
         if not wait_healthy(server, url, deadline, server_log):
             return None
@@ -359,14 +351,7 @@ def measure_concurrency(
     log_path = f"{logs}-c{concurrency}.log"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(result)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            client(concurrency, result),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = start_logged(client(concurrency, result), log_path)
     try:
         code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
     except subprocess.TimeoutExpired:

@@ -9,9 +9,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError
-from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.records import record
+from vllm_cpu_launch.verbs.tune.runner import ended
 from vllm_cpu_launch.verbs.tune.serving import free_port, serve_once, server_arguments
 from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, Verdict, decide, rotated
 
@@ -84,12 +83,7 @@ def run_rounds(
             f"start {number}/{len(order)} (round {round_index + 1}/{rounds}) {candidate.name}: "
             f"{figures} ({time.monotonic() - started:.0f} s)"
         )
-    if stopped:
-        emit("warning", f"{stopped}; using the starts done")
-    if not all(starts.values()):
-        raise LaunchError(
-            EXIT_PROBLEM, f"{stopped}: not every candidate started once; nothing decided"
-        )
+    ended(stopped, starts, "started")
     return starts
 
 
