@@ -932,7 +932,8 @@ def test_the_time_limit_kills_a_server_that_never_gets_ready(
         (["--concurrency", "x"], "needs positive whole numbers, comma-separated"),
         (["--num-prompts", "0"], "--num-prompts '0': needs a positive whole number"),
         (["--prompts", "/nonexistent.jsonl"], "/nonexistent.jsonl: cannot be read"),
-        (["--prompts", "/etc/hostname"], "vLLM's custom dataset must be named *.jsonl"),
+        (["--prompts", "{tmp}/plain.txt"], 'line 1 is not a JSON object with a "prompt" text'),
+        (["--prompts", "{tmp}"], "cannot be read"),
         (["--prompts", "{tmp}/bad.jsonl"], 'line 2 is not a JSON object with a "prompt" text'),
         (["--prompts", "{tmp}/empty.jsonl"], "holds no prompts"),
         ([*SERVE, "--headless"], "needs an API server, which --headless leaves out"),
@@ -943,6 +944,7 @@ def test_serving_usage_errors_are_one_line_exit_2(
 ) -> None:
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n["not", "an", "object"]\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "plain.txt").write_text("Why is the sky blue?\n")
     given = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     command = given if given[:1] == ["serve"] else [*given, *SERVE]
     result = tune(tmp_path, bench_env, "iomp-faster", *command, benchmark="")

@@ -102,8 +102,8 @@ goes to stderr; the tables and the result to stdout.
 Serving (--benchmark serve):
   --concurrency LIST     concurrent requests, measured in turn on each start (default 1,4;
                          1,4,8 with 8 usable CPUs or more)
-  --prompts FILE         your prompts, as vLLM's custom dataset: a .jsonl file of
-                         {"prompt": "..."} lines (default: the shipped set, half asking to
+  --prompts FILE         your prompts, as vLLM's custom dataset: JSON lines, each
+                         {"prompt": "..."} (default: the shipped set, half asking to
                          quote or edit their text, where ngram drafts, half open-ended)
   --num-prompts N        requests at each concurrency (default 4 per concurrent request,
                          at least 8)

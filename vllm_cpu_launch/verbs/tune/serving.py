@@ -119,12 +119,9 @@ def parse_concurrencies(value: object) -> tuple[int, ...]:
 
 
 def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
-    """The prompts file, absolute, and its prompts, after the checks vLLM's client would
-    fail on later: a regular file named .jsonl whose every line is an object with a text
-    `prompt`."""
+    """The prompts file, absolute, and its prompts: a regular file in vLLM's custom
+    dataset form, every line an object with a text `prompt`, checked before any start."""
     where = f"--prompts {path}"
-    if not path.endswith(".jsonl"):
-        raise LaunchError(EXIT_USAGE, f"{where}: vLLM's custom dataset must be named *.jsonl")
     try:
         text = read_checked(path).decode("utf-8")
     except (FileProblem, OSError, UnicodeDecodeError) as error:
