@@ -285,7 +285,16 @@ def served_tune(
     env = isolated_environment(
         scratch, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_"), RUN_CACHE["vllm"]
     )
-    serve = ["serve", str(real_model), "--max-model-len", "2048", "-sc", SERVING_NGRAM]
+    # --enforce-eager: no torch.compile at each start (as test_real_weights.py serves it).
+    serve = [
+        "serve",
+        str(real_model),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "-sc",
+        SERVING_NGRAM,
+    ]
     command = [
         *LAUNCHER,
         "--vllm",
