@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.verbs.tune.runner import ended
-from vllm_cpu_launch.verbs.tune.serving import free_port, serve_once, server_arguments
+from vllm_cpu_launch.verbs.tune.serving import LOOPBACK, free_port, serve_once, server_arguments
 from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, Verdict, decide, rotated
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def run_rounds(
         port = free_port()
         arguments, _ = server_arguments(serve, port)
         plan = plan_for(candidate, arguments)
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{LOOPBACK}:{port}"
         logs = os.path.join(workdir, f"{number:02d}-{candidate.name}")
         started = time.monotonic()
         program = plan.command[: len(plan.command) - len(arguments)]
