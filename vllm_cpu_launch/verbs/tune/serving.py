@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import vllm_cpu_launch
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.files import FileProblem, read_checked
+from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.verbs.tune.command import split_options
 from vllm_cpu_launch.verbs.tune.runner import kill_group, log_tail, start_logged
@@ -258,8 +259,6 @@ def healthy(url: str) -> bool:
 
 def failed(what: str, code: int, log_path: str) -> LaunchError:
     """A child's failure: its log's last lines on stderr, vLLM's exit code kept."""
-    from vllm_cpu_launch.messages import emit
-
     for line in log_tail(log_path):
         emit("error", f"  {line}")
     return LaunchError(
