@@ -12,7 +12,7 @@ pattern in one of the release's Python files or its METADATA and kept with its e
 the file, line and text of every line the pattern read. The records go to
 docs/releases.json (`--json` for another file), one per release, replacing that release's;
 tests/test_releases.py checks that docs/releases.md's table, the record and
-vllm_cpu_launch/releases.py's window agree. From a wheel only its METADATA and vLLM's .py
+vllm_cpu_launch/gather.py's window agree. From a wheel only its METADATA and vLLM's .py
 files are read (zipfile, nothing unpacked).
 
 Exit codes: 0 recorded (or, with --check, the same as recorded), 1 a download or read
@@ -34,10 +34,9 @@ from typing import Any
 
 from script_cli import ScriptError, exit_code, narrator
 
-from vllm_cpu_launch.records import record
-from vllm_cpu_launch.releases import version_key, vllm_release
-from vllm_cpu_launch.speculative import SD_OPTIONS
-from vllm_cpu_launch.vllm_cli import HEADLESS, PARALLEL_SIZES, Option
+from vllm_cpu_launch.command import HEADLESS, PARALLEL_SIZES, SD_OPTIONS, Option
+from vllm_cpu_launch.errors import record
+from vllm_cpu_launch.gather import version_key, vllm_release
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD = REPO / "docs" / "releases.json"
@@ -74,7 +73,7 @@ OUR_VLLM_VARIABLES = (
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "VLLM_WORKER_MULTIPROC_METHOD",
 )
-# The options the launcher reads from a vLLM command line (speculative.py, vllm_cli.py).
+# The options the launcher reads from a vLLM command line (command.py).
 LAUNCHER_OPTIONS: tuple[Option, ...] = (*SD_OPTIONS, *PARALLEL_SIZES, HEADLESS)
 
 

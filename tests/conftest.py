@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
+from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 
 # CI must be reproducible: the same examples every run (a developer's runs explore). No
 # deadline in either: a shared, loaded machine makes any time limit a flaky assertion.

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
+from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

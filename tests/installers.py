@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from checkout import checkout_copy
 
-from vllm_cpu_launch.records import record
+from vllm_cpu_launch.errors import record
 
 from .conftest import RECORDER, REPO, clean_environ, run_launcher
 

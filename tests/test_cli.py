@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_launch import settings as settings_module
-from vllm_cpu_launch.libraries import find_library
-from vllm_cpu_launch.places import TCMALLOC, Host
+from vllm_cpu_launch.libraries import TCMALLOC, Host, find_library
 from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
 
 from .conftest import (

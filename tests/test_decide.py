@@ -7,15 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from vllm_cpu_launch import decide
-from vllm_cpu_launch.decide import Decision
-from vllm_cpu_launch.evidence import rule
-from vllm_cpu_launch.gather import Facts, Request
-from vllm_cpu_launch.libraries import Candidate, Search
-from vllm_cpu_launch.places import Host
-from vllm_cpu_launch.releases import support
+from vllm_cpu_launch import plan as decide
+from vllm_cpu_launch.command import SpeculativeRequest
+from vllm_cpu_launch.gather import Facts, Request, support
+from vllm_cpu_launch.libraries import Candidate, Host, Search
+from vllm_cpu_launch.plan import Decision
+from vllm_cpu_launch.rules import rule
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
-from vllm_cpu_launch.speculative import SpeculativeRequest
 from vllm_cpu_launch.target import Target
 
 DEFAULTS = Settings()

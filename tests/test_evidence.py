@@ -1,4 +1,4 @@
-"""The map's rules (vllm_cpu_launch/evidence.py): each figure they quote is recomputed from
+"""The map's rules (vllm_cpu_launch/rules.py): each figure they quote is recomputed from
 the kept measurements (docs/bench_vllm_map.json), and the launcher applies them exactly
 where the map measured: that vLLM release, as pip installs it, on that many CPUs."""
 
@@ -19,9 +19,9 @@ import pytest
 from tests.conftest import REPO, SystemHost, clean_environ, run_launcher
 from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
 from tests.test_benchmarks import load_script
-from vllm_cpu_launch import evidence
+from vllm_cpu_launch import rules as evidence
+from vllm_cpu_launch.gather import vllm_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
-from vllm_cpu_launch.releases import vllm_release
 from vllm_cpu_launch.rules import Start, setting_rule
 
 MAP_JSON = REPO / "docs" / "bench_vllm_map.json"

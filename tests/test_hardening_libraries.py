@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from vllm_cpu_launch.libraries import NOT_FOUND_BY_LOADER, find_library
-from vllm_cpu_launch.places import IOMP, Host
+from vllm_cpu_launch.libraries import IOMP, NOT_FOUND_BY_LOADER, Host, find_library
 
 from .conftest import AS_NOBODY, NOBODY
 from .hardening_support import (

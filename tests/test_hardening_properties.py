@@ -17,11 +17,11 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.places import Host, openmp_runtime_of, preload_entries
+from vllm_cpu_launch.libraries import Host, openmp_runtime_of, preload_entries
 from vllm_cpu_launch.plan import Plan, build_plan, compose_ld_preload
 from vllm_cpu_launch.settings import Settings
-from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 from vllm_cpu_launch.target import Target
 
 from .hardening_support import (
@@ -250,7 +250,7 @@ def test_detect_survives_a_yaml_alias_bomb(tmp_path: Path) -> None:
             "import resource, sys\n"
             "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
             "from vllm_cpu_launch.errors import LaunchError\n"
-            "from vllm_cpu_launch.speculative import detect\n"
+            "from vllm_cpu_launch.command import detect\n"
             "try:\n"
             "    print(detect(['serve', 'm', '--config', sys.argv[1]]).requested)\n"
             "except LaunchError as error:\n"

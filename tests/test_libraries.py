@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.libraries import examine, find_library
-from vllm_cpu_launch.places import IOMP, TCMALLOC, Host, loader_cache_entries
+from vllm_cpu_launch.libraries import (
+    IOMP,
+    TCMALLOC,
+    Host,
+    examine,
+    find_library,
+    loader_cache_entries,
+)
 from vllm_cpu_launch.target import Target
 
 MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"

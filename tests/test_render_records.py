@@ -27,16 +27,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import vllm_cpu_launch
+from vllm_cpu_launch.command import SpeculativeRequest
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
-from vllm_cpu_launch.evidence import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
+from vllm_cpu_launch.gather import target_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_NAME, PLUGIN_VARIABLE
-from vllm_cpu_launch.libraries import Candidate, Search
+from vllm_cpu_launch.libraries import IOMP, SYSTEM_ROOT_VARIABLE, TCMALLOC, Candidate, Host, Search
 from vllm_cpu_launch.linkmap import LinkMap
-from vllm_cpu_launch.places import IOMP, SYSTEM_ROOT_VARIABLE, TCMALLOC, Host
 from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, render_text, summary_line
-from vllm_cpu_launch.releases import target_release
+from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
-from vllm_cpu_launch.speculative import SpeculativeRequest
 from vllm_cpu_launch.target import Target
 from vllm_cpu_launch.verbs import doctor, verify
 from vllm_cpu_launch.verbs.doctor.advice import recommend

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vllm_cpu_launch import evidence
+from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.rules import Start, llvm_runtime, misses, setting_rule
 from vllm_cpu_launch.verbs.rules import markdown_table
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.speculative import detect, model_of
+from vllm_cpu_launch.command import detect, model_of
 
 from .conftest import REPO, clean_environ, read_record, run_launcher
 

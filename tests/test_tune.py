@@ -16,11 +16,18 @@ from typing import Any
 import pytest
 import yaml
 
+from vllm_cpu_launch.command import detect
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.plan import why
-from vllm_cpu_launch.settings import Scope, Settings, Tuned, load_settings, read_config_file
-from vllm_cpu_launch.speculative import detect
-from vllm_cpu_launch.tunes import choose, record_scope
+from vllm_cpu_launch.settings import (
+    Scope,
+    Settings,
+    Tuned,
+    choose,
+    load_settings,
+    read_config_file,
+    record_scope,
+)
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import merged_config
 from vllm_cpu_launch.verbs.tune.verdict import (

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from vllm_cpu_launch.evidence import BOUND_WORKERS_SOURCE
-from vllm_cpu_launch.speculative import REFUSALS, SPECULATIVE_SOURCE
+from vllm_cpu_launch.command import REFUSALS, SPECULATIVE_SOURCE
+from vllm_cpu_launch.rules import BOUND_WORKERS_SOURCE
 
 from .conftest import clean_environ, read_record, run_launcher
 

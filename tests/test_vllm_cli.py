@@ -1,4 +1,4 @@
-"""vLLM's command-line grammar (vllm_cpu_launch/vllm_cli.py): one worker on one node?
+"""vLLM's command-line grammar (vllm_cpu_launch/command.py): one worker on one node?
 
 The benchmark map's rules apply only to one worker on one node, so the launcher reads the
 parallel sizes as vLLM does: aliases, abbreviations, `_` for `-`, `=VALUE`, and the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.vllm_cli import single_worker
+from vllm_cpu_launch.command import single_worker
 
 # (argv, one worker on one node)
 PARALLEL_CASES = [

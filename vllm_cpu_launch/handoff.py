@@ -1,17 +1,51 @@
-"""What a vLLM process inherits that tells the plugin to leave it alone.
+"""What the launcher and the plugin share: the OpenMP runtimes by name, and the mark a vLLM
+process inherits that tells the plugin to leave it alone.
 
-The plugin runs in every vLLM process; in all but the front end it must stop at once,
-with nothing imported. stands_down() decides that from the environment, the machine and
-whether multiprocessing started the process (doctor asks it too, for a front end), and the
-plans write the mark it reads (docs/design.md, "The plugin").
+One classifier of a library file's name, as vLLM tells the runtimes apart, serves
+`verify` (the files a process maps) and the plugin (the library that serves
+`GOMP_parallel` inside a vLLM process, inside.py). The plugin runs in every vLLM process;
+in all but the front end it must stop at once, with nothing imported: stands_down()
+decides that from the environment, the machine and whether multiprocessing started the
+process (doctor asks it too), and the plans write the mark it reads (docs/design.md,
+"The plugin").
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+
+
+# The OpenMP runtimes, by a library file's name
+
+INTEL = "iomp"  # Intel's libiomp5
+LLVM = "llvm"  # LLVM's libomp (Debian's libiomp5.so resolves to it): the same KMP_* interface
+GNU = "gomp"
+# The word each runtime has in the plugin's /metrics series (docs/operating.md); NONE where
+# no OpenMP runtime serves.
+METRIC_WORDS = {INTEL: "intel", LLVM: "llvm", GNU: "gnu"}
+NONE = "none"
+# The plugin's info metric (prometheus_client appends `_info` to an info family's name).
+METRIC = "vllm_cpu_launch_openmp"
+INFO_METRIC = f"{METRIC}_info"
+
+
+def runtime_of(path: str) -> str | None:
+    """Which OpenMP runtime a mapped file is, by its name (as vLLM tells them apart)."""
+    name = os.path.basename(path)
+    if "libiomp" in name:
+        return INTEL
+    if "libgomp" in name:
+        return GNU
+    if name.startswith("libomp") and not name.startswith("libomptarget"):
+        return LLVM
+    return None
+
+
+# The mark the plugin reads
 
 # The plan's mark, which tells vLLM's plugin that a process was started with a plan
 # already, and `verify` why libgomp is loaded. Its value is who planned (launcher, plugin),

@@ -41,7 +41,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.runtimes import INTEL, LLVM, METRIC, METRIC_WORDS, NONE, runtime_of
+from vllm_cpu_launch.handoff import INTEL, LLVM, METRIC, METRIC_WORDS, NONE, runtime_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -1,20 +1,407 @@
-"""Validate the candidates of each place and choose the library to preload."""
+"""Where to look for a library, and which candidate to preload.
+
+The places of docs/design.md's search order are data. Discovery only stats and reads
+known places, in that order; it never scans the filesystem. Each place yields candidates
+lazily, so the usual case (the library in the vLLM environment) stops after a handful of
+system calls; each candidate is validated (trust, ELF) before one is chosen.
+"""
 
 from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Literal
 
-from vllm_cpu_launch.elf import elf_problem, elf_truncation, openmp_runtime
-from vllm_cpu_launch.places import IOMP, MARKER, resolve_preload_entry, search_places
-from vllm_cpu_launch.records import record
-from vllm_cpu_launch.runtimes import LLVM as LLVM  # also the flavor of LLVM's libomp (elf)
-from vllm_cpu_launch.trust import insecure_reason, quoted
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.handoff import LLVM as LLVM  # also the flavor of LLVM's libomp (elf)
+from vllm_cpu_launch.target import python_libraries, python_user_base
+from vllm_cpu_launch.trust import (
+    elf_problem,
+    elf_truncation,
+    insecure_reason,
+    openmp_runtime,
+    quoted,
+)
 
 if TYPE_CHECKING:
-    from vllm_cpu_launch.places import Host
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+
     from vllm_cpu_launch.target import Target
+
+
+# Where to look: the places of the search order
+
+IOMP = "iomp"
+TCMALLOC = "tcmalloc"
+IOMP_NAMES = ("libiomp5.so",)
+TCMALLOC_NAMES = (
+    "libtcmalloc_minimal.so.4",
+    "libtcmalloc.so.4",
+    "libtcmalloc_minimal.so",
+    "libtcmalloc.so",
+)
+# vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
+MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
+# A malloc of the caller's other than tcmalloc: theirs, so no tcmalloc of ours goes in.
+ALLOCATOR = "allocator"
+ALLOCATOR_MARKERS = ("libjemalloc", "libmimalloc")
+
+MULTIARCH = {
+    "x86_64": "x86_64-linux-gnu",
+    "aarch64": "aarch64-linux-gnu",
+    "ppc64le": "powerpc64le-linux-gnu",
+    "s390x": "s390x-linux-gnu",
+    "riscv64": "riscv64-linux-gnu",
+}
+LOADER_CACHE = "etc/ld.so.cache"
+ONEAPI_ROOT = "opt/intel/oneapi"
+
+
+# Where the system places are, for a test that states the host it runs on (a bare one, or
+# one with Debian's allocators unpacked): it adds no way in, since whoever sets it could set
+# LD_PRELOAD, and every library found under it passes the same trust rule as one named by
+# --iomp-path (every directory from "/" to the file).
+SYSTEM_ROOT_VARIABLE = "VLLMCPULAUNCH_SYSTEM_ROOT"
+
+
+def system_root(environ: Mapping[str, str]) -> str:
+    """The directory the system places lie under: "/" unless SYSTEM_ROOT_VARIABLE says."""
+    value = environ.get(SYSTEM_ROOT_VARIABLE, "")
+    if value and not os.path.isabs(value):
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path; give the directory the "
+            "system libraries lie under, or unset it (the system's own: /)",
+        )
+    return value or "/"
+
+
+@record
+class Host:
+    """What discovery needs to know of this process and machine."""
+
+    environ: Mapping[str, str]
+    machine: str  # os.uname().machine
+    euid: int
+    launcher_prefix: str  # sys.prefix of the launcher's own interpreter
+    search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
+    # Where the system places (/usr/lib..., /opt/intel, /etc/ld.so.cache) are: "/" but
+    # in tests, which lay out real Debian and oneAPI trees in a temporary directory
+    # (SYSTEM_ROOT_VARIABLE for a fresh process).
+    root: str = "/"
+    cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
+
+
+@record
+class Place:
+    """One step of the search order: where it looked and which files it proposes."""
+
+    origin: str
+    paths: tuple[str, ...]
+
+
+def files_named(origin: str, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
+    """The files with one of `names` that exist in `directories` (skipping unset ones)."""
+    paths = [
+        os.path.join(directory, name)
+        for directory in directories
+        if directory
+        for name in names
+        if os.path.lexists(os.path.join(directory, name))
+    ]
+    return Place(origin, tuple(paths))
+
+
+def preload_entries(value: str) -> list[str]:
+    """LD_PRELOAD's entries, split where glibc's loader splits them: spaces and colons.
+
+    Tabs and other white space are part of an entry to the loader (rtld.c, " :").
+    """
+    return [entry for entry in value.replace(":", " ").split(" ") if entry]
+
+
+def openmp_runtime_of(entry: str) -> str | None:
+    """Which OpenMP runtime an LD_PRELOAD entry names, as vLLM reads it (the substrings of
+    vllm/utils/ompmultiprocessing.py): "gnu" (libgomp), "intel" (libiomp or LLVM's
+    libomp, both Intel's interface), or None."""
+    if "libgomp" in entry:
+        return "gnu"
+    if "libiomp" in entry or "libomp" in entry:
+        return "intel"
+    return None
+
+
+def callers_kind(entry: str) -> str | None:
+    """The kind of library a caller's LD_PRELOAD entry is, by its file's name: an Intel or
+    LLVM OpenMP runtime (IOMP: vLLM's `libiomp`/`libomp`), a malloc of theirs (ALLOCATOR,
+    a tcmalloc among them: TCMALLOC), or None for any other library."""
+    name = os.path.basename(entry)
+    if openmp_runtime_of(name) == "intel":
+        return IOMP
+    if MARKER[TCMALLOC] in name:
+        return TCMALLOC
+    return ALLOCATOR if any(marker in name for marker in ALLOCATOR_MARKERS) else None
+
+
+def ld_preload_place(kind: str, host: Host) -> Place:
+    entries = preload_entries(host.environ.get("LD_PRELOAD", ""))
+    return Place("ld-preload", tuple(e for e in entries if callers_kind(e) == kind))
+
+
+def lib_expansions(host: Host) -> tuple[str, ...]:
+    """What glibc's `$LIB` may stand for: its build's choice (Debian's lib/<multiarch>,
+    Fedora's lib64, else lib), tried in that order."""
+    multiarch = MULTIARCH.get(host.machine)
+    return (*((f"lib/{multiarch}",) if multiarch else ()), "lib64", "lib")
+
+
+def expansions(entry: str, host: Host) -> list[str]:
+    """The paths an LD_PRELOAD entry may name once the loader expands `$LIB` and
+    `$PLATFORM` (ld.so(8)'s dynamic string tokens)."""
+    paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
+    if "$LIB" in entry or "${LIB}" in entry:
+        libs = lib_expansions(host)
+        paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
+    return paths
+
+
+def resolve_preload_entry(entry: str, host: Host) -> str | None:
+    """The file the loader preloads for a caller's LD_PRELOAD entry, or None where it finds
+    none: a path (relative to the working directory, as the loader opens it), tokens
+    expanded; a bare name where the loader looks (LD_LIBRARY_PATH, its cache, the system
+    directories)."""
+    if "/" in entry:
+        paths = expansions(entry, host)
+        found = next((p for p in paths if os.path.lexists(p)), paths[0])
+        return os.path.abspath(found)  # examined: the reason it does not load, if so
+    names = (entry,)
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    directories = [d for d in value.split(":") if os.path.isabs(d)]
+    places = (
+        files_named("", directories, names),
+        loader_cache_place(names, host),
+        files_named("", system_directories(host), names),
+    )
+    return next((place.paths[0] for place in places if place.paths), None)
+
+
+def library_path_place(names: tuple[str, ...], host: Host) -> Place:
+    """LD_LIBRARY_PATH entries; an empty or relative one is proposed only to be rejected."""
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    paths: list[str] = []
+    for directory in value.split(":") if value else []:
+        if os.path.isabs(directory):
+            paths.extend(files_named("", [directory], names).paths)
+        else:  # "" is the current directory to the loader
+            paths.append(os.path.join(directory, names[0]) if directory else "")
+    return Place("ld-library-path", tuple(paths))
+
+
+# glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
+# without them was written by the machine that reads it, in its byte order (s390x: big).
+CACHE_BYTE_ORDER: dict[int, Literal["little", "big"]] = {2: "little", 3: "big"}
+
+
+def cache_byte_order(flags: int) -> Literal["little", "big"]:
+    """The byte order of a loader cache's numbers, from its header's flags."""
+    return CACHE_BYTE_ORDER.get(flags & 3, sys.byteorder)
+
+
+def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[str]:
+    """Library paths listed in glibc's /etc/ld.so.cache (format 'glibc-ld.so.cache1.1').
+
+    Read directly rather than through `ldconfig -p`: no child process on the exec path.
+    """
+    try:
+        with open(cache_file, "rb") as stream:
+            data = stream.read()
+    except OSError:
+        return []
+    if names and not any(name.encode() in data for name in names):
+        return []  # the usual case, decided without parsing hundreds of entries
+    magic = b"glibc-ld.so.cache1.1"
+    start = data.find(magic)  # after the old-format table on older systems
+    if start < 0 or len(data) < start + 48:
+        return []
+    order = cache_byte_order(data[start + 28])
+    count = int.from_bytes(data[start + 20 : start + 24], order)
+    paths = []
+    for index in range(count):
+        entry = start + 48 + 24 * index
+        if entry + 24 > len(data):
+            break
+        value = int.from_bytes(data[entry + 8 : entry + 12], order)
+        end = data.find(b"\0", start + value)
+        if end > 0:
+            paths.append(data[start + value : end].decode("utf-8", "surrogateescape"))
+    return paths
+
+
+def system_path(host: Host, path: str) -> str:
+    """A system location under the host's root directory."""
+    return os.path.join(host.root, path.lstrip("/"))
+
+
+def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
+    entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
+    found = [system_path(host, p) for p in entries if os.path.basename(p) in names]
+    return Place("loader-cache", tuple(dict.fromkeys(found)))
+
+
+def version_key(name: str) -> tuple[int, ...]:
+    """'2024.2' -> (2024, 2); names that are not versions sort first."""
+    parts = name.split(".")
+    return tuple(int(part) for part in parts) if all(p.isdigit() for p in parts) else ()
+
+
+def oneapi_directories(host: Host) -> list[str | None]:
+    """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
+    compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
+    try:
+        versions = [n for n in os.listdir(compiler_root) if version_key(n)]
+    except OSError:
+        versions = []
+    newest = max(versions, key=version_key) if versions else None
+    roots: list[str | None] = [
+        host.environ.get("CMPLR_ROOT"),
+        os.path.join(host.environ["ONEAPI_ROOT"], "compiler", "latest")
+        if host.environ.get("ONEAPI_ROOT")
+        else None,
+        os.path.join(compiler_root, "latest"),
+        os.path.join(compiler_root, newest) if newest else None,
+    ]
+    directories: list[str | None] = []
+    for root in roots:
+        if root:
+            directories.append(os.path.join(root, "lib"))
+            directories.append(os.path.join(root, "linux", "compiler", "lib", "intel64_lin"))
+    return directories
+
+
+def distribution_files(distribution: str, search_path: Iterable[str], name: str) -> list[str]:
+    """Files called `name` that an installed distribution's RECORD lists.
+
+    The RECORD is read directly: importlib.metadata costs more to import than the
+    whole launcher, and this place is reached only when the earlier ones failed.
+    """
+    prefix = distribution.replace("-", "_") + "-"
+    found = []
+    for site in search_path:
+        if not os.path.isabs(site):
+            continue  # "" in sys.path is the working directory
+        try:
+            entries = os.listdir(site)
+        except OSError:
+            continue
+        for entry in entries:
+            if not (entry.startswith(prefix) and entry.endswith(".dist-info")):
+                continue
+            try:
+                with open(os.path.join(site, entry, "RECORD"), encoding="utf-8") as stream:
+                    for line in stream:
+                        relative = line.split(",", 1)[0]
+                        if os.path.basename(relative) == name:
+                            found.append(os.path.normpath(os.path.join(site, relative)))
+            except OSError:
+                continue
+    return found
+
+
+def system_directories(host: Host) -> list[str | None]:
+    """`/usr/local/lib*`, `/usr/lib/<multiarch>`, `/usr/lib64`, `/usr/lib`."""
+    usr_local = system_path(host, "/usr/local")
+    try:
+        local = sorted(n for n in os.listdir(usr_local) if n.startswith("lib"))
+    except OSError:
+        local = []
+    multiarch = MULTIARCH.get(host.machine)
+    return [
+        *(os.path.join(usr_local, n) for n in local),
+        system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
+        system_path(host, "/usr/lib64"),
+        system_path(host, "/usr/lib"),
+    ]
+
+
+def lib_directory(prefix: str | None) -> str | None:
+    return os.path.join(prefix, "lib") if prefix else None
+
+
+def site_packages(prefix: str | None) -> list[str]:
+    """`lib/python3.N/site-packages` of a prefix (or user base), for every N it has."""
+    return (
+        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
+    )
+
+
+def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
+    """Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`."""
+    found = []
+    for site in site_packages(prefix):
+        libs = os.path.join(site, "vllm", "libs")
+        try:
+            found += [os.path.join(libs, n) for n in sorted(os.listdir(libs)) if "libtcmalloc" in n]
+        except OSError:
+            continue
+    return found
+
+
+def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
+    """LLVM's runtime from the `cmeel-libomp` wheel, by its libiomp5.so alias in
+    `site-packages/cmeel.prefix/lib/` (the name vLLM looks for): in the vLLM environment
+    (its user base first), the user base, then on the launcher's own path. That directory
+    also holds a `libgomp.so.1` alias, so it is never put on a library path: only the file
+    is preloaded."""
+    prefixes = (target.user_base, target.prefix) if target else ()
+    user_base = python_user_base(host.environ)  # where `pip install --user` puts it
+    sites = [site for prefix in (*prefixes, user_base) for site in site_packages(prefix)]
+    return distribution_files("cmeel-libomp", [*sites, *host.search_path], IOMP_NAMES[0])
+
+
+def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Place]:
+    """The places to look, in docs/design.md's order, each computed only when reached.
+
+    The vLLM environment is its user base (for a `pip install --user` vLLM, where pip
+    put intel-openmp too) and its prefix; later, the user base Python would use.
+    """
+    names = IOMP_NAMES if kind == IOMP else TCMALLOC_NAMES
+    environ = host.environ
+    target_prefix = target.prefix if target else None
+    target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
+    user_lib = [lib_directory(python_user_base(environ))]
+    steps: list[Callable[[], Place]] = [
+        lambda: ld_preload_place(kind, host),
+        lambda: files_named("vllm-environment", target_lib, names),
+        lambda: files_named("launcher-environment", [lib_directory(host.launcher_prefix)], names),
+        lambda: files_named("conda", [lib_directory(environ.get("CONDA_PREFIX"))], names),
+        lambda: files_named("virtualenv", [lib_directory(environ.get("VIRTUAL_ENV"))], names),
+    ]
+    if kind == IOMP:
+        steps += [
+            lambda: Place(
+                "intel-openmp-package",
+                tuple(distribution_files("intel-openmp", host.search_path, names[0])),
+            ),
+            lambda: Place("cmeel-libomp-package", tuple(cmeel_libomp(target, host))),
+            lambda: files_named("user-base", user_lib, names),
+            lambda: files_named("oneapi", oneapi_directories(host), names),
+        ]
+    else:
+        steps += [
+            lambda: Place("vllm-bundled", tuple(vllm_bundled_tcmalloc(target_prefix))),
+            lambda: files_named("user-base", user_lib, names),
+        ]
+    steps += [
+        lambda: library_path_place(names, host),
+        lambda: loader_cache_place(names, host),
+        lambda: files_named("system", system_directories(host), names),
+    ]
+    for step in steps:
+        yield step()
+
+
+# Validating the candidates and choosing one
 
 FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
@@ -248,7 +635,7 @@ def find_library(
 
     An Intel OpenMP in any place wins over LLVM's: an LLVM runtime (cmeel-libomp,
     llvm-openmp, Debian's alias) is taken only where no place has Intel's, and the plan
-    decides whether to preload it for SD (evidence.llvm_runtime). With `exhaustive`
+    decides whether to preload it for SD (rules.llvm_runtime). With `exhaustive`
     (doctor) every place is examined and reported. An `explicit` file (--iomp-path)
     is the only candidate: there is no falling back from what the user named.
     `trusted`: uids besides root whose files may be preloaded (the target's owners).

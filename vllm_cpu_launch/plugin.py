@@ -43,9 +43,9 @@ if TYPE_CHECKING:
     from types import FrameType
     from typing import Any
 
+    from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.settings import Settings
-    from vllm_cpu_launch.speculative import SpeculativeRequest
 
 # A child of vLLM's "vllm" logger: the plugin's lines come out in vLLM's own log format.
 logger, PREFIX = inside.logger, inside.PREFIX
@@ -277,7 +277,7 @@ def speculative_request(vllm_config: Any) -> SpeculativeRequest:
     """SD as vLLM resolved it: whatever spelling, file, or speculators model asked for it.
     A configuration without the field (a vLLM that moved it) falls back to reading this
     process's command line as the launcher does (`vllm serve ...`)."""
-    from vllm_cpu_launch.speculative import SpeculativeRequest, detect
+    from vllm_cpu_launch.command import SpeculativeRequest, detect
 
     if not hasattr(vllm_config, "speculative_config"):
         return detect(sys.argv[1:])
@@ -307,7 +307,7 @@ def engine_plan(
 ) -> Plan:
     """The launcher's plan (plan.build_plan) for the vLLM running in this interpreter; an
     engine in this process is no engine the benchmark map measured (`in_process`)."""
-    from vllm_cpu_launch.launch import current_host
+    from vllm_cpu_launch.cli import current_host
     from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.target import Target
 

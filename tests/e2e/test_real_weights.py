@@ -45,7 +45,7 @@ from vllm_server import (
     served_name,
 )
 
-from vllm_cpu_launch.runtimes import METRIC_WORDS, runtime_of
+from vllm_cpu_launch.handoff import METRIC_WORDS, runtime_of
 
 from .conftest import (
     MAX_TOKENS,

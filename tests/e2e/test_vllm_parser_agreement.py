@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.speculative import detect
-from vllm_cpu_launch.vllm_cli import single_worker
+from vllm_cpu_launch.command import detect, single_worker
 
 from ..test_speculative import (
     MALFORMED,

@@ -145,7 +145,7 @@ def render(plan: Plan, output_format: str) -> str:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.launch import (
+    from vllm_cpu_launch.cli import (
         FLAG_OPTIONS,
         VALUED_OPTIONS,
         parse_options,

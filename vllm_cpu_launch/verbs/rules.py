@@ -1,6 +1,6 @@
 """`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
 
-The table is evidence.RULES; whether a rule applies to a start is rules.py's matcher,
+The table is rules.RULES; whether a rule applies to a start is rules.py's matcher,
 the one the plan uses. With a vLLM command it reads the command, the caller's variables
 and settings as a launch does, but needs no vLLM installed: without one, the vLLM
 condition fails and says so.
@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 
 if TYPE_CHECKING:
-    from vllm_cpu_launch.evidence import Measured, Rule
-    from vllm_cpu_launch.rules import Start
-    from vllm_cpu_launch.speculative import SpeculativeRequest
+    from vllm_cpu_launch.command import SpeculativeRequest
+    from vllm_cpu_launch.rules import Measured, Rule, Start
 
 USAGE = """\
 usage: vllm-cpu-launch rules [--json]
@@ -61,7 +60,7 @@ def measured_json(where: Measured) -> dict[str, Any]:
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
-    from vllm_cpu_launch.evidence import LOAD_JSON, REAL_JSON, REAL_MODEL
+    from vllm_cpu_launch.rules import LOAD_JSON, REAL_JSON, REAL_MODEL
 
     return {
         "id": rule.id,
@@ -118,7 +117,7 @@ def measured_words(where: Measured) -> str:
 
 
 def table_lines() -> list[str]:
-    from vllm_cpu_launch.evidence import (
+    from vllm_cpu_launch.rules import (
         LOAD_JSON,
         REAL_JSON,
         REAL_MODEL,
@@ -158,7 +157,7 @@ def table_where(where: Measured) -> str:
 def markdown_table() -> str:
     """The table as docs/design.md shows it, under a caption naming the hosts every rule
     was measured on (tests/test_rules.py keeps them in agreement)."""
-    from vllm_cpu_launch.evidence import RULES, figures, real_words
+    from vllm_cpu_launch.rules import RULES, figures, real_words
 
     def values(field: str) -> str:
         return " or ".join(sorted({str(getattr(rule.measured, field)) for rule in RULES}))
@@ -190,15 +189,19 @@ def start_of(
     import os
     import sys
 
-    from vllm_cpu_launch.launch import SETTING_KEYS, current_host
-    from vllm_cpu_launch.libraries import find_library
-    from vllm_cpu_launch.places import ALLOCATOR, TCMALLOC, callers_kind, preload_entries
-    from vllm_cpu_launch.releases import target_release
+    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
+    from vllm_cpu_launch.command import detect, single_worker
+    from vllm_cpu_launch.gather import target_release
+    from vllm_cpu_launch.libraries import (
+        ALLOCATOR,
+        TCMALLOC,
+        callers_kind,
+        find_library,
+        preload_entries,
+    )
     from vllm_cpu_launch.rules import Start
     from vllm_cpu_launch.settings import load_settings
-    from vllm_cpu_launch.speculative import detect
     from vllm_cpu_launch.target import resolve_vllm
-    from vllm_cpu_launch.vllm_cli import single_worker
 
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     settings = load_settings(options, os.environ)
@@ -248,8 +251,7 @@ def verdicts(start: Start, requested: bool) -> dict[str, Any]:
     decides)."""
     from dataclasses import replace
 
-    from vllm_cpu_launch.evidence import RULES
-    from vllm_cpu_launch.rules import llvm_runtime, misses, setting_rule, words
+    from vllm_cpu_launch.rules import RULES, llvm_runtime, misses, setting_rule, words
 
     setting = setting_rule(start) if start.method else None
     if setting and not setting.note:
@@ -303,13 +305,13 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
     """What vLLM itself will do with this command that the plan does not: refuse its
     speculative config or an unknown option, and write over the block time and thread
     count it hands on in each worker it binds (with libiomp5 preloaded, as SD gets it)."""
-    from vllm_cpu_launch.evidence import (
+    from vllm_cpu_launch.handoff import names_openmp_runtime
+    from vllm_cpu_launch.rules import (
         BLOCKTIME_VARIABLE,
         RULES,
         bound_worker_overrides,
         override_words,
     )
-    from vllm_cpu_launch.handoff import names_openmp_runtime
 
     said = [*speculative.refusals, *filter(None, [speculative.note])]
     if not speculative.requested:
@@ -326,8 +328,8 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.evidence import RULES
-    from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.rules import RULES
 
     more, command = parse_options(args, VALUED_OPTIONS, FLAG_OPTIONS, verb="rules")
     merged = {**values, **more}

@@ -11,11 +11,16 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
-from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
-from vllm_cpu_launch.messages import emit
-from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
+from vllm_cpu_launch.command import model_of
+from vllm_cpu_launch.errors import (
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    LaunchError,
+    emit,
+)
+from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 from vllm_cpu_launch.settings import DEPRECATED_PREFIX, VARIABLE_PREFIX
-from vllm_cpu_launch.speculative import model_of
 from vllm_cpu_launch.systemd_syntax import (
     environment_word,
     exec_line,
@@ -257,7 +262,7 @@ def check_plan(
 ) -> tuple[Target | None, list[str]]:
     """Plan now, to warn early about what the service will meet: the target (None
     without one) and the files the service will need (programs, environment, libraries)."""
-    from vllm_cpu_launch.launch import prepare_launch
+    from vllm_cpu_launch.cli import prepare_launch
     from vllm_cpu_launch.settings import SYSTEM_CONFIG
 
     try:
@@ -344,7 +349,7 @@ def check_names(values: dict[str, object]) -> None:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.launch import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
 
     valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, **ENV_OPTION}
     more, rest = parse_options(

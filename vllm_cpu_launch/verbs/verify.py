@@ -30,9 +30,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
-from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, PLUGIN
+from vllm_cpu_launch.handoff import (
+    GNU,
+    INFO_METRIC,
+    INTEL,
+    LAUNCHER,
+    LLVM,
+    PLANNED_VARIABLE,
+    PLUGIN,
+    runtime_of,
+)
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
-from vllm_cpu_launch.runtimes import GNU, INFO_METRIC, INTEL, LLVM, runtime_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,7 +48,7 @@ if TYPE_CHECKING:
 
     import psutil
 
-    from vllm_cpu_launch.speculative import SpeculativeRequest
+    from vllm_cpu_launch.command import SpeculativeRequest
 
 RUNTIME_TITLES = {INTEL: "Intel OpenMP", LLVM: "LLVM OpenMP", GNU: "GNU libgomp"}
 VARIABLES = (
@@ -135,7 +143,7 @@ def cwd_of(process: psutil.Process) -> str | None:
 def speculative_of(process: psutil.Process) -> SpeculativeRequest:
     import psutil
 
-    from vllm_cpu_launch.speculative import detect
+    from vllm_cpu_launch.command import detect
 
     try:
         cmdline = process.cmdline()
@@ -469,7 +477,7 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     `speculative`, SD counts as requested whatever the command lines say."""
     import psutil
 
-    from vllm_cpu_launch.speculative import SpeculativeRequest
+    from vllm_cpu_launch.command import SpeculativeRequest
 
     try:
         root = psutil.Process(pid)
@@ -762,7 +770,7 @@ def parse_pid(text: str) -> int:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 
     flags = {**FLAG_OPTIONS, "--speculative": "speculative"}
     more, rest = parse_options(args, {}, flags, verb="verify")

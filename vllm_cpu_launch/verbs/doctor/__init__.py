@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.evidence import MAP_CPUS, MAP_VLLM
 from vllm_cpu_launch.plan import rule_words, schema
+from vllm_cpu_launch.rules import MAP_CPUS, MAP_VLLM
 from vllm_cpu_launch.verbs.doctor.advice import recommend
 from vllm_cpu_launch.verbs.doctor.probe import (
     GIB,
@@ -60,11 +60,9 @@ Exit code 0: doctor explains, it does not judge.
 def build_report(
     values: dict[str, object], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], Target | None]:
-    from vllm_cpu_launch.gather import target_trust
-    from vllm_cpu_launch.launch import SETTING_KEYS, current_host
-    from vllm_cpu_launch.libraries import find_library
-    from vllm_cpu_launch.places import IOMP, TCMALLOC
-    from vllm_cpu_launch.releases import target_release
+    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
+    from vllm_cpu_launch.gather import target_release, target_trust
+    from vllm_cpu_launch.libraries import IOMP, TCMALLOC, find_library
     from vllm_cpu_launch.settings import Scope, load_settings
     from vllm_cpu_launch.target import resolve_vllm
 
@@ -109,7 +107,7 @@ def build_report(
 
 def measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, Any], str]:
     """Run ompmeasure in the vLLM environment: (JSON section, text for people)."""
-    from vllm_cpu_launch.messages import emit
+    from vllm_cpu_launch.errors import emit
 
     try:
         from vllm_cpu_launch.verbs.doctor.measure import (
@@ -320,7 +318,7 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
+    from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 
     more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"}, verb="doctor")
     merged = {**values, **more}

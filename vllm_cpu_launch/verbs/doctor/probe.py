@@ -7,8 +7,8 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.gather import import_directories
 from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
-from vllm_cpu_launch.metadata import import_directories
 from vllm_cpu_launch.settings import Scope
 
 if TYPE_CHECKING:
@@ -16,8 +16,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vllm_cpu_launch.errors import LaunchError
-    from vllm_cpu_launch.libraries import Search
-    from vllm_cpu_launch.places import Host
+    from vllm_cpu_launch.libraries import Host, Search
     from vllm_cpu_launch.settings import Settings, Tuned
     from vllm_cpu_launch.target import Target
 
@@ -201,7 +200,7 @@ def vllm_section(
             "executable": failure.subject if failure else None,
             "error": failure.message if failure else None,
         }
-    from vllm_cpu_launch.releases import support
+    from vllm_cpu_launch.gather import support
 
     distributions = vllm_distributions(import_directories(target, environ))
     version = distributions[0]["version"] if distributions else None
@@ -218,7 +217,7 @@ def vllm_section(
         "disagreement": target.disagreement,
         "version": version,
         "distributions": distributions,
-        # The release the plan follows (releases.py): in the window, older, newer, unknown.
+        # The release the plan follows (gather.py): in the window, older, newer, unknown.
         "release": {"version": standing.release, "status": standing.status, "note": standing.note},
     }
 
@@ -265,9 +264,9 @@ def settings_section(settings: Settings, error: str | None, here: Scope) -> dict
 
 
 def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
-    """A tune record with the scope it applies to (tunes.py) and, of what doctor can know
+    """A tune record with the scope it applies to (settings.py) and, of what doctor can know
     without a command (the vLLM release, the usable CPUs), where this host leaves it."""
-    from vllm_cpu_launch.tunes import differences, record_fields, record_scope
+    from vllm_cpu_launch.settings import differences, record_fields, record_scope
 
     scope = record_scope(tuned)
     host_only = Scope(vllm=scope.vllm, cpus=scope.cpus)
@@ -286,7 +285,7 @@ SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
 
 def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
     """Why the map did not measure this host and vLLM (each way it differs), or ""."""
-    from vllm_cpu_launch.evidence import BIND_VARIABLE, MAP_CPUS, MAP_VLLM
+    from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, MAP_VLLM
 
     reasons = []
     if target is None:
@@ -308,12 +307,11 @@ def map_section(
 ) -> dict[str, Any]:
     """What the launcher does for SD here, with the settings in effect (the plan of an
     ngram `serve`, one worker), and whether the benchmark map measured this host and
-    vLLM (vllm_cpu_launch/evidence.py), with the rule it applies when it did."""
+    vLLM (vllm_cpu_launch/rules.py), with the rule it applies when it did."""
+    from vllm_cpu_launch.command import detect
     from vllm_cpu_launch.errors import LaunchError
-    from vllm_cpu_launch.evidence import BIND_VARIABLE
     from vllm_cpu_launch.plan import build_plan, plan_as_json
-    from vllm_cpu_launch.rules import Start, measured_host
-    from vllm_cpu_launch.speculative import detect
+    from vllm_cpu_launch.rules import BIND_VARIABLE, Start, measured_host
 
     probe = detect(SD_PROBE)
     start = Start(host.machine, host.cpus, release, True, probe.method, probe.tokens, host.environ)

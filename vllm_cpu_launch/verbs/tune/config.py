@@ -29,10 +29,14 @@ def tune_updates(
     """(updates, keys to remove) for the config at path: this tune's record first, the
     file's records of other scopes after it, and the one of the same scope replaced. The
     file's records are read as launches read them (settings.tuned_in_file): one from
-    before scoping gets its scope written out (tunes.record_scope), and the global `iomp:`
+    before scoping gets its scope written out (settings.record_scope), and the global `iomp:`
     it wrote beside itself goes, as it was that record's."""
-    from vllm_cpu_launch.settings import read_config_file, tuned_in_file
-    from vllm_cpu_launch.tunes import record_fields, record_scope
+    from vllm_cpu_launch.settings import (
+        read_config_file,
+        record_fields,
+        record_scope,
+        tuned_in_file,
+    )
 
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope, concurrency=load)

@@ -9,7 +9,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.records import record
+from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.verbs.tune.runner import ended
 from vllm_cpu_launch.verbs.tune.serving import LOOPBACK, free_port, serve_once, server_arguments
 from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, Verdict, decide, rotated

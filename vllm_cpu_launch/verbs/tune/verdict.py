@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.places import openmp_runtime_of, preload_entries
-from vllm_cpu_launch.records import record
+from vllm_cpu_launch.errors import record
+from vllm_cpu_launch.libraries import openmp_runtime_of, preload_entries
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
