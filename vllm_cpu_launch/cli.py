@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
+from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
 from vllm_cpu_launch.errors import (
     EXIT_LIBRARY_MISSING,
     EXIT_NOT_EXECUTABLE,
@@ -23,6 +24,11 @@ from vllm_cpu_launch.errors import (
     did_you_mean,
     emit,
 )
+from vllm_cpu_launch.gather import write_alias
+from vllm_cpu_launch.libraries import Host, system_root
+from vllm_cpu_launch.plan import STRICT_REFUSAL, build_plan, plan_as_json, render_text, summary_line
+from vllm_cpu_launch.settings import load_settings
+from vllm_cpu_launch.target import resolve_program, resolve_vllm
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -122,8 +128,6 @@ def parse_options(
 
 
 def current_host() -> Host:
-    from vllm_cpu_launch.libraries import Host, system_root
-
     return Host(
         environ=os.environ,
         machine=os.uname().machine,
@@ -139,11 +143,6 @@ def prepare_launch(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> tuple[Settings, Target, Plan]:
     """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
-    from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
-    from vllm_cpu_launch.plan import build_plan
-    from vllm_cpu_launch.settings import load_settings
-    from vllm_cpu_launch.target import resolve_program, resolve_vllm
-
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     if values.get("strict"):
         options["strict"] = True
@@ -177,8 +176,6 @@ def plan_from_options(
     """The plan to exec or print. A caller's LD_PRELOAD entry the trust rule refuses is
     fatal (126); with --strict, so are a target the trust rule reports and a wanted
     library missing: one error line (the other warnings stay warnings)."""
-    from vllm_cpu_launch.plan import STRICT_REFUSAL
-
     settings, _, plan = prepare_launch(values, arguments, program)
     if plan.refused:  # never two OpenMP runtimes, nor a library others can change
         raise LaunchError(EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
@@ -209,8 +206,6 @@ def write_stdout(text: str) -> None:
 def report(plan: Plan, values: dict[str, object], unchanged: str | None = None) -> None:
     """Warnings always; the INFO line unless quiet; notes and candidates when verbose.
     `unchanged`: what the INFO line says where the plan changes nothing (summary_line)."""
-    from vllm_cpu_launch.plan import summary_line
-
     for warning in plan.warnings:
         emit("warning", warning)
     if not values.get("quiet"):
@@ -227,7 +222,6 @@ def provide_metadata(plan: Plan) -> None:
     fails, say so and start anyway (a missing PYTHONPATH entry is ignored)."""
     if plan.metadata is None:
         return
-    from vllm_cpu_launch.gather import write_alias
 
     try:
         write_alias(plan.metadata)
@@ -267,8 +261,6 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
         raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
     plan = plan_from_options(values, arguments, program)
     if values.get("dry_run"):
-        from vllm_cpu_launch.plan import plan_as_json, render_text
-
         if values.get("json"):
             import json
 

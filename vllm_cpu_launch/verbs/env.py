@@ -24,7 +24,18 @@ import json
 import shlex
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.cli import (
+    FLAG_OPTIONS,
+    VALUED_OPTIONS,
+    parse_options,
+    plan_from_options,
+    provide_metadata,
+    report,
+    write_stdout,
+)
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.plan import plan_as_json
+from vllm_cpu_launch.systemd_syntax import environment_file_line, printable
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -59,8 +70,6 @@ def shell_lines(environment: Mapping[str, str]) -> list[str]:
 
 
 def systemd_lines(environment: Mapping[str, str]) -> list[str]:
-    from vllm_cpu_launch.systemd_syntax import environment_file_line
-
     return [environment_file_line(name, value) for name, value in environment.items()]
 
 
@@ -124,15 +133,12 @@ def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
 def render(plan: Plan, output_format: str) -> str:
     """The plan's environment in one of FORMATS."""
     if output_format == "json":
-        from vllm_cpu_launch.plan import plan_as_json
-
         return json.dumps(plan_as_json(plan), indent=2)
     environment = final_environment(plan)
     if not environment:
         # One comment line in every format, whatever the reason holds (a config file's
         # words): a line break would end the comment, and YAML refuses a control
         # character even in a comment.
-        from vllm_cpu_launch.systemd_syntax import printable
 
         return f"# vllm-cpu-launch: nothing to set ({printable(plan.reason)})"
     renderers = {
@@ -145,16 +151,6 @@ def render(plan: Plan, output_format: str) -> str:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import (
-        FLAG_OPTIONS,
-        VALUED_OPTIONS,
-        parse_options,
-        plan_from_options,
-        provide_metadata,
-        report,
-        write_stdout,
-    )
-
     valued = {**VALUED_OPTIONS, "--format": "format"}
     more, command = parse_options(args, valued, FLAG_OPTIONS, verb="env")
     merged = {**values, **more}

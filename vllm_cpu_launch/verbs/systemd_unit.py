@@ -11,6 +11,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
+from vllm_cpu_launch.cli import (
+    FLAG_OPTIONS,
+    VALUED_OPTIONS,
+    parse_options,
+    prepare_launch,
+    write_stdout,
+)
 from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import (
     EXIT_NOT_EXECUTABLE,
@@ -20,7 +27,7 @@ from vllm_cpu_launch.errors import (
     emit,
 )
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
-from vllm_cpu_launch.settings import DEPRECATED_PREFIX, VARIABLE_PREFIX
+from vllm_cpu_launch.settings import DEPRECATED_PREFIX, SYSTEM_CONFIG, VARIABLE_PREFIX
 from vllm_cpu_launch.systemd_syntax import (
     environment_word,
     exec_line,
@@ -262,9 +269,6 @@ def check_plan(
 ) -> tuple[Target | None, list[str]]:
     """Plan now, to warn early about what the service will meet: the target (None
     without one) and the files the service will need (programs, environment, libraries)."""
-    from vllm_cpu_launch.cli import prepare_launch
-    from vllm_cpu_launch.settings import SYSTEM_CONFIG
-
     try:
         settings, target, plan = prepare_launch(values, arguments, program)
     except LaunchError as error:
@@ -349,8 +353,6 @@ def check_names(values: dict[str, object]) -> None:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
-
     valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, **ENV_OPTION}
     more, rest = parse_options(
         args, valued, FLAG_OPTIONS, repeatable=("unit_env",), verb="systemd-unit"

@@ -26,9 +26,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import psutil
+
+from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
+from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import (
     GNU,
@@ -41,12 +49,12 @@ from vllm_cpu_launch.handoff import (
     runtime_of,
 )
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
+from vllm_cpu_launch.plan import described_request, schema
+from vllm_cpu_launch.settings import CONFIG_VARIABLE, deprecated_name, load_settings, said_setting
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any
-
-    import psutil
 
     from vllm_cpu_launch.command import SpeculativeRequest
 
@@ -132,8 +140,6 @@ def vllm_arguments(cmdline: Sequence[str], cwd: str | None) -> list[str]:
 
 
 def cwd_of(process: psutil.Process) -> str | None:
-    import psutil
-
     try:
         return process.cwd()
     except psutil.Error:
@@ -141,10 +147,6 @@ def cwd_of(process: psutil.Process) -> str | None:
 
 
 def speculative_of(process: psutil.Process) -> SpeculativeRequest:
-    import psutil
-
-    from vllm_cpu_launch.command import detect
-
     try:
         cmdline = process.cmdline()
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
@@ -278,13 +280,6 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> Choice |
     """Why libgomp is the user's own choice, `iomp: never`, read as the plan read it: from
     PID's start-up environment and the config files it names (a relative
     VLLMCPULAUNCH_CONFIG is PID's working directory's); None where it is not."""
-    from vllm_cpu_launch.settings import (
-        CONFIG_VARIABLE,
-        deprecated_name,
-        load_settings,
-        said_setting,
-    )
-
     environ = dict(start_environment)
     for name in (CONFIG_VARIABLE, deprecated_name(CONFIG_VARIABLE)):
         if environ.get(name) and cwd and not os.path.isabs(environ[name]):
@@ -340,8 +335,6 @@ def permission_denied(pid: int) -> str:
 
 def read_process(process: psutil.Process) -> tuple[str, dict[str, str], list[str], int] | None:
     """(maps, environment, command line, parent PID) of a process; None if it is gone."""
-    import psutil
-
     try:
         maps = read_proc(process.pid, "maps").decode("utf-8", "surrogateescape")
         environment = environment_of(read_proc(process.pid, "environ"))
@@ -368,8 +361,6 @@ class Inherited:
 def inherited_by(process: psutil.Process) -> Inherited | None:
     """vLLM's title overwrites /proc/PID/environ; the nearest unrenamed ancestor's start-up
     environment is what reached it at spawn (less what that ancestor changed later)."""
-    import psutil
-
     try:
         for ancestor in process.parents():
             if vllm_title(ancestor.cmdline()) is None:
@@ -430,8 +421,6 @@ def metrics_url(cmdline: Sequence[str]) -> str:
 def openmp_readings(text: str) -> dict[int, dict[str, str]]:
     """The labels of each `vllm_cpu_launch_openmp_info{...} 1.0` line, by its pid label
     (Prometheus text format: label values escape backslash, quote and newline)."""
-    import re
-
     label = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
     escapes = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
     readings = {}
@@ -453,9 +442,6 @@ def openmp_readings(text: str) -> dict[int, dict[str, str]]:
 
 def read_inside(url: str) -> dict[int, dict[str, str]] | None:
     """GET /metrics (2 s): the plugin's series, or None where none could be read."""
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             text = response.read().decode("utf-8", "replace")
@@ -475,10 +461,6 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     """The verify report for PID and its descendants (see docs/operating.md); with
     `speculative`, SD counts as requested whatever the command lines say."""
-    import psutil
-
-    from vllm_cpu_launch.command import SpeculativeRequest
-
     try:
         root = psutil.Process(pid)
         descendants = root.children(recursive=True)
@@ -661,10 +643,6 @@ def shortened(command: str) -> str:
 
 
 def render_text(report: dict[str, Any]) -> str:
-    import shlex
-
-    from vllm_cpu_launch.plan import described_request
-
     speculative = described_request(
         report["speculative"]["requested"], report["speculative"]["source"]
     )
@@ -720,8 +698,6 @@ def inside_note(inside: dict[str, Any]) -> str:
 
 
 def variables_text(environment: dict[str, str]) -> str:
-    import shlex
-
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
 
 
@@ -770,8 +746,6 @@ def parse_pid(text: str) -> int:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
-
     flags = {**FLAG_OPTIONS, "--speculative": "speculative"}
     more, rest = parse_options(args, {}, flags, verb="verify")
     merged = {**values, **more}
@@ -784,8 +758,6 @@ def main(values: dict[str, object], args: list[str]) -> int:
         )
     report = inspect(parse_pid(rest[0]), bool(merged.get("speculative")))
     if merged.get("json"):
-        from vllm_cpu_launch.plan import schema
-
         write_stdout(json.dumps({"schema": schema("verify"), **report}, indent=2))
     else:
         write_stdout(render_text(report))

@@ -14,9 +14,20 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.cli import (
+    FLAG_OPTIONS,
+    SETTING_KEYS,
+    current_host,
+    parse_options,
+    write_stdout,
+)
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, emit
+from vllm_cpu_launch.gather import target_release, target_trust
+from vllm_cpu_launch.libraries import IOMP, TCMALLOC, find_library
 from vllm_cpu_launch.plan import rule_words, schema
 from vllm_cpu_launch.rules import MAP_CPUS, MAP_VLLM
+from vllm_cpu_launch.settings import Scope, load_settings
+from vllm_cpu_launch.target import resolve_vllm
 from vllm_cpu_launch.verbs.doctor.advice import recommend
 from vllm_cpu_launch.verbs.doctor.probe import (
     GIB,
@@ -60,12 +71,6 @@ Exit code 0: doctor explains, it does not judge.
 def build_report(
     values: dict[str, object], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], Target | None]:
-    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
-    from vllm_cpu_launch.gather import target_release, target_trust
-    from vllm_cpu_launch.libraries import IOMP, TCMALLOC, find_library
-    from vllm_cpu_launch.settings import Scope, load_settings
-    from vllm_cpu_launch.target import resolve_vllm
-
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     errors: list[str] = []  # a broken layer is left out; the others still apply
     settings = load_settings(options, environ, errors)
@@ -107,8 +112,6 @@ def build_report(
 
 def measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, Any], str]:
     """Run ompmeasure in the vLLM environment: (JSON section, text for people)."""
-    from vllm_cpu_launch.errors import emit
-
     try:
         from vllm_cpu_launch.verbs.doctor.measure import (
             OmpMeasureError,
@@ -318,8 +321,6 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
-
     more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"}, verb="doctor")
     merged = {**values, **more}
     if merged.get("help"):

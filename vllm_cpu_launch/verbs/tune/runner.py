@@ -10,6 +10,7 @@ import statistics
 import subprocess
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.cli import provide_metadata
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ def run_once(plan: Plan, log_path: str, output_json: str, limit_s: float) -> flo
     run's whole session is killed). A failed run raises, with its log's last lines shown."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(output_json)
-    from vllm_cpu_launch.cli import provide_metadata
 
     provide_metadata(plan)
     process = start_logged(plan.command, log_path, {**os.environ, **dict(plan.env)})

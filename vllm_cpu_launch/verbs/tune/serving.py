@@ -23,6 +23,7 @@ import urllib.request
 from typing import TYPE_CHECKING
 
 import vllm_cpu_launch
+from vllm_cpu_launch.cli import provide_metadata
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, emit, record
 from vllm_cpu_launch.trust import FileProblem, read_checked
 from vllm_cpu_launch.verbs.tune.command import split_options
@@ -318,8 +319,6 @@ def serve_once(
 ) -> list[Reading] | None:
     """One start of plan's server, measured at every concurrency in turn; None when the
     deadline came first (the server and a client still running are killed)."""
-    from vllm_cpu_launch.cli import provide_metadata
-
     provide_metadata(plan)
     server_log = f"{logs}-serve.log"
     server = start_logged(plan.command, server_log, {**os.environ, **dict(plan.env)})
