@@ -13,6 +13,8 @@ timed end to end, from spawn to the target's exit:
   w_pip  pip's console-script wrapper around a `main` that only execs the target with
        the same environment changes: the floor no launcher behind pip's wrapper can beat
   a_uv, w_uv  the same two, installed by uv (whose wrapper imports nothing)
+  a_base `--baseline CHECKOUT`'s launcher (another checkout, the main branch's before a
+       change), installed by pip like (a): the before and after of a change in one run
 and, to show where the time goes: the floor plus `import re`, plus `import json`; the
 launcher as `python -m vllm_cpu_launch`; as `python -c` without pip's wrapper; and as
 `python -c` with dotted SD options (`--speculative-config.method ngram`), whose values
@@ -184,6 +186,20 @@ def prepare_uv_venv(venv: Path, uv: str) -> None:
         install = [uv, "pip", "install", "--quiet", "--compile-bytecode", "--reinstall"]
         command = [*install, "--python", str(venv / "bin" / "python"), str(copy)]
         checked_output(command, "uv pip install <repo>", SETUP_TIME_LIMIT_S)
+
+
+def prepare_baseline_venv(venv: Path, checkout: Path) -> None:
+    """A venv with `checkout` installed non-editable by pip (from a copy of its files)."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        say(f"creating {venv} for the baseline {checkout}")
+        venv_command = [sys.executable, "-m", "venv", "--clear", str(venv)]
+        checked_output(venv_command, "creating the baseline venv", SETUP_TIME_LIMIT_S)
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-baseline-") as source:
+        copy = checkout_copy(Path(source) / "src", checkout)
+        install = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        command = [*install, "--force-reinstall", str(copy)]
+        checked_output(command, "pip install <baseline>", SETUP_TIME_LIMIT_S)
 
 
 def make_target(workdir: Path, venv: Path) -> Path:
@@ -394,6 +410,19 @@ def print_ratios(
     )
     torch_ratio = medians["c"] / a if torch_skip is None else f"skipped: {torch_skip}"
     print(ratio_line("c/a", "torch run_cpu / launcher", torch_ratio, 1))
+    if "a_base" in medians:
+        print(
+            ratio_line(
+                "a/a_base", "this launcher / --baseline's (both behind pip)", a / medians["a_base"]
+            )
+        )
+        print(
+            ratio_line(
+                "a_base/w_pip",
+                "--baseline's launcher / pip's wrapper floor",
+                medians["a_base"] / medians["w_pip"],
+            )
+        )
     for key, what in (
         ("a_c", "launcher without pip's wrapper"),
         ("a_dot", "launcher with dotted SD options"),
@@ -425,6 +454,7 @@ def build_configs(
     env: dict[str, str],
     torch_python: str | None,
     uv_venv: Path | None,
+    baseline_venv: Path | None = None,
 ) -> tuple[list[Config], list[str], str | None]:
     python = str(venv / "bin" / "python")
     script = str(venv / "bin" / "vllm-cpu-launch")
@@ -498,6 +528,11 @@ def build_configs(
                 env,
             ),
         ]
+    if baseline_venv is not None:
+        baseline = str(baseline_venv / "bin" / "vllm-cpu-launch")
+        configs.append(
+            ("a_base", "--baseline's console script (pip)", [baseline, *launcher_args], env)
+        )
     torch_skip = "no interpreter with torch (pass --torch-python)" if torch_python is None else None
     if torch_python is not None:
         torch_skip = torch_available(torch_python)
@@ -528,6 +563,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--no-importtime", action="store_true", help="skip the import-time breakdown"
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (e.g. a `git worktree` of main), installed by pip and measured "
+        "in the same rounds as a_base",
     )
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -566,6 +607,10 @@ def bench(arguments: Sequence[str]) -> None:
         venv = args.venv.absolute()
     if uv is not None and uv_venv is not None:
         prepare_uv_venv(uv_venv, uv)
+    baseline_venv = None
+    if args.baseline is not None:
+        baseline_venv = default_venv().with_name("bench-overhead-baseline-venv")
+        prepare_baseline_venv(baseline_venv, args.baseline.resolve())
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as temporary:
         workdir = Path(temporary)
         # Not the checkout: `python -c`/`-m` put the working directory on sys.path,
@@ -579,7 +624,7 @@ def bench(arguments: Sequence[str]) -> None:
         floor_source = exec_floor_source(workdir, str(program), changes)
         install_wrapper_floors(venv, uv_venv, uv, floor_source)
         configs, launcher_argv, torch_skip = build_configs(
-            venv, program, env, torch_python, uv_venv
+            venv, program, env, torch_python, uv_venv, baseline_venv
         )
         say(f"{len(configs)} configurations x {args.rounds} rounds (+1 warm-up)")
         wall, cpu = measure(configs, args.rounds)
