@@ -23,8 +23,8 @@ same: standard Python over start-up micro-optimisation, issue 21); and the targe
 
 Configurations are interleaved within each round (order rotated per round) and
 summarised by medians; ratios compare configurations of the same run. Nothing is
-asserted: the targets a/w_pip <= 1.25 and a_uv/w_uv <= 1.25 (issue 12) are reported as
-met or missed, as is a/b.
+asserted: the targets a/w_pip <= 2.0 and a_uv/w_uv <= 3.0 (issue 35) are reported as
+met or missed.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ SD_DOTTED = (
     "--speculative-config.num_speculative_tokens",
     "3",
 )
-TARGET_RATIO = 1.25
+# Issue 35's targets: the launcher behind pip's wrapper within 2x pip's floor, behind uv's
+# within 3x uv's (uv's floor imports nothing, so the same milliseconds weigh more there).
+TARGETS = {"a/w_pip": 2.0, "a_uv/w_uv": 3.0}
 TRIVIAL_PROGRAM = "/bin/true"
 SETUP_TIME_LIMIT_S = 900
 RUN_TIME_LIMIT_S = 120
@@ -397,12 +399,10 @@ def print_ratios(
             continue
         value = medians[key] / medians[floor]
         print(ratio_line(f"{key}/{floor}", what, value))
-        verdict = "met" if value <= TARGET_RATIO else "MISSED"
-        print(f"  target {key}/{floor} <= {TARGET_RATIO}: {verdict}")
+        target = TARGETS[f"{key}/{floor}"]
+        print(f"  target {key}/{floor} <= {target}: {'met' if value <= target else 'MISSED'}")
         print(f"  same ratio of median CPU times: {ratio_of_medians(cpu, key, floor):.2f}")
-    verdict = "met" if a / b <= TARGET_RATIO else "MISSED"
     print(ratio_line("a/b", "launcher / bare python exec", a / b))
-    print(f"  target a/b <= {TARGET_RATIO}: {verdict}")
     print(f"  same ratio of minimum wall times: {min(wall['a']) / min(wall['b']):.2f}")
     print(
         "  same ratio of median CPU times: "

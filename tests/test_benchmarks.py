@@ -56,10 +56,13 @@ def test_bench_overhead_prints_its_ratios() -> None:
     if not (Path(sys.prefix) / "bin" / "vllm-cpu-launch").exists():
         pytest.skip(f"no vllm-cpu-launch console script in {sys.prefix}")
     output = run_script(
-        "bench_overhead.py", "--rounds", "1", "--venv", sys.prefix, "--torch-python", "none"
+        "bench_overhead.py",
+        *("--rounds", "1", "--venv", sys.prefix, "--torch-python", "none"),
+        *("--baseline", str(REPO)),
     )
     assert "ratio a/b (launcher / bare python exec):" in output
-    assert "target a/b <= 1.25:" in output
+    assert "target a/w_pip <= 2.0:" in output
+    assert "ratio a/a_base (this launcher / --baseline's (both behind pip)):" in output
     assert "ratio c/a (torch run_cpu / launcher): skipped:" in output
     assert "ratio a_c/b" in output and "ratio a_dot/b" in output
     assert "imported on the exec path: psutil " in output
