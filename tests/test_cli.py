@@ -20,6 +20,7 @@ from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
 
 from .conftest import (
     DEB_CACHE,
+    LAUNCHER,
     SystemHost,
     bare_system,
     clean_environ,
@@ -566,6 +567,28 @@ def test_a_config_file_another_user_can_change_is_refused_with_the_fix(
     fixed = launcher(tmp_path, args)
     assert fixed.returncode == 0, fixed.stderr
     assert json.loads(fixed.stdout)["preload"] == []  # its iomp: never, read now
+
+
+def test_a_relative_launcher_config_is_read_from_the_working_directory(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """`--launcher-config launcher.yaml` names a file of the working directory, which the
+    launcher reads once: the trust rule checked `/launcher.yaml` instead and refused it
+    ("cannot check its permissions")."""
+    (tmp_path / "launcher.yaml").write_text("iomp: never\n")
+    args = ["--launcher-config", "launcher.yaml", "--vllm", str(vllm_env / "bin" / "vllm")]
+    args += ["--dry-run", "--json", "serve", "m", "-sc", NGRAM_TOKENS]
+    result = subprocess.run(
+        [*LAUNCHER, *args],
+        env=clean_environ(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["preload"] == []  # its iomp: never, read
 
 
 def test_dev_null_is_an_empty_config_file(tmp_path: Path, vllm_env: Path) -> None:

@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, record
-from vllm_cpu_launch.trust import FileProblem, read_checked
+from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -123,7 +123,7 @@ def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
     RecursionError (nested too deep) or yaml's error for a bad file."""
     import yaml  # only when the command line names a config file
 
-    content = yaml.safe_load(read_checked(path).decode("utf-8"))
+    content = yaml.safe_load(read_trusted(path, data=True).decode("utf-8"))
     if not isinstance(content, dict):
         return []
     found = []
@@ -312,9 +312,12 @@ def inferred_method(draft: str) -> str:
 
 def model_config(model: str) -> dict[str, object]:
     """MODEL/config.json of a local model directory; empty for a hub name, or for a file
-    that cannot be read or is no JSON object (vLLM reports those itself)."""
+    that cannot be read or is no JSON object (vLLM reports those itself). Model data, as
+    its weights are: vLLM loads them wherever they lie, whoever owns them (read_trusted's
+    `data`); what the launcher reads here only picks among its measured rules."""
     try:
-        content = json.loads(read_checked(os.path.join(model, "config.json"), CONFIG_JSON_LIMIT))
+        path = os.path.join(model, "config.json")
+        content = json.loads(read_trusted(path, CONFIG_JSON_LIMIT, data=True))
     except (OSError, ValueError):
         return {}
     return content if isinstance(content, dict) else {}
