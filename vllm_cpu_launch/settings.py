@@ -463,10 +463,10 @@ def load_settings(
     for path in files:
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
-        content = salvage(errors, read_config_file, path)
-        if content is None:
+        read_file = salvage(errors, read_layer, path)
+        if read_file is None:
             continue
-        records = tuned_in_file(content, path)
+        content, records = read_file
         tuned = [*records, *tuned]  # this file's take precedence over the ones before
         values.update(content)
         sources.update(dict.fromkeys(content, path))
@@ -490,6 +490,18 @@ def load_settings(
         deprecated=deprecated,
         sources=tuple(sources.items()),
     )
+
+
+def read_layer(path: str) -> tuple[dict[str, object], list[Tuned]]:
+    """A config file's settings and its tune records. A record from before scoping is
+    scoped by the command it records (record_scope), which may name a vLLM --config file:
+    read here too, so that one the trust rule refuses is this file's error, in doctor as
+    in a launch."""
+    content = read_config_file(path)
+    records = tuned_in_file(content, path)
+    for item in records:
+        record_scope(item)
+    return content, records
 
 
 def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
