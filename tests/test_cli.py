@@ -19,7 +19,10 @@ from vllm_cpu_launch.libraries import TCMALLOC, Host, find_library
 from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
 
 from .conftest import (
+    AS_NOBODY,
     DEB_CACHE,
+    LAUNCHER,
+    NOBODY,
     SystemHost,
     bare_system,
     clean_environ,
@@ -28,6 +31,7 @@ from .conftest import (
     read_record,
     run_launcher,
 )
+from .hardening_support import base_environ, dry_run_plan, fake_vllm, public_directory
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 NGRAM_TOKENS = NGRAM
@@ -566,6 +570,98 @@ def test_a_config_file_another_user_can_change_is_refused_with_the_fix(
     fixed = launcher(tmp_path, args)
     assert fixed.returncode == 0, fixed.stderr
     assert json.loads(fixed.stdout)["preload"] == []  # its iomp: never, read now
+
+
+def vllm_config_refusals(tmp_path: Path, vllm: str, config: Path) -> str:
+    """The one error line of each verb that reads `serve m --config CONFIG` (the launch,
+    --dry-run, env, rules), the same in all; and doctor's, which reads a vLLM command only
+    in a tune record from before scoping: in its report, as a launcher config's error."""
+    command = ["serve", "m", "--config", str(config)]
+    lines = set()
+    for verb in ([], ["--dry-run"], ["env"], ["rules"]):
+        result = launcher(tmp_path, ["--vllm", vllm, *verb, *command])
+        assert_one_error(result, 2, f"vLLM config file {config} not read: ", "Fix: ")
+        lines.add(result.stderr.strip())
+    (line,) = lines
+    record = {"when": "2026-01-01", "iomp": "always", "result": "r", "rounds": 1}
+    launcher_config = tmp_path / "launcher.yaml"
+    launcher_config.write_text(json.dumps({"tuned": [{**record, "command": shlex.join(command)}]}))
+    doctor = launcher(
+        tmp_path, ["--vllm", vllm, "doctor", "--json"], VLLMCPULAUNCH_CONFIG=str(launcher_config)
+    )
+    assert doctor.returncode == 0 and "Traceback" not in doctor.stderr, doctor.stderr
+    error = json.loads(doctor.stdout)["settings"]["error"]
+    assert f"vllm-cpu-launch: error: {error}" == line
+    return line
+
+
+@pytest.mark.parametrize("change", ["owned by another user", "directory writable by its group"])
+def test_a_vllm_config_another_user_can_change_is_refused_as_root_with_the_fix(
+    tmp_path: Path, vllm_env: Path, record_file: Path, change: str
+) -> None:
+    """vLLM's --config YAML says what vLLM runs as root, as a launcher config does: one
+    another user can change was read (issue 35). Refused by every verb with one line
+    naming the file, its owner and mode, and the fix; the fix is run, and the launch
+    then reads the file (its speculative config preloads a runtime)."""
+    if os.geteuid() != 0:
+        pytest.skip("another user's file, read as root: this test runs as a user")
+    directory = tmp_path / "vllm-configs"
+    directory.mkdir()
+    config = directory / "serve.yaml"
+    config.write_text(f"speculative_config: {NGRAM_TOKENS}\n")
+    if change == "owned by another user":
+        os.chown(config, NOBODY, NOBODY)
+    else:
+        directory.chmod(0o775)
+    vllm = str(vllm_env / "bin" / "vllm")
+    line = vllm_config_refusals(tmp_path, vllm, config)
+    status = config.stat()
+    assert f"(owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)})" in line
+    subprocess.run(["sh", "-c", line.rpartition("Fix: ")[2]], check=True, timeout=60)
+    args = ["--vllm", vllm, "serve", "m", "--config", str(config)]
+    fixed = launcher(tmp_path, args, RECORD_TO=str(record_file))
+    assert fixed.returncode == 0, fixed.stderr
+    started = read_record(record_file)
+    assert started["argv"] == args[2:]
+    assert "libiomp5.so" in str(started["LD_PRELOAD"])
+
+
+def test_a_vllm_config_is_read_as_the_user_who_owns_it(nobody_launcher: list[str]) -> None:
+    """The file root refuses above (owned by uid 65534), read by the launcher running as
+    uid 65534: that user's own settings, as its own code, are its to choose."""
+    with public_directory() as root:
+        vllm = fake_vllm(root / "env")
+        (root / "env" / "bin" / "python").unlink()
+        (root / "env" / "bin" / "python").symlink_to("/bin/sh")  # uid 65534 can stat it
+        config = root / "serve.yaml"
+        config.write_text(f"speculative_config: {NGRAM_TOKENS}\n")
+        os.chown(config, NOBODY, NOBODY)
+        args = ["--vllm", str(vllm), "serve", "m", "--config", str(config)]
+        plan = dry_run_plan(args, base_environ(root / "home"), nobody_launcher, AS_NOBODY)
+    assert plan["speculative"]["requested"] is True
+    assert str(config) in plan["speculative"]["source"]
+
+
+def test_a_relative_launcher_config_is_read_from_the_working_directory(
+    tmp_path: Path, vllm_env: Path
+) -> None:
+    """`--launcher-config launcher.yaml` names a file of the working directory, which the
+    launcher reads once: the trust rule checked `/launcher.yaml` instead and refused it
+    ("cannot check its permissions")."""
+    (tmp_path / "launcher.yaml").write_text("iomp: never\n")
+    args = ["--launcher-config", "launcher.yaml", "--vllm", str(vllm_env / "bin" / "vllm")]
+    args += ["--dry-run", "--json", "serve", "m", "-sc", NGRAM_TOKENS]
+    result = subprocess.run(
+        [*LAUNCHER, *args],
+        env=clean_environ(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["preload"] == []  # its iomp: never, read
 
 
 def test_dev_null_is_an_empty_config_file(tmp_path: Path, vllm_env: Path) -> None:

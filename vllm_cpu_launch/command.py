@@ -20,7 +20,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, record
-from vllm_cpu_launch.trust import FileProblem, read_checked
+from vllm_cpu_launch.trust import FileProblem, Untrusted, read_trusted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -119,11 +119,17 @@ def config_file_path(argv: Sequence[str]) -> str | None:
 
 def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
     """The occurrences of `options` a vLLM `--config` YAML file contributes, as vLLM
-    would see them. Raises OSError (FileProblem: no regular file), UnicodeDecodeError,
-    RecursionError (nested too deep) or yaml's error for a bad file."""
+    would see them. One the trust rule refuses is a usage error (exit 2): it says what
+    runs as root, as a launcher config does. Raises OSError (FileProblem: no regular
+    file), UnicodeDecodeError, RecursionError (nested too deep) or yaml's error for a bad
+    file, which vLLM reports itself."""
     import yaml  # only when the command line names a config file
 
-    content = yaml.safe_load(read_checked(path).decode("utf-8"))
+    try:
+        raw = read_trusted(path)
+    except Untrusted as refusal:
+        raise LaunchError(EXIT_USAGE, f"vLLM config file {path} {refusal.problem}", path) from None
+    content = yaml.safe_load(raw.decode("utf-8"))
     if not isinstance(content, dict):
         return []
     found = []
@@ -176,6 +182,8 @@ def single_worker(argv: Sequence[str]) -> bool:
     path = config_file_path(argv)
     try:
         in_file = in_config_file(path, options) if path else []
+    except LaunchError:
+        raise  # the trust rule's refusal
     except Exception:  # OSError, UnicodeDecodeError, yaml.YAMLError (not imported here)
         in_file = []
     found = in_file + list(on_command_line(argv, options))
@@ -312,9 +320,12 @@ def inferred_method(draft: str) -> str:
 
 def model_config(model: str) -> dict[str, object]:
     """MODEL/config.json of a local model directory; empty for a hub name, or for a file
-    that cannot be read or is no JSON object (vLLM reports those itself)."""
+    that cannot be read or is no JSON object (vLLM reports those itself). Model data, as
+    its weights are: vLLM loads them wherever they lie, whoever owns them (read_trusted's
+    `data`); what the launcher reads here only picks among its measured rules."""
     try:
-        content = json.loads(read_checked(os.path.join(model, "config.json"), CONFIG_JSON_LIMIT))
+        path = os.path.join(model, "config.json")
+        content = json.loads(read_trusted(path, CONFIG_JSON_LIMIT, data=True))
     except (OSError, ValueError):
         return {}
     return content if isinstance(content, dict) else {}
@@ -469,7 +480,8 @@ MODEL_OPTION = (Option("--model", "--model"),)
 def model_of(argv: Sequence[str]) -> str | None:
     """The model of a vLLM command line as vLLM resolves it: `serve MODEL`, else the last
     `--model`, the command line's over its --config file's (`model:`). A --config file
-    that cannot be read names none: vLLM reports it (requested_by_arguments notes it)."""
+    that cannot be read names none: vLLM reports it (requested_by_arguments notes it);
+    one the trust rule refuses stops the launch (in_config_file)."""
     positional = serve_positional(argv)
     if positional is not None:
         return positional
@@ -478,6 +490,8 @@ def model_of(argv: Sequence[str]) -> str | None:
     if path is not None:
         try:
             in_file = in_config_file(path, MODEL_OPTION)
+        except LaunchError:
+            raise  # the trust rule's refusal
         except Exception:  # OSError, UnicodeDecodeError, yaml.YAMLError (not imported here)
             in_file = []
     models = [item.value for item in (*in_file, *on_command_line(argv, MODEL_OPTION))]
@@ -535,6 +549,8 @@ def requested_by_arguments(argv: Sequence[str]) -> SpeculativeRequest:
         return decide(spelled)
     try:
         in_file = in_config_file(path, SD_OPTIONS)
+    except LaunchError:
+        raise  # the trust rule's refusal
     except FileProblem as error:
         problem = error.problem
     except (OSError, UnicodeDecodeError) as error:

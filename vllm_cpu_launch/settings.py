@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import stat
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import detect, model_of
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
-from vllm_cpu_launch.trust import FileProblem, read_checked
+from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -345,12 +344,10 @@ def user_config_path(environ: Mapping[str, str]) -> str | None:
 
 
 def read_config_file(path: str) -> dict[str, object]:
-    """A config file's settings, validated; any problem is an error naming the file."""
-    untrusted = untrusted_config(path)
-    if untrusted:
-        raise fail(path, untrusted)
+    """A config file's settings, validated; any problem is an error naming the file (one
+    the trust rule refuses: read_trusted)."""
     try:
-        raw = read_checked(path)
+        raw = read_trusted(path)
     except FileProblem as problem:
         raise fail(path, f"config file {problem.problem}") from None
     try:
@@ -388,36 +385,6 @@ def read_config_file(path: str) -> dict[str, object]:
             value = config_file_path(value, where)
         values[name] = parse(value, where)
     return values
-
-
-def untrusted_config(path: str) -> str | None:
-    """Why a config file may not be read, by the trust rule of what is preloaded: it says
-    what runs and what is preloaded, so another user who could change it could choose for
-    root (or, as any user, anyone could, where everyone may write it)."""
-    from vllm_cpu_launch.trust import insecure_reason
-
-    euid = os.geteuid()
-    try:
-        regular = stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        regular = False
-    # What is no regular file is said by read_checked: /dev/null reads as empty.
-    found = insecure_reason(path, euid) if regular else None
-    if found is None:
-        return None
-    why, fix = found
-    try:
-        status = os.stat(path)
-        said = f" (owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)})"
-    except OSError:
-        said = ""
-    reader = (
-        "as root, only settings no other user can change are read"
-        if euid == 0
-        else ("settings everyone can change are not read")
-    )
-    fixed = f"; Fix: {fix}" if fix else "; move it where only its owner can write"
-    return f"config file not read: {why}{said}; {reader}{fixed}"
 
 
 def salvage(errors: list[str] | None, read: Callable[..., T], *args: object) -> T | None:
@@ -496,10 +463,10 @@ def load_settings(
     for path in files:
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
-        content = salvage(errors, read_config_file, path)
-        if content is None:
+        read_file = salvage(errors, read_layer, path)
+        if read_file is None:
             continue
-        records = tuned_in_file(content, path)
+        content, records = read_file
         tuned = [*records, *tuned]  # this file's take precedence over the ones before
         values.update(content)
         sources.update(dict.fromkeys(content, path))
@@ -523,6 +490,18 @@ def load_settings(
         deprecated=deprecated,
         sources=tuple(sources.items()),
     )
+
+
+def read_layer(path: str) -> tuple[dict[str, object], list[Tuned]]:
+    """A config file's settings and its tune records. A record from before scoping is
+    scoped by the command it records (record_scope), which may name a vLLM --config file:
+    read here too, so that one the trust rule refuses is this file's error, in doctor as
+    in a launch."""
+    content = read_config_file(path)
+    records = tuned_in_file(content, path)
+    for item in records:
+        record_scope(item)
+    return content, records
 
 
 def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:

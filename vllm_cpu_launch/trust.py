@@ -1,13 +1,15 @@
 """Whether a file the launcher relies on may be used: one trust rule, and the checks
 before any read.
 
-Every file input (a launcher config, vLLM's `--config`) is opened without blocking and
-read only when it is a regular file of a sensible size: a FIFO would block, a device or a
-huge file read forever. A library is read for its ELF headers only (an ELF shared object
-for this machine, whole, and which OpenMP runtime it is), never loaded. And as root, what
-the launcher injects or runs (a preloaded library, the server's script and interpreter, a
-config file) may come only from a place that no user other than root and its owner can
-change (docs/design.md, "Safety").
+Every file input (a launcher config, vLLM's `--config`, a model's config.json) is read by
+read_trusted alone: opened without blocking and read only when it is a regular file of a
+sensible size (a FIFO would block, a device or a huge file read forever), and, for
+settings, only when the trust rule accepts it. A library is read for its ELF headers only
+(an ELF shared object for this machine, whole, and which OpenMP runtime it is), never
+loaded. And as root, what the launcher injects or runs (a preloaded library, the server's
+script and interpreter, the vllm metadata) may come only from a place that no user but
+root and the owner of the vLLM started can change, its settings only from one that root
+alone can (insecure_reason; docs/design.md, "Safety").
 """
 
 from __future__ import annotations
@@ -42,8 +44,37 @@ class FileProblem(OSError):
         self.problem = problem
 
 
-def read_checked(path: str, limit: int = MAX_BYTES) -> bytes:
-    """The bytes of `path`, a regular file of at most `limit` bytes; else FileProblem."""
+class Untrusted(FileProblem):
+    """The trust rule's refusal of a file input: its phrase names why, the file's owner
+    and mode, and the chown/chmod that trusts it; a FileProblem told apart by its type."""
+
+
+def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> bytes:
+    """The bytes of `path`: the one way every file input is read (docs/design.md, "Safety").
+
+    Opened without blocking, it must be a regular file of at most `limit` bytes
+    (/dev/null reads as empty), else FileProblem; then pass the trust rule: as root, no
+    user but root may be able to change it, as another user, not everyone
+    (insecure_reason), else Untrusted. `data`: a file vLLM itself reads from wherever its
+    command names it, whoever owns it (a model's config.json, a tune's prompts): it only
+    chooses among outcomes built of trusted files, so the file checks apply, not the rule.
+    """
+    descriptor = opened_regular(path, limit)
+    if descriptor is None:
+        return b""
+    with os.fdopen(descriptor, "rb") as stream:
+        refusal = None if data else untrusted(path, os.fstat(descriptor))
+        if refusal is not None:
+            raise Untrusted(refusal)
+        try:
+            return stream.read(limit + 1)[:limit]
+        except OSError as error:
+            raise FileProblem(f"cannot be read ({error.strerror})") from None
+
+
+def opened_regular(path: str, limit: int) -> int | None:
+    """A descriptor of `path`, a regular file of at most `limit` bytes, opened without
+    waiting for a writer; None for the null device; else FileProblem (read_trusted)."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         descriptor = os.open(path, flags)
@@ -55,7 +86,7 @@ def read_checked(path: str, limit: int = MAX_BYTES) -> bytes:
     problem = None
     if is_null_device(status):  # /dev/null, the usual "no file": empty, at once
         os.close(descriptor)
-        return b""
+        return None
     if not stat.S_ISREG(status.st_mode):
         kind = KINDS.get(stat.S_IFMT(status.st_mode), "no regular file")
         problem = f"is {kind}, not a regular file"
@@ -64,11 +95,27 @@ def read_checked(path: str, limit: int = MAX_BYTES) -> bytes:
     if problem is not None:
         os.close(descriptor)
         raise FileProblem(problem)
-    with os.fdopen(descriptor, "rb") as stream:
-        try:
-            return stream.read(limit + 1)[:limit]
-        except OSError as error:
-            raise FileProblem(f"cannot be read ({error.strerror})") from None
+    return descriptor
+
+
+def untrusted(path: str, status: os.stat_result) -> str | None:
+    """Why the trust rule refuses the settings file at `path` (its `status`), with its
+    owner and mode and the fix; None when it may be read. Root alone is trusted as root:
+    the file says what runs and what is preloaded, so another user who could change it
+    would choose for root (as any user, where everyone may write it, anyone could)."""
+    euid = os.geteuid()
+    found = insecure_reason(os.path.abspath(path), euid)
+    if found is None:
+        return None
+    why, fix = found
+    said = f"owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)}"
+    reader = (
+        "as root, only settings no other user can change are read"
+        if euid == 0
+        else "settings everyone can change are not read"
+    )
+    fixed = f"Fix: {fix}" if fix else "move it where only its owner can write"
+    return f"not read: {why} ({said}); {reader}; {fixed}"
 
 
 def is_null_device(status: os.stat_result) -> bool:

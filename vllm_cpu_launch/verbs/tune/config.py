@@ -15,6 +15,7 @@ from vllm_cpu_launch.settings import (
     record_scope,
     tuned_in_file,
 )
+from vllm_cpu_launch.trust import read_trusted
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -105,8 +106,7 @@ def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str
     old_text, mode = "", 0o644
     if os.path.exists(real):
         read_config_file(real)  # a broken config is reported, not replaced
-        with open(real, encoding="utf-8") as stream:
-            old_text = stream.read()
+        old_text = read_trusted(real).decode("utf-8")
         mode = os.stat(real).st_mode & 0o7777
     text = merged_config(old_text, updates, removed)
     directory = os.path.dirname(real)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import vllm_cpu_launch
 from vllm_cpu_launch.cli import provide_metadata
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, emit, record
-from vllm_cpu_launch.trust import FileProblem, read_checked
+from vllm_cpu_launch.trust import FileProblem, read_trusted
 from vllm_cpu_launch.verbs.tune.command import split_options
 from vllm_cpu_launch.verbs.tune.runner import kill_group, log_tail, start_logged
 
@@ -120,10 +120,12 @@ def parse_concurrencies(value: object) -> tuple[int, ...]:
 
 def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
     """The prompts file, absolute, and its prompts: a regular file in vLLM's custom
-    dataset form, every line an object with a text `prompt`, checked before any start."""
+    dataset form, every line an object with a text `prompt`, checked before any start.
+    Data vLLM's benchmark reads, whoever owns it (read_trusted's `data`): its prompts
+    only weigh the runtimes the tune compares."""
     where = f"--prompts {path}"
     try:
-        text = read_checked(path).decode("utf-8")
+        text = read_trusted(path, data=True).decode("utf-8")
     except (FileProblem, OSError, UnicodeDecodeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise LaunchError(EXIT_USAGE, f"{where}: cannot be read: {reason}") from None
