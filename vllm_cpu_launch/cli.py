@@ -262,7 +262,7 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
     plan = plan_from_options(values, arguments, program)
     if values.get("dry_run"):
         if values.get("json"):
-            import json
+            import json  # lazy: only --dry-run --json
 
             write_stdout(json.dumps(plan_as_json(plan), indent=2))
         else:

@@ -106,7 +106,7 @@ def emit(level: str, text: str) -> None:
 def did_you_mean(word: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
     """The one of `known` that `word` is most likely a typo of (difflib's ratio of at least
     `cutoff`), or None: every "did you mean" the launcher says."""
-    from difflib import get_close_matches
+    from difflib import get_close_matches  # lazy: only for a typo
 
     close = get_close_matches(word, known, n=1, cutoff=cutoff)
     return close[0] if close else None

@@ -218,12 +218,12 @@ class ReadingsCollector:
 
     def describe(self) -> list[Any]:
         """The metric's name, without reading anything (the registry asks at register)."""
-        from prometheus_client.core import InfoMetricFamily
+        from prometheus_client.core import InfoMetricFamily  # lazy: vLLM's, front end only
 
         return [InfoMetricFamily(METRIC, DOCUMENTATION)]
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import InfoMetricFamily
+        from prometheus_client.core import InfoMetricFamily  # lazy: vLLM's, front end only
 
         family = InfoMetricFamily(METRIC, DOCUMENTATION, labels=())
         try:

@@ -96,7 +96,7 @@ def deprecated_switch() -> None:
     """The old name of the off switch, read where the plugin stood down before reading
     any setting: said once, in the front end (the processes it spawns inherit it), in the
     words every deprecated name of ours gets (settings.with_current_names)."""
-    from vllm_cpu_launch.settings import with_current_names
+    from vllm_cpu_launch.settings import with_current_names  # lazy: front end only
 
     names = (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE)
     _, warnings = with_current_names({n: os.environ[n] for n in names if n in os.environ})
@@ -222,7 +222,7 @@ def remember() -> None:
 def plan_and_apply(vllm_config: Any) -> None:
     """The launcher's plan for the engine this configuration describes, put into
     os.environ, which vLLM's engine core and workers inherit."""
-    from vllm_cpu_launch.errors import LaunchError
+    from vllm_cpu_launch.errors import LaunchError  # lazy: front end only
     from vllm_cpu_launch.settings import load_settings
 
     environ = os.environ
@@ -277,7 +277,7 @@ def speculative_request(vllm_config: Any) -> SpeculativeRequest:
     """SD as vLLM resolved it: whatever spelling, file, or speculators model asked for it.
     A configuration without the field (a vLLM that moved it) falls back to reading this
     process's command line as the launcher does (`vllm serve ...`)."""
-    from vllm_cpu_launch.command import SpeculativeRequest, detect
+    from vllm_cpu_launch.command import SpeculativeRequest, detect  # lazy: front end only
 
     if not hasattr(vllm_config, "speculative_config"):
         return detect(sys.argv[1:])
@@ -307,7 +307,7 @@ def engine_plan(
 ) -> Plan:
     """The launcher's plan (plan.build_plan) for the vLLM running in this interpreter; an
     engine in this process is no engine the benchmark map measured (`in_process`)."""
-    from vllm_cpu_launch.cli import current_host
+    from vllm_cpu_launch.cli import current_host  # lazy: front end only
     from vllm_cpu_launch.plan import build_plan
     from vllm_cpu_launch.target import Target
 
@@ -336,7 +336,7 @@ def engine_plan(
 
 def summary(plan: Plan) -> str:
     """The launcher's INFO line, for what the engine core and workers will start with."""
-    from vllm_cpu_launch.plan import summary_line
+    from vllm_cpu_launch.plan import summary_line  # lazy: front end only
 
     unchanged = "vLLM's engine processes start unchanged"
     line = summary_line(plan, unchanged)
@@ -348,7 +348,7 @@ def summary(plan: Plan) -> str:
 def in_process_message(source: str, orig_argv: Sequence[str]) -> str:
     """Said once when the engine runs in the front end, whose runtime nothing can change
     now: the launcher's exec sets LD_PRELOAD before the process starts."""
-    import shlex
+    import shlex  # lazy: front end only
 
     command = shlex.join(["vllm-cpu-launch", "exec", "--", *orig_argv])
     return (

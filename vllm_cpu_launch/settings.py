@@ -325,7 +325,7 @@ def config_file_path(value: object, where: str) -> object:
 
 def written_scalars(document: object) -> dict[str, str]:
     """The text of each top-level scalar value of a YAML document node, by key."""
-    import yaml
+    import yaml  # lazy: only when a config file exists
 
     if not isinstance(document, yaml.MappingNode):
         return {}

@@ -112,7 +112,7 @@ def build_report(
 
 def measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, Any], str]:
     """Run ompmeasure in the vLLM environment: (JSON section, text for people)."""
-    try:
+    try:  # lazy: only doctor --measure
         from vllm_cpu_launch.verbs.doctor.measure import (
             OmpMeasureError,
             measure_openmp,

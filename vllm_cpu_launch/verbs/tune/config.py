@@ -65,7 +65,7 @@ def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequenc
     keys gone, everything else kept as written (comments too). Where the file's form
     defeats a line edit, checked by parsing both, the whole file is written from its
     parsed content instead."""
-    import yaml
+    import yaml  # lazy: a verb, only where it writes
 
     old = yaml.safe_load(old_text) if old_text.strip() else {}
     old = old if isinstance(old, dict) else {}
