@@ -27,6 +27,7 @@ from vllm_cpu_launch.errors import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from vllm_cpu_launch.gather import Request
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.settings import Settings
@@ -135,39 +136,64 @@ def current_host() -> Host:
     )
 
 
-def prepare_launch(
-    values: dict[str, object], arguments: Sequence[str], program: str | None = None
-) -> tuple[Settings, Target, Plan]:
-    """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
-    from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
-    from vllm_cpu_launch.plan import build_plan
+def launch_settings(values: dict[str, object]) -> Settings:
+    """The settings a start reads: the launcher's options, over its variables and config
+    files."""
     from vllm_cpu_launch.settings import load_settings
-    from vllm_cpu_launch.target import resolve_program, resolve_vllm
 
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     if values.get("strict"):
         options["strict"] = True
-    settings = load_settings(options, os.environ)
+    return load_settings(options, os.environ)
+
+
+def launch_request(
+    settings: Settings,
+    target: Target,
+    arguments: Sequence[str],
+    program: str | None = None,
+    host: Host | None = None,
+) -> Request:
+    """What a start asks the plan: `vllm ARGUMENTS` as vLLM reads them (SD, one worker),
+    or `exec -- PROGRAM ARGUMENTS`, on this host (`host`: the one given). `rules serve`
+    and doctor's map ask the same, and match the rules against its start (plan.start_of)."""
+    from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
+    from vllm_cpu_launch.gather import Request
+    from vllm_cpu_launch.handoff import LAUNCHER
+
     if program is None:
-        target = resolve_vllm(settings.vllm, os.environ, sys.executable)
         speculative = detect(arguments)
         auto_iomp = speculative.requested
     else:
-        target = resolve_program(program, os.environ)
         speculative = SpeculativeRequest(False)
         auto_iomp = True
-    host = current_host()
-    one_worker = single_worker(arguments)
-    plan = build_plan(
+    return Request(
         settings,
-        arguments,
+        tuple(arguments),
         speculative,
         target,
-        host,
+        host or current_host(),
         auto_iomp,
-        one_worker=one_worker,
+        one_worker=single_worker(arguments),
+        planner=LAUNCHER,
         supply_metadata=program is None,
     )
+
+
+def prepare_launch(
+    values: dict[str, object], arguments: Sequence[str], program: str | None = None
+) -> tuple[Settings, Target, Plan]:
+    """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
+    from vllm_cpu_launch.gather import gather
+    from vllm_cpu_launch.plan import plan_of
+    from vllm_cpu_launch.target import resolve_program, resolve_vllm
+
+    settings = launch_settings(values)
+    if program is None:
+        target = resolve_vllm(settings.vllm, os.environ, sys.executable)
+    else:
+        target = resolve_program(program, os.environ)
+    plan = plan_of(gather(launch_request(settings, target, arguments, program)))
     return settings, target, plan
 
 
