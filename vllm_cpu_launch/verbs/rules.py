@@ -1,9 +1,9 @@
 """`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
 
 The table is rules.RULES; whether a rule applies to a start is rules.py's matcher,
-the one the plan uses. With a vLLM command it reads the command, the caller's variables
-and settings as a launch does, but needs no vLLM installed: without one, the vLLM
-condition fails and says so.
+the one the plan uses. With a vLLM command it matches the start a launch plans: the same
+Request (cli.launch_request), its gathered facts and plan.start_of. It needs no vLLM
+installed: without one, the vLLM condition fails and says so.
 """
 
 from __future__ import annotations
@@ -181,57 +181,35 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def start_of(
+NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
+
+
+def command_start(
     values: dict[str, object], command: list[str]
 ) -> tuple[Start, str, SpeculativeRequest]:
-    """The start the rules read for `command`, as a launch reads it, where its vLLM
-    was found (or why none was), and its SD request."""
+    """The start the rules read for `command`: plan.start_of over the facts gathered for
+    the Request a launch plans (cli.launch_request), where its vLLM was found (or that none
+    was), and its SD request. Without a vLLM, the facts of a target with no program and no
+    environment: the host's and the caller's alone."""
     import os
     import sys
+    from dataclasses import replace
 
-    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
-    from vllm_cpu_launch.command import detect, single_worker
-    from vllm_cpu_launch.gather import target_release
-    from vllm_cpu_launch.libraries import (
-        ALLOCATOR,
-        TCMALLOC,
-        callers_kind,
-        find_library,
-        preload_entries,
-    )
-    from vllm_cpu_launch.rules import Start
-    from vllm_cpu_launch.settings import load_settings
-    from vllm_cpu_launch.target import resolve_vllm
+    from vllm_cpu_launch.cli import launch_request, launch_settings
+    from vllm_cpu_launch.gather import gather
+    from vllm_cpu_launch.plan import start_of
+    from vllm_cpu_launch.target import Target, resolve_vllm
 
-    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
-    settings = load_settings(options, os.environ)
-    host = current_host()
+    settings = launch_settings(values)
     try:
-        target = resolve_vllm(settings.vllm, os.environ, sys.executable)
-        release, found = target_release(target), f"vLLM: {target.executable}"
+        target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
     except LaunchError:
-        target, release = None, None
-        found = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
-    speculative = detect(command)
-    kinds = {callers_kind(e) for e in preload_entries(host.environ.get("LD_PRELOAD", ""))}
-    theirs = "other" if ALLOCATOR in kinds else "tcmalloc" if TCMALLOC in kinds else None
-    tcmalloc = settings.tcmalloc_path or None
-    found_tcmalloc = find_library(TCMALLOC, host, target, explicit=tcmalloc).chosen is not None
-    start = Start(
-        host.machine,
-        host.cpus,
-        release,
-        single_worker(command),
-        speculative.method,
-        speculative.tokens,
-        host.environ,
-        settings.kmp_blocktime,
-        settings.tcmalloc,
-        found_tcmalloc,
-        theirs,
-        vllm_found=target is not None,
-    )
-    return start, found, speculative
+        target = None
+    request = launch_request(settings, target or Target("", "none"), command)
+    start = start_of(gather(request))
+    if target is None:
+        return replace(start, vllm_found=False), NO_VLLM, request.speculative
+    return start, f"vLLM: {target.executable}", request.speculative
 
 
 NO_SD = "no speculative decoding requested"
@@ -342,7 +320,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     record: dict[str, Any] = {"schema": SCHEMA, "rules": [rule_json(r) for r in RULES]}
     lines = table_lines()
     if command:
-        start, found, speculative = start_of(merged, command)
+        start, found, speculative = command_start(merged, command)
         verdict = verdicts(start, speculative.requested)
         said = vllm_words(start, speculative, verdict["rule"])
         record.update(start=start_json(start, found), **verdict, vllm=said)
