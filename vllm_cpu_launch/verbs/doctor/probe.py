@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.errors import LaunchError
     from vllm_cpu_launch.libraries import Host, Search
+    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.rules import Start
     from vllm_cpu_launch.settings import Settings, Tuned
     from vllm_cpu_launch.target import Target
 
@@ -302,23 +304,44 @@ def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
     return "; ".join(reasons)
 
 
+def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan | LaunchError]:
+    """The start of the ngram `serve` doctor plans (plan.start_of over the facts a launch
+    gathers) and its plan, or the error that stops it. Where a library path of the settings
+    cannot be preloaded (a start's usage error), the start of the same command without the
+    paths: whether the map measured this host and vLLM does not depend on them."""
+    from dataclasses import replace
+
+    from vllm_cpu_launch.cli import launch_request
+    from vllm_cpu_launch.errors import LaunchError
+    from vllm_cpu_launch.gather import gather
+    from vllm_cpu_launch.plan import plan_of, start_of
+
+    request = launch_request(settings, target, SD_PROBE, host=host)
+    try:
+        facts = gather(request)
+    except LaunchError as error:
+        plain = replace(settings, iomp_path=None, tcmalloc_path=None)
+        return start_of(gather(replace(request, settings=plain))), error
+    try:
+        return start_of(facts), plan_of(facts)
+    except LaunchError as error:
+        return start_of(facts), error
+
+
 def map_section(
     settings: Settings, target: Target | None, host: Host, release: str | None
 ) -> dict[str, Any]:
     """What the launcher does for SD here, with the settings in effect (the plan of an
     ngram `serve`, one worker), and whether the benchmark map measured this host and
-    vLLM (vllm_cpu_launch/rules.py), with the rule it applies when it did."""
-    from vllm_cpu_launch.command import detect
+    vLLM (vllm_cpu_launch/rules.py: its start, plan.start_of), with the rule it applies
+    when it did."""
     from vllm_cpu_launch.errors import LaunchError
-    from vllm_cpu_launch.plan import build_plan, plan_as_json
-    from vllm_cpu_launch.rules import BIND_VARIABLE, Start, measured_host
+    from vllm_cpu_launch.plan import plan_as_json
+    from vllm_cpu_launch.rules import BIND_VARIABLE, measured_host
 
-    probe = detect(SD_PROBE)
-    start = Start(host.machine, host.cpus, release, True, probe.method, probe.tokens, host.environ)
-    measured = measured_host(start)
     section: dict[str, Any] = {
-        "measured": measured,
-        "unmeasured": "" if measured else unmeasured(target, host, release),
+        "measured": False,
+        "unmeasured": unmeasured(target, host, release),
         "iomp": None,
         "nobind": None,
         "kmp_blocktime": None,
@@ -333,12 +356,11 @@ def map_section(
     }
     if target is None:
         return section
-    try:
-        plan = build_plan(
-            settings, SD_PROBE, probe, target, host, True, one_worker=True, supply_metadata=True
-        )
-    except LaunchError as error:
-        return {**section, "reason": error.message}
+    start, plan = probe(settings, target, host)
+    if measured_host(start):
+        section.update(measured=True, unmeasured="")
+    if isinstance(plan, LaunchError):
+        return {**section, "reason": plan.message}
     in_effect = {**dict(plan.relies_on), **dict(plan.env)}
     iomp = any(p.kind == "iomp" for p in plan.preload)
     record = plan_as_json(plan)
