@@ -181,6 +181,7 @@ def start_of(facts: Facts) -> Start:
         settings.tcmalloc,
         found and not callers.other_malloc,
         theirs,
+        callers_runtime=next(iter(callers.yours), None),
     )
 
 
