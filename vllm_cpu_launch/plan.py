@@ -164,7 +164,7 @@ def x86_sd(facts: Facts, decision: Decision) -> bool:
 
 def start_of(facts: Facts) -> Start:
     """What the rules read of this start (rules.Start), from the facts as gathered alone:
-    the rules and runtime stages match the rules against the same one."""
+    the one start the plan's stages, `rules serve ...` and doctor's map match against."""
     request, settings = facts.request, facts.request.settings
     callers = callers_stage(facts, Decision())  # their runtime and malloc, as the plan reads them
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
