@@ -128,6 +128,57 @@ def test_a_draft_model_named_without_a_method_is_the_start_the_plan_reads(
     assert "no speculative decoding requested" not in text.stdout
 
 
+def launcher_json(tmp_path: Path, args: list[str], **env: str) -> Any:
+    result = run_launcher(args, clean_environ(tmp_path, **env), PINNED)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_rules_the_plan_and_doctor_match_the_same_start(
+    tmp_path: Path, map_vllm: Path, debian_root: Path
+) -> None:
+    """The start a rule is matched against was built three times, by the plan, `rules` and
+    doctor's map (issue 35): for the same command and caller, `rules --json`, `--dry-run
+    --json` and doctor's map (an ngram `serve`) name the same start and the same rule."""
+    (libomp,) = (debian_root / "usr/lib/llvm-14/lib").glob("libomp.so.5")
+    host = {"machine": "x86_64", "cpus": 2, "vllm": "0.32.0", "one_worker": True}
+    draft = '{"model":"/d","num_speculative_tokens":7}'
+    ngram = '{"method":"ngram","num_speculative_tokens":3}'
+    kept = f"your LD_PRELOAD names an OpenMP runtime ({libomp}): kept as set, nothing added"
+    cases = [  # config, the caller's variables, method, tokens, rule, the rules' note begins
+        (
+            draft,
+            {},
+            "draft_model",
+            7,
+            None,
+            "draft_model SD with 7 tokens on 2 CPUs with vLLM 0.32.0: not a gain in every round",
+        ),
+        (ngram, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, "ngram", 3, "map-2", "map rule map-2 ("),
+        (ngram, {"LD_PRELOAD": str(libomp)}, "ngram", 3, None, kept),
+    ]
+    for config, env, method, tokens, rule, note in cases:
+        command = ["serve", "m", "--speculative-config", config]
+        rules = launcher_json(
+            tmp_path, ["--vllm", str(map_vllm), "rules", "--json", *command], **env
+        )
+        start = {key: rules["start"][key] for key in (*host, "method", "tokens")}
+        assert start == {**host, "method": method, "tokens": tokens}, env
+        assert (rules["rule"], rules["note"].startswith(note)) == (rule, True), rules["note"]
+        plan = launcher_json(
+            tmp_path, ["--vllm", str(map_vllm), "--dry-run", "--json", *command], **env
+        )
+        speculative = plan["speculative"]
+        assert (speculative["method"], speculative["tokens"]) == (method, tokens)
+        assert (plan["rule"] or {}).get("id") == rule, env
+        if rule is None and not env:  # the rules' note on why none applies is the plan's
+            assert any(n.startswith(note) for n in plan["notes"]), plan["notes"]
+        if config == ngram:  # what doctor plans
+            doctor = launcher_json(tmp_path, ["--vllm", str(map_vllm), "doctor", "--json"], **env)
+            assert doctor["map"]["measured"] is True
+            assert (doctor["map"]["rule"] or {}).get("id") == rule, env
+
+
 def test_without_vllm_it_says_so_and_still_answers(tmp_path: Path) -> None:
     record = rules_json(tmp_path, ["--vllm", str(tmp_path / "no-vllm"), *NGRAM])
     assert record["start"]["vllm"] is None and "none found" in record["start"]["found"]

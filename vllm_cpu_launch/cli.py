@@ -24,15 +24,23 @@ from vllm_cpu_launch.errors import (
     did_you_mean,
     emit,
 )
-from vllm_cpu_launch.gather import write_alias
+from vllm_cpu_launch.gather import Request, gather, write_alias
+from vllm_cpu_launch.handoff import LAUNCHER
 from vllm_cpu_launch.libraries import Host, system_root
-from vllm_cpu_launch.plan import STRICT_REFUSAL, build_plan, plan_as_json, render_text, summary_line
+from vllm_cpu_launch.plan import (
+    STRICT_REFUSAL,
+    plan_as_json,
+    plan_of,
+    render_text,
+    summary_line,
+)
 from vllm_cpu_launch.settings import load_settings
 from vllm_cpu_launch.target import resolve_program, resolve_vllm
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from vllm_cpu_launch.gather import Request
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.settings import Settings
@@ -139,34 +147,54 @@ def current_host() -> Host:
     )
 
 
+def launch_settings(values: dict[str, object]) -> Settings:
+    """The settings a start reads: the launcher's options, over its variables and config
+    files."""
+    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
+    if values.get("strict"):
+        options["strict"] = True
+    return load_settings(options, os.environ)
+
+
+def launch_request(
+    settings: Settings,
+    target: Target,
+    arguments: Sequence[str],
+    program: str | None = None,
+    host: Host | None = None,
+) -> Request:
+    """What a start asks the plan: `vllm ARGUMENTS` as vLLM reads them (SD, one worker),
+    or `exec -- PROGRAM ARGUMENTS`, on this host (`host`: the one given). `rules serve`
+    and doctor's map ask the same, and match the rules against its start (plan.start_of)."""
+    if program is None:
+        speculative = detect(arguments)
+        auto_iomp = speculative.requested
+    else:
+        speculative = SpeculativeRequest(False)
+        auto_iomp = True
+    return Request(
+        settings,
+        tuple(arguments),
+        speculative,
+        target,
+        host or current_host(),
+        auto_iomp,
+        one_worker=single_worker(arguments),
+        planner=LAUNCHER,
+        supply_metadata=program is None,
+    )
+
+
 def prepare_launch(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> tuple[Settings, Target, Plan]:
     """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
-    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
-    if values.get("strict"):
-        options["strict"] = True
-    settings = load_settings(options, os.environ)
+    settings = launch_settings(values)
     if program is None:
         target = resolve_vllm(settings.vllm, os.environ, sys.executable)
-        speculative = detect(arguments)
-        auto_iomp = speculative.requested
     else:
         target = resolve_program(program, os.environ)
-        speculative = SpeculativeRequest(False)
-        auto_iomp = True
-    host = current_host()
-    one_worker = single_worker(arguments)
-    plan = build_plan(
-        settings,
-        arguments,
-        speculative,
-        target,
-        host,
-        auto_iomp,
-        one_worker=one_worker,
-        supply_metadata=program is None,
-    )
+    plan = plan_of(gather(launch_request(settings, target, arguments, program)))
     return settings, target, plan
 
 

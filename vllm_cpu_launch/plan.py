@@ -162,11 +162,13 @@ def x86_sd(facts: Facts, decision: Decision) -> bool:
     return request.speculative.requested and machine in IOMP_MACHINES and not decision.yours
 
 
-def start_of(facts: Facts, decision: Decision) -> Start:
-    """What the rules read of this start (rules.Start)."""
+def start_of(facts: Facts) -> Start:
+    """What the rules read of this start (rules.Start), from the facts as gathered alone:
+    the one start the plan's stages, `rules serve ...` and doctor's map match against."""
     request, settings = facts.request, facts.request.settings
-    theirs = {callers_kind(e) for e in decision.allocators}
+    callers = callers_stage(facts, Decision())  # their runtime and malloc, as the plan reads them
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
+    theirs = "other" if callers.other_malloc else "tcmalloc" if callers.allocators else None
     return Start(
         request.host.machine,
         request.host.cpus,
@@ -177,8 +179,9 @@ def start_of(facts: Facts, decision: Decision) -> Start:
         request.host.environ,
         settings.kmp_blocktime,
         settings.tcmalloc,
-        found and not decision.other_malloc,
-        "other" if ALLOCATOR in theirs else "tcmalloc" if theirs else None,
+        found and not callers.other_malloc,
+        theirs,
+        callers_runtime=next(iter(callers.yours), None),
     )
 
 
@@ -186,7 +189,7 @@ def rules_stage(facts: Facts, decision: Decision) -> Decision:
     """The setting rule that applies here (rules.setting_rule), for SD on x86-64."""
     if not (x86_sd(facts, decision) and decision.wants_iomp):
         return decision
-    return replace(decision, setting=setting_rule(start_of(facts, decision)))
+    return replace(decision, setting=setting_rule(start_of(facts)))
 
 
 def declined(search: Search, why: str) -> Search:
@@ -231,7 +234,7 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
         return decision
     found, runtime = search.chosen, None
     if found and found.origin != "explicit" and found.flavor == LLVM and x86_sd(facts, decision):
-        runtime = llvm_runtime(start_of(facts, decision))
+        runtime = llvm_runtime(start_of(facts))
         if runtime.rule is None and decision.mode == "auto":
             search = declined(search, runtime.note)
     iomp = search.chosen
@@ -811,7 +814,11 @@ def build_plan(
         model,
         supply_metadata,
     )
-    facts = gather(request)
+    return plan_of(gather(request))
+
+
+def plan_of(facts: Facts) -> Plan:
+    """The plan for the gathered facts: decided, then said."""
     return said(facts, decide(facts))
 
 

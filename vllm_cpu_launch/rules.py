@@ -399,6 +399,8 @@ class Start:
     tcmalloc_found: bool = False  # a tcmalloc the settings let in was found
     callers_allocator: str | None = None  # "tcmalloc" or "other": one in their LD_PRELOAD
     vllm_found: bool = True  # False: no vLLM found (release None); True with None: unknown
+    # Their LD_PRELOAD's OpenMP runtime: kept as set, and nothing goes beside it.
+    callers_runtime: str | None = None
 
 
 @record
@@ -538,6 +540,11 @@ def where_words(start: Start) -> str:
     )
 
 
+def kept_words(entry: str) -> str:
+    """Why no rule adds anything beside the caller's own OpenMP runtime (the plan's words)."""
+    return f"your LD_PRELOAD names an OpenMP runtime ({entry}): kept as set, nothing added"
+
+
 @record
 class Setting:
     """What the setting rules (those that add variables or an allocator) decide here."""
@@ -551,7 +558,10 @@ class Setting:
 
 def setting_rule(start: Start) -> Setting:
     """The setting rule that applies to this start, or the note saying which condition
-    stopped the nearest (measured here, for this method: only the user's settings)."""
+    stopped the nearest (measured here, for this method: only the user's settings); none
+    beside the caller's own runtime."""
+    if start.callers_runtime:
+        return Setting(None, kept_words(start.callers_runtime))
     table = [r for r in RULES if r.runtime is None]
     near = [
         r
@@ -597,7 +607,9 @@ def llvm_runtime(start: Start) -> Runtime:
     """LLVM's libomp for this SD method, by the runtimes rules: where a rule of the method
     measured a gain, in the setting it names; off the host it was measured on, by method
     alone, at vLLM's settings as libiomp5 would run (the same runtime code); never where a
-    measured non-rule of the method says it was no gain."""
+    measured non-rule of the method says it was no gain; never beside the caller's own."""
+    if start.callers_runtime:
+        return Runtime(None, kept_words(start.callers_runtime))
     tokens = f" with {start.tokens} tokens" if start.tokens is not None else ""
     where = f"{start.method or 'an unnamed'} SD{tokens}"
     ours = [r for r in RULES if r.runtime and not command_misses(r.measured, start)]

@@ -1,9 +1,9 @@
 """`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
 
 The table is rules.RULES; whether a rule applies to a start is rules.py's matcher,
-the one the plan uses. With a vLLM command it reads the command, the caller's variables
-and settings as a launch does, but needs no vLLM installed: without one, the vLLM
-condition fails and says so.
+the one the plan uses. With a vLLM command it matches the start a launch plans: the same
+Request (cli.launch_request), its gathered facts and plan.start_of. It needs no vLLM
+installed: without one, the vLLM condition fails and says so.
 """
 
 from __future__ import annotations
@@ -11,7 +11,36 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from vllm_cpu_launch.cli import (
+    FLAG_OPTIONS,
+    VALUED_OPTIONS,
+    launch_request,
+    launch_settings,
+    parse_options,
+    write_stdout,
+)
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.gather import gather
+from vllm_cpu_launch.handoff import names_openmp_runtime
+from vllm_cpu_launch.plan import start_of
+from vllm_cpu_launch.rules import (
+    BLOCKTIME_VARIABLE,
+    LOAD_JSON,
+    REAL_JSON,
+    REAL_MODEL,
+    RULES,
+    bound_worker_overrides,
+    figures,
+    llvm_runtime,
+    load_words,
+    misses,
+    override_words,
+    real_words,
+    release_words,
+    setting_rule,
+    words,
+)
+from vllm_cpu_launch.target import Target, resolve_vllm
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
@@ -60,7 +89,6 @@ def measured_json(where: Measured) -> dict[str, Any]:
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
-    from vllm_cpu_launch.rules import LOAD_JSON, REAL_JSON, REAL_MODEL
 
     return {
         "id": rule.id,
@@ -117,16 +145,6 @@ def measured_words(where: Measured) -> str:
 
 
 def table_lines() -> list[str]:
-    from vllm_cpu_launch.rules import (
-        LOAD_JSON,
-        REAL_JSON,
-        REAL_MODEL,
-        RULES,
-        figures,
-        load_words,
-        real_words,
-    )
-
     lines = []
     for rule in RULES:
         real = f" ({REAL_MODEL}, {REAL_JSON})" if rule.real else ""
@@ -157,7 +175,6 @@ def table_where(where: Measured) -> str:
 def markdown_table() -> str:
     """The table as docs/design.md shows it, under a caption naming the hosts every rule
     was measured on (tests/test_rules.py keeps them in agreement)."""
-    from vllm_cpu_launch.rules import RULES, figures, real_words
 
     def values(field: str) -> str:
         return " or ".join(sorted({str(getattr(rule.measured, field)) for rule in RULES}))
@@ -181,57 +198,30 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def start_of(
+NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
+
+
+def command_start(
     values: dict[str, object], command: list[str]
 ) -> tuple[Start, str, SpeculativeRequest]:
-    """The start the rules read for `command`, as a launch reads it, where its vLLM
-    was found (or why none was), and its SD request."""
+    """The start the rules read for `command`: plan.start_of over the facts gathered for
+    the Request a launch plans (cli.launch_request), where its vLLM was found (or that none
+    was), and its SD request. Without a vLLM, the facts of a target with no program and no
+    environment: the host's and the caller's alone."""
     import os
     import sys
+    from dataclasses import replace
 
-    from vllm_cpu_launch.cli import SETTING_KEYS, current_host
-    from vllm_cpu_launch.command import detect, single_worker
-    from vllm_cpu_launch.gather import target_release
-    from vllm_cpu_launch.libraries import (
-        ALLOCATOR,
-        TCMALLOC,
-        callers_kind,
-        find_library,
-        preload_entries,
-    )
-    from vllm_cpu_launch.rules import Start
-    from vllm_cpu_launch.settings import load_settings
-    from vllm_cpu_launch.target import resolve_vllm
-
-    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
-    settings = load_settings(options, os.environ)
-    host = current_host()
+    settings = launch_settings(values)
     try:
-        target = resolve_vllm(settings.vllm, os.environ, sys.executable)
-        release, found = target_release(target), f"vLLM: {target.executable}"
+        target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
     except LaunchError:
-        target, release = None, None
-        found = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
-    speculative = detect(command)
-    kinds = {callers_kind(e) for e in preload_entries(host.environ.get("LD_PRELOAD", ""))}
-    theirs = "other" if ALLOCATOR in kinds else "tcmalloc" if TCMALLOC in kinds else None
-    tcmalloc = settings.tcmalloc_path or None
-    found_tcmalloc = find_library(TCMALLOC, host, target, explicit=tcmalloc).chosen is not None
-    start = Start(
-        host.machine,
-        host.cpus,
-        release,
-        single_worker(command),
-        speculative.method,
-        speculative.tokens,
-        host.environ,
-        settings.kmp_blocktime,
-        settings.tcmalloc,
-        found_tcmalloc,
-        theirs,
-        vllm_found=target is not None,
-    )
-    return start, found, speculative
+        target = None
+    request = launch_request(settings, target or Target("", "none"), command)
+    start = start_of(gather(request))
+    if target is None:
+        return replace(start, vllm_found=False), NO_VLLM, request.speculative
+    return start, f"vLLM: {target.executable}", request.speculative
 
 
 NO_SD = "no speculative decoding requested"
@@ -250,8 +240,6 @@ def verdicts(start: Start, requested: bool) -> dict[str, Any]:
     for SD), and every rule's conditions that fail here (the first is the one that
     decides)."""
     from dataclasses import replace
-
-    from vllm_cpu_launch.rules import RULES, llvm_runtime, misses, setting_rule, words
 
     setting = setting_rule(start) if start.method else None
     if setting and not setting.note:
@@ -279,8 +267,6 @@ def start_json(start: Start, found: str) -> dict[str, Any]:
 
 
 def command_lines(start: Start, found: str, requested: bool, verdict: dict[str, Any]) -> list[str]:
-    from vllm_cpu_launch.rules import release_words
-
     tokens = f", {start.tokens} tokens" if start.tokens is not None else ""
     workers = "one worker" if start.one_worker else "several workers or nodes"
     method = start.method or ("unnamed" if requested else "no")
@@ -305,14 +291,6 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
     """What vLLM itself will do with this command that the plan does not: refuse its
     speculative config or an unknown option, and write over the block time and thread
     count it hands on in each worker it binds (with libiomp5 preloaded, as SD gets it)."""
-    from vllm_cpu_launch.handoff import names_openmp_runtime
-    from vllm_cpu_launch.rules import (
-        BLOCKTIME_VARIABLE,
-        RULES,
-        bound_worker_overrides,
-        override_words,
-    )
-
     said = [*speculative.refusals, *filter(None, [speculative.note])]
     if not speculative.requested:
         return said
@@ -328,9 +306,6 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    from vllm_cpu_launch.cli import FLAG_OPTIONS, VALUED_OPTIONS, parse_options, write_stdout
-    from vllm_cpu_launch.rules import RULES
-
     more, command = parse_options(args, VALUED_OPTIONS, FLAG_OPTIONS, verb="rules")
     merged = {**values, **more}
     if merged.get("help"):
@@ -342,7 +317,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     record: dict[str, Any] = {"schema": SCHEMA, "rules": [rule_json(r) for r in RULES]}
     lines = table_lines()
     if command:
-        start, found, speculative = start_of(merged, command)
+        start, found, speculative = command_start(merged, command)
         verdict = verdicts(start, speculative.requested)
         said = vllm_words(start, speculative, verdict["rule"])
         record.update(start=start_json(start, found), **verdict, vllm=said)

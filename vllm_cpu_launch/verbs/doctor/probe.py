@@ -7,9 +7,13 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.gather import import_directories
+from vllm_cpu_launch.cli import launch_request
+from vllm_cpu_launch.errors import LaunchError
+from vllm_cpu_launch.gather import gather, import_directories, support
 from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
-from vllm_cpu_launch.settings import Scope
+from vllm_cpu_launch.plan import plan_as_json, plan_of, start_of
+from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, MAP_VLLM, measured_host
+from vllm_cpu_launch.settings import Scope, differences, record_fields, record_scope
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -17,6 +21,8 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.errors import LaunchError
     from vllm_cpu_launch.libraries import Host, Search
+    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.rules import Start
     from vllm_cpu_launch.settings import Settings, Tuned
     from vllm_cpu_launch.target import Target
 
@@ -200,7 +206,6 @@ def vllm_section(
             "executable": failure.subject if failure else None,
             "error": failure.message if failure else None,
         }
-    from vllm_cpu_launch.gather import support
 
     distributions = vllm_distributions(import_directories(target, environ))
     version = distributions[0]["version"] if distributions else None
@@ -266,8 +271,6 @@ def settings_section(settings: Settings, error: str | None, here: Scope) -> dict
 def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
     """A tune record with the scope it applies to (settings.py) and, of what doctor can know
     without a command (the vLLM release, the usable CPUs), where this host leaves it."""
-    from vllm_cpu_launch.settings import differences, record_fields, record_scope
-
     scope = record_scope(tuned)
     host_only = Scope(vllm=scope.vllm, cpus=scope.cpus)
     return {
@@ -285,8 +288,6 @@ SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
 
 def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
     """Why the map did not measure this host and vLLM (each way it differs), or ""."""
-    from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, MAP_VLLM
-
     reasons = []
     if target is None:
         reasons.append("no vLLM found")
@@ -302,23 +303,35 @@ def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
     return "; ".join(reasons)
 
 
+def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan | LaunchError]:
+    """The start of the ngram `serve` doctor plans (plan.start_of over the facts a launch
+    gathers) and its plan, or the error that stops it. Where a library path of the settings
+    cannot be preloaded (a start's usage error), the start of the same command without the
+    paths: whether the map measured this host and vLLM does not depend on them."""
+    from dataclasses import replace
+
+    request = launch_request(settings, target, SD_PROBE, host=host)
+    try:
+        facts = gather(request)
+    except LaunchError as error:
+        plain = replace(settings, iomp_path=None, tcmalloc_path=None)
+        return start_of(gather(replace(request, settings=plain))), error
+    try:
+        return start_of(facts), plan_of(facts)
+    except LaunchError as error:
+        return start_of(facts), error
+
+
 def map_section(
     settings: Settings, target: Target | None, host: Host, release: str | None
 ) -> dict[str, Any]:
     """What the launcher does for SD here, with the settings in effect (the plan of an
     ngram `serve`, one worker), and whether the benchmark map measured this host and
-    vLLM (vllm_cpu_launch/rules.py), with the rule it applies when it did."""
-    from vllm_cpu_launch.command import detect
-    from vllm_cpu_launch.errors import LaunchError
-    from vllm_cpu_launch.plan import build_plan, plan_as_json
-    from vllm_cpu_launch.rules import BIND_VARIABLE, Start, measured_host
-
-    probe = detect(SD_PROBE)
-    start = Start(host.machine, host.cpus, release, True, probe.method, probe.tokens, host.environ)
-    measured = measured_host(start)
+    vLLM (vllm_cpu_launch/rules.py: its start, plan.start_of), with the rule it applies
+    when it did."""
     section: dict[str, Any] = {
-        "measured": measured,
-        "unmeasured": "" if measured else unmeasured(target, host, release),
+        "measured": False,
+        "unmeasured": unmeasured(target, host, release),
         "iomp": None,
         "nobind": None,
         "kmp_blocktime": None,
@@ -333,12 +346,11 @@ def map_section(
     }
     if target is None:
         return section
-    try:
-        plan = build_plan(
-            settings, SD_PROBE, probe, target, host, True, one_worker=True, supply_metadata=True
-        )
-    except LaunchError as error:
-        return {**section, "reason": error.message}
+    start, plan = probe(settings, target, host)
+    if measured_host(start):
+        section.update(measured=True, unmeasured="")
+    if isinstance(plan, LaunchError):
+        return {**section, "reason": plan.message}
     in_effect = {**dict(plan.relies_on), **dict(plan.env)}
     iomp = any(p.kind == "iomp" for p in plan.preload)
     record = plan_as_json(plan)
