@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
+from vllm_cpu_launch.handoff import Library
 from vllm_cpu_launch.verbs.doctor import size
-from vllm_cpu_launch.verbs.verify import RUNTIME_TITLES, shortened
+from vllm_cpu_launch.verbs.verify import shortened
 
 from .test_containers import kubernetes_reads
 from .test_exports import docker_word, parse_environment_file
@@ -110,7 +111,7 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
     found = facts({key: value for key, value in report.items() if key not in exempt})
     for process in processes:
         found.append(shortened(shlex.join(process["cmdline"])))
-        found += [RUNTIME_TITLES[r["kind"]] for r in process["runtimes"]]
+        found += [Library(r["kind"]).title for r in process["runtimes"]]
         inherited = (process["environment"].get("inherited") or {}).get("env", {})
         for environment in (process["env"], inherited):
             found += [f"{name}={shlex.quote(value)}" for name, value in environment.items()]
@@ -123,7 +124,7 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
             ("environment", "inherited", "env", ANY): "as NAME=VALUE, above",
         }
         found += facts(rest, shown_elsewhere)
-        found += [RUNTIME_TITLES[r["kind"]] for r in process["load_order"]]
+        found += [Library(r["kind"]).title for r in process["load_order"]]
     return found
 
 

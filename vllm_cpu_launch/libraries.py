@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
-from vllm_cpu_launch.handoff import LLVM as LLVM  # also the flavor of LLVM's libomp (elf)
+from vllm_cpu_launch.handoff import Library, vllm_reads
 from vllm_cpu_launch.target import python_libraries, python_user_base
 from vllm_cpu_launch.trust import (
     elf_problem,
@@ -46,6 +46,7 @@ MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
 # A malloc of the caller's other than tcmalloc: theirs, so no tcmalloc of ours goes in.
 ALLOCATOR = "allocator"
 ALLOCATOR_MARKERS = ("libjemalloc", "libmimalloc")
+LLVM = Library.LLVM.value  # also the flavor of LLVM's libomp (its banner, trust.py)
 
 MULTIARCH = {
     "x86_64": "x86_64-linux-gnu",
@@ -468,7 +469,7 @@ def form_problem(path: str, kind: str) -> str | None:
         )
     if MARKER[kind] not in os.path.basename(path):
         return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD"
-    if "libgomp" in path:
+    if Library.GNU in vllm_reads(path):
         # vLLM tests LD_PRELOAD for the substring: it would see GNU OpenMP next to Intel's
         # and refuse to start (vllm/utils/ompmultiprocessing.py).
         return "its path contains 'libgomp', which vLLM would take for GNU OpenMP"

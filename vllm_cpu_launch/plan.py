@@ -29,7 +29,7 @@ from vllm_cpu_launch.handoff import (
     NOT_FOUND_MARK,
     PLANNED_VARIABLE,
     STARTED_MARK,
-    names_openmp_runtime,
+    vllm_reads,
 )
 from vllm_cpu_launch.libraries import (
     ALLOCATOR,
@@ -364,9 +364,7 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     if keeps_gomp:
         found = decision.mode == "never" or not decision.iomp_missing
         mark = planner if found else planner + NOT_FOUND_MARK
-    elif planner == LAUNCHER and names_openmp_runtime(
-        env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))
-    ):
+    elif planner == LAUNCHER and vllm_reads(env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))):
         mark = planner + STARTED_MARK
     if mark and not decision.refused and environ.get(PLANNED_VARIABLE) != mark:
         env[PLANNED_VARIABLE] = mark

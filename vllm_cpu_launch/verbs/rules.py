@@ -305,7 +305,7 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
     """What vLLM itself will do with this command that the plan does not: refuse its
     speculative config or an unknown option, and write over the block time and thread
     count it hands on in each worker it binds (with libiomp5 preloaded, as SD gets it)."""
-    from vllm_cpu_launch.handoff import names_openmp_runtime
+    from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
     from vllm_cpu_launch.rules import (
         BLOCKTIME_VARIABLE,
         RULES,
@@ -321,8 +321,8 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
         environ[BLOCKTIME_VARIABLE] = start.chosen_blocktime
     added = next((r.variables for r in RULES if r.id == rule), ())
     environ = {**dict(added), **environ}  # a rule adds only what is unset
-    if not names_openmp_runtime(environ.get("LD_PRELOAD", "")):
-        environ["LD_PRELOAD"] = "libiomp5.so"
+    if not vllm_reads(environ.get(LD_PRELOAD, "")):
+        environ[LD_PRELOAD] = "libiomp5.so"
     overrides = bound_worker_overrides(environ)
     return said + ([override_words(overrides)] if overrides else [])
 
