@@ -32,17 +32,14 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
-from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES
+from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES, Library
 from vllm_cpu_launch.libraries import (
-    ALLOCATOR,
     IOMP,
     LLVM,
     TCMALLOC,
     Verdict,
-    callers_kind,
     callers_verdict,
     find_library,
-    preload_entries,
 )
 from vllm_cpu_launch.settings import choose, launch_scope
 from vllm_cpu_launch.target import python_libraries
@@ -368,7 +365,7 @@ def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Ve
     """Each entry of the caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN
     entries are the program's to resolve: left out)."""
     found = []
-    for entry in dict.fromkeys(preload_entries(host.environ.get("LD_PRELOAD", ""))):
+    for entry in dict.fromkeys(e.path for e in host.preload):
         if "ORIGIN" in entry:
             continue
         found.append((entry, callers_verdict(entry, None, host, trusted)))
@@ -395,8 +392,8 @@ def may_want(request: Request, tuned: Tuned | None, release: Support) -> tuple[b
     runtime = (mode == "always" and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
         mode == "auto" and request.auto_iomp and host.machine in IOMP_MACHINES and not older
     )
-    kinds = {callers_kind(e) for e in preload_entries(host.environ.get("LD_PRELOAD", ""))}
-    tcmalloc = ALLOCATOR not in kinds and (
+    theirs = any(e.kind is Library.MALLOC for e in host.preload)
+    tcmalloc = not theirs and (
         settings.tcmalloc == "always" or (settings.tcmalloc == "auto" and runtime)
     )
     return runtime, tcmalloc

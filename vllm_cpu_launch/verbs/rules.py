@@ -192,13 +192,8 @@ def start_of(
     from vllm_cpu_launch.cli import SETTING_KEYS, current_host
     from vllm_cpu_launch.command import detect, single_worker
     from vllm_cpu_launch.gather import target_release
-    from vllm_cpu_launch.libraries import (
-        ALLOCATOR,
-        TCMALLOC,
-        callers_kind,
-        find_library,
-        preload_entries,
-    )
+    from vllm_cpu_launch.handoff import Library
+    from vllm_cpu_launch.libraries import TCMALLOC, find_library
     from vllm_cpu_launch.rules import Start
     from vllm_cpu_launch.settings import load_settings
     from vllm_cpu_launch.target import resolve_vllm
@@ -213,8 +208,10 @@ def start_of(
         target, release = None, None
         found = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
     speculative = detect(command)
-    kinds = {callers_kind(e) for e in preload_entries(host.environ.get("LD_PRELOAD", ""))}
-    theirs = "other" if ALLOCATOR in kinds else "tcmalloc" if TCMALLOC in kinds else None
+    kinds = {e.kind for e in host.preload}
+    theirs = (
+        "other" if Library.MALLOC in kinds else "tcmalloc" if Library.TCMALLOC in kinds else None
+    )
     tcmalloc = settings.tcmalloc_path or None
     found_tcmalloc = find_library(TCMALLOC, host, target, explicit=tcmalloc).chosen is not None
     start = Start(

@@ -165,10 +165,10 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
 
 
 def libgomp_preloaded(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    from vllm_cpu_launch.libraries import preload_entries
+    from vllm_cpu_launch.libraries import read_preload
 
     preload = report["environment"].get("LD_PRELOAD", "")
-    gomp = [e for e in preload_entries(preload) if "libgomp" in e]
+    gomp = [e.path for e in read_preload(preload) if "libgomp" in e.path]
     if gomp:
         consequence = (
             "together with Intel/LLVM OpenMP vLLM asserts at start"
