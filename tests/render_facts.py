@@ -72,16 +72,18 @@ DOCTOR_EXEMPT: dict[Path, str] = {
     ("recommendations", ANY, "id"): "a stable name for programs; the text gives the sentence",
     ("measure",): "rendered from the measurement itself (measure.render_table)",
 }
-SIZES: dict[Path, Render] = {
+# Values the text gives in its own form: sizes in GiB, a library's kind by its title.
+SHOWN: dict[Path, Render] = {
     ("memory", ANY): size,
     ("numa", ANY, "memory_total"): size,
+    ("preload", ANY, "kind"): lambda kind: Library(kind).title,
 }
 
 
 def doctor_facts(report: dict[str, Any], volatile: tuple[Path, ...] = ()) -> list[str]:
     """`volatile`: host readings that change between two runs (available memory)."""
     exempt = {**DOCTOR_EXEMPT, **dict.fromkeys(volatile, "changes between runs")}
-    return facts(report, exempt, SIZES)
+    return facts(report, exempt, SHOWN)
 
 
 # ---------------------------------------------------------------- the plan
