@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch import inside
 from vllm_cpu_launch.handoff import (
     DEPRECATED_PLUGIN_VARIABLE,
+    LD_PRELOAD,
     PLUGIN,
     PLUGIN_VARIABLE,
     already_planned,
@@ -55,7 +56,6 @@ WRAPPED = "_vllm_cpu_launch_wrapped"
 # The parts of vLLM's configuration that a new engine's configuration builds anew and a
 # copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
 SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
-LD_PRELOAD = "LD_PRELOAD"  # vLLM appends its libgomp to it, after the plan
 # The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
 OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 

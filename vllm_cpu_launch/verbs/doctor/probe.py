@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.gather import import_directories
-from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.settings import Scope
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ CPU_FLAGS = (
 )
 FLAG_ALIASES = {"avx512_vnni": ("avx512_vnni", "avx512vnni"), "avx512_bf16": ("avx512_bf16",)}
 VARIABLE_PREFIXES = ("KMP_", "OMP_", "VLLM_CPU_")
-VARIABLE_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
+VARIABLE_NAMES = (LD_PRELOAD, "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
 
 # ---------------------------------------------------------------- the host
 
