@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
+from vllm_cpu_launch.handoff import Library
 from vllm_cpu_launch.verbs.doctor import size
-from vllm_cpu_launch.verbs.verify import RUNTIME_TITLES, shortened
+from vllm_cpu_launch.verbs.verify import shortened
 
 from .test_containers import kubernetes_reads
 from .test_exports import docker_word, parse_environment_file
@@ -71,16 +72,18 @@ DOCTOR_EXEMPT: dict[Path, str] = {
     ("recommendations", ANY, "id"): "a stable name for programs; the text gives the sentence",
     ("measure",): "rendered from the measurement itself (measure.render_table)",
 }
-SIZES: dict[Path, Render] = {
+# Values the text gives in its own form: sizes in GiB, a library's kind by its title.
+SHOWN: dict[Path, Render] = {
     ("memory", ANY): size,
     ("numa", ANY, "memory_total"): size,
+    ("preload", ANY, "kind"): lambda kind: Library(kind).title,
 }
 
 
 def doctor_facts(report: dict[str, Any], volatile: tuple[Path, ...] = ()) -> list[str]:
     """`volatile`: host readings that change between two runs (available memory)."""
     exempt = {**DOCTOR_EXEMPT, **dict.fromkeys(volatile, "changes between runs")}
-    return facts(report, exempt, SIZES)
+    return facts(report, exempt, SHOWN)
 
 
 # ---------------------------------------------------------------- the plan
@@ -110,7 +113,7 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
     found = facts({key: value for key, value in report.items() if key not in exempt})
     for process in processes:
         found.append(shortened(shlex.join(process["cmdline"])))
-        found += [RUNTIME_TITLES[r["kind"]] for r in process["runtimes"]]
+        found += [Library(r["kind"]).title for r in process["runtimes"]]
         inherited = (process["environment"].get("inherited") or {}).get("env", {})
         for environment in (process["env"], inherited):
             found += [f"{name}={shlex.quote(value)}" for name, value in environment.items()]
@@ -123,7 +126,7 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
             ("environment", "inherited", "env", ANY): "as NAME=VALUE, above",
         }
         found += facts(rest, shown_elsewhere)
-        found += [RUNTIME_TITLES[r["kind"]] for r in process["load_order"]]
+        found += [Library(r["kind"]).title for r in process["load_order"]]
     return found
 
 

@@ -39,6 +39,7 @@ KEYS = {
     "vllm",
     "libraries",
     "environment",
+    "preload",
     "settings",
     "recommendations",
     "measure",

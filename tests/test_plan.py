@@ -8,17 +8,21 @@ from pathlib import Path
 
 import pytest
 
+from vllm_cpu_launch import libraries
 from vllm_cpu_launch.command import SpeculativeRequest, detect
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE
-from vllm_cpu_launch.libraries import Host
+from vllm_cpu_launch.gather import Request, gather
+from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, Library
+from vllm_cpu_launch.libraries import Host, PreloadEntry, read_preload
 from vllm_cpu_launch.plan import (
     CALLER_VARIABLES,
     Plan,
     Preload,
     build_plan,
     compose_ld_preload,
+    decide,
     plan_as_json,
     render_text,
+    said,
     schema,
 )
 from vllm_cpu_launch.settings import Settings, blocktime_milliseconds
@@ -81,7 +85,41 @@ def plan_sd(target: Target, host: Host, settings: Settings = DEFAULTS) -> Plan:
 def test_compose_ld_preload(
     current: str, additions: list[str], expected: str, dropped: tuple[str, ...]
 ) -> None:
-    assert compose_ld_preload(current, additions) == (expected, dropped)
+    assert compose_ld_preload(read_preload(current), additions) == (expected, dropped)
+
+
+def test_the_facts_carry_the_callers_ld_preload_read_once_each_entry_classified(
+    tmp_path: Path, real_iomp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: the caller's LD_PRELOAD is split once, where the host is read, as the
+    loader splits it (colons and spaces), each entry classified once by its file's name;
+    the facts carry those entries, and every stage and word after reads them."""
+    reads: list[str] = []
+    read_once = libraries.read_preload
+
+    def counted(value: str) -> tuple[PreloadEntry, ...]:
+        reads.append(value)
+        return read_once(value)
+
+    monkeypatch.setattr(libraries, "read_preload", counted)
+    value = f" {real_iomp}: /x/libjemalloc.so.2 "
+    host = make_host(tmp_path, LD_PRELOAD=value)
+    target = make_target(tmp_path, real_iomp)
+    facts = gather(Request(DEFAULTS, tuple(SD), detect(SD), target, host, True, True, LAUNCHER))
+    assert facts.request.host.preload == (
+        PreloadEntry(str(real_iomp), Library.INTEL),
+        PreloadEntry("/x/libjemalloc.so.2", Library.MALLOC),
+    )
+    assert [entry for entry, _ in facts.entries] == [str(real_iomp), "/x/libjemalloc.so.2"]
+    decision = decide(facts)
+    assert (decision.yours, decision.allocators) == ((str(real_iomp),), ("/x/libjemalloc.so.2",))
+    assert decision.other_malloc == ("/x/libjemalloc.so.2",)
+    plan = said(facts, decision)
+    assert [(p.kind, p.path, p.origin) for p in plan.preload] == [
+        ("iomp", str(real_iomp), "ld-preload")
+    ]
+    assert facts.tcmalloc is None  # their malloc: no tcmalloc searched for beside it
+    assert reads == [value]
 
 
 def make_host(tmp_path: Path, machine: str = "x86_64", **environ: str) -> Host:

@@ -157,6 +157,35 @@ def test_the_callers_libiomp5_stays_where_vllm_binds(
     assert record["KMP_BLOCKTIME"] is None  # the caller's runtime: its settings are theirs
 
 
+def test_the_plan_and_the_verbs_read_the_callers_two_entries_alike(
+    tmp_path: Path, map_vllm: Path, real_iomp: Path
+) -> None:
+    """Issue 35: one LD_PRELOAD of two entries, another malloc and Intel OpenMP, split
+    where the loader splits it (a space): doctor shows each entry's kind, the plan
+    (--dry-run) keeps the runtime as theirs with nothing beside either, and `rules` reads
+    the malloc as their other allocator, each in a fresh process."""
+    jemalloc = tmp_path / "jemalloc" / "libjemalloc.so.2"  # a real ELF file of that name
+    jemalloc.parent.mkdir()
+    shutil.copy(real_iomp, jemalloc)
+    environ = clean_environ(tmp_path, LD_PRELOAD=f"{jemalloc} {real_iomp}")
+    doctor = run_launcher(["--vllm", str(map_vllm), "doctor", "--json"], environ)
+    assert doctor.returncode == 0, doctor.stderr
+    assert json.loads(doctor.stdout)["preload"] == [
+        {"path": str(jemalloc), "kind": "malloc"},
+        {"path": str(real_iomp), "kind": "iomp"},
+    ]
+    plan = dry_run(tmp_path, map_vllm, NGRAM, LD_PRELOAD=f"{jemalloc} {real_iomp}")
+    assert plan["preload"] == [
+        {"kind": "iomp", "path": str(real_iomp), "flavor": "intel", "origin": "ld-preload"}
+    ]
+    assert "LD_PRELOAD" not in plan["env"] and plan["warnings"] == []
+    assert [c["kind"] for c in plan["candidates"]] == ["iomp"]  # no tcmalloc looked for
+    rules = run_launcher(["rules", "--json", "--vllm", str(map_vllm), *NGRAM], environ, PINNED)
+    assert rules.returncode == 0, rules.stderr
+    misses = json.loads(rules.stdout)["misses"]["map-1 ngram"]
+    assert "your LD_PRELOAD's other allocator (measured without)" in misses
+
+
 def test_a_tune_record_of_libgomp_does_not_keep_libgomp_for_sd(
     tmp_path: Path, map_vllm: Path
 ) -> None:

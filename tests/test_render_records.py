@@ -304,11 +304,12 @@ def doctor_reports(draw: st.DrawFn, prefixes: list[str]) -> tuple[dict[str, Any]
     report["vllm"] = vllm_section(target, failure, environ, release)
     report["plugin"] = plugin_section(target, environ, launcher_settings, "x86_64")
     report["libraries"] = {kind: library_section(draw(searches(kind))) for kind in (IOMP, TCMALLOC)}
-    report["environment"] = caller_variables(environ)
-    report["settings"] = settings_section(launcher_settings, draw(MAYBE_TEXT), draw(records(Scope)))
     cpus = draw(st.sampled_from([MAP_CPUS, 1, 64]))
     root = os.environ[SYSTEM_ROOT_VARIABLE]  # the test's host (tests/conftest.py), not this one
     host = Host(environ, "x86_64", os.geteuid(), sys.prefix, (), root, cpus)
+    report["environment"] = caller_variables(environ)
+    report["preload"] = doctor.preload_section(host.preload)
+    report["settings"] = settings_section(launcher_settings, draw(MAYBE_TEXT), draw(records(Scope)))
     report["map"] = map_section(launcher_settings, target, host, release)
     unsafe = st.lists(st.tuples(TEXT, st.just("") | TEXT).map(list), max_size=2)
     report["vllm"]["unsafe"] = draw(unsafe)

@@ -376,6 +376,7 @@ library missing, 126 target not executable, 127 target not found; otherwise vLLM
 
 
 def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
+    """The verb named on the command line: each imported here, lazily, only when named."""
     if verb == "exec":
         return run_exec(values, rest)
     if verb == "doctor":

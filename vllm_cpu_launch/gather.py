@@ -32,20 +32,18 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
-from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES
+from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES, Library
 from vllm_cpu_launch.libraries import (
-    ALLOCATOR,
     IOMP,
     LLVM,
     TCMALLOC,
     Verdict,
-    callers_kind,
     callers_verdict,
     find_library,
-    preload_entries,
 )
 from vllm_cpu_launch.settings import choose, launch_scope
 from vllm_cpu_launch.target import python_libraries
+from vllm_cpu_launch.trust import insecure_reason, owners
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -233,8 +231,6 @@ def existing_ancestor(path: str) -> str:
 def alias_problem(alias: Alias, euid: int, trusted: frozenset[int]) -> tuple[str, str] | None:
     """(why, fix) when another user could change the alias (or where it will be written),
     by the trust rule of the preloaded libraries; None when it is safe."""
-    from vllm_cpu_launch.trust import insecure_reason
-
     if not alias.directory:
         return NO_CACHE
     return insecure_reason(existing_ancestor(alias.metadata), euid, trusted)
@@ -271,7 +267,7 @@ def _reads(path: str) -> str | None:
 def site_fix(site_packages: str, release: str) -> str:
     """The shell command that gives a `vllm-cpu` environment the `vllm` metadata itself
     (for a plain `vllm serve`, which the launcher does not start): doctor prints it."""
-    import shlex
+    import shlex  # lazy: doctor only
 
     version = f"{release}+cpu"
     dist_info = shlex.quote(os.path.join(site_packages, f"vllm-{version}.dist-info"))
@@ -329,8 +325,6 @@ def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[
     the same check that refuses a library writable by others finds such a script or
     interpreter, which is reported (and refused with --strict). See docs/design.md.
     """
-    from vllm_cpu_launch.trust import insecure_reason, owners
-
     programs = tuple(
         dict.fromkeys(p for p in (target.executable, target.runner, target.interpreter) if p)
     )
@@ -368,7 +362,7 @@ def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Ve
     """Each entry of the caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN
     entries are the program's to resolve: left out)."""
     found = []
-    for entry in dict.fromkeys(preload_entries(host.environ.get("LD_PRELOAD", ""))):
+    for entry in dict.fromkeys(e.path for e in host.preload):
         if "ORIGIN" in entry:
             continue
         found.append((entry, callers_verdict(entry, None, host, trusted)))
@@ -395,8 +389,8 @@ def may_want(request: Request, tuned: Tuned | None, release: Support) -> tuple[b
     runtime = (mode == "always" and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
         mode == "auto" and request.auto_iomp and host.machine in IOMP_MACHINES and not older
     )
-    kinds = {callers_kind(e) for e in preload_entries(host.environ.get("LD_PRELOAD", ""))}
-    tcmalloc = ALLOCATOR not in kinds and (
+    theirs = any(e.kind is Library.MALLOC for e in host.preload)
+    tcmalloc = not theirs and (
         settings.tcmalloc == "always" or (settings.tcmalloc == "auto" and runtime)
     )
     return runtime, tcmalloc
@@ -447,7 +441,7 @@ def install_fixes(
     allocator = always and tcmalloc is not None and tcmalloc.chosen is None
     if not (runtime or allocator):
         return MappingProxyType({})
-    from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # only when missing
+    from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # lazy: only when missing
 
     path_variable = request.host.environ.get("PATH")
     fixes = {}

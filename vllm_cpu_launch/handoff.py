@@ -1,17 +1,21 @@
-"""What the launcher and the plugin share: the OpenMP runtimes by name, and the mark a vLLM
-process inherits that tells the plugin to leave it alone.
+"""What the launcher and the plugin share: what a library is by its file's name, the name
+of the variable that preloads it, and the mark a vLLM process inherits that tells the
+plugin to leave it alone.
 
-One classifier of a library file's name, as vLLM tells the runtimes apart, serves
-`verify` (the files a process maps) and the plugin (the library that serves
-`GOMP_parallel` inside a vLLM process, inside.py). The plugin runs in every vLLM process;
-in all but the front end it must stop at once, with nothing imported: stands_down()
-decides that from the environment, the machine and whether multiprocessing started the
-process (doctor asks it too), and the plans write the mark it reads (docs/design.md,
-"The plugin").
+One classifier of a library's file name (library_of) serves every reader: the plan (the
+caller's LD_PRELOAD entries, read once into libraries.Host.preload), `verify` (the files a
+process maps), doctor, tune and the plugin (the library that serves `GOMP_parallel`
+inside a vLLM process, inside.py). vLLM reads LD_PRELOAD otherwise, by substrings of its
+whole text; where the launcher predicts what vLLM does, it reads it as vLLM does
+(vllm_reads). The plugin runs in every vLLM process; in all but the front end it must stop
+at once, with nothing imported: stands_down() decides that from the environment, the
+machine and whether multiprocessing started the process (doctor asks it too), and the
+plans write the mark it reads (docs/design.md, "The plugin").
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import TYPE_CHECKING
 
@@ -19,30 +23,93 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
 
-# The OpenMP runtimes, by a library file's name
+# What a library is, by its file's name
 
-INTEL = "iomp"  # Intel's libiomp5
-LLVM = "llvm"  # LLVM's libomp (Debian's libiomp5.so resolves to it): the same KMP_* interface
-GNU = "gomp"
+LD_PRELOAD = "LD_PRELOAD"  # the loader's variable, which vLLM reads too
+
+
+class Library(enum.Enum):
+    """What a library is, by its file's name; the value is its kind in verify's JSON."""
+
+    INTEL = "iomp"  # Intel's OpenMP runtime, libiomp5 (Debian's libiomp5.so alias of LLVM's too)
+    LLVM = "llvm"  # LLVM's libomp: the same KMP_* interface as Intel's
+    GNU = "gomp"  # GNU libgomp (torch's, sentencepiece's renamed copy)
+    TCMALLOC = "tcmalloc"  # gperftools' tcmalloc (libtcmalloc, libtcmalloc_minimal)
+    MALLOC = "malloc"  # another malloc: jemalloc, mimalloc
+    OTHER = "other"
+
+    @property
+    def runtime(self) -> bool:
+        """An OpenMP runtime."""
+        return self in (Library.INTEL, Library.LLVM, Library.GNU)
+
+    @property
+    def kmp(self) -> bool:
+        """A runtime of Intel's interface (KMP_* variables), Intel's or LLVM's: what vLLM
+        takes for Intel OpenMP."""
+        return self in (Library.INTEL, Library.LLVM)
+
+    @property
+    def allocator(self) -> bool:
+        """A malloc: tcmalloc or another."""
+        return self in (Library.TCMALLOC, Library.MALLOC)
+
+    @property
+    def title(self) -> str:
+        """The library's name for people (verify's and doctor's text)."""
+        return TITLES[self]
+
+
+TITLES = {
+    Library.INTEL: "Intel OpenMP",
+    Library.LLVM: "LLVM OpenMP",
+    Library.GNU: "GNU libgomp",
+    Library.TCMALLOC: "tcmalloc",
+    Library.MALLOC: "another malloc",
+    Library.OTHER: "another library",
+}
+MALLOC_NAMES = ("libjemalloc", "libmimalloc")
 # The word each runtime has in the plugin's /metrics series (docs/operating.md); NONE where
 # no OpenMP runtime serves.
-METRIC_WORDS = {INTEL: "intel", LLVM: "llvm", GNU: "gnu"}
+METRIC_WORDS = {Library.INTEL: "intel", Library.LLVM: "llvm", Library.GNU: "gnu"}
 NONE = "none"
 # The plugin's info metric (prometheus_client appends `_info` to an info family's name).
 METRIC = "vllm_cpu_launch_openmp"
 INFO_METRIC = f"{METRIC}_info"
 
 
-def runtime_of(path: str) -> str | None:
-    """Which OpenMP runtime a mapped file is, by its name (as vLLM tells them apart)."""
+def library_of(path: str) -> Library:
+    """What the library at `path` (an LD_PRELOAD entry, a mapped file) is, by its file's
+    name: the file the loader loads. A directory's name says nothing (`/opt/libomp-17/`),
+    nor does LLVM's offloading library (libomptarget), which is no runtime."""
     name = os.path.basename(path)
     if "libiomp" in name:
-        return INTEL
+        return Library.INTEL
     if "libgomp" in name:
-        return GNU
+        return Library.GNU
     if name.startswith("libomp") and not name.startswith("libomptarget"):
-        return LLVM
-    return None
+        return Library.LLVM
+    if "libtcmalloc" in name:
+        return Library.TCMALLOC
+    return Library.MALLOC if any(m in name for m in MALLOC_NAMES) else Library.OTHER
+
+
+def vllm_reads(ld_preload: str) -> frozenset[Library]:
+    """The OpenMP runtimes vLLM finds in an LD_PRELOAD text (the whole value, or one entry):
+    Library.INTEL where its `libiomp` or `libomp` test holds, Library.GNU where `libgomp`
+    does (vllm/utils/ompmultiprocessing.py, use_iomp and use_gomp: it asserts not both;
+    CpuPlatform.check_and_update_config adds its libgomp only where it finds neither).
+
+    The one other reading, kept where the launcher predicts what vLLM does: vLLM tests
+    substrings of the whole text, so a directory's name counts (`/opt/libomp-17/libgomp.so.1`
+    is both to vLLM, a GNU libgomp to library_of) and so does libomptarget (Intel's to
+    vLLM, no runtime to library_of)."""
+    found = set()
+    if "libiomp" in ld_preload or "libomp" in ld_preload:
+        found.add(Library.INTEL)
+    if "libgomp" in ld_preload:
+        found.add(Library.GNU)
+    return frozenset(found)
 
 
 # The mark the plugin reads
@@ -81,13 +148,6 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def names_openmp_runtime(ld_preload: str) -> bool:
-    """vLLM's own test (CpuPlatform.check_and_update_config): with any of these in
-    LD_PRELOAD it adds no libgomp, so an OpenMP runtime has been chosen already, by the
-    launcher, the user, or vLLM itself for a process it started."""
-    return "libomp" in ld_preload or "libgomp" in ld_preload or "libiomp" in ld_preload
-
-
 def already_planned(environ: Mapping[str, str]) -> str | None:
     """Why this process needs no plan: the mark of a plan it was started with; else None."""
     planner = environ.get(PLANNED_VARIABLE)
@@ -119,7 +179,7 @@ def stands_down(environ: Mapping[str, str], machine: str, spawned: bool) -> str 
     planned = already_planned(environ)
     if planned:
         return planned
-    if spawned and names_openmp_runtime(environ.get("LD_PRELOAD", "")):
+    if spawned and vllm_reads(environ.get(LD_PRELOAD, "")):
         return "a process vLLM started: LD_PRELOAD names the runtime its front end chose"
     if machine not in IOMP_MACHINES:
         return f"this host is {machine}, not x86-64"

@@ -41,7 +41,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.handoff import INTEL, LLVM, METRIC, METRIC_WORDS, NONE, runtime_of
+from vllm_cpu_launch.handoff import METRIC, METRIC_WORDS, NONE, library_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -110,12 +110,12 @@ def read_openmp(role: Role) -> Reading:
         scope.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
         if scope.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) and info.dli_fname:
             library = os.fsdecode(info.dli_fname)
-    kind = runtime_of(library) if library else None
-    runtime = METRIC_WORDS[kind] if kind else NONE
+    kind = library_of(library)
+    runtime = METRIC_WORDS.get(kind, NONE)
     blocktime = threads = ""
-    if kind is not None:
+    if kind.runtime:
         threads = str(scope.omp_get_max_threads())
-        if kind in (INTEL, LLVM):
+        if kind.kmp:
             blocktime = str(scope.kmp_get_blocktime())
     bind = os.environ.get(BIND_VARIABLE, "")
     return Reading(role.value, os.getpid(), runtime, library, blocktime, threads, bind)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import stat
 import sys
+from dataclasses import field
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
-from vllm_cpu_launch.handoff import LLVM as LLVM  # also the flavor of LLVM's libomp (elf)
+from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
 from vllm_cpu_launch.target import python_libraries, python_user_base
 from vllm_cpu_launch.trust import (
     elf_problem,
@@ -43,9 +44,9 @@ TCMALLOC_NAMES = (
 )
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
-# A malloc of the caller's other than tcmalloc: theirs, so no tcmalloc of ours goes in.
-ALLOCATOR = "allocator"
-ALLOCATOR_MARKERS = ("libjemalloc", "libmimalloc")
+# The caller's entries a search proposes, by what their file's name says they are.
+PROPOSED = {IOMP: (Library.INTEL, Library.LLVM), TCMALLOC: (Library.TCMALLOC,)}
+LLVM = Library.LLVM.value  # also the flavor of LLVM's libomp (its banner, trust.py)
 
 MULTIARCH = {
     "x86_64": "x86_64-linux-gnu",
@@ -78,8 +79,24 @@ def system_root(environ: Mapping[str, str]) -> str:
 
 
 @record
+class PreloadEntry:
+    """One entry of the caller's LD_PRELOAD, as the loader splits it, and what its file's
+    name says it is."""
+
+    path: str  # as written: a path, a bare name, `$LIB` unexpanded
+    kind: Library
+
+
+def read_preload(value: str) -> tuple[PreloadEntry, ...]:
+    """LD_PRELOAD's entries, split where glibc's loader splits them (spaces and colons:
+    tabs and other white space are part of an entry, rtld.c " :"), each classified."""
+    entries = (entry for entry in value.replace(":", " ").split(" ") if entry)
+    return tuple(PreloadEntry(entry, library_of(entry)) for entry in entries)
+
+
+@record
 class Host:
-    """What discovery needs to know of this process and machine."""
+    """What discovery needs to know of this process and machine, and of its caller."""
 
     environ: Mapping[str, str]
     machine: str  # os.uname().machine
@@ -91,6 +108,12 @@ class Host:
     # (SYSTEM_ROOT_VARIABLE for a fresh process).
     root: str = "/"
     cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
+    # The caller's LD_PRELOAD, read once from `environ` when the host is made: every stage
+    # and verb reads these entries and their kinds, never the variable again.
+    preload: tuple[PreloadEntry, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "preload", read_preload(self.environ.get(LD_PRELOAD, "")))
 
 
 @record
@@ -113,40 +136,9 @@ def files_named(origin: str, directories: Iterable[str | None], names: tuple[str
     return Place(origin, tuple(paths))
 
 
-def preload_entries(value: str) -> list[str]:
-    """LD_PRELOAD's entries, split where glibc's loader splits them: spaces and colons.
-
-    Tabs and other white space are part of an entry to the loader (rtld.c, " :").
-    """
-    return [entry for entry in value.replace(":", " ").split(" ") if entry]
-
-
-def openmp_runtime_of(entry: str) -> str | None:
-    """Which OpenMP runtime an LD_PRELOAD entry names, as vLLM reads it (the substrings of
-    vllm/utils/ompmultiprocessing.py): "gnu" (libgomp), "intel" (libiomp or LLVM's
-    libomp, both Intel's interface), or None."""
-    if "libgomp" in entry:
-        return "gnu"
-    if "libiomp" in entry or "libomp" in entry:
-        return "intel"
-    return None
-
-
-def callers_kind(entry: str) -> str | None:
-    """The kind of library a caller's LD_PRELOAD entry is, by its file's name: an Intel or
-    LLVM OpenMP runtime (IOMP: vLLM's `libiomp`/`libomp`), a malloc of theirs (ALLOCATOR,
-    a tcmalloc among them: TCMALLOC), or None for any other library."""
-    name = os.path.basename(entry)
-    if openmp_runtime_of(name) == "intel":
-        return IOMP
-    if MARKER[TCMALLOC] in name:
-        return TCMALLOC
-    return ALLOCATOR if any(marker in name for marker in ALLOCATOR_MARKERS) else None
-
-
 def ld_preload_place(kind: str, host: Host) -> Place:
-    entries = preload_entries(host.environ.get("LD_PRELOAD", ""))
-    return Place("ld-preload", tuple(e for e in entries if callers_kind(e) == kind))
+    """The caller's entries that are a library of `kind`, by their file's name."""
+    return Place("ld-preload", tuple(e.path for e in host.preload if e.kind in PROPOSED[kind]))
 
 
 def lib_expansions(host: Host) -> tuple[str, ...]:
@@ -468,7 +460,7 @@ def form_problem(path: str, kind: str) -> str | None:
         )
     if MARKER[kind] not in os.path.basename(path):
         return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD"
-    if "libgomp" in path:
+    if Library.GNU in vllm_reads(path):
         # vLLM tests LD_PRELOAD for the substring: it would see GNU OpenMP next to Intel's
         # and refuse to start (vllm/utils/ompmultiprocessing.py).
         return "its path contains 'libgomp', which vLLM would take for GNU OpenMP"
@@ -579,11 +571,9 @@ def callers_verdict(entry: str, kind: str | None, host: Host, trusted: frozenset
     refused by the trust rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that
     names the same files absolutely."""
     if "/" in entry and not os.path.isabs(entry) and "$" not in entry:
-        entries = host.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":")
         absolute = ":".join(
             os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
-            for e in entries
-            if e
+            for e in (p.path for p in host.preload)
         )
         return Verdict(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
     resolved = resolve_preload_entry(entry, host)

@@ -8,7 +8,6 @@ decision's fields, never read back.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -25,22 +24,21 @@ from vllm_cpu_launch.gather import (
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
     LAUNCHER,
+    LD_PRELOAD,
     LLVM_OPT_IN_MACHINES,
     NOT_FOUND_MARK,
     PLANNED_VARIABLE,
     STARTED_MARK,
-    names_openmp_runtime,
+    Library,
+    library_of,
+    vllm_reads,
 )
 from vllm_cpu_launch.libraries import (
-    ALLOCATOR,
     IOMP,
     LLVM,
     TCMALLOC,
     Candidate,
     Host,
-    callers_kind,
-    openmp_runtime_of,
-    preload_entries,
 )
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
@@ -63,7 +61,7 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.gather import Facts
-    from vllm_cpu_launch.libraries import Candidate, Search, Verdict
+    from vllm_cpu_launch.libraries import Candidate, PreloadEntry, Search, Verdict
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.target import Target
@@ -73,7 +71,6 @@ if TYPE_CHECKING:
 
 # The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
 DEFAULT_KMP_BLOCKTIME = "5"
-LD_PRELOAD = "LD_PRELOAD"
 NO_SETTING = Setting(None, "")
 
 
@@ -148,10 +145,10 @@ def architecture_gate(facts: Facts, decision: Decision) -> Decision:
 
 def callers_stage(facts: Facts, decision: Decision) -> Decision:
     """The caller's OpenMP runtime and malloc in LD_PRELOAD: theirs, nothing beside them."""
-    entries = preload_entries(facts.request.host.environ.get(LD_PRELOAD, ""))
-    yours = tuple(e for e in entries if openmp_runtime_of(e) == "intel")
-    allocators = tuple(e for e in entries if callers_kind(e) in (TCMALLOC, ALLOCATOR))
-    other = tuple(e for e in allocators if callers_kind(e) == ALLOCATOR)
+    entries = facts.request.host.preload
+    yours = tuple(e.path for e in entries if e.kind.kmp)
+    allocators = tuple(e.path for e in entries if e.kind.allocator)
+    other = tuple(e.path for e in entries if e.kind is Library.MALLOC)
     return replace(decision, yours=yours, allocators=allocators, other_malloc=other)
 
 
@@ -299,19 +296,22 @@ def refuse_stage(facts: Facts, decision: Decision) -> Decision:
     return replace(decision, refused=refused, chosen=() if refused else chosen)
 
 
-def compose_ld_preload(current: str, additions: Sequence[str]) -> tuple[str, tuple[str, ...]]:
-    """New LD_PRELOAD (additions first, caller's entries kept in order) and dropped entries.
+def compose_ld_preload(
+    current: Sequence[PreloadEntry], additions: Sequence[str]
+) -> tuple[str, tuple[str, ...]]:
+    """New LD_PRELOAD (additions first, the caller's entries kept in order) and the
+    caller's entries dropped.
 
     A libgomp entry is dropped once an Intel/LLVM OpenMP runtime is in the list:
     vLLM asserts that not both are preloaded (vllm/utils/ompmultiprocessing.py).
     """
-    entries = preload_entries(current)
-    merged = [path for path in additions if path not in entries] + entries
+    entries = [e.path for e in current]
+    added = [path for path in additions if path not in entries]
     # The runtime an entry is, by its file's name (not a directory's, `/opt/libomp-17/`);
     # dropped, what vLLM would read as libgomp: the substring anywhere in the entry.
-    has_iomp = any(openmp_runtime_of(os.path.basename(e)) == "intel" for e in merged)
-    dropped = tuple(e for e in merged if has_iomp and "libgomp" in e)
-    return ":".join(e for e in merged if e not in dropped), dropped
+    has_iomp = any(e.kind.kmp for e in current) or any(library_of(a).kmp for a in added)
+    dropped = tuple(e for e in entries if has_iomp and Library.GNU in vllm_reads(e))
+    return ":".join(e for e in added + entries if e not in dropped), dropped
 
 
 def blocktime_of(
@@ -335,13 +335,13 @@ def blocktime_of(
 
 def env_stage(facts: Facts, decision: Decision) -> Decision:
     """LD_PRELOAD, KMP_BLOCKTIME and the rule's variables, only what changes."""
-    environ = facts.request.host.environ
+    host = facts.request.host
+    environ = host.environ
     env: dict[str, str] = {}
-    current = environ.get(LD_PRELOAD, "")
     dropped: tuple[str, ...] = ()
     if decision.chosen:
-        composed, dropped = compose_ld_preload(current, [c.path for c in decision.chosen])
-        if preload_entries(composed) != preload_entries(current):  # else theirs as set
+        composed, dropped = compose_ld_preload(host.preload, [c.path for c in decision.chosen])
+        if composed != ":".join(e.path for e in host.preload):  # else theirs as set
             env[LD_PRELOAD] = composed
     chosen = None if decision.refused else facts.request.settings.kmp_blocktime
     blocktime, problem = blocktime_of(environ, decision, chosen)
@@ -367,9 +367,7 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     if keeps_gomp:
         found = decision.mode == "never" or not decision.iomp_missing
         mark = planner if found else planner + NOT_FOUND_MARK
-    elif planner == LAUNCHER and names_openmp_runtime(
-        env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))
-    ):
+    elif planner == LAUNCHER and vllm_reads(env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))):
         mark = planner + STARTED_MARK
     if mark and not decision.refused and environ.get(PLANNED_VARIABLE) != mark:
         env[PLANNED_VARIABLE] = mark
@@ -514,11 +512,11 @@ def why(
     return f"{reason} (from tune {tuned.when}: {tuned.result})"
 
 
-def without_entry(current: str, entry: str) -> str:
+def without_entry(current: Sequence[PreloadEntry], entry: str) -> str:
     """The command that removes `entry` from the caller's LD_PRELOAD, keeping the rest."""
-    import shlex
+    import shlex  # lazy: only in a refusal (it imports re)
 
-    rest = [e for e in preload_entries(current) if e != entry]
+    rest = [e.path for e in current if e.path != entry]
     return f"export LD_PRELOAD={shlex.quote(':'.join(rest))}" if rest else "unset LD_PRELOAD"
 
 
@@ -553,7 +551,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
     """The warnings on the caller's LD_PRELOAD: (a runtime of theirs that cannot be used,
     nothing beside it; a tcmalloc of theirs that cannot; any other entry that will not
     load)."""
-    current = facts.request.host.environ.get(LD_PRELOAD, "")
+    current = facts.request.host.preload
     loaded = {entry: found.reason is None for entry, found in facts.entries}
     broken = [
         f"your LD_PRELOAD entry {c.path} is no usable Intel OpenMP ({c.reason}): "
@@ -888,7 +886,7 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
         f"({p.flavor or p.kind}, from {p.origin})"
         for p in plan.preload
     ]
-    shown = ("LD_PRELOAD", PLANNED_VARIABLE, PYTHONPATH if plan.metadata else "")
+    shown = (LD_PRELOAD, PLANNED_VARIABLE, PYTHONPATH if plan.metadata else "")
     parts += [f"{name}={value}" for name, value in plan.env if name not in shown]
     if plan.metadata:
         parts.append(metadata_words(plan.metadata))
@@ -925,7 +923,7 @@ def rule_words(rule: dict[str, Any]) -> str:
 
 def render_text(plan: Plan) -> str:
     """The decision record for a person (`--dry-run`): plan_as_json's record, line by line."""
-    import shlex
+    import shlex  # lazy: only --dry-run
 
     record = plan_as_json(plan)
     speculative = record["speculative"]

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch import inside
 from vllm_cpu_launch.handoff import (
     DEPRECATED_PLUGIN_VARIABLE,
+    LD_PRELOAD,
     PLUGIN,
     PLUGIN_VARIABLE,
     already_planned,
@@ -55,7 +56,6 @@ WRAPPED = "_vllm_cpu_launch_wrapped"
 # The parts of vLLM's configuration that a new engine's configuration builds anew and a
 # copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
 SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
-LD_PRELOAD = "LD_PRELOAD"  # vLLM appends its libgomp to it, after the plan
 # The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
 OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 
@@ -223,7 +223,7 @@ def plan_and_apply(vllm_config: Any) -> None:
     """The launcher's plan for the engine this configuration describes, put into
     os.environ, which vLLM's engine core and workers inherit."""
     from vllm_cpu_launch.errors import LaunchError  # lazy: front end only
-    from vllm_cpu_launch.settings import load_settings
+    from vllm_cpu_launch.settings import load_settings  # lazy: front end only
 
     environ = os.environ
     try:
@@ -308,8 +308,8 @@ def engine_plan(
     """The launcher's plan (plan.build_plan) for the vLLM running in this interpreter; an
     engine in this process is no engine the benchmark map measured (`in_process`)."""
     from vllm_cpu_launch.cli import current_host  # lazy: front end only
-    from vllm_cpu_launch.plan import build_plan
-    from vllm_cpu_launch.target import Target
+    from vllm_cpu_launch.plan import build_plan  # lazy: front end only
+    from vllm_cpu_launch.target import Target  # lazy: front end only
 
     # The interpreter is what runs the server (the trust rule's program); a script it runs
     # is the user's own code, already running.

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
+from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -344,10 +345,9 @@ def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
     workers do not get: the user's value is kept, and vLLM writes over it there."""
     if environ.get(BIND_VARIABLE) == "nobind":
         return ()
-    preload = environ.get("LD_PRELOAD", "")
     said = []
     blocktime = environ.get(BLOCKTIME_VARIABLE)
-    kmp = "libiomp" in preload or "libomp" in preload  # vLLM's own test
+    kmp = Library.INTEL in vllm_reads(environ.get(LD_PRELOAD, ""))  # vLLM's own test
     if kmp and blocktime is not None and blocktime != BOUND_WORKER_BLOCKTIME:
         said.append(Override(BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
     if environ.get(THREADS_VARIABLE):

@@ -45,7 +45,7 @@ from vllm_server import (
     served_name,
 )
 
-from vllm_cpu_launch.handoff import METRIC_WORDS, runtime_of
+from vllm_cpu_launch.handoff import METRIC_WORDS, library_of
 
 from .conftest import (
     MAX_TOKENS,
@@ -238,8 +238,8 @@ def expected_reading(plan: dict[str, Any], role: str) -> dict[str, str]:
     the block time it sets (Intel's default where it sets none), but in a worker vLLM binds,
     which vLLM gives its own; the binding it sets ("" where none)."""
     (iomp,) = [entry for entry in plan["preload"] if entry["kind"] == "iomp"]
-    kind = runtime_of(iomp["path"])
-    assert kind is not None, iomp
+    kind = library_of(iomp["path"])
+    assert kind in METRIC_WORDS, iomp
     bind = plan["env"].get("VLLM_CPU_OMP_THREADS_BIND", "")
     planned = plan["env"].get("KMP_BLOCKTIME", INTEL_DEFAULT_BLOCKTIME)
     bound = role == "worker" and bind != "nobind"

@@ -9,6 +9,9 @@ installed: without one, the vLLM condition fails and says so.
 from __future__ import annotations
 
 import json
+import os
+import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_cpu_launch.cli import (
@@ -21,7 +24,7 @@ from vllm_cpu_launch.cli import (
 )
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.gather import gather
-from vllm_cpu_launch.handoff import names_openmp_runtime
+from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
 from vllm_cpu_launch.rules import (
     BLOCKTIME_VARIABLE,
@@ -208,10 +211,6 @@ def command_start(
     the Request a launch plans (cli.launch_request), where its vLLM was found (or that none
     was), and its SD request. Without a vLLM, the facts of a target with no program and no
     environment: the host's and the caller's alone."""
-    import os
-    import sys
-    from dataclasses import replace
-
     settings = launch_settings(values)
     try:
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
@@ -239,8 +238,6 @@ def verdicts(start: Start, requested: bool) -> dict[str, Any]:
     """Which setting rule and which runtimes rule apply to `start` (`requested`: it asks
     for SD), and every rule's conditions that fail here (the first is the one that
     decides)."""
-    from dataclasses import replace
-
     setting = setting_rule(start) if start.method else None
     if setting and not setting.note:
         setting = replace(setting, note=f"{NOT_MEASURED_HERE}; libiomp5 at vLLM's settings")
@@ -299,8 +296,8 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
         environ[BLOCKTIME_VARIABLE] = start.chosen_blocktime
     added = next((r.variables for r in RULES if r.id == rule), ())
     environ = {**dict(added), **environ}  # a rule adds only what is unset
-    if not names_openmp_runtime(environ.get("LD_PRELOAD", "")):
-        environ["LD_PRELOAD"] = "libiomp5.so"
+    if not vllm_reads(environ.get(LD_PRELOAD, "")):
+        environ[LD_PRELOAD] = "libiomp5.so"
     overrides = bound_worker_overrides(environ)
     return said + ([override_words(overrides)] if overrides else [])
 

@@ -26,6 +26,7 @@ from vllm_cpu_launch.errors import (
     LaunchError,
     emit,
 )
+from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 from vllm_cpu_launch.settings import DEPRECATED_PREFIX, SYSTEM_CONFIG, VARIABLE_PREFIX
 from vllm_cpu_launch.systemd_syntax import (
@@ -283,7 +284,7 @@ def check_plan(
     extra = values.get("unit_env") or []
     given = {str(item).partition("=")[0] for item in extra} if isinstance(extra, list) else set()
     for name, value in plan.relies_on:
-        if name not in given and not (plan.refused and name == "LD_PRELOAD"):
+        if name not in given and not (plan.refused and name == LD_PRELOAD):
             emit(
                 "warning",
                 f"the plan relies on your {name}={value}, which the service will not see; "

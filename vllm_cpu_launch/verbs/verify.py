@@ -39,14 +39,14 @@ from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import (
-    GNU,
     INFO_METRIC,
-    INTEL,
     LAUNCHER,
-    LLVM,
+    LD_PRELOAD,
     PLANNED_VARIABLE,
     PLUGIN,
-    runtime_of,
+    Library,
+    library_of,
+    vllm_reads,
 )
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
@@ -58,9 +58,8 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.command import SpeculativeRequest
 
-RUNTIME_TITLES = {INTEL: "Intel OpenMP", LLVM: "LLVM OpenMP", GNU: "GNU libgomp"}
 VARIABLES = (
-    "LD_PRELOAD",
+    LD_PRELOAD,
     "KMP_BLOCKTIME",
     "KMP_AFFINITY",
     "OMP_NUM_THREADS",
@@ -93,16 +92,16 @@ runs was chosen, or SD is not requested; 1 when one is served by libgomp nothing
 """
 
 
-def mapped_runtimes(maps: str) -> list[tuple[str, str]]:
+def mapped_runtimes(maps: str) -> list[tuple[Library, str]]:
     """(runtime, path) for each OpenMP runtime in a /proc/PID/maps text, in map order."""
-    found: dict[str, str] = {}
+    found: dict[str, Library] = {}
     for line in maps.splitlines():
         fields = line.split(None, 5)
         if len(fields) < 6 or not fields[5].startswith("/"):
             continue
         path = fields[5].removesuffix(" (deleted)")
-        kind = runtime_of(path)
-        if kind is not None and path not in found:
+        kind = library_of(path)
+        if kind.runtime and path not in found:
             found[path] = kind
     return [(kind, path) for path, kind in found.items()]
 
@@ -174,8 +173,8 @@ class Order:
     """The OpenMP runtimes of one process in load order (else in map order), the one that
     serves its GOMP_*/omp_* calls (None where the order is unknown), how it was read."""
 
-    runtimes: list[tuple[str, str]]
-    serves: tuple[str, str] | None
+    runtimes: list[tuple[Library, str]]
+    serves: tuple[Library, str] | None
     how: str
 
 
@@ -191,11 +190,11 @@ def load_order(link_map: LinkMap, maps: str) -> Order:
         )
         return Order(mapped_runtimes(maps), None, how)
     files = mapped_files(maps)
-    ordered: dict[str, str] = {}
+    ordered: dict[str, Library] = {}
     for address, name in link_map.objects:
         path = files.get(address, name)
-        kind = runtime_of(path)
-        if kind is not None and path not in ordered:
+        kind = library_of(path)
+        if kind.runtime and path not in ordered:
             ordered[path] = kind
     runtimes = [(kind, path) for path, kind in ordered.items()]
     return Order(runtimes, runtimes[0] if runtimes else None, LOAD_ORDER)
@@ -222,8 +221,8 @@ def judge(
     """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP)."""
     runtimes = order.runtimes
     kinds = [kind for kind, _ in runtimes]
-    preload = environment.get("LD_PRELOAD", "")
-    preloaded_iomp = "libiomp" in preload or "libomp" in preload
+    preload = environment.get(LD_PRELOAD, "")
+    preloaded_iomp = Library.INTEL in vllm_reads(preload)
     described = described_runtimes(runtimes)
     if not runtimes:
         if not is_root:
@@ -243,31 +242,31 @@ def judge(
         return "ok", f"speculative decoding not requested; runs {described}"
     if order.serves is not None:
         return judge_served(order.serves, runtimes, chosen)
-    if INTEL not in kinds and LLVM not in kinds and chosen:
+    if not any(kind.kmp for kind in kinds) and chosen:
         return "ok", f"{chosen.keeps_libgomp()}: {described}"
-    if INTEL not in kinds and LLVM not in kinds:
+    if not any(kind.kmp for kind in kinds):
         return "problem", f"runs GNU libgomp only ({described})"
     # The load order unread: a visible LD_PRELOAD without Intel OpenMP says libgomp was
     # bound first. vLLM's renamed processes (VLLM::Worker...) have their start-up
     # environment overwritten by the process title, so an absent LD_PRELOAD there tells
     # nothing.
-    if GNU in kinds and "LD_PRELOAD" in environment and not preloaded_iomp:
+    if Library.GNU in kinds and LD_PRELOAD in environment and not preloaded_iomp:
         return "problem", f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})"
     return "ok", described
 
 
 def judge_served(
-    serves: tuple[str, str], runtimes: list[tuple[str, str]], chosen: Choice | None
+    serves: tuple[Library, str], runtimes: list[tuple[Library, str]], chosen: Choice | None
 ) -> tuple[str, str]:
     """With SD requested and the load order read: the serving runtime decides."""
     kind, path = serves
     others = [runtime for runtime in runtimes if runtime != serves]
     also = f"; also mapped, not serving: {described_runtimes(others)}" if others else ""
-    if kind != GNU:
-        return "ok", f"{RUNTIME_TITLES[kind]} serves ({path}){also}"
+    if kind is not Library.GNU:
+        return "ok", f"{kind.title} serves ({path}){also}"
     if chosen:
         return "ok", f"{chosen.keeps_libgomp()}: {described_runtimes(runtimes)}"
-    late = next((RUNTIME_TITLES[other] for other, _ in others if other != GNU), None)
+    late = next((other.title for other, _ in others if other is not Library.GNU), None)
     if late is None:
         return "problem", f"runs GNU libgomp only ({described_runtimes(runtimes)})"
     return "problem", (
@@ -577,14 +576,14 @@ def assemble(
 # LD_PRELOAD names; OMP_NUM_THREADS is the worker's CPU count. Under
 # VLLM_CPU_OMP_THREADS_BIND=nobind it writes none of them.
 VLLM_BINDS = {
-    INTEL: "OMP_NUM_THREADS, KMP_AFFINITY=granularity=fine,explicit,proclist=[...], "
+    Library.INTEL: "OMP_NUM_THREADS, KMP_AFFINITY=granularity=fine,explicit,proclist=[...], "
     "KMP_BLOCKTIME=5, KMP_TPAUSE=0",
-    GNU: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
-    "": "OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND=true",
+    Library.GNU: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
+    None: "OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND=true",
 }
 
 
-def vllm_sets(environment: dict[str, str], serves: str | None) -> str:
+def vllm_sets(environment: dict[str, str], serves: Library | None) -> str:
     """What vLLM overwrites in a worker it spawns, from the environment it spawns it with:
     vLLM goes by LD_PRELOAD, which a worker served by Intel or LLVM OpenMP had (that is
     how the runtime came first), and by the bind setting, which may have been set after
@@ -592,9 +591,9 @@ def vllm_sets(environment: dict[str, str], serves: str | None) -> str:
     bind = environment.get("VLLM_CPU_OMP_THREADS_BIND")
     if bind == "nobind":
         return "nothing (VLLM_CPU_OMP_THREADS_BIND=nobind): the worker keeps what it inherited"
-    preload = environment.get("LD_PRELOAD", "")
-    kind = INTEL if serves in (INTEL, LLVM) or "libiomp" in preload or "libomp" in preload else ""
-    kind = GNU if not kind and "libgomp" in preload else kind
+    found = vllm_reads(environment.get(LD_PRELOAD, ""))
+    kmp = (serves is not None and serves.kmp) or Library.INTEL in found
+    kind = Library.INTEL if kmp else Library.GNU if Library.GNU in found else None
     unless = (
         f"VLLM_CPU_OMP_THREADS_BIND={bind}"
         if bind is not None
@@ -604,7 +603,7 @@ def vllm_sets(environment: dict[str, str], serves: str | None) -> str:
     return f"{VLLM_BINDS[kind]}, over what it inherited ({unless})"
 
 
-def environment_entry(one: Seen, serves: str | None) -> dict[str, Any]:
+def environment_entry(one: Seen, serves: Library | None) -> dict[str, Any]:
     """Whether /proc/PID/environ could be read; where vLLM's title overwrote it, what the
     process inherited at spawn and, for a worker, what vLLM wrote over that."""
     if one.renamed is None:
@@ -623,12 +622,12 @@ def environment_entry(one: Seen, serves: str | None) -> dict[str, Any]:
     return entry
 
 
-def runtime_entry(kind: str, path: str) -> dict[str, str]:
-    return {"kind": kind, "path": path}
+def runtime_entry(kind: Library, path: str) -> dict[str, str]:
+    return {"kind": kind.value, "path": path}
 
 
-def described_runtimes(runtimes: Sequence[tuple[str, str]]) -> str:
-    return ", ".join(f"{RUNTIME_TITLES[kind]} {path}" for kind, path in runtimes)
+def described_runtimes(runtimes: Sequence[tuple[Library, str]]) -> str:
+    return ", ".join(f"{kind.title} {path}" for kind, path in runtimes)
 
 
 COMMAND_WIDTH = 100
@@ -705,7 +704,7 @@ def process_lines(process: dict[str, Any]) -> list[str]:
     """Which runtime serves and how that was read; the environment, or why it is unreadable
     and what was inherited instead."""
     order = ", ".join(
-        f"{RUNTIME_TITLES[r['kind']]} {r['path']}{' (serves)' if r == process['serves'] else ''}"
+        f"{Library(r['kind']).title} {r['path']}{' (serves)' if r == process['serves'] else ''}"
         for r in process["load_order"]
     )
     lines = [f"OpenMP runtimes, {process['order']}: {order or 'none'}"]

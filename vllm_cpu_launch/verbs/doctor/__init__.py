@@ -23,6 +23,7 @@ from vllm_cpu_launch.cli import (
 )
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, emit
 from vllm_cpu_launch.gather import target_release, target_trust
+from vllm_cpu_launch.handoff import LD_PRELOAD, Library
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, find_library
 from vllm_cpu_launch.plan import rule_words, schema
 from vllm_cpu_launch.rules import MAP_CPUS, MAP_VLLM
@@ -45,9 +46,10 @@ from vllm_cpu_launch.verbs.doctor.probe import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
     from typing import Any
 
+    from vllm_cpu_launch.libraries import PreloadEntry
     from vllm_cpu_launch.target import Target
 
 SCHEMA = schema("doctor")  # the JSON layout's name and version (docs/design.md, "JSON")
@@ -66,6 +68,11 @@ Exit code 0: doctor explains, it does not judge.
 
 
 # ---------------------------------------------------------------- assembly
+
+
+def preload_section(preload: Sequence[PreloadEntry]) -> list[dict[str, str]]:
+    """The caller's LD_PRELOAD entries (libraries.Host.preload), each with its kind."""
+    return [{"path": entry.path, "kind": entry.kind.value} for entry in preload]
 
 
 def build_report(
@@ -101,6 +108,7 @@ def build_report(
             for kind, path in ((IOMP, settings.iomp_path), (TCMALLOC, settings.tcmalloc_path))
         },
         "environment": caller_variables(environ),
+        "preload": preload_section(host.preload),
         "settings": settings_section(settings, settings_error, here),
         "map": map_section(settings, target, host, release),
     }
@@ -200,9 +208,7 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     # LD_PRELOAD goes unsaid where it is the runtime alone; with tcmalloc or the caller's
     # entries beside it, the whole value.
     alone = [p["path"] for p in section["preload"] if p["kind"] == "iomp"]
-    does += [
-        f"sets {k}={v}" for k, v in section["env"].items() if k != "LD_PRELOAD" or [v] != alone
-    ]
+    does += [f"sets {k}={v}" for k, v in section["env"].items() if k != LD_PRELOAD or [v] != alone]
     does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
     lines.append(f"  with SD  the launcher {', '.join(does)}")
@@ -308,6 +314,8 @@ def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     lines += [f"  {key}={value}" for key, value in report["environment"].items()]
     if not report["environment"]:
         lines.append("  none of LD_PRELOAD, LD_LIBRARY_PATH, KMP_*, OMP_*, VLLM_CPU_* is set")
+    for entry in report["preload"]:
+        lines.append(f"    preloads {entry['path']}: {Library(entry['kind']).title}")
     lines += ["", *settings_lines(report["settings"]), "", *map_lines(report["map"]), ""]
     if measure_text:
         lines += [measure_text, ""]

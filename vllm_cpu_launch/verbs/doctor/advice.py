@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.gather import site_fix
-from vllm_cpu_launch.handoff import LLVM_OPT_IN_MACHINES
-from vllm_cpu_launch.libraries import preload_entries
+from vllm_cpu_launch.handoff import LD_PRELOAD, LLVM_OPT_IN_MACHINES, Library, vllm_reads
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
@@ -171,12 +170,13 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
 
 
 def libgomp_preloaded(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    preload = report["environment"].get("LD_PRELOAD", "")
-    gomp = [e for e in preload_entries(preload) if "libgomp" in e]
+    """The caller's entries vLLM reads as libgomp (and the launcher drops beside a runtime
+    it adds: plan.compose_ld_preload)."""
+    gomp = [e["path"] for e in report["preload"] if Library.GNU in vllm_reads(e["path"])]
     if gomp:
         consequence = (
             "together with Intel/LLVM OpenMP vLLM asserts at start"
-            if "libiomp" in preload or "libomp" in preload
+            if Library.INTEL in vllm_reads(report["environment"].get(LD_PRELOAD, ""))
             else "speculative decoding then runs on GNU libgomp"
         )
         text = (

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of
+
 WORKLOAD = Path(__file__).with_name("_omp_workload.py")
 DEFAULT_BLOCKTIMES = ("0", "5", "200")
 DEFAULT_ROUNDS = 3
@@ -35,7 +37,7 @@ _NO_TORCH_EXIT = 3  # the child's exit status when torch does not import
 # Variables that change how either runtime waits or how many threads it runs; the
 # comparison is between the runtimes' defaults, as vLLM gets them from the launcher.
 _DROPPED_PREFIXES = ("OMP_", "KMP_", "GOMP_")
-_DROPPED = ("LD_PRELOAD", "MKL_NUM_THREADS")
+_DROPPED = (LD_PRELOAD, "MKL_NUM_THREADS")
 
 
 class OmpMeasureError(Exception):
@@ -131,7 +133,7 @@ def _child_env(config: OmpConfig, threads: int) -> dict[str, str]:
     }
     env["OMP_NUM_THREADS"] = str(threads)
     if config.preload is not None:
-        env["LD_PRELOAD"] = config.preload
+        env[LD_PRELOAD] = config.preload
     if config.kmp_blocktime is not None:
         env["KMP_BLOCKTIME"] = config.kmp_blocktime
     return env
@@ -187,7 +189,7 @@ def _run_child(
 def _runtime_ok(config: OmpConfig, run: _Run) -> bool:
     """gomp must bind to a libgomp; iomp must bind to the preloaded file itself."""
     if config.preload is None:
-        return "libgomp" in os.path.basename(run.runtime_path)
+        return library_of(run.runtime_path) is Library.GNU
     return bool(run.runtime_path) and os.path.realpath(run.runtime_path) == os.path.realpath(
         config.preload
     )

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import glob
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.cli import launch_request
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.gather import gather, import_directories, support
-from vllm_cpu_launch.handoff import PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.plan import plan_as_json, plan_of, start_of
 from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, MAP_VLLM, measured_host
 from vllm_cpu_launch.settings import Scope, differences, record_fields, record_scope
@@ -41,13 +42,13 @@ CPU_FLAGS = (
 )
 FLAG_ALIASES = {"avx512_vnni": ("avx512_vnni", "avx512vnni"), "avx512_bf16": ("avx512_bf16",)}
 VARIABLE_PREFIXES = ("KMP_", "OMP_", "VLLM_CPU_")
-VARIABLE_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
+VARIABLE_NAMES = (LD_PRELOAD, "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
 
 # ---------------------------------------------------------------- the host
 
 
 def cpu_section() -> dict[str, Any]:
-    import cpuinfo
+    import cpuinfo  # lazy: heavy (docs/design.md)
 
     info = cpuinfo.get_cpu_info()
     flags = set(info.get("flags", []))
@@ -99,7 +100,7 @@ def node_number(path: str) -> int:
 
 
 def cores_section() -> dict[str, Any]:
-    import psutil
+    import psutil  # lazy: heavy (docs/design.md)
 
     return {
         "physical": psutil.cpu_count(logical=False),
@@ -109,7 +110,7 @@ def cores_section() -> dict[str, Any]:
 
 
 def memory_section() -> dict[str, Any]:
-    import psutil
+    import psutil  # lazy: heavy (docs/design.md)
 
     memory = psutil.virtual_memory()
     return {"total": memory.total, "available": memory.available}
@@ -308,8 +309,6 @@ def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan |
     gathers) and its plan, or the error that stops it. Where a library path of the settings
     cannot be preloaded (a start's usage error), the start of the same command without the
     paths: whether the map measured this host and vLLM does not depend on them."""
-    from dataclasses import replace
-
     request = launch_request(settings, target, SD_PROBE, host=host)
     try:
         facts = gather(request)

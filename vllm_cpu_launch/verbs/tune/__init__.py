@@ -29,6 +29,8 @@ from vllm_cpu_launch.cli import (
 )
 from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
+from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import CONFIG_VARIABLE, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
@@ -191,16 +193,21 @@ def candidate_plans(
         raise LaunchError(
             EXIT_LIBRARY_MISSING, "libiomp5 cannot be preloaded here: nothing to compare"
         )
-    gomp_preload = dict(plans[by_name["libgomp"]].env).get(
-        "LD_PRELOAD", os.environ.get("LD_PRELOAD", "")
-    )
-    if "libiomp" in gomp_preload or "libomp" in gomp_preload:
+    gomp_plan = plans[by_name["libgomp"]]
+    gomp_preload = dict(gomp_plan.env).get(LD_PRELOAD, inherited(gomp_plan))
+    if any(entry.kind.kmp for entry in read_preload(gomp_preload)):
         raise LaunchError(
             EXIT_USAGE,
             f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
             "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
         )
     return plans, plan_from_options({**values, "iomp": "auto"}, arguments)
+
+
+def inherited(plan: Plan) -> str:
+    """The caller's LD_PRELOAD as the plan read it: what a candidate whose plan sets none
+    runs with ("" where unset)."""
+    return dict(plan.inputs).get(LD_PRELOAD) or ""
 
 
 def parse(values: dict[str, object], args: list[str]) -> tuple[dict[str, object], list[str]]:
@@ -314,7 +321,7 @@ def report(
         f"measured: {shown}",
         f"default:  {default.name} (what --iomp auto plans for this command)",
         table(summaries),
-        besides_runtime(envs, os.environ.get("LD_PRELOAD", "")),
+        besides_runtime(envs, inherited(plans[default])),
     ]
     lines.append(result_line(verdict, default))
     return verdict, lines
@@ -478,7 +485,7 @@ def measure_serving(
         f"clients:  vllm bench serve on {load.prompts}, {load.output_len} tokens a request",
         f"default:  {default.name} (what --iomp auto plans for this command)",
         *report_lines(starts, load, verdict),
-        besides_runtime(envs, os.environ.get("LD_PRELOAD", "")),
+        besides_runtime(envs, inherited(plans[default])),
         result_line(verdict.overall, default),
     ]
     done = min(len(s) for s in starts.values())

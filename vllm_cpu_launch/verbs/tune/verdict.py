@@ -6,7 +6,8 @@ import statistics
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
-from vllm_cpu_launch.libraries import openmp_runtime_of, preload_entries
+from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.libraries import read_preload
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -130,11 +131,9 @@ RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
 def extras(env: Mapping[str, str], inherited: str) -> list[str]:
     """What a candidate's environment adds besides its OpenMP runtime: the other
     LD_PRELOAD entries (tcmalloc), and every other variable it sets."""
-    entries = preload_entries(env.get("LD_PRELOAD", inherited))
-    added = [f"preloads {e}" for e in entries if openmp_runtime_of(e) is None]
-    added += [
-        f"sets {k}={v}" for k, v in env.items() if k not in ("LD_PRELOAD", *RUNTIME_VARIABLES)
-    ]
+    entries = read_preload(env.get(LD_PRELOAD, inherited))
+    added = [f"preloads {e.path}" for e in entries if not e.kind.runtime]
+    added += [f"sets {k}={v}" for k, v in env.items() if k not in (LD_PRELOAD, *RUNTIME_VARIABLES)]
     return added
 
 
