@@ -676,18 +676,30 @@ def test_dev_null_is_an_empty_config_file(tmp_path: Path, vllm_env: Path) -> Non
     assert not json.loads(read.stdout)["preload"]  # the user's iomp: never, without it
 
 
+# The package's modules a launch imports (issue 35: at most 12, the package included).
+EXEC_PATH = [
+    "vllm_cpu_launch",
+    *("vllm_cpu_launch.cli", "vllm_cpu_launch.command", "vllm_cpu_launch.errors"),
+    *("vllm_cpu_launch.gather", "vllm_cpu_launch.handoff", "vllm_cpu_launch.libraries"),
+    *("vllm_cpu_launch.plan", "vllm_cpu_launch.rules", "vllm_cpu_launch.settings"),
+    *("vllm_cpu_launch.target", "vllm_cpu_launch.trust"),
+]
+
+
 def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:
     """psutil, cpuinfo, yaml, torch and vLLM stay out of a real launch (the standard
-    library is welcome: json, dataclasses, signal).
+    library is welcome: json, dataclasses, signal), and of the package only EXEC_PATH.
 
     The modules are read at the moment of the exec, which the probe intercepts: what the
     launcher imported up to there is all it will ever import.
     """
     probe = (
-        "import os, sys\n"
+        "import json, os, sys\n"
         "def report(*_):\n"
         "    heavy = ('psutil', 'cpuinfo', 'yaml', 'torch', 'vllm')\n"
-        "    print(sorted(m for m in heavy if m in sys.modules), flush=True)\n"
+        "    ours = [m for m in sys.modules if m.split('.')[0] == 'vllm_cpu_launch']\n"
+        "    loaded = [m for m in heavy if m in sys.modules]\n"
+        "    print(json.dumps([loaded, sorted(ours)]), flush=True)\n"
         "    os._exit(0)\n"
         "os.execve = report\n"
         "from vllm_cpu_launch.cli import main\n"
@@ -700,7 +712,7 @@ def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> No
             launch, env=clean_environ(tmp_path), capture_output=True, text=True, timeout=60
         )
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
-        assert result.stdout.strip() == "[]"
+        assert json.loads(result.stdout) == [[], EXEC_PATH]
 
 
 def test_json_without_dry_run_is_a_usage_error_before_anything_else(tmp_path: Path) -> None:
