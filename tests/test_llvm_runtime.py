@@ -124,7 +124,7 @@ def test_cmeel_libomp_stands_in_for_intel_openmp_where_the_runtimes_map_measured
     assert plan["preload"] == [
         {"kind": "iomp", "path": alias, "flavor": "llvm", "origin": "cmeel-libomp-package"}
     ]
-    rule = evidence.LLVM_RUNTIME[("ngram", None)]
+    rule = evidence.rule("runtimes-1")
     assert plan["runtime"]["id"] == rule.id and plan["runtime"]["figures"] == list(rule.figures)
     assert plan["rule"]["id"] == evidence.NGRAM_UNBOUND.id  # the same unbound setting
     assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME
@@ -148,7 +148,7 @@ def test_cmeel_libomp_stays_out_of_a_method_where_it_measured_no_gain_and_the_wa
     assert plan["preload"] == [] and plan["missing"] == ["iomp"] and plan["runtime"] is None
     (warning,) = plan["warnings"]
     assert warning.startswith("Intel OpenMP (libiomp5.so) not found")
-    why = evidence.LLVM_NOT_A_GAIN[("draft_model", 3)]
+    why = evidence.rule("runtimes-none").why
     assert f"{alias} (LLVM's libomp, for draft_model SD with 3 tokens {why}" in warning
     anyway = f"--iomp-path {alias}"
     assert f"{anyway} or --iomp always preloads it anyway" in warning
@@ -242,7 +242,7 @@ def test_under_your_nobind_llvm_libomp_gets_the_block_time_it_was_measured_with(
     alias = str(site_packages(cmeel_env_vllm.parent.parent) / CMEEL_ALIAS)
     plan = dry_run(tmp_path, cmeel_env_vllm, NGRAM, VLLM_CPU_OMP_THREADS_BIND="nobind")
     assert [p["path"] for p in plan["preload"]] == [alias]
-    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[("ngram", None)].id
+    assert plan["runtime"]["id"] == evidence.rule("runtimes-1").id
     assert plan["rule"]["id"] == evidence.NGRAM_NOBIND.id
     assert plan["env"] == {
         "LD_PRELOAD": alias,
@@ -274,7 +274,7 @@ def test_doctor_says_llvm_libomp_is_what_the_launcher_preloads_and_by_which_rule
     target = Target(str(cmeel_env_vllm), "--vllm", str(root / "bin" / "python"), str(root))
     section = map_section(Settings(), target, host, "0.32.0")
     assert [p["flavor"] for p in section["preload"]] == ["llvm"]
-    assert section["runtime"]["id"] == evidence.LLVM_RUNTIME[("ngram", None)].id
+    assert section["runtime"]["id"] == evidence.rule("runtimes-1").id
     assert section["rule"]["id"] == evidence.NGRAM_UNBOUND.id
     text = "\n".join(map_lines(section))
     assert "  with SD  the launcher preloads LLVM's libomp, sets KMP_BLOCKTIME=200" in text
@@ -333,7 +333,7 @@ def test_off_the_maps_host_draft_model_3_keeps_libgomp_as_measured(
 ) -> None:
     plan = contract.dry_run(tmp_path, cmeel_env_vllm, DRAFT3, ONE_CPU)
     assert plan["preload"] == [] and plan["missing"] == ["iomp"]
-    assert evidence.LLVM_NOT_A_GAIN[("draft_model", 3)] in plan["warnings"][0]
+    assert evidence.rule("runtimes-none").why in plan["warnings"][0]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the trust rule's owner checks apply as root")
@@ -381,7 +381,7 @@ def test_debians_libomp_stands_in_through_its_libiomp5_alias(
     assert plan["preload"] == [
         {"kind": "iomp", "path": alias, "flavor": "llvm", "origin": "ld-library-path"}
     ]
-    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[("ngram", None)].id
+    assert plan["runtime"]["id"] == evidence.rule("runtimes-1").id
     result, record = launched(tmp_path, cmeel_env_vllm, NGRAM, LD_LIBRARY_PATH=str(lib))
     assert result.returncode == 0, result.stderr
     assert record["LD_PRELOAD"] == alias
@@ -521,9 +521,14 @@ def test_a_callers_libomp_so_keeps_an_unmeasured_method_free_of_advice_it_cannot
     assert "kept as set" in plan["reason"]
 
 
-@pytest.mark.parametrize("method, tokens", sorted(evidence.DRAFTER_RULES))
+@pytest.mark.parametrize("method, tokens, runtime_rule", [("eagle", 3, "runtimes-2")])
 def test_a_drafter_gets_llvm_libomp_in_the_setting_measured_for_it(
-    tmp_path: Path, cmeel_env_vllm: Path, debian_root: Path, method: str, tokens: int
+    tmp_path: Path,
+    cmeel_env_vllm: Path,
+    debian_root: Path,
+    method: str,
+    tokens: int,
+    runtime_rule: str,
 ) -> None:
     """EAGLE with 3 tokens, a tcmalloc found: the runtimes map measured LLVM's libomp in
     methods-4's setting (runtimes-2), so both apply: tcmalloc, cmeel's libomp, nobind and
@@ -537,7 +542,7 @@ def test_a_drafter_gets_llvm_libomp_in_the_setting_measured_for_it(
         ("tcmalloc", tcmalloc, None),
         ("iomp", alias, "llvm"),
     ]
-    assert plan["runtime"]["id"] == evidence.LLVM_RUNTIME[(method, tokens)].id
+    assert plan["runtime"]["id"] == runtime_rule
     assert plan["rule"]["id"] == "methods-4"
     assert plan["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert plan["env"]["KMP_BLOCKTIME"] == evidence.NOBIND_BLOCKTIME

@@ -41,8 +41,6 @@ RESERVED_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 BLOCKTIME_VARIABLE = "KMP_BLOCKTIME"
 THREADS_VARIABLE = "OMP_NUM_THREADS"
 NOBIND_BLOCKTIME = "200"
-# The map's model whose rounds decide (the tiny one is bound by Python, not OpenMP).
-SERVED_MODEL = "100m"
 PLAIN = "plain vLLM (libgomp as installed)"
 REAL_JSON = "docs/bench_vllm_real.json"
 LOAD_JSON = "docs/bench_vllm_load.json"
@@ -279,13 +277,6 @@ MAP_VLLM = NGRAM_UNBOUND.measured.vllm
 # (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc, where every
 # round at 1 and 4 concurrent requests was a gain.
 DRAFTER_RULES = {measured_key(r): r for r in RULES if r.id == "methods-4"}
-# Measured, but not a gain in every round: no rule (test_evidence.py holds why).
-NOT_EVERY_ROUND = {measured_key(r): r.why for r in RULES if r.why and r.runtime is None}
-# (vLLM's method, num_speculative_tokens; None: any) -> what LLVM's libomp measured, each
-# in the setting of the rules named in its `within`.
-LLVM_RUNTIME = {measured_key(r): r for r in RULES if r.runtime == "llvm" and r.why == ""}
-# Measured, and no gain where the plan would run it: no rule (test_evidence.py holds why).
-LLVM_NOT_A_GAIN = {measured_key(r): r.why for r in RULES if r.runtime == "llvm" and r.why}
 
 
 def figures(low_high: tuple[float, float]) -> str:
@@ -374,7 +365,6 @@ def override_words(overrides: Sequence[Override], short: bool = False) -> str:
 
 # The matcher
 
-HOST = ("machine", "cpus", "vllm", "workers")  # where, as opposed to what the user set
 # Why no rule where vLLM binds the worker (tests/test_evidence.py recomputes the figure).
 BOUND = (
     "vLLM binds the worker there, and bound no runtime measured faster than libgomp (with "

@@ -164,43 +164,6 @@ def table_lines() -> list[str]:
     return lines
 
 
-def table_where(where: Measured) -> str:
-    """Where a rule was measured, for docs/design.md's table (the host: its caption)."""
-    tokens = f" {where.tokens} tokens" if where.tokens is not None else ""
-    if where.within:
-        return f"{where.method}{tokens}, as {'/'.join(where.within)}"
-    binding = "/".join(b or "unset" for b in where.bindings)
-    unset = ", ".join(where.unset)
-    allocator = "tcmalloc" if where.allocator == "tcmalloc" else "no tcmalloc"
-    return f"{where.method}{tokens}; binding {binding}; unset: {unset}; {allocator}"
-
-
-def markdown_table() -> str:
-    """The table as docs/design.md shows it, under a caption naming the hosts every rule
-    was measured on (tests/test_rules.py keeps them in agreement)."""
-
-    def values(field: str) -> str:
-        return " or ".join(sorted({str(getattr(rule.measured, field)) for rule in RULES}))
-
-    rows = [
-        f"All on {values('machine')}, {values('cpus')} CPUs, vLLM {values('vllm')}, "
-        f"{values('workers')} worker:",
-        "",
-        "| rule | measured under | adds | TPOT | real weights |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for rule in RULES:
-        adds = [f"{name}={value}" for name, value in rule.variables]
-        adds += [rule.allocator or "", "LLVM's libomp" if rule.runtime else ""]
-        added = ", ".join(a for a in adds if a) if not rule.why else "nothing (no gain every round)"
-        versus = rule.versus.split(" (")[0]
-        rows.append(
-            f"| {rule.id} | {table_where(rule.measured)} | {added} | "
-            f"{figures(rule.figures)} {versus} | {real_words(rule)} |"
-        )
-    return "\n".join(rows)
-
-
 NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
 
 
