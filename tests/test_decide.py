@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm_cpu_launch import plan as decide
 from vllm_cpu_launch.command import SpeculativeRequest
-from vllm_cpu_launch.gather import Facts, Request, support
+from vllm_cpu_launch.gather import Facts, support
 from vllm_cpu_launch.libraries import Candidate, Host, Search
 from vllm_cpu_launch.plan import Decision
 from vllm_cpu_launch.rules import rule
@@ -38,9 +38,15 @@ def facts(
 ) -> Facts:
     host = Host(environ or {}, changes.pop("machine", "x86_64"), 1000, "/l", (), "/", 2)
     target = Target("/v/bin/vllm", "--vllm", None, "/v")
-    request = Request(settings, ("serve", "m"), speculative, target, host, True, True, "launcher")
     base = Facts(
-        request,
+        settings,
+        ("serve", "m"),
+        speculative,
+        target,
+        host,
+        True,
+        True,
+        "launcher",
         frozenset(),
         (),
         {},
@@ -48,12 +54,10 @@ def facts(
         Scope(),
         None,
         (),
-        found(IOMP),
-        None,
         (),
         None,
         None,
-        {},
+        iomp=found(IOMP),
     )
     return replace(base, **changes)
 
@@ -101,7 +105,7 @@ def test_callers_stage_reads_their_runtime_and_malloc_by_file_name() -> None:
 def test_rules_stage_applies_the_tables_rule_where_measured() -> None:
     here = facts()
     assert decide.rules_stage(here, run(4, here)).setting.rule == rule("map-1")
-    elsewhere = replace(here, request=replace(here.request, one_worker=False))
+    elsewhere = replace(here, one_worker=False)
     assert decide.rules_stage(elsewhere, run(4, elsewhere)).setting.rule is None
 
 
@@ -116,10 +120,10 @@ def test_runtime_stage_declines_llvm_where_its_setting_is_not_met() -> None:
 
 def test_allocator_stage_puts_nothing_beside_a_callers_malloc() -> None:
     theirs = facts({"LD_PRELOAD": "/x/libjemalloc.so.2"}, tcmalloc=found(TCMALLOC))
-    one_cpu = replace(theirs, request=replace(theirs.request, one_worker=False))
+    one_cpu = replace(theirs, one_worker=False)
     assert decide.allocator_stage(one_cpu, run(6, one_cpu)).tcmalloc is None
     mine = facts(tcmalloc=found(TCMALLOC))
-    mine = replace(mine, request=replace(mine.request, one_worker=False))
+    mine = replace(mine, one_worker=False)
     assert decide.allocator_stage(mine, run(6, mine)).tcmalloc == TCMALLOC
 
 
@@ -139,7 +143,7 @@ def test_env_stage_adds_what_the_rule_adds_and_the_default_block_time() -> None:
         "KMP_BLOCKTIME": "200",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
-    one = replace(here, request=replace(here.request, one_worker=False))
+    one = replace(here, one_worker=False)
     assert dict(decide.env_stage(one, run(8, one)).env)["KMP_BLOCKTIME"] == "5"
 
 

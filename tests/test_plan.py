@@ -10,8 +10,8 @@ import pytest
 
 from vllm_cpu_launch import libraries
 from vllm_cpu_launch.command import SpeculativeRequest, detect
-from vllm_cpu_launch.gather import Request, gather
-from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, Library
+from vllm_cpu_launch.gather import gather
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library
 from vllm_cpu_launch.libraries import Host, PreloadEntry, read_preload
 from vllm_cpu_launch.plan import (
     CALLER_VARIABLES,
@@ -105,8 +105,8 @@ def test_the_facts_carry_the_callers_ld_preload_read_once_each_entry_classified(
     value = f" {real_iomp}: /x/libjemalloc.so.2 "
     host = make_host(tmp_path, LD_PRELOAD=value)
     target = make_target(tmp_path, real_iomp)
-    facts = gather(Request(DEFAULTS, tuple(SD), detect(SD), target, host, True, True, LAUNCHER))
-    assert facts.request.host.preload == (
+    facts = gather(DEFAULTS, SD, detect(SD), target, host, True, one_worker=True)
+    assert facts.host.preload == (
         PreloadEntry(str(real_iomp), Library.INTEL),
         PreloadEntry("/x/libjemalloc.so.2", Library.MALLOC),
     )

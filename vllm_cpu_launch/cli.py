@@ -24,7 +24,7 @@ from vllm_cpu_launch.errors import (
     did_you_mean,
     emit,
 )
-from vllm_cpu_launch.gather import Request, gather, write_alias
+from vllm_cpu_launch.gather import gather, write_alias
 from vllm_cpu_launch.handoff import LAUNCHER
 from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.plan import (
@@ -40,7 +40,7 @@ from vllm_cpu_launch.target import resolve_program, resolve_vllm
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from vllm_cpu_launch.gather import Request
+    from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.settings import Settings
@@ -156,25 +156,25 @@ def launch_settings(values: dict[str, object]) -> Settings:
     return load_settings(options, os.environ)
 
 
-def launch_request(
+def launch_facts(
     settings: Settings,
     target: Target,
     arguments: Sequence[str],
     program: str | None = None,
     host: Host | None = None,
-) -> Request:
-    """What a start asks the plan: `vllm ARGUMENTS` as vLLM reads them (SD, one worker),
+) -> Facts:
+    """The facts a start plans from: `vllm ARGUMENTS` as vLLM reads them (SD, one worker),
     or `exec -- PROGRAM ARGUMENTS`, on this host (`host`: the one given). `rules serve`
-    and doctor's map ask the same, and match the rules against its start (plan.start_of)."""
+    and doctor's map gather the same, and match the rules against its start (plan.start_of)."""
     if program is None:
         speculative = detect(arguments)
         auto_iomp = speculative.requested
     else:
         speculative = SpeculativeRequest(False)
         auto_iomp = True
-    return Request(
+    return gather(
         settings,
-        tuple(arguments),
+        arguments,
         speculative,
         target,
         host or current_host(),
@@ -194,7 +194,7 @@ def prepare_launch(
         target = resolve_vllm(settings.vllm, os.environ, sys.executable)
     else:
         target = resolve_program(program, os.environ)
-    plan = plan_of(gather(launch_request(settings, target, arguments, program)))
+    plan = plan_of(launch_facts(settings, target, arguments, program))
     return settings, target, plan
 
 

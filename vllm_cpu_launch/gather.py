@@ -27,12 +27,13 @@ vllm metadata"). `doctor` prints the fix for a plain `vllm serve`.
 from __future__ import annotations
 
 import os
+from dataclasses import field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
-from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES, Library
+from vllm_cpu_launch.handoff import IOMP_MACHINES, LAUNCHER, LLVM_OPT_IN_MACHINES, Library
 from vllm_cpu_launch.libraries import (
     IOMP,
     LLVM,
@@ -46,7 +47,7 @@ from vllm_cpu_launch.target import python_libraries
 from vllm_cpu_launch.trust import insecure_reason, owners
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.libraries import Host, Search
@@ -279,8 +280,9 @@ def site_fix(site_packages: str, release: str) -> str:
 
 
 @record
-class Request:
-    """What build_plan is asked: the command, its target and host, and who plans."""
+class Facts:
+    """What the plan decides from: what it is asked (build_plan's parameters), and what
+    was gathered for that, once."""
 
     settings: Settings
     arguments: tuple[str, ...]
@@ -290,15 +292,6 @@ class Request:
     auto_iomp: bool  # what `--iomp auto` means here: SD requested (vLLM) or always (exec)
     one_worker: bool
     planner: str
-    model: str | None = None
-    supply_metadata: bool = False
-
-
-@record
-class Facts:
-    """What the plan decides from, gathered once."""
-
-    request: Request
     trusted: frozenset[int]  # uids besides root whose files may be preloaded
     target_problems: tuple[tuple[str, str], ...]  # (text, fix) of the target's own trust
     explicit: Mapping[str, Search]  # --iomp-path / --tcmalloc-path, validated
@@ -306,14 +299,14 @@ class Facts:
     scope: Scope
     tuned: Tuned | None  # the tune record that matches, before the SD check
     tune_notes: tuple[str, ...]
-    iomp: Search | None  # the search for an OpenMP runtime, where one may be wanted
-    tcmalloc: Search | None  # the search for tcmalloc, where one may be wanted
     entries: tuple[tuple[str, Verdict], ...]  # the caller's LD_PRELOAD entries, examined
     alias: Alias | None  # the `vllm` metadata to supply (supply_metadata)
     alias_problem: tuple[str, str] | None  # why the alias cannot be supplied
+    iomp: Search | None = None  # the search for an OpenMP runtime, where one may be wanted
+    tcmalloc: Search | None = None  # the search for tcmalloc, where one may be wanted
     # The install command of each library a search found none of (IOMP, LLVM, TCMALLOC):
     # read here, so that the words say it without looking at the machine (fixes.py).
-    install_fixes: Mapping[str, str]
+    install_fixes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:
@@ -369,25 +362,25 @@ def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Ve
     return tuple(found)
 
 
-def effective_tune(request: Request, tuned: Tuned | None) -> Tuned | None:
+def effective_tune(facts: Facts) -> Tuned | None:
     """The tune record applied: one that kept libgomp does not keep it for SD."""
-    dropped = tuned and tuned.iomp == "never" and request.speculative.requested
-    return None if dropped else tuned
+    dropped = facts.tuned and facts.tuned.iomp == "never" and facts.speculative.requested
+    return None if dropped else facts.tuned
 
 
-def mode_of(request: Request, tuned: Tuned | None) -> str:
+def mode_of(facts: Facts) -> str:
     """--iomp as it applies: a tune of this command wins over a config file's (tunes.py)."""
-    applied = effective_tune(request, tuned)
-    return applied.iomp if applied else request.settings.iomp
+    applied = effective_tune(facts)
+    return applied.iomp if applied else facts.settings.iomp
 
 
-def may_want(request: Request, tuned: Tuned | None, release: Support) -> tuple[bool, bool]:
+def may_want(facts: Facts) -> tuple[bool, bool]:
     """Whether an OpenMP runtime, and tcmalloc, may be wanted: the searches to make."""
-    settings, host = request.settings, request.host
-    mode = mode_of(request, tuned)
-    older = request.speculative.requested and release.status == "older" and mode == "auto"
+    settings, host = facts.settings, facts.host
+    mode = mode_of(facts)
+    older = facts.speculative.requested and facts.release.status == "older" and mode == "auto"
     runtime = (mode == "always" and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
-        mode == "auto" and request.auto_iomp and host.machine in IOMP_MACHINES and not older
+        mode == "auto" and facts.auto_iomp and host.machine in IOMP_MACHINES and not older
     )
     theirs = any(e.kind is Library.MALLOC for e in host.preload)
     tcmalloc = not theirs and (
@@ -396,23 +389,38 @@ def may_want(request: Request, tuned: Tuned | None, release: Support) -> tuple[b
     return runtime, tcmalloc
 
 
-def gather(request: Request) -> Facts:
-    """The facts of `request`: every file the plan reads, read here."""
-    settings, target, host = request.settings, request.target, request.host
+def gather(
+    settings: Settings,
+    arguments: Sequence[str],
+    speculative: SpeculativeRequest,
+    target: Target,
+    host: Host,
+    auto_iomp: bool,
+    *,
+    one_worker: bool,
+    planner: str = LAUNCHER,
+    model: str | None = None,
+    supply_metadata: bool = False,
+) -> Facts:
+    """The facts of what build_plan is asked (its parameters): every file the plan reads,
+    read here."""
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
     explicit = {k: validated_explicit(k, p, host, trusted) for k, p in named.items() if p}
     release = support(target_release(target))
-    model = request.model or model_of(request.arguments)
-    scope = launch_scope(model, request.speculative, release.release, host.cpus)
+    scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
-    wants_runtime, wants_tcmalloc = may_want(request, tuned, release)
-    alias = alias_for(target, host.environ) if request.supply_metadata else None
-    iomp = search(IOMP, request, explicit, trusted) if wants_runtime else None
-    tcmalloc = search(TCMALLOC, request, explicit, trusted) if wants_tcmalloc else None
-    return Facts(
-        request,
+    alias = alias_for(target, host.environ) if supply_metadata else None
+    facts = Facts(
+        settings,
+        tuple(arguments),
+        speculative,
+        target,
+        host,
+        auto_iomp,
+        one_worker,
+        planner,
         trusted,
         tuple(problems),
         explicit,
@@ -420,40 +428,40 @@ def gather(request: Request) -> Facts:
         scope,
         tuned,
         tuple(tune_notes),
-        iomp,
-        tcmalloc,
         examined_entries(host, trusted),
         alias,
         alias_problem(alias, host.euid, trusted) if alias else None,
-        install_fixes(request, iomp, tcmalloc),
     )
+    # The searches, where the facts so far say the library may be wanted.
+    wants_runtime, wants_tcmalloc = may_want(facts)
+    iomp = search(IOMP, facts) if wants_runtime else None
+    tcmalloc = search(TCMALLOC, facts) if wants_tcmalloc else None
+    fixes = install_fixes(facts, iomp, tcmalloc)
+    return replace(facts, iomp=iomp, tcmalloc=tcmalloc, install_fixes=fixes)
 
 
-def install_fixes(
-    request: Request, iomp: Search | None, tcmalloc: Search | None
-) -> Mapping[str, str]:
+def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) -> Mapping[str, str]:
     """The install command of each library a search found none of (Intel's and LLVM's
     OpenMP wheels for a runtime), by package."""
     # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
     runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
     # tcmalloc is missing to the plan only where the user asked for it (--tcmalloc always).
-    always = request.settings.tcmalloc == "always"
+    always = facts.settings.tcmalloc == "always"
     allocator = always and tcmalloc is not None and tcmalloc.chosen is None
     if not (runtime or allocator):
         return MappingProxyType({})
     from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # lazy: only when missing
 
-    path_variable = request.host.environ.get("PATH")
+    path_variable = facts.host.environ.get("PATH")
     fixes = {}
     if runtime:
-        fixes[IOMP] = fix_hint(request.target, IOMP, PACKAGE, path_variable)
-        fixes[LLVM] = fix_hint(request.target, IOMP, LLVM_PACKAGE, path_variable)
+        fixes[IOMP] = fix_hint(facts.target, IOMP, PACKAGE, path_variable)
+        fixes[LLVM] = fix_hint(facts.target, IOMP, LLVM_PACKAGE, path_variable)
     if allocator:
-        fixes[TCMALLOC] = fix_hint(request.target, TCMALLOC, TCMALLOC, path_variable)
+        fixes[TCMALLOC] = fix_hint(facts.target, TCMALLOC, TCMALLOC, path_variable)
     return MappingProxyType(fixes)
 
 
-def search(
-    kind: str, request: Request, explicit: Mapping[str, Search], trusted: frozenset[int]
-) -> Search:
-    return explicit.get(kind) or find_library(kind, request.host, request.target, trusted=trusted)
+def search(kind: str, facts: Facts) -> Search:
+    found = facts.explicit.get(kind)
+    return found or find_library(kind, facts.host, facts.target, trusted=facts.trusted)

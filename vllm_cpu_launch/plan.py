@@ -15,7 +15,6 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
 from vllm_cpu_launch.gather import (
     PYTHONPATH,
     Alias,
-    Request,
     effective_tune,
     gather,
     mode_of,
@@ -111,17 +110,16 @@ class Decision:
 
 def mode_stage(facts: Facts, decision: Decision) -> Decision:
     """--iomp in effect, and whether an OpenMP runtime is wanted for it."""
-    request = facts.request
-    mode = mode_of(request, facts.tuned)
-    tuned = effective_tune(request, facts.tuned)
-    wants = mode == "always" or (mode == "auto" and request.auto_iomp)
+    mode = mode_of(facts)
+    tuned = effective_tune(facts)
+    wants = mode == "always" or (mode == "auto" and facts.auto_iomp)
     dropped = facts.tuned is not None and tuned is None
     return replace(decision, mode=mode, tuned=tuned, tune_dropped=dropped, wants_iomp=wants)
 
 
 def release_gate(facts: Facts, decision: Decision) -> Decision:
     """For SD, an older vLLM than the window starts unchanged under --iomp auto."""
-    if not facts.request.speculative.requested or facts.release.status not in ("older", "newer"):
+    if not facts.speculative.requested or facts.release.status not in ("older", "newer"):
         return decision
     older = facts.release.status == "older"
     if older and decision.mode != "auto":
@@ -133,7 +131,7 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
 def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     """Intel OpenMP on x86-64 only; LLVM's libomp opt-in (--iomp always) where it is the
     one KMP-style runtime built."""
-    machine = facts.request.host.machine
+    machine = facts.host.machine
     if not decision.wants_iomp:
         return decision
     if machine in LLVM_OPT_IN_MACHINES and decision.mode == "always":
@@ -145,7 +143,7 @@ def architecture_gate(facts: Facts, decision: Decision) -> Decision:
 
 def callers_stage(facts: Facts, decision: Decision) -> Decision:
     """The caller's OpenMP runtime and malloc in LD_PRELOAD: theirs, nothing beside them."""
-    entries = facts.request.host.preload
+    entries = facts.host.preload
     yours = tuple(e.path for e in entries if e.kind.kmp)
     allocators = tuple(e.path for e in entries if e.kind.allocator)
     other = tuple(e.path for e in entries if e.kind is Library.MALLOC)
@@ -154,28 +152,26 @@ def callers_stage(facts: Facts, decision: Decision) -> Decision:
 
 def x86_sd(facts: Facts, decision: Decision) -> bool:
     """SD on x86-64 with no runtime of the caller's: where the measured rules may apply."""
-    request = facts.request
-    machine = request.host.machine
-    return request.speculative.requested and machine in IOMP_MACHINES and not decision.yours
+    machine = facts.host.machine
+    return facts.speculative.requested and machine in IOMP_MACHINES and not decision.yours
 
 
 def start_of(facts: Facts) -> Start:
     """What the rules read of this start (rules.Start), from the facts as gathered alone:
     the one start the plan's stages, `rules serve ...` and doctor's map match against."""
-    request, settings = facts.request, facts.request.settings
     callers = callers_stage(facts, Decision())  # their runtime and malloc, as the plan reads them
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
     theirs = "other" if callers.other_malloc else "tcmalloc" if callers.allocators else None
     return Start(
-        request.host.machine,
-        request.host.cpus,
+        facts.host.machine,
+        facts.host.cpus,
         facts.release.release,
-        request.one_worker,
-        request.speculative.method,
-        request.speculative.tokens,
-        request.host.environ,
-        settings.kmp_blocktime,
-        settings.tcmalloc,
+        facts.one_worker,
+        facts.speculative.method,
+        facts.speculative.tokens,
+        facts.host.environ,
+        facts.settings.kmp_blocktime,
+        facts.settings.tcmalloc,
         found and not callers.other_malloc,
         theirs,
         callers_runtime=next(iter(callers.yours), None),
@@ -239,7 +235,7 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     if foreign and IOMP in facts.explicit:
         raise LaunchError(
             EXIT_USAGE,
-            f"--iomp-path {facts.request.settings.iomp_path} and your LD_PRELOAD entry "
+            f"--iomp-path {facts.settings.iomp_path} and your LD_PRELOAD entry "
             f"{foreign[0]} would put two OpenMP runtimes in one process: give one of them",
         )
     if foreign:
@@ -261,7 +257,7 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
 def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     """tcmalloc: `always`, or `auto` beside the runtime the plan preloads unless the rule
     that applies was measured without; never beside a malloc of the caller's."""
-    tcmalloc_setting = facts.request.settings.tcmalloc
+    tcmalloc_setting = facts.settings.tcmalloc
     applied = decision.applied
     wants = not decision.other_malloc and (
         tcmalloc_setting == "always"
@@ -335,7 +331,7 @@ def blocktime_of(
 
 def env_stage(facts: Facts, decision: Decision) -> Decision:
     """LD_PRELOAD, KMP_BLOCKTIME and the rule's variables, only what changes."""
-    host = facts.request.host
+    host = facts.host
     environ = host.environ
     env: dict[str, str] = {}
     dropped: tuple[str, ...] = ()
@@ -343,7 +339,7 @@ def env_stage(facts: Facts, decision: Decision) -> Decision:
         composed, dropped = compose_ld_preload(host.preload, [c.path for c in decision.chosen])
         if composed != ":".join(e.path for e in host.preload):  # else theirs as set
             env[LD_PRELOAD] = composed
-    chosen = None if decision.refused else facts.request.settings.kmp_blocktime
+    chosen = None if decision.refused else facts.settings.kmp_blocktime
     blocktime, problem = blocktime_of(environ, decision, chosen)
     if blocktime is not None:
         env[BLOCKTIME_VARIABLE] = blocktime
@@ -357,9 +353,9 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     """The plan's mark for vLLM's plugin (docs/design.md, "The plugin"): libgomp kept
     although SD is requested or Intel OpenMP refused does not show in LD_PRELOAD; the
     launcher marks a start whose LD_PRELOAD names a runtime, its own or the caller's."""
-    request, env = facts.request, dict(decision.env)
-    planner, environ = request.planner, request.host.environ
-    requested = request.speculative.requested
+    env = dict(decision.env)
+    planner, environ = facts.planner, facts.host.environ
+    requested = facts.speculative.requested
     keeps_gomp = decision.iomp is None and (
         decision.mode == "never" or (requested and not decision.yours)
     )
@@ -551,7 +547,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
     """The warnings on the caller's LD_PRELOAD: (a runtime of theirs that cannot be used,
     nothing beside it; a tcmalloc of theirs that cannot; any other entry that will not
     load)."""
-    current = facts.request.host.preload
+    current = facts.host.preload
     loaded = {entry: found.reason is None for entry, found in facts.entries}
     broken = [
         f"your LD_PRELOAD entry {c.path} is no usable Intel OpenMP ({c.reason}): "
@@ -582,16 +578,15 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
 
 def missing_words(facts: Facts, decision: Decision) -> list[str]:
     """A wanted library not found: where it looked, and the fix (--strict: fatal)."""
-    request = facts.request
-    refuses = request.settings.strict and request.planner == LAUNCHER
-    llvm = request.host.machine in LLVM_OPT_IN_MACHINES
+    refuses = facts.settings.strict and facts.planner == LAUNCHER
+    llvm = facts.host.machine in LLVM_OPT_IN_MACHINES
     said = []
     if decision.iomp_missing and not decision.broken and decision.iomp_search:
         consequence = (
             STRICT_REFUSAL
             if refuses
             else "speculative decoding on CPU runs about 2x slower with GNU libgomp"
-            if request.speculative.requested and not llvm
+            if facts.speculative.requested and not llvm
             else "the program will use GNU libgomp"
         )
         install = facts.install_fixes[LLVM if llvm else IOMP]
@@ -605,23 +600,22 @@ def missing_words(facts: Facts, decision: Decision) -> list[str]:
 
 def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str], list[str]]:
     """(warnings, the target's unsafe problems, --strict's fatal messages), in order."""
-    request = facts.request
     unsafe = [f"{text}; Fix: {fix}" if fix else text for text, fix in facts.target_problems]
-    said = [*request.settings.deprecated, *filter(None, [request.speculative.note])]
+    said = [*facts.settings.deprecated, *filter(None, [facts.speculative.note])]
     if decision.release_gate != "older":  # an older vLLM refuses SD on CPU altogether
-        said += request.speculative.refusals
-    said += [*filter(None, [request.target.disagreement]), *unsafe]
+        said += facts.speculative.refusals
+    said += [*filter(None, [facts.target.disagreement]), *unsafe]
     if decision.machine_gate == "off" and decision.mode == "always":
-        said.append(machine_words(request.host.machine))
+        said.append(machine_words(facts.host.machine))
     if decision.yours and decision.mode == "never" and not decision.wants_iomp:
         names = ", ".join(decision.yours)
         said.append(
-            f"{said_setting(request.settings, 'iomp')}, but your LD_PRELOAD names {names}: "
+            f"{said_setting(facts.settings, 'iomp')}, but your LD_PRELOAD names {names}: "
             "it stays as you set it"
         )
-    if decision.other_malloc and request.settings.tcmalloc == "always":
+    if decision.other_malloc and facts.settings.tcmalloc == "always":
         said.append(
-            f"{said_setting(request.settings, 'tcmalloc')}, but your LD_PRELOAD names "
+            f"{said_setting(facts.settings, 'tcmalloc')}, but your LD_PRELOAD names "
             f"{', '.join(decision.other_malloc)}:"
             " it stays as you set it, no tcmalloc beside it"
         )
@@ -640,7 +634,7 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
         )
     if facts.alias and facts.alias_problem:
         said.append(alias_words(facts.alias, facts.alias_problem))
-    refuses = request.settings.strict and request.planner == LAUNCHER
+    refuses = facts.settings.strict and facts.planner == LAUNCHER
     return said, unsafe, missing if refuses else []
 
 
@@ -662,7 +656,7 @@ def alias_words(alias: Alias, problem: tuple[str, str]) -> str:
 
 def notes_of(facts: Facts, decision: Decision) -> list[str]:
     """The notes (-v, --dry-run), in the order the decision was made."""
-    request, target = facts.request, facts.request.target
+    target = facts.target
     said = []
     if target.prefix:
         owner = f"{target.executable}'s" if target.found_via == "program" else "vLLM's"
@@ -674,7 +668,7 @@ def notes_of(facts: Facts, decision: Decision) -> list[str]:
             f"({facts.tuned.result}), but speculative decoding gets Intel OpenMP unless "
             "you set iomp: never"
         )
-    machine = request.host.machine
+    machine = facts.host.machine
     if decision.machine_gate == "opt-in":
         said.append(
             f"--iomp always on {machine}: LLVM's libomp, never measured on such a host "
@@ -689,13 +683,13 @@ def notes_of(facts: Facts, decision: Decision) -> list[str]:
 
 def later_notes(facts: Facts, decision: Decision) -> list[str]:
     """notes_of's, from the runtime chosen on."""
-    settings, said = facts.request.settings, []
+    settings, said = facts.settings, []
     runtime = decision.runtime
     if runtime and runtime.rule is None and decision.mode != "auto":
         said.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime.note}")
     elif runtime and runtime.rule:
         said.append(runtime.note)
-    if not decision.wants_iomp and decision.mode == "auto" and not facts.request.auto_iomp:
+    if not decision.wants_iomp and decision.mode == "auto" and not facts.auto_iomp:
         said.append("no speculative decoding requested: Intel OpenMP not needed")
     applied = decision.applied
     if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
@@ -712,9 +706,8 @@ def later_notes(facts: Facts, decision: Decision) -> list[str]:
 def reason_of(facts: Facts, decision: Decision) -> str:
     """Why Intel OpenMP is wanted or not, and the rules applied: the INFO line's reason."""
     release, iomp = facts.release, decision.iomp
-    request = facts.request
-    named = said_setting(request.settings, "iomp")
-    reasons = [why(decision.mode, request.speculative, request.auto_iomp, decision.tuned, named)]
+    named = said_setting(facts.settings, "iomp")
+    reasons = [why(decision.mode, facts.speculative, facts.auto_iomp, decision.tuned, named)]
     if decision.release_gate == "older":
         reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
     elif decision.release_gate == "newer":
@@ -732,7 +725,7 @@ def reason_of(facts: Facts, decision: Decision) -> str:
 
 def relies_on(facts: Facts, decision: Decision) -> tuple[tuple[str, str], ...]:
     """The caller's variables the plan keeps and depends on (a unit must carry them)."""
-    environ, env = facts.request.host.environ, dict(decision.env)
+    environ, env = facts.host.environ, dict(decision.env)
     relied = [LD_PRELOAD, BLOCKTIME_VARIABLE] if decision.chosen or decision.yours else []
     if decision.setting.read:  # the rules read these
         relied += [BIND_VARIABLE, RESERVED_VARIABLE, BLOCKTIME_VARIABLE, THREADS_VARIABLE]
@@ -747,14 +740,14 @@ def missing_kinds(decision: Decision) -> tuple[str, ...]:
 def said(facts: Facts, decision: Decision) -> Plan:
     """The plan as printed and executed: the decision, and the words derived from it."""
     warnings, unsafe, fatal = warnings_of(facts, decision)
-    request, chosen = facts.request, decision.chosen
+    chosen = decision.chosen
     runtime = decision.runtime.rule if decision.runtime else None
     applied = decision.applied
-    environ = {**request.host.environ, **dict(decision.env)}  # what vLLM starts with
-    overridden = bound_worker_overrides(environ) if request.speculative.requested else ()
+    environ = {**facts.host.environ, **dict(decision.env)}  # what vLLM starts with
+    overridden = bound_worker_overrides(environ) if facts.speculative.requested else ()
     return Plan(
-        command=(request.target.executable, *request.arguments),
-        speculative=request.speculative,
+        command=(facts.target.executable, *facts.arguments),
+        speculative=facts.speculative,
         reason=reason_of(facts, decision),
         preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
         env=decision.env,
@@ -768,7 +761,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         rule=applied.rule if applied and chosen else None,
         runtime=runtime if decision.iomp in chosen else None,
         tuned=decision.tuned,
-        inputs=tuple((n, request.host.environ.get(n)) for n in CALLER_VARIABLES),
+        inputs=tuple((n, facts.host.environ.get(n)) for n in CALLER_VARIABLES),
         refused=tuple(refusal(c) for c in decision.refused),
         fatal=tuple(fatal),
         metadata=facts.alias if facts.alias and not facts.alias_problem else None,
@@ -800,19 +793,19 @@ def build_plan(
     `supply_metadata`: the launcher execs this vLLM, so it gives a vllm-cpu install the
     `vllm` metadata it lacks (gather.py), with or without SD.
     """
-    request = Request(
+    facts = gather(
         settings,
-        tuple(arguments),
+        arguments,
         speculative,
         target,
         host,
         auto_iomp,
-        one_worker,
-        planner,
-        model,
-        supply_metadata,
+        one_worker=one_worker,
+        planner=planner,
+        model=model,
+        supply_metadata=supply_metadata,
     )
-    return plan_of(gather(request))
+    return plan_of(facts)
 
 
 def plan_of(facts: Facts) -> Plan:

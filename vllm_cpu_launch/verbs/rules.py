@@ -2,8 +2,8 @@
 
 The table is rules.RULES; whether a rule applies to a start is rules.py's matcher,
 the one the plan uses. With a vLLM command it matches the start a launch plans: the same
-Request (cli.launch_request), its gathered facts and plan.start_of. It needs no vLLM
-installed: without one, the vLLM condition fails and says so.
+facts (cli.launch_facts) and plan.start_of. It needs no vLLM installed: without one, the
+vLLM condition fails and says so.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any
 from vllm_cpu_launch.cli import (
     FLAG_OPTIONS,
     VALUED_OPTIONS,
-    launch_request,
+    launch_facts,
     launch_settings,
     parse_options,
     write_stdout,
 )
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
-from vllm_cpu_launch.gather import gather
 from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
 from vllm_cpu_launch.rules import (
@@ -170,20 +169,20 @@ NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM h
 def command_start(
     values: dict[str, object], command: list[str]
 ) -> tuple[Start, str, SpeculativeRequest]:
-    """The start the rules read for `command`: plan.start_of over the facts gathered for
-    the Request a launch plans (cli.launch_request), where its vLLM was found (or that none
-    was), and its SD request. Without a vLLM, the facts of a target with no program and no
-    environment: the host's and the caller's alone."""
+    """The start the rules read for `command`: plan.start_of over the facts a launch
+    gathers (cli.launch_facts), where its vLLM was found (or that none was), and its SD
+    request. Without a vLLM, the facts of a target with no program and no environment: the
+    host's and the caller's alone."""
     settings = launch_settings(values)
     try:
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
     except LaunchError:
         target = None
-    request = launch_request(settings, target or Target("", "none"), command)
-    start = start_of(gather(request))
+    facts = launch_facts(settings, target or Target("", "none"), command)
+    start = start_of(facts)
     if target is None:
-        return replace(start, vllm_found=False), NO_VLLM, request.speculative
-    return start, f"vLLM: {target.executable}", request.speculative
+        return replace(start, vllm_found=False), NO_VLLM, facts.speculative
+    return start, f"vLLM: {target.executable}", facts.speculative
 
 
 NO_SD = "no speculative decoding requested"

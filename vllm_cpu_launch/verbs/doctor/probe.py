@@ -8,9 +8,9 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.cli import launch_request
+from vllm_cpu_launch.cli import launch_facts
 from vllm_cpu_launch.errors import LaunchError
-from vllm_cpu_launch.gather import gather, import_directories, support
+from vllm_cpu_launch.gather import import_directories, support
 from vllm_cpu_launch.handoff import LD_PRELOAD, PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.plan import plan_as_json, plan_of, start_of
 from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, MAP_VLLM, measured_host
@@ -309,12 +309,11 @@ def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan |
     gathers) and its plan, or the error that stops it. Where a library path of the settings
     cannot be preloaded (a start's usage error), the start of the same command without the
     paths: whether the map measured this host and vLLM does not depend on them."""
-    request = launch_request(settings, target, SD_PROBE, host=host)
     try:
-        facts = gather(request)
+        facts = launch_facts(settings, target, SD_PROBE, host=host)
     except LaunchError as error:
         plain = replace(settings, iomp_path=None, tcmalloc_path=None)
-        return start_of(gather(replace(request, settings=plain))), error
+        return start_of(launch_facts(plain, target, SD_PROBE, host=host)), error
     try:
         return start_of(facts), plan_of(facts)
     except LaunchError as error:
