@@ -27,7 +27,6 @@ import yaml
 from vllm_server import (
     REQUEST_LIMIT_S,
     Server,
-    isolated_environment,
     killed_on_exit,
     start_server,
 )
@@ -43,6 +42,7 @@ from .conftest import (
     REAL_VLLM,
     RUN_CACHE,
     complete,
+    isolated_environment,
     model_processes,
     plugin_lines,
     probe_copy,
