@@ -92,6 +92,24 @@ def isolated_environment(
     return env
 
 
+def dry_run_json(vllm_env: Path, arguments: Sequence[str], env: dict[str, str]) -> dict[str, Any]:
+    """The launcher's plan for `vllm ARGUMENTS` of this vLLM environment in `env`, read as
+    data (`--dry-run --json`, a fresh process of this checkout): what a start there
+    preloads and sets, on the test's host. No vLLM is started."""
+    options = ["--vllm", str(vllm_env / "bin" / "vllm"), "--dry-run", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_cpu_launch", *options, *arguments],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    plan: dict[str, Any] = json.loads(result.stdout)
+    return plan
+
+
 def last_json_line_of(vllm_env: Path, script: str, payload: object, limit_s: float) -> Any:
     """What `script` prints last, as JSON, run by the vLLM environment's Python with
     `payload` as JSON on its standard input (vLLM's own parsers and checks, no server)."""
