@@ -27,6 +27,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 REAL_VLLM = pytest.mark.real_vllm
 sys.path.insert(0, str(SCRIPTS))
 
+import vllm_server  # noqa: E402
 from checkout import checkout_copy  # noqa: E402
 
 # scripts/vllm_server.py starts and drives the server, for the demo and benchmarks too.
@@ -42,7 +43,6 @@ from vllm_server import (  # noqa: E402
     ServerError,
     completion_payload,
     http_post_json,
-    isolated_environment,
     killed_on_exit,
     make_model_command,
     metric_total,
@@ -53,6 +53,8 @@ from vllm_server import (  # noqa: E402
     start_server,
     wait_until_healthy,
 )
+
+from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE  # noqa: E402
 
 MAX_TOKENS = 32
 # What vLLM's worker logs when it runs SD without libiomp5 in LD_PRELOAD (beside SD_WARNING).
@@ -72,6 +74,40 @@ PROBE_VARIABLE = "VLLMCPULAUNCH_TEST_PROBE"
 METRICS_LIMIT_S = 30
 POLL_INTERVAL_S = 1.0
 LOG_TAIL_LINES = 60
+
+
+def isolated_environment(
+    scratch: Path,
+    dropped: Sequence[str],
+    dropped_prefixes: Sequence[str],
+    compile_cache: Path | None = None,
+) -> dict[str, str]:
+    """scripts/vllm_server.py's isolated_environment on the tests' host: whatever it drops
+    (`VLLMCPULAUNCH_` among the prefixes), the system root tests/conftest.py laid out
+    (SYSTEM_ROOT_VARIABLE) stays, so that every launcher and plugin an e2e test starts plans
+    on that host, never on this machine's own libraries (docs/testing.md, "The host the
+    tests see")."""
+    env = vllm_server.isolated_environment(scratch, dropped, dropped_prefixes, compile_cache)
+    env[SYSTEM_ROOT_VARIABLE] = os.environ[SYSTEM_ROOT_VARIABLE]
+    return env
+
+
+def dry_run_json(vllm_env: Path, arguments: Sequence[str], env: dict[str, str]) -> dict[str, Any]:
+    """The launcher's plan for `vllm ARGUMENTS` of this vLLM environment in `env`, read as
+    data (`--dry-run --json`, a fresh process of this checkout): what a start there
+    preloads and sets, on the test's host. No vLLM is started."""
+    options = ["--vllm", str(vllm_env / "bin" / "vllm"), "--dry-run", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_cpu_launch", *options, *arguments],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    plan: dict[str, Any] = json.loads(result.stdout)
+    return plan
 
 
 def last_json_line_of(vllm_env: Path, script: str, payload: object, limit_s: float) -> Any:

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_server import Server, free_loopback_port, isolated_environment, start_server
+from vllm_server import Server, free_loopback_port, start_server
 
-from .conftest import RUN_CACHE, tail
+from .conftest import RUN_CACHE, isolated_environment, tail
 
 REPO = Path(__file__).resolve().parents[2]
 # Two vLLM trees share 2 CPUs here: allow more than one server's start-up time.

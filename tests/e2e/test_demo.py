@@ -12,6 +12,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
+
 from .conftest import REAL_VLLM, SCRIPTS
 
 pytestmark = REAL_VLLM
@@ -31,6 +33,8 @@ def test_the_demo_shows_the_models_answer_the_drafts_accepted_and_libiomp5(
         for key, value in os.environ.items()
         if key not in steering and not key.startswith(("KMP_", "VLLM_CPU_", "VLLMCPULAUNCH_"))
     }
+    # The tests' host (tests/conftest.py), not this machine's own libraries.
+    env[SYSTEM_ROOT_VARIABLE] = os.environ[SYSTEM_ROOT_VARIABLE]
     result = subprocess.run(
         [str(SCRIPTS / "demo")],
         env={**env, "VLLMCPULAUNCH_VLLM_ENV": str(vllm_env)},

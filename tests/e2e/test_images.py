@@ -27,7 +27,6 @@ import yaml
 from vllm_server import (
     REQUEST_LIMIT_S,
     Server,
-    isolated_environment,
     killed_on_exit,
     start_server,
 )
@@ -43,6 +42,7 @@ from .conftest import (
     REAL_VLLM,
     RUN_CACHE,
     complete,
+    isolated_environment,
     model_processes,
     plugin_lines,
     probe_copy,
@@ -239,15 +239,45 @@ def test_engine_core_and_workers_map_libiomp5(served: tuple[Server, Path], vllm_
     assert not views[0].maps_iomp()  # the API server: torch's libgomp, loaded before plugins
 
 
+def recipe_plan(places: Mapping[str, Path], model: Path, scratch: Path) -> dict[str, Any]:
+    """The plan for the recipe's `vllm serve` (the tiny model as its model), read as data:
+    `/plugins/bin/vllm-cpu-launch --vllm /opt/vllm/bin/vllm --dry-run --json serve ...` in
+    the container's environment, as an operator would ask it there (the plugin makes the
+    same plan, docs/design.md "The plugin")."""
+    (vllm,) = pod_spec()["containers"]
+    arguments = [str(model) if part == "/models/model" else part for part in vllm["args"]]
+    command = ["/plugins/bin/vllm-cpu-launch", "--vllm", "/opt/vllm/bin/vllm"]
+    result = subprocess.run(
+        [*(mapped(part, places) for part in command), "--dry-run", "--json", *arguments],
+        capture_output=True,
+        text=True,
+        cwd=scratch,
+        env=container_environment(scratch, places),
+        timeout=REQUEST_LIMIT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    plan: dict[str, Any] = json.loads(result.stdout)
+    return plan
+
+
 def test_every_process_loads_the_plugin_from_pythonpath_and_only_the_front_end_plans(
-    served: tuple[Server, Path], places: dict[str, Path], vllm_env: Path
+    served: tuple[Server, Path],
+    places: dict[str, Path],
+    vllm_env: Path,
+    tiny_model: Path,
+    tmp_path: Path,
 ) -> None:
+    """The model processes start with the plan's LD_PRELOAD, read as data (whatever the
+    host adds before vLLM's libiomp5), and stand down; the front end plans, once."""
     server, probe = served
     views = tree_views(server)
     records = probe_records(probe)
     front, models = views[0], model_processes(views)
     plugin = str(places["/plugins"] / "vllm_cpu_launch" / "plugin.py")
     library = str(vllm_env / "lib" / "libiomp5.so")
+    preload = recipe_plan(places, tiny_model, tmp_path)["env"]["LD_PRELOAD"]
+    assert preload.split(":")[-1] == library and "libgomp" not in preload, preload
     for view in [front, *models]:
         record = records[view.pid]
         assert record["plugin_file"] == plugin, (str(view), record)
@@ -259,7 +289,7 @@ def test_every_process_loads_the_plugin_from_pythonpath_and_only_the_front_end_p
         if view is front:
             assert stands_down(inherited, "x86_64", spawned=False) is None, record
         else:
-            assert record["LD_PRELOAD"] == library, (str(view), record)
+            assert record["LD_PRELOAD"] == preload, (str(view), record)
             assert stands_down(inherited, "x86_64", spawned=True) is not None, (str(view), record)
     lines = plugin_lines(server.log_text())
     assert [(process, level) for process, level, _ in lines] == [("APIServer", "INFO")], lines

@@ -42,14 +42,20 @@ from vllm_server import (
     ENV_SETUP_LIMIT_S,
     STOP_LIMIT_S,
     Server,
-    isolated_environment,
     kill_session,
     killed_on_exit,
     prepare_env_command,
     start_server,
 )
 
-from .conftest import POLL_INTERVAL_S, REAL_VLLM, RUN_CACHE, run_script, tail
+from .conftest import (
+    POLL_INTERVAL_S,
+    REAL_VLLM,
+    RUN_CACHE,
+    isolated_environment,
+    run_script,
+    tail,
+)
 from .nodes import CLUSTER_STARTUP_LIMIT_S, start_cluster
 
 REPO = Path(__file__).resolve().parents[2]

@@ -38,13 +38,13 @@ from vllm_server import (
     SD_WARNING,
     ProcessView,
     Server,
-    isolated_environment,
     killed_on_exit,
 )
 
 from .conftest import (
     REAL_VLLM,
     SCRIPTS,
+    isolated_environment,
     model_processes,
     plugin_lines,
     process_views,

@@ -30,6 +30,7 @@ from vllm_server import (
     STOP_LIMIT_S,
     ProcessView,
     Server,
+    serve_arguments,
 )
 
 from tests.conftest import SystemHost
@@ -44,6 +45,8 @@ from .conftest import (
     STARTUP_LIMIT_S,
     UNKNOWN_VARIABLE,
     complete,
+    dry_run_json,
+    isolated_environment,
     model_processes,
     plain_environment,
     plain_serve,
@@ -191,13 +194,40 @@ def test_plain_serve_runs_the_model_on_intel_openmp(plugged: tuple[Server, Path]
     assert not views[0].maps_iomp()
 
 
-def test_engine_and_workers_start_with_the_plan_and_no_libgomp(
-    plugged: tuple[Server, Path], vllm_env: Path, system_host: SystemHost
+def plugged_plan(vllm_env: Path, model: Path, port: int, scratch: Path) -> dict[str, Any]:
+    """The plan for `plugged`'s command and variables, read as data: the launcher's
+    `--dry-run --json` (the plugin makes the same plan, docs/design.md "The plugin") in the
+    plain environment without the plugins on PYTHONPATH, so that it needs no install."""
+    env = isolated_environment(scratch, ("LD_PRELOAD", "PYTHONPATH"), ("KMP_", "VLLM_CPU_"))
+    env["VLLMCPULAUNCH_KMP_BLOCKTIME"] = SET_BLOCKTIME
+    arguments = [*serve_arguments(model, port), FAIL_ON_ENVIRON]
+    return dry_run_json(vllm_env, arguments, env)
+
+
+def test_the_plan_preloads_the_hosts_tcmalloc_then_libiomp5(
+    vllm_env: Path, tiny_model: Path, tmp_path: Path, system_host: SystemHost
 ) -> None:
-    """The plan's LD_PRELOAD in every model process: libiomp5, after the test host's
-    tcmalloc where it has one (no rule here: the caller's KMP_BLOCKTIME stops map-1)."""
+    """What `plugged`'s plan preloads on each test host: Debian's tcmalloc first where the
+    host has it (no rule here: the caller's KMP_BLOCKTIME stops map-1), then the vLLM
+    environment's libiomp5. No server: CI runs it again on the bare host."""
+    plan = plugged_plan(vllm_env, tiny_model, 8000, tmp_path)
+    iomp = vllm_env / "lib" / "libiomp5.so"
+    runtime = {"kind": "iomp", "path": str(iomp), "flavor": "intel", "origin": "vllm-environment"}
+    assert plan["preload"] == [*system_host.preloaded(), runtime]
+    assert plan["env"]["LD_PRELOAD"] == system_host.preload(iomp)
+    assert plan["env"]["KMP_BLOCKTIME"] == SET_BLOCKTIME
+    assert plan["rule"] is None
+
+
+def test_engine_and_workers_start_with_the_plan_and_no_libgomp(
+    plugged: tuple[Server, Path], vllm_env: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The plan's LD_PRELOAD, read as data, in every model process, on any host (what it
+    holds on each: the test above): the environment's libiomp5 last, no libgomp."""
     server, probe = plugged
-    preload = system_host.preload(vllm_env / "lib" / "libiomp5.so")
+    preload = plugged_plan(vllm_env, tiny_model, server.port, tmp_path)["env"]["LD_PRELOAD"]
+    assert preload.split(":")[-1] == str(vllm_env / "lib" / "libiomp5.so"), preload
+    assert "libgomp" not in preload
     assert model_records(server, probe) == {"EngineCore": {preload}, "Worker": {preload}}
 
 

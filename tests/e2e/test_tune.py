@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 
 # scripts/ is on sys.path (conftest.py): the server helpers the other e2e tests use.
-from vllm_server import isolated_environment, process_tree
+from vllm_server import process_tree
 
 from vllm_cpu_launch.settings import Scope, Tuned, read_config_file
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
 
-from .conftest import REAL_VLLM, RUN_CACHE, run_script
+from .conftest import REAL_VLLM, RUN_CACHE, isolated_environment, run_script
 
 pytestmark = REAL_VLLM
 
