@@ -54,7 +54,7 @@ from vllm_server import (  # noqa: E402
     wait_until_healthy,
 )
 
-from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE  # noqa: E402
+from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE  # noqa: E402
 
 MAX_TOKENS = 32
 # What vLLM's worker logs when it runs SD without libiomp5 in LD_PRELOAD (beside SD_WARNING).

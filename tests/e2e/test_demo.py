@@ -12,7 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from vllm_cpu_launch.places import SYSTEM_ROOT_VARIABLE
+from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 
 from .conftest import REAL_VLLM, SCRIPTS
 
