@@ -13,7 +13,7 @@ from vllm_cpu_launch.gather import Facts, Request, support
 from vllm_cpu_launch.libraries import Candidate, Host, Search
 from vllm_cpu_launch.plan import Decision
 from vllm_cpu_launch.rules import rule
-from vllm_cpu_launch.settings import Scope, Settings, Tuned
+from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned
 from vllm_cpu_launch.target import Target
 
 DEFAULTS = Settings()
@@ -67,7 +67,7 @@ def run(stages: int, given: Facts) -> Decision:
 
 
 def test_mode_a_tune_that_kept_libgomp_is_not_applied_to_sd() -> None:
-    kept = Tuned("2026-12-01T10:02Z", "never", "libgomp 1.1x faster", 3, "vllm bench latency")
+    kept = Tuned("2026-12-01T10:02Z", Mode.NEVER, "libgomp 1.1x faster", 3, "vllm bench latency")
     decision = decide.mode_stage(facts(tuned=kept), Decision())
     assert (decision.mode, decision.tuned, decision.tune_dropped) == ("auto", None, True)
     assert decision.wants_iomp
@@ -78,12 +78,12 @@ def test_release_gate_an_older_vllm_starts_unchanged_unless_always() -> None:
     assert decide.release_gate(old, run(1, old)) == replace(
         run(1, old), release_gate="older", wants_iomp=False
     )
-    forced = facts(release="0.19.1", settings=Settings(iomp="always"))
+    forced = facts(release="0.19.1", settings=Settings(iomp=Mode.ALWAYS))
     assert decide.release_gate(forced, run(1, forced)).wants_iomp
 
 
 def test_architecture_gate() -> None:
-    arm = facts(machine="aarch64", settings=Settings(iomp="always"))
+    arm = facts(machine="aarch64", settings=Settings(iomp=Mode.ALWAYS))
     assert decide.architecture_gate(arm, run(2, arm)).machine_gate == "opt-in"
     power = facts(machine="ppc64le")
     gated = decide.architecture_gate(power, run(2, power))

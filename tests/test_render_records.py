@@ -13,6 +13,7 @@ as the plan's environment.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import json
 import os
@@ -109,6 +110,8 @@ def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
         return st.tuples(*map(strategy_for, arguments))
     if hasattr(hint, "__match_args__"):
         return records(hint)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return st.sampled_from(hint)
     raise TypeError(f"no strategy for {hint!r}: add one to strategy_for")
 
 

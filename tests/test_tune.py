@@ -20,6 +20,7 @@ from vllm_cpu_launch.command import detect
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.plan import why
 from vllm_cpu_launch.settings import (
+    Mode,
     Scope,
     Settings,
     Tuned,
@@ -336,7 +337,7 @@ def test_a_record_applies_only_where_it_was_measured(
     assert note.startswith("tune of 2026-12-01T10:02Z (model /models/m, SD method ngram, ")
     assert note.endswith("; c.yaml) applied") if applied else str(why_not) in note
     # An option or a variable wins over a matching record, and says so.
-    given, notes = choose(Settings(iomp="always", iomp_from="option", tuned=(record,)), launch)
+    given, notes = choose(Settings(iomp=Mode.ALWAYS, iomp_from="option", tuned=(record,)), launch)
     assert given is None and len(notes) == 1
 
 
@@ -350,12 +351,12 @@ def test_of_several_matching_records_the_one_that_recorded_more_wins() -> None:
 def test_the_reason_says_it_came_from_a_tune() -> None:
     sd = detect(["serve", "m", "-sc", NGRAM])
     tuned = Tuned(**TUNED)  # type: ignore[arg-type]
-    assert why("never", sd, True, tuned) == (
+    assert why(Mode.NEVER, sd, True, tuned) == (
         "--iomp never (from tune 2026-12-01T10:02Z: libgomp 1.12x faster than libiomp5, "
         "spread 0.03 s)"
     )
     kept = Tuned(**{**TUNED, "iomp": "auto", "result": "within the noise, default kept: x"})  # type: ignore[arg-type]
-    assert why("auto", sd, True, kept).startswith(
+    assert why(Mode.AUTO, sd, True, kept).startswith(
         "speculative decoding requested by -sc (from tune 2026-12-01T10:02Z: within the noise"
     )
 

@@ -41,7 +41,7 @@ from vllm_cpu_launch.libraries import (
     callers_verdict,
     find_library,
 )
-from vllm_cpu_launch.settings import choose, launch_scope
+from vllm_cpu_launch.settings import Mode, choose, launch_scope
 from vllm_cpu_launch.target import python_libraries
 from vllm_cpu_launch.trust import insecure_reason, owners
 
@@ -371,11 +371,11 @@ def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Ve
 
 def effective_tune(request: Request, tuned: Tuned | None) -> Tuned | None:
     """The tune record applied: one that kept libgomp does not keep it for SD."""
-    dropped = tuned and tuned.iomp == "never" and request.speculative.requested
+    dropped = tuned and tuned.iomp == Mode.NEVER and request.speculative.requested
     return None if dropped else tuned
 
 
-def mode_of(request: Request, tuned: Tuned | None) -> str:
+def mode_of(request: Request, tuned: Tuned | None) -> Mode:
     """--iomp as it applies: a tune of this command wins over a config file's (tunes.py)."""
     applied = effective_tune(request, tuned)
     return applied.iomp if applied else request.settings.iomp
@@ -385,13 +385,13 @@ def may_want(request: Request, tuned: Tuned | None, release: Support) -> tuple[b
     """Whether an OpenMP runtime, and tcmalloc, may be wanted: the searches to make."""
     settings, host = request.settings, request.host
     mode = mode_of(request, tuned)
-    older = request.speculative.requested and release.status == "older" and mode == "auto"
-    runtime = (mode == "always" and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
-        mode == "auto" and request.auto_iomp and host.machine in IOMP_MACHINES and not older
+    older = request.speculative.requested and release.status == "older" and mode == Mode.AUTO
+    runtime = (mode == Mode.ALWAYS and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
+        mode == Mode.AUTO and request.auto_iomp and host.machine in IOMP_MACHINES and not older
     )
     theirs = any(e.kind is Library.MALLOC for e in host.preload)
     tcmalloc = not theirs and (
-        settings.tcmalloc == "always" or (settings.tcmalloc == "auto" and runtime)
+        settings.tcmalloc == Mode.ALWAYS or (settings.tcmalloc == Mode.AUTO and runtime)
     )
     return runtime, tcmalloc
 
@@ -437,7 +437,7 @@ def install_fixes(
     # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
     runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
     # tcmalloc is missing to the plan only where the user asked for it (--tcmalloc always).
-    always = request.settings.tcmalloc == "always"
+    always = request.settings.tcmalloc == Mode.ALWAYS
     allocator = always and tcmalloc is not None and tcmalloc.chosen is None
     if not (runtime or allocator):
         return MappingProxyType({})

@@ -53,7 +53,7 @@ from vllm_cpu_launch.rules import (
     override_words,
     setting_rule,
 )
-from vllm_cpu_launch.settings import blocktime_problem, said_setting
+from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -78,7 +78,7 @@ NO_SETTING = Setting(None, "")
 class Decision:
     """What the stages decided so far; each stage returns a new one."""
 
-    mode: str = "auto"  # --iomp as it applies (a tune's, else the settings')
+    mode: Mode = Mode.AUTO  # --iomp as it applies (a tune's, else the settings')
     tuned: Tuned | None = None  # the tune record applied
     tune_dropped: bool = False  # a tune that kept libgomp, not applied to SD
     wants_iomp: bool = False
@@ -114,7 +114,7 @@ def mode_stage(facts: Facts, decision: Decision) -> Decision:
     request = facts.request
     mode = mode_of(request, facts.tuned)
     tuned = effective_tune(request, facts.tuned)
-    wants = mode == "always" or (mode == "auto" and request.auto_iomp)
+    wants = mode == Mode.ALWAYS or (mode == Mode.AUTO and request.auto_iomp)
     dropped = facts.tuned is not None and tuned is None
     return replace(decision, mode=mode, tuned=tuned, tune_dropped=dropped, wants_iomp=wants)
 
@@ -124,7 +124,7 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
     if not facts.request.speculative.requested or facts.release.status not in ("older", "newer"):
         return decision
     older = facts.release.status == "older"
-    if older and decision.mode != "auto":
+    if older and decision.mode != Mode.AUTO:
         return decision
     wants = decision.wants_iomp and not older
     return replace(decision, release_gate=facts.release.status, wants_iomp=wants)
@@ -136,7 +136,7 @@ def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     machine = facts.request.host.machine
     if not decision.wants_iomp:
         return decision
-    if machine in LLVM_OPT_IN_MACHINES and decision.mode == "always":
+    if machine in LLVM_OPT_IN_MACHINES and decision.mode == Mode.ALWAYS:
         return replace(decision, machine_gate="opt-in")
     if machine not in IOMP_MACHINES:
         return replace(decision, machine_gate="off", wants_iomp=False)
@@ -232,7 +232,7 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     found, runtime = search.chosen, None
     if found and found.origin != "explicit" and found.flavor == LLVM and x86_sd(facts, decision):
         runtime = llvm_runtime(start_of(facts))
-        if runtime.rule is None and decision.mode == "auto":
+        if runtime.rule is None and decision.mode == Mode.AUTO:
             search = declined(search, runtime.note)
     iomp = search.chosen
     foreign = [e for e in decision.yours if iomp is None or e != iomp.path]
@@ -264,9 +264,9 @@ def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     tcmalloc_setting = facts.request.settings.tcmalloc
     applied = decision.applied
     wants = not decision.other_malloc and (
-        tcmalloc_setting == "always"
+        tcmalloc_setting == Mode.ALWAYS
         or (
-            tcmalloc_setting == "auto"
+            tcmalloc_setting == Mode.AUTO
             and decision.iomp is not None
             and not decision.yours
             and (not applied or applied.tcmalloc)
@@ -278,7 +278,7 @@ def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     chosen = search.chosen
     if decision.allocators and (chosen is None or chosen.origin != "ld-preload"):
         chosen = None  # theirs, unusable: its warning says so; nothing goes beside it
-    missing = chosen is None and not decision.allocators and tcmalloc_setting == "always"
+    missing = chosen is None and not decision.allocators and tcmalloc_setting == Mode.ALWAYS
     return replace(decision, tcmalloc_search=search, tcmalloc=chosen, tcmalloc_missing=missing)
 
 
@@ -361,11 +361,11 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     planner, environ = request.planner, request.host.environ
     requested = request.speculative.requested
     keeps_gomp = decision.iomp is None and (
-        decision.mode == "never" or (requested and not decision.yours)
+        decision.mode == Mode.NEVER or (requested and not decision.yours)
     )
     mark = None
     if keeps_gomp:
-        found = decision.mode == "never" or not decision.iomp_missing
+        found = decision.mode == Mode.NEVER or not decision.iomp_missing
         mark = planner if found else planner + NOT_FOUND_MARK
     elif planner == LAUNCHER and vllm_reads(env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))):
         mark = planner + STARTED_MARK
@@ -489,7 +489,7 @@ def missing_message(search: Search, install: str, consequence: str, llvm: bool =
 
 
 def why(
-    mode: str,
+    mode: Mode,
     speculative: SpeculativeRequest,
     auto_iomp: bool,
     tuned: Tuned | None,
@@ -497,7 +497,7 @@ def why(
 ) -> str:
     """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it).
     `named`: the iomp setting as said_setting names it, where the user's setting decided."""
-    if mode != "auto":
+    if mode != Mode.AUTO:
         reason = named if named and tuned is None else f"--iomp {mode}"
     elif speculative.requested:
         reason = f"speculative decoding requested by {speculative.source}"
@@ -611,15 +611,15 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
     if decision.release_gate != "older":  # an older vLLM refuses SD on CPU altogether
         said += request.speculative.refusals
     said += [*filter(None, [request.target.disagreement]), *unsafe]
-    if decision.machine_gate == "off" and decision.mode == "always":
+    if decision.machine_gate == "off" and decision.mode == Mode.ALWAYS:
         said.append(machine_words(request.host.machine))
-    if decision.yours and decision.mode == "never" and not decision.wants_iomp:
+    if decision.yours and decision.mode == Mode.NEVER and not decision.wants_iomp:
         names = ", ".join(decision.yours)
         said.append(
             f"{said_setting(request.settings, 'iomp')}, but your LD_PRELOAD names {names}: "
             "it stays as you set it"
         )
-    if decision.other_malloc and request.settings.tcmalloc == "always":
+    if decision.other_malloc and request.settings.tcmalloc == Mode.ALWAYS:
         said.append(
             f"{said_setting(request.settings, 'tcmalloc')}, but your LD_PRELOAD names "
             f"{', '.join(decision.other_malloc)}:"
@@ -680,7 +680,7 @@ def notes_of(facts: Facts, decision: Decision) -> list[str]:
             f"--iomp always on {machine}: LLVM's libomp, never measured on such a host "
             "(the runtimes map ran on x86-64)"
         )
-    elif decision.machine_gate == "off" and decision.mode != "always":
+    elif decision.machine_gate == "off" and decision.mode != Mode.ALWAYS:
         said.append(machine_words(machine))
     if decision.setting.note and decision.setting.rule is None:
         said.append(decision.setting.note)
@@ -691,14 +691,14 @@ def later_notes(facts: Facts, decision: Decision) -> list[str]:
     """notes_of's, from the runtime chosen on."""
     settings, said = facts.request.settings, []
     runtime = decision.runtime
-    if runtime and runtime.rule is None and decision.mode != "auto":
+    if runtime and runtime.rule is None and decision.mode != Mode.AUTO:
         said.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime.note}")
     elif runtime and runtime.rule:
         said.append(runtime.note)
-    if not decision.wants_iomp and decision.mode == "auto" and not facts.request.auto_iomp:
+    if not decision.wants_iomp and decision.mode == Mode.AUTO and not facts.request.auto_iomp:
         said.append("no speculative decoding requested: Intel OpenMP not needed")
     applied = decision.applied
-    if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
+    if applied and not applied.tcmalloc and settings.tcmalloc == Mode.AUTO:
         said.append("tcmalloc not preloaded: the map measured this setting without it")
     wanted = decision.tcmalloc_search is not None
     absent = decision.tcmalloc is None and not decision.tcmalloc_missing

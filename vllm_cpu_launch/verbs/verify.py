@@ -50,7 +50,13 @@ from vllm_cpu_launch.handoff import (
 )
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
-from vllm_cpu_launch.settings import CONFIG_VARIABLE, deprecated_name, load_settings, said_setting
+from vllm_cpu_launch.settings import (
+    CONFIG_VARIABLE,
+    Mode,
+    deprecated_name,
+    load_settings,
+    said_setting,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -284,7 +290,7 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> Choice |
         if environ.get(name) and cwd and not os.path.isabs(environ[name]):
             environ[name] = os.path.join(cwd, environ[name])
     settings = load_settings({}, environ, errors=[])  # what is broken is left out
-    if settings.iomp != "never":
+    if settings.iomp != Mode.NEVER:
         return None
     return Choice("the user", said_setting(settings, "iomp"))
 

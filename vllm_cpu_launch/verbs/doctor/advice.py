@@ -23,7 +23,7 @@ from vllm_cpu_launch.rules import (
     described,
     figures,
 )
-from vllm_cpu_launch.settings import blocktime_problem
+from vllm_cpu_launch.settings import Mode, blocktime_problem
 from vllm_cpu_launch.verbs.doctor.probe import GIB
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ def map_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advic
     yours: this is advice, never done for you."""
     env = report["environment"]
     in_effect = report["map"]
-    auto = report["settings"]["values"]["iomp"] == "auto"
+    auto = report["settings"]["values"]["iomp"] == Mode.AUTO
     if not (in_effect["measured"] and auto and in_effect["iomp"] == "libiomp5"):
         return
     if in_effect["rule"] is not None or env.get(RESERVED_VARIABLE):

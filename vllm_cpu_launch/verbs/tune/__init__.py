@@ -31,7 +31,7 @@ from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
-from vllm_cpu_launch.settings import CONFIG_VARIABLE, Scope, describe, user_config_path
+from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
@@ -201,7 +201,7 @@ def candidate_plans(
             f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
             "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
         )
-    return plans, plan_from_options({**values, "iomp": "auto"}, arguments)
+    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, arguments)
 
 
 def inherited(plan: Plan) -> str:
@@ -428,7 +428,7 @@ def finish(
     shown: str,
     auto: Plan,
     lines: list[str],
-    at_load: Mapping[int, str] | None = None,
+    at_load: Mapping[int, Mode] | None = None,
 ) -> None:
     """Store the record with --write (at_load: what won at each concurrency), then print."""
     if merged.get("write") and config_path:

@@ -20,7 +20,7 @@ from vllm_cpu_launch.trust import read_trusted
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from vllm_cpu_launch.settings import Scope
+    from vllm_cpu_launch.settings import Mode, Scope
     from vllm_cpu_launch.verbs.tune.verdict import Verdict
 
 
@@ -31,7 +31,7 @@ def tune_updates(
     rounds: int,
     command: str,
     scope: Scope,
-    at_load: Mapping[int, str] | None = None,
+    at_load: Mapping[int, Mode] | None = None,
 ) -> tuple[dict[str, object], tuple[str, ...]]:
     """(updates, keys to remove) for the config at path: this tune's record first, the
     file's records of other scopes after it, and the one of the same scope replaced. The

@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
+from vllm_cpu_launch.settings import Mode
 from vllm_cpu_launch.verbs.tune.runner import ended
 from vllm_cpu_launch.verbs.tune.serving import LOOPBACK, free_port, serve_once, server_arguments
 from vllm_cpu_launch.verbs.tune.verdict import CANDIDATES, Summary, Verdict, decide, rotated
@@ -29,7 +30,7 @@ class LoadVerdict:
     overall: Verdict
     at: tuple[tuple[int, Verdict], ...]
 
-    def iomp_at(self) -> dict[int, str]:
+    def iomp_at(self) -> dict[int, Mode]:
         """What each concurrency alone says to set (the record keeps it)."""
         return {concurrency: verdict.iomp for concurrency, verdict in self.at}
 
@@ -109,12 +110,14 @@ def decide_at_load(
     if len(winners) == 1 and None not in winners:
         winner = at[0][1].winner
         assert winner is not None
-        iomp = "auto" if winner == default else winner.iomp
+        iomp = Mode.AUTO if winner == default else winner.iomp
         return LoadVerdict(
             Verdict(winner, iomp, f"{winner.name} won at every concurrency ({levels})"), at
         )
     said = "; ".join(f"at {c}: {v.winner.name if v.winner else 'no clear winner'}" for c, v in at)
-    return LoadVerdict(Verdict(None, "auto", f"no candidate won at every concurrency ({said})"), at)
+    return LoadVerdict(
+        Verdict(None, Mode.AUTO, f"no candidate won at every concurrency ({said})"), at
+    )
 
 
 def table_at(

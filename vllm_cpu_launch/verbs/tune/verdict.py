@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
+from vllm_cpu_launch.settings import Mode
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -22,10 +23,10 @@ ROUNDS_FOR_A_SWEEP = 3
 @record
 class Candidate:
     name: str  # libgomp | libiomp5
-    iomp: str  # the --iomp value that makes it
+    iomp: Mode  # the --iomp value that makes it
 
 
-CANDIDATES = (Candidate("libgomp", "never"), Candidate("libiomp5", "always"))
+CANDIDATES = (Candidate("libgomp", Mode.NEVER), Candidate("libiomp5", Mode.ALWAYS))
 
 
 @record
@@ -57,7 +58,7 @@ class Summary:
 @record
 class Verdict:
     winner: Candidate | None  # None: no clear winner (or too few runs)
-    iomp: str  # what --write stores: the winner's --iomp when it is not the default, else auto
+    iomp: Mode  # what --write stores: the winner's --iomp when it is not the default, else auto
     result: str  # one line: who was faster, by how much, against what spread
 
 
@@ -88,7 +89,7 @@ def decide(summaries: Sequence[Summary], default: Candidate) -> Verdict:
     ranked = sorted(summaries, key=lambda s: s.median)
     fast, slow = ranked[0], ranked[-1]
     if min(len(s.runs) for s in summaries) < MIN_RUNS_FOR_A_WINNER:
-        return Verdict(None, "auto", "fewer than 2 runs each, no noise estimate: default kept")
+        return Verdict(None, Mode.AUTO, "fewer than 2 runs each, no noise estimate: default kept")
     won, rounds = rounds_won(fast, slow)
     unit = fast.unit
     measured = (
@@ -98,9 +99,9 @@ def decide(summaries: Sequence[Summary], default: Candidate) -> Verdict:
     )
     beyond_noise = slow.median - fast.median > max(fast.spread, slow.spread)
     if won < rounds or (rounds < ROUNDS_FOR_A_SWEEP and not beyond_noise):
-        return Verdict(None, "auto", f"no clear winner: {measured}")
+        return Verdict(None, Mode.AUTO, f"no clear winner: {measured}")
     winner = fast.candidate
-    iomp = "auto" if winner == default else winner.iomp
+    iomp = Mode.AUTO if winner == default else winner.iomp
     ratio = slow.median / fast.median
     return Verdict(
         winner, iomp, f"{winner.name} {ratio:.2f}x faster than {slow.candidate.name}: {measured}"
