@@ -10,7 +10,7 @@ from typing import Any
 from vllm_cpu_launch import plan as decide
 from vllm_cpu_launch.command import SpeculativeRequest
 from vllm_cpu_launch.gather import Facts, Request, support
-from vllm_cpu_launch.libraries import Candidate, Host, Search
+from vllm_cpu_launch.libraries import Candidate, Host, Origin, Search
 from vllm_cpu_launch.plan import Decision
 from vllm_cpu_launch.rules import rule
 from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned
@@ -19,14 +19,14 @@ from vllm_cpu_launch.target import Target
 DEFAULTS = Settings()
 NGRAM = SpeculativeRequest(True, "--speculative-config", None, "ngram", 3)
 IOMP = Candidate(
-    "iomp", "/v/lib/libiomp5.so", "vllm-environment", "chosen", "first usable", "intel"
+    "iomp", "/v/lib/libiomp5.so", Origin.VLLM_ENVIRONMENT, "chosen", "first usable", "intel"
 )
 LLVM = replace(IOMP, path="/v/cmeel.prefix/lib/libiomp5.so", flavor="llvm")
-TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", "system", "chosen", "ok")
+TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", Origin.SYSTEM, "chosen", "ok")
 
 
 def found(*candidates: Candidate) -> Search:
-    return Search(candidates[0].kind, candidates[0], candidates, ("vllm-environment",))
+    return Search(candidates[0].kind, candidates[0], candidates, (Origin.VLLM_ENVIRONMENT,))
 
 
 def facts(
@@ -125,7 +125,7 @@ def test_allocator_stage_puts_nothing_beside_a_callers_malloc() -> None:
 
 def test_refuse_stage_changes_nothing_beside_an_unsafe_entry_of_theirs() -> None:
     unsafe = Candidate(
-        "iomp", "/tmp/x/libiomp5.so", "ld-preload", "rejected", "unsafe", None, "", True
+        "iomp", "/tmp/x/libiomp5.so", Origin.LD_PRELOAD, "rejected", "unsafe", None, "", True
     )
     given = facts({"LD_PRELOAD": unsafe.path}, iomp=found(unsafe, IOMP))
     decision = decide.refuse_stage(given, run(7, given))
@@ -144,7 +144,7 @@ def test_env_stage_adds_what_the_rule_adds_and_the_default_block_time() -> None:
 
 
 def test_mark_stage_marks_libgomp_kept_for_sd_where_none_was_found() -> None:
-    nothing = facts(iomp=Search("iomp", None, (), ("vllm-environment",)))
+    nothing = facts(iomp=Search("iomp", None, (), (Origin.VLLM_ENVIRONMENT,)))
     assert decide.mark_stage(nothing, run(9, nothing)).mark == "launcher:not-found"
     started = facts()
     assert decide.mark_stage(started, run(9, started)).mark == "launcher:started"

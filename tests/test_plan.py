@@ -12,7 +12,7 @@ from vllm_cpu_launch import libraries
 from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.gather import Request, gather
 from vllm_cpu_launch.handoff import LAUNCHER, PLANNED_VARIABLE, Library
-from vllm_cpu_launch.libraries import Host, PreloadEntry, read_preload
+from vllm_cpu_launch.libraries import Host, Origin, PreloadEntry, read_preload
 from vllm_cpu_launch.plan import (
     CALLER_VARIABLES,
     Plan,
@@ -268,7 +268,7 @@ def test_planning_again_from_the_planned_environment_changes_nothing(
     again = plan_sd(target, make_host(tmp_path, **dict(first.env)))
     assert again.env == ()
     (chosen,) = first.preload
-    assert again.preload == (Preload(chosen.kind, chosen.path, chosen.flavor, "ld-preload"),)
+    assert again.preload == (Preload(chosen.kind, chosen.path, chosen.flavor, Origin.LD_PRELOAD),)
 
 
 def test_speculative_request_record_is_immutable() -> None:

@@ -32,7 +32,15 @@ from vllm_cpu_launch.command import SpeculativeRequest
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.gather import target_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_NAME, PLUGIN_VARIABLE
-from vllm_cpu_launch.libraries import IOMP, SYSTEM_ROOT_VARIABLE, TCMALLOC, Candidate, Host, Search
+from vllm_cpu_launch.libraries import (
+    IOMP,
+    SYSTEM_ROOT_VARIABLE,
+    TCMALLOC,
+    Candidate,
+    Host,
+    Origin,
+    Search,
+)
 from vllm_cpu_launch.linkmap import LinkMap
 from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, render_text, summary_line
 from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
@@ -279,7 +287,7 @@ def searches(draw: st.DrawFn, kind: str) -> Search:
         old = candidates[index]
         chosen = Candidate(kind, old.path, old.origin, "chosen", "first usable", old.flavor)
         candidates[index] = chosen
-    places = draw(st.lists(TEXT, max_size=3).map(tuple))
+    places = draw(st.lists(st.sampled_from(Origin), max_size=3).map(tuple))
     return Search(kind, chosen, tuple(candidates), places)
 
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import field
 from typing import TYPE_CHECKING, Literal
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
 from vllm_cpu_launch.target import python_libraries, python_user_base
 from vllm_cpu_launch.trust import (
@@ -116,15 +116,35 @@ class Host:
         object.__setattr__(self, "preload", read_preload(self.environ.get(LD_PRELOAD, "")))
 
 
+class Origin(StrEnum):
+    """Where a candidate came from: the --iomp-path/--tcmalloc-path given, or a place of
+    the search order (the word the plan, doctor and --dry-run say)."""
+
+    EXPLICIT = "explicit"
+    LD_PRELOAD = "ld-preload"
+    VLLM_ENVIRONMENT = "vllm-environment"
+    LAUNCHER_ENVIRONMENT = "launcher-environment"
+    CONDA = "conda"
+    VIRTUALENV = "virtualenv"
+    INTEL_OPENMP_PACKAGE = "intel-openmp-package"
+    CMEEL_LIBOMP_PACKAGE = "cmeel-libomp-package"
+    VLLM_BUNDLED = "vllm-bundled"
+    USER_BASE = "user-base"
+    ONEAPI = "oneapi"
+    LD_LIBRARY_PATH = "ld-library-path"
+    LOADER_CACHE = "loader-cache"
+    SYSTEM = "system"
+
+
 @record
 class Place:
     """One step of the search order: where it looked and which files it proposes."""
 
-    origin: str
+    origin: Origin
     paths: tuple[str, ...]
 
 
-def files_named(origin: str, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
+def files_named(origin: Origin, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
     """The files with one of `names` that exist in `directories` (skipping unset ones)."""
     paths = [
         os.path.join(directory, name)
@@ -138,7 +158,7 @@ def files_named(origin: str, directories: Iterable[str | None], names: tuple[str
 
 def ld_preload_place(kind: str, host: Host) -> Place:
     """The caller's entries that are a library of `kind`, by their file's name."""
-    return Place("ld-preload", tuple(e.path for e in host.preload if e.kind in PROPOSED[kind]))
+    return Place(Origin.LD_PRELOAD, tuple(e.path for e in host.preload if e.kind in PROPOSED[kind]))
 
 
 def lib_expansions(host: Host) -> tuple[str, ...]:
@@ -171,9 +191,9 @@ def resolve_preload_entry(entry: str, host: Host) -> str | None:
     value = host.environ.get("LD_LIBRARY_PATH", "")
     directories = [d for d in value.split(":") if os.path.isabs(d)]
     places = (
-        files_named("", directories, names),
+        files_named(Origin.LD_LIBRARY_PATH, directories, names),
         loader_cache_place(names, host),
-        files_named("", system_directories(host), names),
+        files_named(Origin.SYSTEM, system_directories(host), names),
     )
     return next((place.paths[0] for place in places if place.paths), None)
 
@@ -184,10 +204,10 @@ def library_path_place(names: tuple[str, ...], host: Host) -> Place:
     paths: list[str] = []
     for directory in value.split(":") if value else []:
         if os.path.isabs(directory):
-            paths.extend(files_named("", [directory], names).paths)
+            paths.extend(files_named(Origin.LD_LIBRARY_PATH, [directory], names).paths)
         else:  # "" is the current directory to the loader
             paths.append(os.path.join(directory, names[0]) if directory else "")
-    return Place("ld-library-path", tuple(paths))
+    return Place(Origin.LD_LIBRARY_PATH, tuple(paths))
 
 
 # glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
@@ -238,7 +258,7 @@ def system_path(host: Host, path: str) -> str:
 def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
     entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
     found = [system_path(host, p) for p in entries if os.path.basename(p) in names]
-    return Place("loader-cache", tuple(dict.fromkeys(found)))
+    return Place(Origin.LOADER_CACHE, tuple(dict.fromkeys(found)))
 
 
 def version_key(name: str) -> tuple[int, ...]:
@@ -364,30 +384,32 @@ def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Plac
     user_lib = [lib_directory(python_user_base(environ))]
     steps: list[Callable[[], Place]] = [
         lambda: ld_preload_place(kind, host),
-        lambda: files_named("vllm-environment", target_lib, names),
-        lambda: files_named("launcher-environment", [lib_directory(host.launcher_prefix)], names),
-        lambda: files_named("conda", [lib_directory(environ.get("CONDA_PREFIX"))], names),
-        lambda: files_named("virtualenv", [lib_directory(environ.get("VIRTUAL_ENV"))], names),
+        lambda: files_named(Origin.VLLM_ENVIRONMENT, target_lib, names),
+        lambda: files_named(
+            Origin.LAUNCHER_ENVIRONMENT, [lib_directory(host.launcher_prefix)], names
+        ),
+        lambda: files_named(Origin.CONDA, [lib_directory(environ.get("CONDA_PREFIX"))], names),
+        lambda: files_named(Origin.VIRTUALENV, [lib_directory(environ.get("VIRTUAL_ENV"))], names),
     ]
     if kind == IOMP:
         steps += [
             lambda: Place(
-                "intel-openmp-package",
+                Origin.INTEL_OPENMP_PACKAGE,
                 tuple(distribution_files("intel-openmp", host.search_path, names[0])),
             ),
-            lambda: Place("cmeel-libomp-package", tuple(cmeel_libomp(target, host))),
-            lambda: files_named("user-base", user_lib, names),
-            lambda: files_named("oneapi", oneapi_directories(host), names),
+            lambda: Place(Origin.CMEEL_LIBOMP_PACKAGE, tuple(cmeel_libomp(target, host))),
+            lambda: files_named(Origin.USER_BASE, user_lib, names),
+            lambda: files_named(Origin.ONEAPI, oneapi_directories(host), names),
         ]
     else:
         steps += [
-            lambda: Place("vllm-bundled", tuple(vllm_bundled_tcmalloc(target_prefix))),
-            lambda: files_named("user-base", user_lib, names),
+            lambda: Place(Origin.VLLM_BUNDLED, tuple(vllm_bundled_tcmalloc(target_prefix))),
+            lambda: files_named(Origin.USER_BASE, user_lib, names),
         ]
     steps += [
         lambda: library_path_place(names, host),
         lambda: loader_cache_place(names, host),
-        lambda: files_named("system", system_directories(host), names),
+        lambda: files_named(Origin.SYSTEM, system_directories(host), names),
     ]
     for step in steps:
         yield step()
@@ -405,7 +427,7 @@ class Candidate:
 
     kind: str
     path: str
-    origin: str
+    origin: Origin
     verdict: str  # "chosen", "rejected", or "usable" (valid but a better one was chosen)
     reason: str
     flavor: str | None = None
@@ -583,14 +605,14 @@ def callers_verdict(entry: str, kind: str | None, host: Host, trusted: frozenset
 
 
 def candidate_of(
-    kind: str, path: str, origin: str, host: Host, trusted: frozenset[int]
+    kind: str, path: str, origin: Origin, host: Host, trusted: frozenset[int]
 ) -> Candidate:
     """One file examined where `origin` proposed it: a caller's LD_PRELOAD entry as
     callers_verdict judges it; ours must be an absolute path vLLM recognises."""
-    if origin == "ld-preload":
+    if origin == Origin.LD_PRELOAD:
         found = callers_verdict(path, kind, host, trusted)
     else:
-        found = verdict(path, kind, host, trusted, named=origin == "explicit")
+        found = verdict(path, kind, host, trusted, named=origin == Origin.EXPLICIT)
     return Candidate(
         kind,
         path,
@@ -610,7 +632,7 @@ class Search:
     kind: str
     chosen: Candidate | None
     candidates: tuple[Candidate, ...]
-    places: tuple[str, ...]  # the origins searched, for the 'not found' message
+    places: tuple[Origin, ...]  # the origins searched, for the 'not found' message
 
 
 def find_library(
@@ -631,13 +653,15 @@ def find_library(
     `trusted`: uids besides root whose files may be preloaded (the target's owners).
     """
     if explicit is not None:
-        given = candidate_of(kind, explicit, "explicit", host, trusted)
+        given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == "usable":
-            given = Candidate(kind, explicit, "explicit", "chosen", "given", given.flavor)
-        return Search(kind, given if given.verdict == "chosen" else None, (given,), ("explicit",))
+            given = Candidate(kind, explicit, Origin.EXPLICIT, "chosen", "given", given.flavor)
+        return Search(
+            kind, given if given.verdict == "chosen" else None, (given,), (Origin.EXPLICIT,)
+        )
     seen: set[str] = set()
     candidates: list[Candidate] = []
-    searched: list[str] = []
+    searched: list[Origin] = []
     chosen: Candidate | None = None
     llvm: Candidate | None = None  # the first LLVM runtime, taken if no Intel one is found
     for place in search_places(kind, host, target):
@@ -654,7 +678,7 @@ def find_library(
                 usable.append(candidate)
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
-        if best is not None and best.flavor == LLVM and place.origin != "ld-preload":
+        if best is not None and best.flavor == LLVM and place.origin != Origin.LD_PRELOAD:
             llvm = llvm or best
         elif best is not None and chosen is None:
             chosen = best

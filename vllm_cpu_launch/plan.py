@@ -39,6 +39,7 @@ from vllm_cpu_launch.libraries import (
     TCMALLOC,
     Candidate,
     Host,
+    Origin,
 )
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
@@ -216,7 +217,7 @@ def set_aside(search: Search, entry: str) -> Search:
             reason=f"not preloaded: your LD_PRELOAD entry {entry} is named as an OpenMP "
             "runtime, kept as set, and none goes beside it",
         )
-        if c.verdict == "chosen" and c.origin != "ld-preload"
+        if c.verdict == "chosen" and c.origin != Origin.LD_PRELOAD
         else c
         for c in search.candidates
     )
@@ -230,7 +231,12 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     if not decision.wants_iomp or search is None:
         return decision
     found, runtime = search.chosen, None
-    if found and found.origin != "explicit" and found.flavor == LLVM and x86_sd(facts, decision):
+    if (
+        found
+        and found.origin != Origin.EXPLICIT
+        and found.flavor == LLVM
+        and x86_sd(facts, decision)
+    ):
         runtime = llvm_runtime(start_of(facts))
         if runtime.rule is None and decision.mode == Mode.AUTO:
             search = declined(search, runtime.note)
@@ -244,7 +250,7 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
         )
     if foreign:
         search = set_aside(search, foreign[0])
-    rejected = {c.path: c for c in search.candidates if c.origin == "ld-preload"}
+    rejected = {c.path: c for c in search.candidates if c.origin == Origin.LD_PRELOAD}
     broken = tuple(rejected[e] for e in decision.yours if e in rejected)
     broken = tuple(c for c in broken if c.verdict == "rejected") if foreign else ()
     missing = bool(broken) if foreign else iomp is None
@@ -276,7 +282,7 @@ def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     if not wants or search is None:
         return decision
     chosen = search.chosen
-    if decision.allocators and (chosen is None or chosen.origin != "ld-preload"):
+    if decision.allocators and (chosen is None or chosen.origin != Origin.LD_PRELOAD):
         chosen = None  # theirs, unusable: its warning says so; nothing goes beside it
     missing = chosen is None and not decision.allocators and tcmalloc_setting == Mode.ALWAYS
     return replace(decision, tcmalloc_search=search, tcmalloc=chosen, tcmalloc_missing=missing)
@@ -290,7 +296,7 @@ def searches(decision: Decision) -> tuple[Search, ...]:
 def refuse_stage(facts: Facts, decision: Decision) -> Decision:
     """A caller's entry the trust rule refuses, examined beside the plan's own library:
     nothing changes (the launcher refuses to start, the plugin leaves it)."""
-    callers = [c for s in searches(decision) for c in s.candidates if c.origin == "ld-preload"]
+    callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     refused = tuple(c for c in callers if c.unsafe)
     chosen = tuple(c for c in (decision.tcmalloc, decision.iomp) if c is not None)
     return replace(decision, refused=refused, chosen=() if refused else chosen)
@@ -431,7 +437,7 @@ class Preload:
     kind: str
     path: str
     flavor: str | None
-    origin: str
+    origin: Origin
 
 
 @record
@@ -566,7 +572,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
         for c in decision.broken
         if not c.unsafe
     ]
-    callers = [c for s in searches(decision) for c in s.candidates if c.origin == "ld-preload"]
+    callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     rejected = [
         f"your LD_PRELOAD entry {c.path} stays as you set it, but it is no usable {c.kind} "
         f"library: {c.reason}"
@@ -882,7 +888,7 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
     PLANNED_VARIABLE, is bookkeeping: --dry-run shows it). `unchanged`: what to say
     when nothing else changes (default: starting the command unchanged)."""
     parts = [
-        f"{'keeping your' if p.origin == 'ld-preload' else 'preloading'} {p.path} "
+        f"{'keeping your' if p.origin == Origin.LD_PRELOAD else 'preloading'} {p.path} "
         f"({p.flavor or p.kind}, from {p.origin})"
         for p in plan.preload
     ]
