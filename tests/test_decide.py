@@ -10,19 +10,20 @@ from typing import Any
 from vllm_cpu_launch import plan as decide
 from vllm_cpu_launch.command import SpeculativeRequest
 from vllm_cpu_launch.gather import Facts, Request, support
-from vllm_cpu_launch.libraries import Candidate, Host, Origin, Search
+from vllm_cpu_launch.libraries import Candidate, CandidateVerdict, Host, Origin, Search
 from vllm_cpu_launch.plan import Decision
 from vllm_cpu_launch.rules import rule
 from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned
 from vllm_cpu_launch.target import Target
 
 DEFAULTS = Settings()
+CHOSEN, REJECTED = CandidateVerdict.CHOSEN, CandidateVerdict.REJECTED
 NGRAM = SpeculativeRequest(True, "--speculative-config", None, "ngram", 3)
 IOMP = Candidate(
-    "iomp", "/v/lib/libiomp5.so", Origin.VLLM_ENVIRONMENT, "chosen", "first usable", "intel"
+    "iomp", "/v/lib/libiomp5.so", Origin.VLLM_ENVIRONMENT, CHOSEN, "first usable", "intel"
 )
 LLVM = replace(IOMP, path="/v/cmeel.prefix/lib/libiomp5.so", flavor="llvm")
-TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", Origin.SYSTEM, "chosen", "ok")
+TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", Origin.SYSTEM, CHOSEN, "ok")
 
 
 def found(*candidates: Candidate) -> Search:
@@ -125,7 +126,7 @@ def test_allocator_stage_puts_nothing_beside_a_callers_malloc() -> None:
 
 def test_refuse_stage_changes_nothing_beside_an_unsafe_entry_of_theirs() -> None:
     unsafe = Candidate(
-        "iomp", "/tmp/x/libiomp5.so", Origin.LD_PRELOAD, "rejected", "unsafe", None, "", True
+        "iomp", "/tmp/x/libiomp5.so", Origin.LD_PRELOAD, REJECTED, "unsafe", None, "", True
     )
     given = facts({"LD_PRELOAD": unsafe.path}, iomp=found(unsafe, IOMP))
     decision = decide.refuse_stage(given, run(7, given))

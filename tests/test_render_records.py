@@ -37,6 +37,7 @@ from vllm_cpu_launch.libraries import (
     SYSTEM_ROOT_VARIABLE,
     TCMALLOC,
     Candidate,
+    CandidateVerdict,
     Host,
     Origin,
     Search,
@@ -276,7 +277,11 @@ def searches(draw: st.DrawFn, kind: str) -> Search:
     which is one of them."""
     candidates = draw(
         st.lists(
-            records(Candidate, kind=st.just(kind), verdict=st.sampled_from(["rejected", "usable"])),
+            records(
+                Candidate,
+                kind=st.just(kind),
+                verdict=st.sampled_from([CandidateVerdict.REJECTED, CandidateVerdict.USABLE]),
+            ),
             max_size=3,
         )
     )
@@ -285,7 +290,9 @@ def searches(draw: st.DrawFn, kind: str) -> Search:
     if candidates and choose:
         index = draw(st.integers(0, len(candidates) - 1))
         old = candidates[index]
-        chosen = Candidate(kind, old.path, old.origin, "chosen", "first usable", old.flavor)
+        chosen = Candidate(
+            kind, old.path, old.origin, CandidateVerdict.CHOSEN, "first usable", old.flavor
+        )
         candidates[index] = chosen
     places = draw(st.lists(st.sampled_from(Origin), max_size=3).map(tuple))
     return Search(kind, chosen, tuple(candidates), places)

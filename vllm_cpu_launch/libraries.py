@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import field
+from dataclasses import field, replace
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
@@ -421,6 +421,14 @@ FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 
 
+class CandidateVerdict(StrEnum):
+    """What became of a candidate: preloaded, valid but passed over, or refused."""
+
+    CHOSEN = "chosen"
+    USABLE = "usable"  # valid, but a better one was chosen (or none is wanted beside theirs)
+    REJECTED = "rejected"  # its reason says why
+
+
 @record
 class Candidate:
     """A library file considered for preloading, with the verdict and its reason."""
@@ -428,7 +436,7 @@ class Candidate:
     kind: str
     path: str
     origin: Origin
-    verdict: str  # "chosen", "rejected", or "usable" (valid but a better one was chosen)
+    verdict: CandidateVerdict
     reason: str
     flavor: str | None = None
     fix: str = ""  # for a library refused as unsafe: the command that makes it trusted
@@ -617,7 +625,7 @@ def candidate_of(
         kind,
         path,
         origin,
-        "rejected" if found.reason else "usable",
+        CandidateVerdict.REJECTED if found.reason else CandidateVerdict.USABLE,
         found.reason or "valid",
         found.flavor,
         found.fix,
@@ -654,11 +662,10 @@ def find_library(
     """
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
-        if given.verdict == "usable":
-            given = Candidate(kind, explicit, Origin.EXPLICIT, "chosen", "given", given.flavor)
-        return Search(
-            kind, given if given.verdict == "chosen" else None, (given,), (Origin.EXPLICIT,)
-        )
+        if given.verdict == CandidateVerdict.USABLE:
+            given = replace(given, verdict=CandidateVerdict.CHOSEN, reason="given")
+        taken = given if given.verdict == CandidateVerdict.CHOSEN else None
+        return Search(kind, taken, (given,), (Origin.EXPLICIT,))
     seen: set[str] = set()
     candidates: list[Candidate] = []
     searched: list[Origin] = []
@@ -674,7 +681,7 @@ def find_library(
             seen.add(normalized)
             candidate = candidate_of(kind, path, place.origin, host, trusted)
             candidates.append(candidate)
-            if candidate.verdict == "usable":
+            if candidate.verdict == CandidateVerdict.USABLE:
                 usable.append(candidate)
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
@@ -687,6 +694,6 @@ def find_library(
     winner = chosen or llvm
     if winner is not None:
         why = "first usable" if chosen else "first usable; no Intel OpenMP found, LLVM's"
-        chosen = Candidate(kind, winner.path, winner.origin, "chosen", why, winner.flavor)
+        chosen = replace(winner, verdict=CandidateVerdict.CHOSEN, reason=why)
         candidates = [chosen if c is winner else c for c in candidates]
     return Search(kind, chosen, tuple(candidates), tuple(searched))

@@ -38,6 +38,7 @@ from vllm_cpu_launch.libraries import (
     LLVM,
     TCMALLOC,
     Candidate,
+    CandidateVerdict,
     Host,
     Origin,
 )
@@ -196,11 +197,11 @@ def declined(search: Search, why: str) -> Search:
     candidates = tuple(
         replace(
             c,
-            verdict="rejected",
+            verdict=CandidateVerdict.REJECTED,
             reason=f"LLVM's libomp, {why}: not preloaded in Intel OpenMP's place; "
             f"--iomp-path {c.path} or --iomp always preloads it anyway",
         )
-        if c.verdict in ("chosen", "usable")
+        if c.verdict in (CandidateVerdict.CHOSEN, CandidateVerdict.USABLE)
         else c
         for c in search.candidates
     )
@@ -213,11 +214,11 @@ def set_aside(search: Search, entry: str) -> Search:
     candidates = tuple(
         replace(
             c,
-            verdict="usable",
+            verdict=CandidateVerdict.USABLE,
             reason=f"not preloaded: your LD_PRELOAD entry {entry} is named as an OpenMP "
             "runtime, kept as set, and none goes beside it",
         )
-        if c.verdict == "chosen" and c.origin != Origin.LD_PRELOAD
+        if c.verdict == CandidateVerdict.CHOSEN and c.origin != Origin.LD_PRELOAD
         else c
         for c in search.candidates
     )
@@ -252,7 +253,7 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
         search = set_aside(search, foreign[0])
     rejected = {c.path: c for c in search.candidates if c.origin == Origin.LD_PRELOAD}
     broken = tuple(rejected[e] for e in decision.yours if e in rejected)
-    broken = tuple(c for c in broken if c.verdict == "rejected") if foreign else ()
+    broken = tuple(c for c in broken if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
     missing = bool(broken) if foreign else iomp is None
     return replace(
         decision,
@@ -577,7 +578,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
         f"your LD_PRELOAD entry {c.path} stays as you set it, but it is no usable {c.kind} "
         f"library: {c.reason}"
         for c in callers
-        if c.verdict == "rejected"
+        if c.verdict == CandidateVerdict.REJECTED
         and not c.unsafe
         and not (c.kind == IOMP and c.path in decision.yours)
     ]
