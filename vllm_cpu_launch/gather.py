@@ -37,8 +37,8 @@ from vllm_cpu_launch.libraries import (
     IOMP,
     LLVM,
     TCMALLOC,
-    Verdict,
-    callers_verdict,
+    Finding,
+    examine_entry,
     find_library,
 )
 from vllm_cpu_launch.settings import Mode, choose, launch_scope
@@ -308,7 +308,7 @@ class Facts:
     tune_notes: tuple[str, ...]
     iomp: Search | None  # the search for an OpenMP runtime, where one may be wanted
     tcmalloc: Search | None  # the search for tcmalloc, where one may be wanted
-    entries: tuple[tuple[str, Verdict], ...]  # the caller's LD_PRELOAD entries, examined
+    entries: tuple[tuple[str, Finding], ...]  # the caller's LD_PRELOAD entries, examined
     alias: Alias | None  # the `vllm` metadata to supply (supply_metadata)
     alias_problem: tuple[str, str] | None  # why the alias cannot be supplied
     # The install command of each library a search found none of (IOMP, LLVM, TCMALLOC):
@@ -358,14 +358,14 @@ def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]
     return search
 
 
-def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Verdict], ...]:
+def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Finding], ...]:
     """Each entry of the caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN
     entries are the program's to resolve: left out)."""
     found = []
     for entry in dict.fromkeys(e.path for e in host.preload):
         if "ORIGIN" in entry:
             continue
-        found.append((entry, callers_verdict(entry, None, host, trusted)))
+        found.append((entry, examine_entry(entry, None, host, trusted)))
     return tuple(found)
 
 

@@ -444,7 +444,7 @@ class Candidate:
 
 
 @record
-class Verdict:
+class Finding:
     """What examining one file found: the reason to reject it (None: usable)."""
 
     reason: str | None
@@ -503,43 +503,32 @@ def examine(
     host: Host,
     trusted: frozenset[int] = frozenset(),
     as_written: bool = True,
-) -> tuple[str | None, str | None, str]:
-    """(reason to reject or None, flavor, fix for an unsafe one) for one candidate file.
+    named: bool = False,
+) -> Finding:
+    """What one candidate file is: the reason to reject it, its flavor, and whether the
+    trust rule refused it (with the fix).
 
     `kind` None: any library (a caller's), examined as a file alone. `as_written` False:
     `path` is where the loader finds a caller's entry (resolve_preload_entry), whose form
-    is theirs to choose."""
-    found = verdict(path, kind, host, trusted, as_written)
-    return found.reason, found.flavor, found.fix
-
-
-def verdict(
-    path: str,
-    kind: str | None,
-    host: Host,
-    trusted: frozenset[int] = frozenset(),
-    as_written: bool = True,
-    named: bool = False,
-) -> Verdict:
-    """examine's finding as a record: whether the trust rule refused it is a field.
-    `named`: the user named the file (trust.insecure_reason's fixes differ)."""
+    is theirs to choose. `named`: the user named the file (trust.insecure_reason's fixes
+    differ)."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
-        return Verdict(problem)
-    reason, flavor, fix = file_verdict(path, kind, host, trusted, named)
+        return Finding(problem)
+    reason, flavor, fix = examine_file(path, kind, host, trusted, named)
     if isinstance(reason, Unsafe):
-        return Verdict(f"{UNSAFE}{reason.why}", None, fix, unsafe=True)
-    return Verdict(reason, flavor, fix)
+        return Finding(f"{UNSAFE}{reason.why}", None, fix, unsafe=True)
+    return Finding(reason, flavor, fix)
 
 
 @record
 class Unsafe:
-    """file_verdict's refusal by the trust rule, told apart by its type, not its text."""
+    """examine_file's refusal by the trust rule, told apart by its type, not its text."""
 
     why: str
 
 
-def file_verdict(
+def examine_file(
     path: str, kind: str | None, host: Host, trusted: frozenset[int], named: bool = False
 ) -> tuple[str | Unsafe | None, str | None, str]:
     """examine's checks of the file itself: a regular, readable ELF file of this machine
@@ -595,7 +584,7 @@ RELATIVE_ENTRY = (
 )
 
 
-def callers_verdict(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Verdict:
+def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Finding:
     """A caller's LD_PRELOAD entry, judged once for every use: theirs as written, examined
     where the loader finds it (a bare name, `$LIB`), its name unjudged; a relative path is
     refused by the trust rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that
@@ -605,22 +594,22 @@ def callers_verdict(entry: str, kind: str | None, host: Host, trusted: frozenset
             os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
             for e in (p.path for p in host.preload)
         )
-        return Verdict(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
+        return Finding(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
     resolved = resolve_preload_entry(entry, host)
     if resolved is None:
-        return Verdict(NOT_FOUND_BY_LOADER)
-    return verdict(resolved, kind, host, trusted, as_written=False, named=True)
+        return Finding(NOT_FOUND_BY_LOADER)
+    return examine(resolved, kind, host, trusted, as_written=False, named=True)
 
 
 def candidate_of(
     kind: str, path: str, origin: Origin, host: Host, trusted: frozenset[int]
 ) -> Candidate:
     """One file examined where `origin` proposed it: a caller's LD_PRELOAD entry as
-    callers_verdict judges it; ours must be an absolute path vLLM recognises."""
+    examine_entry judges it; ours must be an absolute path vLLM recognises."""
     if origin == Origin.LD_PRELOAD:
-        found = callers_verdict(path, kind, host, trusted)
+        found = examine_entry(path, kind, host, trusted)
     else:
-        found = verdict(path, kind, host, trusted, named=origin == Origin.EXPLICIT)
+        found = examine(path, kind, host, trusted, named=origin == Origin.EXPLICIT)
     return Candidate(
         kind,
         path,

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.gather import Facts
-    from vllm_cpu_launch.libraries import Candidate, PreloadEntry, Search, Verdict
+    from vllm_cpu_launch.libraries import Candidate, Finding, PreloadEntry, Search
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.target import Target
@@ -536,7 +536,7 @@ def refusal(candidate: Candidate) -> str:
     )
 
 
-def entry_problem(entry: str, found: Verdict) -> str | None:
+def entry_problem(entry: str, found: Finding) -> str | None:
     """The warning for a caller's LD_PRELOAD entry the loader will not preload, or the
     trust rule refuses: what the loader will do with it (issue 31)."""
     if found.unsafe:
