@@ -31,11 +31,11 @@ from vllm_cpu_launch.settings import (
 )
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import merged_config
-from vllm_cpu_launch.verbs.tune.verdict import (
-    CANDIDATES,
+from vllm_cpu_launch.verbs.tune.contest import (
+    CONTENDERS,
     Summary,
     besides_runtime,
-    decide,
+    outcome_of,
     rotated,
     table,
 )
@@ -44,7 +44,7 @@ from .conftest import LAUNCHER, SystemHost, clean_environ, make_environment, run
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 BENCH = {key: default for key, default in BENCH_OPTIONS.values()}
-GOMP, IOMP = CANDIDATES
+GOMP, IOMP = CONTENDERS
 # A stand-in `vllm`: records its argv and preload, then answers like `vllm bench latency`.
 # FAKE_BENCH picks the story: which runtime is faster, both alike, a failure or a hang.
 FAKE_BENCH = """\
@@ -194,7 +194,7 @@ def test_model_given_as_option_is_kept_and_a_missing_one_is_a_usage_error() -> N
 
 
 def test_rounds_rotate_the_order() -> None:
-    names = [(r, c.name) for r, c in rotated(CANDIDATES, 3)]
+    names = [(r, c.name) for r, c in rotated(CONTENDERS, 3)]
     assert names == [
         (0, "libgomp"),
         (0, "libiomp5"),
@@ -209,21 +209,21 @@ def test_rounds_rotate_the_order() -> None:
 
 
 def test_a_winner_won_every_round_and_the_result_says_what_was_measured() -> None:
-    clear = decide([Summary(GOMP, (0.10, 0.11, 0.10)), Summary(IOMP, (0.19, 0.20, 0.21))], IOMP)
+    clear = outcome_of([Summary(GOMP, (0.10, 0.11, 0.10)), Summary(IOMP, (0.19, 0.20, 0.21))], IOMP)
     assert clear.winner == GOMP and clear.iomp == "never"
     assert clear.result == (
         "libgomp 2.00x faster than libiomp5: libgomp won 3 of 3 rounds; median 0.1 s vs "
         "0.2 s for libiomp5, spread 0.01 s and 0.02 s"
     )
-    noisy = decide([Summary(GOMP, (0.10, 0.14)), Summary(IOMP, (0.11, 0.12))], IOMP)
+    noisy = outcome_of([Summary(GOMP, (0.10, 0.14)), Summary(IOMP, (0.11, 0.12))], IOMP)
     assert noisy.winner is None and noisy.iomp == "auto"
     assert noisy.result.startswith("no clear winner: libiomp5 won 1 of 2 rounds; median 0.115")
     assert "faster" not in noisy.result
-    default_wins = decide([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], IOMP)
+    default_wins = outcome_of([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], IOMP)
     assert default_wins.winner == IOMP and default_wins.iomp == "auto"  # auto already does it
-    without_sd = decide([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], GOMP)
+    without_sd = outcome_of([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], GOMP)
     assert without_sd.iomp == "always"
-    once = decide([Summary(GOMP, (0.1,)), Summary(IOMP, (0.2, 0.2))], IOMP)
+    once = outcome_of([Summary(GOMP, (0.1,)), Summary(IOMP, (0.2, 0.2))], IOMP)
     assert once.winner is None and "fewer than 2 runs" in once.result
 
 
@@ -773,16 +773,16 @@ def test_the_issues_tune_every_round_won_at_1_6x_is_a_winner_not_noise() -> None
     the range rule said "within the noise"; it won every round: it wins, and no result
     says "faster" beside "no clear winner"."""
     measured = [Summary(GOMP, (27.0, 27.5, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))]
-    verdict = decide(measured, IOMP)
-    assert verdict.winner == IOMP and verdict.iomp == "auto"
-    assert verdict.result.startswith("libiomp5 1.60x faster than libgomp: libiomp5 won 3 of 3")
-    assert "median 17.2 s vs 27.5 s for libgomp, spread 11 s and 2.2 s" in verdict.result
+    outcome = outcome_of(measured, IOMP)
+    assert outcome.winner == IOMP and outcome.iomp == "auto"
+    assert outcome.result.startswith("libiomp5 1.60x faster than libgomp: libiomp5 won 3 of 3")
+    assert "median 17.2 s vs 27.5 s for libgomp, spread 11 s and 2.2 s" in outcome.result
     # One round lost: no winner, and the line says what happened, not "faster".
-    split = decide([Summary(GOMP, (27.0, 10.0, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))], IOMP)
+    split = outcome_of([Summary(GOMP, (27.0, 10.0, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))], IOMP)
     assert split.winner is None and "faster" not in split.result
     assert split.result.startswith("no clear winner: libiomp5 won 2 of 3 rounds; median 17.2")
     # Two rounds both won, but within the larger range: not enough for a winner.
-    two = decide([Summary(GOMP, (0.20, 0.21)), Summary(IOMP, (0.19, 0.10))], IOMP)
+    two = outcome_of([Summary(GOMP, (0.20, 0.21)), Summary(IOMP, (0.19, 0.10))], IOMP)
     assert two.winner is None and "won 2 of 2 rounds" in two.result
 
 

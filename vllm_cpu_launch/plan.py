@@ -37,7 +37,6 @@ from vllm_cpu_launch.libraries import (
     IOMP,
     LLVM,
     TCMALLOC,
-    Candidate,
     CandidateVerdict,
     Host,
     Origin,
@@ -406,8 +405,6 @@ def decide(facts: Facts) -> Decision:
 
 
 # The plan and its words
-
-# Candidate at run time: Plan's field names it (tests/test_render_records.py reads hints).
 
 
 __all__ = ["DEFAULT_KMP_BLOCKTIME", "Host", "compose_ld_preload"]  # for the tests and verbs
