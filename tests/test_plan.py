@@ -21,7 +21,7 @@ from vllm_cpu_launch.plan import (
     compose_ld_preload,
     decide,
     plan_as_json,
-    render_text,
+    plan_as_text,
     said,
     schema,
 )
@@ -254,7 +254,7 @@ def test_tcmalloc_goes_first_when_found(tmp_path: Path, real_iomp: Path, debian_
     plan = plan_sd(target, host)
     tcmalloc = str(debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     assert dict(plan.env)["LD_PRELOAD"] == f"{tcmalloc}:{target.prefix}/lib/libiomp5.so"
-    text = render_text(plan)  # tcmalloc has no flavour: none is claimed "unknown"
+    text = plan_as_text(plan)  # tcmalloc has no flavour: none is claimed "unknown"
     assert f"tcmalloc {tcmalloc} (system)" in text and "flavor unknown" not in text
     never = plan_sd(target, host, Settings(tcmalloc=Mode.NEVER))
     assert dict(never.env)["LD_PRELOAD"] == f"{target.prefix}/lib/libiomp5.so"

@@ -43,7 +43,7 @@ from vllm_cpu_launch.libraries import (
     Search,
 )
 from vllm_cpu_launch.linkmap import LinkMap
-from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, render_text, summary_line
+from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, plan_as_text, summary_line
 from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
 from vllm_cpu_launch.target import Target
@@ -171,7 +171,7 @@ SD_OFF = SpeculativeRequest(False, "--speculative-config")
 def test_dry_run_text_shows_every_fact_of_the_plan(plan: Plan) -> None:
     as_json = plan_as_json(plan)
     json.dumps(as_json)
-    text = render_text(plan)
+    text = plan_as_text(plan)
     assert missing_facts(plan_facts(as_json), text) == [], text
 
 
@@ -365,7 +365,7 @@ def test_doctor_text_shows_every_fact_of_the_report(
     report, _ = data.draw(doctor_reports(prefixes))
     assert set(report) == set(real_report)  # a section added to doctor is generated here
     json.dumps(report)
-    text = doctor.render_text(report)
+    text = doctor.doctor_as_text(report)
     assert missing_facts(doctor_facts(report), text) == [], text
 
 
@@ -457,7 +457,7 @@ def insides(draw: st.DrawFn, pids: list[int]) -> verify.Inside:
 )
 def test_verify_text_shows_every_fact_of_the_report(report: dict[str, Any]) -> None:
     json.dumps(report)
-    text = verify.render_text(report)
+    text = verify.verify_as_text(report)
     assert missing_facts(verify_facts(report), text) == [], text
 
 

@@ -840,7 +840,7 @@ def rule_json(rule: Rule | None) -> dict[str, Any] | None:
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
     """The decision record, in the JSON form of docs/design.md ("The decision record"):
-    `--dry-run --json`, `env --format json`, doctor's `map.plan`; render_text shows it."""
+    `--dry-run --json`, `env --format json`, doctor's `map.plan`; plan_as_text shows it."""
     tuned = plan.tuned
     return {
         "schema": schema("plan"),
@@ -925,7 +925,7 @@ def rule_words(rule: dict[str, Any]) -> str:
     )
 
 
-def render_text(plan: Plan) -> str:
+def plan_as_text(plan: Plan) -> str:
     """The decision record for a person (`--dry-run`): plan_as_json's record, line by line."""
     import shlex  # lazy: only --dry-run
 

@@ -647,7 +647,7 @@ def shortened(command: str) -> str:
     return f"{command[:COMMAND_WIDTH]}... [{rest} more characters; --json shows them all]"
 
 
-def render_text(report: dict[str, Any]) -> str:
+def verify_as_text(report: dict[str, Any]) -> str:
     speculative = described_request(
         report["speculative"]["requested"], report["speculative"]["source"]
     )
@@ -765,5 +765,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
     if merged.get("json"):
         write_stdout(json.dumps({"schema": schema("verify"), **report}, indent=2))
     else:
-        write_stdout(render_text(report))
+        write_stdout(verify_as_text(report))
     return 0 if report["ok"] else EXIT_PROBLEM
