@@ -10,23 +10,24 @@ from typing import Any
 from vllm_cpu_launch import plan as decide
 from vllm_cpu_launch.command import SpeculativeRequest
 from vllm_cpu_launch.gather import Facts, support
-from vllm_cpu_launch.libraries import Candidate, Host, Search
+from vllm_cpu_launch.libraries import Candidate, CandidateVerdict, Host, Origin, Search
 from vllm_cpu_launch.plan import Decision
 from vllm_cpu_launch.rules import rule
-from vllm_cpu_launch.settings import Scope, Settings, Tuned
+from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned
 from vllm_cpu_launch.target import Target
 
 DEFAULTS = Settings()
+CHOSEN, REJECTED = CandidateVerdict.CHOSEN, CandidateVerdict.REJECTED
 NGRAM = SpeculativeRequest(True, "--speculative-config", None, "ngram", 3)
 IOMP = Candidate(
-    "iomp", "/v/lib/libiomp5.so", "vllm-environment", "chosen", "first usable", "intel"
+    "iomp", "/v/lib/libiomp5.so", Origin.VLLM_ENVIRONMENT, CHOSEN, "first usable", "intel"
 )
 LLVM = replace(IOMP, path="/v/cmeel.prefix/lib/libiomp5.so", flavor="llvm")
-TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", "system", "chosen", "ok")
+TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", Origin.SYSTEM, CHOSEN, "ok")
 
 
 def found(*candidates: Candidate) -> Search:
-    return Search(candidates[0].kind, candidates[0], candidates, ("vllm-environment",))
+    return Search(candidates[0].kind, candidates[0], candidates, (Origin.VLLM_ENVIRONMENT,))
 
 
 def facts(
@@ -71,7 +72,7 @@ def run(stages: int, given: Facts) -> Decision:
 
 
 def test_mode_a_tune_that_kept_libgomp_is_not_applied_to_sd() -> None:
-    kept = Tuned("2026-12-01T10:02Z", "never", "libgomp 1.1x faster", 3, "vllm bench latency")
+    kept = Tuned("2026-12-01T10:02Z", Mode.NEVER, "libgomp 1.1x faster", 3, "vllm bench latency")
     decision = decide.mode_stage(facts(tuned=kept), Decision())
     assert (decision.mode, decision.tuned, decision.tune_dropped) == ("auto", None, True)
     assert decision.wants_iomp
@@ -82,12 +83,12 @@ def test_release_gate_an_older_vllm_starts_unchanged_unless_always() -> None:
     assert decide.release_gate(old, run(1, old)) == replace(
         run(1, old), release_gate="older", wants_iomp=False
     )
-    forced = facts(release="0.19.1", settings=Settings(iomp="always"))
+    forced = facts(release="0.19.1", settings=Settings(iomp=Mode.ALWAYS))
     assert decide.release_gate(forced, run(1, forced)).wants_iomp
 
 
 def test_architecture_gate() -> None:
-    arm = facts(machine="aarch64", settings=Settings(iomp="always"))
+    arm = facts(machine="aarch64", settings=Settings(iomp=Mode.ALWAYS))
     assert decide.architecture_gate(arm, run(2, arm)).machine_gate == "opt-in"
     power = facts(machine="ppc64le")
     gated = decide.architecture_gate(power, run(2, power))
@@ -129,7 +130,7 @@ def test_allocator_stage_puts_nothing_beside_a_callers_malloc() -> None:
 
 def test_refuse_stage_changes_nothing_beside_an_unsafe_entry_of_theirs() -> None:
     unsafe = Candidate(
-        "iomp", "/tmp/x/libiomp5.so", "ld-preload", "rejected", "unsafe", None, "", True
+        "iomp", "/tmp/x/libiomp5.so", Origin.LD_PRELOAD, REJECTED, "unsafe", None, "", True
     )
     given = facts({"LD_PRELOAD": unsafe.path}, iomp=found(unsafe, IOMP))
     decision = decide.refuse_stage(given, run(7, given))
@@ -148,7 +149,7 @@ def test_env_stage_adds_what_the_rule_adds_and_the_default_block_time() -> None:
 
 
 def test_mark_stage_marks_libgomp_kept_for_sd_where_none_was_found() -> None:
-    nothing = facts(iomp=Search("iomp", None, (), ("vllm-environment",)))
+    nothing = facts(iomp=Search("iomp", None, (), (Origin.VLLM_ENVIRONMENT,)))
     assert decide.mark_stage(nothing, run(9, nothing)).mark == "launcher:not-found"
     started = facts()
     assert decide.mark_stage(started, run(9, started)).mark == "launcher:started"

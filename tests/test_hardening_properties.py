@@ -21,7 +21,7 @@ from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.libraries import Host, read_preload
 from vllm_cpu_launch.plan import Plan, build_plan, compose_ld_preload
-from vllm_cpu_launch.settings import Settings
+from vllm_cpu_launch.settings import Mode, Settings
 from vllm_cpu_launch.target import Target
 
 from .hardening_support import (
@@ -389,9 +389,9 @@ def plan_inputs(
     if blocktime is not None:
         environ["KMP_BLOCKTIME"] = blocktime
     chosen_settings = Settings(
-        iomp=draw(st.sampled_from(["auto", "always", "never"])),
+        iomp=draw(st.sampled_from(Mode)),
         iomp_path=draw(st.sampled_from([None, library])),
-        tcmalloc=draw(st.sampled_from(["auto", "always", "never"])),
+        tcmalloc=draw(st.sampled_from(Mode)),
         kmp_blocktime=draw(st.sampled_from([None, "5", "1", "infinite", "200ms"])),
     )
     speculative = SpeculativeRequest(draw(st.booleans()), "--speculative-config")

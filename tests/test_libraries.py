@@ -14,6 +14,7 @@ import pytest
 from vllm_cpu_launch.libraries import (
     IOMP,
     TCMALLOC,
+    Finding,
     Host,
     examine,
     find_library,
@@ -237,10 +238,10 @@ def test_wrong_elf_is_rejected_and_search_goes_on(
 
 def test_foreign_architecture_host_accepts_its_own_elf(tmp_path: Path, real_iomp: Path) -> None:
     """On an aarch64 host the real x86-64 library is the foreign one."""
-    reason, _, _ = examine(str(real_iomp), IOMP, host(tmp_path, machine="aarch64"))
+    reason = examine(str(real_iomp), IOMP, host(tmp_path, machine="aarch64")).reason
     assert reason == "built for x86_64; this host is aarch64"
     arm = patched_copy(real_iomp, tmp_path / "arm" / "libiomp5.so", 18, (183).to_bytes(2, "little"))
-    assert examine(str(arm), IOMP, host(tmp_path, machine="aarch64")) == (None, "intel", "")
+    assert examine(str(arm), IOMP, host(tmp_path, machine="aarch64")) == Finding(None, "intel")
 
 
 def test_flavor_without_section_headers_is_found_by_the_whole_file_scan(
@@ -249,7 +250,7 @@ def test_flavor_without_section_headers_is_found_by_the_whole_file_scan(
     """Without section headers (e_shoff 0, as sstrip leaves a library) there is no
     .rodata to search first: the banner is still found, in the whole file."""
     stripped = patched_copy(real_iomp, tmp_path / "s" / "libiomp5.so", 40, bytes(8))
-    assert examine(str(stripped), IOMP, host(tmp_path)) == (None, "intel", "")
+    assert examine(str(stripped), IOMP, host(tmp_path)) == Finding(None, "intel")
 
 
 @pytest.mark.parametrize(
@@ -300,9 +301,9 @@ def test_writable_by_others_is_rejected(
 def test_sticky_ancestor_is_fine_but_open_ancestor_is_not(tmp_path: Path, real_iomp: Path) -> None:
     library = place_library(real_iomp, tmp_path / "shared" / "env" / "lib" / "libiomp5.so")
     (tmp_path / "shared").chmod(0o1777)
-    assert examine(str(library), IOMP, host(tmp_path))[0] is None
+    assert examine(str(library), IOMP, host(tmp_path)).reason is None
     (tmp_path / "shared").chmod(0o777)
-    reason = examine(str(library), IOMP, host(tmp_path))[0]
+    reason = examine(str(library), IOMP, host(tmp_path)).reason
     assert reason is not None and f"directory {tmp_path / 'shared'} is writable by others" in reason
 
 
@@ -310,7 +311,7 @@ def test_sticky_ancestor_is_fine_but_open_ancestor_is_not(tmp_path: Path, real_i
 def test_owned_by_another_user_is_rejected(tmp_path: Path, real_iomp: Path) -> None:
     library = place_library(real_iomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so")
     os.chown(library, 65534, 65534)
-    reason = examine(str(library), IOMP, host(tmp_path))[0]
+    reason = examine(str(library), IOMP, host(tmp_path)).reason
     assert reason is not None and "owned by uid 65534" in reason
 
 
@@ -321,7 +322,7 @@ def test_symlink_through_unsafe_directory_is_rejected(tmp_path: Path, real_iomp:
     link = tmp_path / "vllm-env" / "lib" / "libiomp5.so"
     link.parent.mkdir(parents=True)
     link.symlink_to(real)
-    reason = examine(str(link), IOMP, host(tmp_path))[0]
+    reason = examine(str(link), IOMP, host(tmp_path)).reason
     assert reason is not None and f"directory {real.parent} is writable by others" in reason
 
 
@@ -347,14 +348,14 @@ def test_ld_preload_entry_is_a_candidate_first(tmp_path: Path, real_iomp: Path) 
 def test_name_without_libiomp_is_rejected(tmp_path: Path, real_iomp: Path) -> None:
     """vLLM only recognises `libiomp` in LD_PRELOAD: another name would not count."""
     renamed = place_library(real_iomp, tmp_path / "omp-runtime.so")
-    reason = examine(str(renamed), IOMP, host(tmp_path))[0]
+    reason = examine(str(renamed), IOMP, host(tmp_path)).reason
     assert reason is not None and "lacks 'libiomp'" in reason
 
 
 def test_path_containing_libgomp_is_rejected(tmp_path: Path, real_iomp: Path) -> None:
     """vLLM would read the substring as GNU OpenMP preloaded next to Intel's and assert."""
     library = place_library(real_iomp, tmp_path / "libgomp-free" / "lib" / "libiomp5.so")
-    reason = examine(str(library), IOMP, host(tmp_path))[0]
+    reason = examine(str(library), IOMP, host(tmp_path)).reason
     assert reason is not None and "contains 'libgomp'" in reason
 
 
@@ -365,9 +366,9 @@ def test_every_hop_of_a_link_chain_is_checked(tmp_path: Path, real_iomp: Path) -
         (tmp_path / name).mkdir()
         (tmp_path / name / "libiomp5.so").symlink_to(target)
     first = tmp_path / "x" / "libiomp5.so"
-    assert examine(str(first), IOMP, host(tmp_path))[0] is None
+    assert examine(str(first), IOMP, host(tmp_path)).reason is None
     (tmp_path / "y").chmod(0o777)
-    reason = examine(str(first), IOMP, host(tmp_path))[0]
+    reason = examine(str(first), IOMP, host(tmp_path)).reason
     assert reason is not None and f"directory {tmp_path / 'y'} is writable by others" in reason
 
 
@@ -379,9 +380,9 @@ def test_a_directory_link_on_the_way_is_followed(tmp_path: Path, real_iomp: Path
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "lib").symlink_to("../open/dirlink")
     library = tmp_path / "a" / "lib" / "libiomp5.so"
-    assert examine(str(library), IOMP, host(tmp_path))[0] is None
+    assert examine(str(library), IOMP, host(tmp_path)).reason is None
     (tmp_path / "open").chmod(0o777)
-    reason = examine(str(library), IOMP, host(tmp_path))[0]
+    reason = examine(str(library), IOMP, host(tmp_path)).reason
     assert reason is not None and f"directory {tmp_path / 'open'} is writable by others" in reason
 
 
@@ -391,9 +392,9 @@ def test_rules_for_a_user_other_than_root(tmp_path: Path, real_iomp: Path) -> No
     library = place_library(real_iomp, tmp_path / "env" / "lib" / "libiomp5.so")
     user = Host({}, "x86_64", 1000, str(tmp_path / "none"), (), str(tmp_path))
     library.parent.chmod(0o775)
-    assert examine(str(library), IOMP, user) == (None, "intel", "")  # owned by root, not 1000
+    assert examine(str(library), IOMP, user) == Finding(None, "intel")  # owned by root, not 1000
     library.parent.chmod(0o777)
-    reason = examine(str(library), IOMP, user)[0]
+    reason = examine(str(library), IOMP, user).reason
     assert reason is not None and "writable by others" in reason
 
 

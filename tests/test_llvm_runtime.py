@@ -415,7 +415,7 @@ def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
     from vllm_cpu_launch.command import detect
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import build_plan, plan_as_json
-    from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.settings import Mode, Settings
     from vllm_cpu_launch.target import Target
 
     (tmp_path / "empty-root").mkdir(exist_ok=True)
@@ -424,7 +424,7 @@ def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
     host = Host({}, "aarch64", os.geteuid(), str(tmp_path / "none"), (), empty_root, cpus=2)
     python = str(root / "bin" / "python")
     target = Target(str(root / "bin" / "vllm"), "--vllm", python, str(root))
-    settings = Settings(iomp=iomp)
+    settings = Settings(iomp=Mode(iomp))
     return plan_as_json(
         build_plan(settings, NGRAM, detect(NGRAM), target, host, True, one_worker=True)
     )

@@ -12,7 +12,7 @@ from vllm_cpu_launch import libraries
 from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.gather import gather
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library
-from vllm_cpu_launch.libraries import Host, PreloadEntry, read_preload
+from vllm_cpu_launch.libraries import Host, Origin, PreloadEntry, read_preload
 from vllm_cpu_launch.plan import (
     CALLER_VARIABLES,
     Plan,
@@ -21,11 +21,11 @@ from vllm_cpu_launch.plan import (
     compose_ld_preload,
     decide,
     plan_as_json,
-    render_text,
+    plan_as_text,
     said,
     schema,
 )
-from vllm_cpu_launch.settings import Settings, blocktime_milliseconds
+from vllm_cpu_launch.settings import Mode, Settings, blocktime_milliseconds
 from vllm_cpu_launch.target import Target
 
 from .conftest import install_recorder, make_environment
@@ -211,12 +211,12 @@ def test_no_sd_changes_nothing(tmp_path: Path, real_iomp: Path) -> None:
 
 
 def test_iomp_always_without_sd(tmp_path: Path, real_iomp: Path) -> None:
-    plan = plan_for(tmp_path, real_iomp, argv=["serve", "m"], settings=Settings(iomp="always"))
+    plan = plan_for(tmp_path, real_iomp, argv=["serve", "m"], settings=Settings(iomp=Mode.ALWAYS))
     assert plan["env"]["LD_PRELOAD"].endswith("/libiomp5.so")  # type: ignore[index]
 
 
 def test_iomp_never_with_sd(tmp_path: Path, real_iomp: Path) -> None:
-    assert plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"))["env"] == dict([MARK])
+    assert plan_for(tmp_path, real_iomp, settings=Settings(iomp=Mode.NEVER))["env"] == dict([MARK])
 
 
 def test_gomp_entry_is_dropped_with_a_warning(tmp_path: Path, real_iomp: Path) -> None:
@@ -231,7 +231,7 @@ def test_not_x86_64_preloads_no_iomp(tmp_path: Path, real_iomp: Path) -> None:
         plan = plan_sd(target, make_host(tmp_path, machine))
         assert plan.preload == () and plan.env == (MARK,) and plan.warnings == ()
         assert any(machine in note for note in plan.notes)
-        forced = plan_sd(target, make_host(tmp_path, machine), Settings(iomp="always"))
+        forced = plan_sd(target, make_host(tmp_path, machine), Settings(iomp=Mode.ALWAYS))
         assert forced.preload == () and any(machine in w for w in forced.warnings)
 
 
@@ -254,9 +254,9 @@ def test_tcmalloc_goes_first_when_found(tmp_path: Path, real_iomp: Path, debian_
     plan = plan_sd(target, host)
     tcmalloc = str(debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     assert dict(plan.env)["LD_PRELOAD"] == f"{tcmalloc}:{target.prefix}/lib/libiomp5.so"
-    text = render_text(plan)  # tcmalloc has no flavour: none is claimed "unknown"
+    text = plan_as_text(plan)  # tcmalloc has no flavour: none is claimed "unknown"
     assert f"tcmalloc {tcmalloc} (system)" in text and "flavor unknown" not in text
-    never = plan_sd(target, host, Settings(tcmalloc="never"))
+    never = plan_sd(target, host, Settings(tcmalloc=Mode.NEVER))
     assert dict(never.env)["LD_PRELOAD"] == f"{target.prefix}/lib/libiomp5.so"
 
 
@@ -268,7 +268,7 @@ def test_planning_again_from_the_planned_environment_changes_nothing(
     again = plan_sd(target, make_host(tmp_path, **dict(first.env)))
     assert again.env == ()
     (chosen,) = first.preload
-    assert again.preload == (Preload(chosen.kind, chosen.path, chosen.flavor, "ld-preload"),)
+    assert again.preload == (Preload(chosen.kind, chosen.path, chosen.flavor, Origin.LD_PRELOAD),)
 
 
 def test_speculative_request_record_is_immutable() -> None:
@@ -314,7 +314,7 @@ def test_a_callers_intel_openmp_stays_as_set(tmp_path: Path, real_iomp: Path) ->
     foo.parent.mkdir()
     shutil.copy(real_iomp, foo)
     preload = f"{foo}:{real_iomp}"
-    plan = plan_for(tmp_path, real_iomp, settings=Settings(iomp="never"), LD_PRELOAD=preload)
+    plan = plan_for(tmp_path, real_iomp, settings=Settings(iomp=Mode.NEVER), LD_PRELOAD=preload)
     assert plan["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher"}
     warnings = plan["warnings"]
     assert isinstance(warnings, list) and len(warnings) == 1

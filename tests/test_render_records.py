@@ -14,6 +14,7 @@ own serializer or renderer); each env format must read back as the plan's enviro
 
 from __future__ import annotations
 
+import enum
 import importlib
 import json
 import os
@@ -33,9 +34,18 @@ from vllm_cpu_launch.command import SpeculativeRequest
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.gather import target_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_NAME, PLUGIN_VARIABLE
-from vllm_cpu_launch.libraries import IOMP, SYSTEM_ROOT_VARIABLE, TCMALLOC, Candidate, Host, Search
+from vllm_cpu_launch.libraries import (
+    IOMP,
+    SYSTEM_ROOT_VARIABLE,
+    TCMALLOC,
+    Candidate,
+    CandidateVerdict,
+    Host,
+    Origin,
+    Search,
+)
 from vllm_cpu_launch.linkmap import LinkMap
-from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, render_text, summary_line
+from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, plan_as_text, summary_line
 from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
 from vllm_cpu_launch.target import Target
@@ -110,6 +120,8 @@ def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
         return st.tuples(*map(strategy_for, arguments))
     if hasattr(hint, "__match_args__"):
         return records(hint)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return st.sampled_from(hint)
     raise TypeError(f"no strategy for {hint!r}: add one to strategy_for")
 
 
@@ -226,7 +238,7 @@ def test_every_field_of_the_plan_is_shown_or_said_why_not() -> None:
 @example(plan=nothing_preloaded(SD_OFF, "no speculative decoding requested"))
 def test_dry_run_text_shows_every_fact_of_the_plan(plan: Plan) -> None:
     json.dumps(plan_as_json(plan))  # the JSON form can be written, whatever the plan holds
-    text = render_text(plan)
+    text = plan_as_text(plan)
     assert missing_facts(shown_facts(plan), text) == [], text
 
 
@@ -336,7 +348,11 @@ def searches(draw: st.DrawFn, kind: str) -> Search:
     which is one of them."""
     candidates = draw(
         st.lists(
-            records(Candidate, kind=st.just(kind), verdict=st.sampled_from(["rejected", "usable"])),
+            records(
+                Candidate,
+                kind=st.just(kind),
+                verdict=st.sampled_from([CandidateVerdict.REJECTED, CandidateVerdict.USABLE]),
+            ),
             max_size=3,
         )
     )
@@ -345,9 +361,11 @@ def searches(draw: st.DrawFn, kind: str) -> Search:
     if candidates and choose:
         index = draw(st.integers(0, len(candidates) - 1))
         old = candidates[index]
-        chosen = Candidate(kind, old.path, old.origin, "chosen", "first usable", old.flavor)
+        chosen = Candidate(
+            kind, old.path, old.origin, CandidateVerdict.CHOSEN, "first usable", old.flavor
+        )
         candidates[index] = chosen
-    places = draw(st.lists(TEXT, max_size=3).map(tuple))
+    places = draw(st.lists(st.sampled_from(Origin), max_size=3).map(tuple))
     return Search(kind, chosen, tuple(candidates), places)
 
 
@@ -418,7 +436,7 @@ def test_doctor_text_shows_every_fact_of_the_report(
     report, _ = data.draw(doctor_reports(prefixes))
     assert set(report) == set(real_report)  # a section added to doctor is generated here
     json.dumps(report)
-    text = doctor.render_text(report)
+    text = doctor.doctor_as_text(report)
     assert missing_facts(doctor_facts(report), text) == [], text
 
 
@@ -510,7 +528,7 @@ def insides(draw: st.DrawFn, pids: list[int]) -> verify.Inside:
 )
 def test_verify_text_shows_every_fact_of_the_report(report: dict[str, Any]) -> None:
     json.dumps(report)
-    text = verify.render_text(report)
+    text = verify.verify_as_text(report)
     assert missing_facts(verify_facts(report), text) == [], text
 
 

@@ -20,6 +20,7 @@ from vllm_cpu_launch.command import detect
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.plan import why
 from vllm_cpu_launch.settings import (
+    Mode,
     Scope,
     Settings,
     Tuned,
@@ -30,11 +31,11 @@ from vllm_cpu_launch.settings import (
 )
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import merged_config
-from vllm_cpu_launch.verbs.tune.verdict import (
-    CANDIDATES,
+from vllm_cpu_launch.verbs.tune.contest import (
+    CONTENDERS,
     Summary,
     besides_runtime,
-    decide,
+    outcome_of,
     rotated,
     table,
 )
@@ -43,7 +44,7 @@ from .conftest import LAUNCHER, SystemHost, clean_environ, make_environment, run
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 BENCH = {key: default for key, default in BENCH_OPTIONS.values()}
-GOMP, IOMP = CANDIDATES
+GOMP, IOMP = CONTENDERS
 # A stand-in `vllm`: records its argv and preload, then answers like `vllm bench latency`.
 # FAKE_BENCH picks the story: which runtime is faster, both alike, a failure or a hang.
 FAKE_BENCH = """\
@@ -193,7 +194,7 @@ def test_model_given_as_option_is_kept_and_a_missing_one_is_a_usage_error() -> N
 
 
 def test_rounds_rotate_the_order() -> None:
-    names = [(r, c.name) for r, c in rotated(CANDIDATES, 3)]
+    names = [(r, c.name) for r, c in rotated(CONTENDERS, 3)]
     assert names == [
         (0, "libgomp"),
         (0, "libiomp5"),
@@ -208,21 +209,21 @@ def test_rounds_rotate_the_order() -> None:
 
 
 def test_a_winner_won_every_round_and_the_result_says_what_was_measured() -> None:
-    clear = decide([Summary(GOMP, (0.10, 0.11, 0.10)), Summary(IOMP, (0.19, 0.20, 0.21))], IOMP)
+    clear = outcome_of([Summary(GOMP, (0.10, 0.11, 0.10)), Summary(IOMP, (0.19, 0.20, 0.21))], IOMP)
     assert clear.winner == GOMP and clear.iomp == "never"
     assert clear.result == (
         "libgomp 2.00x faster than libiomp5: libgomp won 3 of 3 rounds; median 0.1 s vs "
         "0.2 s for libiomp5, spread 0.01 s and 0.02 s"
     )
-    noisy = decide([Summary(GOMP, (0.10, 0.14)), Summary(IOMP, (0.11, 0.12))], IOMP)
+    noisy = outcome_of([Summary(GOMP, (0.10, 0.14)), Summary(IOMP, (0.11, 0.12))], IOMP)
     assert noisy.winner is None and noisy.iomp == "auto"
     assert noisy.result.startswith("no clear winner: libiomp5 won 1 of 2 rounds; median 0.115")
     assert "faster" not in noisy.result
-    default_wins = decide([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], IOMP)
+    default_wins = outcome_of([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], IOMP)
     assert default_wins.winner == IOMP and default_wins.iomp == "auto"  # auto already does it
-    without_sd = decide([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], GOMP)
+    without_sd = outcome_of([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], GOMP)
     assert without_sd.iomp == "always"
-    once = decide([Summary(GOMP, (0.1,)), Summary(IOMP, (0.2, 0.2))], IOMP)
+    once = outcome_of([Summary(GOMP, (0.1,)), Summary(IOMP, (0.2, 0.2))], IOMP)
     assert once.winner is None and "fewer than 2 runs" in once.result
 
 
@@ -336,7 +337,7 @@ def test_a_record_applies_only_where_it_was_measured(
     assert note.startswith("tune of 2026-12-01T10:02Z (model /models/m, SD method ngram, ")
     assert note.endswith("; c.yaml) applied") if applied else str(why_not) in note
     # An option or a variable wins over a matching record, and says so.
-    given, notes = choose(Settings(iomp="always", iomp_from="option", tuned=(record,)), launch)
+    given, notes = choose(Settings(iomp=Mode.ALWAYS, iomp_from="option", tuned=(record,)), launch)
     assert given is None and len(notes) == 1
 
 
@@ -350,12 +351,12 @@ def test_of_several_matching_records_the_one_that_recorded_more_wins() -> None:
 def test_the_reason_says_it_came_from_a_tune() -> None:
     sd = detect(["serve", "m", "-sc", NGRAM])
     tuned = Tuned(**TUNED)  # type: ignore[arg-type]
-    assert why("never", sd, True, tuned) == (
+    assert why(Mode.NEVER, sd, True, tuned) == (
         "--iomp never (from tune 2026-12-01T10:02Z: libgomp 1.12x faster than libiomp5, "
         "spread 0.03 s)"
     )
     kept = Tuned(**{**TUNED, "iomp": "auto", "result": "within the noise, default kept: x"})  # type: ignore[arg-type]
-    assert why("auto", sd, True, kept).startswith(
+    assert why(Mode.AUTO, sd, True, kept).startswith(
         "speculative decoding requested by -sc (from tune 2026-12-01T10:02Z: within the noise"
     )
 
@@ -772,16 +773,16 @@ def test_the_issues_tune_every_round_won_at_1_6x_is_a_winner_not_noise() -> None
     the range rule said "within the noise"; it won every round: it wins, and no result
     says "faster" beside "no clear winner"."""
     measured = [Summary(GOMP, (27.0, 27.5, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))]
-    verdict = decide(measured, IOMP)
-    assert verdict.winner == IOMP and verdict.iomp == "auto"
-    assert verdict.result.startswith("libiomp5 1.60x faster than libgomp: libiomp5 won 3 of 3")
-    assert "median 17.2 s vs 27.5 s for libgomp, spread 11 s and 2.2 s" in verdict.result
+    outcome = outcome_of(measured, IOMP)
+    assert outcome.winner == IOMP and outcome.iomp == "auto"
+    assert outcome.result.startswith("libiomp5 1.60x faster than libgomp: libiomp5 won 3 of 3")
+    assert "median 17.2 s vs 27.5 s for libgomp, spread 11 s and 2.2 s" in outcome.result
     # One round lost: no winner, and the line says what happened, not "faster".
-    split = decide([Summary(GOMP, (27.0, 10.0, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))], IOMP)
+    split = outcome_of([Summary(GOMP, (27.0, 10.0, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))], IOMP)
     assert split.winner is None and "faster" not in split.result
     assert split.result.startswith("no clear winner: libiomp5 won 2 of 3 rounds; median 17.2")
     # Two rounds both won, but within the larger range: not enough for a winner.
-    two = decide([Summary(GOMP, (0.20, 0.21)), Summary(IOMP, (0.19, 0.10))], IOMP)
+    two = outcome_of([Summary(GOMP, (0.20, 0.21)), Summary(IOMP, (0.19, 0.10))], IOMP)
     assert two.winner is None and "won 2 of 2 rounds" in two.result
 
 

@@ -30,8 +30,8 @@ from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.plan import (
     STRICT_REFUSAL,
     plan_as_json,
+    plan_as_text,
     plan_of,
-    render_text,
     summary_line,
 )
 from vllm_cpu_launch.settings import load_settings
@@ -294,7 +294,7 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
 
             write_stdout(json.dumps(plan_as_json(plan), indent=2))
         else:
-            write_stdout(render_text(plan))
+            write_stdout(plan_as_text(plan))
         return 0
     report(plan, values)
     execute(plan)

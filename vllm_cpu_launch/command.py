@@ -228,7 +228,7 @@ class SpeculativeRequest:
     near_miss: tuple[str, str] | None = None
 
 
-def decide(options: Iterable[Occurrence]) -> SpeculativeRequest:
+def speculative_from(options: Iterable[Occurrence]) -> SpeculativeRequest:
     """Whether SD is requested by these options, and with which method and token count.
     Every JSON value is read, as argparse converts each: one that is no JSON is an error."""
     items = list(options)
@@ -546,7 +546,7 @@ def requested_by_arguments(argv: Sequence[str]) -> SpeculativeRequest:
     spelled = list(on_command_line(argv, SD_OPTIONS))
     path = config_file_path(argv)
     if path is None:
-        return decide(spelled)
+        return speculative_from(spelled)
     try:
         in_file = in_config_file(path, SD_OPTIONS)
     except LaunchError:
@@ -561,10 +561,10 @@ def requested_by_arguments(argv: Sequence[str]) -> SpeculativeRequest:
         problem = f"is not valid YAML ({(str(error).splitlines() or [repr(error)])[0]})"
     else:
         # The file's options come first: vLLM inserts them before the command line's.
-        return decide(in_file + spelled)
-    decided = decide(spelled)
-    if decided.source is not None:
-        return decided
+        return speculative_from(in_file + spelled)
+    request = speculative_from(spelled)
+    if request.source is not None:
+        return request
     return SpeculativeRequest(
         True,
         f"--config {path}",

@@ -1,12 +1,15 @@
-"""What every module says and makes: records, the user-facing error and its exit codes,
-and the one-line messages on stderr (with journald priorities under systemd).
+"""What every module says and makes: records, closed sets, the user-facing error and its
+exit codes, and the one-line messages on stderr (with journald priorities under systemd).
 
 `record` is the one way the package makes a value that flows between modules: a frozen
 dataclass, with keyword or positional construction, equality, hashing and a readable repr.
+A closed set of words (a mode, an origin, a verdict) is a `StrEnum`: its members are the
+words the user sees, in text and JSON alike.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
 from dataclasses import dataclass
@@ -32,6 +35,17 @@ else:
 def record(cls: type[_T]) -> type[_T]:
     """Make `cls` a frozen dataclass of its annotated fields."""
     return dataclass(frozen=True)(cls)
+
+
+class StrEnum(str, enum.Enum):
+    """A closed set of words, each member its word wherever it is shown (`f"{member}"`,
+    `str()`, json.dumps) and equal to it: Python 3.11's enum.StrEnum, which 3.10 lacks."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
 
 
 # The user-facing error and its exit codes

@@ -38,11 +38,11 @@ from vllm_cpu_launch.libraries import (
     IOMP,
     LLVM,
     TCMALLOC,
-    Verdict,
-    callers_verdict,
+    Finding,
+    examine_entry,
     find_library,
 )
-from vllm_cpu_launch.settings import choose, launch_scope
+from vllm_cpu_launch.settings import Mode, choose, launch_scope
 from vllm_cpu_launch.target import python_libraries
 from vllm_cpu_launch.trust import insecure_reason, owners
 
@@ -299,7 +299,7 @@ class Facts:
     scope: Scope
     tuned: Tuned | None  # the tune record that matches, before the SD check
     tune_notes: tuple[str, ...]
-    entries: tuple[tuple[str, Verdict], ...]  # the caller's LD_PRELOAD entries, examined
+    entries: tuple[tuple[str, Finding], ...]  # the caller's LD_PRELOAD entries, examined
     alias: Alias | None  # the `vllm` metadata to supply (supply_metadata)
     alias_problem: tuple[str, str] | None  # why the alias cannot be supplied
     iomp: Search | None = None  # the search for an OpenMP runtime, where one may be wanted
@@ -351,24 +351,24 @@ def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]
     return search
 
 
-def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Verdict], ...]:
+def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Finding], ...]:
     """Each entry of the caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN
     entries are the program's to resolve: left out)."""
     found = []
     for entry in dict.fromkeys(e.path for e in host.preload):
         if "ORIGIN" in entry:
             continue
-        found.append((entry, callers_verdict(entry, None, host, trusted)))
+        found.append((entry, examine_entry(entry, None, host, trusted)))
     return tuple(found)
 
 
 def effective_tune(facts: Facts) -> Tuned | None:
     """The tune record applied: one that kept libgomp does not keep it for SD."""
-    dropped = facts.tuned and facts.tuned.iomp == "never" and facts.speculative.requested
+    dropped = facts.tuned and facts.tuned.iomp == Mode.NEVER and facts.speculative.requested
     return None if dropped else facts.tuned
 
 
-def mode_of(facts: Facts) -> str:
+def mode_of(facts: Facts) -> Mode:
     """--iomp as it applies: a tune of this command wins over a config file's (tunes.py)."""
     applied = effective_tune(facts)
     return applied.iomp if applied else facts.settings.iomp
@@ -378,13 +378,13 @@ def may_want(facts: Facts) -> tuple[bool, bool]:
     """Whether an OpenMP runtime, and tcmalloc, may be wanted: the searches to make."""
     settings, host = facts.settings, facts.host
     mode = mode_of(facts)
-    older = facts.speculative.requested and facts.release.status == "older" and mode == "auto"
-    runtime = (mode == "always" and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
-        mode == "auto" and facts.auto_iomp and host.machine in IOMP_MACHINES and not older
+    older = facts.speculative.requested and facts.release.status == "older" and mode == Mode.AUTO
+    runtime = (mode == Mode.ALWAYS and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
+        mode == Mode.AUTO and facts.auto_iomp and host.machine in IOMP_MACHINES and not older
     )
     theirs = any(e.kind is Library.MALLOC for e in host.preload)
     tcmalloc = not theirs and (
-        settings.tcmalloc == "always" or (settings.tcmalloc == "auto" and runtime)
+        settings.tcmalloc == Mode.ALWAYS or (settings.tcmalloc == Mode.AUTO and runtime)
     )
     return runtime, tcmalloc
 
@@ -446,7 +446,7 @@ def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) ->
     # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
     runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
     # tcmalloc is missing to the plan only where the user asked for it (--tcmalloc always).
-    always = facts.settings.tcmalloc == "always"
+    always = facts.settings.tcmalloc == Mode.ALWAYS
     allocator = always and tcmalloc is not None and tcmalloc.chosen is None
     if not (runtime or allocator):
         return MappingProxyType({})

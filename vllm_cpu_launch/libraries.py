@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import field
+from dataclasses import field, replace
 from typing import TYPE_CHECKING, Literal
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
 from vllm_cpu_launch.target import python_libraries, python_user_base
 from vllm_cpu_launch.trust import (
@@ -116,15 +116,35 @@ class Host:
         object.__setattr__(self, "preload", read_preload(self.environ.get(LD_PRELOAD, "")))
 
 
+class Origin(StrEnum):
+    """Where a candidate came from: the --iomp-path/--tcmalloc-path given, or a place of
+    the search order (the word the plan, doctor and --dry-run say)."""
+
+    EXPLICIT = "explicit"
+    LD_PRELOAD = "ld-preload"
+    VLLM_ENVIRONMENT = "vllm-environment"
+    LAUNCHER_ENVIRONMENT = "launcher-environment"
+    CONDA = "conda"
+    VIRTUALENV = "virtualenv"
+    INTEL_OPENMP_PACKAGE = "intel-openmp-package"
+    CMEEL_LIBOMP_PACKAGE = "cmeel-libomp-package"
+    VLLM_BUNDLED = "vllm-bundled"
+    USER_BASE = "user-base"
+    ONEAPI = "oneapi"
+    LD_LIBRARY_PATH = "ld-library-path"
+    LOADER_CACHE = "loader-cache"
+    SYSTEM = "system"
+
+
 @record
 class Place:
     """One step of the search order: where it looked and which files it proposes."""
 
-    origin: str
+    origin: Origin
     paths: tuple[str, ...]
 
 
-def files_named(origin: str, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
+def files_named(origin: Origin, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
     """The files with one of `names` that exist in `directories` (skipping unset ones)."""
     paths = [
         os.path.join(directory, name)
@@ -138,7 +158,7 @@ def files_named(origin: str, directories: Iterable[str | None], names: tuple[str
 
 def ld_preload_place(kind: str, host: Host) -> Place:
     """The caller's entries that are a library of `kind`, by their file's name."""
-    return Place("ld-preload", tuple(e.path for e in host.preload if e.kind in PROPOSED[kind]))
+    return Place(Origin.LD_PRELOAD, tuple(e.path for e in host.preload if e.kind in PROPOSED[kind]))
 
 
 def lib_expansions(host: Host) -> tuple[str, ...]:
@@ -171,9 +191,9 @@ def resolve_preload_entry(entry: str, host: Host) -> str | None:
     value = host.environ.get("LD_LIBRARY_PATH", "")
     directories = [d for d in value.split(":") if os.path.isabs(d)]
     places = (
-        files_named("", directories, names),
+        files_named(Origin.LD_LIBRARY_PATH, directories, names),
         loader_cache_place(names, host),
-        files_named("", system_directories(host), names),
+        files_named(Origin.SYSTEM, system_directories(host), names),
     )
     return next((place.paths[0] for place in places if place.paths), None)
 
@@ -184,10 +204,10 @@ def library_path_place(names: tuple[str, ...], host: Host) -> Place:
     paths: list[str] = []
     for directory in value.split(":") if value else []:
         if os.path.isabs(directory):
-            paths.extend(files_named("", [directory], names).paths)
+            paths.extend(files_named(Origin.LD_LIBRARY_PATH, [directory], names).paths)
         else:  # "" is the current directory to the loader
             paths.append(os.path.join(directory, names[0]) if directory else "")
-    return Place("ld-library-path", tuple(paths))
+    return Place(Origin.LD_LIBRARY_PATH, tuple(paths))
 
 
 # glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
@@ -238,7 +258,7 @@ def system_path(host: Host, path: str) -> str:
 def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
     entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
     found = [system_path(host, p) for p in entries if os.path.basename(p) in names]
-    return Place("loader-cache", tuple(dict.fromkeys(found)))
+    return Place(Origin.LOADER_CACHE, tuple(dict.fromkeys(found)))
 
 
 def version_key(name: str) -> tuple[int, ...]:
@@ -364,30 +384,32 @@ def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Plac
     user_lib = [lib_directory(python_user_base(environ))]
     steps: list[Callable[[], Place]] = [
         lambda: ld_preload_place(kind, host),
-        lambda: files_named("vllm-environment", target_lib, names),
-        lambda: files_named("launcher-environment", [lib_directory(host.launcher_prefix)], names),
-        lambda: files_named("conda", [lib_directory(environ.get("CONDA_PREFIX"))], names),
-        lambda: files_named("virtualenv", [lib_directory(environ.get("VIRTUAL_ENV"))], names),
+        lambda: files_named(Origin.VLLM_ENVIRONMENT, target_lib, names),
+        lambda: files_named(
+            Origin.LAUNCHER_ENVIRONMENT, [lib_directory(host.launcher_prefix)], names
+        ),
+        lambda: files_named(Origin.CONDA, [lib_directory(environ.get("CONDA_PREFIX"))], names),
+        lambda: files_named(Origin.VIRTUALENV, [lib_directory(environ.get("VIRTUAL_ENV"))], names),
     ]
     if kind == IOMP:
         steps += [
             lambda: Place(
-                "intel-openmp-package",
+                Origin.INTEL_OPENMP_PACKAGE,
                 tuple(distribution_files("intel-openmp", host.search_path, names[0])),
             ),
-            lambda: Place("cmeel-libomp-package", tuple(cmeel_libomp(target, host))),
-            lambda: files_named("user-base", user_lib, names),
-            lambda: files_named("oneapi", oneapi_directories(host), names),
+            lambda: Place(Origin.CMEEL_LIBOMP_PACKAGE, tuple(cmeel_libomp(target, host))),
+            lambda: files_named(Origin.USER_BASE, user_lib, names),
+            lambda: files_named(Origin.ONEAPI, oneapi_directories(host), names),
         ]
     else:
         steps += [
-            lambda: Place("vllm-bundled", tuple(vllm_bundled_tcmalloc(target_prefix))),
-            lambda: files_named("user-base", user_lib, names),
+            lambda: Place(Origin.VLLM_BUNDLED, tuple(vllm_bundled_tcmalloc(target_prefix))),
+            lambda: files_named(Origin.USER_BASE, user_lib, names),
         ]
     steps += [
         lambda: library_path_place(names, host),
         lambda: loader_cache_place(names, host),
-        lambda: files_named("system", system_directories(host), names),
+        lambda: files_named(Origin.SYSTEM, system_directories(host), names),
     ]
     for step in steps:
         yield step()
@@ -399,14 +421,22 @@ FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 
 
+class CandidateVerdict(StrEnum):
+    """What became of a candidate: preloaded, valid but passed over, or refused."""
+
+    CHOSEN = "chosen"
+    USABLE = "usable"  # valid, but a better one was chosen (or none is wanted beside theirs)
+    REJECTED = "rejected"  # its reason says why
+
+
 @record
 class Candidate:
     """A library file considered for preloading, with the verdict and its reason."""
 
     kind: str
     path: str
-    origin: str
-    verdict: str  # "chosen", "rejected", or "usable" (valid but a better one was chosen)
+    origin: Origin
+    verdict: CandidateVerdict
     reason: str
     flavor: str | None = None
     fix: str = ""  # for a library refused as unsafe: the command that makes it trusted
@@ -414,7 +444,7 @@ class Candidate:
 
 
 @record
-class Verdict:
+class Finding:
     """What examining one file found: the reason to reject it (None: usable)."""
 
     reason: str | None
@@ -473,43 +503,32 @@ def examine(
     host: Host,
     trusted: frozenset[int] = frozenset(),
     as_written: bool = True,
-) -> tuple[str | None, str | None, str]:
-    """(reason to reject or None, flavor, fix for an unsafe one) for one candidate file.
+    named: bool = False,
+) -> Finding:
+    """What one candidate file is: the reason to reject it, its flavor, and whether the
+    trust rule refused it (with the fix).
 
     `kind` None: any library (a caller's), examined as a file alone. `as_written` False:
     `path` is where the loader finds a caller's entry (resolve_preload_entry), whose form
-    is theirs to choose."""
-    found = verdict(path, kind, host, trusted, as_written)
-    return found.reason, found.flavor, found.fix
-
-
-def verdict(
-    path: str,
-    kind: str | None,
-    host: Host,
-    trusted: frozenset[int] = frozenset(),
-    as_written: bool = True,
-    named: bool = False,
-) -> Verdict:
-    """examine's finding as a record: whether the trust rule refused it is a field.
-    `named`: the user named the file (trust.insecure_reason's fixes differ)."""
+    is theirs to choose. `named`: the user named the file (trust.insecure_reason's fixes
+    differ)."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
-        return Verdict(problem)
-    reason, flavor, fix = file_verdict(path, kind, host, trusted, named)
+        return Finding(problem)
+    reason, flavor, fix = examine_file(path, kind, host, trusted, named)
     if isinstance(reason, Unsafe):
-        return Verdict(f"{UNSAFE}{reason.why}", None, fix, unsafe=True)
-    return Verdict(reason, flavor, fix)
+        return Finding(f"{UNSAFE}{reason.why}", None, fix, unsafe=True)
+    return Finding(reason, flavor, fix)
 
 
 @record
 class Unsafe:
-    """file_verdict's refusal by the trust rule, told apart by its type, not its text."""
+    """examine_file's refusal by the trust rule, told apart by its type, not its text."""
 
     why: str
 
 
-def file_verdict(
+def examine_file(
     path: str, kind: str | None, host: Host, trusted: frozenset[int], named: bool = False
 ) -> tuple[str | Unsafe | None, str | None, str]:
     """examine's checks of the file itself: a regular, readable ELF file of this machine
@@ -565,7 +584,7 @@ RELATIVE_ENTRY = (
 )
 
 
-def callers_verdict(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Verdict:
+def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Finding:
     """A caller's LD_PRELOAD entry, judged once for every use: theirs as written, examined
     where the loader finds it (a bare name, `$LIB`), its name unjudged; a relative path is
     refused by the trust rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that
@@ -575,27 +594,27 @@ def callers_verdict(entry: str, kind: str | None, host: Host, trusted: frozenset
             os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
             for e in (p.path for p in host.preload)
         )
-        return Verdict(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
+        return Finding(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
     resolved = resolve_preload_entry(entry, host)
     if resolved is None:
-        return Verdict(NOT_FOUND_BY_LOADER)
-    return verdict(resolved, kind, host, trusted, as_written=False, named=True)
+        return Finding(NOT_FOUND_BY_LOADER)
+    return examine(resolved, kind, host, trusted, as_written=False, named=True)
 
 
 def candidate_of(
-    kind: str, path: str, origin: str, host: Host, trusted: frozenset[int]
+    kind: str, path: str, origin: Origin, host: Host, trusted: frozenset[int]
 ) -> Candidate:
     """One file examined where `origin` proposed it: a caller's LD_PRELOAD entry as
-    callers_verdict judges it; ours must be an absolute path vLLM recognises."""
-    if origin == "ld-preload":
-        found = callers_verdict(path, kind, host, trusted)
+    examine_entry judges it; ours must be an absolute path vLLM recognises."""
+    if origin == Origin.LD_PRELOAD:
+        found = examine_entry(path, kind, host, trusted)
     else:
-        found = verdict(path, kind, host, trusted, named=origin == "explicit")
+        found = examine(path, kind, host, trusted, named=origin == Origin.EXPLICIT)
     return Candidate(
         kind,
         path,
         origin,
-        "rejected" if found.reason else "usable",
+        CandidateVerdict.REJECTED if found.reason else CandidateVerdict.USABLE,
         found.reason or "valid",
         found.flavor,
         found.fix,
@@ -610,7 +629,7 @@ class Search:
     kind: str
     chosen: Candidate | None
     candidates: tuple[Candidate, ...]
-    places: tuple[str, ...]  # the origins searched, for the 'not found' message
+    places: tuple[Origin, ...]  # the origins searched, for the 'not found' message
 
 
 def find_library(
@@ -631,13 +650,14 @@ def find_library(
     `trusted`: uids besides root whose files may be preloaded (the target's owners).
     """
     if explicit is not None:
-        given = candidate_of(kind, explicit, "explicit", host, trusted)
-        if given.verdict == "usable":
-            given = Candidate(kind, explicit, "explicit", "chosen", "given", given.flavor)
-        return Search(kind, given if given.verdict == "chosen" else None, (given,), ("explicit",))
+        given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
+        if given.verdict == CandidateVerdict.USABLE:
+            given = replace(given, verdict=CandidateVerdict.CHOSEN, reason="given")
+        taken = given if given.verdict == CandidateVerdict.CHOSEN else None
+        return Search(kind, taken, (given,), (Origin.EXPLICIT,))
     seen: set[str] = set()
     candidates: list[Candidate] = []
-    searched: list[str] = []
+    searched: list[Origin] = []
     chosen: Candidate | None = None
     llvm: Candidate | None = None  # the first LLVM runtime, taken if no Intel one is found
     for place in search_places(kind, host, target):
@@ -650,11 +670,11 @@ def find_library(
             seen.add(normalized)
             candidate = candidate_of(kind, path, place.origin, host, trusted)
             candidates.append(candidate)
-            if candidate.verdict == "usable":
+            if candidate.verdict == CandidateVerdict.USABLE:
                 usable.append(candidate)
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
-        if best is not None and best.flavor == LLVM and place.origin != "ld-preload":
+        if best is not None and best.flavor == LLVM and place.origin != Origin.LD_PRELOAD:
             llvm = llvm or best
         elif best is not None and chosen is None:
             chosen = best
@@ -663,6 +683,6 @@ def find_library(
     winner = chosen or llvm
     if winner is not None:
         why = "first usable" if chosen else "first usable; no Intel OpenMP found, LLVM's"
-        chosen = Candidate(kind, winner.path, winner.origin, "chosen", why, winner.flavor)
+        chosen = replace(winner, verdict=CandidateVerdict.CHOSEN, reason=why)
         candidates = [chosen if c is winner else c for c in candidates]
     return Search(kind, chosen, tuple(candidates), tuple(searched))

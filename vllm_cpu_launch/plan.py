@@ -36,8 +36,9 @@ from vllm_cpu_launch.libraries import (
     IOMP,
     LLVM,
     TCMALLOC,
-    Candidate,
+    CandidateVerdict,
     Host,
+    Origin,
 )
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
@@ -52,7 +53,7 @@ from vllm_cpu_launch.rules import (
     override_words,
     setting_rule,
 )
-from vllm_cpu_launch.settings import blocktime_problem, said_setting
+from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.gather import Facts
-    from vllm_cpu_launch.libraries import Candidate, PreloadEntry, Search, Verdict
+    from vllm_cpu_launch.libraries import Candidate, Finding, PreloadEntry, Search
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.target import Target
@@ -77,7 +78,7 @@ NO_SETTING = Setting(None, "")
 class Decision:
     """What the stages decided so far; each stage returns a new one."""
 
-    mode: str = "auto"  # --iomp as it applies (a tune's, else the settings')
+    mode: Mode = Mode.AUTO  # --iomp as it applies (a tune's, else the settings')
     tuned: Tuned | None = None  # the tune record applied
     tune_dropped: bool = False  # a tune that kept libgomp, not applied to SD
     wants_iomp: bool = False
@@ -112,7 +113,7 @@ def mode_stage(facts: Facts, decision: Decision) -> Decision:
     """--iomp in effect, and whether an OpenMP runtime is wanted for it."""
     mode = mode_of(facts)
     tuned = effective_tune(facts)
-    wants = mode == "always" or (mode == "auto" and facts.auto_iomp)
+    wants = mode == Mode.ALWAYS or (mode == Mode.AUTO and facts.auto_iomp)
     dropped = facts.tuned is not None and tuned is None
     return replace(decision, mode=mode, tuned=tuned, tune_dropped=dropped, wants_iomp=wants)
 
@@ -122,7 +123,7 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
     if not facts.speculative.requested or facts.release.status not in ("older", "newer"):
         return decision
     older = facts.release.status == "older"
-    if older and decision.mode != "auto":
+    if older and decision.mode != Mode.AUTO:
         return decision
     wants = decision.wants_iomp and not older
     return replace(decision, release_gate=facts.release.status, wants_iomp=wants)
@@ -134,7 +135,7 @@ def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     machine = facts.host.machine
     if not decision.wants_iomp:
         return decision
-    if machine in LLVM_OPT_IN_MACHINES and decision.mode == "always":
+    if machine in LLVM_OPT_IN_MACHINES and decision.mode == Mode.ALWAYS:
         return replace(decision, machine_gate="opt-in")
     if machine not in IOMP_MACHINES:
         return replace(decision, machine_gate="off", wants_iomp=False)
@@ -191,11 +192,11 @@ def declined(search: Search, why: str) -> Search:
     candidates = tuple(
         replace(
             c,
-            verdict="rejected",
+            verdict=CandidateVerdict.REJECTED,
             reason=f"LLVM's libomp, {why}: not preloaded in Intel OpenMP's place; "
             f"--iomp-path {c.path} or --iomp always preloads it anyway",
         )
-        if c.verdict in ("chosen", "usable")
+        if c.verdict in (CandidateVerdict.CHOSEN, CandidateVerdict.USABLE)
         else c
         for c in search.candidates
     )
@@ -208,11 +209,11 @@ def set_aside(search: Search, entry: str) -> Search:
     candidates = tuple(
         replace(
             c,
-            verdict="usable",
+            verdict=CandidateVerdict.USABLE,
             reason=f"not preloaded: your LD_PRELOAD entry {entry} is named as an OpenMP "
             "runtime, kept as set, and none goes beside it",
         )
-        if c.verdict == "chosen" and c.origin != "ld-preload"
+        if c.verdict == CandidateVerdict.CHOSEN and c.origin != Origin.LD_PRELOAD
         else c
         for c in search.candidates
     )
@@ -226,9 +227,14 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     if not decision.wants_iomp or search is None:
         return decision
     found, runtime = search.chosen, None
-    if found and found.origin != "explicit" and found.flavor == LLVM and x86_sd(facts, decision):
+    if (
+        found
+        and found.origin != Origin.EXPLICIT
+        and found.flavor == LLVM
+        and x86_sd(facts, decision)
+    ):
         runtime = llvm_runtime(start_of(facts))
-        if runtime.rule is None and decision.mode == "auto":
+        if runtime.rule is None and decision.mode == Mode.AUTO:
             search = declined(search, runtime.note)
     iomp = search.chosen
     foreign = [e for e in decision.yours if iomp is None or e != iomp.path]
@@ -240,9 +246,9 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
         )
     if foreign:
         search = set_aside(search, foreign[0])
-    rejected = {c.path: c for c in search.candidates if c.origin == "ld-preload"}
+    rejected = {c.path: c for c in search.candidates if c.origin == Origin.LD_PRELOAD}
     broken = tuple(rejected[e] for e in decision.yours if e in rejected)
-    broken = tuple(c for c in broken if c.verdict == "rejected") if foreign else ()
+    broken = tuple(c for c in broken if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
     missing = bool(broken) if foreign else iomp is None
     return replace(
         decision,
@@ -260,9 +266,9 @@ def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     tcmalloc_setting = facts.settings.tcmalloc
     applied = decision.applied
     wants = not decision.other_malloc and (
-        tcmalloc_setting == "always"
+        tcmalloc_setting == Mode.ALWAYS
         or (
-            tcmalloc_setting == "auto"
+            tcmalloc_setting == Mode.AUTO
             and decision.iomp is not None
             and not decision.yours
             and (not applied or applied.tcmalloc)
@@ -272,9 +278,9 @@ def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     if not wants or search is None:
         return decision
     chosen = search.chosen
-    if decision.allocators and (chosen is None or chosen.origin != "ld-preload"):
+    if decision.allocators and (chosen is None or chosen.origin != Origin.LD_PRELOAD):
         chosen = None  # theirs, unusable: its warning says so; nothing goes beside it
-    missing = chosen is None and not decision.allocators and tcmalloc_setting == "always"
+    missing = chosen is None and not decision.allocators and tcmalloc_setting == Mode.ALWAYS
     return replace(decision, tcmalloc_search=search, tcmalloc=chosen, tcmalloc_missing=missing)
 
 
@@ -286,7 +292,7 @@ def searches(decision: Decision) -> tuple[Search, ...]:
 def refuse_stage(facts: Facts, decision: Decision) -> Decision:
     """A caller's entry the trust rule refuses, examined beside the plan's own library:
     nothing changes (the launcher refuses to start, the plugin leaves it)."""
-    callers = [c for s in searches(decision) for c in s.candidates if c.origin == "ld-preload"]
+    callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     refused = tuple(c for c in callers if c.unsafe)
     chosen = tuple(c for c in (decision.tcmalloc, decision.iomp) if c is not None)
     return replace(decision, refused=refused, chosen=() if refused else chosen)
@@ -357,11 +363,11 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     planner, environ = facts.planner, facts.host.environ
     requested = facts.speculative.requested
     keeps_gomp = decision.iomp is None and (
-        decision.mode == "never" or (requested and not decision.yours)
+        decision.mode == Mode.NEVER or (requested and not decision.yours)
     )
     mark = None
     if keeps_gomp:
-        found = decision.mode == "never" or not decision.iomp_missing
+        found = decision.mode == Mode.NEVER or not decision.iomp_missing
         mark = planner if found else planner + NOT_FOUND_MARK
     elif planner == LAUNCHER and vllm_reads(env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))):
         mark = planner + STARTED_MARK
@@ -396,8 +402,6 @@ def decide(facts: Facts) -> Decision:
 
 # The plan and its words
 
-# Candidate at run time: Plan's field names it (tests/test_render_records.py reads hints).
-
 
 __all__ = ["DEFAULT_KMP_BLOCKTIME", "Host", "compose_ld_preload"]  # for the tests and verbs
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
@@ -427,7 +431,7 @@ class Preload:
     kind: str
     path: str
     flavor: str | None
-    origin: str
+    origin: Origin
 
 
 @record
@@ -485,7 +489,7 @@ def missing_message(search: Search, install: str, consequence: str, llvm: bool =
 
 
 def why(
-    mode: str,
+    mode: Mode,
     speculative: SpeculativeRequest,
     auto_iomp: bool,
     tuned: Tuned | None,
@@ -493,7 +497,7 @@ def why(
 ) -> str:
     """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it).
     `named`: the iomp setting as said_setting names it, where the user's setting decided."""
-    if mode != "auto":
+    if mode != Mode.AUTO:
         reason = named if named and tuned is None else f"--iomp {mode}"
     elif speculative.requested:
         reason = f"speculative decoding requested by {speculative.source}"
@@ -525,7 +529,7 @@ def refusal(candidate: Candidate) -> str:
     )
 
 
-def entry_problem(entry: str, found: Verdict) -> str | None:
+def entry_problem(entry: str, found: Finding) -> str | None:
     """The warning for a caller's LD_PRELOAD entry the loader will not preload, or the
     trust rule refuses: what the loader will do with it (issue 31)."""
     if found.unsafe:
@@ -562,12 +566,12 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
         for c in decision.broken
         if not c.unsafe
     ]
-    callers = [c for s in searches(decision) for c in s.candidates if c.origin == "ld-preload"]
+    callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     rejected = [
         f"your LD_PRELOAD entry {c.path} stays as you set it, but it is no usable {c.kind} "
         f"library: {c.reason}"
         for c in callers
-        if c.verdict == "rejected"
+        if c.verdict == CandidateVerdict.REJECTED
         and not c.unsafe
         and not (c.kind == IOMP and c.path in decision.yours)
     ]
@@ -605,15 +609,15 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
     if decision.release_gate != "older":  # an older vLLM refuses SD on CPU altogether
         said += facts.speculative.refusals
     said += [*filter(None, [facts.target.disagreement]), *unsafe]
-    if decision.machine_gate == "off" and decision.mode == "always":
+    if decision.machine_gate == "off" and decision.mode == Mode.ALWAYS:
         said.append(machine_words(facts.host.machine))
-    if decision.yours and decision.mode == "never" and not decision.wants_iomp:
+    if decision.yours and decision.mode == Mode.NEVER and not decision.wants_iomp:
         names = ", ".join(decision.yours)
         said.append(
             f"{said_setting(facts.settings, 'iomp')}, but your LD_PRELOAD names {names}: "
             "it stays as you set it"
         )
-    if decision.other_malloc and facts.settings.tcmalloc == "always":
+    if decision.other_malloc and facts.settings.tcmalloc == Mode.ALWAYS:
         said.append(
             f"{said_setting(facts.settings, 'tcmalloc')}, but your LD_PRELOAD names "
             f"{', '.join(decision.other_malloc)}:"
@@ -674,7 +678,7 @@ def notes_of(facts: Facts, decision: Decision) -> list[str]:
             f"--iomp always on {machine}: LLVM's libomp, never measured on such a host "
             "(the runtimes map ran on x86-64)"
         )
-    elif decision.machine_gate == "off" and decision.mode != "always":
+    elif decision.machine_gate == "off" and decision.mode != Mode.ALWAYS:
         said.append(machine_words(machine))
     if decision.setting.note and decision.setting.rule is None:
         said.append(decision.setting.note)
@@ -685,14 +689,14 @@ def later_notes(facts: Facts, decision: Decision) -> list[str]:
     """notes_of's, from the runtime chosen on."""
     settings, said = facts.settings, []
     runtime = decision.runtime
-    if runtime and runtime.rule is None and decision.mode != "auto":
+    if runtime and runtime.rule is None and decision.mode != Mode.AUTO:
         said.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime.note}")
     elif runtime and runtime.rule:
         said.append(runtime.note)
-    if not decision.wants_iomp and decision.mode == "auto" and not facts.auto_iomp:
+    if not decision.wants_iomp and decision.mode == Mode.AUTO and not facts.auto_iomp:
         said.append("no speculative decoding requested: Intel OpenMP not needed")
     applied = decision.applied
-    if applied and not applied.tcmalloc and settings.tcmalloc == "auto":
+    if applied and not applied.tcmalloc and settings.tcmalloc == Mode.AUTO:
         said.append("tcmalloc not preloaded: the map measured this setting without it")
     wanted = decision.tcmalloc_search is not None
     absent = decision.tcmalloc is None and not decision.tcmalloc_missing
@@ -829,7 +833,7 @@ def rule_json(rule: Rule | None) -> dict[str, Any] | None:
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
     """The decision record, in the JSON form of docs/design.md ("The decision record"):
-    `--dry-run --json`, `env --format json`, doctor's `map.plan`; render_text shows it."""
+    `--dry-run --json`, `env --format json`, doctor's `map.plan`; plan_as_text shows it."""
     tuned = plan.tuned
     return {
         "schema": schema("plan"),
@@ -875,7 +879,7 @@ def summary_line(plan: Plan, unchanged: str | None = None) -> str:
     PLANNED_VARIABLE, is bookkeeping: --dry-run shows it). `unchanged`: what to say
     when nothing else changes (default: starting the command unchanged)."""
     parts = [
-        f"{'keeping your' if p.origin == 'ld-preload' else 'preloading'} {p.path} "
+        f"{'keeping your' if p.origin == Origin.LD_PRELOAD else 'preloading'} {p.path} "
         f"({p.flavor or p.kind}, from {p.origin})"
         for p in plan.preload
     ]
@@ -914,7 +918,7 @@ def rule_words(rule: dict[str, Any]) -> str:
     )
 
 
-def render_text(plan: Plan) -> str:
+def plan_as_text(plan: Plan) -> str:
     """The decision record for a person (`--dry-run`): plan_as_json's record, line by line."""
     import shlex  # lazy: only --dry-run
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
+from vllm_cpu_launch.settings import Mode
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -385,7 +386,7 @@ class Start:
     tokens: int | None
     environ: Mapping[str, str]
     chosen_blocktime: str | None = None  # --kmp-blocktime (option, variable or config)
-    tcmalloc: str = "auto"  # the tcmalloc setting
+    tcmalloc: Mode = Mode.AUTO  # the tcmalloc setting
     tcmalloc_found: bool = False  # a tcmalloc the settings let in was found
     callers_allocator: str | None = None  # "tcmalloc" or "other": one in their LD_PRELOAD
     vllm_found: bool = True  # False: no vLLM found (release None); True with None: unknown
@@ -491,10 +492,10 @@ def allocator_miss(measured: str, start: Start) -> Miss | None:
     theirs = start.callers_allocator
     if measured == "none" and theirs:
         return Miss("allocator", f"your LD_PRELOAD's {theirs} allocator", "measured without")
-    if measured == "none" and start.tcmalloc == "always":
+    if measured == "none" and start.tcmalloc == Mode.ALWAYS:
         return Miss("allocator", "tcmalloc set to always", "measured without it")
     found = theirs == "tcmalloc" or (
-        not theirs and start.tcmalloc != "never" and start.tcmalloc_found
+        not theirs and start.tcmalloc != Mode.NEVER and start.tcmalloc_found
     )
     if measured == "tcmalloc" and not found:
         return Miss("allocator", "no tcmalloc to preload", "measured with one")

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import detect, model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
@@ -33,7 +33,14 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
 
 
-MODES = ("auto", "always", "never")
+class Mode(StrEnum):
+    """What --iomp and --tcmalloc say: preload where the plan wants it, always, or never."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
 SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
 CONFIG_VARIABLE = "VLLMCPULAUNCH_CONFIG"
 # Our variables were named VLLM_CPU_LAUNCH_* in 0.1: vLLM reports every VLLM_* variable
@@ -66,7 +73,7 @@ class Tuned:
     """What `tune --write` measured: it chose `iomp` at `when`; `result` says by what margin."""
 
     when: str  # ISO 8601 UTC time, e.g. 2026-12-01T10:02Z
-    iomp: str  # the value it found best (auto: no clear winner, the default kept)
+    iomp: Mode  # the value it found best (auto: no clear winner, the default kept)
     result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
     rounds: int
     command: str  # the `vllm bench latency` command line it measured
@@ -76,16 +83,16 @@ class Tuned:
     origin: str = ""  # the config file it was read from
     # A serving tune's concurrencies, each with the --iomp value it alone pointed to
     # (auto: no clear winner there, or the default won); empty: `vllm bench latency`.
-    concurrency: tuple[tuple[int, str], ...] = ()
+    concurrency: tuple[tuple[int, Mode], ...] = ()
 
 
 @record
 class Settings:
     """What the user asked of the launcher, after precedence and validation."""
 
-    iomp: str = "auto"
+    iomp: Mode = Mode.AUTO
     iomp_path: str | None = None
-    tcmalloc: str = "auto"
+    tcmalloc: Mode = Mode.AUTO
     tcmalloc_path: str | None = None
     kmp_blocktime: str | None = None
     vllm: str | None = None
@@ -139,14 +146,14 @@ def fail(where: str, problem: str) -> LaunchError:
     return LaunchError(EXIT_USAGE, f"{where}: {problem}")
 
 
-def parse_mode(value: object, where: str) -> str:
+def parse_mode(value: object, where: str) -> Mode:
     """auto, always or never, in any case (as yes/no values are)."""
-    if isinstance(value, str) and value.lower() in MODES:
-        return value.lower()
+    if isinstance(value, str) and value.lower() in tuple(Mode):
+        return Mode(value.lower())
     hint = " (YAML reads off/no/on/yes as true or false: write never or always)"
     raise fail(
         where,
-        f"{value!r} is not one of {', '.join(MODES)}{hint if isinstance(value, bool) else ''}",
+        f"{value!r} is not one of {', '.join(Mode)}{hint if isinstance(value, bool) else ''}",
     )
 
 
@@ -251,7 +258,7 @@ def parse_tune_record(value: object, where: str) -> Tuned:
     )
 
 
-def parse_concurrency(value: object, where: str) -> tuple[tuple[int, str], ...]:
+def parse_concurrency(value: object, where: str) -> tuple[tuple[int, Mode], ...]:
     """A serving tune's `concurrency:` mapping: positive whole numbers to --iomp values."""
     if not isinstance(value, dict):
         raise fail(where, f"must map each concurrency to auto, always or never, not {value!r}")
@@ -615,14 +622,14 @@ def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
     a serving tune, what each concurrency pointed to."""
     fields: dict[str, object] = {
         "when": tuned.when,
-        "iomp": tuned.iomp,
+        "iomp": tuned.iomp.value,  # YAML writes words, not members
         "result": tuned.result,
         "rounds": tuned.rounds,
         "command": tuned.command,
         "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
     }
     if tuned.concurrency:
-        fields["concurrency"] = dict(tuned.concurrency)
+        fields["concurrency"] = {level: iomp.value for level, iomp in tuned.concurrency}
     return fields
 
 

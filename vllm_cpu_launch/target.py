@@ -163,7 +163,7 @@ def path_files(name: str, path_variable: str | None) -> Iterator[str]:
             yield candidate
 
 
-def search_path(name: str, path_variable: str | None) -> str | None:
+def executable_on_path(name: str, path_variable: str | None) -> str | None:
     """The first executable `name` on PATH (like the shell), else None."""
     return next((f for f in path_files(name, path_variable) if os.access(f, os.X_OK)), None)
 
@@ -196,7 +196,7 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
         names = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
         if not names:
             return Wrapper("unknown", None, first)
-        return Wrapper("env", search_path(names[0], path_variable), names[0])
+        return Wrapper("env", executable_on_path(names[0], path_variable), names[0])
     if os.path.basename(interpreter) in SHELLS and len(words) == 1:
         if not second.startswith(TRAMPOLINE):
             return Wrapper("direct", interpreter)  # a shell script proper
@@ -205,7 +205,7 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
         except (WordError, RecursionError) as error:
             return Wrapper("unknown", None, f"{second.strip()} ({error})")
         if "/" not in python:  # a bare name: the shell looks it up on PATH
-            return Wrapper("sh-trampoline", search_path(python, path_variable), python)
+            return Wrapper("sh-trampoline", executable_on_path(python, path_variable), python)
         return Wrapper("sh-trampoline", os.path.abspath(python))
     return Wrapper("direct", interpreter)
 
@@ -473,7 +473,7 @@ def locate(name: str, found_via: str, environ: Mapping[str, str], not_found: str
     path_variable = environ.get("PATH")
     if os.sep in name:
         return describe_target(os.path.abspath(name), found_via, environ)
-    found = search_path(name, path_variable)
+    found = executable_on_path(name, path_variable)
     if found is None:
         check_path_files(name, path_variable, described(found_via))
         raise LaunchError(EXIT_NOT_FOUND, not_found)

@@ -196,7 +196,7 @@ def rule_key(rule: Rule) -> str:
     return f"{rule.id} {rule.measured.method}{tokens}"
 
 
-def verdicts(start: Start, requested: bool) -> dict[str, Any]:
+def matching(start: Start, requested: bool) -> dict[str, Any]:
     """Which setting rule and which runtimes rule apply to `start` (`requested`: it asks
     for SD), and every rule's conditions that fail here (the first is the one that
     decides)."""
@@ -225,7 +225,7 @@ def start_json(start: Start, found: str) -> dict[str, Any]:
     }
 
 
-def command_lines(start: Start, found: str, requested: bool, verdict: dict[str, Any]) -> list[str]:
+def command_lines(start: Start, found: str, requested: bool, matched: dict[str, Any]) -> list[str]:
     tokens = f", {start.tokens} tokens" if start.tokens is not None else ""
     workers = "one worker" if start.one_worker else "several workers or nodes"
     method = start.method or ("unnamed" if requested else "no")
@@ -233,15 +233,15 @@ def command_lines(start: Start, found: str, requested: bool, verdict: dict[str, 
         f"here:     {method} SD{tokens}; {start.machine}, {start.cpus} usable "
         f"CPUs, {release_words(start)}, {workers}",
         f"          {found}",
-        f"setting:  {verdict['rule'] or 'no rule'}: {verdict['note']}",
+        f"setting:  {matched['rule'] or 'no rule'}: {matched['note']}",
     ]
-    if verdict["runtime_note"]:
-        runtime = verdict["runtime"] or "no rule"
+    if matched["runtime_note"]:
+        runtime = matched["runtime"] or "no rule"
         lines.append(
             f"llvm:     where LLVM's libomp is the runtime found, {runtime}: "
-            f"{verdict['runtime_note']}"
+            f"{matched['runtime_note']}"
         )
-    for key, failed in verdict["misses"].items():
+    for key, failed in matched["misses"].items():
         lines.append(f"{key:<24} {'matches here' if not failed else 'fails: ' + failed[0]}")
     return lines
 
@@ -277,10 +277,10 @@ def main(values: dict[str, object], args: list[str]) -> int:
     lines = table_lines()
     if command:
         start, found, speculative = command_start(merged, command)
-        verdict = verdicts(start, speculative.requested)
-        said = vllm_words(start, speculative, verdict["rule"])
-        record.update(start=start_json(start, found), **verdict, vllm=said)
-        lines = command_lines(start, found, speculative.requested, verdict)
+        matched = matching(start, speculative.requested)
+        said = vllm_words(start, speculative, matched["rule"])
+        record.update(start=start_json(start, found), **matched, vllm=said)
+        lines = command_lines(start, found, speculative.requested, matched)
         lines += [f"vLLM:     {w}" for w in said]
     write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0

@@ -50,7 +50,13 @@ from vllm_cpu_launch.handoff import (
 )
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
-from vllm_cpu_launch.settings import CONFIG_VARIABLE, deprecated_name, load_settings, said_setting
+from vllm_cpu_launch.settings import (
+    CONFIG_VARIABLE,
+    Mode,
+    deprecated_name,
+    load_settings,
+    said_setting,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -284,7 +290,7 @@ def users_choice(start_environment: dict[str, str], cwd: str | None) -> Choice |
         if environ.get(name) and cwd and not os.path.isabs(environ[name]):
             environ[name] = os.path.join(cwd, environ[name])
     settings = load_settings({}, environ, errors=[])  # what is broken is left out
-    if settings.iomp != "never":
+    if settings.iomp != Mode.NEVER:
         return None
     return Choice("the user", said_setting(settings, "iomp"))
 
@@ -641,7 +647,7 @@ def shortened(command: str) -> str:
     return f"{command[:COMMAND_WIDTH]}... [{rest} more characters; --json shows them all]"
 
 
-def render_text(report: dict[str, Any]) -> str:
+def verify_as_text(report: dict[str, Any]) -> str:
     speculative = described_request(
         report["speculative"]["requested"], report["speculative"]["source"]
     )
@@ -759,5 +765,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
     if merged.get("json"):
         write_stdout(json.dumps({"schema": schema("verify"), **report}, indent=2))
     else:
-        write_stdout(render_text(report))
+        write_stdout(verify_as_text(report))
     return 0 if report["ok"] else EXIT_PROBLEM

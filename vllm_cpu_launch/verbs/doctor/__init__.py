@@ -301,7 +301,7 @@ def settings_lines(settings: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_text(report: dict[str, Any], measure_text: str | None = None) -> str:
+def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     """The report for a terminal: sections, then numbered recommendations."""
     lines = [*machine_lines(report), "", *vllm_lines(report["vllm"])]
     plugin = report["plugin"]
@@ -346,5 +346,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
     if merged.get("json"):
         write_stdout(json.dumps(report, indent=2))
     else:
-        write_stdout(render_text(report, measure_text))
+        write_stdout(doctor_as_text(report, measure_text))
     return 0

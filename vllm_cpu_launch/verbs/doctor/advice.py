@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.gather import site_fix
 from vllm_cpu_launch.handoff import LD_PRELOAD, LLVM_OPT_IN_MACHINES, Library, vllm_reads
+from vllm_cpu_launch.libraries import CandidateVerdict
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
@@ -23,7 +24,7 @@ from vllm_cpu_launch.rules import (
     described,
     figures,
 )
-from vllm_cpu_launch.settings import blocktime_problem
+from vllm_cpu_launch.settings import Mode, blocktime_problem
 from vllm_cpu_launch.verbs.doctor.probe import GIB
 
 if TYPE_CHECKING:
@@ -119,7 +120,10 @@ def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advi
             f"with GNU libgomp; install Intel OpenMP {where}"
         )
         yield "install-intel-openmp", text, command
-    elif next(c for c in iomp["candidates"] if c["verdict"] == "chosen")["flavor"] == "llvm":
+    elif (
+        next(c for c in iomp["candidates"] if c["verdict"] == CandidateVerdict.CHOSEN)["flavor"]
+        == "llvm"
+    ):
         text = (
             f"{iomp['chosen']} is LLVM's OpenMP (same KMP_* interface); vLLM's speed-up "
             f"figures were measured with Intel's libiomp5, installed {where}"
@@ -233,7 +237,7 @@ def map_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advic
     yours: this is advice, never done for you."""
     env = report["environment"]
     in_effect = report["map"]
-    auto = report["settings"]["values"]["iomp"] == "auto"
+    auto = report["settings"]["values"]["iomp"] == Mode.AUTO
     if not (in_effect["measured"] and auto and in_effect["iomp"] == "libiomp5"):
         return
     if in_effect["rule"] is not None or env.get(RESERVED_VARIABLE):

@@ -1,11 +1,12 @@
 """`vllm-cpu-launch tune`: measure OpenMP configurations with vLLM's own `vllm bench latency`.
 
-The one verb that runs children. Each candidate is a launcher plan, built by the code path
-`--dry-run` prints (`plan_from_options`), for `vllm bench latency --model MODEL ARGS...`
-translated from the user's `serve MODEL ARGS...`; its command runs with its environment,
-in rounds, the candidate order rotated every round. The rounds won and the medians of the
-runs' median latencies decide (verdict.decide); `--write` stores the result in the user's
-launcher config, where it is a config value like any other (option > variable > config).
+The one verb that runs children. Each contender (a candidate, to the user) is a launcher
+plan, built by the code path `--dry-run` prints (`plan_from_options`), for `vllm bench
+latency --model MODEL ARGS...` translated from the user's `serve MODEL ARGS...`; its
+command runs with its environment, in rounds, the order rotated every round. The rounds
+won and the medians of the runs' median latencies give the outcome (contest.outcome_of);
+`--write` stores the result in the user's launcher config, where it is a config value like
+any other (option > variable > config).
 """
 
 from __future__ import annotations
@@ -31,10 +32,20 @@ from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
-from vllm_cpu_launch.settings import CONFIG_VARIABLE, Scope, describe, user_config_path
+from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
+from vllm_cpu_launch.verbs.tune.contest import (
+    CONTENDERS,
+    Contender,
+    Outcome,
+    Summary,
+    besides_runtime,
+    outcome_of,
+    rotated,
+    table,
+)
 from vllm_cpu_launch.verbs.tune.runner import ended, run_once
 from vllm_cpu_launch.verbs.tune.serving import (
     SHIPPED_PROMPTS,
@@ -46,17 +57,7 @@ from vllm_cpu_launch.verbs.tune.serving import (
     server_arguments,
     write_dataset,
 )
-from vllm_cpu_launch.verbs.tune.serving_rounds import decide_at_load, report_lines, run_rounds
-from vllm_cpu_launch.verbs.tune.verdict import (
-    CANDIDATES,
-    Candidate,
-    Summary,
-    Verdict,
-    besides_runtime,
-    decide,
-    rotated,
-    table,
-)
+from vllm_cpu_launch.verbs.tune.serving_rounds import outcome_at_load, report_lines, run_rounds
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -143,7 +144,7 @@ TUNE_VALUED = {
 
 
 class Benchmark(enum.Enum):
-    """--benchmark: which of vLLM's benchmarks drives the candidates."""
+    """--benchmark: which of vLLM's benchmarks drives the contenders."""
 
     SERVE = "serve"  # `vllm bench serve` against the user's own server (the default)
     LATENCY = "latency"  # `vllm bench latency`: batch only, no port
@@ -180,12 +181,12 @@ def positive(value: object, option: str, whole: bool, least: float = 1) -> float
     return number
 
 
-def candidate_plans(
+def contender_plans(
     values: dict[str, object], arguments: Sequence[str]
-) -> tuple[dict[Candidate, Plan], Plan]:
-    """Each candidate's plan (the --dry-run code path), and what --iomp auto plans."""
-    plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CANDIDATES}
-    by_name = {c.name: c for c in CANDIDATES}
+) -> tuple[dict[Contender, Plan], Plan]:
+    """Each contender's plan (the --dry-run code path), and what --iomp auto plans."""
+    plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CONTENDERS}
+    by_name = {c.name: c for c in CONTENDERS}
     iomp_plan = plans[by_name["libiomp5"]]
     if not any(p.kind == "iomp" for p in iomp_plan.preload):
         for warning in iomp_plan.warnings:
@@ -201,11 +202,11 @@ def candidate_plans(
             f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
             "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
         )
-    return plans, plan_from_options({**values, "iomp": "auto"}, arguments)
+    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, arguments)
 
 
 def inherited(plan: Plan) -> str:
-    """The caller's LD_PRELOAD as the plan read it: what a candidate whose plan sets none
+    """The caller's LD_PRELOAD as the plan read it: what a contender whose plan sets none
     runs with ("" where unset)."""
     return dict(plan.inputs).get(LD_PRELOAD) or ""
 
@@ -307,65 +308,65 @@ def stop(number: int, _frame: object) -> None:
 
 
 def report(
-    runs: Mapping[Candidate, list[float]],
-    default: Candidate,
-    plans: Mapping[Candidate, Plan],
+    runs: Mapping[Contender, list[float]],
+    default: Contender,
+    plans: Mapping[Contender, Plan],
     shown: str,
-) -> tuple[Verdict, list[str]]:
-    """The verdict, and what tune prints of it: the command, the table, what the
-    candidates differ in, and the result."""
-    summaries = [Summary(c, tuple(runs[c])) for c in CANDIDATES]
-    verdict = decide(summaries, default)
-    envs = {c.name: dict(plans[c].env) for c in CANDIDATES}
+) -> tuple[Outcome, list[str]]:
+    """The outcome, and what tune prints of it: the command, the table, what the
+    contenders differ in, and the result."""
+    summaries = [Summary(c, tuple(runs[c])) for c in CONTENDERS]
+    outcome = outcome_of(summaries, default)
+    envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
     lines = [
         f"measured: {shown}",
         f"default:  {default.name} (what --iomp auto plans for this command)",
         table(summaries),
         besides_runtime(envs, inherited(plans[default])),
     ]
-    lines.append(result_line(verdict, default))
-    return verdict, lines
+    lines.append(result_line(outcome, default))
+    return outcome, lines
 
 
-def result_line(verdict: Verdict, default: Candidate) -> str:
-    if verdict.winner is None:
-        return f"result: {verdict.result}: keeping the default ({default.name})"
-    if verdict.winner == default:
-        return f"result: {verdict.result}: the default ({default.name}) is best"
-    return f"result: {verdict.result}: best is --iomp {verdict.winner.iomp}"
+def result_line(outcome: Outcome, default: Contender) -> str:
+    if outcome.winner is None:
+        return f"result: {outcome.result}: keeping the default ({default.name})"
+    if outcome.winner == default:
+        return f"result: {outcome.result}: the default ({default.name}) is best"
+    return f"result: {outcome.result}: best is --iomp {outcome.winner.iomp}"
 
 
 def run_latency_rounds(
-    plans: Mapping[Candidate, Plan],
+    plans: Mapping[Contender, Plan],
     rounds: int,
     limit_s: float,
     workdir: str,
     iterations: int,
     say: Callable[[str], None],
-) -> dict[Candidate, list[float]]:
-    """Each candidate's run latencies, round by round in rotated order, within the limit."""
-    runs: dict[Candidate, list[float]] = {c: [] for c in CANDIDATES}
-    order = list(rotated(CANDIDATES, rounds))
+) -> dict[Contender, list[float]]:
+    """Each contender's run latencies, round by round in rotated order, within the limit."""
+    runs: dict[Contender, list[float]] = {c: [] for c in CONTENDERS}
+    order = list(rotated(CONTENDERS, rounds))
     deadline = time.monotonic() + limit_s
     stopped = ""
-    for number, (round_index, candidate) in enumerate(order, 1):
+    for number, (round_index, contender) in enumerate(order, 1):
         left = deadline - time.monotonic()
         if left <= 0:
             stopped = f"time limit of {limit_s:g} s reached before run {number}/{len(order)}"
             break
-        log_path = os.path.join(workdir, f"{number:02d}-{candidate.name}.log")
+        log_path = os.path.join(workdir, f"{number:02d}-{contender.name}.log")
         output_json = os.path.join(workdir, "latency.json")
         started = time.monotonic()
-        latency = run_once(plans[candidate], log_path, output_json, left)
+        latency = run_once(plans[contender], log_path, output_json, left)
         took = time.monotonic() - started
         if latency is None:
             stopped = (
                 f"time limit of {limit_s:g} s reached during run {number}/{len(order)} (killed)"
             )
             break
-        runs[candidate].append(latency)
+        runs[contender].append(latency)
         say(
-            f"run {number}/{len(order)} (round {round_index + 1}/{rounds}) {candidate.name}: "
+            f"run {number}/{len(order)} (round {round_index + 1}/{rounds}) {contender.name}: "
             f"median latency {latency:.4f} s over {iterations} iterations ({took:.0f} s)"
         )
     ended(stopped, runs, "ran")
@@ -383,7 +384,7 @@ def measure(
 ) -> int:
     """Plan, run the rounds, print the table, write the config with --write."""
     arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
-    plans, auto = candidate_plans(merged, arguments)
+    plans, auto = contender_plans(merged, arguments)
     default = default_of(auto)
     shown = shlex.join(["vllm", *arguments[: arguments.index("--output-json")]])
     say = announce(plans, bool(merged.get("quiet")))
@@ -393,51 +394,51 @@ def measure(
 
     runs = run_latency_rounds(plans, rounds, limit_s, workdir, bench["num_iters"], say)
 
-    verdict, lines = report(runs, default, plans, shown)
+    outcome, lines = report(runs, default, plans, shown)
     done = min(len(r) for r in runs.values())
-    finish(merged, config_path, verdict, done, shown, auto, lines)
+    finish(merged, config_path, outcome, done, shown, auto, lines)
     return 0
 
 
-def default_of(auto: Plan) -> Candidate:
-    """The candidate --iomp auto amounts to for this command."""
-    by_name = {c.name: c for c in CANDIDATES}
+def default_of(auto: Plan) -> Contender:
+    """The contender --iomp auto amounts to for this command."""
+    by_name = {c.name: c for c in CONTENDERS}
     return by_name["libiomp5" if any(p.kind == "iomp" for p in auto.preload) else "libgomp"]
 
 
-def announce(plans: Mapping[Candidate, Plan], quiet: bool) -> Callable[[str], None]:
-    """Each candidate's warnings and plan on stderr; the progress writer (-q: silent)."""
+def announce(plans: Mapping[Contender, Plan], quiet: bool) -> Callable[[str], None]:
+    """Each contender's warnings and plan on stderr; the progress writer (-q: silent)."""
 
     def say(text: str) -> None:
         if not quiet:
             emit("info", text)
 
-    for candidate, plan in plans.items():
+    for contender, plan in plans.items():
         for warning in plan.warnings:
-            emit("warning", f"{candidate.name}: {warning}")
+            emit("warning", f"{contender.name}: {warning}")
         env = shlex.join(f"{k}={v}" for k, v in plan.env) if plan.env else "unchanged"
-        say(f"{candidate.name}: {plan.reason}; environment: {env}")
+        say(f"{contender.name}: {plan.reason}; environment: {env}")
     return say
 
 
 def finish(
     merged: Mapping[str, object],
     config_path: str | None,
-    verdict: Verdict,
+    outcome: Outcome,
     done: int,
     shown: str,
     auto: Plan,
     lines: list[str],
-    at_load: Mapping[int, str] | None = None,
+    at_load: Mapping[int, Mode] | None = None,
 ) -> None:
     """Store the record with --write (at_load: what won at each concurrency), then print."""
     if merged.get("write") and config_path:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
         scope = auto.scope or Scope()  # build_plan always gives one
-        updates, removed = tune_updates(config_path, verdict, when, done, shown, scope, at_load)
+        updates, removed = tune_updates(config_path, outcome, when, done, shown, scope, at_load)
         write_config(config_path, updates, removed)
         lines.append(
-            f"wrote: the tune record (iomp: {verdict.iomp}, for {describe(scope)}) to "
+            f"wrote: the tune record (iomp: {outcome.iomp}, for {describe(scope)}) to "
             f"{config_path}; other commands and hosts keep what they had"
         )
     else:
@@ -454,9 +455,9 @@ def measure_serving(
     config_path: str | None,
     workdir: str,
 ) -> int:
-    """Plan, start and drive each candidate's server in rounds, print the tables, write."""
+    """Plan, start and drive each contender's server in rounds, print the tables, write."""
     shown_arguments, replaced = server_arguments(serve, 0)
-    plans, auto = candidate_plans(merged, shown_arguments)
+    plans, auto = contender_plans(merged, shown_arguments)
     default = default_of(auto)
     model = str(model_of(serve))
     shown = shlex.join(["vllm", *shown_arguments[:-1], "PORT"])
@@ -474,20 +475,20 @@ def measure_serving(
     def client(program: Sequence[str], url: str, concurrency: int, result: str) -> list[str]:
         return client_command(program, model, serve, url, load, dataset, concurrency, result)
 
-    def plan_for(candidate: Candidate, arguments: Sequence[str]) -> Plan:
-        return plan_from_options({**merged, "iomp": candidate.iomp}, arguments)
+    def plan_for(contender: Contender, arguments: Sequence[str]) -> Plan:
+        return plan_from_options({**merged, "iomp": contender.iomp}, arguments)
 
     starts = run_rounds(plan_for, serve, client, load, rounds, limit_s, workdir, say)
-    verdict = decide_at_load(starts, load, default)
-    envs = {c.name: dict(plans[c].env) for c in CANDIDATES}
+    outcome = outcome_at_load(starts, load, default)
+    envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
     lines = [
         f"measured: {shown}",
         f"clients:  vllm bench serve on {load.prompts}, {load.output_len} tokens a request",
         f"default:  {default.name} (what --iomp auto plans for this command)",
-        *report_lines(starts, load, verdict),
+        *report_lines(starts, load, outcome),
         besides_runtime(envs, inherited(plans[default])),
-        result_line(verdict.overall, default),
+        result_line(outcome.overall, default),
     ]
     done = min(len(s) for s in starts.values())
-    finish(merged, config_path, verdict.overall, done, shown, auto, lines, verdict.iomp_at())
+    finish(merged, config_path, outcome.overall, done, shown, auto, lines, outcome.iomp_at())
     return 0

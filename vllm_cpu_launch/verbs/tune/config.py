@@ -20,18 +20,18 @@ from vllm_cpu_launch.trust import read_trusted
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from vllm_cpu_launch.settings import Scope
-    from vllm_cpu_launch.verbs.tune.verdict import Verdict
+    from vllm_cpu_launch.settings import Mode, Scope
+    from vllm_cpu_launch.verbs.tune.contest import Outcome
 
 
 def tune_updates(
     path: str,
-    verdict: Verdict,
+    outcome: Outcome,
     when: str,
     rounds: int,
     command: str,
     scope: Scope,
-    at_load: Mapping[int, str] | None = None,
+    at_load: Mapping[int, Mode] | None = None,
 ) -> tuple[dict[str, object], tuple[str, ...]]:
     """(updates, keys to remove) for the config at path: this tune's record first, the
     file's records of other scopes after it, and the one of the same scope replaced. The
@@ -39,7 +39,7 @@ def tune_updates(
     before scoping gets its scope written out (settings.record_scope), and the global `iomp:`
     it wrote beside itself goes, as it was that record's."""
     load = tuple(sorted((at_load or {}).items()))
-    tuned = Tuned(when, verdict.iomp, verdict.result, rounds, command, scope, concurrency=load)
+    tuned = Tuned(when, outcome.iomp, outcome.result, rounds, command, scope, concurrency=load)
     records = [record_fields(tuned, scope)]
     removed: tuple[str, ...] = ()
     if os.path.exists(path):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence, Sized
 
     from vllm_cpu_launch.plan import Plan
-    from vllm_cpu_launch.verbs.tune.verdict import Candidate
+    from vllm_cpu_launch.verbs.tune.contest import Contender
 
 KILL_WAIT_S = 30
 LOG_TAIL_LINES = 15
@@ -55,9 +55,9 @@ def start_logged(
         )
 
 
-def ended(stopped: str, done: Mapping[Candidate, Sized], verb: str) -> None:
+def ended(stopped: str, done: Mapping[Contender, Sized], verb: str) -> None:
     """After the rounds: the time limit's warning, and nothing decided (exit 1) unless
-    every candidate `verb` (ran, started) at least once."""
+    every contender `verb` (ran, started) at least once."""
     if stopped:
         emit("warning", f"{stopped}; using what was done")
     if not all(done.values()):
