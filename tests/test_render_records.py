@@ -198,7 +198,7 @@ SHOWN = (
 
 def shown_facts(plan: Plan) -> list[str]:
     """What `--dry-run` must show of a plan, read here from the record's own fields (never
-    through the package's plan_as_json or render_text), each as a user reads it: the
+    through the package's plan_as_json or plan_as_text), each as a user reads it: the
     command as one shell line, each variable as NAME=VALUE quoted for a shell, a caller's
     variable left unset by its name, a rule's figures as numbers, the rest as given."""
     request = plan.speculative
