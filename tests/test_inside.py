@@ -208,7 +208,8 @@ def test_the_front_end_serves_each_live_processs_reading_after_vllms_set_up(
         "bind": "set-by-init-device",  # read after vLLM's init_device
     }
     # The child that exited is left out, its file removed; the directory is private.
-    assert str(done) not in outcome["metrics"] and outcome["left"] == [f"{worker}.json"]
+    # (its PID as a label: the bare digits may well appear in another series' value)
+    assert f'pid="{done}"' not in outcome["metrics"] and outcome["left"] == [f"{worker}.json"]
     assert outcome["mode"] == "0o700"
     assert not Path(outcome["directory"]).exists()  # removed when the front end exited
 
