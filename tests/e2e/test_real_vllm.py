@@ -36,7 +36,6 @@ from vllm_server import (
 )
 
 from vllm_cpu_launch.gather import vllm_release
-from vllm_cpu_launch.rules import NOBIND_BLOCKTIME, Start, setting_rule
 
 # scripts/vllm_server.py (on sys.path through conftest) starts and drives the server, for
 # the demo and benchmarks too.
@@ -229,7 +228,8 @@ def test_auto_follows_the_map_here(vllm_env: Path, tiny_model: Path, tmp_path: P
     launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", vllm]
     release = vllm_release(str(vllm_env))
     cpus = len(os.sched_getaffinity(0))
-    measured = setting_rule(Start("x86_64", cpus, release, True, "ngram", 3, {})).rule
+    # The host the map measured (docs/benchmarks.md: rule map-1): 2 CPUs, vLLM 0.32.0.
+    measured = (os.uname().machine, cpus, release) == ("x86_64", 2, "0.32.0")
     with serving(launcher, tiny_model, tmp_path) as server:
         wait_for_health(server)
         processes = tree_views(server)
@@ -237,9 +237,9 @@ def test_auto_follows_the_map_here(vllm_env: Path, tiny_model: Path, tmp_path: P
         log = server.log_text()
     assert [str(p) for p in processes if not p.maps_iomp()] == []
     api = processes[0].environment
-    if measured is not None:
+    if measured:
         assert api.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind", log[-2000:]
-        assert api.get("KMP_BLOCKTIME") == NOBIND_BLOCKTIME
+        assert api.get("KMP_BLOCKTIME") == "200"
         assert "core ids=" not in log  # vLLM bound nothing
     else:
         assert "VLLM_CPU_OMP_THREADS_BIND" not in api and api.get("KMP_BLOCKTIME") == "5"
