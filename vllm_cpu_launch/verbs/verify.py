@@ -37,7 +37,7 @@ import psutil
 
 from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.command import SpeculativeRequest, detect
-from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
+from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum
 from vllm_cpu_launch.handoff import (
     INFO_METRIC,
     LAUNCHER,
@@ -63,6 +63,16 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vllm_cpu_launch.command import SpeculativeRequest
+
+
+class Judgement(StrEnum):
+    """What verify makes of one process: its JSON `verdict`."""
+
+    OK = "ok"  # served as its plan (or the user) chose
+    PROBLEM = "problem"  # SD served by libgomp no plan chose, or no runtime without a word
+    SKIPPED = "skipped"  # nothing to judge yet
+    REPORTED = "reported"  # runs no model code: shown, not judged
+
 
 VARIABLES = (
     LD_PRELOAD,
@@ -223,7 +233,7 @@ def judge(
     is_root: bool,
     wanted: bool,
     chosen: Choice | None = None,
-) -> tuple[str, str]:
+) -> tuple[Judgement, str]:
     """(verdict, reason) for one process: ok, problem, or skipped (runs no OpenMP)."""
     runtimes = order.runtimes
     kinds = [kind for kind, _ in runtimes]
@@ -232,50 +242,53 @@ def judge(
     described = described_runtimes(runtimes)
     if not runtimes:
         if not is_root:
-            return "skipped", "no OpenMP runtime loaded"
+            return Judgement.SKIPPED, "no OpenMP runtime loaded"
         if not wanted:
-            return "ok", "no OpenMP runtime loaded yet"
+            return Judgement.OK, "no OpenMP runtime loaded yet"
         if chosen:
             return (
-                "ok",
+                Judgement.OK,
                 f"no OpenMP runtime loaded yet; none preloaded, as {chosen.by} chose "
                 f"({chosen.why})",
             )
         if preloaded_iomp:
-            return "problem", f"LD_PRELOAD names {preload} but no OpenMP runtime is loaded"
-        return "problem", "started without Intel OpenMP in LD_PRELOAD"
+            return Judgement.PROBLEM, f"LD_PRELOAD names {preload} but no OpenMP runtime is loaded"
+        return Judgement.PROBLEM, "started without Intel OpenMP in LD_PRELOAD"
     if not wanted:
-        return "ok", f"speculative decoding not requested; runs {described}"
+        return Judgement.OK, f"speculative decoding not requested; runs {described}"
     if order.serves is not None:
         return judge_served(order.serves, runtimes, chosen)
     if not any(kind.kmp for kind in kinds) and chosen:
-        return "ok", f"{chosen.keeps_libgomp()}: {described}"
+        return Judgement.OK, f"{chosen.keeps_libgomp()}: {described}"
     if not any(kind.kmp for kind in kinds):
-        return "problem", f"runs GNU libgomp only ({described})"
+        return Judgement.PROBLEM, f"runs GNU libgomp only ({described})"
     # The load order unread: a visible LD_PRELOAD without Intel OpenMP says libgomp was
     # bound first. vLLM's renamed processes (VLLM::Worker...) have their start-up
     # environment overwritten by the process title, so an absent LD_PRELOAD there tells
     # nothing.
     if Library.GNU in kinds and LD_PRELOAD in environment and not preloaded_iomp:
-        return "problem", f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})"
-    return "ok", described
+        return (
+            Judgement.PROBLEM,
+            f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})",
+        )
+    return Judgement.OK, described
 
 
 def judge_served(
     serves: tuple[Library, str], runtimes: list[tuple[Library, str]], chosen: Choice | None
-) -> tuple[str, str]:
+) -> tuple[Judgement, str]:
     """With SD requested and the load order read: the serving runtime decides."""
     kind, path = serves
     others = [runtime for runtime in runtimes if runtime != serves]
     also = f"; also mapped, not serving: {described_runtimes(others)}" if others else ""
     if kind is not Library.GNU:
-        return "ok", f"{kind.title} serves ({path}){also}"
+        return Judgement.OK, f"{kind.title} serves ({path}){also}"
     if chosen:
-        return "ok", f"{chosen.keeps_libgomp()}: {described_runtimes(runtimes)}"
+        return Judgement.OK, f"{chosen.keeps_libgomp()}: {described_runtimes(runtimes)}"
     late = next((other.title for other, _ in others if other is not Library.GNU), None)
     if late is None:
-        return "problem", f"runs GNU libgomp only ({described_runtimes(runtimes)})"
-    return "problem", (
+        return Judgement.PROBLEM, f"runs GNU libgomp only ({described_runtimes(runtimes)})"
+    return Judgement.PROBLEM, (
         f"GNU libgomp serves ({path}, first in the link map){also}: {late} was loaded "
         "after it, not preloaded"
     )
@@ -544,7 +557,7 @@ def assemble(
         order = load_order(one.link_map, one.maps)
         if split and one.role not in MODEL_ROLES.values():
             runs = described_runtimes(order.runtimes) or "no OpenMP runtime loaded"
-            verdict, reason = "reported", f"{runs}; runs no model code, so not judged"
+            verdict, reason = Judgement.REPORTED, f"{runs}; runs no model code, so not judged"
         else:
             verdict, reason = judge(order, one.environment, one.pid == pid, one.speculative, chosen)
         processes.append(
@@ -567,7 +580,7 @@ def assemble(
                 "reason": reason,
             }
         )
-    problems = [p for p in processes if p["verdict"] == "problem"]
+    problems = [p for p in processes if p["verdict"] == Judgement.PROBLEM]
     return {
         "pid": pid,
         "speculative": {"requested": root_request.requested, "source": root_request.source},
@@ -659,8 +672,8 @@ def verify_as_text(report: dict[str, Any]) -> str:
         lines.append(f"{'':>9}{process['reason']}")
         lines.extend(f"{'':>9}{line}" for line in process_lines(process))
     lines.append(inside_note(report["inside"]))
-    problems = sum(p["verdict"] == "problem" for p in report["processes"])
-    judged = sum(p["verdict"] != "reported" for p in report["processes"])
+    problems = sum(p["verdict"] == Judgement.PROBLEM for p in report["processes"])
+    judged = sum(p["verdict"] != Judgement.REPORTED for p in report["processes"])
     if problems:
         lacks = "process lacks" if judged == 1 else "processes lack"
         lines.append(
