@@ -21,8 +21,7 @@ CLI_AND_PLAN = [
     "tests/test_cli.py",
     "tests/test_exec.py",
     "tests/test_plan.py",
-    "tests/test_speculative.py",
-    "tests/test_vllm_cli.py",
+    "tests/test_command.py",
     "tests/test_hardening_exec.py",
     "tests/test_hardening_environment.py",
 ]
