@@ -1,4 +1,5 @@
-"""The wrapper reader on what no installer writes: it never guesses and never raises.
+"""The target's wrapper reader (vllm_cpu_launch/target.py) on what no installer writes:
+it never guesses and never raises.
 
 The forms installers do write are made by the installers themselves in
 tests/test_installers.py; here are the others: hand-written trampolines with shell
