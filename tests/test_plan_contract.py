@@ -363,7 +363,7 @@ def unusable_runtime(case: str, directory: Path, real_iomp: Path) -> Path:
     elif case == "32-bit":
         patch_elf(real_iomp, path, ei_class=1)
     elif case == "not-openmp":  # the system's zlib: a fitting ELF file, no runtime
-        from tests.test_exec import ZLIB
+        from tests.test_cli import ZLIB
 
         shutil.copy2(ZLIB, path)
     return path
