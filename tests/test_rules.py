@@ -746,7 +746,7 @@ def test_every_env_format_carries_the_binding_the_plan_relies_on(
         if output == "kubernetes":
             pairs = {e["name"]: e["value"] for e in yaml.safe_load(text)["env"]}
         else:
-            # Each format's quoting reads back as a shell's words (tests/test_exports.py
+            # Each format's quoting reads back as a shell's words (tests/test_env.py
             # reads each with its own tool).
             words = [shlex.split(line)[-1] for line in text.splitlines()]
             pairs = dict(word.partition("=")[::2] for word in words)
