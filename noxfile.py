@@ -21,7 +21,8 @@ CLI_AND_PLAN = [
     "tests/test_cli.py",
     "tests/test_plan.py",
     "tests/test_command.py",
-    "tests/test_hardening_environment.py",
+    "tests/test_target.py",
+    "tests/test_settings.py",
 ]
 
 nox.options.sessions = ["tests"]

@@ -48,13 +48,10 @@ from .hardening_support import (
     public_directory,
     record_argv,
     run,
+    single_error,
     text,
 )
 from .hardening_support import read_record as read_plain_record
-
-# -------------------- Exit codes and settings: test_cli.py before the fold --------------------
-# Every exit code of docs/design.md with its one-line message, and settings precedence.
-
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 NGRAM_TOKENS = NGRAM
@@ -1191,3 +1188,89 @@ def test_fifty_parallel_launches_plan_alike_and_exec(tmp_path: Path) -> None:
         ]
         assert data["env"]["LD_PRELOAD"] == first["env"]["LD_PRELOAD"]
         assert data["env"]["KMP_BLOCKTIME"] == first["env"]["KMP_BLOCKTIME"]
+
+
+# -------------------- PATH, HOME and closed streams: tests/test_hardening_environment.py
+# Broken environments: each gives its exit code and one clear error line, no traceback.
+
+
+def test_path_unset_still_starts_an_explicit_vllm(tmp_path: Path, vllm: Path) -> None:
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    del environ["PATH"]
+    result = run(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
+    assert result.returncode == 0, text(result.stderr)
+    data = read_plain_record(record)
+    assert record_argv(data) == [b"serve", b"m", b"-sc", NGRAM.encode()]
+    assert data["env"]["PATH"] is None  # not invented for the target either
+    assert data["env"]["LD_PRELOAD"] == str(vllm.parent.parent / "lib" / "libiomp5.so")
+
+
+def test_home_and_xdg_unset_still_start(tmp_path: Path, vllm: Path) -> None:
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    del environ["HOME"], environ["XDG_CONFIG_HOME"]
+    result = run(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
+    assert result.returncode == 0, text(result.stderr)
+    assert "Traceback" not in text(result.stderr)
+    assert record_argv(read_plain_record(record))[:2] == [b"serve", b"m"]
+
+
+CLOSE = {"stdin+stdout": "0<&- 1>&-", "all three": "0<&- 1>&- 2>&-"}
+
+
+@pytest.mark.parametrize("closed", list(CLOSE))
+def test_closed_standard_streams_still_exec(tmp_path: Path, vllm: Path, closed: str) -> None:
+    """Started with fds closed, as some service managers do: the target still starts,
+    with the same fds closed (the launcher leaves nothing of its own on them)."""
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    command = [
+        "sh",
+        "-c",
+        f'exec {CLOSE[closed]} "$@"',
+        "sh",
+        *LAUNCHER,
+        "--vllm",
+        str(vllm),
+        "serve",
+        "m",
+        "-sc",
+        NGRAM,
+    ]
+    result = subprocess.run(command, env=environ, capture_output=True, timeout=GUARD, check=False)
+    assert result.returncode == 0, text(result.stderr)
+    data = read_plain_record(record)
+    assert record_argv(data) == [b"serve", b"m", b"-sc", NGRAM.encode()]
+    assert data["env"]["LD_PRELOAD"] == str(vllm.parent.parent / "lib" / "libiomp5.so")
+    assert data["fds"]["0"] is None
+    assert data["fds"]["1"] is None
+    if closed == "all three":
+        assert data["fds"]["2"] is None
+    else:
+        assert b"preloading" in result.stderr  # the INFO line still reached stderr
+
+
+def test_closed_stderr_keeps_the_exit_code_of_an_error(tmp_path: Path) -> None:
+    command = ["sh", "-c", 'exec 2>&- "$@"', "sh", *LAUNCHER, "--vllm", str(tmp_path / "nope")]
+    result = subprocess.run(
+        [*command, "serve", "m"],
+        env=base_environ(tmp_path / "home"),
+        capture_output=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert result.returncode == 127
+    assert result.stdout == b""
+
+
+def test_closed_stdout_with_dry_run_is_a_clear_error(tmp_path: Path, vllm: Path) -> None:
+    command = ["sh", "-c", 'exec 1>&- "$@"', "sh", *LAUNCHER, "--vllm", str(vllm), "--dry-run"]
+    result = subprocess.run(
+        [*command, "serve", "m"],
+        env=base_environ(tmp_path / "home"),
+        capture_output=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert "standard output: it is closed" in single_error(result, 2)
