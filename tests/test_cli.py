@@ -182,7 +182,7 @@ def test_intel_stub_in_ld_preload_gets_no_runtime_beside_it(
 ) -> None:
     """From LD_PRELOAD the stub is no candidate, and a runtime beside it would make two
     OpenMP libraries in one process: nothing is added, one warning with the LD_PRELOAD
-    that works (tests/test_plan_contract.py runs that fix). (libiomp5_db.so cannot be
+    that works (tests/test_plan.py runs that fix). (libiomp5_db.so cannot be
     tried there: preloaded, no Python even starts.)"""
     stub = real_iomp.parent / "libiompstubs5.so"
     result = launcher(tmp_path, ["--dry-run", "--json", *sd_launch(vllm_env)], LD_PRELOAD=str(stub))

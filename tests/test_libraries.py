@@ -35,7 +35,7 @@ from vllm_cpu_launch.libraries import (
 from vllm_cpu_launch.target import Target
 from vllm_cpu_launch.trust import openmp_runtime
 
-from . import test_plan_contract as contract
+from . import test_plan as contract
 from .conftest import AS_NOBODY, NOBODY, REPO, SystemHost, clean_environ, install_recorder
 from .hardening_support import (
     GUARD,
@@ -53,7 +53,7 @@ from .hardening_support import (
     text,
 )
 from .installers import BASE_PYTHON, TOOLS, WHEEL_CACHE, offline, run_tool
-from .test_plan_contract import openmp_mapped
+from .test_plan import openmp_mapped
 
 MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"
 pytestmark = pytest.mark.skipif(
@@ -768,7 +768,7 @@ def test_hostile_entries_in_ld_preload_are_rejected(tmp_path: Path) -> None:
 
 def test_world_writable_library_in_ld_preload_refuses_the_start(tmp_path: Path) -> None:
     """Not chosen, and not kept beside the plan's own: exit 126, one line naming it and the
-    chmod (tests/test_plan_contract.py runs that fix)."""
+    chmod (tests/test_plan.py runs that fix)."""
     vllm = fake_vllm(tmp_path / "env")
     drop = tmp_path / "drop"
     drop.mkdir()

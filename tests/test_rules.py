@@ -24,7 +24,7 @@ from vllm_cpu_launch.gather import vllm_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.rules import Start, llvm_runtime, misses, setting_rule
 
-from . import test_plan_contract as contract
+from . import test_plan as contract
 from .conftest import LAUNCHER, REPO, SystemHost, clean_environ, run_launcher
 from .installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
 from .test_benchmarks import load_script
