@@ -38,7 +38,7 @@ from .conftest import (
     read_record,
     run_launcher,
 )
-from .hardening_support import (
+from .hardening import (
     GUARD,
     REAL_IOMP,
     base_environ,
@@ -51,7 +51,7 @@ from .hardening_support import (
     single_error,
     text,
 )
-from .hardening_support import read_record as read_plain_record
+from .hardening import read_record as read_plain_record
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 NGRAM_TOKENS = NGRAM

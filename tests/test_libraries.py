@@ -37,7 +37,7 @@ from vllm_cpu_launch.trust import openmp_runtime
 
 from . import test_plan as contract
 from .conftest import AS_NOBODY, NOBODY, REPO, SystemHost, clean_environ, install_recorder
-from .hardening_support import (
+from .hardening import (
     GUARD,
     LAUNCHER,
     NGRAM,

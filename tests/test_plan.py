@@ -76,10 +76,10 @@ from .conftest import (
     read_record,
     run_launcher,
 )
-from .hardening_support import GUARD, REPO, base_environ, fake_vllm, patch_elf, record_argv, text
-from .hardening_support import NGRAM as NGRAM_JSON
-from .hardening_support import read_record as read_plain_record
-from .hardening_support import run as launch
+from .hardening import GUARD, REPO, base_environ, fake_vllm, patch_elf, record_argv, text
+from .hardening import NGRAM as NGRAM_JSON
+from .hardening import read_record as read_plain_record
+from .hardening import run as launch
 
 DEFAULTS = Settings()
 MULTIARCH_LIB = "usr/lib/x86_64-linux-gnu"
@@ -1481,8 +1481,6 @@ UNUSABLE = {
 
 def unusable_runtime(case: str, directory: Path, real_iomp: Path) -> Path:
     """A libiomp5.so of `case` (UNUSABLE), made from the wheel's real files."""
-    from tests.hardening_support import patch_elf
-
     directory.mkdir()
     path = directory / "libiomp5.so"
     if case == "wrong-machine":

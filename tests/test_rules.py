@@ -833,7 +833,7 @@ def test_the_json_is_the_table_versioned_and_every_evidence_file_is_kept(
     for rule in record["rules"]:
         assert (REPO / rule["evidence"]).is_file()
         assert rule["rule"] == (rule["why"] is None)
-        # Every rule a real model can run held there too (tests/test_evidence.py recomputes
+        # Every rule a real model can run held there too (the figure checks above recompute
         # it); EAGLE has no trained head for it.
         real = rule["real"]
         if rule["rule"]:

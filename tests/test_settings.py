@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import AS_NOBODY
-from .hardening_support import (
+from .hardening import (
     LAUNCHER,
     base_environ,
     fake_vllm,

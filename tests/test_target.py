@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from vllm_cpu_launch.target import read_wrapper
 
 from .conftest import RECORDER, SystemHost, clean_environ, read_record, run_launcher
-from .hardening_support import (
+from .hardening import (
     ERROR_PREFIX,
     NGRAM,
     base_environ,
