@@ -19,12 +19,10 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 # The launcher's command line, its exec and its plan, each test a fresh launcher process.
 CLI_AND_PLAN = [
     "tests/test_cli.py",
-    "tests/test_exec.py",
     "tests/test_plan.py",
-    "tests/test_speculative.py",
-    "tests/test_vllm_cli.py",
-    "tests/test_hardening_exec.py",
-    "tests/test_hardening_environment.py",
+    "tests/test_command.py",
+    "tests/test_target.py",
+    "tests/test_settings.py",
 ]
 
 nox.options.sessions = ["tests"]

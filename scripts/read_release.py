@@ -11,7 +11,7 @@ Each fact (docs/design.md, "What it depends on in vLLM"; docs/releases.md) is fo
 pattern in one of the release's Python files or its METADATA and kept with its evidence:
 the file, line and text of every line the pattern read. The records go to
 docs/releases.json (`--json` for another file), one per release, replacing that release's;
-tests/test_releases.py checks that docs/releases.md's table, the record and
+tests/test_gather.py checks that docs/releases.md's table, the record and
 vllm_cpu_launch/gather.py's window agree. From a wheel only its METADATA and vLLM's .py
 files are read (zipfile, nothing unpacked).
 

@@ -23,7 +23,7 @@ from vllm_cpu_launch.verbs.doctor import size
 from vllm_cpu_launch.verbs.verify import shortened
 
 from .test_containers import kubernetes_reads
-from .test_exports import docker_word, parse_environment_file
+from .test_env import docker_word, parse_environment_file
 
 Path = tuple[str | int, ...]  # a place in a JSON document: keys and list indexes
 ANY = "*"  # in a pattern: any key or index

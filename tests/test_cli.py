@@ -1,4 +1,8 @@
-"""Every exit code of docs/design.md with its one-line message, and settings precedence."""
+"""The launcher's command line (vllm_cpu_launch/cli.py) as a fresh process: every exit code
+with its message, settings precedence, the exec of a recording stand-in for `vllm` (the
+launcher becomes the target), and many launches at once. One section per subject; the
+sections name the files they were.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +38,20 @@ from .conftest import (
     read_record,
     run_launcher,
 )
-from .hardening_support import base_environ, dry_run_plan, fake_vllm, public_directory
+from .hardening import (
+    GUARD,
+    REAL_IOMP,
+    base_environ,
+    children_of,
+    dry_run_plan,
+    fake_vllm,
+    public_directory,
+    record_argv,
+    run,
+    single_error,
+    text,
+)
+from .hardening import read_record as read_plain_record
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 NGRAM_TOKENS = NGRAM
@@ -162,7 +182,7 @@ def test_intel_stub_in_ld_preload_gets_no_runtime_beside_it(
 ) -> None:
     """From LD_PRELOAD the stub is no candidate, and a runtime beside it would make two
     OpenMP libraries in one process: nothing is added, one warning with the LD_PRELOAD
-    that works (tests/test_plan_contract.py runs that fix). (libiomp5_db.so cannot be
+    that works (tests/test_plan.py runs that fix). (libiomp5_db.so cannot be
     tried there: preloaded, no Python even starts.)"""
     stub = real_iomp.parent / "libiompstubs5.so"
     result = launcher(tmp_path, ["--dry-run", "--json", *sd_launch(vllm_env)], LD_PRELOAD=str(stub))
@@ -743,3 +763,514 @@ def test_dangling_vllm_beside_the_launcher_falls_back_to_path(
     )
     assert result.returncode == 0, result.stderr
     assert read_record(record_file)["argv"] == ["serve", "m"]
+
+
+# -------------------- Formerly tests/test_exec.py --------------------
+# The launcher for real: a process that execs a recording stand-in for `vllm`.
+
+
+AWKWARD = [
+    "",
+    "two words",
+    " leading and trailing ",
+    "new\nline",
+    "tab\there",
+    "ünïcødé ✓",
+    "$HOME",
+    "'single' \"double\" \\back",
+    "--",
+    "-",
+    "--speculative-config-lookalike",
+    os.fsdecode(b"not-utf8-\xff\xfe"),
+]
+
+ZLIB = next(
+    p for p in (Path("/lib/x86_64-linux-gnu/libz.so.1"), Path("/usr/lib/libz.so.1")) if p.exists()
+)
+Launch = Callable[..., tuple[subprocess.CompletedProcess[str], dict[str, object]]]
+
+
+def start(args: list[str], environ: dict[str, str]) -> tuple[int, subprocess.CompletedProcess[str]]:
+    """Start the launcher and report the PID it started with and how it ended."""
+    process = subprocess.Popen(
+        [*LAUNCHER, *args], env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = process.communicate(timeout=120)
+    return process.pid, subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def test_exec_keeps_pid_argv_and_maps_real_libiomp(
+    tmp_path: Path, vllm_env: Path, record_file: Path, system_host: SystemHost
+) -> None:
+    vllm_args = ["serve", "model dir", "--speculative-config", NGRAM, *AWKWARD]
+    environ = clean_environ(tmp_path, RECORD_TO=str(record_file))
+    pid, result = start(["--vllm", str(vllm_env / "bin" / "vllm"), *vllm_args], environ)
+    assert result.returncode == 0, result.stderr
+    record = read_record(record_file)
+    assert record["pid"] == pid  # exec: the launcher's process became vLLM
+    assert record["argv"] == vllm_args
+    library = str(vllm_env / "lib" / "libiomp5.so")
+    assert record["LD_PRELOAD"] == system_host.preload(library)
+    assert record["KMP_BLOCKTIME"] == "5"
+    assert library in record["mapped"]  # type: ignore[operator]
+    assert not any("libgomp" in m for m in record["mapped"])  # type: ignore[attr-defined]
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("vllm-cpu-launch: speculative decoding requested by")
+
+
+def test_target_environment_beats_the_launchers_own(
+    launch: Launch, vllm_env: Path, system_host: SystemHost
+) -> None:
+    """The launcher's venv has the wheel's libiomp5 too; vLLM's environment comes first."""
+    own = Path(sys.prefix) / "lib" / "libiomp5.so"
+    assert own.is_file()
+    _, record = launch(["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM])
+    assert record["LD_PRELOAD"] == system_host.preload(vllm_env / "lib" / "libiomp5.so")
+
+
+def test_launcher_environment_is_used_when_vllms_has_none(
+    launch: Launch, tmp_path: Path, system_host: SystemHost
+) -> None:
+    environment = make_environment(tmp_path / "bare-env")
+    vllm = install_recorder(environment)
+    result, record = launch(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM])
+    assert result.returncode == 0, result.stderr
+    assert record["LD_PRELOAD"] == system_host.preload(Path(sys.prefix) / "lib" / "libiomp5.so")
+
+
+def test_callers_preload_and_blocktime_are_respected(
+    launch: Launch, vllm_env: Path, tmp_path: Path, system_host: SystemHost
+) -> None:
+    # A real, harmless library of the caller's, under a name vLLM does not look for.
+    other = shutil.copy2(ZLIB, tmp_path / "libcaller.so")
+    result, record = launch(
+        ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM],
+        LD_PRELOAD=str(other),
+        KMP_BLOCKTIME="200",
+    )
+    assert result.returncode == 0, result.stderr
+    assert record["LD_PRELOAD"] == system_host.preload(vllm_env / "lib" / "libiomp5.so", other)
+    assert record["KMP_BLOCKTIME"] == "200"
+    assert str(other) in record["mapped"]  # type: ignore[operator]
+
+
+def test_launching_the_launcher_through_itself_adds_nothing_twice(
+    launch: Launch, vllm_env: Path, system_host: SystemHost
+) -> None:
+    vllm = str(vllm_env / "bin" / "vllm")
+    inner = [*LAUNCHER, "--vllm", vllm, "serve", "m", "-sc", NGRAM]
+    result, record = launch(["--vllm", vllm, "exec", "--", *inner])
+    assert result.returncode == 0, result.stderr
+    # The outer launch preloads the library of the program it starts (the launcher's own
+    # Python); the inner one finds it in LD_PRELOAD and keeps it, adding no second one.
+    assert record["LD_PRELOAD"] == system_host.preload(Path(sys.prefix) / "lib" / "libiomp5.so")
+    assert record["argv"] == ["serve", "m", "-sc", NGRAM]
+
+
+def test_without_sd_nothing_is_preloaded(launch: Launch, vllm_env: Path) -> None:
+    result, record = launch(["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"])
+    assert result.returncode == 0, result.stderr
+    assert record["LD_PRELOAD"] is None and record["KMP_BLOCKTIME"] is None
+    assert not any("libiomp" in m for m in record["mapped"])  # type: ignore[attr-defined]
+    assert "no speculative decoding requested" in result.stderr
+
+
+def test_quiet_prints_nothing(launch: Launch, vllm_env: Path) -> None:
+    result, record = launch(
+        ["-q", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
+    )
+    assert (result.returncode, result.stderr, result.stdout) == (0, "", "")
+    assert record["LD_PRELOAD"]
+
+
+def test_vllm_beside_the_launchers_python_is_found(tmp_path: Path, record_file: Path) -> None:
+    """Default target: `vllm` in the launcher's own bin/ (same venv), before PATH."""
+    environment = make_environment(tmp_path / "env")
+    install_recorder(environment)
+    environ = clean_environ(tmp_path, RECORD_TO=str(record_file), PATH="/usr/bin:/bin")
+    python = environment / "bin" / "python"
+    result = run_launcher(
+        ["serve", "m", "-sc", NGRAM], environ, launcher=[str(python), "-m", "vllm_cpu_launch"]
+    )
+    assert result.returncode == 0, result.stderr
+    assert read_record(record_file)["argv"] == ["serve", "m", "-sc", NGRAM]
+
+
+def test_vllm_on_path(tmp_path: Path, vllm_env: Path, record_file: Path) -> None:
+    environ = clean_environ(
+        tmp_path, RECORD_TO=str(record_file), PATH=f"{vllm_env / 'bin'}:/usr/bin:/bin"
+    )
+    pid, result = start(["serve", "m", "-sc", NGRAM], environ)
+    assert result.returncode == 0, result.stderr
+    assert read_record(record_file)["pid"] == pid
+
+
+def test_console_script(
+    tmp_path: Path, vllm_env: Path, record_file: Path, system_host: SystemHost
+) -> None:
+    script = Path(sys.executable).parent / "vllm-cpu-launch"
+    if not script.exists():
+        pytest.fail(f"{script} missing: install the package (pip install -e .)")
+    environ = clean_environ(tmp_path, RECORD_TO=str(record_file))
+    args = ["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
+    result = run_launcher(args, environ, launcher=[str(script)])
+    assert result.returncode == 0, result.stderr
+    library = vllm_env / "lib" / "libiomp5.so"
+    assert read_record(record_file)["LD_PRELOAD"] == system_host.preload(library)
+
+
+def test_exit_status_is_vllms(launch: Launch, vllm_env: Path) -> None:
+    result, _ = launch(["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m"], RECORD_EXIT="42")
+    assert result.returncode == 42
+
+
+def test_vllm_help_goes_to_vllm(launch: Launch, vllm_env: Path) -> None:
+    result, record = launch(["--vllm", str(vllm_env / "bin" / "vllm"), "serve", "--help"])
+    assert result.returncode == 0
+    assert record["argv"] == ["serve", "--help"]
+
+
+# -------------------- Formerly tests/test_hardening_exec.py --------------------
+# Exec semantics: the launcher becomes the target. Same PID, the target's exit status,
+# signals straight to the target, the caller's file descriptors kept, no helper process.
+
+
+@pytest.fixture
+def vllm(tmp_path: Path) -> Path:
+    return fake_vllm(tmp_path / "env")
+
+
+def wait_for(path: Path, process: subprocess.Popen[bytes]) -> None:
+    """Until `path` exists (the target is ready); a hang guard, not a timing assertion."""
+    deadline = time.monotonic() + GUARD
+    while not path.exists():
+        assert process.poll() is None, f"exited early with {process.returncode}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------ exit status
+
+
+@pytest.mark.parametrize("code", [0, 1, 42, 255])
+def test_exit_status_is_the_targets(tmp_path: Path, vllm: Path, code: int) -> None:
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    environ["HARDENING_EXIT"] = str(code)
+    result = run(["-q", "--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
+    assert result.returncode == code, text(result.stderr)
+    assert record.exists()
+
+
+@pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGTERM, signal.SIGUSR1])
+def test_death_by_signal_is_seen_by_the_caller(
+    tmp_path: Path, vllm: Path, number: signal.Signals
+) -> None:
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    environ["HARDENING_KILL"] = str(int(number))
+    result = run(["-q", "--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
+    assert result.returncode == -number, text(result.stderr)
+    assert record.exists()
+
+
+# ------------------------------------------------------------------ signals, one process
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_signals_to_the_launchers_pid_reach_the_target(
+    tmp_path: Path, vllm: Path, number: signal.Signals
+) -> None:
+    record = tmp_path / "record.json"
+    caught = tmp_path / "signal.txt"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    environ["HARDENING_SIGNALS"] = str(caught)
+    before = children_of(os.getpid())
+    process = subprocess.Popen(
+        [*LAUNCHER, "-q", "--vllm", str(vllm), "serve", "m", "-sc", NGRAM],
+        env=environ,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for(record, process)
+        data = read_plain_record(record)
+        # One process: the PID the test started is the target itself, running the
+        # vllm script (not the launcher), with no child of its own and no sibling.
+        assert data["pid"] == process.pid
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[1] == os.fsencode(str(vllm)), cmdline
+        assert b"vllm_cpu_launch" not in b" ".join(cmdline)
+        assert children_of(process.pid) == set()
+        assert children_of(os.getpid()) - before == {process.pid}
+        process.send_signal(number)
+        _, stderr = process.communicate(timeout=GUARD)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert caught.read_text() == number.name
+    assert process.returncode == 128 + number, text(stderr)
+    assert b"Traceback" not in stderr
+
+
+def signal_sets(status: bytes) -> list[str]:
+    """The ignored and blocked signal masks of a /proc/PID/status text."""
+    return [line for line in status.decode().splitlines() if line.startswith(("SigIgn", "SigBlk"))]
+
+
+def test_target_gets_the_signal_dispositions_it_would_get_directly(tmp_path: Path) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ; exec keeps ignored signals ignored. The target
+    (cat, printing its own /proc/self/status) must see the same ignored and blocked sets
+    as when the test starts it itself."""
+    cat = shutil.which("cat")
+    assert cat is not None
+    link = tmp_path / "bin" / "vllm"  # a `vllm` that is cat, for the --vllm route
+    link.parent.mkdir()
+    link.symlink_to(cat)
+    environ = base_environ(tmp_path / "home")
+    direct = subprocess.run(
+        [cat, "/proc/self/status"], env=environ, capture_output=True, timeout=GUARD, check=True
+    )
+    assert len(signal_sets(direct.stdout)) == 2
+    for args in (["--vllm", str(link)], ["exec", "--", cat]):
+        result = run(["-q", "--iomp", "never", *args, "/proc/self/status"], environ)
+        assert result.returncode == 0, text(result.stderr)
+        assert signal_sets(result.stdout) == signal_sets(direct.stdout)
+
+
+def test_sigpipe_kills_a_program_writing_to_a_closed_pipe(tmp_path: Path) -> None:
+    """What the default disposition means in practice: `launcher exec -- yes | head -1`
+    ends because `yes` dies of SIGPIPE, instead of writing into the void with EPIPE."""
+    launcher = shlex.join(LAUNCHER)
+    command = f"{launcher} -q --iomp never exec -- yes | head -n 1; echo ${{PIPESTATUS[0]}}"
+    result = subprocess.run(
+        ["bash", "-c", command],
+        env=base_environ(tmp_path / "home"),
+        capture_output=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert result.stdout.decode().split() == ["y", str(128 + signal.SIGPIPE)], result
+
+
+# ------------------------------------------------------------------ file descriptors
+
+
+def test_socket_activation_fd_3_survives_the_exec(tmp_path: Path, vllm: Path) -> None:
+    """systemd socket activation: a listening socket on fd 3, LISTEN_FDS=1, LISTEN_PID
+    the service's PID. The target accepts a connection on fd 3 and answers with its PID.
+    An extra pipe passed at another fd number is kept as well."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    read_end, write_end = os.pipe()
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    environ.update(HARDENING_ACCEPT="1", HARDENING_PIPE_FD=str(write_end))
+    # sh moves the socket from stdin to fd 3 and sets LISTEN_PID to its own PID, which
+    # the launcher and then the target keep, since each execs the next.
+    wrapper = 'exec 3<&0 0</dev/null; export LISTEN_FDS=1 LISTEN_PID=$$; exec "$@"'
+    command = ["sh", "-c", wrapper, "sh", *LAUNCHER, "--vllm", str(vllm), "serve", "m"]
+    process = subprocess.Popen(
+        [*command, "-sc", NGRAM],
+        env=environ,
+        stdin=listener.fileno(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        pass_fds=(write_end,),
+    )
+    os.close(write_end)
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=GUARD) as client:
+            answer = b""
+            while chunk := client.recv(1024):
+                answer += chunk
+        _, stderr = process.communicate(timeout=GUARD)
+        piped = os.read(read_end, 1024)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        listener.close()
+        os.close(read_end)
+    assert process.returncode == 0, text(stderr)
+    assert answer.decode() == f"pid {process.pid} listen_pid {process.pid}"
+    assert piped.decode() == f"pipe from {process.pid}"
+    data = read_plain_record(record)
+    assert data["env"]["LISTEN_FDS"] == "1"
+    assert data["fds"]["3"].startswith("socket:")
+    assert data["env"]["LD_PRELOAD"] == str(vllm.parent.parent / "lib" / "libiomp5.so")
+    assert record_argv(data) == [b"serve", b"m", b"-sc", NGRAM.encode()]
+
+
+def test_the_launcher_leaks_no_descriptor_into_the_target(tmp_path: Path, vllm: Path) -> None:
+    """The launcher opens libraries, scripts and config files; none may stay open."""
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    config = tmp_path / "launcher.yaml"
+    config.write_text("kmp-blocktime: 7\n")
+    args = ["--launcher-config", str(config), "--vllm", str(vllm), "serve", "m", "-sc", NGRAM]
+    result = run(args, environ)
+    assert result.returncode == 0, text(result.stderr)
+    data = read_plain_record(record)
+    assert data["fds"]["3"] is None and data["fds"]["4"] is None, data["fds"]
+    assert data["env"]["KMP_BLOCKTIME"] == "7"
+    assert str(REAL_IOMP) not in (data["fds"]["0"] or "")
+
+
+# -------------------- Formerly tests/test_hardening_parallel.py --------------------
+# Many at once: 50 launches started together plan alike and exec correctly.
+
+
+COUNT = 50
+
+
+def start_all(
+    commands: list[list[str]], environs: list[dict[str, str]]
+) -> list[tuple[int, int, bytes, bytes]]:
+    """Start every command before waiting for any; (pid, exit code, stdout, stderr) each."""
+    processes = [
+        subprocess.Popen(
+            command,
+            env=environ,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for command, environ in zip(commands, environs, strict=True)
+    ]
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=GUARD)  # hang guard
+            results.append((process.pid, process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def test_fifty_parallel_launches_plan_alike_and_exec(tmp_path: Path) -> None:
+    vllm = fake_vllm(tmp_path / "env")
+    environ = base_environ(tmp_path / "home")
+    args = ["--vllm", str(vllm), "serve", "m", "-sc", NGRAM]
+
+    plans = start_all([[*LAUNCHER, "--dry-run", "--json", *args]] * COUNT, [environ] * COUNT)
+    assert all(code == 0 for _, code, _, _ in plans), [text(e) for _, _, _, e in plans]
+    assert all(b"Traceback" not in stderr for _, _, _, stderr in plans)
+    first = json.loads(plans[0][2])
+    assert all(json.loads(stdout) == first for _, _, stdout, _ in plans)
+    library = str(vllm.parent.parent / "lib" / "libiomp5.so")
+    assert first["env"] == {
+        "LD_PRELOAD": library,
+        "KMP_BLOCKTIME": "5",
+        "VLLMCPULAUNCH_PLANNED": "launcher:started",
+    }
+
+    records = [tmp_path / f"record-{index}.json" for index in range(COUNT)]
+    launches = start_all(
+        [[*LAUNCHER, "-q", *args, f"launch-{index}"] for index in range(COUNT)],
+        [{**environ, "HARDENING_RECORD": str(record)} for record in records],
+    )
+    for index, (pid, code, _, stderr) in enumerate(launches):
+        assert code == 0, text(stderr)
+        assert b"Traceback" not in stderr
+        data = read_plain_record(records[index])
+        assert data["pid"] == pid
+        assert record_argv(data) == [
+            b"serve",
+            b"m",
+            b"-sc",
+            NGRAM.encode(),
+            f"launch-{index}".encode(),
+        ]
+        assert data["env"]["LD_PRELOAD"] == first["env"]["LD_PRELOAD"]
+        assert data["env"]["KMP_BLOCKTIME"] == first["env"]["KMP_BLOCKTIME"]
+
+
+# -------------------- PATH, HOME and closed streams: tests/test_hardening_environment.py
+# Broken environments: each gives its exit code and one clear error line, no traceback.
+
+
+def test_path_unset_still_starts_an_explicit_vllm(tmp_path: Path, vllm: Path) -> None:
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    del environ["PATH"]
+    result = run(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
+    assert result.returncode == 0, text(result.stderr)
+    data = read_plain_record(record)
+    assert record_argv(data) == [b"serve", b"m", b"-sc", NGRAM.encode()]
+    assert data["env"]["PATH"] is None  # not invented for the target either
+    assert data["env"]["LD_PRELOAD"] == str(vllm.parent.parent / "lib" / "libiomp5.so")
+
+
+def test_home_and_xdg_unset_still_start(tmp_path: Path, vllm: Path) -> None:
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    del environ["HOME"], environ["XDG_CONFIG_HOME"]
+    result = run(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
+    assert result.returncode == 0, text(result.stderr)
+    assert "Traceback" not in text(result.stderr)
+    assert record_argv(read_plain_record(record))[:2] == [b"serve", b"m"]
+
+
+CLOSE = {"stdin+stdout": "0<&- 1>&-", "all three": "0<&- 1>&- 2>&-"}
+
+
+@pytest.mark.parametrize("closed", list(CLOSE))
+def test_closed_standard_streams_still_exec(tmp_path: Path, vllm: Path, closed: str) -> None:
+    """Started with fds closed, as some service managers do: the target still starts,
+    with the same fds closed (the launcher leaves nothing of its own on them)."""
+    record = tmp_path / "record.json"
+    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
+    command = [
+        "sh",
+        "-c",
+        f'exec {CLOSE[closed]} "$@"',
+        "sh",
+        *LAUNCHER,
+        "--vllm",
+        str(vllm),
+        "serve",
+        "m",
+        "-sc",
+        NGRAM,
+    ]
+    result = subprocess.run(command, env=environ, capture_output=True, timeout=GUARD, check=False)
+    assert result.returncode == 0, text(result.stderr)
+    data = read_plain_record(record)
+    assert record_argv(data) == [b"serve", b"m", b"-sc", NGRAM.encode()]
+    assert data["env"]["LD_PRELOAD"] == str(vllm.parent.parent / "lib" / "libiomp5.so")
+    assert data["fds"]["0"] is None
+    assert data["fds"]["1"] is None
+    if closed == "all three":
+        assert data["fds"]["2"] is None
+    else:
+        assert b"preloading" in result.stderr  # the INFO line still reached stderr
+
+
+def test_closed_stderr_keeps_the_exit_code_of_an_error(tmp_path: Path) -> None:
+    command = ["sh", "-c", 'exec 2>&- "$@"', "sh", *LAUNCHER, "--vllm", str(tmp_path / "nope")]
+    result = subprocess.run(
+        [*command, "serve", "m"],
+        env=base_environ(tmp_path / "home"),
+        capture_output=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert result.returncode == 127
+    assert result.stdout == b""
+
+
+def test_closed_stdout_with_dry_run_is_a_clear_error(tmp_path: Path, vllm: Path) -> None:
+    command = ["sh", "-c", 'exec 1>&- "$@"', "sh", *LAUNCHER, "--vllm", str(vllm), "--dry-run"]
+    result = subprocess.run(
+        [*command, "serve", "m"],
+        env=base_environ(tmp_path / "home"),
+        capture_output=True,
+        timeout=GUARD,
+        check=False,
+    )
+    assert "standard output: it is closed" in single_error(result, 2)

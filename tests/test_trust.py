@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import AS_NOBODY, LAUNCHER, NOBODY, clean_environ, run_launcher
-from .hardening_support import public_directory
+from .hardening import public_directory
 from .installers import (
     FIX,
     SD,

@@ -2,7 +2,7 @@
 
 scripts/bench_vllm.py measured the real vLLM CPU build serving with speculative decoding
 over model size, reservation, binding, concurrency and the runtime settings a launcher can
-choose; every run is kept (docs/bench_vllm_*.json), and tests/test_evidence.py recomputes
+choose; every run is kept (docs/bench_vllm_*.json), and tests/test_rules.py recomputes
 every figure of the table below from them.
 
 Speculative decoding always gets Intel OpenMP (docs/design.md, "Never slower"); a rule here
@@ -73,7 +73,7 @@ class RealWeights:
     """A rule re-judged on a real model's weights (docs/benchmarks.md, the headline):
     REAL_MODEL served one request at a time, every paired round a gain, at the acceptance
     its drafts really have (the random-weights maps' drafts are never accepted);
-    test_evidence.py recomputes both from REAL_JSON."""
+    test_rules.py recomputes both from REAL_JSON."""
 
     figures: tuple[float, float]  # lowest and highest median TPOT ratio over its drafts
     accepted: tuple[float, float]  # the share of drafted tokens accepted, lowest and highest
@@ -83,7 +83,7 @@ class RealWeights:
 class AtLoad:
     """A rule re-judged at one client concurrency (docs/benchmarks.md, the map at load):
     REAL_MODEL's weights on the shipped prompts, each start measured at every concurrency
-    in turn; test_evidence.py recomputes it from LOAD_JSON."""
+    in turn; test_rules.py recomputes it from LOAD_JSON."""
 
     concurrency: int
     figures: tuple[float, float]  # lowest and highest median TPOT ratio over its drafts
@@ -94,7 +94,7 @@ class AtLoad:
 class Rule:
     """A measured rule: what it adds, and the figures it rests on, the lowest and highest
     median TPOT ratio (> 1 = faster) over the concurrency levels measured on the 105M
-    model, every paired round of each a gain; test_evidence.py recomputes them from
+    model, every paired round of each a gain; test_rules.py recomputes them from
     `evidence`, the kept run. A non-rule (`adds` "nothing") records a measurement that
     was no gain in every round, and `why`."""
 
@@ -128,7 +128,7 @@ UNBOUND = ((BIND_VARIABLE, "nobind"), (BLOCKTIME_VARIABLE, NOBIND_BLOCKTIME))
 MAP_JSON = "docs/bench_vllm_map.json"
 METHODS_JSON = "docs/bench_vllm_methods.json"
 # Every measured rule, and the measured non-rules: the one table the plan, `rules`,
-# docs/design.md's table and tests/test_evidence.py read. Changing or removing a rule is
+# docs/design.md's table and tests/test_rules.py read. Changing or removing a rule is
 # an edit here and in its evidence test.
 RULES = (
     Rule(
@@ -366,7 +366,7 @@ def override_words(overrides: Sequence[Override], short: bool = False) -> str:
 
 # The matcher
 
-# Why no rule where vLLM binds the worker (tests/test_evidence.py recomputes the figure).
+# Why no rule where vLLM binds the worker (tests/test_rules.py recomputes the figure).
 BOUND = (
     "vLLM binds the worker there, and bound no runtime measured faster than libgomp (with "
     f"none reserved 0.95-1.05x, {WAITING_MAP})"

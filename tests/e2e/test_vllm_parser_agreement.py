@@ -18,14 +18,15 @@ import pytest
 
 from vllm_cpu_launch.command import detect, single_worker
 
-from ..test_speculative import (
+from ..test_command import (
     MALFORMED,
     NOT_REQUESTED,
+    PARALLEL_CASES,
+    PARALLEL_YAML_CASES,
     REQUESTED,
     YAML_NOT_REQUESTED,
     YAML_REQUESTED,
 )
-from ..test_vllm_cli import PARALLEL_CASES, PARALLEL_YAML_CASES
 from .conftest import REAL_VLLM, WINDOW_EDGES, last_json_line_of
 
 pytestmark = REAL_VLLM
@@ -118,9 +119,9 @@ def test_what_the_launcher_refuses_or_advises_vllm_rejects_or_accepts(
     release_env: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """A --speculative-config the launcher refuses as no JSON (exit 2, tests/
-    test_speculative.py) is one vLLM's parser rejects too, on the command line and in a
+    test_command.py) is one vLLM's parser rejects too, on the command line and in a
     --config file; the KV cache size doctor advises (`--kv-cache-memory-bytes NG`,
-    tests/test_messages.py) is one it accepts, in GiB."""
+    tests/test_errors.py) is one it accepts, in GiB."""
     config = tmp_path / "config.yaml"
     config.write_text(f"speculative_config: {json.dumps(MALFORMED[0])}\n")
     refused = [["serve", "m", "-sc", value] for value in MALFORMED]

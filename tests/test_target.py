@@ -1,32 +1,149 @@
-"""Broken environments: each gives its exit code and one clear error line, no traceback."""
+"""The target (vllm_cpu_launch/target.py): its wrapper reader on what no installer writes
+(it never guesses and never raises), and a vllm not found or not runnable (127 or 126,
+one clear error line: the last section).
+
+The forms installers do write are made by the installers themselves in
+tests/test_installers.py; here are the others: hand-written trampolines with shell
+expansions the reader does not evaluate, malformed quoting, and arbitrary bytes.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from .conftest import AS_NOBODY
-from .hardening_support import (
+from vllm_cpu_launch.target import read_wrapper
+
+from .conftest import RECORDER, SystemHost, clean_environ, read_record, run_launcher
+from .hardening import (
     ERROR_PREFIX,
-    GUARD,
-    LAUNCHER,
     NGRAM,
     base_environ,
-    fake_vllm,
     isolated_environ,
     isolated_launcher,
-    public_directory,
-    read_record,
-    record_argv,
     run,
     single_error,
     text,
 )
 
-# ------------------------------------------------------------------ the target
+
+def write_script(path: Path, text: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_an_expansion_it_does_not_evaluate_leaves_the_interpreter_unknown(tmp_path: Path) -> None:
+    """`$(command -v python3)` would need a shell: the launcher says nothing it cannot
+    know, decides the environment from the script's place, and /bin/sh still runs it."""
+    python = Path(sys.executable)
+    env = tmp_path / "env"
+    (env / "pyvenv.cfg").parent.mkdir(parents=True)
+    (env / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    script = write_script(
+        env / "bin" / "vllm",
+        b"#!/bin/sh\n'''exec' \"$(command -v python3)\" \"$0\" \"$@\"\n' '''\n" + RECORDER.encode(),
+    )
+    wrapper = read_wrapper(str(script), None)
+    assert (wrapper.form, wrapper.interpreter) == ("unknown", None)
+    assert "$(command -v python3)" in wrapper.detail
+
+    record = tmp_path / "record.json"
+    environ = clean_environ(tmp_path, RECORD_TO=str(record), PATH=f"{python.parent}:/usr/bin:/bin")
+    plan = run_launcher(["--dry-run", "--vllm", str(script), "serve", "m"], environ)
+    assert plan.returncode == 0, plan.stderr
+    assert f"vLLM's environment: {env} (the pyvenv.cfg of the environment it lies in)" in (
+        plan.stdout
+    )
+    ran = run_launcher(["-q", "--vllm", str(script), "serve", "m"], environ)
+    assert ran.returncode == 0, ran.stderr
+    assert read_record(record)["argv"] == ["serve", "m"]
+
+
+@given(second=st.binary(max_size=200))
+def test_any_second_line_of_a_sh_wrapper_is_read_without_raising(second: bytes) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        script = write_script(Path(directory) / "vllm", b"#!/bin/sh\n'''exec' " + second)
+        wrapper = read_wrapper(str(script), "/usr/bin:/bin")
+        assert wrapper.form in ("sh-trampoline", "unknown", "direct")
+        assert wrapper.interpreter is None or wrapper.interpreter.startswith("/")
+
+
+def test_deeply_nested_substitutions_leave_the_interpreter_unknown(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path / "env" / "bin" / "vllm", b"#!/bin/sh\n'''exec' \"" + b"$(" * 1500 + b"\n"
+    )
+    wrapper = read_wrapper(str(script), None)
+    assert (wrapper.form, wrapper.interpreter) == ("unknown", None)
+    result = run_launcher(
+        ["--dry-run", "--vllm", str(script), "serve", "m"], clean_environ(tmp_path)
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_bare_trampoline_name_is_looked_up_on_path_as_the_shell_does(tmp_path: Path) -> None:
+    """`'''exec' python3 "$0" "$@"`: sh runs the python3 on PATH, and so does the plan."""
+    python = Path(sys.executable)
+    record = tmp_path / "record.json"
+    script = write_script(
+        tmp_path / "bin" / "vllm",
+        f"#!/bin/sh\n'''exec' {python.name} \"$0\" \"$@\"\n' '''\n{RECORDER}".encode(),
+    )
+    environ = clean_environ(tmp_path, RECORD_TO=str(record), PATH=f"{python.parent}:/usr/bin:/bin")
+    wrapper = read_wrapper(str(script), environ["PATH"])
+    assert (wrapper.form, wrapper.interpreter) == ("sh-trampoline", str(python))
+    ran = run_launcher(["-q", "--vllm", str(script), "serve", "m"], environ)
+    assert ran.returncode == 0, ran.stderr
+    assert read_record(record)["argv"] == ["serve", "m"]
+    gone = run_launcher(["--vllm", str(script), "serve", "m"], {**environ, "PATH": "/usr/bin:/bin"})
+    assert gone.returncode == 127 and f"runs {python.name!r} from PATH" in gone.stderr
+
+
+def test_a_shell_script_wrapper_is_served_by_the_environment_it_lies_in(
+    tmp_path: Path, real_iomp: Path, system_host: SystemHost
+) -> None:
+    """An operator's `#!/bin/sh` script in a real venv's bin/: the shell is no Python, so
+    the venv it lies in decides; its library is chosen and mapped, and no warning says
+    that /bin/sh is the environment."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    shutil.copy2(real_iomp, venv / "lib" / "libiomp5.so")
+    (venv / "bin" / "record.py").write_text(RECORDER)
+    script = write_script(
+        venv / "bin" / "vllm",
+        b'#!/bin/sh\nexec "$(dirname -- "$0")/python" "$(dirname -- "$0")/record.py" "$@"\n',
+    )
+    record = tmp_path / "record.json"
+    environ = clean_environ(tmp_path, RECORD_TO=str(record))
+    args = [
+        "--vllm",
+        str(script),
+        "serve",
+        "m",
+        "-sc",
+        '{"method":"ngram","num_speculative_tokens":3}',
+    ]
+    plan = json.loads(run_launcher(["--dry-run", "--json", *args], environ).stdout)
+    host = [p["path"] for p in system_host.preloaded()]
+    assert [p["path"] for p in plan["preload"]] == [*host, str(venv / "lib" / "libiomp5.so")]
+    assert plan["warnings"] == []
+    ran = run_launcher(["-q", *args], environ)
+    assert ran.returncode == 0, ran.stderr
+    assert os.path.realpath(venv / "lib" / "libiomp5.so") in read_record(record)["mapped"]  # type: ignore[operator]
+
+
+# -------------------- The target not found or not runnable: tests/test_hardening_environment.py
+# Broken environments: each gives its exit code and one clear error line, no traceback.
 
 
 def test_no_vllm_anywhere_exits_127(tmp_path: Path) -> None:
@@ -178,166 +295,3 @@ def test_env_shebang_naming_a_missing_program_is_the_programs_own_127(tmp_path: 
     assert result.returncode == 127
     assert "no-such-python-hardening" in stderr
     assert "Traceback" not in stderr
-
-
-# ------------------------------------------------------------------ PATH, HOME, closed fds
-
-
-@pytest.fixture
-def vllm(tmp_path: Path) -> Path:
-    return fake_vllm(tmp_path / "env")
-
-
-def test_path_unset_still_starts_an_explicit_vllm(tmp_path: Path, vllm: Path) -> None:
-    record = tmp_path / "record.json"
-    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
-    del environ["PATH"]
-    result = run(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
-    assert result.returncode == 0, text(result.stderr)
-    data = read_record(record)
-    assert record_argv(data) == [b"serve", b"m", b"-sc", NGRAM.encode()]
-    assert data["env"]["PATH"] is None  # not invented for the target either
-    assert data["env"]["LD_PRELOAD"] == str(vllm.parent.parent / "lib" / "libiomp5.so")
-
-
-def test_home_and_xdg_unset_still_start(tmp_path: Path, vllm: Path) -> None:
-    record = tmp_path / "record.json"
-    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
-    del environ["HOME"], environ["XDG_CONFIG_HOME"]
-    result = run(["--vllm", str(vllm), "serve", "m", "-sc", NGRAM], environ)
-    assert result.returncode == 0, text(result.stderr)
-    assert "Traceback" not in text(result.stderr)
-    assert record_argv(read_record(record))[:2] == [b"serve", b"m"]
-
-
-CLOSE = {"stdin+stdout": "0<&- 1>&-", "all three": "0<&- 1>&- 2>&-"}
-
-
-@pytest.mark.parametrize("closed", list(CLOSE))
-def test_closed_standard_streams_still_exec(tmp_path: Path, vllm: Path, closed: str) -> None:
-    """Started with fds closed, as some service managers do: the target still starts,
-    with the same fds closed (the launcher leaves nothing of its own on them)."""
-    record = tmp_path / "record.json"
-    environ = base_environ(tmp_path / "home", HARDENING_RECORD=str(record))
-    command = [
-        "sh",
-        "-c",
-        f'exec {CLOSE[closed]} "$@"',
-        "sh",
-        *LAUNCHER,
-        "--vllm",
-        str(vllm),
-        "serve",
-        "m",
-        "-sc",
-        NGRAM,
-    ]
-    result = subprocess.run(command, env=environ, capture_output=True, timeout=GUARD, check=False)
-    assert result.returncode == 0, text(result.stderr)
-    data = read_record(record)
-    assert record_argv(data) == [b"serve", b"m", b"-sc", NGRAM.encode()]
-    assert data["env"]["LD_PRELOAD"] == str(vllm.parent.parent / "lib" / "libiomp5.so")
-    assert data["fds"]["0"] is None
-    assert data["fds"]["1"] is None
-    if closed == "all three":
-        assert data["fds"]["2"] is None
-    else:
-        assert b"preloading" in result.stderr  # the INFO line still reached stderr
-
-
-def test_closed_stderr_keeps_the_exit_code_of_an_error(tmp_path: Path) -> None:
-    command = ["sh", "-c", 'exec 2>&- "$@"', "sh", *LAUNCHER, "--vllm", str(tmp_path / "nope")]
-    result = subprocess.run(
-        [*command, "serve", "m"],
-        env=base_environ(tmp_path / "home"),
-        capture_output=True,
-        timeout=GUARD,
-        check=False,
-    )
-    assert result.returncode == 127
-    assert result.stdout == b""
-
-
-def test_closed_stdout_with_dry_run_is_a_clear_error(tmp_path: Path, vllm: Path) -> None:
-    command = ["sh", "-c", 'exec 1>&- "$@"', "sh", *LAUNCHER, "--vllm", str(vllm), "--dry-run"]
-    result = subprocess.run(
-        [*command, "serve", "m"],
-        env=base_environ(tmp_path / "home"),
-        capture_output=True,
-        timeout=GUARD,
-        check=False,
-    )
-    assert "standard output: it is closed" in single_error(result, 2)
-
-
-# ------------------------------------------------------------------ config files
-
-PROBLEMS = {
-    # problem: (content or a marker, what the message must say, the key it must name)
-    "invalid-yaml": (b"iomp: [auto\nstrict: yes\n", "invalid YAML", None),
-    "wrong-type": (b"iomp: 5\n", "is not one of auto, always, never", "iomp"),
-    "wrong-type-list": (b"kmp-blocktime: [5]\n", "is not a KMP_BLOCKTIME", "kmp-blocktime"),
-    "unknown-key": (b"iomp_mode: auto\n", "unknown key", "iomp_mode"),
-    "not-a-mapping": (b"- iomp\n- always\n", "must be a mapping", None),
-    "not-utf8": (b"iomp: \xff\xfeauto\n", "not UTF-8", None),
-    "directory": (b"<directory>", "is a directory", None),
-    "unreadable": (b"<unreadable>", "Permission denied", None),
-    "missing": (b"<missing>", "not found", None),
-}
-SOURCES = ("--launcher-config", "VLLMCPULAUNCH_CONFIG", "XDG_CONFIG_HOME", "HOME/.config")
-
-
-def place_config(path: Path, content: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if content == b"<directory>":
-        path.mkdir()
-    elif content == b"<unreadable>":
-        path.write_text("iomp: always\n")
-        path.chmod(0o000 if os.geteuid() != 0 else 0o600)  # root reads anything: see below
-    elif content != b"<missing>":
-        path.write_bytes(content)
-
-
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("problem", list(PROBLEMS))
-def test_bad_config_file_exits_2_naming_file_and_key(
-    source: str, problem: str, request: pytest.FixtureRequest
-) -> None:
-    content, message, key = PROBLEMS[problem]
-    as_nobody = problem == "unreadable" and os.geteuid() == 0
-    # Root reads everything: an unreadable file needs another user.
-    launcher = request.getfixturevalue("nobody_launcher") if as_nobody else LAUNCHER
-    with public_directory() as root:  # uid 65534 must reach it in the "unreadable" case
-        vllm = fake_vllm(root / "env")
-        (root / "env" / "bin" / "python").unlink()
-        (root / "env" / "bin" / "python").symlink_to("/bin/sh")  # uid 65534 can stat it
-        record = root / "record.json"
-        environ = base_environ(root / "home", HARDENING_RECORD=str(record))
-        args = ["--vllm", str(vllm), "--dry-run", "serve", "m"]
-        if source == "--launcher-config":
-            path = root / "launcher.yaml"
-            args = ["--launcher-config", str(path), *args]
-        elif source == "VLLMCPULAUNCH_CONFIG":
-            path = root / "from-variable.yaml"
-            environ["VLLMCPULAUNCH_CONFIG"] = str(path)
-        elif source == "XDG_CONFIG_HOME":
-            path = root / "xdg" / "vllm-cpu-launch" / "config.yaml"
-            environ["XDG_CONFIG_HOME"] = str(root / "xdg")
-        else:
-            path = root / "home" / ".config" / "vllm-cpu-launch" / "config.yaml"
-            del environ["XDG_CONFIG_HOME"]
-        place_config(path, content)
-        result = run(args, environ, launcher, prefix=AS_NOBODY if as_nobody else ())
-        if problem == "missing" and source in ("XDG_CONFIG_HOME", "HOME/.config"):
-            # The user file is optional: without it the launcher plans as usual.
-            assert result.returncode == 0, text(result.stderr)
-            assert "Traceback" not in text(result.stderr)
-            assert text(result.stdout).startswith("command:")
-            return
-        line = single_error(result, 2)
-        assert str(path) in line
-        assert message in line
-        if key is not None:
-            assert f"key {key!r}" in line
-        if problem == "unknown-key":
-            assert "allowed keys: iomp, iomp-path" in line

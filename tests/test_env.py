@@ -1,4 +1,5 @@
-"""`env`: the plan's environment as shell, EnvironmentFile, Dockerfile ENV and JSON.
+"""`env` (vllm_cpu_launch/verbs/env.py): the plan's environment as shell, EnvironmentFile,
+Dockerfile ENV and JSON.
 
 Each format is read back: shell output by real shells (`eval`), EnvironmentFile lines
 by systemd's own env-file parser (the environment.d generator) and by a faithful

@@ -1,4 +1,6 @@
-"""Helpers for the hardening tests: fake vLLM environments, a recording target, runners.
+"""Helpers for the hardening tests, hostile inputs and broken environments (sections of
+test_cli, test_libraries, test_plan, test_target, test_settings and test_trust): fake vLLM
+environments, a recording target, runners.
 
 Everything here is real: the launcher runs as `python -m vllm_cpu_launch` in a child
 process and execs a real program (a Python script with a `#!` line, laid out like a
