@@ -1297,8 +1297,9 @@ def arm_environment(tmp_path: Path, wheels: Path, platform: str | None = ARM_PLA
 
 def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
     from vllm_cpu_launch.command import detect
+    from vllm_cpu_launch.gather import gather
     from vllm_cpu_launch.libraries import Host
-    from vllm_cpu_launch.plan import build_plan, plan_as_json
+    from vllm_cpu_launch.plan import plan_as_json, plan_of
     from vllm_cpu_launch.settings import Mode, Settings
     from vllm_cpu_launch.target import Target
 
@@ -1310,7 +1311,9 @@ def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
     target = Target(str(root / "bin" / "vllm"), "--vllm", python, str(root))
     settings = Settings(iomp=Mode(iomp))
     return plan_as_json(
-        build_plan(settings, NGRAM_SERVE, detect(NGRAM_SERVE), target, host, True, one_worker=True)
+        plan_of(
+            gather(settings, NGRAM_SERVE, detect(NGRAM_SERVE), target, host, True, one_worker=True)
+        )
     )
 
 

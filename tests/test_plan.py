@@ -47,7 +47,6 @@ from vllm_cpu_launch.plan import (
     Preload,
     allocator_stage,
     architecture_gate,
-    build_plan,
     callers_stage,
     compose_ld_preload,
     decide,
@@ -56,6 +55,7 @@ from vllm_cpu_launch.plan import (
     mode_stage,
     plan_as_json,
     plan_as_text,
+    plan_of,
     refuse_stage,
     release_gate,
     rules_stage,
@@ -92,7 +92,7 @@ STARTED = {PLANNED_VARIABLE: "launcher:started"}
 
 def plan_sd(target: Target, host: Host, settings: Settings = DEFAULTS) -> Plan:
     """The plan for `vllm serve m` with ngram SD, one worker."""
-    return build_plan(settings, SD, detect(SD), target, host, True, one_worker=True)
+    return plan_of(gather(settings, SD, detect(SD), target, host, True, one_worker=True))
 
 
 @pytest.mark.parametrize(
@@ -192,8 +192,10 @@ def plan_for(
     target = make_target(tmp_path, real_iomp)
     host = make_host(tmp_path, **env)
     return plan_as_json(
-        build_plan(
-            settings, argv, detect(argv), target, host, detect(argv).requested, one_worker=True
+        plan_of(
+            gather(
+                settings, argv, detect(argv), target, host, detect(argv).requested, one_worker=True
+            )
         )
     )
 
@@ -520,7 +522,7 @@ def test_verdicts_are_fields_never_read_back_from_message_text(
         Settings(strict=True),
     )
     assert strict.missing == ("iomp",) and strict.fatal == strict.warnings[-1:]
-    package = Path(build_plan.__code__.co_filename).parent
+    package = Path(plan_of.__code__.co_filename).parent
     source = "\n".join(path.read_text() for path in sorted(package.rglob("*.py")))
     for reading in ("STRICT_REFUSAL in", "startswith(UNSAFE)", "removeprefix(UNSAFE)"):
         assert reading not in source
@@ -1048,14 +1050,16 @@ def test_planning_from_the_planned_environment_changes_nothing(
     if first is None:
         return
     planned = {**environ, **dict(first.env)}
-    second = build_plan(
-        chosen_settings,
-        arguments,
-        speculative,
-        target,
-        planning_host(planned, empty),
-        speculative.requested,
-        one_worker=True,
+    second = plan_of(
+        gather(
+            chosen_settings,
+            arguments,
+            speculative,
+            target,
+            planning_host(planned, empty),
+            speculative.requested,
+            one_worker=True,
+        )
     )
     assert second.env == ()
     assert [p.path for p in second.preload] == [p.path for p in first.preload]
@@ -1071,14 +1075,16 @@ def plan_or_conflict(
     """The plan of `serve m`; None where --iomp-path and another Intel/LLVM OpenMP in the
     caller's LD_PRELOAD conflict, a usage error (two runtimes in one process)."""
     try:
-        return build_plan(
-            chosen,
-            ("serve", "m"),
-            speculative,
-            target,
-            planning_host(environ, empty),
-            speculative.requested,
-            one_worker=True,
+        return plan_of(
+            gather(
+                chosen,
+                ("serve", "m"),
+                speculative,
+                target,
+                planning_host(environ, empty),
+                speculative.requested,
+                one_worker=True,
+            )
         )
     except LaunchError as error:
         caller = split(environ.get("LD_PRELOAD", ""))

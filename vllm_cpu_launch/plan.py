@@ -1,6 +1,6 @@
 """The plan: what to exec and with which environment. Computed, never executed, here.
 
-build_plan gathers the facts (gather.py, all of the plan's I/O), decides over them in
+plan_of takes the facts (gather.py, all of the plan's I/O), decides over them in
 small pure stages, each returning a new Decision (nothing in them reads a file or says a
 word), then says the decision: its warnings, notes and reason are derived from the
 decision's fields, never read back.
@@ -16,7 +16,6 @@ from vllm_cpu_launch.gather import (
     PYTHONPATH,
     Alias,
     effective_tune,
-    gather,
     mode_of,
     pythonpath_with,
 )
@@ -63,8 +62,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.libraries import Candidate, Finding, PreloadEntry, Search
     from vllm_cpu_launch.rules import Override, Rule
-    from vllm_cpu_launch.settings import Scope, Settings, Tuned
-    from vllm_cpu_launch.target import Target
+    from vllm_cpu_launch.settings import Scope, Tuned
 
 
 # The decision: pure stages over the facts
@@ -771,45 +769,6 @@ def said(facts: Facts, decision: Decision) -> Plan:
         metadata=facts.alias if facts.alias and not facts.alias_problem else None,
         overridden=overridden,
     )
-
-
-def build_plan(
-    settings: Settings,
-    arguments: Sequence[str],
-    speculative: SpeculativeRequest,
-    target: Target,
-    host: Host,
-    auto_iomp: bool,
-    *,
-    one_worker: bool,
-    planner: str = LAUNCHER,
-    model: str | None = None,
-    supply_metadata: bool = False,
-) -> Plan:
-    """Decide what to preload and which variables to set for `target arguments...`.
-
-    `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
-    `one_worker`: one worker on one node (where the measured rules may apply).
-    `model`: the model served (default: the one `arguments` name), a tune's scope.
-    `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
-    libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
-    What the caller set is theirs (docs/design.md, "What it changes and never changes").
-    `supply_metadata`: the launcher execs this vLLM, so it gives a vllm-cpu install the
-    `vllm` metadata it lacks (gather.py), with or without SD.
-    """
-    facts = gather(
-        settings,
-        arguments,
-        speculative,
-        target,
-        host,
-        auto_iomp,
-        one_worker=one_worker,
-        planner=planner,
-        model=model,
-        supply_metadata=supply_metadata,
-    )
-    return plan_of(facts)
 
 
 def plan_of(facts: Facts) -> Plan:

@@ -305,10 +305,12 @@ def one_worker(vllm_config: Any) -> bool:
 def engine_plan(
     vllm_config: Any, speculative: SpeculativeRequest, settings: Settings, in_process: bool
 ) -> Plan:
-    """The launcher's plan (plan.build_plan) for the vLLM running in this interpreter; an
-    engine in this process is no engine the benchmark map measured (`in_process`)."""
+    """The launcher's plan (plan.plan_of over gather's facts) for the vLLM running in this
+    interpreter; an engine in this process is no engine the benchmark map measured
+    (`in_process`)."""
     from vllm_cpu_launch.cli import current_host  # lazy: front end only
-    from vllm_cpu_launch.plan import build_plan  # lazy: front end only
+    from vllm_cpu_launch.gather import gather  # lazy: front end only
+    from vllm_cpu_launch.plan import plan_of  # lazy: front end only
     from vllm_cpu_launch.target import Target  # lazy: front end only
 
     # The interpreter is what runs the server (the trust rule's program); a script it runs
@@ -321,7 +323,7 @@ def engine_plan(
         evidence="the interpreter vLLM runs in",
         runner=sys.executable,
     )
-    return build_plan(
+    facts = gather(
         settings,
         (),
         speculative,
@@ -332,6 +334,7 @@ def engine_plan(
         planner=PLUGIN,
         model=getattr(getattr(vllm_config, "model_config", None), "model", None),
     )
+    return plan_of(facts)
 
 
 def summary(plan: Plan) -> str:

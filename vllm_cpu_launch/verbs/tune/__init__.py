@@ -434,7 +434,7 @@ def finish(
     """Store the record with --write (at_load: what won at each concurrency), then print."""
     if merged.get("write") and config_path:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-        scope = auto.scope or Scope()  # build_plan always gives one
+        scope = auto.scope or Scope()  # a plan always has one
         updates, removed = tune_updates(config_path, outcome, when, done, shown, scope, at_load)
         write_config(config_path, updates, removed)
         lines.append(
