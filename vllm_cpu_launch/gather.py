@@ -27,12 +27,11 @@ vllm metadata"). `doctor` prints the fix for a plain `vllm serve`.
 from __future__ import annotations
 
 import os
-from dataclasses import field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
 from vllm_cpu_launch.handoff import IOMP_MACHINES, LAUNCHER, LLVM_OPT_IN_MACHINES, Library
 from vllm_cpu_launch.libraries import (
     IOMP,
@@ -306,7 +305,7 @@ class Facts:
     tcmalloc: Search | None = None  # the search for tcmalloc, where one may be wanted
     # The install command of each library a search found none of (IOMP, LLVM, TCMALLOC):
     # read here, so that the words say it without looking at the machine (fixes.py).
-    install_fixes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    install_fixes: Mapping[str, str] = MappingProxyType({})  # read-only: one shared default
 
 
 def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:

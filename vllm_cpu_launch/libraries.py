@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import field, replace
 from typing import TYPE_CHECKING, Literal
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
 from vllm_cpu_launch.target import python_libraries, python_user_base
 from vllm_cpu_launch.trust import (

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import os
 import shlex
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import detect, model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_cpu_launch.cli import (
@@ -22,7 +21,7 @@ from vllm_cpu_launch.cli import (
     parse_options,
     write_stdout,
 )
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
 from vllm_cpu_launch.rules import (
