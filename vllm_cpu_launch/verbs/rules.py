@@ -1,8 +1,7 @@
 """`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
 
-The table is rules.RULES; whether a rule applies to a start is rules.py's matcher,
-the one the plan uses. With a vLLM command it matches the start a launch plans: the same
-facts (cli.launch_facts) and plan.start_of. It needs no vLLM installed: without one, the
+Whether a rule applies is rules.py's matcher, the plan's own, over the start a launch
+plans (cli.launch_facts, plan.start_of). No vLLM needs to be installed: without one, the
 vLLM condition fails and says so.
 """
 
@@ -73,28 +72,28 @@ SCHEMA = "vllm-cpu-launch/rules/1"
 NOT_MEASURED_HERE = (
     "no setting rule was measured on this host (see each rule's first failing condition)"
 )
-
-
-def measured_json(where: Measured) -> dict[str, Any]:
-    return {
-        "method": where.method,
-        "tokens": where.tokens,
-        "machine": where.machine,
-        "cpus": where.cpus,
-        "vllm": where.vllm,
-        "workers": where.workers,
-        "bindings": list(where.bindings),
-        "unset": list(where.unset),
-        "allocator": where.allocator,
-        "within": list(where.within),
-    }
+NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
+NO_SD = "no speculative decoding requested"
+NO_METHOD = "speculative decoding requested without a method or a draft model: no rule applies"
+# Measured's fields, as --json writes them (in this order, tuples as lists)
+MEASURED_KEYS = (
+    "method",
+    "tokens",
+    "machine",
+    "cpus",
+    "vllm",
+    "workers",
+    "bindings",
+    "unset",
+    "allocator",
+    "within",
+)
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
-
     return {
         "id": rule.id,
-        "measured": measured_json(rule.measured),
+        "measured": {key: getattr(rule.measured, key) for key in MEASURED_KEYS},
         "adds": {
             "words": rule.adds,
             "variables": dict(rule.variables),
@@ -163,16 +162,11 @@ def table_lines() -> list[str]:
     return lines
 
 
-NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
-
-
 def command_start(
     values: dict[str, object], command: list[str]
 ) -> tuple[Start, str, SpeculativeRequest]:
-    """The start the rules read for `command`: plan.start_of over the facts a launch
-    gathers (cli.launch_facts), where its vLLM was found (or that none was), and its SD
-    request. Without a vLLM, the facts of a target with no program and no environment: the
-    host's and the caller's alone."""
+    """The start the rules read for `command` (as a launch plans it), where its vLLM was
+    found, and its SD request; without a vLLM, the host's and the caller's facts alone."""
     settings = launch_settings(values)
     try:
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
@@ -185,21 +179,15 @@ def command_start(
     return start, f"vLLM: {target.executable}", facts.speculative
 
 
-NO_SD = "no speculative decoding requested"
-NO_METHOD = "speculative decoding requested without a method or a draft model: no rule applies"
-
-
 def rule_key(rule: Rule) -> str:
-    """`map-1 ngram`, `methods-none-7 draft_model 7`: one row of the table, by its id and
-    what it was measured for."""
+    """`map-1 ngram`, `methods-none-7 draft_model 7`: a row of the table, named for a reader."""
     tokens = f" {rule.measured.tokens}" if rule.measured.tokens is not None else ""
     return f"{rule.id} {rule.measured.method}{tokens}"
 
 
 def matching(start: Start, requested: bool) -> dict[str, Any]:
     """Which setting rule and which runtimes rule apply to `start` (`requested`: it asks
-    for SD), and every rule's conditions that fail here (the first is the one that
-    decides)."""
+    for SD), and every rule's conditions that fail here (the first one decides)."""
     setting = setting_rule(start) if start.method else None
     if setting and not setting.note:
         setting = replace(setting, note=f"{NOT_MEASURED_HERE}; libiomp5 at vLLM's settings")
