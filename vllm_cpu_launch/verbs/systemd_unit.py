@@ -86,8 +86,14 @@ After=network-online.target
 # exec: started once the launcher runs; it execs vLLM, which keeps the main PID.
 Type=exec
 ExecStart={exec_start}
-{settings}
-CacheDirectory={name}
+{identity}
+# vLLM, Hugging Face and torch write caches under HOME/XDG_CACHE_HOME: point them
+# at the directories systemd creates for this unit (%S = /var/lib, %C = /var/cache).
+Environment=HOME=%S/{name}
+Environment=XDG_CACHE_HOME=%C/{name}
+Environment=HF_HOME=%C/{name}/huggingface
+Environment=VLLM_CACHE_ROOT=%C/{name}/vllm
+{environment}CacheDirectory={name}
 StateDirectory={name}
 WorkingDirectory=%S/{name}
 Restart=on-failure
@@ -155,16 +161,9 @@ def baked_options(values: dict[str, object], target: Target | None) -> list[str]
     return options
 
 
-def environment_lines(values: dict[str, object], name: str) -> list[str]:
-    """Environment= for the caches vLLM, Hugging Face and torch write, then the user's."""
-    lines = [
-        "# vLLM, Hugging Face and torch write caches under HOME/XDG_CACHE_HOME: point them",
-        "# at the directories systemd creates for this unit (%S = /var/lib, %C = /var/cache).",
-        f"Environment=HOME=%S/{name}",
-        f"Environment=XDG_CACHE_HOME=%C/{name}",
-        f"Environment=HF_HOME=%C/{name}/huggingface",
-        f"Environment=VLLM_CACHE_ROOT=%C/{name}/vllm",
-    ]
+def user_environment(values: dict[str, object]) -> str:
+    """The Environment= lines of --env, each ending in a line break (none without one)."""
+    lines = []
     extra = values.get("unit_env") or []
     assert isinstance(extra, list)
     for assignment in extra:
@@ -173,8 +172,8 @@ def environment_lines(values: dict[str, object], name: str) -> list[str]:
             raise LaunchError(
                 EXIT_USAGE, f"--env {assignment!r}: expected KEY=VALUE with KEY a variable name"
             )
-        lines.append(f"Environment={environment_word(key, value)}")
-    return lines
+        lines.append(f"Environment={environment_word(key, value)}\n")
+    return "".join(lines)
 
 
 def render_unit(
@@ -190,24 +189,24 @@ def render_unit(
     drain = shutdown_timeout(arguments)
     user = values.get("unit_user")
     group = values.get("unit_group")
-    settings = [f"User={user.replace('%', '%%')}" if isinstance(user, str) else DYNAMIC_USER]
+    identity = [f"User={user.replace('%', '%%')}" if isinstance(user, str) else DYNAMIC_USER]
     if isinstance(group, str):
-        settings.append(f"Group={group.replace('%', '%%')}")
+        identity.append(f"Group={group.replace('%', '%%')}")
     return UNIT.format(
         name=name,
         version=__version__,
         description=plain_text(description),
         exec_start=exec_line([*launcher_command(), *command, "--", *arguments]),
-        settings="\n".join(settings + environment_lines(values, name)),
+        identity="\n".join(identity),
+        environment=user_environment(values),
         stop_timeout=DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S,
         private_tmp="PrivateTmp=yes" if private_tmp else NO_PRIVATE_TMP,
     )
 
 
 def warn_unseen_variables() -> None:
-    """The caller's VLLMCPULAUNCH_* settings (or their deprecated VLLM_CPU_LAUNCH_* names)
-    do not reach the service. (The system root is no setting: a test's host, where the
-    service is the system's own.)"""
+    """The caller's VLLMCPULAUNCH_* settings (or deprecated VLLM_CPU_LAUNCH_*) do not reach
+    the service. (The system root is no setting: a test's host, where the service is ours.)"""
     for variable in sorted(os.environ):
         ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
         unseen = not variable.endswith("LAUNCH_VLLM") and variable != SYSTEM_ROOT_VARIABLE
@@ -324,7 +323,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "systemd-unit needs the vLLM command: systemd-unit -- serve MODEL [ARGS...]"
         )
-    environment_lines(merged, DEFAULT_NAME)  # validates every --env before anything else
+    user_environment(merged)  # validates every --env before anything else
     warn_unseen_variables()
     if rest[0] == "exec":
         exec_options, program_argv = parse_options(rest[1:], verb="systemd-unit")
