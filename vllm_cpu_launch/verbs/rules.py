@@ -45,7 +45,7 @@ from vllm_cpu_launch.target import Target, resolve_vllm
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
-    from vllm_cpu_launch.rules import Measured, Rule, Start
+    from vllm_cpu_launch.rules import Rule, Start
 
 USAGE = """\
 usage: vllm-cpu-launch rules [--json]
@@ -127,33 +127,31 @@ def rule_json(rule: Rule) -> dict[str, Any]:
     }
 
 
-def measured_words(where: Measured) -> str:
-    """Where a rule was measured, in one line."""
-    tokens = f" with {where.tokens} tokens" if where.tokens is not None else ""
-    binding = " or ".join(b or "unset" for b in where.bindings)
-    parts = [
-        f"{where.method} SD{tokens}",
-        f"{where.machine}, {where.cpus} CPUs, vLLM {where.vllm}, {where.workers} worker",
-        f"VLLM_CPU_OMP_THREADS_BIND {binding}",
-    ]
-    if where.unset:
-        parts.append(f"unset: {' '.join(where.unset)}")
-    if where.within:
-        parts.append(f"in the setting of {' or '.join(where.within)}")
-    else:
-        parts.append("with tcmalloc" if where.allocator == "tcmalloc" else "without tcmalloc")
-    return "; ".join(parts)
-
-
 def table_lines() -> list[str]:
     lines = []
     for rule in RULES:
+        where = rule.measured
+        tokens = f" with {where.tokens} tokens" if where.tokens is not None else ""
+        binding = " or ".join(b or "unset" for b in where.bindings)
+        measured = [
+            f"{where.method} SD{tokens}",
+            f"{where.machine}, {where.cpus} CPUs, vLLM {where.vllm}, {where.workers} worker",
+            f"VLLM_CPU_OMP_THREADS_BIND {binding}",
+        ]
+        if where.unset:
+            measured.append(f"unset: {' '.join(where.unset)}")
+        if where.within:
+            measured.append(f"in the setting of {' or '.join(where.within)}")
+        else:
+            measured.append(
+                "with tcmalloc" if where.allocator == "tcmalloc" else "without tcmalloc"
+            )
         real = f" ({REAL_MODEL}, {REAL_JSON})" if rule.real else ""
         load = f" ({LOAD_JSON})" if rule.load else ""
         adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"
         lines += [
             f"{rule.id:<14} {adds}",
-            f"{'':<14} measured under: {measured_words(rule.measured)}",
+            f"{'':<14} measured under: {'; '.join(measured)}",
             f"{'':<14} figures: TPOT {figures(rule.figures)} of {rule.versus} ({rule.source})",
             f"{'':<14} real weights: {real_words(rule)}{real}",
             f"{'':<14} at load: {load_words(rule)}{load}",
@@ -198,18 +196,6 @@ def matching(start: Start, requested: bool) -> dict[str, Any]:
         "runtime": runtime.rule.id if runtime and runtime.rule else None,
         "runtime_note": runtime.note if runtime else None,
         "misses": {rule_key(rule): [words(m) for m in misses(rule, start)] for rule in RULES},
-    }
-
-
-def start_json(start: Start, found: str) -> dict[str, Any]:
-    return {
-        "machine": start.machine,
-        "cpus": start.cpus,
-        "vllm": start.release,
-        "found": found,
-        "one_worker": start.one_worker,
-        "method": start.method,
-        "tokens": start.tokens,
     }
 
 
@@ -267,7 +253,16 @@ def main(values: dict[str, object], args: list[str]) -> int:
         start, found, speculative = command_start(merged, command)
         matched = matching(start, speculative.requested)
         said = vllm_words(start, speculative, matched["rule"])
-        record.update(start=start_json(start, found), **matched, vllm=said)
+        record["start"] = {
+            "machine": start.machine,
+            "cpus": start.cpus,
+            "vllm": start.release,
+            "found": found,
+            "one_worker": start.one_worker,
+            "method": start.method,
+            "tokens": start.tokens,
+        }
+        record.update(**matched, vllm=said)
         lines = command_lines(start, found, speculative.requested, matched)
         lines += [f"vLLM:     {w}" for w in said]
     write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
