@@ -2,7 +2,7 @@
 
 Command lines follow systemd.service(5) "Command lines" and systemd.syntax(7) (C-style
 escapes in double quotes, `%` doubled as specifiers are expanded); `EnvironmentFile=` values
-follow systemd.exec(5), where only `"`, `\\`, `` ` `` and `$` are escaped.
+follow systemd.exec(5): only `"`, `\\`, `` ` `` and `$` escaped, newlines kept literal.
 """
 
 from __future__ import annotations
