@@ -64,8 +64,7 @@ VARIABLES = (
     PLANNED_VARIABLE,
 )
 # What vLLM calls its processes (setproctitle "VLLM::NAME", vllm/utils/system_utils.py):
-# the engine core and the workers run the model; the API server and the DP coordinator
-# do not.
+# the engine core and the workers run the model; the API server and DP coordinator do not.
 MODEL_ROLES = {"EngineCore": "engine-core", "Worker": "worker"}
 
 USAGE = """\
@@ -176,8 +175,7 @@ def load_order(link_map: LinkMap, maps: str) -> Order:
 def judge(
     order: Order, environment: dict[str, str], is_root: bool, wanted: bool, chosen: Choice | None
 ) -> tuple[Judgement, str]:
-    """(verdict, reason) for one process: under SD the runtime that serves decides, and
-    libgomp (or none) is fine where the plan or the user chose it."""
+    """Under SD the runtime that serves decides; libgomp, or none, is fine if it was chosen."""
     kinds = [kind for kind, _ in order.runtimes]
     preload = environment.get(LD_PRELOAD, "")
     preloaded_iomp = Library.INTEL in vllm_reads(preload)
@@ -263,8 +261,7 @@ def permission_denied(pid: int) -> str:
 
 @dataclass(frozen=True)
 class Inherited:
-    """What a renamed process inherited at spawn: the start-up environment (VARIABLES) of
-    its nearest ancestor that vLLM did not rename."""
+    """What a renamed process inherited at spawn: its nearest unrenamed ancestor's VARIABLES."""
 
     from_pid: int
     environment: dict[str, str]
@@ -286,9 +283,7 @@ def inherited_by(process: psutil.Process) -> Inherited | None:
 
 @dataclass(frozen=True)
 class Seen:
-    """What inspect read of one process: the variables of VARIABLES that show in its
-    environ, whether SD is requested, its link map, and, for a process vLLM renamed, what
-    it inherited."""
+    """What inspect read of one process (environment: those of VARIABLES that show)."""
 
     pid: int
     ppid: int
@@ -317,58 +312,30 @@ def seen_of(
         raise LaunchError(EXIT_USAGE, permission_denied(process.pid)) from None
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
-    if process.pid != root and not request.requested:
-        request = speculative_of(process)
+    pid, wanted = process.pid, request.requested
+    if pid != root and not wanted:
+        wanted = speculative_of(process).requested
     renamed = cmdline[0] if vllm_title(cmdline) is not None else None
+    inherited = inherited_by(process) if renamed is not None else None
+    shown = {name: environment[name] for name in VARIABLES if name in environment}
+    role = role_of(cmdline, pid == root)
     seen = Seen(
-        process.pid,
-        ppid,
-        cmdline,
-        role_of(cmdline, process.pid == root),
-        maps,
-        {name: environment[name] for name in VARIABLES if name in environment},
-        request.requested,
-        read_link_map(process.pid),
-        inherited_by(process) if renamed is not None else None,
-        renamed,
+        pid, ppid, cmdline, role, maps, shown, wanted, read_link_map(pid), inherited, renamed
     )
     return seen, environment
 
 
 @dataclass(frozen=True)
 class Inside:
-    """The plugin's readings from inside each vLLM process, published by the front end on
-    vLLM's /metrics: its address (None without an API server in the tree), and the series
-    by process ID (None where none could be read)."""
+    """The plugin's readings from inside each process, by PID, on the API server's /metrics
+    (url None: no API server in the tree; readings None: none could be read)."""
 
     url: str | None
     readings: dict[int, dict[str, str]] | None
 
 
-def openmp_readings(text: str) -> dict[int, dict[str, str]]:
-    """The labels of each `vllm_cpu_launch_openmp_info{...} 1.0` line, by its pid label
-    (Prometheus text format: label values escape backslash, quote and newline)."""
-    label = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
-    escapes = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-    readings = {}
-    for line in text.splitlines():
-        name, brace, rest = line.partition("{")
-        if name != INFO_METRIC or not brace:
-            continue
-        labels, _, _ = rest.rpartition("}")
-        pairs = {
-            match.group(1): re.sub(
-                r"\\.", lambda e: escapes.get(e.group(0), e.group(0)), match.group(2)
-            )
-            for match in label.finditer(labels)
-        }
-        if pairs.get("pid", "").isdigit():
-            readings[int(pairs["pid"])] = pairs
-    return readings
-
-
 def inside_of(seen: Sequence[Seen]) -> Inside:
-    """GET the API server's /metrics (2 s), at its `--host`/`--port` (`--port=N` too)."""
+    """The plugin's series from the API server's /metrics (2 s), at its `--host`/`--port`."""
     servers = [one for one in seen if one.role == "api-server"]
     if not servers:
         return Inside(None, None)
@@ -386,12 +353,25 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
             text = response.read().decode("utf-8", "replace")
     except (OSError, ValueError):
         return Inside(url, None)
-    return Inside(url, openmp_readings(text) or None)
+    # The labels of each `vllm_cpu_launch_openmp_info{...} 1.0` line, by its pid label
+    # (Prometheus text format: label values escape backslash, quote and newline).
+    label = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+    escapes = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+    readings = {}
+    for line in text.splitlines():
+        name, brace, rest = line.partition("{")
+        labels = rest.rpartition("}")[0] if name == INFO_METRIC and brace else ""
+        pairs = {
+            key: re.sub(r"\\.", lambda e: escapes.get(e[0], e[0]), value)
+            for key, value in label.findall(labels)
+        }
+        if pairs.get("pid", "").isdigit():
+            readings[int(pairs["pid"])] = pairs
+    return Inside(url, readings or None)
 
 
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
-    """The verify report for PID and its descendants (see docs/operating.md); with
-    `speculative`, SD counts as requested whatever the command lines say."""
+    """The report on PID's tree; `speculative`: SD counts as requested whatever is asked."""
     try:
         root = psutil.Process(pid)
         descendants = root.children(recursive=True)
@@ -399,25 +379,21 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
         raise LaunchError(EXIT_USAGE, f"verify: no process with PID {pid}") from None
     except psutil.AccessDenied:
         raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
-    request = (
-        SpeculativeRequest(True, "--speculative, given to verify")
-        if speculative
-        else speculative_of(root)
-    )
+    given = SpeculativeRequest(True, "--speculative, given to verify")
+    request = given if speculative else speculative_of(root)
     read = seen_of(root, pid, request)
     if read is None:
         raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited")
-    # libgomp is the user's own choice where the settings read as the plan read them, from
-    # PID's start-up environment and the config files it names (relative to its cwd), say
-    # `iomp: never`.
+    # libgomp is the user's choice where `iomp: never` is in the settings as the plan read
+    # them: from PID's start-up environment and the config files it names (from its cwd).
     environ, cwd = read[1], cwd_of(root) or ""
     for name in (CONFIG_VARIABLE, deprecated_name(CONFIG_VARIABLE)):
         if environ.get(name):
             environ[name] = os.path.join(cwd, environ[name])
     settings = load_settings({}, environ, errors=[])  # what is broken is left out
-    users = None
-    if settings.iomp == Mode.NEVER:
-        users = Choice("the user", said_setting(settings, "iomp"))
+    users = (
+        Choice("the user", said_setting(settings, "iomp")) if settings.iomp == Mode.NEVER else None
+    )
     children = (seen_of(process, pid, request) for process in descendants)
     seen = [read[0], *(child[0] for child in children if child is not None)]
     return assemble(pid, request, seen, users, inside_of(seen))
@@ -430,21 +406,16 @@ def assemble(
     users: Choice | None = None,
     inside: Inside = Inside(None, None),
 ) -> dict[str, Any]:
-    """The report from what was read: each process judged or reported, PID first.
-    `users`: why libgomp is the user's own choice (users_choice), if it is."""
+    """The report from what was read (PID first); `users`: the user's choice of libgomp."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
     split = any(one.role in MODEL_ROLES.values() for one in seen)
     # A plan that keeps libgomp marks it: the launcher in PID's start-up environment, the
-    # plugin (after start-up, in the front end) only in the processes vLLM spawns, its
-    # renamed ones in the tail the title leaves (docs/design.md, "verify"). Only a bare
-    # mark is a choice: NOT_FOUND_MARK kept libgomp for want of Intel OpenMP, STARTED_MARK
-    # kept none.
-    marks = [
-        mark
-        for one in seen
-        if (mark := one.environment.get(PLANNED_VARIABLE, "")) in (LAUNCHER, PLUGIN)
-    ]
-    chosen = Choice("the plan", f"{PLANNED_VARIABLE}={marks[0]}") if marks else users
+    # plugin (after start-up) only in the processes vLLM spawns, in the tail of environ a
+    # title leaves (docs/design.md, "verify"). Only a bare mark is a choice: NOT_FOUND_MARK
+    # kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
+    marks = (one.environment.get(PLANNED_VARIABLE) for one in seen)
+    mark = next((mark for mark in marks if mark in (LAUNCHER, PLUGIN)), None)
+    chosen = Choice("the plan", f"{PLANNED_VARIABLE}={mark}") if mark else users
     processes = []
     for one in seen:
         order = load_order(one.link_map, one.maps)
@@ -464,9 +435,7 @@ def assemble(
                 "serves": None if order.serves is None else runtime_entry(*order.serves),
                 "order": order.how,
                 "env": one.environment,
-                "environment": environment_entry(
-                    one, None if order.serves is None else order.serves[0]
-                ),
+                "environment": environment_entry(one, order.serves),
                 "inside": (inside.readings or {}).get(one.pid),
                 "speculative": one.speculative,
                 "verdict": verdict,
@@ -494,9 +463,8 @@ VLLM_BINDS = {
 }
 
 
-def environment_entry(one: Seen, serves: Library | None) -> dict[str, Any]:
-    """Whether /proc/PID/environ could be read; where vLLM's title overwrote it, what the
-    process inherited at spawn and, for a worker, what vLLM wrote over that."""
+def environment_entry(one: Seen, serves: tuple[Library, str] | None) -> dict[str, Any]:
+    """Where vLLM's title overwrote environ: what was inherited, and what vLLM wrote over it."""
     if one.renamed is None:
         return {"readable": True}
     why = (
@@ -504,12 +472,12 @@ def environment_entry(one: Seen, serves: Library | None) -> dict[str, Any]:
         f"/proc/{one.pid}/environ: only its tail shows"
     )
     entry: dict[str, Any] = {"readable": False, "why": why, "inherited": None}
-    basis = dict(one.environment)
+    inherited = one.inherited.environment if one.inherited else {}
     if one.inherited is not None:
-        entry["inherited"] = {"from_pid": one.inherited.from_pid, "env": one.inherited.environment}
-        basis = {**one.inherited.environment, **one.environment}
+        entry["inherited"] = {"from_pid": one.inherited.from_pid, "env": inherited}
     if one.role != "worker":
         return entry
+    basis = {**inherited, **one.environment}
     # vLLM goes by LD_PRELOAD, which a worker served by Intel or LLVM OpenMP had (that is
     # how the runtime came first), and by the bind setting, set after start-up perhaps.
     bind = basis.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -519,14 +487,13 @@ def environment_entry(one: Seen, serves: Library | None) -> dict[str, Any]:
         )
         return entry
     found = vllm_reads(basis.get(LD_PRELOAD, ""))
-    kmp = (serves is not None and serves.kmp) or Library.INTEL in found
+    kmp = (serves is not None and serves[0].kmp) or Library.INTEL in found
     kind = Library.INTEL if kmp else Library.GNU if Library.GNU in found else None
-    unless = (
-        f"VLLM_CPU_OMP_THREADS_BIND={bind}"
-        if bind is not None
-        else "unless VLLM_CPU_OMP_THREADS_BIND=nobind was set after start-up, where it does "
-        "not show"
-    )
+    unless = f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+    if bind is None:
+        unless = (
+            "unless VLLM_CPU_OMP_THREADS_BIND=nobind was set after start-up, where it does not show"
+        )
     entry["vllm_sets"] = f"{VLLM_BINDS[kind]}, over what it inherited ({unless})"
     return entry
 
@@ -549,8 +516,7 @@ def shortened(command: str, width: int = 100) -> str:
 
 
 def verify_as_text(report: dict[str, Any]) -> str:
-    """The report for people: one block per process, then where the readings from inside
-    came from (or why there are none) and the verdict."""
+    """The report for people: a block per process, where the inside readings came from."""
     speculative = report["speculative"]
     lines = [f"speculative decoding: {described_request(**speculative)}"]
     for process in report["processes"]:
@@ -585,37 +551,31 @@ def verify_as_text(report: dict[str, Any]) -> str:
 NONE_SET = "no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set"
 
 
-def inside_text(labels: dict[str, str]) -> str:
-    """One series of the plugin's, as a sentence."""
-    runtime, library = labels.get("runtime", ""), labels.get("library", "")
-    serves = f"{runtime} serves ({library})"
-    if runtime == "none":
-        serves = (
-            f"no OpenMP runtime serves (runtime none{', library ' if library else ''}{library})"
-        )
-    threads = labels.get("threads") or "?"
-    return (
-        f"read from inside ({labels.get('role', '?')}, /metrics): {serves}, block time "
-        f"{labels.get('blocktime_ms') or '-'} ms, {threads} thread"
-        f"{'' if threads == '1' else 's'}, bind {labels.get('bind') or 'unset'}"
-    )
-
-
 def variables_text(environment: dict[str, str]) -> str:
     """NAME=VALUE pairs as a shell reads them."""
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
 
 
 def process_lines(process: dict[str, Any]) -> list[str]:
-    """Which runtime serves and how that was read; the environment, or why it is unreadable
-    and what was inherited instead."""
+    """A process's runtimes and environment, or why it is unreadable and what it inherited."""
     order = ", ".join(
         f"{Library(r['kind']).title} {r['path']}{' (serves)' if r == process['serves'] else ''}"
         for r in process["load_order"]
     )
     lines = [f"OpenMP runtimes, {process['order']}: {order or 'none'}"]
-    if process["inside"] is not None:
-        lines.append(inside_text(process["inside"]))
+    labels = process["inside"]
+    if labels is not None:
+        runtime, library = labels.get("runtime", ""), labels.get("library", "")
+        serves = f"{runtime} serves ({library})"
+        if runtime == "none":
+            named = f", library {library}" if library else ""
+            serves = f"no OpenMP runtime serves (runtime none{named})"
+        threads = labels.get("threads") or "?"
+        lines.append(
+            f"read from inside ({labels.get('role', '?')}, /metrics): {serves}, block time "
+            f"{labels.get('blocktime_ms') or '-'} ms, {threads} thread"
+            f"{'' if threads == '1' else 's'}, bind {labels.get('bind') or 'unset'}"
+        )
     mapped = process["runtimes"]
     if {r["path"] for r in mapped} != {r["path"] for r in process["load_order"]}:
         lines.append(f"mapped (/proc/PID/maps): {', '.join(r['path'] for r in mapped)}")
