@@ -13,14 +13,13 @@ import os
 import re
 import shlex
 import urllib.request
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psutil
 
 from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.command import SpeculativeRequest, detect
-from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum
+from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import (
     INFO_METRIC,
     LAUNCHER,
@@ -131,7 +130,7 @@ def speculative_of(process: psutil.Process) -> SpeculativeRequest:
     return detect(arguments)
 
 
-@dataclass(frozen=True)
+@record
 class Choice:
     """Why the plan left Intel OpenMP out: `by` "the plan" (its mark) or "the user"."""
 
@@ -139,7 +138,7 @@ class Choice:
     why: str
 
 
-@dataclass(frozen=True)
+@record
 class Order:
     """One process's OpenMP runtimes as mapped, and as ordered: the one that serves."""
 
@@ -259,7 +258,7 @@ def permission_denied(pid: int) -> str:
     return f"{problem}; run verify as the user vLLM runs as ({owner}), or as root"
 
 
-@dataclass(frozen=True)
+@record
 class Inherited:
     """What a renamed process inherited at spawn: its nearest unrenamed ancestor's VARIABLES."""
 
@@ -281,7 +280,7 @@ def inherited_by(process: psutil.Process) -> Inherited | None:
     return None
 
 
-@dataclass(frozen=True)
+@record
 class Seen:
     """What inspect read of one process (environment: those of VARIABLES that show)."""
 
@@ -325,7 +324,7 @@ def seen_of(
     return seen, environment
 
 
-@dataclass(frozen=True)
+@record
 class Inside:
     """The plugin's readings from inside each process, by PID, on the API server's /metrics
     (url None: no API server in the tree; readings None: none could be read)."""
@@ -334,11 +333,14 @@ class Inside:
     readings: dict[int, dict[str, str]] | None
 
 
+NO_API_SERVER = Inside(None, None)
+
+
 def inside_of(seen: Sequence[Seen]) -> Inside:
     """The plugin's series from the API server's /metrics (2 s), at its `--host`/`--port`."""
     servers = [one for one in seen if one.role == "api-server"]
     if not servers:
-        return Inside(None, None)
+        return NO_API_SERVER
     given: dict[str, str] = {}
     for index, word in enumerate(servers[0].cmdline):
         name, equals, value = word.partition("=")
@@ -404,7 +406,7 @@ def assemble(
     root_request: SpeculativeRequest,
     seen: Sequence[Seen],
     users: Choice | None = None,
-    inside: Inside = Inside(None, None),
+    inside: Inside = NO_API_SERVER,
 ) -> dict[str, Any]:
     """The report from what was read (PID first); `users`: the user's choice of libgomp."""
     # Where vLLM runs the model in engine-core and worker processes, only they are judged.
