@@ -1,7 +1,11 @@
-"""The command tune measures: the user's `serve MODEL ARGS` as `vllm bench latency`."""
+"""The command tune measures: the user's `serve MODEL ARGS` as `vllm bench latency`, and
+the model it can measure."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -9,7 +13,10 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-
+# `vllm bench latency` (vllm/benchmarks/latency.py, 0.32) prompts with
+# np.random.randint(10000, ...): token ids below this, whatever --input-len says.
+PROMPT_TOKEN_IDS = 10000
+CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few KiB
 # Options of `vllm serve` (vLLM 0.32.0) that `vllm bench latency` rejects, with what
 # follows them: 0 = a flag, 1 = one value, "+" = values up to the next option. Checked
 # against vLLM's real parsers by tests/e2e/test_tune.py.
@@ -163,3 +170,24 @@ def bench_arguments(
     ours = [item for option, (key, _) in BENCH_OPTIONS.items() for item in (option, bench[key])]
     arguments = ["bench", "latency", *kept, *map(str, ours), "--output-json", output_json]
     return arguments, dropped
+
+
+def check_vocabulary(model: str | None) -> None:
+    """A vocabulary smaller than the benchmark's prompt ids fails only once vLLM runs: read
+    a local model's config.json (a multimodal model's text part's); a hub name has none."""
+    config = None
+    with contextlib.suppress(OSError, ValueError):
+        if model:
+            with open(os.path.join(model, "config.json"), "rb") as stream:
+                config = json.loads(stream.read(CONFIG_JSON_LIMIT))
+    if not isinstance(config, dict):
+        return
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if isinstance(size, int) and not isinstance(size, bool) and size < PROMPT_TOKEN_IDS:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{model}: its vocabulary holds {size} tokens, but vllm bench latency prompts "
+            f"with random token ids below {PROMPT_TOKEN_IDS} (--input-len does not change "
+            f"that): tune a model with at least {PROMPT_TOKEN_IDS} tokens, such as "
+            "SmolLM2-135M-Instruct (49152)",
+        )

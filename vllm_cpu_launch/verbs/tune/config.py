@@ -67,9 +67,11 @@ def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequenc
     parsed content instead."""
     import yaml  # lazy: a verb, only where it writes
 
-    old = yaml.safe_load(old_text) if old_text.strip() else {}
-    old = old if isinstance(old, dict) else {}
-    wanted = {**{str(k).replace("-", "_"): v for k, v in old.items()}, **updates}
+    def keyed(parsed: object) -> dict[str, object]:  # the keys as settings reads them
+        items = parsed.items() if isinstance(parsed, dict) else ()
+        return {str(k).replace("-", "_"): v for k, v in items}
+
+    wanted = {**keyed(yaml.safe_load(old_text) if old_text.strip() else {}), **updates}
     for name in removed:
         wanted.pop(name, None)
     kept: list[str] = []
@@ -86,15 +88,10 @@ def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequenc
         kept.pop()
     added = yaml.safe_dump(dict(updates), sort_keys=False, width=4096, allow_unicode=True)
     text = "\n".join([*kept, added]) if kept else added
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         parsed = yaml.safe_load(text)
-    except yaml.YAMLError:
-        parsed = None
-    if (
-        isinstance(parsed, dict)
-        and {str(k).replace("-", "_"): v for k, v in parsed.items()} == wanted
-    ):
-        return text
+        if isinstance(parsed, dict) and keyed(parsed) == wanted:
+            return text
     return yaml.safe_dump(wanted, sort_keys=False, width=4096, allow_unicode=True)
 
 
@@ -127,3 +124,30 @@ def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str
             EXIT_USAGE, f"{path}: cannot write the launcher config: {error}"
         ) from None
     read_config_file(real)
+
+
+def check_writable(path: str) -> None:
+    """--write's file can be made: a file created and removed beside it (in the nearest
+    directory that exists, which the write makes the rest of) before any run."""
+    home = os.path.dirname(os.path.realpath(path))
+    directory = home
+    while not os.path.lexists(directory):
+        directory = os.path.dirname(directory)
+    # The message names the directory the file goes in, and the one the probe tried.
+    missing = (
+        f"its directory {home} does not exist and cannot be made: " if directory != home else ""
+    )
+    why = f"{directory} is not a directory"
+    try:
+        if os.path.isdir(directory):
+            handle, probe = tempfile.mkstemp(prefix=".vllm-cpu-launch-probe.", dir=directory)
+            os.close(handle)
+            os.unlink(probe)
+            return
+    except OSError as error:
+        why = f"creating a file in {directory} fails ({error.strerror})"
+    raise LaunchError(
+        EXIT_USAGE,
+        f"--write: the launcher config {path} cannot be written: {missing}{why}; "
+        "give --launcher-config FILE in a directory you can write",
+    )

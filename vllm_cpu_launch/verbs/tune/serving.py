@@ -1,5 +1,6 @@
 """tune's serving benchmark: the user's own `serve` under each candidate, driven by vLLM's
-client (`vllm bench serve`) at each concurrency in turn, on the prompts users send.
+client (`vllm bench serve`) at each concurrency in turn, on the prompts users send; the
+rule of the latency benchmark at each concurrency, and a winner only where it won at all.
 
 vLLM 0.32's `vllm bench sweep serve` also starts a server per parameter set, but one
 serve command a sweep: the candidates could not alternate round by round, nor share one
@@ -16,23 +17,36 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING
 
 import vllm_cpu_launch
-from vllm_cpu_launch.cli import provide_metadata
-from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, emit, record
+from vllm_cpu_launch.cli import plan_from_options
+from vllm_cpu_launch.command import model_of
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.settings import Mode
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 from vllm_cpu_launch.verbs.tune.command import split_options
-from vllm_cpu_launch.verbs.tune.runner import kill_group, log_tail, start_logged
+from vllm_cpu_launch.verbs.tune.contest import (
+    CONTENDERS,
+    GOMP,
+    Outcome,
+    Summary,
+    failed,
+    kill_group,
+    outcome_of,
+    run_child,
+    run_rounds,
+    start_logged,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
-    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.verbs.tune.contest import Contender
 
 # What the package ships: quote-or-edit requests (ngram drafts from their input) and
 # open-ended ones, alternating, in vLLM's `custom` dataset JSONL.
@@ -40,6 +54,8 @@ SHIPPED_PROMPTS = os.path.join(os.path.dirname(vllm_cpu_launch.__file__), "servi
 LOOPBACK = "127.0.0.1"
 HEALTH_POLL_S = 1.0
 HEALTH_REQUEST_S = 5.0
+PROMPTS_PER_STREAM = 4
+MIN_PROMPTS = 8
 # Options of `vllm serve` that say where and how a client connects: tune serves on a
 # loopback port of its own, so they are replaced (0 = a flag, 1 = a value, "+" = values).
 CONNECTION_OPTIONS: dict[str, int | str] = {
@@ -61,12 +77,15 @@ CONNECTION_OPTIONS: dict[str, int | str] = {
     "--enable-ssl-refresh": 0,
     "--no-enable-ssl-refresh": 0,
 }
-# Serve options the client needs too, to tokenize the prompts as the server does.
+# Serve options the client needs too, to tokenize the prompts as the server does (of
+# several served names, the first is the one served as).
 CLIENT_OPTIONS: dict[str, int | str] = {
     "--tokenizer": 1,
     "--trust-remote-code": 0,
-    "--served-model-name": "+",
+    "--served-model-name": 1,
 }
+# The server is on loopback: a proxy in the caller's environment (http_proxy) is not asked.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @record
@@ -95,15 +114,6 @@ class Load:
         return self.num_prompts or max(MIN_PROMPTS, PROMPTS_PER_STREAM * concurrency)
 
 
-PROMPTS_PER_STREAM = 4
-MIN_PROMPTS = 8
-
-
-def default_concurrencies(cpus: int) -> tuple[int, ...]:
-    """1 and 4; 8 too where the host has 8 usable CPUs or more."""
-    return (1, 4, 8) if cpus >= 8 else (1, 4)
-
-
 def parse_concurrencies(value: object) -> tuple[int, ...]:
     """`--concurrency 1,4,8`: distinct positive whole numbers, ascending."""
     try:
@@ -119,18 +129,19 @@ def parse_concurrencies(value: object) -> tuple[int, ...]:
 
 
 def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
-    """The prompts file, absolute, and its prompts: a regular file in vLLM's custom
-    dataset form, every line an object with a text `prompt`, checked before any start.
-    Data vLLM's benchmark reads, whoever owns it (read_trusted's `data`): its prompts
-    only weigh the runtimes the tune compares."""
+    """The prompts file, absolute, and its prompts, checked before any start. Data vLLM's
+    benchmark reads, whoever owns it (read_trusted's `data`): its prompts only weigh the
+    runtimes the tune compares."""
     where = f"--prompts {path}"
     try:
         text = read_trusted(path, data=True).decode("utf-8")
     except (FileProblem, OSError, UnicodeDecodeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise LaunchError(EXIT_USAGE, f"{where}: cannot be read: {reason}") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    for number, line in lines:
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             item = json.loads(line)
         except ValueError:
@@ -141,21 +152,10 @@ def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
                 f'{where}: line {number} is not a JSON object with a "prompt" text, as '
                 'vLLM\'s custom dataset needs: {"prompt": "..."}',
             )
-    if not lines:
+        prompts.append(item["prompt"])
+    if not prompts:
         raise LaunchError(EXIT_USAGE, f"{where}: holds no prompts")
-    return os.path.abspath(path), tuple(json.loads(line)["prompt"] for _, line in lines)
-
-
-def write_dataset(load: Load, path: str) -> str:
-    """The prompts as vLLM's `sharegpt` reader takes them (a human turn, an empty answer:
-    the output length is tune's), written to path."""
-    conversations = [
-        {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": ""}]}
-        for text in load.texts
-    ]
-    with open(path, "w", encoding="utf-8") as stream:
-        json.dump(conversations, stream)
-    return path
+    return os.path.abspath(path), tuple(prompts)
 
 
 def server_arguments(serve: Sequence[str], port: int) -> tuple[list[str], list[str]]:
@@ -170,36 +170,60 @@ def server_arguments(serve: Sequence[str], port: int) -> tuple[list[str], list[s
     return [*kept, "--host", LOOPBACK, "--port", str(port)], dropped
 
 
-def client_options(serve: Sequence[str]) -> list[str]:
-    """The serve options the client passes on (tokenizer, served name, remote code)."""
-    _, found = split_options(list(serve), CLIENT_OPTIONS)
-    options = []
-    index = 0
-    while index < len(found):
-        token = found[index]
-        if token.startswith("--served-model-name") and "=" not in token:
-            options += found[index : index + 2]  # the first name is the one served as
-            index += 1
-            while index < len(found) and not found[index].startswith("-"):
-                index += 1
-            continue
-        options.append(token)
-        index += 1
-    return options
+def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
+    """The figures of a finished client run, from the result file it saved."""
+    try:
+        with open(result, encoding="utf-8") as stream:
+            saved = json.load(stream)
+        reading = Reading(
+            concurrency,
+            float(saved["mean_tpot_ms"]),
+            float(saved["output_throughput"]),
+            int(saved["completed"]),
+            int(saved.get("spec_decode_draft_tokens", 0)),
+            int(saved.get("spec_decode_accepted_tokens", 0)),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        raise failed(
+            f"vllm bench serve exited 0 but its result {result} lacks its figures", log_path
+        ) from None
+    if reading.completed < 1 or reading.tpot_ms <= 0:
+        raise failed(
+            f"vllm bench serve at concurrency {concurrency}: no request completed (a model "
+            "without a chat template cannot answer the chat requests tune sends: use "
+            "--benchmark latency)",
+            log_path,
+        )
+    return reading
+
+
+def wait_healthy(server: subprocess.Popen[bytes], url: str, deadline: float, log: str) -> bool:
+    """Whether the server answered /health before the deadline; one that exits raises."""
+    while time.monotonic() < deadline:
+        code = server.poll()
+        if code is not None:
+            raise failed("vllm serve exited before it was ready", log, code)
+        with (
+            contextlib.suppress(OSError, ValueError),
+            DIRECT.open(f"{url}/health", timeout=HEALTH_REQUEST_S) as answer,
+        ):
+            if int(answer.status) == 200:
+                return True
+        time.sleep(HEALTH_POLL_S)
+    return False
 
 
 def client_command(
     program: Sequence[str],
-    model: str,
-    serve: Sequence[str],
     url: str,
+    serve: Sequence[str],
     load: Load,
     dataset: str,
     concurrency: int,
     result: str,
 ) -> list[str]:
-    """`vllm bench serve` for one concurrency: greedy chat requests of the `dataset`
-    (write_dataset's), every one its full length."""
+    """`vllm bench serve` for one concurrency, run as the plan runs vLLM (program): greedy
+    chat requests of the dataset, every one its full length."""
     return [
         *program,
         "bench",
@@ -211,8 +235,8 @@ def client_command(
         "--base-url",
         url,
         "--model",
-        model,
-        *client_options(serve),
+        str(model_of(serve)),
+        *split_options(list(serve), CLIENT_OPTIONS)[1],
         "--dataset-name",
         "sharegpt",
         "--dataset-path",
@@ -239,120 +263,120 @@ def client_command(
     ]
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK, 0))
-        return int(probe.getsockname()[1])
-
-
-# The server is on loopback: a proxy in the caller's environment (http_proxy) is not asked.
-DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def healthy(url: str) -> bool:
-    try:
-        with DIRECT.open(f"{url}/health", timeout=HEALTH_REQUEST_S) as answer:
-            return int(answer.status) == 200
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
-
-
-def failed(what: str, code: int, log_path: str) -> LaunchError:
-    """A child's failure: its log's last lines on stderr, vLLM's exit code kept."""
-    for line in log_tail(log_path):
-        emit("error", f"  {line}")
-    return LaunchError(
-        code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
-        f"{what} (exit code {code}); log: {log_path}",
-        subject=os.path.dirname(log_path),
-    )
-
-
-def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
-    """The figures of a finished client run, from the result file it saved."""
-    try:
-        with open(result, encoding="utf-8") as stream:
-            saved = json.load(stream)
-        reading = Reading(
-            concurrency,
-            float(saved["mean_tpot_ms"]),
-            float(saved["output_throughput"]),
-            int(saved["completed"]),
-            int(saved.get("spec_decode_draft_tokens", 0)),
-            int(saved.get("spec_decode_accepted_tokens", 0)),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        raise LaunchError(
-            EXIT_PROBLEM,
-            f"vllm bench serve exited 0 but its result {result} lacks its figures; log: {log_path}",
-            subject=os.path.dirname(log_path),
-        ) from None
-    if reading.completed < 1 or reading.tpot_ms <= 0:
-        raise LaunchError(
-            EXIT_PROBLEM,
-            f"vllm bench serve at concurrency {concurrency}: no request completed (a model "
-            "without a chat template cannot answer the chat requests tune sends: use "
-            f"--benchmark latency); log: {log_path}",
-            subject=os.path.dirname(log_path),
-        )
-    return reading
-
-
-def wait_healthy(server: subprocess.Popen[bytes], url: str, deadline: float, log: str) -> bool:
-    """Whether the server answered /health before the deadline; one that exits raises."""
-    while time.monotonic() < deadline:
-        code = server.poll()
-        if code is not None:
-            raise failed("vllm serve exited before it was ready", code, log)
-        if healthy(url):
-            return True
-        time.sleep(HEALTH_POLL_S)
-    return False
-
-
 def serve_once(
-    plan: Plan,
-    client: Callable[[int, str], list[str]],
-    url: str,
+    values: Mapping[str, object],
+    contender: Contender,
+    serve: Sequence[str],
     load: Load,
+    dataset: str,
     logs: str,
     deadline: float,
 ) -> list[Reading] | None:
-    """One start of plan's server, measured at every concurrency in turn; None when the
-    deadline came first (the server and a client still running are killed)."""
-    provide_metadata(plan)
-    server_log = f"{logs}-serve.log"
-    server = start_logged(plan.command, server_log, {**os.environ, **dict(plan.env)})
+    """One start of the contender's server on a free loopback port, measured at every
+    concurrency in turn; None when the deadline came first (what still runs is killed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        port = int(probe.getsockname()[1])
+    arguments, _ = server_arguments(serve, port)
+    plan = plan_from_options({**values, "iomp": contender.iomp}, arguments)
+    program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
+    url = f"http://{LOOPBACK}:{port}"
+    server = start_logged(plan.command, f"{logs}-serve.log", plan)
     try:
-        if not wait_healthy(server, url, deadline, server_log):
+        if not wait_healthy(server, url, deadline, f"{logs}-serve.log"):
             return None
         readings = []
         for concurrency in load.concurrencies:
-            reading = measure_concurrency(client, concurrency, logs, deadline)
-            if reading is None:
+            result, log_path = f"{logs}-c{concurrency}.json", f"{logs}-c{concurrency}.log"
+            client = client_command(program, url, serve, load, dataset, concurrency, result)
+            code = run_child(client, log_path, result, deadline)
+            if code is None:
                 return None
-            readings.append(reading)
+            if code:
+                raise failed(
+                    f"vllm bench serve at concurrency {concurrency} failed", log_path, code
+                )
+            readings.append(reading_of(concurrency, result, log_path))
         return readings
     finally:
         kill_group(server)
 
 
-def measure_concurrency(
-    client: Callable[[int, str], list[str]], concurrency: int, logs: str, deadline: float
-) -> Reading | None:
-    """One client run at `concurrency` against the healthy server."""
-    result = f"{logs}-c{concurrency}.json"
-    log_path = f"{logs}-c{concurrency}.log"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(result)
-    process = start_logged(client(concurrency, result), log_path)
-    try:
-        code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        kill_group(process)
-    if code != 0:
-        raise failed(f"vllm bench serve at concurrency {concurrency} failed", code, log_path)
-    return reading_of(concurrency, result, log_path)
+def serving_contest(
+    values: Mapping[str, object],
+    serve: Sequence[str],
+    load: Load,
+    default: Contender,
+    rounds: int,
+    limit_s: float,
+    workdir: str,
+    say: Callable[[str], None],
+) -> tuple[Outcome, list[str], int, dict[int, Mode]]:
+    """(the outcome, the tables, the rounds done, what each concurrency alone said): the
+    rule at each concurrency, and a winner overall only where it won at every one."""
+    dataset = os.path.join(workdir, "prompts.json")
+    with open(dataset, "w", encoding="utf-8") as stream:  # `sharegpt`: the length is tune's
+        turns = [[{"from": "human", "value": t}, {"from": "gpt", "value": ""}] for t in load.texts]
+        json.dump([{"conversations": turn} for turn in turns], stream)
+
+    def attempt(
+        name: str, contender: Contender, deadline: float
+    ) -> tuple[list[Reading], str] | None:
+        logs = os.path.join(workdir, name)
+        readings = serve_once(values, contender, serve, load, dataset, logs, deadline)
+        if readings is None:
+            return None
+        return readings, ", ".join(
+            f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
+            for r in readings
+        )
+
+    starts = run_rounds(rounds, limit_s, ("start", "started"), attempt, say)
+    lines: list[str] = []
+    at: dict[int, Outcome] = {}
+    for index, concurrency in enumerate(load.concurrencies):
+        runs = {c: [readings[index] for readings in starts[c]] for c in CONTENDERS}
+        summaries = [Summary(c, tuple(r.tpot_ms for r in runs[c]), "ms/token") for c in CONTENDERS]
+        at[concurrency] = outcome_of(summaries, default)
+        lines += table_at(concurrency, runs, load)
+        lines.append(f"  result at {concurrency}: {at[concurrency].result}")
+    done = min(len(s) for s in starts.values())
+    return overall(at, default), lines, done, {c: o.iomp for c, o in at.items()}
+
+
+def overall(at: Mapping[int, Outcome], default: Contender) -> Outcome:
+    """A winner only where the same contender won at every concurrency."""
+    winners = {outcome.winner for outcome in at.values()}
+    winner = winners.pop() if len(winners) == 1 else None
+    if winner is not None:
+        iomp = Mode.AUTO if winner == default else winner.iomp
+        levels = ", ".join(str(c) for c in at)
+        return Outcome(winner, iomp, f"{winner.name} won at every concurrency ({levels})")
+    said = "; ".join(
+        f"at {c}: {o.winner.name if o.winner else 'no clear winner'}" for c, o in at.items()
+    )
+    return Outcome(None, Mode.AUTO, f"no candidate won at every concurrency ({said})")
+
+
+def table_at(concurrency: int, runs: Mapping[Contender, list[Reading]], load: Load) -> list[str]:
+    """One concurrency's table: TPOT (median, range), output tokens/s, drafts accepted,
+    speed against libgomp."""
+    base = statistics.median(r.tpot_ms for r in runs[GOMP])
+    lines = [
+        f"concurrency {concurrency} ({load.requests(concurrency)} requests of "
+        f"{load.output_len} tokens a start)",
+        f"  {'candidate':<10} {'--iomp':<7} {'rounds':>6} {'TPOT ms':>9} {'min-max ms':>13} "
+        f"{'tokens/s':>9} {'accepted':>15} {'speed vs libgomp':>17}",
+    ]
+    for contender, readings in runs.items():
+        tpots = [r.tpot_ms for r in readings]
+        median = statistics.median(tpots)
+        drafted, accepted = sum(r.drafted for r in readings), sum(r.accepted for r in readings)
+        drafts = f"{accepted}/{drafted}" if drafted else "none drafted"
+        lines.append(
+            f"  {contender.name:<10} {contender.iomp:<7} {len(readings):>6} {median:>9.2f} "
+            f"{f'{min(tpots):.2f}-{max(tpots):.2f}':>13} "
+            f"{statistics.median(r.output_tps for r in readings):>9.1f} {drafts:>15} "
+            f"{base / median:>16.2f}x"
+        )
+    return lines
