@@ -29,7 +29,16 @@ from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
-from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments, check_vocabulary
+from vllm_cpu_launch.verbs.tune.command import (
+    BENCH_OPTIONS,
+    SHIPPED_PROMPTS,
+    Load,
+    bench_arguments,
+    check_prompts,
+    check_vocabulary,
+    parse_concurrencies,
+    server_arguments,
+)
 from vllm_cpu_launch.verbs.tune.config import check_writable, tune_updates, write_config
 from vllm_cpu_launch.verbs.tune.contest import (
     CONTENDERS,
@@ -40,15 +49,8 @@ from vllm_cpu_launch.verbs.tune.contest import (
     besides_runtime,
     latency_contest,
     outcome_of,
-    table,
-)
-from vllm_cpu_launch.verbs.tune.serving import (
-    SHIPPED_PROMPTS,
-    Load,
-    check_prompts,
-    parse_concurrencies,
-    server_arguments,
     serving_contest,
+    table,
 )
 
 if TYPE_CHECKING:

@@ -1,5 +1,10 @@
 """The contest: rounds of runs in rotated order, each bounded and killed with its whole
-session, and who won by the noise rule."""
+session, and who won by the noise rule; the serving benchmark's at each concurrency.
+
+vLLM 0.32's `vllm bench sweep serve` also starts a server per parameter set, but one
+serve command a sweep: the candidates could not alternate round by round, nor share one
+time limit, so tune starts each server itself and runs the client against it.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,25 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import time
+import urllib.request
 from typing import TYPE_CHECKING, TypeVar
 
-from vllm_cpu_launch.cli import provide_metadata
+from vllm_cpu_launch.cli import plan_from_options, provide_metadata
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit, record
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import Mode
+from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.verbs.tune.command import Load
 
 T = TypeVar("T")
 MIN_RUNS_FOR_A_WINNER = 2
@@ -29,6 +38,8 @@ MIN_RUNS_FOR_A_WINNER = 2
 # median must also beat the other's by more than the larger range).
 ROUNDS_FOR_A_SWEEP = 3
 KILL_WAIT_S = 30
+HEALTH_POLL_S = 1.0
+HEALTH_REQUEST_S = 5.0
 LOG_TAIL_LINES = 15
 VOCABULARY_HINT = (
     "vllm bench latency draws random prompt token ids below 10000; this model's vocabulary "
@@ -36,6 +47,8 @@ VOCABULARY_HINT = (
 )
 # What goes with a runtime rather than besides it: its own block time, and the mark.
 RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
+# The server is on loopback: a proxy in the caller's environment (http_proxy) is not asked.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @record
@@ -76,6 +89,18 @@ class Outcome:
     winner: Contender | None  # None: no clear winner (or too few runs)
     iomp: Mode  # what --write stores: the winner's --iomp when it is not the default, else auto
     result: str  # one line: who was faster, by how much, against what spread
+
+
+@record
+class Reading:
+    """One concurrency of one server start, as `vllm bench serve` saved it."""
+
+    concurrency: int
+    tpot_ms: float  # mean time per output token over the requests (vLLM's mean_tpot_ms)
+    output_tps: float  # output tokens per second over the run
+    completed: int
+    drafted: int  # draft tokens proposed (vLLM's /metrics, read by the client)
+    accepted: int  # of them accepted
 
 
 def rotated(items: Sequence[Contender], rounds: int) -> Iterator[tuple[int, Contender]]:
@@ -251,27 +276,6 @@ def failed(what: str, log_path: str, code: int = 0, vocabulary: bool = False) ->
     )
 
 
-def run_once(plan: Plan, log_path: str, output_json: str, deadline: float) -> float | None:
-    """One `vllm bench latency` run: the median of its latencies, or None when the deadline
-    came first. A failed run raises, with its log's last lines shown."""
-    code = run_child(plan.command, log_path, output_json, deadline, plan)
-    if code:
-        raise failed("vllm bench latency failed", log_path, code, vocabulary=True)
-    if code is None:
-        return None
-    latencies: object = None
-    with contextlib.suppress(OSError, ValueError), open(output_json, encoding="utf-8") as f:
-        latencies = json.load(f).get("latencies")
-    if isinstance(latencies, list) and latencies:
-        return float(statistics.median(float(value) for value in latencies))
-    what = (  # the log holds no error to show: the result is what is missing
-        f"its result file {output_json} holds no latencies"
-        if os.path.exists(output_json)
-        else f"wrote no result file ({output_json})"
-    )
-    raise failed(f"vllm bench latency exited 0 but {what}", log_path)
-
-
 def latency_contest(
     plans: Mapping[Contender, Plan],
     rounds: int,
@@ -280,15 +284,190 @@ def latency_contest(
     iterations: int,
     say: Callable[[str], None],
 ) -> list[Summary]:
-    """Each contender's run latencies, round by round in rotated order, within the limit."""
+    """Each contender's `vllm bench latency` runs, each the median of its latencies; a
+    failed run raises, with its log's last lines shown."""
     output_json = os.path.join(workdir, "latency.json")
 
     def attempt(name: str, contender: Contender, deadline: float) -> tuple[float, str] | None:
-        log_path = os.path.join(workdir, f"{name}.log")
-        latency = run_once(plans[contender], log_path, output_json, deadline)
-        if latency is None:
+        log_path, plan = os.path.join(workdir, f"{name}.log"), plans[contender]
+        code = run_child(plan.command, log_path, output_json, deadline, plan)
+        if code:
+            raise failed("vllm bench latency failed", log_path, code, vocabulary=True)
+        if code is None:
             return None
+        latencies: object = None
+        with contextlib.suppress(OSError, ValueError), open(output_json, encoding="utf-8") as f:
+            latencies = json.load(f).get("latencies")
+        if not isinstance(latencies, list) or not latencies:
+            what = (  # the log holds no error to show: the result is what is missing
+                f"its result file {output_json} holds no latencies"
+                if os.path.exists(output_json)
+                else f"wrote no result file ({output_json})"
+            )
+            raise failed(f"vllm bench latency exited 0 but {what}", log_path)
+        latency = float(statistics.median(float(value) for value in latencies))
         return latency, f"median latency {latency:.4f} s over {iterations} iterations"
 
     runs = run_rounds(rounds, limit_s, ("run", "ran"), attempt, say)
     return [Summary(c, tuple(runs[c])) for c in CONTENDERS]
+
+
+def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
+    """The figures of a finished client run, from the result file it saved."""
+    try:
+        with open(result, encoding="utf-8") as stream:
+            saved = json.load(stream)
+        reading = Reading(
+            concurrency,
+            float(saved["mean_tpot_ms"]),
+            float(saved["output_throughput"]),
+            int(saved["completed"]),
+            int(saved.get("spec_decode_draft_tokens", 0)),
+            int(saved.get("spec_decode_accepted_tokens", 0)),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        raise failed(
+            f"vllm bench serve exited 0 but its result {result} lacks its figures", log_path
+        ) from None
+    if reading.completed < 1 or reading.tpot_ms <= 0:
+        raise failed(
+            f"vllm bench serve at concurrency {concurrency}: no request completed (a model "
+            "without a chat template cannot answer the chat requests tune sends: use "
+            "--benchmark latency)",
+            log_path,
+        )
+    return reading
+
+
+def serve_once(
+    values: Mapping[str, object],
+    contender: Contender,
+    serve: Sequence[str],
+    load: Load,
+    dataset: str,
+    logs: str,
+    deadline: float,
+) -> list[Reading] | None:
+    """One start of the contender's server on a free loopback port, measured at every
+    concurrency in turn; None when the deadline came first (what still runs is killed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        port = int(probe.getsockname()[1])
+    arguments, _ = server_arguments(serve, port)
+    plan = plan_from_options({**values, "iomp": contender.iomp}, arguments)
+    program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
+    url = f"http://{LOOPBACK}:{port}"
+    server = start_logged(plan.command, f"{logs}-serve.log", plan)
+    try:
+        while not healthy(server, url, f"{logs}-serve.log"):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(HEALTH_POLL_S)
+        readings = []
+        for concurrency in load.concurrencies:
+            result, log_path = f"{logs}-c{concurrency}.json", f"{logs}-c{concurrency}.log"
+            client = client_command(program, serve, load, url, dataset, concurrency, result)
+            code = run_child(client, log_path, result, deadline)
+            if code is None:
+                return None
+            if code:
+                raise failed(
+                    f"vllm bench serve at concurrency {concurrency} failed", log_path, code
+                )
+            readings.append(reading_of(concurrency, result, log_path))
+        return readings
+    finally:
+        kill_group(server)
+
+
+def healthy(server: subprocess.Popen[bytes], url: str, log: str) -> bool:
+    """Whether the server answers /health; one that exited raises."""
+    code = server.poll()
+    if code is not None:
+        raise failed("vllm serve exited before it was ready", log, code)
+    with (
+        contextlib.suppress(OSError, ValueError),
+        DIRECT.open(f"{url}/health", timeout=HEALTH_REQUEST_S) as answer,
+    ):
+        return int(answer.status) == 200
+    return False
+
+
+def serving_contest(
+    values: Mapping[str, object],
+    serve: Sequence[str],
+    load: Load,
+    default: Contender,
+    rounds: int,
+    limit_s: float,
+    workdir: str,
+    say: Callable[[str], None],
+) -> tuple[Outcome, list[str], int, dict[int, Mode]]:
+    """(the outcome, the tables, the rounds done, what each concurrency alone said): the
+    rule at each concurrency, and a winner overall only where it won at every one."""
+    dataset = os.path.join(workdir, "prompts.json")
+    with open(dataset, "w", encoding="utf-8") as stream:  # `sharegpt`: the length is tune's
+        turns = [[{"from": "human", "value": t}, {"from": "gpt", "value": ""}] for t in load.texts]
+        json.dump([{"conversations": turn} for turn in turns], stream)
+
+    def attempt(
+        name: str, contender: Contender, deadline: float
+    ) -> tuple[list[Reading], str] | None:
+        logs = os.path.join(workdir, name)
+        readings = serve_once(values, contender, serve, load, dataset, logs, deadline)
+        if readings is None:
+            return None
+        return readings, ", ".join(
+            f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
+            for r in readings
+        )
+
+    starts = run_rounds(rounds, limit_s, ("start", "started"), attempt, say)
+    lines: list[str] = []
+    at: dict[int, Outcome] = {}
+    for index, concurrency in enumerate(load.concurrencies):
+        runs = {c: [readings[index] for readings in starts[c]] for c in CONTENDERS}
+        summaries = [Summary(c, tuple(r.tpot_ms for r in runs[c]), "ms/token") for c in CONTENDERS]
+        at[concurrency] = outcome_of(summaries, default)
+        lines += table_at(concurrency, runs, load)
+        lines.append(f"  result at {concurrency}: {at[concurrency].result}")
+    done = min(len(s) for s in starts.values())
+    return overall(at, default), lines, done, {c: o.iomp for c, o in at.items()}
+
+
+def overall(at: Mapping[int, Outcome], default: Contender) -> Outcome:
+    """A winner only where the same contender won at every concurrency."""
+    winners = {outcome.winner for outcome in at.values()}
+    winner = winners.pop() if len(winners) == 1 else None
+    if winner is not None:
+        iomp = Mode.AUTO if winner == default else winner.iomp
+        levels = ", ".join(str(c) for c in at)
+        return Outcome(winner, iomp, f"{winner.name} won at every concurrency ({levels})")
+    said = "; ".join(
+        f"at {c}: {o.winner.name if o.winner else 'no clear winner'}" for c, o in at.items()
+    )
+    return Outcome(None, Mode.AUTO, f"no candidate won at every concurrency ({said})")
+
+
+def table_at(concurrency: int, runs: Mapping[Contender, list[Reading]], load: Load) -> list[str]:
+    """One concurrency's table: TPOT (median, range), output tokens/s, drafts accepted,
+    speed against libgomp."""
+    base = statistics.median(r.tpot_ms for r in runs[GOMP])
+    lines = [
+        f"concurrency {concurrency} ({load.requests(concurrency)} requests of "
+        f"{load.output_len} tokens a start)",
+        f"  {'candidate':<10} {'--iomp':<7} {'rounds':>6} {'TPOT ms':>9} {'min-max ms':>13} "
+        f"{'tokens/s':>9} {'accepted':>15} {'speed vs libgomp':>17}",
+    ]
+    for contender, readings in runs.items():
+        tpots = [r.tpot_ms for r in readings]
+        median = statistics.median(tpots)
+        drafted, accepted = sum(r.drafted for r in readings), sum(r.accepted for r in readings)
+        drafts = f"{accepted}/{drafted}" if drafted else "none drafted"
+        lines.append(
+            f"  {contender.name:<10} {contender.iomp:<7} {len(readings):>6} {median:>9.2f} "
+            f"{f'{min(tpots):.2f}-{max(tpots):.2f}':>13} "
+            f"{statistics.median(r.output_tps for r in readings):>9.1f} {drafts:>15} "
+            f"{base / median:>16.2f}x"
+        )
+    return lines
