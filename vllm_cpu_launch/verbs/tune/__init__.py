@@ -184,8 +184,10 @@ def main(values: dict[str, object], args: list[str]) -> int:
         for option, (key, default) in BENCH_OPTIONS.items()
     }
     explicit = merged.get("config") or os.environ.get(CONFIG_VARIABLE)
-    config_path = str(explicit) if explicit else user_config_path(os.environ)
-    if merged.get("write") and config_path is None:
+    write_to = str(explicit) if explicit else user_config_path(os.environ)
+    if not merged.get("write"):
+        write_to = None
+    elif write_to is None:
         raise LaunchError(
             EXIT_USAGE, "--write: no config file: set HOME or give --launcher-config FILE"
         )
@@ -197,15 +199,15 @@ def main(values: dict[str, object], args: list[str]) -> int:
         check_vocabulary(model_of(serve))
     else:
         server_arguments(serve, 0)  # refuses --headless
-    if merged.get("write") and config_path:
-        check_writable(config_path)
+    if write_to:
+        check_writable(write_to)
     workdir = tempfile.mkdtemp(prefix="vllm-cpu-launch-tune-")
     # SIGTERM/SIGHUP (systemd, a closed terminal) unwind like Ctrl-C: the run in progress
     # is killed with its whole session on the way out, as on every other exit.
     previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
     keep = False
     try:
-        measure(merged, serve, bench, load, rounds, limit_s, config_path, workdir)
+        measure(merged, serve, bench, load, rounds, limit_s, write_to, workdir)
     except LaunchError as error:
         keep = error.subject == workdir  # a failed run keeps its logs; nothing else does
         raise
@@ -279,7 +281,7 @@ def measure(
     load: Load | None,
     rounds: int,
     limit_s: float,
-    config_path: str | None,
+    write_to: str | None,
     workdir: str,
 ) -> None:
     """Plan, run the rounds, print the tables, write the config with --write: the one path
@@ -319,7 +321,7 @@ def measure(
         besides_runtime(envs, inherited(plans[default])),
         result_line(outcome, default),
     ]
-    finish(merged, config_path, outcome, done, shown, auto, lines, at_load)
+    finish(write_to, outcome, done, shown, auto, lines, at_load)
 
 
 def announce(plans: Mapping[Contender, Plan], quiet: bool) -> Callable[[str], None]:
@@ -347,8 +349,7 @@ def result_line(outcome: Outcome, default: Contender) -> str:
 
 
 def finish(
-    merged: Mapping[str, object],
-    config_path: str | None,
+    write_to: str | None,
     outcome: Outcome,
     done: int,
     shown: str,
@@ -357,14 +358,14 @@ def finish(
     at_load: Mapping[int, Mode] | None,
 ) -> None:
     """Store the record with --write (at_load: what won at each concurrency), then print."""
-    if merged.get("write") and config_path:
+    if write_to:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
         scope = auto.scope or Scope()  # a plan always has one
-        updates, removed = tune_updates(config_path, outcome, when, done, shown, scope, at_load)
-        write_config(config_path, updates, removed)
+        updates, removed = tune_updates(write_to, outcome, when, done, shown, scope, at_load)
+        write_config(write_to, updates, removed)
         lines.append(
             f"wrote: the tune record (iomp: {outcome.iomp}, for {describe(scope)}) to "
-            f"{config_path}; other commands and hosts keep what they had"
+            f"{write_to}; other commands and hosts keep what they had"
         )
     else:
         lines.append("not written (use --write to store it in your launcher config)")

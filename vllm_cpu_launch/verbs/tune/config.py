@@ -33,11 +33,9 @@ def tune_updates(
     scope: Scope,
     at_load: Mapping[int, Mode] | None = None,
 ) -> tuple[dict[str, object], tuple[str, ...]]:
-    """(updates, keys to remove) for the config at path: this tune's record first, the
-    file's records of other scopes after it, and the one of the same scope replaced. The
-    file's records are read as launches read them (settings.tuned_in_file): one from
-    before scoping gets its scope written out (settings.record_scope), and the global `iomp:`
-    it wrote beside itself goes, as it was that record's."""
+    """(updates, keys to remove): this tune's record first, the file's records of other
+    scopes after it, read as launches read them (settings.tuned_in_file): one from before
+    scoping gets its scope written out, and the global `iomp:` it wrote beside it goes."""
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, outcome.iomp, outcome.result, rounds, command, scope, concurrency=load)
     records = [record_fields(tuned, scope)]
@@ -61,10 +59,8 @@ def top_level_key(line: str) -> str | None:
 
 
 def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequence[str] = ()) -> str:
-    """The config text with `updates` (top-level keys) replaced or added and the `removed`
-    keys gone, everything else kept as written (comments too). Where the file's form
-    defeats a line edit, checked by parsing both, the whole file is written from its
-    parsed content instead."""
+    """The config text with `updates` (top-level keys) set and `removed` gone, the rest kept
+    as written (comments too); where a line edit parses wrong, the parsed content instead."""
     import yaml  # lazy: a verb, only where it writes
 
     def keyed(parsed: object) -> dict[str, object]:  # the keys as settings reads them
@@ -96,9 +92,8 @@ def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequenc
 
 
 def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str] = ()) -> None:
-    """Merge `updates` into the config file at path (made if missing), and drop the
-    `removed` keys, atomically; the file must be valid before (it is not overwritten
-    otherwise) and is checked after."""
+    """Merge `updates` into the config file at path (made if missing) atomically; a broken
+    file is reported, not overwritten, and the result is checked."""
     real = os.path.realpath(path)
     old_text, mode = "", 0o644
     if os.path.exists(real):

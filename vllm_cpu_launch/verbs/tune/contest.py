@@ -242,22 +242,30 @@ def kill_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def run_child(
-    command: Sequence[str], log_path: str, result: str, deadline: float, plan: Plan | None = None
-) -> int | None:
-    """The exit code of command, which writes result, or None when the deadline came first;
-    its whole session is killed either way (the leftovers of a finished run too)."""
+    what: str,
+    command: Sequence[str],
+    log_path: str,
+    result: str,
+    deadline: float,
+    plan: Plan | None = None,
+) -> bool:
+    """Whether command, which writes result, ended before the deadline; its whole session
+    is killed either way (the leftovers of a finished run too). A failed one raises."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(result)
     process = start_logged(command, log_path, plan)
     try:
-        return process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
     except subprocess.TimeoutExpired:
-        return None
+        return False
     finally:
         kill_group(process)
+    if code:
+        raise failed(f"{what} failed", log_path, code)
+    return True
 
 
-def failed(what: str, log_path: str, code: int = 0, vocabulary: bool = False) -> LaunchError:
+def failed(what: str, log_path: str, code: int = 0) -> LaunchError:
     """A child's failure, its log named and kept: a non-zero exit shows the log's last lines
     and keeps vLLM's exit code; an exit 0 without its result is EXIT_PROBLEM."""
     tail: list[str] = []
@@ -267,7 +275,7 @@ def failed(what: str, log_path: str, code: int = 0, vocabulary: bool = False) ->
         for line in tail:
             emit("error", f"  {line}")
         what += f" (exit code {code})"
-    if vocabulary and any("out of vocabulary" in line for line in tail):
+    if any("out of vocabulary" in line for line in tail):  # only latency's ids are random
         what += f" ({VOCABULARY_HINT})"
     return LaunchError(
         code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
@@ -290,10 +298,7 @@ def latency_contest(
 
     def attempt(name: str, contender: Contender, deadline: float) -> tuple[float, str] | None:
         log_path, plan = os.path.join(workdir, f"{name}.log"), plans[contender]
-        code = run_child(plan.command, log_path, output_json, deadline, plan)
-        if code:
-            raise failed("vllm bench latency failed", log_path, code, vocabulary=True)
-        if code is None:
+        if not run_child("vllm bench latency", plan.command, log_path, output_json, deadline, plan):
             return None
         latencies: object = None
         with contextlib.suppress(OSError, ValueError), open(output_json, encoding="utf-8") as f:
@@ -367,13 +372,9 @@ def serve_once(
         for concurrency in load.concurrencies:
             result, log_path = f"{logs}-c{concurrency}.json", f"{logs}-c{concurrency}.log"
             client = client_command(program, serve, load, url, dataset, concurrency, result)
-            code = run_child(client, log_path, result, deadline)
-            if code is None:
+            what = f"vllm bench serve at concurrency {concurrency}"
+            if not run_child(what, client, log_path, result, deadline):
                 return None
-            if code:
-                raise failed(
-                    f"vllm bench serve at concurrency {concurrency} failed", log_path, code
-                )
             readings.append(reading_of(concurrency, result, log_path))
         return readings
     finally:
