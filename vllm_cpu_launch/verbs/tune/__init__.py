@@ -166,6 +166,33 @@ def positive(value: object, option: str, whole: bool, least: float = 1) -> float
     return number
 
 
+def contender_plans(
+    values: dict[str, object], arguments: Sequence[str]
+) -> tuple[dict[Contender, Plan], Plan]:
+    """Each contender's plan (the --dry-run code path), and what --iomp auto plans."""
+    plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CONTENDERS}
+    if not any(p.kind == "iomp" for p in plans[IOMP].preload):
+        for warning in plans[IOMP].warnings:
+            emit("warning", warning)
+        raise LaunchError(
+            EXIT_LIBRARY_MISSING, "libiomp5 cannot be preloaded here: nothing to compare"
+        )
+    gomp_preload = dict(plans[GOMP].env).get(LD_PRELOAD, inherited(plans[GOMP]))
+    if any(entry.kind.kmp for entry in read_preload(gomp_preload)):
+        raise LaunchError(
+            EXIT_USAGE,
+            f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
+            "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
+        )
+    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, arguments)
+
+
+def inherited(plan: Plan) -> str:
+    """The caller's LD_PRELOAD as the plan read it: what a contender whose plan sets none
+    runs with ("" where unset)."""
+    return dict(plan.inputs).get(LD_PRELOAD) or ""
+
+
 def main(values: dict[str, object], args: list[str]) -> int:
     """Every input a run would fail on is checked before the first vLLM start."""
     valued = {**VALUED_OPTIONS, **TUNE_VALUED}
@@ -219,10 +246,6 @@ def main(values: dict[str, object], args: list[str]) -> int:
     return 0
 
 
-def stop(number: int, _frame: object) -> None:
-    raise SystemExit(128 + number)
-
-
 def load_of(merged: Mapping[str, object], output_len: int) -> Load | None:
     """What the serving benchmark sends (None: --benchmark latency), after the checks of
     its options; an option of the other benchmark is a usage error, not ignored."""
@@ -247,31 +270,8 @@ def load_of(merged: Mapping[str, object], output_len: int) -> Load | None:
     return Load(concurrencies, prompts, texts, count, output_len)
 
 
-def contender_plans(
-    values: dict[str, object], arguments: Sequence[str]
-) -> tuple[dict[Contender, Plan], Plan]:
-    """Each contender's plan (the --dry-run code path), and what --iomp auto plans."""
-    plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CONTENDERS}
-    if not any(p.kind == "iomp" for p in plans[IOMP].preload):
-        for warning in plans[IOMP].warnings:
-            emit("warning", warning)
-        raise LaunchError(
-            EXIT_LIBRARY_MISSING, "libiomp5 cannot be preloaded here: nothing to compare"
-        )
-    gomp_preload = dict(plans[GOMP].env).get(LD_PRELOAD, inherited(plans[GOMP]))
-    if any(entry.kind.kmp for entry in read_preload(gomp_preload)):
-        raise LaunchError(
-            EXIT_USAGE,
-            f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
-            "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
-        )
-    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, arguments)
-
-
-def inherited(plan: Plan) -> str:
-    """The caller's LD_PRELOAD as the plan read it: what a contender whose plan sets none
-    runs with ("" where unset)."""
-    return dict(plan.inputs).get(LD_PRELOAD) or ""
+def stop(number: int, _frame: object) -> None:
+    raise SystemExit(128 + number)
 
 
 def measure(

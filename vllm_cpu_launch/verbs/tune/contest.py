@@ -275,7 +275,8 @@ def failed(what: str, log_path: str, code: int = 0) -> LaunchError:
         for line in tail:
             emit("error", f"  {line}")
         what += f" (exit code {code})"
-    if any("out of vocabulary" in line for line in tail):  # only latency's ids are random
+    latency = what.startswith("vllm bench latency")  # its prompt ids are random
+    if latency and any("out of vocabulary" in line for line in tail):
         what += f" ({VOCABULARY_HINT})"
     return LaunchError(
         code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
