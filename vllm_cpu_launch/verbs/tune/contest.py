@@ -213,17 +213,19 @@ def run_rounds(
     return done
 
 
-def start_logged(
+@contextlib.contextmanager
+def started(
     command: Sequence[str], log_path: str, plan: Plan | None = None
-) -> subprocess.Popen[bytes]:
-    """command in a session of its own (to be killed whole), its output into log_path; with
-    plan, in its environment."""
+) -> Iterator[subprocess.Popen[bytes]]:
+    """command in a session of its own, its output into log_path (with plan, in its
+    environment); on the way out, SIGKILL to that session (vLLM's engine core and workers
+    too), the leftovers of a finished run too, and a bounded wait."""
     environment = None
     if plan is not None:
         provide_metadata(plan)
         environment = {**os.environ, **dict(plan.env)}
     with open(log_path, "wb") as log:
-        return subprocess.Popen(
+        process = subprocess.Popen(
             list(command),
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -231,14 +233,13 @@ def start_logged(
             env=environment,
             start_new_session=True,
         )
-
-
-def kill_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL to the run's session (vLLM's engine core and workers too); bounded wait."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=KILL_WAIT_S)
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=KILL_WAIT_S)
 
 
 def run_child(
@@ -249,17 +250,15 @@ def run_child(
     deadline: float,
     plan: Plan | None = None,
 ) -> bool:
-    """Whether command, which writes result, ended before the deadline; its whole session
-    is killed either way (the leftovers of a finished run too). A failed one raises."""
+    """Whether command, which writes result, ended before the deadline; a failed one
+    raises."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(result)
-    process = start_logged(command, log_path, plan)
-    try:
-        code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        return False
-    finally:
-        kill_group(process)
+    with started(command, log_path, plan) as process:
+        try:
+            code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            return False
     if code:
         raise failed(f"{what} failed", log_path, code)
     return True
@@ -363,8 +362,7 @@ def serve_once(
     plan = plan_from_options({**values, "iomp": contender.iomp}, arguments)
     program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
     url = f"http://{LOOPBACK}:{port}"
-    server = start_logged(plan.command, f"{logs}-serve.log", plan)
-    try:
+    with started(plan.command, f"{logs}-serve.log", plan) as server:
         while not healthy(server, url, f"{logs}-serve.log"):
             if time.monotonic() >= deadline:
                 return None
@@ -378,8 +376,6 @@ def serve_once(
                 return None
             readings.append(reading_of(concurrency, result, log_path))
         return readings
-    finally:
-        kill_group(server)
 
 
 def healthy(server: subprocess.Popen[bytes], url: str, log: str) -> bool:
