@@ -114,29 +114,25 @@ def read_openmp(role: Role) -> Reading:
 
 
 def start(spawned: bool) -> None:
-    """Called by the plugin's register() in every vLLM process; never raises. Only the
-    front end is neither spawned by multiprocessing nor given the directory."""
+    """Called by the plugin's register() in every vLLM process; never raises. A child reads
+    at vLLM's points (the module's docstring) in the classes it has imported already (each
+    engine core with a busy loop of its own); nothing is imported here. Only the front end
+    is neither spawned by multiprocessing nor given the directory."""
     try:
         directory = os.environ.get(READINGS_VARIABLE)
-        if directory:
-            install_readers(directory)
-        elif not spawned:
-            serve_readings()
-    except Exception as error:  # a bug here must not stop vLLM
-        logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
-
-
-def install_readers(directory: str) -> None:
-    """Read at vLLM's points (the module's docstring) in the classes it has imported: a
-    worker's, each engine core with a busy loop of its own; nothing is imported here."""
-    worker = sys.modules.get(WORKER_MODULE)
-    if worker is not None and hasattr(worker, "WorkerWrapperBase"):
-        wrap(worker.WorkerWrapperBase, "init_device", Role.WORKER, directory, after=True)
-    engine = sys.modules.get(ENGINE_MODULE)
-    if engine is not None:
-        for value in list(vars(engine).values()):
+        if not directory:
+            if not spawned:
+                serve_readings()
+            return
+        worker = sys.modules.get(WORKER_MODULE)
+        if worker is not None and hasattr(worker, "WorkerWrapperBase"):
+            wrap(worker.WorkerWrapperBase, "init_device", Role.WORKER, directory, after=True)
+        engine = sys.modules.get(ENGINE_MODULE)
+        for value in list(vars(engine).values()) if engine is not None else []:
             if isinstance(value, type) and "run_busy_loop" in vars(value):
                 wrap(value, "run_busy_loop", Role.ENGINE_CORE, directory, after=False)
+    except Exception as error:  # a bug here must not stop vLLM
+        logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
 
 
 def wrap(owner: type, name: str, role: Role, directory: str, *, after: bool) -> None:

@@ -1,9 +1,8 @@
 """Where to look for a library, and which candidate to preload.
 
-The places of docs/design.md's search order are data. Discovery only stats and reads
-known places, in that order; it never scans the filesystem. Each place yields candidates
-lazily, so the usual case (the library in the vLLM environment) stops after a handful of
-system calls; each candidate is validated (trust, ELF) before one is chosen.
+Discovery only stats and reads the known places of docs/design.md's search order, in that
+order, each when reached: the usual case (the library in the vLLM environment) stops after
+a handful of system calls. Each candidate is validated (trust, ELF) before one is chosen.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
 
     from vllm_cpu_launch.target import Target
+
+    Places = Iterator[tuple["Origin", list[str]]]  # each place's origin and the files it proposes
 
 
 # Where to look: the places of the search order
@@ -82,8 +83,7 @@ def system_root(environ: Mapping[str, str]) -> str:
 
 @record
 class PreloadEntry:
-    """One entry of the caller's LD_PRELOAD, as the loader splits it, and what its file's
-    name says it is."""
+    """One entry of the caller's LD_PRELOAD, and what its file's name says it is."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
     kind: Library
@@ -105,13 +105,9 @@ class Host:
     euid: int
     launcher_prefix: str  # sys.prefix of the launcher's own interpreter
     search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
-    # Where the system places (/usr/lib..., /opt/intel, /etc/ld.so.cache) are: "/" but
-    # in tests, which lay out real Debian and oneAPI trees in a temporary directory
-    # (SYSTEM_ROOT_VARIABLE for a fresh process).
-    root: str = "/"
+    root: str = "/"  # where the system places are: see SYSTEM_ROOT_VARIABLE
     cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
-    # The caller's LD_PRELOAD, read once from `environ` when the host is made: every stage
-    # and verb reads these entries and their kinds, never the variable again.
+    # The caller's LD_PRELOAD, read once: every stage and verb reads these, never the variable.
     preload: tuple[PreloadEntry, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -154,13 +150,8 @@ def resolve_preload_entry(entry: str, host: Host) -> str | None:
     none: a path (relative to the working directory, as the loader opens it) with ld.so(8)'s
     `$PLATFORM` and `$LIB` expanded; a bare name where the loader looks."""
     if "/" not in entry:
-        names = (entry,)
-        places = (
-            library_path_place(names, host),
-            loader_cache_place(names, host),
-            files_named(system_directories(host), names),
-        )
-        return next((path for paths in places for path in paths if os.path.isabs(path)), None)
+        places = loader_places((entry,), host)
+        return next((path for _, paths in places for path in paths if os.path.isabs(path)), None)
     paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
     if "$LIB" in entry or "${LIB}" in entry:
         # glibc's build's choice: Debian's lib/<multiarch>, Fedora's lib64, else lib.
@@ -169,18 +160,6 @@ def resolve_preload_entry(entry: str, host: Host) -> str | None:
         paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
     found = next((p for p in paths if os.path.lexists(p)), paths[0])
     return os.path.abspath(found)  # examined: the reason it does not load, if so
-
-
-def library_path_place(names: tuple[str, ...], host: Host) -> list[str]:
-    """LD_LIBRARY_PATH entries; an empty or relative one is proposed only to be rejected."""
-    value = host.environ.get("LD_LIBRARY_PATH", "")
-    paths: list[str] = []
-    for directory in value.split(":") if value else []:
-        if os.path.isabs(directory):
-            paths.extend(files_named([directory], names))
-        else:  # "" is the current directory to the loader
-            paths.append(os.path.join(directory, names[0]) if directory else "")
-    return paths
 
 
 # glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
@@ -220,26 +199,24 @@ def system_path(host: Host, path: str) -> str:
     return os.path.join(host.root, path.lstrip("/"))
 
 
-def loader_cache_place(names: tuple[str, ...], host: Host) -> list[str]:
-    entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
-    return list(
-        dict.fromkeys(system_path(host, p) for p in entries if os.path.basename(p) in names)
-    )
-
-
 def version_key(name: str) -> tuple[int, ...]:
     """'2024.2' -> (2024, 2); names that are not versions sort first."""
     parts = name.split(".")
     return tuple(int(part) for part in parts) if all(p.isdigit() for p in parts) else ()
 
 
+def listing(directory: str) -> list[str]:
+    """The names in `directory`, sorted; none where it cannot be read."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
 def oneapi_directories(host: Host) -> list[str]:
     """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
     compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
-    try:
-        versions = [n for n in os.listdir(compiler_root) if version_key(n)]
-    except OSError:
-        versions = []
+    versions = [n for n in listing(compiler_root) if version_key(n)]
     roots = [
         host.environ.get("CMPLR_ROOT"),
         os.path.join(host.environ["ONEAPI_ROOT"], "compiler", "latest")
@@ -262,11 +239,7 @@ def distribution_files(distribution: str, search_path: Iterable[str], name: str)
     prefix = distribution.replace("-", "_") + "-"
     found = []
     for site in filter(os.path.isabs, search_path):  # "" in sys.path: the working directory
-        try:
-            entries = os.listdir(site)
-        except OSError:
-            continue
-        for entry in entries:
+        for entry in listing(site):
             if not (entry.startswith(prefix) and entry.endswith(".dist-info")):
                 continue
             try:
@@ -283,13 +256,9 @@ def distribution_files(distribution: str, search_path: Iterable[str], name: str)
 def system_directories(host: Host) -> list[str | None]:
     """`/usr/local/lib*`, `/usr/lib/<multiarch>`, `/usr/lib64`, `/usr/lib`."""
     usr_local = system_path(host, "/usr/local")
-    try:
-        local = sorted(n for n in os.listdir(usr_local) if n.startswith("lib"))
-    except OSError:
-        local = []
     multiarch = MULTIARCH.get(host.machine)
     return [
-        *(os.path.join(usr_local, n) for n in local),
+        *(os.path.join(usr_local, n) for n in listing(usr_local) if n.startswith("lib")),
         system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
         system_path(host, "/usr/lib64"),
         system_path(host, "/usr/lib"),
@@ -307,18 +276,6 @@ def site_packages(prefix: str | None) -> list[str]:
     )
 
 
-def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
-    """Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`."""
-    found = []
-    for site in site_packages(prefix):
-        libs = os.path.join(site, "vllm", "libs")
-        try:
-            found += [os.path.join(libs, n) for n in sorted(os.listdir(libs)) if "libtcmalloc" in n]
-        except OSError:
-            continue
-    return found
-
-
 def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
     """LLVM's runtime from the `cmeel-libomp` wheel, by its libiomp5.so alias in
     `site-packages/cmeel.prefix/lib/` (the name vLLM looks for): in the vLLM environment
@@ -331,9 +288,7 @@ def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
     return distribution_files("cmeel-libomp", [*sites, *host.search_path], NAMES[IOMP][0])
 
 
-def search_places(
-    kind: str, host: Host, target: Target | None
-) -> Iterator[tuple[Origin, list[str]]]:
+def search_places(kind: str, host: Host, target: Target | None) -> Places:
     """The places to look and what each proposes, in docs/design.md's order, each computed
     only when reached. The vLLM environment is its user base (a `pip install --user` vLLM's,
     where pip put intel-openmp too) and its prefix; later, the user base Python would use."""
@@ -348,18 +303,34 @@ def search_places(
     yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], names)
     yield Origin.VIRTUALENV, files_named([lib_directory(environ.get("VIRTUAL_ENV"))], names)
     if kind == IOMP:
-        yield (
-            Origin.INTEL_OPENMP_PACKAGE,
-            distribution_files("intel-openmp", host.search_path, names[0]),
-        )
+        intel_openmp = distribution_files("intel-openmp", host.search_path, names[0])
+        yield Origin.INTEL_OPENMP_PACKAGE, intel_openmp
         yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
         yield Origin.USER_BASE, files_named(user_lib, names)
         yield Origin.ONEAPI, files_named(oneapi_directories(host), names)
     else:
-        yield Origin.VLLM_BUNDLED, vllm_bundled_tcmalloc(target_prefix)
+        # Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
+        bundles = [os.path.join(site, "vllm", "libs") for site in site_packages(target_prefix)]
+        found = [os.path.join(d, n) for d in bundles for n in listing(d) if "libtcmalloc" in n]
+        yield Origin.VLLM_BUNDLED, found
         yield Origin.USER_BASE, files_named(user_lib, names)
-    yield Origin.LD_LIBRARY_PATH, library_path_place(names, host)
-    yield Origin.LOADER_CACHE, loader_cache_place(names, host)
+    yield from loader_places(names, host)
+
+
+def loader_places(names: tuple[str, ...], host: Host) -> Places:
+    """Where the loader itself looks for a bare name, in its order; an empty or relative
+    LD_LIBRARY_PATH entry is proposed only to be rejected."""
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    paths: list[str] = []
+    for directory in value.split(":") if value else []:
+        if os.path.isabs(directory):
+            paths.extend(files_named([directory], names))
+        else:  # "" is the current directory to the loader
+            paths.append(os.path.join(directory, names[0]) if directory else "")
+    yield Origin.LD_LIBRARY_PATH, paths
+    entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
+    cached = (system_path(host, p) for p in entries if os.path.basename(p) in names)
+    yield Origin.LOADER_CACHE, list(dict.fromkeys(cached))
     yield Origin.SYSTEM, files_named(system_directories(host), names)
 
 
@@ -402,13 +373,8 @@ class Finding:
 
 
 def runtime_problem(flavor: str | None, library_type: str | None) -> str | None:
-    """Why an iomp candidate, a fitting ELF file, is no OpenMP runtime to preload.
-
-    Intel's intel-openmp wheel ships two such files beside libiomp5.so, both named with
-    `libiomp`: libiompstubs5.so, the serial stub (`library type: stub`), with which
-    every parallel region runs on one thread, and libiomp5_db.so, the debugger support
-    library, which has no runtime banner at all.
-    """
+    """Why an iomp candidate, a fitting ELF file, is no OpenMP runtime to preload: the
+    intel-openmp wheel ships two beside libiomp5.so, named with `libiomp` too."""
     if flavor is None:
         return (
             "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
@@ -455,11 +421,8 @@ def examine(
 ) -> Finding:
     """What one candidate file is: a path that can stand in LD_PRELOAD, a regular, readable
     ELF file of this machine that the trust rule accepts, and for iomp, a runtime's banner.
-
-    `kind` None: any library (a caller's), examined as a file alone. `as_written` False:
-    `path` is where the loader finds a caller's entry (resolve_preload_entry), whose form
-    is theirs to choose. `named`: the user named the file (trust.insecure_reason's fixes
-    differ)."""
+    `kind` None: any library (a caller's). `as_written` False: `path` is where the loader
+    finds a caller's entry, whose form is theirs. `named`: the user named the file."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
         return Finding(problem)
@@ -539,16 +502,9 @@ def candidate_of(
         found = examine_entry(path, kind, host, trusted)
     else:
         found = examine(path, kind, host, trusted, named=origin == Origin.EXPLICIT)
-    return Candidate(
-        kind,
-        path,
-        origin,
-        CandidateVerdict.REJECTED if found.reason else CandidateVerdict.USABLE,
-        found.reason or "valid",
-        found.flavor,
-        found.fix,
-        found.unsafe,
-    )
+    verdict = CandidateVerdict.REJECTED if found.reason else CandidateVerdict.USABLE
+    reason = found.reason or "valid"
+    return Candidate(kind, path, origin, verdict, reason, found.flavor, found.fix, found.unsafe)
 
 
 @record
@@ -569,15 +525,11 @@ def find_library(
     explicit: str | None = None,
     trusted: frozenset[int] = frozenset(),
 ) -> Search:
-    """Search the places in order; the first place with a usable file wins.
-
-    An Intel OpenMP in any place wins over LLVM's: an LLVM runtime (cmeel-libomp,
-    llvm-openmp, Debian's alias) is taken only where no place has Intel's, and the plan
-    decides whether to preload it for SD (rules.llvm_runtime). With `exhaustive`
-    (doctor) every place is examined and reported. An `explicit` file (--iomp-path)
-    is the only candidate: there is no falling back from what the user named.
-    `trusted`: uids besides root whose files may be preloaded (the target's owners).
-    """
+    """Search the places in order; the first place with a usable file wins, but an Intel
+    OpenMP in any place wins over LLVM's (the plan decides whether to preload LLVM's for
+    SD: rules.llvm_runtime). `exhaustive` (doctor) examines every place. An `explicit` file
+    (--iomp-path) is the only candidate: no falling back from what the user named.
+    `trusted`: uids besides root whose files may be preloaded (the target's owners)."""
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == CandidateVerdict.USABLE:

@@ -154,13 +154,12 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
         if not names:
             return Wrapper("unknown", None, first)
         return Wrapper("env", executable_on_path(names[0], path_variable), names[0])
-    if os.path.basename(interpreter) not in SHELLS or len(words) > 1:
-        return Wrapper("direct", interpreter)
-    if not second.startswith(TRAMPOLINE):
-        return Wrapper("direct", interpreter)  # a shell script proper
+    shell = os.path.basename(interpreter) in SHELLS and len(words) == 1
+    if not (shell and second.startswith(TRAMPOLINE)):
+        return Wrapper("direct", interpreter)  # not a trampoline: the #! program runs it
     try:
         python, _ = read_word(second, len(TRAMPOLINE), script)
-    except (WordError, RecursionError) as error:
+    except WordError as error:  # MAX_NESTING bounds the recursion
         return Wrapper("unknown", None, f"{second.strip()} ({error})")
     if "/" not in python:  # a bare name: the shell looks it up on PATH
         return Wrapper("sh-trampoline", executable_on_path(python, path_variable), python)
@@ -265,16 +264,8 @@ def describe_target(executable: str, found_via: str, environ: Mapping[str, str])
         python = None
         prefix, _ = environment_of(executable)
         evidence = "its own bin/ directory" if prefix else "none"
-    return Target(
-        executable,
-        found_via,
-        python,
-        prefix,
-        user_base,
-        evidence,
-        disagreement,
-        wrapper.interpreter,
-    )
+    runner = wrapper.interpreter
+    return Target(executable, found_via, python, prefix, user_base, evidence, disagreement, runner)
 
 
 def described(found_via: str) -> str:
@@ -319,41 +310,48 @@ def check_executable(path: str, described: str) -> None:
     except FileNotFoundError:  # no subject: nothing was found (doctor says so)
         raise LaunchError(EXIT_NOT_FOUND, f"{described} {path} does not exist") from None
     except OSError as error:
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{described} {path} cannot be used: {error.strerror}",
-            subject=path,
-        ) from None
-    if not stat.S_ISREG(status.st_mode):
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE, f"{described} {path} is not a regular file", subject=path
-        )
-    executable = os.access(path, os.X_OK)
+        problem = f"cannot be used: {error.strerror}"
+    else:
+        executable = os.access(path, os.X_OK)
+        if not stat.S_ISREG(status.st_mode):
+            problem = "is not a regular file"
+        elif not is_program(path):  # a data file named by mistake: execve says only ENOEXEC
+            cannot = "the kernel cannot run it" if executable else "no chmod makes it run"
+            problem = (
+                f"is neither a #! script nor an ELF executable, so {cannot}; "
+                f"{PROGRAM_FIX[described]}"
+            )
+        elif not executable:
+            problem = f"is not executable; fix it with: chmod +x {path}"
+        else:
+            return
+    raise LaunchError(EXIT_NOT_EXECUTABLE, f"{described} {path} {problem}", subject=path)
+
+
+# What to name instead of a file that is no program, by what the messages call the target.
+PROGRAM_FIX = {
+    "vLLM executable": "give --vllm the vllm script of the environment vLLM is installed "
+    "in, e.g. /venv/bin/vllm",
+    "program": "name a program, e.g. vllm-cpu-launch exec -- /venv/bin/python script.py",
+}
+
+
+def is_program(path: str) -> bool:
+    """Whether the file starts as the kernel runs it: `#!` or ELF's magic number. One that
+    cannot be read is given the benefit of the doubt."""
     try:
         with open(path, "rb") as stream:
             head = stream.read(4)
     except OSError:
-        head = b"#!"  # one that cannot be read is given the benefit of the doubt
-    if not (head.startswith(b"#!") or head == b"\x7fELF"):  # execve would only say ENOEXEC
-        cannot = "the kernel cannot run it" if executable else "no chmod makes it run"
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{described} {path} is neither a #! script nor an ELF executable, so {cannot}; "
-            f"{PROGRAM_FIX[described]}",
-            subject=path,
-        )
-    if not executable:
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{described} {path} is not executable; fix it with: chmod +x {path}",
-            subject=path,
-        )
+        return True
+    return head.startswith(b"#!") or head == b"\x7fELF"
 
 
 def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, str]) -> None:
     """Fail as the kernel or the wrapper would, but say why: the interpreter is gone
     (a moved or deleted environment), not executable, or not on PATH."""
-    if wrapper.detail and wrapper.interpreter is None and wrapper.form in ("env", "sh-trampoline"):
+    interpreter = wrapper.interpreter
+    if wrapper.detail and interpreter is None and wrapper.form in ("env", "sh-trampoline"):
         raise LaunchError(
             EXIT_NOT_FOUND,
             f"{executable} runs {wrapper.detail!r} from PATH, but "
@@ -361,10 +359,11 @@ def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, s
             "first on PATH, or choose another vLLM with --vllm",
             subject=executable,
         )
-    interpreter = wrapper.interpreter
-    if interpreter is None:
+    if interpreter is None or (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         return
-    if not os.path.lexists(interpreter):
+    if os.path.lexists(interpreter):  # execve would only say "Exec format error"
+        problem = "is not an executable file"
+    else:
         located, _ = location_environment(executable)
         moved = (
             f"its environment {located} was moved or its Python removed after install "
@@ -372,18 +371,12 @@ def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, s
             if located
             else "reinstall it in a working environment"
         )
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{executable} runs the interpreter {interpreter}, which does not exist: "
-            f"{moved}, or choose another vLLM with --vllm",
-            subject=executable,
-        )
-    if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
-        raise LaunchError(  # execve would only say "Exec format error" about the script
-            EXIT_NOT_EXECUTABLE,
-            f"{executable} runs the interpreter {interpreter}, which is not an executable file",
-            subject=executable,
-        )
+        problem = f"does not exist: {moved}, or choose another vLLM with --vllm"
+    raise LaunchError(
+        EXIT_NOT_EXECUTABLE,
+        f"{executable} runs the interpreter {interpreter}, which {problem}",
+        subject=executable,
+    )
 
 
 def locate(name: str, found_via: str, environ: Mapping[str, str], not_found: str) -> Target:
