@@ -217,11 +217,10 @@ def oneapi_directories(host: Host) -> list[str]:
     """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
     compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
     versions = [n for n in listing(compiler_root) if version_key(n)]
+    oneapi = host.environ.get("ONEAPI_ROOT")
     roots = [
         host.environ.get("CMPLR_ROOT"),
-        os.path.join(host.environ["ONEAPI_ROOT"], "compiler", "latest")
-        if host.environ.get("ONEAPI_ROOT")
-        else None,
+        os.path.join(oneapi, "compiler", "latest") if oneapi else None,
         os.path.join(compiler_root, "latest"),
         os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
     ]

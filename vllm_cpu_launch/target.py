@@ -58,9 +58,10 @@ class WordError(ValueError):
 def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, int]:
     """Evaluate the shell word at `text[index:]`, inside `depth` `$(`: its value and the
     index after it."""
+    ends = " \t)" if depth else " \t"  # unquoted, these end a word (`)` only inside `$(`)
     value: list[str] = []
     quote = ""
-    while index < len(text) and (quote or text[index] not in (" \t)" if depth else " \t")):
+    while index < len(text) and (quote or text[index] not in ends):
         char = text[index]
         index += 1
         if char == "'" and quote != '"':
@@ -235,7 +236,7 @@ def describe_target(executable: str, found_via: str, environ: Mapping[str, str])
     """Check that the executable can run, and decide its environment: the one of the Python
     the wrapper runs, whose site-packages vLLM imports; where it names no Python (a shell
     script, or none at all: `exec -- /venv/bin/python`), the one the script lies in."""
-    check_executable(executable, described(found_via))
+    check_executable(executable, found_via)
     wrapper = read_wrapper(executable, environ.get("PATH"))
     check_interpreter(executable, wrapper, environ)
     located, located_marker = location_environment(executable)
@@ -268,11 +269,6 @@ def describe_target(executable: str, found_via: str, environ: Mapping[str, str])
     return Target(executable, found_via, python, prefix, user_base, evidence, disagreement, runner)
 
 
-def described(found_via: str) -> str:
-    """What the messages call the target: exec's PROGRAM, else the vLLM executable."""
-    return "program" if found_via == "program" else "vLLM executable"
-
-
 PATH_SHOWN = 3  # directories of PATH a message names; a real PATH runs to hundreds of bytes
 
 
@@ -303,8 +299,9 @@ PROGRAM_FIX = {
 }
 
 
-def check_executable(path: str, described: str) -> None:
+def check_executable(path: str, found_via: str) -> None:
     """Raise the exit code a shell would give when `path` cannot be executed."""
+    described = "program" if found_via == "program" else "vLLM executable"  # exec's, or ours
     try:
         status = os.stat(path)
     except FileNotFoundError:  # no subject: nothing was found (doctor says so)
@@ -326,14 +323,6 @@ def check_executable(path: str, described: str) -> None:
         else:
             return
     raise LaunchError(EXIT_NOT_EXECUTABLE, f"{described} {path} {problem}", subject=path)
-
-
-# What to name instead of a file that is no program, by what the messages call the target.
-PROGRAM_FIX = {
-    "vLLM executable": "give --vllm the vllm script of the environment vLLM is installed "
-    "in, e.g. /venv/bin/vllm",
-    "program": "name a program, e.g. vllm-cpu-launch exec -- /venv/bin/python script.py",
-}
 
 
 def is_program(path: str) -> bool:
@@ -387,7 +376,7 @@ def locate(name: str, found_via: str, environ: Mapping[str, str], not_found: str
     if found is None:
         # A file on PATH that cannot be executed is the real problem, as for a shell (126).
         for candidate in path_files(name, environ.get("PATH")):
-            check_executable(candidate, described(found_via))
+            check_executable(candidate, found_via)
         raise LaunchError(EXIT_NOT_FOUND, not_found)
     return describe_target(found, found_via, environ)
 
