@@ -145,23 +145,6 @@ def files_named(directories: Iterable[str | None], names: tuple[str, ...]) -> li
     ]
 
 
-def resolve_preload_entry(entry: str, host: Host) -> str | None:
-    """The file the loader preloads for a caller's LD_PRELOAD entry, or None where it finds
-    none: a path (relative to the working directory, as the loader opens it) with ld.so(8)'s
-    `$PLATFORM` and `$LIB` expanded; a bare name where the loader looks."""
-    if "/" not in entry:
-        places = loader_places((entry,), host)
-        return next((path for _, paths in places for path in paths if os.path.isabs(path)), None)
-    paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
-    if "$LIB" in entry or "${LIB}" in entry:
-        # glibc's build's choice: Debian's lib/<multiarch>, Fedora's lib64, else lib.
-        multiarch = MULTIARCH.get(host.machine)
-        libs = (*((f"lib/{multiarch}",) if multiarch else ()), "lib64", "lib")
-        paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
-    found = next((p for p in paths if os.path.lexists(p)), paths[0])
-    return os.path.abspath(found)  # examined: the reason it does not load, if so
-
-
 # glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
 # without them was written by the machine that reads it, in its byte order (s390x: big).
 CACHE_BYTE_ORDER: dict[int, Literal["little", "big"]] = {2: "little", 3: "big"}
@@ -252,18 +235,6 @@ def distribution_files(distribution: str, search_path: Iterable[str], name: str)
     return found
 
 
-def system_directories(host: Host) -> list[str | None]:
-    """`/usr/local/lib*`, `/usr/lib/<multiarch>`, `/usr/lib64`, `/usr/lib`."""
-    usr_local = system_path(host, "/usr/local")
-    multiarch = MULTIARCH.get(host.machine)
-    return [
-        *(os.path.join(usr_local, n) for n in listing(usr_local) if n.startswith("lib")),
-        system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
-        system_path(host, "/usr/lib64"),
-        system_path(host, "/usr/lib"),
-    ]
-
-
 def lib_directory(prefix: str | None) -> str | None:
     return os.path.join(prefix, "lib") if prefix else None
 
@@ -330,7 +301,15 @@ def loader_places(names: tuple[str, ...], host: Host) -> Places:
     entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
     cached = (system_path(host, p) for p in entries if os.path.basename(p) in names)
     yield Origin.LOADER_CACHE, list(dict.fromkeys(cached))
-    yield Origin.SYSTEM, files_named(system_directories(host), names)
+    usr_local = system_path(host, "/usr/local")
+    multiarch = MULTIARCH.get(host.machine)
+    system = [
+        *(os.path.join(usr_local, n) for n in listing(usr_local) if n.startswith("lib")),
+        system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
+        system_path(host, "/usr/lib64"),
+        system_path(host, "/usr/lib"),
+    ]
+    yield Origin.SYSTEM, files_named(system, names)
 
 
 # Validating the candidates and choosing one
@@ -477,16 +456,27 @@ RELATIVE_ENTRY = (
 
 def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Finding:
     """A caller's LD_PRELOAD entry, judged once for every use: theirs as written, examined
-    where the loader finds it (a bare name, `$LIB`), its name unjudged; a relative path is
-    refused by the trust rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that
-    names the same files absolutely."""
+    where the loader finds it, its name unjudged; a relative path is refused by the trust
+    rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that names the same files
+    absolutely."""
     if "/" in entry and not os.path.isabs(entry) and "$" not in entry:
         absolute = ":".join(
             os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
             for e in (p.path for p in host.preload)
         )
         return Finding(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
-    resolved = resolve_preload_entry(entry, host)
+    if "/" not in entry:  # a bare name, where the loader looks for it
+        places = loader_places((entry,), host)
+        resolved = next((p for _, paths in places for p in paths if os.path.isabs(p)), None)
+    else:  # ld.so(8)'s dynamic string tokens expanded
+        paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
+        if "$LIB" in entry or "${LIB}" in entry:
+            # glibc's build's choice: Debian's lib/<multiarch>, Fedora's lib64, else lib.
+            multiarch = MULTIARCH.get(host.machine)
+            libs = (*((f"lib/{multiarch}",) if multiarch else ()), "lib64", "lib")
+            paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
+        # The first that exists, else the first: examined, for the reason it does not load.
+        resolved = os.path.abspath(next((p for p in paths if os.path.lexists(p)), paths[0]))
     if resolved is None:
         return Finding(NOT_FOUND_BY_LOADER)
     return examine(resolved, kind, host, trusted, as_written=False, named=True)
