@@ -36,9 +36,9 @@ import shutil
 import stat
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import METRIC, METRIC_WORDS, NONE, library_of
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Role(enum.Enum):
     WORKER = "worker"
 
 
-@dataclass(frozen=True)
+@record
 class Reading:
     """One process's OpenMP, as its series' labels hold it ("" where there is none)."""
 
@@ -170,7 +170,7 @@ def publish_reading(role: Role, directory: str) -> None:
         reading = read_openmp(role)
         descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            json.dump(asdict(reading), stream)
+            json.dump(vars(reading), stream)
         os.replace(temporary, os.path.join(directory, f"{reading.pid}{SUFFIX}"))
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
@@ -208,7 +208,7 @@ class ReadingsCollector:
         family = InfoMetricFamily(METRIC, DOCUMENTATION, labels=())
         try:
             for reading in (self.front_end(), *children_readings(self.directory)):
-                family.add_metric((), {k: str(v) for k, v in asdict(reading).items()})
+                family.add_metric((), {k: str(v) for k, v in vars(reading).items()})
         except Exception as error:  # a scrape must still answer vLLM's own metrics
             logger.warning("%scould not read the OpenMP readings (%r)", PREFIX, error)
         yield family

@@ -13,8 +13,9 @@ and a reason, never a guess.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from vllm_cpu_launch.errors import record
 
 if TYPE_CHECKING:
     from typing import BinaryIO
@@ -37,7 +38,7 @@ PTRACE_HINT = (
 )
 
 
-@dataclass(frozen=True)
+@record
 class LinkMap:
     """The link map of one process: (l_addr, l_name) in load order (the executable's name
     is ""), or why it could not be read. l_addr is where a library's first mapping starts
