@@ -55,8 +55,7 @@ TITLES = {
     Library.OTHER: "another library",
 }
 MALLOC_NAMES = ("libjemalloc", "libmimalloc")
-# The word each runtime has in the plugin's /metrics series (docs/operating.md); NONE where
-# no OpenMP runtime serves.
+# Each runtime's word in the plugin's /metrics series; NONE where no OpenMP runtime serves.
 METRIC_WORDS = {Library.INTEL: "intel", Library.LLVM: "llvm", Library.GNU: "gnu"}
 NONE = "none"
 # The plugin's info metric (prometheus_client appends `_info` to an info family's name).
@@ -105,11 +104,9 @@ DEPRECATED_PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"
 # The plugin's entry point name (setup.cfg), which vLLM's VLLM_PLUGINS allowlist names.
 PLUGIN_NAME = "vllm_cpu_launch"
 IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp in LD_PRELOAD on x86 only
-# Where LLVM's libomp is the one KMP-style runtime built (intel-openmp has no wheel there):
-# preloaded with `--iomp always` alone until measured on such a host (docs/design.md).
+# Where LLVM's libomp is the one KMP-style runtime built (intel-openmp has no wheel there).
 LLVM_OPT_IN_MACHINES = ("aarch64",)
-# The words a yes/no setting accepts (settings.parse_bool), in any case. An empty
-# variable of ours is the same as an unset one (docs/design.md).
+# The words a yes/no setting accepts, in any case (empty is unset).
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -134,11 +131,9 @@ def stands_down(environ: Mapping[str, str], machine: str, spawned: bool) -> str 
     """Why the plugin leaves this process alone, from what costs nothing to read; None if
     it may plan. `spawned` (by multiprocessing: vLLM's engine cores, workers, API servers):
     each inherits LD_PRELOAD with the runtime its front end chose, so all stop here."""
-    switch = switched_off(environ)
-    if switch:
+    if switch := switched_off(environ):
         return f"switched off by {switch}"
-    planned = already_planned(environ)
-    if planned:
+    if planned := already_planned(environ):
         return planned
     if spawned and vllm_reads(environ.get(LD_PRELOAD, "")):
         return "a process vLLM started: LD_PRELOAD names the runtime its front end chose"

@@ -8,13 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
-from vllm_cpu_launch.gather import (
-    PYTHONPATH,
-    Alias,
-    effective_tune,
-    mode_of,
-    pythonpath_with,
-)
+from vllm_cpu_launch.gather import PYTHONPATH, Alias, effective_tune, mode_of, pythonpath_with
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
     LAUNCHER,
@@ -27,13 +21,7 @@ from vllm_cpu_launch.handoff import (
     library_of,
     vllm_reads,
 )
-from vllm_cpu_launch.libraries import (
-    IOMP,
-    LLVM,
-    TCMALLOC,
-    CandidateVerdict,
-    Origin,
-)
+from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, CandidateVerdict, Origin
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
@@ -120,8 +108,7 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
 
 
 def architecture_gate(facts: Facts, decision: Decision) -> Decision:
-    """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP-style
-    runtime built."""
+    """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP one built."""
     machine = facts.host.machine
     if not decision.wants_iomp:
         return decision
@@ -148,8 +135,7 @@ def x86_sd(facts: Facts, decision: Decision) -> bool:
 
 
 def start_of(facts: Facts) -> Start:
-    """What the rules read of this start, from the facts alone: the one start the plan's
-    stages, `rules serve ...` and doctor's map match against."""
+    """The one start the plan's stages, `rules serve ...` and doctor's map match against."""
     callers = callers_stage(facts, Decision())
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
     theirs = "other" if callers.other_malloc else "tcmalloc" if callers.allocators else None
@@ -177,8 +163,7 @@ def rules_stage(facts: Facts, decision: Decision) -> Decision:
 
 
 def declined(search: Search, why: str) -> Search:
-    """The search with its LLVM runtimes turned down for SD, each saying how to preload it
-    anyway: the warning that nothing usable was found lists them."""
+    """The search with its LLVM runtimes turned down for SD, each saying how to take it."""
     candidates = tuple(
         replace(
             c,
@@ -194,8 +179,7 @@ def declined(search: Search, why: str) -> Search:
 
 
 def set_aside(search: Search, entry: str) -> Search:
-    """The search with its choice not preloaded beside the caller's own runtime `entry`,
-    so the candidates say what the plan preloads."""
+    """The search with its choice set aside for the caller's own runtime `entry`."""
     candidates = tuple(
         replace(
             c,
@@ -280,8 +264,7 @@ def searches(decision: Decision) -> tuple[Search, ...]:
 
 
 def refuse_stage(facts: Facts, decision: Decision) -> Decision:
-    """A caller's entry the trust rule refuses, examined beside the plan's own library:
-    nothing changes (the launcher refuses to start, the plugin leaves it)."""
+    """A caller's entry the trust rule refuses: nothing changes (the launcher refuses)."""
     callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     refused = tuple(c for c in callers if c.unsafe)
     chosen = tuple(c for c in (decision.tcmalloc, decision.iomp) if c is not None)
@@ -485,8 +468,7 @@ def refusal(candidate: Candidate) -> str:
 
 
 def entry_problem(entry: str, found: Finding) -> str | None:
-    """What the loader will do with a caller's entry it will not preload, or the trust
-    rule refuses (issue 31)."""
+    """What the loader does with a caller's entry it cannot preload or we distrust (issue 31)."""
     if found.unsafe:
         fix = f"; Fix: {found.fix}" if found.fix else ""
         return (
@@ -719,8 +701,7 @@ def plan_of(facts: Facts) -> Plan:
 
 
 def rule_json(rule: Rule | None) -> dict[str, Any] | None:
-    """A measured rule in the decision record: the map's `rule`, the runtimes map's
-    `runtime`."""
+    """A measured rule in the decision record (its `rule` and `runtime`)."""
     if rule is None:
         return None
     said = {key: getattr(rule, key) for key in ("id", "adds", "figures", "versus", "source")}
@@ -728,9 +709,9 @@ def rule_json(rule: Rule | None) -> dict[str, Any] | None:
 
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
-    """The decision record, in the JSON form of docs/design.md ("The decision record"):
-    `--dry-run --json`, `env --format json`, doctor's `map.plan`; plan_as_text shows it."""
+    """The decision record (docs/design.md): `--dry-run --json`, `env --format json`, doctor."""
     tuned, speculative = plan.tuned, ("requested", "source", "method", "tokens")
+    preload = ("kind", "path", "flavor", "origin")
     candidate = ("kind", "path", "origin", "flavor", "verdict", "reason")
     return {
         "schema": schema("plan"),
@@ -741,10 +722,7 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
         "runtime": rule_json(plan.runtime),
         "tune": tuned and {"when": tuned.when, "result": tuned.result, "origin": tuned.origin},
         "inputs": dict(plan.inputs),
-        "preload": [
-            {"kind": p.kind, "path": p.path, "flavor": p.flavor, "origin": p.origin}
-            for p in plan.preload
-        ],
+        "preload": [{key: getattr(p, key) for key in preload} for p in plan.preload],
         "env": dict(plan.env),
         "relies_on": dict(plan.relies_on),
         "warnings": list(plan.warnings),
@@ -785,14 +763,12 @@ def metadata_words(alias: Alias) -> str:
 
 
 def described_request(requested: bool, source: str | None) -> str:
-    """`requested (SOURCE)` or `not requested (SOURCE)`, for the text outputs: where
-    SD was asked for, or turned off (`--speculative-config null` after a --config file)."""
+    """Where SD was asked for, or turned off (`--speculative-config null` after --config)."""
     return ("requested" if requested else "not requested") + (f" ({source})" if source else "")
 
 
 def rule_words(rule: dict[str, Any]) -> str:
-    """A measured rule of the decision record (its JSON `rule`), with its figures, as
-    --dry-run and doctor show it."""
+    """A measured rule of the decision record, with its figures, as --dry-run and doctor say."""
     low, high = rule["figures"]
     return (
         f"{rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of {rule['versus']}'s speed "

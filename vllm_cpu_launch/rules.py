@@ -219,24 +219,20 @@ RULES = (
 )
 
 
-def rule(rule_id: str, method: str | None = None) -> Rule:
-    """The table's rule of that id (and method, where one id covers several)."""
-    return next(
-        r for r in RULES if r.id == rule_id and (method is None or r.measured.method == method)
-    )
+def rule(rule_id: str) -> Rule:
+    """The table's rule of that id, for the views below and the tests."""
+    return next(r for r in RULES if r.id == rule_id)
 
 
 def measured_key(item: Rule) -> tuple[str, int | None]:
     return item.measured.method, item.measured.tokens
 
 
-# Views of the table, by what the plan looks up.
 NGRAM_UNBOUND = rule("map-1")
 NGRAM_NOBIND = rule("map-2")
 MAP_CPUS = NGRAM_UNBOUND.measured.cpus
 MAP_VLLM = NGRAM_UNBOUND.measured.vllm
-# (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc, where every
-# round at 1 and 4 concurrent requests was a gain.
+# (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc.
 DRAFTER_RULES = {measured_key(r): r for r in RULES if r.id == "methods-4"}
 
 
@@ -524,13 +520,11 @@ def llvm_runtime(start: Start) -> Setting:
     said = f"{described(rule, 'runtimes rule')}, for {where}"
     if host_misses(rule.measured, start):
         m = rule.measured
-        return Setting(
-            rule,
-            f"{said}: measured on the map's host ({m.cpus} CPUs, vLLM {m.vllm}) in "
-            "its map rule's setting, not on this one, where it runs at vLLM's settings as "
-            "libiomp5 would",
+        said += (
+            f": measured on the map's host ({m.cpus} CPUs, vLLM {m.vllm}) in its map rule's "
+            "setting, not on this one, where it runs at vLLM's settings as libiomp5 would"
         )
-    if misses(rule, start):
+    elif misses(rule, start):
         within = " or ".join(rule.measured.within)
         return Setting(
             None,
