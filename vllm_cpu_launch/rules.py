@@ -261,8 +261,7 @@ def load_words(rule: Rule) -> str:
 
 
 def described(rule: Rule, kind: str = "map rule") -> str:
-    """`map rule map-1 (adds ...: TPOT 1.19-1.42x of plain vLLM's speed, ...)`; `kind`
-    names the rules it is one of (the runtimes rules)."""
+    """A rule with its figures, as every note names it; `kind`: the rules it is one of."""
     return (
         f"{kind} {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
         f"{rule.versus}'s speed on the 105M model, every round a gain; on {REAL_MODEL}'s "
@@ -287,8 +286,8 @@ class Override:
 
 
 def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
-    """The variables of `environ` (what vLLM starts with, the plan applied) that its bound
-    workers do not get: the user's value is kept, and vLLM writes over it there."""
+    """The variables of `environ` (what vLLM starts with) that vLLM writes over in its bound
+    workers, so the user learns where their value stops."""
     if environ.get(BIND_VARIABLE) == "nobind":
         return ()
     said = []
@@ -302,8 +301,7 @@ def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
 
 
 def override_words(overrides: Sequence[Override], short: bool = False) -> str:
-    """Where the values reach and where vLLM writes over them: the INFO line's (`short`),
-    --dry-run's, `rules serve`'s."""
+    """Where the values reach and where vLLM writes over them (`short`: the INFO line's)."""
     yours = " ".join(f"{o.name}={o.value}" for o in overrides)
     workers = " ".join(f"{o.name}={o.worker}" for o in overrides)
     if short:
