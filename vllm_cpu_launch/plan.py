@@ -201,12 +201,8 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     if not decision.wants_iomp or search is None:
         return decision
     found, runtime = search.chosen, None
-    if (
-        found
-        and found.origin != Origin.EXPLICIT
-        and found.flavor == LLVM
-        and x86_sd(facts, decision)
-    ):
+    llvm = found is not None and found.flavor == LLVM and found.origin != Origin.EXPLICIT
+    if llvm and x86_sd(facts, decision):
         runtime = llvm_runtime(start_of(facts))
         if runtime.rule is None and decision.mode == Mode.AUTO:
             search = declined(search, runtime.note)
@@ -237,17 +233,10 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
 def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     """tcmalloc: `always`, or `auto` beside the runtime the plan preloads unless the rule
     that applies was measured without; never beside a malloc of the caller's."""
-    tcmalloc_setting = facts.settings.tcmalloc
-    applied = decision.applied
-    wants = not decision.other_malloc and (
-        tcmalloc_setting == Mode.ALWAYS
-        or (
-            tcmalloc_setting == Mode.AUTO
-            and decision.iomp is not None
-            and not decision.yours
-            and (not applied or applied.tcmalloc)
-        )
-    )
+    tcmalloc_setting, applied = facts.settings.tcmalloc, decision.applied
+    beside = decision.iomp is not None and not decision.yours and (not applied or applied.tcmalloc)
+    auto = tcmalloc_setting == Mode.AUTO and beside
+    wants = not decision.other_malloc and (tcmalloc_setting == Mode.ALWAYS or auto)
     search = facts.tcmalloc
     if not wants or search is None:
         return decision
@@ -522,13 +511,10 @@ def missing_words(facts: Facts, decision: Decision) -> list[str]:
     llvm = facts.host.machine in LLVM_OPT_IN_MACHINES
     said = []
     if decision.iomp_missing and not decision.broken and decision.iomp_search:
-        consequence = (
-            STRICT_REFUSAL
-            if refuses
-            else "speculative decoding on CPU runs about 2x slower with GNU libgomp"
-            if facts.speculative.requested and not llvm
-            else "the program will use GNU libgomp"
-        )
+        consequence = "the program will use GNU libgomp"
+        if facts.speculative.requested and not llvm:
+            consequence = "speculative decoding on CPU runs about 2x slower with GNU libgomp"
+        consequence = STRICT_REFUSAL if refuses else consequence
         install = facts.install_fixes[LLVM if llvm else IOMP]
         said.append(missing_message(decision.iomp_search, install, consequence, llvm))
     if decision.tcmalloc_missing and decision.tcmalloc_search:

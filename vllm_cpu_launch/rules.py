@@ -431,9 +431,8 @@ def setting_misses(where: Measured, start: Start) -> list[Miss]:
 
 def within_misses(where: Measured, start: Start) -> list[Miss]:
     """A runtimes rule's setting: one of the rules it was measured with applies here."""
-    if not where.within or any(
-        not misses(r, start) for r in RULES if r.id in where.within and not r.why
-    ):
+    applies = any(not misses(r, start) for r in RULES if r.id in where.within and not r.why)
+    if not where.within or applies:
         return []
     return [Miss("within", "this start's setting", f"measured in {' or '.join(where.within)}'s")]
 
@@ -473,17 +472,13 @@ def setting_rule(start: Start) -> Setting:
     if start.callers_runtime:
         return Setting(None, kept_words(start.callers_runtime))
     table = [r for r in RULES if r.runtime is None]
-    near = [
-        r
-        for r in table
-        if not host_misses(r.measured, start) and not command_misses(r.measured, start)
-    ]
+    here = [r for r in table if not host_misses(r.measured, start)]
+    near = [r for r in here if not command_misses(r.measured, start)]
     where = f"{sd_words(start)} on {start.cpus} CPUs with vLLM {start.release}"
     if not near:
-        measured_here = any(not host_misses(r.measured, start) for r in table)
         sources = ", ".join(dict.fromkeys(r.source for r in table))
         note = f"{where}: not measured ({sources}): no rule; libiomp5 as vLLM advises"
-        return Setting(None, note if measured_here and start.method else "")
+        return Setting(None, note if here and start.method else "")
     rule = min(near, key=lambda r: len(misses(r, start)))
     stopped = misses(rule, start)
     if rule.why:
