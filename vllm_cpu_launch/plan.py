@@ -274,9 +274,8 @@ def compose_ld_preload(
 
 
 def env_stage(facts: Facts, decision: Decision) -> Decision:
-    """LD_PRELOAD, KMP_BLOCKTIME and the rule's variables, only what changes. The caller's
-    KMP_BLOCKTIME is never replaced; a default (5, or the rule's) only fills it in beside
-    Intel OpenMP the plan preloads."""
+    """LD_PRELOAD, KMP_BLOCKTIME and the rule's variables, only what changes: the caller's
+    KMP_BLOCKTIME is never replaced; a default (5, or the rule's) fills it in beside iomp."""
     host, applied = facts.host, decision.applied
     env: dict[str, str] = {}
     dropped: tuple[str, ...] = ()
@@ -721,9 +720,8 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
 
 
 def summary_line(plan: Plan, unchanged: str | None = None) -> str:
-    """The one INFO line: what is preloaded, what is set, and why (the plan's own mark,
-    PLANNED_VARIABLE, is bookkeeping: --dry-run shows it). `unchanged`: what to say
-    when nothing else changes (default: starting the command unchanged)."""
+    """The one INFO line: what is preloaded, what is set, and why (the plan's mark is
+    bookkeeping: --dry-run shows it). `unchanged`: what to say when nothing changes."""
     parts = [
         f"{'keeping your' if p.origin == Origin.LD_PRELOAD else 'preloading'} {p.path} "
         f"({p.flavor or p.kind}, from {p.origin})"

@@ -357,8 +357,7 @@ def words(miss: Miss) -> str:
 
 
 def release_words(start: Start) -> str:
-    """The start's vLLM release as read: a vLLM found whose dist-info names no release is
-    not "no vLLM found"."""
+    """The start's vLLM release as read: one whose dist-info names none is still found."""
     if start.release:
         return f"vLLM {start.release}"
     if start.vllm_found:
@@ -391,8 +390,8 @@ def command_misses(where: Measured, start: Start) -> list[Miss]:
 
 
 def variable_miss(name: str, start: Start) -> Miss | None:
-    """The caller's variable a rule needs unset, where it is set (KMP_BLOCKTIME: to
-    another value than the rules add; --kmp-blocktime counts as the caller's)."""
+    """The caller's variable a rule needs unset, where it is set (KMP_BLOCKTIME: to another
+    value than the rules add; --kmp-blocktime counts as the caller's)."""
     if name == BLOCKTIME_VARIABLE:
         value = start.chosen_blocktime or start.environ.get(name)
         if value in (None, NOBIND_BLOCKTIME):
@@ -467,8 +466,7 @@ class Setting:
 
 def setting_rule(start: Start) -> Setting:
     """The setting rule that applies to this start, or the note saying which condition
-    stopped the nearest (measured here, for this method: only the user's settings); none
-    beside the caller's own runtime."""
+    stopped the nearest, so the user sees what to change; none beside their own runtime."""
     if start.callers_runtime:
         return Setting(None, kept_words(start.callers_runtime))
     table = [r for r in RULES if r.runtime is None]
