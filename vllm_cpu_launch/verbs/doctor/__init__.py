@@ -14,24 +14,9 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch import __version__, rules
-from vllm_cpu_launch.cli import (
-    FLAG_OPTIONS,
-    SETTING_KEYS,
-    current_host,
-    launch_facts,
-    parse_options,
-    write_stdout,
-)
+from vllm_cpu_launch import __version__, cli, gather, rules
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, emit, replace
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
-from vllm_cpu_launch.gather import (
-    import_directories,
-    site_fix,
-    support,
-    target_release,
-    target_trust,
-)
 from vllm_cpu_launch.handoff import (
     LD_PRELOAD,
     LLVM_OPT_IN_MACHINES,
@@ -95,6 +80,14 @@ FLAG_ALIASES = {"avx512_vnni": ("avx512_vnni", "avx512vnni")}
 VARIABLE_PREFIXES = ("KMP_", "OMP_", "VLLM_CPU_")
 VARIABLE_NAMES = (LD_PRELOAD, "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
 CANDIDATE_KEYS = ("path", "origin", "verdict", "reason", "flavor", "fix")
+PLAN_KEYS = (
+    "env",
+    "relies_on",
+    "missing",
+    "rule",
+    "runtime",
+    "preload",
+)  # as plan_as_json has them
 # The SD command doctor plans for, to say what the launcher does with SD on this host.
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
@@ -192,7 +185,7 @@ def plugin_section(
     decide whether vLLM follows the plugin (plugin.py)."""
     if target is None:
         return {"installed": None, "loads": False, "reason": "no vLLM found to look in"}
-    installed = plugin_installation(import_directories(target, environ))
+    installed = plugin_installation(gather.import_directories(target, environ))
     allowed = environ.get("VLLM_PLUGINS")
     loads = False
     if installed is None:
@@ -229,8 +222,8 @@ def vllm_section(
             "executable": failure.subject if failure else None,
             "error": failure.message if failure else None,
         }
-    distributions = vllm_distributions(import_directories(target, environ))
-    standing = support(release)
+    distributions = vllm_distributions(gather.import_directories(target, environ))
+    standing = gather.support(release)
     return {
         "found": True,
         "error": None,
@@ -265,7 +258,7 @@ def settings_section(settings: Settings, error: str | None, here: Scope) -> dict
     return {
         "files": list(settings.config_files),
         "error": error,
-        "values": {key: getattr(settings, key) for key in (*SETTING_KEYS, "strict")},
+        "values": {key: getattr(settings, key) for key in (*cli.SETTING_KEYS, "strict")},
         "iomp_from": settings.iomp_from,
         "tuned": [tune_record(tuned, here) for tuned in settings.tuned],
     }
@@ -306,10 +299,10 @@ def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan |
     that cannot be preloaded stops the plan, not the start: whether the map measured this host
     does not depend on the paths."""
     try:
-        facts = launch_facts(settings, target, SD_PROBE, host=host)
+        facts = cli.launch_facts(settings, target, SD_PROBE, host=host)
     except LaunchError as error:
         plain = replace(settings, iomp_path=None, tcmalloc_path=None)
-        return start_of(launch_facts(plain, target, SD_PROBE, host=host)), error
+        return start_of(cli.launch_facts(plain, target, SD_PROBE, host=host)), error
     try:
         return start_of(facts), plan_of(facts)
     except LaunchError as error:
@@ -346,10 +339,10 @@ def map_section(
     in_effect = {**dict(plan.relies_on), **dict(plan.env)}
     iomp = any(p.kind == "iomp" for p in plan.preload)
     record = plan_as_json(plan)
-    section.update({key: record[key] for key in ("env", "relies_on", "missing", "rule")})
-    section.update(runtime=record["runtime"], preload=record["preload"], reason=plan.reason)
     return {
         **section,
+        **{key: record[key] for key in PLAN_KEYS},
+        "reason": plan.reason,
         "iomp": "libiomp5" if iomp else "libgomp",
         "nobind": in_effect.get(rules.BIND_VARIABLE) == "nobind",
         "kmp_blocktime": in_effect.get("KMP_BLOCKTIME") if iomp else None,
@@ -414,7 +407,7 @@ def metadata_advice(distributions: list[dict[str, str]]) -> Advice:
         "vllm-cpu-launch supplies that metadata to the vLLM it starts; for a plain `vllm "
         f"serve` (the plugin), add it to {site_packages}"
     )
-    return "vllm-metadata", text, site_fix(site_packages, cpu["version"])
+    return "vllm-metadata", text, gather.site_fix(site_packages, cpu["version"])
 
 
 def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
@@ -610,7 +603,7 @@ def preload_section(preload: Sequence[PreloadEntry]) -> list[dict[str, str]]:
 def build_report(
     values: dict[str, object], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], Target | None]:
-    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
+    options = {key: values[key] for key in (*cli.SETTING_KEYS, "config") if key in values}
     errors: list[str] = []  # a broken layer is left out; the others still apply
     settings = load_settings(options, environ, errors)
     target: Target | None = None
@@ -619,9 +612,9 @@ def build_report(
         target = resolve_vllm(settings.vllm, environ, sys.executable)
     except LaunchError as error:
         target_error = error
-    host = current_host()
-    trusted, unsafe = target_trust(target, host.euid) if target else (frozenset[int](), [])
-    release = target_release(target)  # the release the plan follows, read once
+    host = cli.current_host()
+    trusted, unsafe = gather.target_trust(target, host.euid) if target else (frozenset[int](), [])
+    release = gather.target_release(target)  # the release the plan follows, read once
     here = Scope(vllm=release, cpus=host.cpus or None)
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -669,11 +662,6 @@ def run_measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str
 
 def size(value: int | None) -> str:
     return "?" if value is None else f"{value / GIB:.1f} GiB"
-
-
-def count(value: int | None) -> str:
-    """A count psutil could not determine (physical cores in some VMs) is None."""
-    return "?" if value is None else str(value)
 
 
 def vllm_lines(vllm: dict[str, Any]) -> list[str]:
@@ -739,7 +727,9 @@ def map_lines(section: dict[str, Any]) -> list[str]:
 
 def machine_lines(report: dict[str, Any]) -> list[str]:
     """The header, the CPU, its cores, NUMA nodes and memory."""
-    cpu, cores, launcher = report["cpu"], report["cores"], report["launcher"]
+    cpu, launcher = report["cpu"], report["launcher"]
+    # A count psutil could not determine (physical cores in some VMs) is None.
+    cores = {key: "?" if value is None else value for key, value in report["cores"].items()}
     flags = "  ".join(f"{CPU_FLAGS[f]} {'yes' if v else 'no'}" for f, v in cpu["flags"].items())
     lines = [
         f"vllm-cpu-launch {launcher['version']} doctor (Python {launcher['python']}, "
@@ -747,8 +737,8 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
         "",
         f"CPU        {cpu['model'] or 'unknown model'} ({cpu['arch']}, {cpu['vendor'] or '?'})",
         f"  flags    {flags}",
-        f"cores      {count(cores['physical'])} physical, {count(cores['logical'])} logical, "
-        f"{count(cores['usable'])} usable by this process",
+        f"cores      {cores['physical']} physical, {cores['logical']} logical, "
+        f"{cores['usable']} usable by this process",
     ]
     nodes = report["numa"]
     if nodes:
@@ -838,10 +828,12 @@ def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> s
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"}, verb="doctor")
+    more, rest = cli.parse_options(
+        args, {}, {**cli.FLAG_OPTIONS, "--measure": "measure"}, verb="doctor"
+    )
     merged = {**values, **more}
     if merged.get("help"):
-        write_stdout(USAGE.rstrip())
+        cli.write_stdout(USAGE.rstrip())
         return 0
     if rest:
         raise LaunchError(EXIT_USAGE, f"doctor takes no arguments, got {rest[0]!r}")
@@ -852,6 +844,8 @@ def main(values: dict[str, object], args: list[str]) -> int:
     measure_text = None
     if merged.get("measure"):
         report["measure"], measure_text = run_measure(report, target)
-    output = json.dumps(report, indent=2) if merged.get("json") else None
-    write_stdout(output or doctor_as_text(report, measure_text))
+    if merged.get("json"):
+        cli.write_stdout(json.dumps(report, indent=2))
+    else:
+        cli.write_stdout(doctor_as_text(report, measure_text))
     return 0
