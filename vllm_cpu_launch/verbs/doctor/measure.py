@@ -169,9 +169,8 @@ def _runtime_ok(config: OmpConfig, run: _Run) -> bool:
     """gomp must bind to a libgomp; iomp must bind to the preloaded file itself."""
     if config.preload is None:
         return library_of(run.runtime_path) is Library.GNU
-    return bool(run.runtime_path) and os.path.realpath(run.runtime_path) == os.path.realpath(
-        config.preload
-    )
+    real = os.path.realpath
+    return bool(run.runtime_path) and real(run.runtime_path) == real(config.preload)
 
 
 def _problems(config: OmpConfig, runs: Sequence[_Run], threads: int) -> list[str]:
