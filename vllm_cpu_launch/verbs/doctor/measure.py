@@ -17,10 +17,10 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of
 
 WORKLOAD = Path(__file__).with_name("_omp_workload.py")
@@ -41,7 +41,7 @@ class OmpMeasureError(Exception):
     """The measurement could not run; str() is one line that says why."""
 
 
-@dataclass(frozen=True)
+@record
 class OmpConfig:
     """One runtime setting to time: no preload (torch's libgomp) or libiomp5 + KMP_BLOCKTIME."""
 
@@ -50,7 +50,7 @@ class OmpConfig:
     kmp_blocktime: str | None
 
 
-@dataclass(frozen=True)
+@record
 class ConfigResult:
     """One configuration over all rounds: `round_ms` each round's median ms/step; `speedup`
     gomp's ms/step over this one's, paired within each round (2.0: twice as fast)."""
@@ -69,7 +69,7 @@ class ConfigResult:
     runtime_ok: bool
 
 
-@dataclass(frozen=True)
+@record
 class OmpMeasurement:
     """`problems` is empty when every child ran as configured; `load_before` (1-minute load
     average) since busy cores make spinning threads wait for preempted ones."""
@@ -88,7 +88,7 @@ class OmpMeasurement:
     load_before: float
 
 
-@dataclass(frozen=True)
+@record
 class _Run:
     """What one child reported."""
 
@@ -265,8 +265,9 @@ def measure_openmp(
 
 
 def to_json(measurement: OmpMeasurement) -> dict[str, Any]:
-    """A JSON-ready dict (tuples become lists), for `doctor --json`."""
-    return asdict(measurement)
+    """A JSON-ready dict, for `doctor --json`."""
+    results = [{**vars(result), "config": vars(result.config)} for result in measurement.results]
+    return {**vars(measurement), "results": results}
 
 
 def render_table(measurement: OmpMeasurement) -> str:
