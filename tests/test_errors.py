@@ -433,3 +433,48 @@ def test_a_record_is_a_frozen_value_made_by_position_or_keyword() -> None:
     assert isinstance(host.preload[0], PreloadEntry)
     with pytest.raises(TypeError):
         replace(host, preload=())
+
+
+def test_a_record_is_refused_where_dataclass_would_refuse_it() -> None:
+    """Refused when the class is made, not when a record is: what dataclass checked."""
+    from typing import ClassVar
+
+    from vllm_cpu_launch.errors import field, record
+
+    with pytest.raises(TypeError, match="shared by every instance"):
+
+        @record
+        class Shared:
+            items: list[str] = []  # noqa: RUF012
+
+    with pytest.raises(TypeError, match="without a default follows"):
+
+        @record
+        class Order:
+            first: int = 0
+            second: int  # type: ignore[misc]
+
+    @record
+    class Counted:
+        seen: ClassVar[int] = 0
+        name: str
+
+    assert Counted("x").name == "x" and Counted.__match_args__ == ("name",)
+
+    @record
+    class Forgotten:
+        name: str
+        derived: str = field(init=False)
+
+    with pytest.raises(TypeError, match="left a field unset"):
+        Forgotten("x")
+    # Fields in the order they are declared, however the record was made (JSON keeps it).
+    from vllm_cpu_launch.rules import Setting
+
+    assert list(vars(Setting(note="a", rule=None))) == [
+        "rule",
+        "note",
+        "variables",
+        "tcmalloc",
+        "read",
+    ]

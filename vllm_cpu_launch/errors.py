@@ -45,30 +45,60 @@ class FrozenRecordError(AttributeError):
     """Assigning to a record's field: records are values."""
 
 
+def fields_of(cls: type) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The record's fields (its bases' first, ClassVars not) and their defaults, refused at
+    once where dataclass would refuse them: a shared mutable default, a field without a
+    default after one with a default, or no field at all."""
+    annotations = [getattr(base, "__annotations__", {}) for base in reversed(cls.__mro__[:-1])]
+    fields = tuple(
+        dict.fromkeys(
+            name
+            for found in annotations
+            for name, annotation in found.items()
+            if not str(annotation).startswith(("ClassVar", "typing.ClassVar"))
+        )
+    )
+    defaults = {name: getattr(cls, name) for name in fields if hasattr(cls, name)}
+    parameters = [name for name in fields if defaults.get(name) is not NOT_A_PARAMETER]
+    has_default = [name in defaults for name in parameters]
+    problems = {
+        "no annotated field (from __future__ import annotations is needed)": not fields,
+        "a list, dict or set default is shared by every instance": any(
+            isinstance(value, (list, dict, set)) for value in defaults.values()
+        ),
+        "a field without a default follows one with a default": has_default != sorted(has_default),
+    }
+    for problem, found in problems.items():
+        if found:
+            raise TypeError(f"record {cls.__qualname__}: {problem}")
+    return fields, defaults
+
+
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
 def record(cls: type[_T]) -> type[_T]:
     """Make `cls` a frozen record of its annotated fields (its bases' first)."""
-    names = [
-        name for base in reversed(cls.__mro__) for name in vars(base).get("__annotations__", {})
-    ]
-    fields = tuple(dict.fromkeys(names))
-    defaults = {name: getattr(cls, name) for name in fields if hasattr(cls, name)}
+    fields, defaults = fields_of(cls)
     parameters = tuple(name for name in fields if defaults.get(name) is not NOT_A_PARAMETER)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if len(args) > len(parameters):
             raise TypeError(f"{cls.__name__}() takes {len(parameters)} positional arguments")
-        values = {**defaults, **dict(zip(parameters, args, strict=False))}
+        given = dict(zip(parameters, args, strict=False))
         for name, value in kwargs.items():
-            if name not in parameters or parameters.index(name) < len(args):
+            if name not in parameters or name in given:
                 raise TypeError(f"{cls.__name__}() got an unexpected argument {name!r}")
-            values[name] = value
-        missing = [name for name in parameters if name not in values]
+            given[name] = value
+        missing = [name for name in parameters if name not in given and name not in defaults]
         if missing:
             raise TypeError(f"{cls.__name__}() missing arguments: {', '.join(missing)}")
-        self.__dict__.update(values)
+        # In field order, so that vars() of a record lists its fields as they are declared.
+        self.__dict__.update(
+            {name: given[name] if name in given else defaults[name] for name in parameters}
+        )
         if hasattr(self, "__post_init__"):
             self.__post_init__()
+        if len(self.__dict__) < len(fields):
+            raise TypeError(f"{cls.__name__}.__post_init__ left a field unset")
 
     def values(self: Any) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in fields)
@@ -80,7 +110,7 @@ def record(cls: type[_T]) -> type[_T]:
 
     def __repr__(self: Any) -> str:
         shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in fields)
-        return f"{cls.__qualname__}({shown})"
+        return f"{type(self).__qualname__}({shown})"
 
     def frozen(self: Any, name: str, *_value: Any) -> None:
         raise FrozenRecordError(f"cannot assign to field {name!r}")

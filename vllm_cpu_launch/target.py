@@ -77,14 +77,14 @@ def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, 
                 value.append(char)
             value.append(text[index])
             index += 1
-        elif text.startswith("$(", index - 1):
+        elif char == "$" and text.startswith("(", index):
             substituted, index = substitute(text, index + 1, script, depth + 1)
             value.append(substituted)
-        elif text.startswith("$0", index - 1):
+        elif char == "$" and text.startswith("0", index):
             value.append(script)
             index += 1
         elif char in "$`":
-            raise WordError(f"shell expansion {text[index - 1 : index + 1]!r}")
+            raise WordError(f"shell expansion {char + text[index : index + 1]!r}")
         else:
             value.append(char)
     if quote:
@@ -97,6 +97,8 @@ def substitute(text: str, start: int, script: str, depth: int) -> tuple[str, int
     only what installers run (SUBSTITUTIONS) is understood."""
     if depth > MAX_NESTING:
         raise WordError(f"$( nested more than {MAX_NESTING} deep")
+    if ")" not in text[start:]:
+        raise WordError("an unterminated $(")
     words: list[str] = []
     index = start
     while index < len(text) and text[index] != ")":

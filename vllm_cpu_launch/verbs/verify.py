@@ -193,7 +193,9 @@ def judge(
     if not wanted:
         return Judgement.OK, f"speculative decoding not requested; runs {described}"
     gnu_only = set(kinds) == {Library.GNU}
-    if chosen and (order.serves[0] is Library.GNU if order.serves else gnu_only):
+    # Where the link map could not be read, libgomp serves when it is all that is mapped.
+    gnu_serves = order.serves[0] is Library.GNU if order.serves else gnu_only
+    if chosen and gnu_serves:
         verb = "kept by" if chosen.by == "the plan" else "chosen by"
         return Judgement.OK, f"libgomp {verb} {chosen.by} ({chosen.why}): {described}"
     if gnu_only:
@@ -211,7 +213,7 @@ def judge(
     also = f"; also mapped, not serving: {described_runtimes(others)}" if others else ""
     if kind is not Library.GNU:
         return Judgement.OK, f"{kind.title} serves ({path}){also}"
-    late = next(other.title for other, _ in others if other is not Library.GNU)
+    late = next((other.title for other, _ in others if other is not Library.GNU), "another")
     return Judgement.PROBLEM, (
         f"GNU libgomp serves ({path}, first in the link map){also}: {late} was loaded "
         "after it, not preloaded"

@@ -52,8 +52,9 @@ class OmpConfig:
 
 @record
 class ConfigResult:
-    """One configuration over all rounds: `round_ms` each round's median ms/step; `speedup`
-    gomp's ms/step over this one's, paired within each round (2.0: twice as fast)."""
+    """One configuration over all rounds: `round_ms` each round's median ms/step, in round
+    order, and `median_ms`/`min_ms`/`max_ms` their median and spread; `speedup` gomp's
+    ms/step over this one's, paired within each round (2.0: twice as fast)."""
 
     config: OmpConfig
     median_ms: float
@@ -71,8 +72,8 @@ class ConfigResult:
 
 @record
 class OmpMeasurement:
-    """`problems` is empty when every child ran as configured; `load_before` (1-minute load
-    average) since busy cores make spinning threads wait for preempted ones."""
+    """A whole run; `problems` is empty when every child ran as configured. `load_before`
+    is the 1-minute load average before it: busy cores make spinning threads wait."""
 
     python: str
     iomp_path: str
@@ -221,7 +222,9 @@ def measure_openmp(
     progress: Callable[[str], None] | None = None,
 ) -> OmpMeasurement:
     """libgomp against `iomp_path` per KMP_BLOCKTIME, with the torch of `python` (vLLM's
-    environment). Raises OmpMeasureError, one line, when the workload cannot run."""
+    environment), on all logical CPUs unless `threads`: 1 + len(blocktimes) processes a
+    round, one after another, a `progress` line each. OmpMeasureError (one line) when the
+    workload cannot run; ValueError for impossible arguments."""
     if rounds < 1 or steps < 1 or warmup < 0:
         raise ValueError("rounds and steps must be at least 1, warmup at least 0")
     if len(set(blocktimes)) != len(blocktimes):
