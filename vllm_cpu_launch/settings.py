@@ -1,9 +1,6 @@
-"""Launcher settings from options, VLLMCPULAUNCH_* variables, YAML config files and the
-`tune --write` records that apply to this launch.
-
-Precedence, highest first: option, variable, `--launcher-config` file (or the user's
-`$XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml`), `/etc/vllm-cpu-launch/config.yaml`,
-defaults. Each value is validated where it is read, so an error names where it came from.
+"""Launcher settings from options, VLLMCPULAUNCH_* variables and YAML config files (their
+precedence: docs/design.md), each validated where it is read so that an error names where
+it came from; and the `tune --write` records that apply to this launch.
 """
 
 from __future__ import annotations
@@ -103,8 +100,8 @@ class Settings:
 
 
 def said_setting(settings: Settings, key: str) -> str:
-    """A setting as every message names it, with where it came from: `--iomp never`,
-    `VLLMCPULAUNCH_IOMP=never`, `iomp: never in FILE` (a default as its option)."""
+    """A setting as every message names it, with its source: `--iomp never`,
+    `VLLMCPULAUNCH_IOMP=never` or `iomp: never in FILE` (a default as its option)."""
     value = getattr(settings, key)
     shown = str(value).lower() if isinstance(value, bool) else value
     option, variable, _ = KEYS[key]
@@ -117,8 +114,7 @@ def said_setting(settings: Settings, key: str) -> str:
 
 
 def yaml_problem(path: str, error: Exception) -> str:
-    """pyyaml's error as `FILE:LINE:COLUMN: what`, where the construct it could not
-    finish began (its context), and what a config file holds."""
+    """pyyaml's error as `FILE:LINE:COLUMN: what`, where the unfinished construct began."""
     mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
     said = [getattr(error, name, None) for name in ("context", "problem")]
@@ -302,10 +298,8 @@ FILE_KEYS = ("iomp_path", "tcmalloc_path", "vllm")
 
 
 def config_file_path(value: object, where: str) -> object:
-    """A file named in a config file, as a shell would have passed it: `~` expanded
-    (YAML does not). A relative path is refused: each start would look for it from its
-    own working directory (a service's is not the operator's). A bare name (no slash)
-    is left to its key: `vllm: vllm` is looked up on PATH."""
+    """A file named in a config file, `~` expanded as a shell would (YAML does not); a
+    relative one refused (a service's working directory is not the operator's)."""
     if not isinstance(value, str):
         return value
     path = os.path.expanduser(value)
@@ -343,10 +337,8 @@ def read_config_file(path: str) -> dict[str, object]:
     except yaml.YAMLError as error:
         raise LaunchError(EXIT_USAGE, yaml_problem(path, error)) from None
     except RecursionError:
-        too_deep = "nests its YAML deeper than the reader can take"
-        raise fail(
-            path, f"config file {too_deep}; a config file holds `key: value` lines"
-        ) from None
+        deep = "nests its YAML deeper than the reader can take; a config file holds"
+        raise fail(path, f"config file {deep} `key: value` lines") from None
     finally:
         loader.dispose()
     if document is None or content is None:
@@ -398,8 +390,8 @@ def ours_set(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
-    """`environ` with each VLLM_CPU_LAUNCH_* variable of ours read under its current name
-    (where that is unset), and the warning that says so for each; empty ones are unset."""
+    """`environ` with each VLLM_CPU_LAUNCH_* variable read under its current name (where
+    that is unset), and a warning for each; empty ones are unset."""
     environ = ours_set(environ)
     current = dict(environ)
     warnings = []
@@ -420,9 +412,8 @@ def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tupl
 def load_settings(
     options: Mapping[str, object], environ: Mapping[str, str], errors: list[str] | None = None
 ) -> Settings:
-    """Merge the layers. `options` maps setting keys (and "config") to raw option values.
-    With `errors` (doctor's), a broken file, variable or option is left out and its message
-    kept there: what is not broken still applies (a config error keeps an explicit --vllm)."""
+    """Merge the layers; `options` maps keys (and "config") to raw values. With `errors`
+    (doctor's), a broken layer is left out, its message kept there: the rest applies."""
     given = ours_set(environ)
     environ, deprecated = with_current_names(given)
     explicit_config = options.get("config") or environ.get(CONFIG_VARIABLE)
@@ -466,9 +457,8 @@ def load_settings(
 
 
 def read_layer(path: str) -> tuple[dict[str, object], list[Tuned]]:
-    """A config file's settings and its tune records. A record from before scoping is
-    scoped by the command it records, which may name a vLLM --config file: read here too,
-    so that one the trust rule refuses is this file's error, in doctor as in a launch."""
+    """A config file's settings and tune records, whose scopes are read here: one from the
+    vLLM --config its command names, refused by the trust rule, is this file's error."""
     content = read_config_file(path)
     records = tuned_in_file(content, path)
     for item in records:
@@ -477,10 +467,8 @@ def read_layer(path: str) -> tuple[dict[str, object], list[Tuned]]:
 
 
 def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
-    """The file's tune records, each with its origin; `content` loses the key. A tune
-    from before scoping wrote a global `iomp:` beside its record: that value is the
-    record's (scoped to its command), not the file's, unless it was edited since (then
-    the record no longer explains it and is dropped)."""
+    """The file's tune records, each with its origin; `content` loses the key. The global
+    `iomp:` an unscoped record wrote beside it is the record's, unless edited since."""
     records = content.pop("tuned", ())
     assert isinstance(records, tuple)
     kept = []
@@ -504,8 +492,7 @@ def launch_scope(
 
 
 def normal_model(model: str | None) -> str | None:
-    """A local model directory by its absolute path (a tune may run from elsewhere); a hub
-    name as given."""
+    """A local model directory by its absolute path (a tune may run from elsewhere)."""
     if model and os.path.isdir(model):
         return os.path.abspath(model)
     return model
@@ -543,10 +530,8 @@ def describe(scope: Scope) -> str:
 
 
 def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
-    """The tune record that applies to this launch (None: none does), and a note on each
-    record considered. Of several that match, the one that recorded the most wins (then
-    the config file with the higher precedence); an --iomp option or VLLMCPULAUNCH_IOMP
-    wins over all."""
+    """The tune record that applies to this launch (None: none), and a note on each one.
+    Of several that match, the one that recorded the most wins, then the earlier one."""
     notes = []
     matching = []
     for tuned in settings.tuned:
@@ -581,15 +566,10 @@ def tune_named(tuned: Tuned, scope: Scope) -> str:
 
 
 def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
-    """A record as a config file holds it (and doctor shows it), with its scope and, from
-    a serving tune, what each concurrency pointed to."""
-    fields: dict[str, object] = {
-        "when": tuned.when,
+    """A record as a config file holds it and doctor shows it, with its scope."""
+    fields = {key: getattr(tuned, key) for key in TUNED_FIELDS} | {
         "iomp": tuned.iomp.value,  # YAML writes words, not members
-        "result": tuned.result,
-        "rounds": tuned.rounds,
-        "command": tuned.command,
-        "scope": {field: getattr(scope, field) for field in LABELS},
+        "scope": {key: getattr(scope, key) for key in LABELS},
     }
     if tuned.concurrency:
         fields["concurrency"] = {level: iomp.value for level, iomp in tuned.concurrency}

@@ -101,16 +101,8 @@ FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llv
 # The banner that follows it: `performance` (the runtime), `profile`, or `stub` (serial).
 LIBRARY_TYPE = b" OMP library type: "
 FLAVOR_SCAN_LIMIT = 64 << 20
-# ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
-ELF_MACHINES = {
-    "x86_64": 62,
-    "aarch64": 183,
-    "ppc64le": 21,
-    "s390x": 22,
-    "riscv64": 243,
-    "i686": 3,
-    "i386": 3,
-}
+# ELF e_machine for each `uname -m`.
+ELF_MACHINES = dict(x86_64=62, aarch64=183, ppc64le=21, s390x=22, riscv64=243, i686=3, i386=3)
 ELF_MACHINE_NAMES = {number: name for name, number in ELF_MACHINES.items()}
 # The same machine numbers in a big-endian file name other machines; s390x is big-endian.
 BIG_ENDIAN_NAMES = {21: "ppc64", 183: "aarch64_be", 22: "s390x"}
@@ -296,10 +288,9 @@ def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
 def insecure_reason(
     path: str, euid: int, trusted: frozenset[int] = frozenset(), named: bool = False
 ) -> tuple[str, str] | None:
-    """(why, fix) when an untrusted user could swap `path`: the file, a link on the way to
-    it or a directory searched (unsafe_owner_or_mode). The fix is one chmod/chown, given
-    only when it removes the one problem found (several: ""). A file in a shared sticky
-    directory is moved out, where the user `named` it (and can name its new path)."""
+    """(why, fix) when an untrusted user could swap `path`, a link or directory on the way
+    to it (unsafe_owner_or_mode). The fix removes the one problem found (several: ""); a
+    file in a shared sticky directory is moved out where the user `named` it."""
     problems: list[tuple[str, str]] = []
     try:
         directories, links, real = lookup_steps(path)
@@ -331,9 +322,8 @@ def insecure_reason(
 
 
 def read_only(path: str, follow: bool = True) -> bool:
-    """Whether `path` lies on a file system mounted read-only (a Kubernetes ConfigMap or
-    Secret volume, whose directory is mode 0777): no user can change what is there, so its
-    mode bits mean nothing. A link is judged where it lies (its directory's mount)."""
+    """Whether `path` (a link: its directory) lies on a read-only mount, whose mode bits mean
+    nothing: no user can change a Kubernetes ConfigMap volume, mode 0777."""
     try:
         where = path if follow else os.path.dirname(path) or "/"
         return bool(os.statvfs(where).f_flag & os.ST_RDONLY)
