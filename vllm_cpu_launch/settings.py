@@ -6,7 +6,6 @@ it came from; and the `tune --write` records that apply to this launch.
 from __future__ import annotations
 
 import os
-import shlex
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -276,7 +275,8 @@ def check_scope_field(key: str, item: object, where: str) -> None:
 
 
 def parse_scope(value: object, where: str) -> Scope:
-    return Scope(**keyed(value, where, tuple(LABELS), check=check_scope_field))  # type: ignore[arg-type]
+    fields = keyed(value, where, tuple(LABELS), check=check_scope_field)
+    return Scope(**fields)  # type: ignore[arg-type]
 
 
 # key -> (option, environment variable, parser); "" where the launcher takes no option.
@@ -299,7 +299,8 @@ FILE_KEYS = ("iomp_path", "tcmalloc_path", "vllm")
 
 def config_file_path(value: object, where: str) -> object:
     """A file named in a config file, `~` expanded as a shell would (YAML does not); a
-    relative one refused (a service's working directory is not the operator's)."""
+    relative path refused (a service's working directory is not the operator's), a bare
+    name left to its key (`vllm: vllm` is looked up on PATH)."""
     if not isinstance(value, str):
         return value
     path = os.path.expanduser(value)
@@ -502,6 +503,8 @@ def record_scope(tuned: Tuned) -> Scope:
     """A record's scope; one written before scoping, from the command it records."""
     if tuned.scope is not None:
         return tuned.scope
+    import shlex  # lazy: only for a record written before scoping (shlex imports re)
+
     try:
         argv = shlex.split(tuned.command)
     except ValueError:
@@ -562,6 +565,7 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
 
 
 def tune_named(tuned: Tuned, scope: Scope) -> str:
+    """A record as each note names it: when, where it applies, and which file holds it."""
     return f"tune of {tuned.when} ({describe(scope)}; {tuned.origin})"
 
 

@@ -13,13 +13,8 @@ import stat
 
 # A config file is a few lines; one larger than this was named by mistake.
 MAX_BYTES = 1 << 20
-KINDS = {
-    stat.S_IFDIR: "a directory",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
+# Each file type by the letter `ls -l` shows it.
+KINDS = dict(d="a directory", p="a FIFO", c="a character device", b="a block device", s="a socket")
 
 
 class FileProblem(OSError):
@@ -64,7 +59,7 @@ def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> by
         return b""
     if stat.S_ISREG(status.st_mode):
         raise FileProblem(f"is {status.st_size} bytes, more than a config file's {limit}")
-    kind = KINDS.get(stat.S_IFMT(status.st_mode), "no regular file")
+    kind = KINDS.get(stat.filemode(status.st_mode)[0], "no regular file")
     raise FileProblem(f"is {kind}, not a regular file")
 
 
