@@ -138,10 +138,8 @@ def parse_mode(value: object, where: str) -> Mode:
     if isinstance(value, str) and value.lower() in tuple(Mode):
         return Mode(value.lower())
     hint = " (YAML reads off/no/on/yes as true or false: write never or always)"
-    raise fail(
-        where,
-        f"{value!r} is not one of {', '.join(Mode)}{hint if isinstance(value, bool) else ''}",
-    )
+    said = hint if isinstance(value, bool) else ""
+    raise fail(where, f"{value!r} is not one of {', '.join(Mode)}{said}")
 
 
 def parse_library_path(value: object, where: str) -> str:
