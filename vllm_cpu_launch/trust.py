@@ -30,14 +30,11 @@ class Untrusted(FileProblem):
 
 
 def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> bytes:
-    """The bytes of `path`, the one way every file input is read (docs/design.md, "Safety").
-
-    Opened without blocking (a FIFO would block, a device or a huge file read forever), it
-    must be a regular file of at most `limit` bytes (/dev/null reads as empty), else
-    FileProblem; then pass the trust rule (untrusted), else Untrusted. `data`: a file vLLM
-    itself reads wherever its command names it, whoever owns it (a model's config.json): it
-    only chooses among outcomes built of trusted files, so the rule does not apply.
-    """
+    """The bytes of `path`, the one way every file input is read (docs/design.md, "Safety"):
+    opened without blocking, a regular file of at most `limit` bytes (a FIFO would block, a
+    device read forever; /dev/null is empty), else FileProblem; one the trust rule accepts,
+    else Untrusted. `data`: a file vLLM reads wherever its command names it (a model's
+    config.json) only chooses among outcomes built of trusted files: the rule does not apply."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
