@@ -402,3 +402,34 @@ def test_priorities_through_a_pipe(tmp_path: Path) -> None:
         output = reader.read().decode()
         assert process.wait(timeout=120) == 0
     assert output.startswith("<6>vllm-cpu-launch: exec preloads Intel OpenMP"), output
+
+
+# -------------------- Records --------------------
+# errors.record makes every value that flows between modules: what dataclass(frozen=True)
+# gave before it, kept (tests/test_plan.py compares and replaces them throughout).
+
+
+def test_a_record_is_a_frozen_value_made_by_position_or_keyword() -> None:
+    from vllm_cpu_launch.errors import FrozenRecordError, replace
+    from vllm_cpu_launch.libraries import Host, PreloadEntry
+    from vllm_cpu_launch.rules import Setting
+
+    setting = Setting(None, "a note", tcmalloc=True)
+    assert setting == Setting(note="a note", rule=None, tcmalloc=True) != Setting(None, "a note")
+    assert hash(setting) == hash(Setting(None, "a note", (), True))
+    shown = "Setting(rule=None, note='a note', variables=(), tcmalloc=True, read=False)"
+    assert repr(setting) == shown
+    assert replace(setting, note="changed") == Setting(None, "changed", tcmalloc=True)
+    with pytest.raises(FrozenRecordError):
+        setting.note = "changed"  # type: ignore[misc]
+    for wrong in ({"rule": None, "note": "", "nothing": 1}, {"rule": None}):
+        with pytest.raises(TypeError):
+            Setting(**wrong)
+    with pytest.raises(TypeError):
+        Setting(None, "a note", note="twice")  # type: ignore[misc]
+    # A derived field: the host's preload, read once from its environment when it is made.
+    host = Host({"LD_PRELOAD": "/lib/libiomp5.so"}, "x86_64", 0, "/usr")
+    assert [entry.path for entry in host.preload] == ["/lib/libiomp5.so"]
+    assert isinstance(host.preload[0], PreloadEntry)
+    with pytest.raises(TypeError):
+        replace(host, preload=())

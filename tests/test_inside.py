@@ -26,9 +26,9 @@ from tests.conftest import clean_environ
 from vllm_cpu_launch.inside import READINGS_VARIABLE
 
 READ = """\
-import dataclasses, json
+import json
 from vllm_cpu_launch.inside import Role, read_openmp
-print(json.dumps(dataclasses.asdict(read_openmp(Role.WORKER))))
+print(json.dumps(vars(read_openmp(Role.WORKER))))
 """
 # vLLM's worker module as far as the plugin touches it: init_device, which sets the
 # worker's threads up (here: a variable the reading then shows).

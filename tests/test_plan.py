@@ -15,7 +15,6 @@ import string
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from hypothesis import strategies as st
 from vllm_cpu_launch import libraries
 from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.command import SpeculativeRequest, detect
-from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_USAGE, LaunchError
+from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.gather import Facts, gather, support
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library
 from vllm_cpu_launch.libraries import (

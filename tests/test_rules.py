@@ -13,13 +13,13 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_cpu_launch import rules as evidence
+from vllm_cpu_launch.errors import replace
 from vllm_cpu_launch.gather import vllm_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.rules import Start, llvm_runtime, misses, setting_rule

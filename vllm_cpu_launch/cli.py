@@ -1,13 +1,12 @@
 """The command line: the launcher's option grammar, the first word that picks a verb or
-starts vLLM, preparing and reporting a plan, the exec itself, and exit codes, never a
-traceback for a user's mistake. Every verb (verbs/) stands on what is here.
-
-The exec path is this module and the pipeline below it: nothing on it imports psutil,
-cpuinfo or yaml (pyproject.toml's import-linter contracts hold that).
+starts vLLM, the plan prepared and reported, the exec, and exit codes, never a traceback
+for a user's mistake. The exec path (this module and the pipeline below) imports neither
+psutil, cpuinfo nor yaml (pyproject.toml's import-linter contracts).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -25,15 +24,8 @@ from vllm_cpu_launch.errors import (
     emit,
 )
 from vllm_cpu_launch.gather import gather, write_alias
-from vllm_cpu_launch.handoff import LAUNCHER
 from vllm_cpu_launch.libraries import Host, system_root
-from vllm_cpu_launch.plan import (
-    STRICT_REFUSAL,
-    plan_as_json,
-    plan_as_text,
-    plan_of,
-    summary_line,
-)
+from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_as_json, plan_as_text, plan_of, summary_line
 from vllm_cpu_launch.settings import load_settings
 from vllm_cpu_launch.target import resolve_program, resolve_vllm
 
@@ -41,7 +33,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from vllm_cpu_launch.gather import Facts
-    from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.settings import Settings
     from vllm_cpu_launch.target import Target
@@ -80,9 +71,8 @@ The launcher's options (see vllm-cpu-launch --help) go before `--`.
 
 
 def unknown_option(token: str, verb: str | None, known: Sequence[str]) -> str:
-    """Before the vLLM subcommand, an unknown option is most likely vLLM's, put too early,
-    unless it is close to one of `known` (a typo); after a verb, it is not one of that
-    verb's, whose help lists them."""
+    """Before the vLLM subcommand an unknown option is most likely vLLM's, put too early,
+    unless close to one of `known` (a typo); after a verb, that verb's help lists them."""
     # 0.8: a letter or two off (--iomp-pth, --stric); vLLM's --config or --model is no
     # typo of --launcher-config or --help.
     close = did_you_mean(token.partition("=")[0], known, cutoff=0.8)
@@ -148,8 +138,7 @@ def current_host() -> Host:
 
 
 def launch_settings(values: dict[str, object]) -> Settings:
-    """The settings a start reads: the launcher's options, over its variables and config
-    files."""
+    """The settings a start reads: the launcher's options, over its variables and files."""
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     if values.get("strict"):
         options["strict"] = True
@@ -164,23 +153,17 @@ def launch_facts(
     host: Host | None = None,
 ) -> Facts:
     """The facts a start plans from: `vllm ARGUMENTS` as vLLM reads them (SD, one worker),
-    or `exec -- PROGRAM ARGUMENTS`, on this host (`host`: the one given). `rules serve`
-    and doctor's map gather the same, and match the rules against its start (plan.start_of)."""
-    if program is None:
-        speculative = detect(arguments)
-        auto_iomp = speculative.requested
-    else:
-        speculative = SpeculativeRequest(False)
-        auto_iomp = True
+    or `exec -- PROGRAM ARGUMENTS` (Intel OpenMP by default); `rules serve` and doctor's
+    map gather the same, to match the rules against its start (plan.start_of)."""
+    speculative = detect(arguments) if program is None else SpeculativeRequest(False)
     return gather(
         settings,
         arguments,
         speculative,
         target,
         host or current_host(),
-        auto_iomp,
+        speculative.requested or program is not None,
         one_worker=single_worker(arguments),
-        planner=LAUNCHER,
         supply_metadata=program is None,
     )
 
@@ -194,8 +177,7 @@ def prepare_launch(
         target = resolve_vllm(settings.vllm, os.environ, sys.executable)
     else:
         target = resolve_program(program, os.environ)
-    plan = plan_of(launch_facts(settings, target, arguments, program))
-    return settings, target, plan
+    return settings, target, plan_of(launch_facts(settings, target, arguments, program))
 
 
 def plan_from_options(
@@ -246,11 +228,10 @@ def report(plan: Plan, values: dict[str, object], unchanged: str | None = None) 
 
 
 def provide_metadata(plan: Plan) -> None:
-    """Write the `vllm` metadata the plan puts on PYTHONPATH (gather.py); when that
+    """Write the `vllm` metadata the plan puts on PYTHONPATH (gather.py); where that
     fails, say so and start anyway (a missing PYTHONPATH entry is ignored)."""
     if plan.metadata is None:
         return
-
     try:
         write_alias(plan.metadata)
     except OSError as error:
@@ -262,17 +243,25 @@ def provide_metadata(plan: Plan) -> None:
         )
 
 
-def execute(plan: Plan) -> None:
-    """Replace this process with the planned command; returns only by raising."""
+def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
+    """Print the plan (--dry-run), or replace this process with the planned command."""
+    if values.get("json") and not values.get("dry_run"):
+        raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
+    plan = plan_from_options(values, arguments, program)
+    if values.get("dry_run"):
+        if values.get("json"):
+            write_stdout(json.dumps(plan_as_json(plan), indent=2))
+        else:
+            write_stdout(plan_as_text(plan))
+        return 0
+    report(plan, values)
     provide_metadata(plan)
-    environment = dict(os.environ)
-    environment.update(plan.env)
     # Python ignores SIGPIPE and SIGXFSZ at start-up, and ignored signals stay ignored
     # across exec: hand the program the default dispositions a shell or subprocess would.
     restored = (signal.SIGPIPE, signal.SIGXFSZ)
     previous = [signal.signal(number, signal.SIG_DFL) for number in restored]
     try:
-        os.execve(plan.command[0], list(plan.command), environment)
+        os.execve(plan.command[0], list(plan.command), {**os.environ, **dict(plan.env)})
     except FileNotFoundError as error:
         raise LaunchError(EXIT_NOT_FOUND, f"cannot start {plan.command[0]}: {error}") from None
     except OSError as error:
@@ -282,23 +271,6 @@ def execute(plan: Plan) -> None:
     finally:  # only reached when the exec failed: a closed stderr must not kill us
         for number, handler in zip(restored, previous, strict=True):
             signal.signal(number, handler)
-
-
-def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
-    if values.get("json") and not values.get("dry_run"):
-        raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
-    plan = plan_from_options(values, arguments, program)
-    if values.get("dry_run"):
-        if values.get("json"):
-            import json  # lazy: only --dry-run --json
-
-            write_stdout(json.dumps(plan_as_json(plan), indent=2))
-        else:
-            write_stdout(plan_as_text(plan))
-        return 0
-    report(plan, values)
-    execute(plan)
-    return EXIT_NOT_EXECUTABLE  # not reached: execute() either replaces us or raises
 
 
 def run_exec(values: dict[str, object], rest: list[str]) -> int:
@@ -380,31 +352,23 @@ def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
     if verb == "exec":
         return run_exec(values, rest)
     if verb == "doctor":
-        from vllm_cpu_launch.verbs.doctor import main as doctor_main
-
-        return doctor_main(values, rest)
-    if verb == "env":
-        from vllm_cpu_launch.verbs.env import main as env_main
-
-        return env_main(values, rest)
-    if verb == "verify":
-        from vllm_cpu_launch.verbs.verify import main as verify_main
-
-        return verify_main(values, rest)
-    if verb == "tune":
-        from vllm_cpu_launch.verbs.tune import main as tune_main
-
-        return tune_main(values, rest)
-    if verb == "rules":
-        from vllm_cpu_launch.verbs.rules import main as rules_main
-
-        return rules_main(values, rest)
-    from vllm_cpu_launch.verbs.systemd_unit import main as systemd_main
-
-    return systemd_main(values, rest)
+        from vllm_cpu_launch.verbs.doctor import main as verb_main
+    elif verb == "env":
+        from vllm_cpu_launch.verbs.env import main as verb_main
+    elif verb == "verify":
+        from vllm_cpu_launch.verbs.verify import main as verb_main
+    elif verb == "tune":
+        from vllm_cpu_launch.verbs.tune import main as verb_main
+    elif verb == "rules":
+        from vllm_cpu_launch.verbs.rules import main as verb_main
+    else:
+        from vllm_cpu_launch.verbs.systemd_unit import main as verb_main
+    return verb_main(values, rest)
 
 
 def dispatch(argv: Sequence[str]) -> int:
+    """The first word: a verb of ours, else vLLM's subcommand (a near miss of a verb, no
+    vLLM subcommand, is a typo: `--` before it still passes it to vLLM)."""
     values, rest = parse_options(argv)
     if values.get("help"):
         write_stdout(HELP.rstrip())
@@ -416,25 +380,18 @@ def dispatch(argv: Sequence[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "no vLLM subcommand given (e.g. serve MODEL); see vllm-cpu-launch --help"
         )
+    word = rest[0]
     if "--" not in argv[: len(argv) - len(rest)]:
-        if rest[0] in VERBS:
-            return run_verb(rest[0], values, rest[1:])
-        check_verb(rest[0])
+        if word in VERBS:
+            return run_verb(word, values, rest[1:])
+        close = None if word in VLLM_SUBCOMMANDS else did_you_mean(word, VERBS)
+        if close:
+            raise LaunchError(
+                EXIT_USAGE,
+                f"unknown verb {word!r}: did you mean {close}? (to pass it to vLLM as a "
+                f"subcommand: vllm-cpu-launch -- {word} ...)",
+            )
     return run_plan(values, rest, program=None)
-
-
-def check_verb(word: str) -> None:
-    """A first word close to one of our verbs and no vLLM subcommand is a typo: say which
-    verb it resembles (`--` before it still passes it to vLLM)."""
-    if word in VLLM_SUBCOMMANDS:
-        return
-    close = did_you_mean(word, VERBS)
-    if close:
-        raise LaunchError(
-            EXIT_USAGE,
-            f"unknown verb {word!r}: did you mean {close}? (to pass it to vLLM as a "
-            f"subcommand: vllm-cpu-launch -- {word} ...)",
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

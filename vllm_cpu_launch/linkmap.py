@@ -1,22 +1,21 @@
 """A running process's link map, in load order, read as glibc's `pldd` reads it.
 
-/proc/PID/maps lists files by address, which says nothing of the order the loader
-searches. The loader's own list does: /proc/PID/auxv gives the program headers
-(AT_PHDR, AT_PHNUM); from them PT_PHDR gives the load bias and PT_DYNAMIC the dynamic
-section, whose DT_DEBUG points at `struct r_debug`, whose `r_map` heads the chain of
-`struct link_map` (l_addr, l_name, l_ld, l_next, l_prev), read from /proc/PID/mem.
-The executable comes first, then the preloads, then what they and it need, then what
-was opened later. Only 64-bit little-endian processes are read (x86-64, where it is
-tested; aarch64 has the same layout); any other, or a process whose memory is closed
-(another user's, Yama's ptrace_scope, a missing CAP_SYS_PTRACE), gets `None` and a
-reason, never a guess. Standard library only.
+/proc/PID/maps lists files by address, which says nothing of the loader's search order;
+its own list does: /proc/PID/auxv gives the program headers, whose PT_PHDR gives the load
+bias and PT_DYNAMIC the dynamic section, whose DT_DEBUG points at `struct r_debug`, whose
+`r_map` heads the chain of `struct link_map`, read from /proc/PID/mem: the executable, the
+preloads, what they and it need, then what was opened later. Only 64-bit little-endian
+processes are read (x86-64, tested; aarch64 has the same layout); any other, or one whose
+memory is closed (another user's, Yama's ptrace_scope, no CAP_SYS_PTRACE), gets `None`
+and a reason, never a guess.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from vllm_cpu_launch.errors import record
 
 if TYPE_CHECKING:
     from typing import BinaryIO
@@ -27,14 +26,11 @@ PT_DYNAMIC = 2
 PT_PHDR = 6
 DT_NULL = 0
 DT_DEBUG = 21
-PHDR_SIZE = 56  # Elf64_Phdr
-DYN_SIZE = 16  # Elf64_Dyn
-LINK_MAP_SIZE = 40  # l_addr, l_name, l_ld, l_next, l_prev: five 8-byte words
+PHDR = struct.Struct("<IIQQQQQQ")  # Elf64_Phdr
+DYN = struct.Struct("<qQ")  # Elf64_Dyn
+LINK_MAP = struct.Struct("<QQQQQ")  # l_addr, l_name, l_ld, l_next, l_prev
 MAX_OBJECTS = 4096  # a cycle in a corrupt chain ends here
 MAX_NAME = 4096
-ELF_MAGIC = b"\x7fELF"
-ELFCLASS64 = 2
-ELFDATA2LSB = 1
 # Who may read another process's memory (the kernel's ptrace access check, "attach" mode).
 PTRACE_HINT = (
     "it needs ptrace access: the process's user, or root with CAP_SYS_PTRACE; "
@@ -42,7 +38,7 @@ PTRACE_HINT = (
 )
 
 
-@dataclass(frozen=True)
+@record
 class LinkMap:
     """The link map of one process: (l_addr, l_name) in load order (the executable's name
     is ""), or why it could not be read. l_addr is where a library's first mapping starts
@@ -59,40 +55,24 @@ class Unreadable(Exception):
 def read_link_map(pid: int) -> LinkMap:
     """PID's link map in load order, or None and the reason where it cannot be read."""
     try:
-        check_elf64_lsb(pid)
+        with open(f"/proc/{pid}/exe", "rb") as stream:
+            ident = stream.read(6)
+        if ident[:4] != b"\x7fELF":
+            raise Unreadable("the program is not an ELF file")
+        if ident[4:] != b"\x02\x01":  # ELFCLASS64, ELFDATA2LSB: the layout read here
+            raise Unreadable("a 32-bit or big-endian program: only 64-bit little-endian is read")
         with open(f"/proc/{pid}/auxv", "rb") as stream:
-            auxv = stream.read()
+            auxv = dict(struct.iter_unpack("<QQ", stream.read()))
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
             return LinkMap(tuple(walk(mem, auxv)))
     except PermissionError as error:
-        return LinkMap(None, f"/proc/{pid}/{file_of(error)}: permission denied ({PTRACE_HINT})")
+        file = str(error.filename or "mem").rpartition("/")[2]
+        return LinkMap(None, f"/proc/{pid}/{file}: permission denied ({PTRACE_HINT})")
     except (FileNotFoundError, ProcessLookupError):
         return LinkMap(None, f"process {pid} exited")
     except (OSError, Unreadable, struct.error, OverflowError, ValueError) as error:
         # A pointer past the end of the address space (a corrupt or changing chain) lands here.
         return LinkMap(None, str(error) or type(error).__name__)
-
-
-def file_of(error: OSError) -> str:
-    return str(error.filename or "mem").rpartition("/")[2]
-
-
-def check_elf64_lsb(pid: int) -> None:
-    """Only a 64-bit little-endian program has the layout read here."""
-    with open(f"/proc/{pid}/exe", "rb") as stream:
-        ident = stream.read(6)
-    if ident[:4] != ELF_MAGIC:
-        raise Unreadable("the program is not an ELF file")
-    if ident[4] != ELFCLASS64 or ident[5] != ELFDATA2LSB:
-        raise Unreadable("a 32-bit or big-endian program: only 64-bit little-endian is read")
-
-
-def auxv_value(auxv: bytes, wanted: int) -> int:
-    for offset in range(0, len(auxv) - 15, 16):
-        key, value = struct.unpack_from("<QQ", auxv, offset)
-        if key == wanted:
-            return int(value)
-    raise Unreadable(f"no auxv entry {wanted}")
 
 
 def read_at(mem: BinaryIO, address: int, size: int) -> bytes:
@@ -104,31 +84,22 @@ def read_at(mem: BinaryIO, address: int, size: int) -> bytes:
     return data
 
 
-def dynamic_section(mem: BinaryIO, auxv: bytes) -> tuple[int, int]:
-    """(address, size) of the executable's dynamic section in the process."""
-    phdr = auxv_value(auxv, AT_PHDR)
-    phnum = auxv_value(auxv, AT_PHNUM)
-    headers = read_at(mem, phdr, phnum * PHDR_SIZE)
-    bias = 0
-    dynamic = None
-    for index in range(phnum):
-        p_type, _, _, p_vaddr, _, _, p_memsz, _ = struct.unpack_from(
-            "<IIQQQQQQ", headers, index * PHDR_SIZE
-        )
+def r_debug_address(mem: BinaryIO, auxv: dict[int, int]) -> int:
+    """DT_DEBUG of the executable's dynamic section, which its program headers locate."""
+    if AT_PHDR not in auxv or AT_PHNUM not in auxv:
+        raise Unreadable("no AT_PHDR or AT_PHNUM entry in auxv")
+    phdr = auxv[AT_PHDR]
+    headers = read_at(mem, phdr, auxv[AT_PHNUM] * PHDR.size)
+    bias, dynamic = 0, None
+    for p_type, _, _, p_vaddr, _, _, p_memsz, _ in PHDR.iter_unpack(headers):
         if p_type == PT_PHDR:
             bias = phdr - p_vaddr
         elif p_type == PT_DYNAMIC:
             dynamic = (p_vaddr, p_memsz)
     if dynamic is None:
         raise Unreadable("a statically linked program (no PT_DYNAMIC)")
-    return dynamic[0] + bias, dynamic[1]
-
-
-def r_debug_address(mem: BinaryIO, auxv: bytes) -> int:
-    address, size = dynamic_section(mem, auxv)
-    table = read_at(mem, address, size - size % DYN_SIZE)
-    for offset in range(0, len(table), DYN_SIZE):
-        tag, value = struct.unpack_from("<qQ", table, offset)
+    address, size = dynamic
+    for tag, value in DYN.iter_unpack(read_at(mem, address + bias, size - size % DYN.size)):
         if tag == DT_DEBUG and value:
             return int(value)
         if tag == DT_NULL:
@@ -136,12 +107,12 @@ def r_debug_address(mem: BinaryIO, auxv: bytes) -> int:
     raise Unreadable("no DT_DEBUG in the program's dynamic section")
 
 
-def walk(mem: BinaryIO, auxv: bytes) -> list[tuple[int, str]]:
+def walk(mem: BinaryIO, auxv: dict[int, int]) -> list[tuple[int, str]]:
     """(l_addr, l_name) along r_debug.r_map's chain, in order."""
     entry = struct.unpack("<Q", read_at(mem, r_debug_address(mem, auxv) + 8, 8))[0]
     objects: list[tuple[int, str]] = []
     while entry and len(objects) < MAX_OBJECTS:
-        address, name, _, entry, _ = struct.unpack("<QQQQQ", read_at(mem, entry, LINK_MAP_SIZE))
+        address, name, _, entry, _ = LINK_MAP.unpack(read_at(mem, entry, LINK_MAP.size))
         objects.append((address, read_string(mem, name) if name else ""))
     return objects
 

@@ -1,24 +1,13 @@
-"""The plan: what to exec and with which environment. Computed, never executed, here.
-
-plan_of takes the facts (gather.py, all of the plan's I/O), decides over them in
-small pure stages, each returning a new Decision (nothing in them reads a file or says a
-word), then says the decision: its warnings, notes and reason are derived from the
-decision's fields, never read back.
-"""
+"""The plan: what to exec and with which environment, computed (never executed) here from
+the facts (gather.py, all of its I/O) in small pure stages, each returning a new Decision;
+then said: its warnings, notes and reason derive from the decision's fields."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
-from vllm_cpu_launch.gather import (
-    PYTHONPATH,
-    Alias,
-    effective_tune,
-    mode_of,
-    pythonpath_with,
-)
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
+from vllm_cpu_launch.gather import PYTHONPATH, Alias, effective_tune, mode_of, pythonpath_with
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
     LAUNCHER,
@@ -31,20 +20,12 @@ from vllm_cpu_launch.handoff import (
     library_of,
     vllm_reads,
 )
-from vllm_cpu_launch.libraries import (
-    IOMP,
-    LLVM,
-    TCMALLOC,
-    CandidateVerdict,
-    Host,
-    Origin,
-)
+from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, CandidateVerdict, Origin
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
-    Runtime,
     Setting,
     Start,
     bound_worker_overrides,
@@ -55,7 +36,7 @@ from vllm_cpu_launch.rules import (
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Sequence
     from typing import Any
 
     from vllm_cpu_launch.command import SpeculativeRequest
@@ -64,8 +45,6 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Tuned
 
-
-# The decision: pure stages over the facts
 
 # The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
 DEFAULT_KMP_BLOCKTIME = "5"
@@ -86,7 +65,7 @@ class Decision:
     allocators: tuple[str, ...] = ()  # the caller's malloc entries (tcmalloc or other)
     other_malloc: tuple[str, ...] = ()  # those that are no tcmalloc
     setting: Setting = NO_SETTING  # the setting rule, or why none applies
-    runtime: Runtime | None = None  # LLVM's libomp standing in: its rule, or why not
+    runtime: Setting | None = None  # LLVM's libomp standing in: its rule, or why not
     iomp_search: Search | None = None  # the runtime search, as the plan reports it
     iomp: Candidate | None = None  # the runtime the plan preloads
     broken: tuple[Candidate, ...] = ()  # the caller's runtimes that cannot be loaded
@@ -128,8 +107,7 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
 
 
 def architecture_gate(facts: Facts, decision: Decision) -> Decision:
-    """Intel OpenMP on x86-64 only; LLVM's libomp opt-in (--iomp always) where it is the
-    one KMP-style runtime built."""
+    """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP one built."""
     machine = facts.host.machine
     if not decision.wants_iomp:
         return decision
@@ -156,9 +134,8 @@ def x86_sd(facts: Facts, decision: Decision) -> bool:
 
 
 def start_of(facts: Facts) -> Start:
-    """What the rules read of this start (rules.Start), from the facts as gathered alone:
-    the one start the plan's stages, `rules serve ...` and doctor's map match against."""
-    callers = callers_stage(facts, Decision())  # their runtime and malloc, as the plan reads them
+    """The one start the plan's stages, `rules serve ...` and doctor's map match against."""
+    callers = callers_stage(facts, Decision())
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
     theirs = "other" if callers.other_malloc else "tcmalloc" if callers.allocators else None
     return Start(
@@ -185,8 +162,7 @@ def rules_stage(facts: Facts, decision: Decision) -> Decision:
 
 
 def declined(search: Search, why: str) -> Search:
-    """The search with its LLVM runtimes turned down for SD (rules.llvm_runtime): each
-    says why and how to preload it anyway, in the warning that nothing usable was found."""
+    """The search with its LLVM runtimes turned down for SD, each saying how to take it."""
     candidates = tuple(
         replace(
             c,
@@ -202,8 +178,7 @@ def declined(search: Search, why: str) -> Search:
 
 
 def set_aside(search: Search, entry: str) -> Search:
-    """The search with its choice not preloaded beside the caller's own runtime `entry`
-    (kept as set, nothing added): the candidates say what the plan preloads."""
+    """The search with its choice set aside for the caller's own runtime `entry`."""
     candidates = tuple(
         replace(
             c,
@@ -225,12 +200,8 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     if not decision.wants_iomp or search is None:
         return decision
     found, runtime = search.chosen, None
-    if (
-        found
-        and found.origin != Origin.EXPLICIT
-        and found.flavor == LLVM
-        and x86_sd(facts, decision)
-    ):
+    llvm = found is not None and found.flavor == LLVM and found.origin != Origin.EXPLICIT
+    if llvm and x86_sd(facts, decision):
         runtime = llvm_runtime(start_of(facts))
         if runtime.rule is None and decision.mode == Mode.AUTO:
             search = declined(search, runtime.note)
@@ -261,17 +232,10 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
 def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     """tcmalloc: `always`, or `auto` beside the runtime the plan preloads unless the rule
     that applies was measured without; never beside a malloc of the caller's."""
-    tcmalloc_setting = facts.settings.tcmalloc
-    applied = decision.applied
-    wants = not decision.other_malloc and (
-        tcmalloc_setting == Mode.ALWAYS
-        or (
-            tcmalloc_setting == Mode.AUTO
-            and decision.iomp is not None
-            and not decision.yours
-            and (not applied or applied.tcmalloc)
-        )
-    )
+    tcmalloc_setting, applied = facts.settings.tcmalloc, decision.applied
+    beside = decision.iomp is not None and not decision.yours and (not applied or applied.tcmalloc)
+    auto = tcmalloc_setting == Mode.AUTO and beside
+    wants = not decision.other_malloc and (tcmalloc_setting == Mode.ALWAYS or auto)
     search = facts.tcmalloc
     if not wants or search is None:
         return decision
@@ -288,8 +252,7 @@ def searches(decision: Decision) -> tuple[Search, ...]:
 
 
 def refuse_stage(facts: Facts, decision: Decision) -> Decision:
-    """A caller's entry the trust rule refuses, examined beside the plan's own library:
-    nothing changes (the launcher refuses to start, the plugin leaves it)."""
+    """A caller's entry the trust rule refuses: nothing changes (the launcher refuses)."""
     callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     refused = tuple(c for c in callers if c.unsafe)
     chosen = tuple(c for c in (decision.tcmalloc, decision.iomp) if c is not None)
@@ -299,44 +262,20 @@ def refuse_stage(facts: Facts, decision: Decision) -> Decision:
 def compose_ld_preload(
     current: Sequence[PreloadEntry], additions: Sequence[str]
 ) -> tuple[str, tuple[str, ...]]:
-    """New LD_PRELOAD (additions first, the caller's entries kept in order) and the
-    caller's entries dropped.
-
-    A libgomp entry is dropped once an Intel/LLVM OpenMP runtime is in the list:
-    vLLM asserts that not both are preloaded (vllm/utils/ompmultiprocessing.py).
-    """
+    """New LD_PRELOAD (additions first, the caller's entries kept in order) and the entries
+    dropped: libgomp beside an Intel/LLVM runtime, as vLLM asserts not both are preloaded
+    (vllm/utils/ompmultiprocessing.py). Dropped is what vLLM would read as libgomp."""
     entries = [e.path for e in current]
     added = [path for path in additions if path not in entries]
-    # The runtime an entry is, by its file's name (not a directory's, `/opt/libomp-17/`);
-    # dropped, what vLLM would read as libgomp: the substring anywhere in the entry.
     has_iomp = any(e.kind.kmp for e in current) or any(library_of(a).kmp for a in added)
     dropped = tuple(e for e in entries if has_iomp and Library.GNU in vllm_reads(e))
     return ":".join(e for e in added + entries if e not in dropped), dropped
 
 
-def blocktime_of(
-    environ: Mapping[str, str], decision: Decision, chosen: str | None
-) -> tuple[str | None, str | None]:
-    """(KMP_BLOCKTIME to set or None, the problem with the caller's kept one). The
-    caller's is never replaced; a default only fills it in beside Intel OpenMP the plan
-    preloads: 5, or what the rule that applies adds; `chosen` is --kmp-blocktime."""
-    callers = environ.get(BLOCKTIME_VARIABLE)
-    applied = decision.applied
-    default = dict(applied.variables).get(BLOCKTIME_VARIABLE) if applied else None
-    default = default or (None if decision.yours else DEFAULT_KMP_BLOCKTIME)
-    problem = None
-    if chosen is None and any(c.kind == IOMP for c in decision.chosen):
-        if callers is None:
-            chosen = default
-        else:
-            problem = blocktime_problem(callers)  # the caller's is kept, but said
-    return (chosen if chosen is not None and callers != chosen else None), problem
-
-
 def env_stage(facts: Facts, decision: Decision) -> Decision:
-    """LD_PRELOAD, KMP_BLOCKTIME and the rule's variables, only what changes."""
-    host = facts.host
-    environ = host.environ
+    """LD_PRELOAD, KMP_BLOCKTIME and the rule's variables, only what changes: the caller's
+    KMP_BLOCKTIME is never replaced; a default (5, or the rule's) fills it in beside iomp."""
+    host, applied = facts.host, decision.applied
     env: dict[str, str] = {}
     dropped: tuple[str, ...] = ()
     if decision.chosen:
@@ -344,10 +283,16 @@ def env_stage(facts: Facts, decision: Decision) -> Decision:
         if composed != ":".join(e.path for e in host.preload):  # else theirs as set
             env[LD_PRELOAD] = composed
     chosen = None if decision.refused else facts.settings.kmp_blocktime
-    blocktime, problem = blocktime_of(environ, decision, chosen)
-    if blocktime is not None:
-        env[BLOCKTIME_VARIABLE] = blocktime
-    applied = decision.applied
+    callers = host.environ.get(BLOCKTIME_VARIABLE)
+    default = dict(applied.variables).get(BLOCKTIME_VARIABLE) if applied else None
+    problem = None
+    if chosen is None and any(c.kind == IOMP for c in decision.chosen):
+        if callers is None:
+            chosen = default or (None if decision.yours else DEFAULT_KMP_BLOCKTIME)
+        else:
+            problem = blocktime_problem(callers)  # the caller's is kept, but said
+    if chosen is not None and callers != chosen:
+        env[BLOCKTIME_VARIABLE] = chosen
     if applied and decision.chosen:
         env.update((k, v) for k, v in applied.variables if k != BLOCKTIME_VARIABLE)
     return replace(decision, env=tuple(env.items()), dropped=dropped, blocktime_problem=problem)
@@ -400,13 +345,9 @@ def decide(facts: Facts) -> Decision:
 
 # The plan and its words
 
-
-__all__ = ["DEFAULT_KMP_BLOCKTIME", "Host", "compose_ld_preload"]  # for the tests and verbs
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
-# What a wanted library's absence means with --strict, in its message.
 STRICT_REFUSAL = "--strict: not starting"
-# The caller's variables a plan reads and never changes (docs/design.md, "What it changes
-# and never changes"): the decision record's `inputs`.
+# The caller's variables a plan reads and never changes: the decision record's `inputs`.
 CALLER_VARIABLES = (
     LD_PRELOAD,
     BLOCKTIME_VARIABLE,
@@ -414,8 +355,7 @@ CALLER_VARIABLES = (
     BIND_VARIABLE,
     RESERVED_VARIABLE,
 )
-# Every JSON output (--dry-run --json, env --format json, doctor --json, verify --json)
-# starts with {"schema": schema(OUTPUT)}: its layout, versioned (docs/design.md, "JSON").
+# Every JSON output starts with {"schema": schema(OUTPUT)}: its layout, versioned.
 SCHEMA_VERSION = 2
 
 
@@ -446,36 +386,23 @@ class Plan:
     candidates: tuple[Candidate, ...]
     missing: tuple[str, ...]  # kinds that were wanted and not found (--strict fails on them)
     unsafe: tuple[str, ...] = ()  # problems with the target's own trust (--strict fails on them)
-    # The caller's variables the plan keeps and depends on (a unit or image must carry them).
-    relies_on: tuple[tuple[str, str], ...] = ()
+    relies_on: tuple[tuple[str, str], ...] = ()  # the caller's, kept: a unit must carry them
     scope: Scope | None = None  # what a tune of this launch measures (settings.py)
     rule: Rule | None = None  # the benchmark map's rule applied, with its figures
-    # Where the runtime preloaded for SD is LLVM's libomp (no Intel OpenMP found): the
-    # runtimes map's measurement that let it stand in.
-    runtime: Rule | None = None
+    runtime: Rule | None = None  # the runtimes rule that let LLVM's libomp stand in
     tuned: Tuned | None = None  # the tune record applied
-    # The caller's variables read (CALLER_VARIABLES), None where unset.
-    inputs: tuple[tuple[str, str | None], ...] = ()
-    # The caller's LD_PRELOAD entries that fail the trust rule beside the plan's own
-    # libraries: the launcher refuses to start (exit 126), the plugin changes nothing.
+    inputs: tuple[tuple[str, str | None], ...] = ()  # CALLER_VARIABLES, None where unset
+    # The caller's entries the trust rule refuses: the launcher refuses to start (exit 126).
     refused: tuple[str, ...] = ()
-    # With --strict (the launcher's), the messages of the wanted libraries not found: the
-    # launcher refuses to start with them (exit 127); they are among `warnings` too.
+    # --strict's messages of wanted libraries not found (exit 127); among `warnings` too.
     fatal: tuple[str, ...] = ()
-    # The `vllm` metadata the launcher supplies to a vllm-cpu install (gather.py).
-    metadata: Alias | None = None
-    # With SD, the values handed on that vLLM writes over in each worker it binds.
-    overridden: tuple[Override, ...] = ()
+    metadata: Alias | None = None  # the `vllm` metadata supplied to a vllm-cpu install
+    overridden: tuple[Override, ...] = ()  # with SD: what vLLM writes over in bound workers
 
 
 def missing_message(search: Search, install: str, consequence: str, llvm: bool = False) -> str:
-    """Not found: where it looked, what it refused, and the one fix that works here.
-
-    A library refused only for who may change it is fixed by changing that (the
-    first such candidate's chmod/chown), not by installing another copy. `llvm`: the
-    runtime asked for is LLVM's (an --iomp always on aarch64): its wheel is the fix.
-    `install`: the install command (Facts.install_fixes).
-    """
+    """Not found: where it looked, what it refused, and the one fix that works here (for
+    a library refused only for who may change it, that change, not another copy)."""
     rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
     tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
     unsafe = next((c for c in search.candidates if c.fix), None)
@@ -528,8 +455,7 @@ def refusal(candidate: Candidate) -> str:
 
 
 def entry_problem(entry: str, found: Finding) -> str | None:
-    """The warning for a caller's LD_PRELOAD entry the loader will not preload, or the
-    trust rule refuses: what the loader will do with it (issue 31)."""
+    """What the loader does with a caller's entry it cannot preload or we distrust (issue 31)."""
     if found.unsafe:
         fix = f"; Fix: {found.fix}" if found.fix else ""
         return (
@@ -546,9 +472,8 @@ def entry_problem(entry: str, found: Finding) -> str | None:
 
 
 def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str], list[str]]:
-    """The warnings on the caller's LD_PRELOAD: (a runtime of theirs that cannot be used,
-    nothing beside it; a tcmalloc of theirs that cannot; any other entry that will not
-    load)."""
+    """The warnings on the caller's LD_PRELOAD: (a runtime of theirs that cannot be used;
+    a tcmalloc of theirs that cannot; any other entry that will not load)."""
     current = facts.host.preload
     loaded = {entry: found.reason is None for entry, found in facts.entries}
     broken = [
@@ -584,13 +509,10 @@ def missing_words(facts: Facts, decision: Decision) -> list[str]:
     llvm = facts.host.machine in LLVM_OPT_IN_MACHINES
     said = []
     if decision.iomp_missing and not decision.broken and decision.iomp_search:
-        consequence = (
-            STRICT_REFUSAL
-            if refuses
-            else "speculative decoding on CPU runs about 2x slower with GNU libgomp"
-            if facts.speculative.requested and not llvm
-            else "the program will use GNU libgomp"
-        )
+        consequence = "the program will use GNU libgomp"
+        if facts.speculative.requested and not llvm:
+            consequence = "speculative decoding on CPU runs about 2x slower with GNU libgomp"
+        consequence = STRICT_REFUSAL if refuses else consequence
         install = facts.install_fixes[LLVM if llvm else IOMP]
         said.append(missing_message(decision.iomp_search, install, consequence, llvm))
     if decision.tcmalloc_missing and decision.tcmalloc_search:
@@ -635,7 +557,13 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
             f"{DEFAULT_KMP_BLOCKTIME} overrides it)"
         )
     if facts.alias and facts.alias_problem:
-        said.append(alias_words(facts.alias, facts.alias_problem))
+        (problem, fix), directory = facts.alias_problem, facts.alias.directory
+        where = f" from {directory}" if directory else ""
+        fix = f"; Fix: {fix}" if fix else ""
+        said.append(
+            f"not supplying vLLM's missing `vllm` metadata{where}: {problem}, so `vllm` may "
+            f"fail with PackageNotFoundError{fix}"
+        )
     refuses = facts.settings.strict and facts.planner == LAUNCHER
     return said, unsafe, missing if refuses else []
 
@@ -645,15 +573,6 @@ def machine_words(machine: str) -> str:
     if machine in LLVM_OPT_IN_MACHINES:
         message += "; LLVM's libomp is opt-in here until measured: --iomp always"
     return message
-
-
-def alias_words(alias: Alias, problem: tuple[str, str]) -> str:
-    fix = f"; Fix: {problem[1]}" if problem[1] else ""
-    where = f" from {alias.directory}" if alias.directory else ""
-    return (
-        f"not supplying vLLM's missing `vllm` metadata{where}: "
-        f"{problem[0]}, so `vllm` may fail with PackageNotFoundError{fix}"
-    )
 
 
 def notes_of(facts: Facts, decision: Decision) -> list[str]:
@@ -680,21 +599,14 @@ def notes_of(facts: Facts, decision: Decision) -> list[str]:
         said.append(machine_words(machine))
     if decision.setting.note and decision.setting.rule is None:
         said.append(decision.setting.note)
-    return said + later_notes(facts, decision)
-
-
-def later_notes(facts: Facts, decision: Decision) -> list[str]:
-    """notes_of's, from the runtime chosen on."""
-    settings, said = facts.settings, []
-    runtime = decision.runtime
+    runtime, applied = decision.runtime, decision.applied
     if runtime and runtime.rule is None and decision.mode != Mode.AUTO:
         said.append(f"LLVM's libomp preloaded, as iomp always asks: {runtime.note}")
     elif runtime and runtime.rule:
         said.append(runtime.note)
     if not decision.wants_iomp and decision.mode == Mode.AUTO and not facts.auto_iomp:
         said.append("no speculative decoding requested: Intel OpenMP not needed")
-    applied = decision.applied
-    if applied and not applied.tcmalloc and settings.tcmalloc == Mode.AUTO:
+    if applied and not applied.tcmalloc and facts.settings.tcmalloc == Mode.AUTO:
         said.append("tcmalloc not preloaded: the map measured this setting without it")
     wanted = decision.tcmalloc_search is not None
     absent = decision.tcmalloc is None and not decision.tcmalloc_missing
@@ -735,10 +647,6 @@ def relies_on(facts: Facts, decision: Decision) -> tuple[tuple[str, str], ...]:
     return tuple((name, value) for name, value in kept.items() if name not in env)
 
 
-def missing_kinds(decision: Decision) -> tuple[str, ...]:
-    return (IOMP,) * decision.iomp_missing + (TCMALLOC,) * decision.tcmalloc_missing
-
-
 def said(facts: Facts, decision: Decision) -> Plan:
     """The plan as printed and executed: the decision, and the words derived from it."""
     warnings, unsafe, fatal = warnings_of(facts, decision)
@@ -756,7 +664,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         warnings=tuple(warnings),
         notes=(*notes_of(facts, decision), *[override_words(overridden)] * bool(overridden)),
         candidates=tuple(c for s in searches(decision) for c in s.candidates),
-        missing=missing_kinds(decision),
+        missing=(IOMP,) * decision.iomp_missing + (TCMALLOC,) * decision.tcmalloc_missing,
         unsafe=tuple(unsafe),
         relies_on=relies_on(facts, decision),
         scope=facts.scope,
@@ -777,41 +685,28 @@ def plan_of(facts: Facts) -> Plan:
 
 
 def rule_json(rule: Rule | None) -> dict[str, Any] | None:
-    """A measured rule in the decision record: the map's `rule`, the runtimes map's
-    `runtime`."""
+    """A measured rule in the decision record (its `rule` and `runtime`)."""
     if rule is None:
         return None
-    return {
-        "id": rule.id,
-        "adds": rule.adds,
-        "figures": list(rule.figures),
-        "versus": rule.versus,
-        "source": rule.source,
-    }
+    said = {key: getattr(rule, key) for key in ("id", "adds", "figures", "versus", "source")}
+    return {**said, "figures": list(rule.figures)}
 
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
-    """The decision record, in the JSON form of docs/design.md ("The decision record"):
-    `--dry-run --json`, `env --format json`, doctor's `map.plan`; plan_as_text shows it."""
-    tuned = plan.tuned
+    """The decision record (docs/design.md): `--dry-run --json`, `env --format json`, doctor."""
+    tuned, speculative = plan.tuned, ("requested", "source", "method", "tokens")
+    preload = ("kind", "path", "flavor", "origin")
+    candidate = ("kind", "path", "origin", "flavor", "verdict", "reason")
     return {
         "schema": schema("plan"),
         "command": list(plan.command),
-        "speculative": {
-            "requested": plan.speculative.requested,
-            "source": plan.speculative.source,
-            "method": plan.speculative.method,
-            "tokens": plan.speculative.tokens,
-        },
+        "speculative": {key: getattr(plan.speculative, key) for key in speculative},
         "reason": plan.reason,
         "rule": rule_json(plan.rule),
         "runtime": rule_json(plan.runtime),
         "tune": tuned and {"when": tuned.when, "result": tuned.result, "origin": tuned.origin},
         "inputs": dict(plan.inputs),
-        "preload": [
-            {"kind": p.kind, "path": p.path, "flavor": p.flavor, "origin": p.origin}
-            for p in plan.preload
-        ],
+        "preload": [{key: getattr(p, key) for key in preload} for p in plan.preload],
         "env": dict(plan.env),
         "relies_on": dict(plan.relies_on),
         "warnings": list(plan.warnings),
@@ -819,24 +714,13 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
         "missing": list(plan.missing),
         "unsafe": list(plan.unsafe),
         "refused": list(plan.refused),
-        "candidates": [
-            {
-                "kind": c.kind,
-                "path": c.path,
-                "origin": c.origin,
-                "flavor": c.flavor,
-                "verdict": c.verdict,
-                "reason": c.reason,
-            }
-            for c in plan.candidates
-        ],
+        "candidates": [{key: getattr(c, key) for key in candidate} for c in plan.candidates],
     }
 
 
 def summary_line(plan: Plan, unchanged: str | None = None) -> str:
-    """The one INFO line: what is preloaded, what is set, and why (the plan's own mark,
-    PLANNED_VARIABLE, is bookkeeping: --dry-run shows it). `unchanged`: what to say
-    when nothing else changes (default: starting the command unchanged)."""
+    """The one INFO line: what is preloaded, what is set, and why (the plan's mark is
+    bookkeeping: --dry-run shows it). `unchanged`: what to say when nothing changes."""
     parts = [
         f"{'keeping your' if p.origin == Origin.LD_PRELOAD else 'preloading'} {p.path} "
         f"({p.flavor or p.kind}, from {p.origin})"
@@ -862,14 +746,12 @@ def metadata_words(alias: Alias) -> str:
 
 
 def described_request(requested: bool, source: str | None) -> str:
-    """`requested (SOURCE)` or `not requested (SOURCE)`, for the text outputs: where
-    SD was asked for, or turned off (`--speculative-config null` after a --config file)."""
+    """Where SD was asked for, or turned off (`--speculative-config null` after --config)."""
     return ("requested" if requested else "not requested") + (f" ({source})" if source else "")
 
 
 def rule_words(rule: dict[str, Any]) -> str:
-    """A measured rule of the decision record (its JSON `rule`), with its figures, as
-    --dry-run and doctor show it."""
+    """A measured rule of the decision record, with its figures, as --dry-run and doctor say."""
     low, high = rule["figures"]
     return (
         f"{rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of {rule['versus']}'s speed "
@@ -882,50 +764,42 @@ def plan_as_text(plan: Plan) -> str:
     import shlex  # lazy: only --dry-run
 
     record = plan_as_json(plan)
-    speculative = record["speculative"]
+    speculative, tune, inputs = record["speculative"], record["tune"], record["inputs"]
     sd = described_request(speculative["requested"], speculative["source"])
     if speculative["method"] is not None:
         sd += f", method {speculative['method']}"
     if speculative["tokens"] is not None:
         sd += f", {speculative['tokens']} tokens"
-    lines = [
-        f"command:     {shlex.join(record['command'])}",
-        f"speculative: {sd}",
-        f"reason:      {record['reason']}",
+    read = [f"{name}={shlex.quote(v)}" for name, v in inputs.items() if v is not None]
+    unset = " ".join(name for name, value in inputs.items() if value is None)
+    preload = [
+        f"{p['kind']} {p['path']} ({p['flavor'] + ', ' if p['flavor'] else ''}{p['origin']})"
+        for p in record["preload"]
     ]
-    if record["rule"]:
-        lines.append(f"rule:        {rule_words(record['rule'])}")
-    if record["runtime"]:
-        lines.append(f"runtime:     {rule_words(record['runtime'])}")
-    if record["tune"]:
-        tune = record["tune"]
-        lines.append(f"tune:        {tune['when']}: {tune['result']} ({tune['origin']})")
-    read = [f"{name}={shlex.quote(v)}" for name, v in record["inputs"].items() if v is not None]
-    unset = [name for name, value in record["inputs"].items() if value is None]
-    lines.append(f"read:        {' '.join(read) or 'nothing set'}")
-    if unset:
-        lines.append(f"{'':<12} unset: {' '.join(unset)}")
-    for index, p in enumerate(record["preload"]):
-        label = "preload:" if index == 0 else ""
-        flavor = f"{p['flavor']}, " if p["flavor"] else ""  # an iomp always has one
-        lines.append(f"{label:<12} {p['kind']} {p['path']} ({flavor}{p['origin']})")
-    if not record["preload"]:
-        lines.append("preload:     nothing")
-    for index, (name, value) in enumerate(record["env"].items()):
-        label = "env:" if index == 0 else ""
-        lines.append(f"{label:<12} {name}={shlex.quote(value)}")
-    if not record["env"]:
-        lines.append("env:         unchanged")
-    if plan.metadata:
-        lines.append(f"metadata:    {metadata_words(plan.metadata)}")
-    for index, (name, value) in enumerate(record["relies_on"].items()):
-        label = "relies on:" if index == 0 else ""
-        lines.append(f"{label:<12} {name}={shlex.quote(value)} (yours, kept)")
-    lines += [f"refused:     {r}" for r in record["refused"]]
-    lines += [f"warning:     {w}" for w in record["warnings"]]
-    lines += [f"unsafe:      {u}" for u in record["unsafe"]]
-    lines += [f"missing:     {m}" for m in record["missing"]]
-    lines += [f"note:        {n}" for n in record["notes"]]
+    # Each field's lines; its label is on the first alone.
+    fields = {
+        "command": [shlex.join(record["command"])],
+        "speculative": [sd],
+        "reason": [record["reason"]],
+        "rule": [rule_words(record["rule"])] if record["rule"] else [],
+        "runtime": [rule_words(record["runtime"])] if record["runtime"] else [],
+        "tune": [f"{tune['when']}: {tune['result']} ({tune['origin']})"] if tune else [],
+        "read": [" ".join(read) or "nothing set"] + ([f"unset: {unset}"] if unset else []),
+        "preload": preload or ["nothing"],
+        "env": [f"{n}={shlex.quote(v)}" for n, v in record["env"].items()] or ["unchanged"],
+        "metadata": [metadata_words(plan.metadata)] if plan.metadata else [],
+        "relies on": [
+            f"{n}={shlex.quote(v)} (yours, kept)" for n, v in record["relies_on"].items()
+        ],
+    }
+    lines = [
+        f"{'' if index else label + ':':<12} {line}"
+        for label, said in fields.items()
+        for index, line in enumerate(said)
+    ]
+    each = [("refused", "refused"), ("warning", "warnings"), ("unsafe", "unsafe")]
+    each += [("missing", "missing"), ("note", "notes")]  # their label on every line
+    lines += [f"{label + ':':<12} {line}" for label, key in each for line in record[key]]
     for c in record["candidates"]:
         flavor = f", {c['flavor']}" if c["flavor"] else ""
         lines.append(

@@ -1,23 +1,8 @@
 """vLLM's general plugin: the launcher's plan for every vLLM start on CPU, with no change
-to the command (`vllm serve`, `python -m vllm.entrypoints...`, `LLM(...)`, `vllm bench`).
-
-vLLM loads the entry points of the group `vllm.general_plugins` in every process it starts
-(the front end, the engine core, each worker, a helper subprocess) and calls them
-unguarded: an exception here would kill vLLM. So `register` never raises, does its work
-once, and in every process but the front end stops after reading a few variables and
-wrapping the vLLM method after which that process reads its OpenMP runtime for /metrics
-(inside.py). The reading is done also where the launcher started vLLM and the plugin
-plans nothing.
-
-The hook (docs/design.md, "The plugin"): in the front end, `register` wraps the CPU
-platform's `check_and_update_config`. vLLM calls it from `VllmConfig.__post_init__` with
-the resolved configuration, whatever the entry point, and it is there that vLLM decides
-what its children preload: it appends torch's libgomp to LD_PRELOAD unless an OpenMP
-runtime is named there, and forces the `spawn` start method, so the engine core and the
-workers are new processes that load what LD_PRELOAD names when they start. Just before
-vLLM's own code runs, the wrapper applies the launcher's plan for that configuration to
-`os.environ`. The front end itself keeps the runtime torch loaded at import; only
-`vllm-cpu-launch` (an exec) can change that.
+to the command (docs/design.md, "The plugin"). vLLM calls it unguarded in every process it
+starts, so `register` never raises; past the front end it only wires the /metrics reading
+(inside.py). In the front end it wraps the CPU platform's `check_and_update_config`, which
+vLLM runs with the resolved configuration just before deciding what its engine preloads.
 """
 
 from __future__ import annotations
@@ -40,7 +25,7 @@ from vllm_cpu_launch.handoff import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
     from types import FrameType
     from typing import Any
 
@@ -56,16 +41,15 @@ WRAPPED = "_vllm_cpu_launch_wrapped"
 # The parts of vLLM's configuration that a new engine's configuration builds anew and a
 # copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
 SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
+# The fields of vLLM's ParallelConfig that make several workers (besides `nnodes`, if any).
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 # The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
 OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 
-# Whether this process has registered: vLLM loads plugins once per process, but other
-# code may call register() again.
+# Whether this process registered (other code may call register() again); the
+# configurations planned here; each variable the last plan (or vLLM after it) changed,
+# with its value before and the value left (undo_last_plan puts back what is as left).
 registered = False
-# The configurations planned in this process (a copy of one is not planned again), and,
-# for each variable the last plan (or vLLM's own code after it) changed, its value before
-# and the value left: a new configuration starts from the values before, where they are
-# still as left.
 planned: list[Any] = []
 before: dict[str, str | None] = {}
 left: dict[str, str | None] = {}
@@ -77,53 +61,36 @@ def register() -> None:
     if registered:
         return
     registered = True
+    environ = os.environ
     try:
         spawned = multiprocessing.parent_process() is not None
-        if not switched_off(os.environ):
+        if not switched_off(environ):
             inside.start(spawned)  # the reading on /metrics, through both doors
-        reason = stands_down(os.environ, os.uname().machine, spawned)
-        if reason is None:
-            install_hook()
-        elif (
-            not spawned and switched_off(os.environ) and os.environ.get(DEPRECATED_PLUGIN_VARIABLE)
-        ):
-            deprecated_switch()
+        if stands_down(environ, os.uname().machine, spawned) is None:
+            from vllm.platforms import current_platform  # resolved when vLLM loads plugins
+
+            if current_platform.is_cpu():  # CpuPlatform, or a subclass (zentorch's)
+                wrap_check_and_update_config(type(current_platform))
+        elif not spawned and switched_off(environ) and environ.get(DEPRECATED_PLUGIN_VARIABLE):
+            # The off switch's old name, read where the plugin stood down: said once, in
+            # the front end, in the words every deprecated name of ours gets.
+            from vllm_cpu_launch.settings import with_current_names  # lazy: front end only
+
+            names = (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE)
+            _, warnings = with_current_names({n: environ[n] for n in names if n in environ})
+            for warning in warnings:
+                logger.warning("%s%s", PREFIX, warning)
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not install its hook (%r); vLLM runs without it", PREFIX, error)
 
 
-def deprecated_switch() -> None:
-    """The old name of the off switch, read where the plugin stood down before reading
-    any setting: said once, in the front end (the processes it spawns inherit it), in the
-    words every deprecated name of ours gets (settings.with_current_names)."""
-    from vllm_cpu_launch.settings import with_current_names  # lazy: front end only
-
-    names = (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE)
-    _, warnings = with_current_names({n: os.environ[n] for n in names if n in os.environ})
-    for warning in warnings:
-        logger.warning("%s%s", PREFIX, warning)
-
-
-def install_hook() -> None:
-    """Wrap the CPU platform's check_and_update_config; on another platform, nothing."""
-    from vllm.platforms import current_platform  # resolved already when vLLM loads plugins
-
-    if not current_platform.is_cpu():
-        return
-    # The class vLLM selected: CpuPlatform, or a subclass (zentorch's ZenCpuPlatform).
-    wrap_check_and_update_config(type(current_platform))
-
-
 def wrap_check_and_update_config(platform_class: type) -> None:
-    """Make the class's check_and_update_config apply the plan first, once per class.
-    Whatever vLLM passes reaches vLLM's own method, whose result and exceptions are
-    vLLM's; a method the plugin cannot wrap is one warning, and vLLM runs without it."""
-    found = next((vars(c)[HOOK] for c in platform_class.__mro__ if HOOK in vars(c)), None)
-    if isinstance(found, (classmethod, staticmethod)):
-        vllm_code: Callable[..., Any] = found.__func__
-    elif callable(found) and hasattr(found, "__get__"):  # a plain function: a method
-        vllm_code = found
-    else:
+    """Make the class's check_and_update_config apply the plan first, once per class; all
+    else is vLLM's own method's. One the plugin cannot wrap is a warning, and no plan."""
+    found: Any = next((vars(c)[HOOK] for c in platform_class.__mro__ if HOOK in vars(c)), None)
+    descriptor = isinstance(found, (classmethod, staticmethod))
+    vllm_code = found.__func__ if descriptor else found
+    if not descriptor and not (callable(found) and hasattr(found, "__get__")):
         logger.warning(
             "%s%s.%s is %s, not a method it can wrap; vLLM runs without the plugin",
             PREFIX,
@@ -149,30 +116,22 @@ def wrap_check_and_update_config(platform_class: type) -> None:
             remember()
 
     setattr(check_and_update_config, WRAPPED, True)
-    wrapper: Any = check_and_update_config
-    if isinstance(found, classmethod):
-        wrapper = classmethod(check_and_update_config)
-    elif isinstance(found, staticmethod):
-        wrapper = staticmethod(check_and_update_config)
+    wrapper = type(found)(check_and_update_config) if descriptor else check_and_update_config
     setattr(platform_class, HOOK, wrapper)
 
 
 def derived(vllm_config: Any, earlier: Any) -> bool:
     """Whether a configuration is an earlier one or a copy of it (vLLM re-runs the hook
     for `replace(vllm_config, ...)`): it shares a part a new engine builds anew."""
-    if vllm_config is earlier:
-        return True
-    for part in SHARED_PARTS:
-        mine = getattr(vllm_config, part, None)
-        if mine is not None and mine is getattr(earlier, part, None):
-            return True
-    return False
+    parts = [(getattr(vllm_config, p, None), getattr(earlier, p, None)) for p in SHARED_PARTS]
+    return vllm_config is earlier or any(
+        mine is not None and mine is theirs for mine, theirs in parts
+    )
 
 
 def apply_plan(vllm_config: Any) -> None:
-    """Plan for this configuration and put the plan into os.environ; never raises. A
-    new configuration (another `LLM(...)` in the same script) is planned from the
-    environment as it was before the last plan; a copy of the one planned is left be."""
+    """Plan for this configuration into os.environ; never raises. A new one (another
+    `LLM(...)`) is planned from the environment before the last plan; a copy is left be."""
     try:
         if any(derived(vllm_config, earlier) for earlier in planned):
             return
@@ -189,23 +148,22 @@ def apply_plan(vllm_config: Any) -> None:
 
 def undo_last_plan() -> None:
     """Put back what the last plan and vLLM after it changed, where still as left."""
-    environ = os.environ
     for name, value in left.items():
-        if environ.get(name) != value:
+        if os.environ.get(name) != value:
             continue  # changed since: someone else's now
         original = before[name]
         if original is None:
-            environ.pop(name, None)
+            os.environ.pop(name, None)
         else:
-            environ[name] = original
+            os.environ[name] = original
     left.clear()
     before.clear()
     track(())
 
 
 def track(names: Sequence[str]) -> None:
-    """Note the values of what a plan changes before it changes them, and of LD_PRELOAD,
-    which vLLM's own code extends after it (the values left: remember())."""
+    """Note the values before a plan changes them, and LD_PRELOAD's, which vLLM's own
+    code extends after it (the values left: remember())."""
     for name in (LD_PRELOAD, *names):
         before.setdefault(name, os.environ.get(name))
 
@@ -225,9 +183,8 @@ def plan_and_apply(vllm_config: Any) -> None:
     from vllm_cpu_launch.errors import LaunchError  # lazy: front end only
     from vllm_cpu_launch.settings import load_settings  # lazy: front end only
 
-    environ = os.environ
     try:
-        settings = load_settings({}, environ)
+        settings = load_settings({}, os.environ)
     except LaunchError as error:
         logger.warning("%s%s; vLLM starts as it would without the plugin", PREFIX, error.message)
         return
@@ -236,7 +193,7 @@ def plan_and_apply(vllm_config: Any) -> None:
         logger.info("%sswitched off (plugin: off, from %s); vLLM unchanged", PREFIX, where)
         return
     speculative = speculative_request(vllm_config)
-    in_process = engine_in_this_process(environ)
+    in_process = engine_in_this_process(os.environ)
     plan = engine_plan(vllm_config, speculative, settings, in_process)
     if plan.refused:  # the launcher refuses to start; a plugin cannot: it changes nothing
         logger.error("%s%s (vLLM starts unchanged)", PREFIX, plan.refused[0])
@@ -253,7 +210,7 @@ def plan_and_apply(vllm_config: Any) -> None:
     if settings.strict and (plan.missing or plan.unsafe):
         logger.error("%sstrict is set, but a plugin cannot stop vLLM: see above", PREFIX)
     track([name for name, _ in plan.env])
-    environ.update(plan.env)
+    os.environ.update(plan.env)
     logger.info("%s%s", PREFIX, summary(plan))
 
 
@@ -274,9 +231,8 @@ def engine_in_this_process(environ: Mapping[str, str]) -> bool:
 
 
 def speculative_request(vllm_config: Any) -> SpeculativeRequest:
-    """SD as vLLM resolved it: whatever spelling, file, or speculators model asked for it.
-    A configuration without the field (a vLLM that moved it) falls back to reading this
-    process's command line as the launcher does (`vllm serve ...`)."""
+    """SD as vLLM resolved it, whatever asked for it; where the configuration lacks the
+    field (a vLLM that moved it), as the launcher reads this process's command line."""
     from vllm_cpu_launch.command import SpeculativeRequest, detect  # lazy: front end only
 
     if not hasattr(vllm_config, "speculative_config"):
@@ -285,29 +241,23 @@ def speculative_request(vllm_config: Any) -> SpeculativeRequest:
     if config is None:
         return SpeculativeRequest(False)
     method = getattr(config, "method", None)
-    tokens = getattr(config, "num_speculative_tokens", None)
     source = f"vLLM's speculative_config (method {method})"
+    tokens = getattr(config, "num_speculative_tokens", None)
     return SpeculativeRequest(True, source, None, method, tokens)
 
 
 def one_worker(vllm_config: Any) -> bool:
     """One worker on one node, as vLLM's parallel config says (the map measured that)."""
     parallel = vllm_config.parallel_config
-    sizes = (
-        parallel.tensor_parallel_size,
-        parallel.pipeline_parallel_size,
-        parallel.data_parallel_size,
-        getattr(parallel, "nnodes", 1),
-    )
+    sizes = [getattr(parallel, name) for name in PARALLEL_SIZES] + [getattr(parallel, "nnodes", 1)]
     return all(size == 1 for size in sizes)
 
 
 def engine_plan(
     vllm_config: Any, speculative: SpeculativeRequest, settings: Settings, in_process: bool
 ) -> Plan:
-    """The launcher's plan (plan.plan_of over gather's facts) for the vLLM running in this
-    interpreter; an engine in this process is no engine the benchmark map measured
-    (`in_process`)."""
+    """The launcher's plan for the vLLM in this interpreter; an engine in this process
+    (`in_process`) is none the benchmark map measured."""
     from vllm_cpu_launch.cli import current_host  # lazy: front end only
     from vllm_cpu_launch.gather import gather  # lazy: front end only
     from vllm_cpu_launch.plan import plan_of  # lazy: front end only
@@ -323,7 +273,7 @@ def engine_plan(
         evidence="the interpreter vLLM runs in",
         runner=sys.executable,
     )
-    facts = gather(
+    facts = gather(  # the launcher's facts and plan (plan.plan_of)
         settings,
         (),
         speculative,
@@ -343,9 +293,8 @@ def summary(plan: Plan) -> str:
 
     unchanged = "vLLM's engine processes start unchanged"
     line = summary_line(plan, unchanged)
-    if line.endswith(unchanged):
-        return line
-    return f"{line} (for the engine core and workers; this process keeps its own runtime)"
+    kept = " (for the engine core and workers; this process keeps its own runtime)"
+    return line if line.endswith(unchanged) else line + kept
 
 
 def in_process_message(source: str, orig_argv: Sequence[str]) -> str:

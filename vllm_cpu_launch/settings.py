@@ -6,11 +6,10 @@ it came from; and the `tune --write` records that apply to this launch.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import detect, model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 

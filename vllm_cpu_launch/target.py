@@ -34,6 +34,11 @@ TRAMPOLINE = "'''exec' "
 SHELLS = ("sh", "bash", "dash")
 PYTHON_NAMES = ("python", "pypy")  # how the names of Python interpreters begin
 MAX_NESTING = 8  # `$(` within `$(`: installers nest two; deeper is not theirs
+# The commands installers' trampolines run inside `$( )`, computed without a shell.
+SUBSTITUTIONS: dict[str, Callable[[str], str]] = {
+    "dirname": os.path.dirname,
+    "realpath": os.path.realpath,
+}
 
 
 @record
@@ -45,113 +50,68 @@ class Wrapper:
     # A name looked up on PATH ("env", a bare trampoline word), or what was not understood.
     detail: str = ""
 
-    @property
-    def python(self) -> str | None:
-        """The interpreter when it is a Python (a shell script names none)."""
-        name = os.path.basename(self.interpreter or "")
-        return self.interpreter if name.startswith(PYTHON_NAMES) else None
-
 
 class WordError(ValueError):
     """A shell word this reader does not evaluate (it never guesses)."""
 
 
-def substitution_end(text: str, start: int, depth: int = 1) -> int:
-    """The index after the `)` that closes the `$(` at `start`, with the shell's quoting
-    (a nested `$(` inside double quotes is a new quoting context)."""
-    if depth > MAX_NESTING:
-        raise WordError(f"$( nested more than {MAX_NESTING} deep")
-    index, quote = start + 2, ""
-    while index < len(text):
-        char = text[index]
-        if quote == "'":
-            quote = "" if char == "'" else quote
-        elif char == "\\":
-            index += 1
-        elif text.startswith("$(", index):
-            index = substitution_end(text, index, depth + 1)
-            continue
-        elif char == '"':
-            quote = "" if quote else '"'
-        elif char == "'" and not quote:
-            quote = "'"
-        elif char == ")" and not quote:
-            return index + 1
-        index += 1
-    raise WordError("an unterminated $(")
-
-
-def read_word(text: str, start: int, script: str) -> tuple[str, int]:
-    """Evaluate the shell word at `text[start:]`: its value and the index after it."""
+def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, int]:
+    """Evaluate the shell word at `text[index:]`, inside `depth` `$(`: its value and the
+    index after it."""
+    ends = " \t)" if depth else " \t"  # unquoted, these end a word (`)` only inside `$(`)
     value: list[str] = []
-    index = start
     quote = ""
-    while index < len(text):
+    while index < len(text) and (quote or text[index] not in ends):
         char = text[index]
-        if not quote and char in " \t":
-            break
-        if quote == "'":
-            if char == "'":
-                quote = ""
-            else:
-                value.append(char)
-            index += 1
-        elif char == "\\" and quote != "'":
-            if index + 1 >= len(text):
-                raise WordError("a trailing backslash")
-            following = text[index + 1]
-            if quote == '"' and following not in '"\\$`':
-                value.append(char)
-            value.append(following)
-            index += 2
-        elif char == "'" and not quote:
-            quote = "'"
-            index += 1
+        index += 1
+        if char == "'" and quote != '"':
+            quote = "" if quote else "'"
+        elif quote == "'":
+            value.append(char)
         elif char == '"':
             quote = "" if quote else '"'
+        elif char == "\\":
+            if index >= len(text):
+                raise WordError("a trailing backslash")
+            if quote and text[index] not in '"\\$`':
+                value.append(char)
+            value.append(text[index])
             index += 1
-        elif text.startswith("$(", index):
-            end = substitution_end(text, index)
-            value.append(run_substitution(text[index + 2 : end - 1], script))
-            index = end
-        elif text.startswith("$0", index):
+        elif text.startswith("$(", index - 1):
+            substituted, index = substitute(text, index + 1, script, depth + 1)
+            value.append(substituted)
+        elif text.startswith("$0", index - 1):
             value.append(script)
-            index += 2
+            index += 1
         elif char in "$`":
-            raise WordError(f"shell expansion {text[index : index + 2]!r}")
+            raise WordError(f"shell expansion {text[index - 1 : index + 1]!r}")
         else:
             value.append(char)
-            index += 1
     if quote:
         raise WordError("an unterminated quote")
     return "".join(value), index
 
 
-def read_words(text: str, script: str) -> list[str]:
+def substitute(text: str, start: int, script: str, depth: int) -> tuple[str, int]:
+    """The output of the `$(` whose command starts at `start`, and the index after its `)`:
+    only what installers run (SUBSTITUTIONS) is understood."""
+    if depth > MAX_NESTING:
+        raise WordError(f"$( nested more than {MAX_NESTING} deep")
     words: list[str] = []
-    index = 0
-    while index < len(text):
+    index = start
+    while index < len(text) and text[index] != ")":
         if text[index] in " \t":
             index += 1
-            continue
-        word, index = read_word(text, index, script)
-        words.append(word)
-    return words
-
-
-# The commands installers' trampolines run inside `$( )`, computed without a shell.
-SUBSTITUTIONS: dict[str, Callable[[str], str]] = {
-    "dirname": os.path.dirname,
-    "realpath": os.path.realpath,
-}
-
-
-def run_substitution(body: str, script: str) -> str:
-    words = [w for w in read_words(body, script) if w != "--"]
+        else:
+            word, index = read_word(text, index, script, depth)
+            words.append(word)
+    if index >= len(text):
+        raise WordError("an unterminated $(")
+    words = [word for word in words if word != "--"]
     command = os.path.basename(words[0]) if words else ""
     if command not in SUBSTITUTIONS or len(words) != 2:
-        raise WordError(f"the command substitution $({body})")
-    return SUBSTITUTIONS[command](words[1])
+        raise WordError(f"the command substitution $({text[start:index]})")
+    return SUBSTITUTIONS[command](words[1]), index + 1
 
 
 def path_files(name: str, path_variable: str | None) -> Iterator[str]:
@@ -169,10 +129,8 @@ def executable_on_path(name: str, path_variable: str | None) -> str | None:
 
 
 def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
-    """The interpreter `script` runs, as the kernel and its `#!` line would pick it.
-
-    `script` is the path that will be exec'd (it is `$0` to a trampoline).
-    """
+    """The interpreter `script` (`$0` to a trampoline) runs, as the kernel and its `#!` line
+    would pick it."""
     try:
         with open(script, "rb") as stream:
             head = stream.read(HEAD_BYTES)
@@ -197,17 +155,16 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
         if not names:
             return Wrapper("unknown", None, first)
         return Wrapper("env", executable_on_path(names[0], path_variable), names[0])
-    if os.path.basename(interpreter) in SHELLS and len(words) == 1:
-        if not second.startswith(TRAMPOLINE):
-            return Wrapper("direct", interpreter)  # a shell script proper
-        try:
-            python, _ = read_word(second, len(TRAMPOLINE), script)
-        except (WordError, RecursionError) as error:
-            return Wrapper("unknown", None, f"{second.strip()} ({error})")
-        if "/" not in python:  # a bare name: the shell looks it up on PATH
-            return Wrapper("sh-trampoline", executable_on_path(python, path_variable), python)
-        return Wrapper("sh-trampoline", os.path.abspath(python))
-    return Wrapper("direct", interpreter)
+    shell = os.path.basename(interpreter) in SHELLS and len(words) == 1
+    if not (shell and second.startswith(TRAMPOLINE)):
+        return Wrapper("direct", interpreter)  # not a trampoline: the #! program runs it
+    try:
+        python, _ = read_word(second, len(TRAMPOLINE), script)
+    except WordError as error:  # MAX_NESTING bounds the recursion
+        return Wrapper("unknown", None, f"{second.strip()} ({error})")
+    if "/" not in python:  # a bare name: the shell looks it up on PATH
+        return Wrapper("sh-trampoline", executable_on_path(python, path_variable), python)
+    return Wrapper("sh-trampoline", os.path.abspath(python))
 
 
 # The program to exec and its environment
@@ -217,20 +174,16 @@ ENVIRONMENT_MARKERS = ("pyvenv.cfg", "conda-meta")  # venv/virtualenv/uv/pipx; c
 
 @record
 class Target:
-    """The program to exec and the Python environment whose libraries should serve it.
-
-    Decided from what installers leave on disk (see decide_environment), never by
-    running Python: `evidence` says what was used, `disagreement` where two pieces of
-    evidence pointed at different environments.
-    """
+    """The program to exec and the Python environment whose libraries should serve it,
+    decided from what installers leave on disk, never by running Python."""
 
     executable: str  # absolute path
     found_via: str  # "--vllm", "launcher-environment", "PATH" or "program"
     interpreter: str | None = None  # the Python that runs vLLM, when the evidence names one
     prefix: str | None = None  # that interpreter's environment (venv, conda or base prefix)
     user_base: str | None = None  # set for a `pip install --user` script: its user base
-    evidence: str = ""
-    disagreement: str | None = None
+    evidence: str = ""  # what decided the environment
+    disagreement: str | None = None  # where two pieces of evidence named different ones
     runner: str | None = None  # what the #! line runs (the Python, or a shell), checked too
 
 
@@ -245,13 +198,9 @@ def python_libraries(prefix: str) -> list[str]:
 
 
 def environment_of(path: str) -> tuple[str | None, str]:
-    """(prefix, marker) of the environment `path` (an interpreter or a script) lies in.
-
-    Environments keep programs in `<prefix>/bin/`; `pyvenv.cfg` marks a venv (pip,
-    virtualenv, uv, pipx), `conda-meta/` a conda prefix. A `bin/` without either is a
-    base interpreter's prefix (marker ""). The path is not resolved: a venv's
-    `bin/python` links to the base interpreter, whose prefix is not the venv's.
-    """
+    """(prefix, marker) of the environment `path` (an interpreter or a script) lies in:
+    `<prefix>/bin/`, marked by ENVIRONMENT_MARKERS, else a base interpreter's (marker "").
+    The path is not resolved: a venv's `bin/python` links to the base interpreter."""
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.basename(directory) != "bin":
         return None, ""
@@ -280,62 +229,44 @@ def python_user_base(environ: Mapping[str, str]) -> str | None:
     return os.path.join(home, ".local") if home else None
 
 
-def decide_environment(
-    executable: str, wrapper: Wrapper, environ: Mapping[str, str]
-) -> tuple[str | None, str | None, str | None, str, str | None]:
-    """(Python, prefix, user base, evidence, disagreement) for the program at `executable`.
+HOW_NAMED = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"}
 
-    The Python the wrapper runs decides, since its environment is the one whose
-    site-packages vLLM imports; the script's location is the evidence when the wrapper
-    names no Python (a shell script, an unreadable form, or no script at all, like
-    `exec -- /venv/bin/python`), and then that environment's `bin/python` is its Python.
-    """
+
+def describe_target(executable: str, found_via: str, environ: Mapping[str, str]) -> Target:
+    """Check that the executable can run, and decide its environment: the one of the Python
+    the wrapper runs, whose site-packages vLLM imports; where it names no Python (a shell
+    script, or none at all: `exec -- /venv/bin/python`), the one the script lies in."""
+    check_executable(executable, found_via)
+    wrapper = read_wrapper(executable, environ.get("PATH"))
+    check_interpreter(executable, wrapper, environ)
     located, located_marker = location_environment(executable)
-    if wrapper.python is None:
-        if located:
-            beside = os.path.join(located, "bin", "python")
-            python = beside if os.path.exists(beside) else None
-            return (
-                python,
-                located,
-                None,
-                f"the {located_marker} of the environment it lies in",
-                None,
+    python = wrapper.interpreter
+    user_base = disagreement = None
+    if python and os.path.basename(python).startswith(PYTHON_NAMES):
+        prefix, marker = environment_of(python)
+        how = HOW_NAMED.get(wrapper.form, "its /bin/sh trampoline")
+        evidence = f"{how} names {python}"
+        evidence += f", in an environment marked by {marker}" if marker else ""
+        if located and located != prefix:
+            disagreement = (
+                f"{executable} lies in the environment {located}, but {how} runs "
+                f"{python} (environment {prefix or '?'}); using the latter, which is what will run"
             )
+        base = python_user_base(environ)
+        if not marker and base and os.path.dirname(executable) == os.path.join(base, "bin"):
+            user_base = base  # a `pip install --user` script (venvs have no user site)
+            evidence += f"; a user install in {base}"
+    elif located:
+        beside = os.path.join(located, "bin", "python")
+        prefix = located
+        python = beside if os.path.exists(beside) else None
+        evidence = f"the {located_marker} of the environment it lies in"
+    else:
+        python = None
         prefix, _ = environment_of(executable)
-        return None, prefix, None, "its own bin/ directory" if prefix else "none", None
-    python = wrapper.python
-    prefix, marker = environment_of(python)
-    how = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"}.get(
-        wrapper.form, "its /bin/sh trampoline"
-    )
-    evidence = f"{how} names {python}" + (
-        f", in an environment marked by {marker}" if marker else ""
-    )
-    disagreement = None
-    if located and located != prefix:
-        disagreement = (
-            f"{executable} lies in the environment {located}, but {how} runs "
-            f"{python} (environment {prefix or '?'}); using the latter, which is what will run"
-        )
-    user_base = None
-    base = python_user_base(environ)
-    if not marker and base and os.path.dirname(executable) == os.path.join(base, "bin"):
-        user_base = base  # a `pip install --user` script (venvs have no user site)
-        evidence += f"; a user install in {base}"
-    return python, prefix, user_base, evidence, disagreement
-
-
-def check_path_files(name: str, path_variable: str | None, described: str) -> None:
-    """Before saying `name` is not on PATH: a file there that cannot be executed is the
-    real problem, as for a shell ('Permission denied', exit 126)."""
-    for candidate in path_files(name, path_variable):
-        check_executable(candidate, described)
-
-
-def described(found_via: str) -> str:
-    """What the messages call the target: exec's PROGRAM, else the vLLM executable."""
-    return "program" if found_via == "program" else "vLLM executable"
+        evidence = "its own bin/ directory" if prefix else "none"
+    runner = wrapper.interpreter
+    return Target(executable, found_via, python, prefix, user_base, evidence, disagreement, runner)
 
 
 PATH_SHOWN = 3  # directories of PATH a message names; a real PATH runs to hundreds of bytes
@@ -360,45 +291,38 @@ def describe_path(path_variable: str | None) -> str:
     return f"PATH ({shown}{f' and {more} more' if more > 0 else ''}{skipped if relative else ''})"
 
 
-def check_executable(path: str, described: str) -> None:
-    """Raise the exit code a shell would give when `path` cannot be executed."""
-    try:
-        status = os.stat(path)
-    except FileNotFoundError:  # no subject: nothing was found (doctor says so)
-        raise LaunchError(EXIT_NOT_FOUND, f"{described} {path} does not exist") from None
-    except OSError as error:
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{described} {path} cannot be used: {error.strerror}",
-            subject=path,
-        ) from None
-    if not stat.S_ISREG(status.st_mode):
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE, f"{described} {path} is not a regular file", subject=path
-        )
-    executable = os.access(path, os.X_OK)
-    if not is_program(path):  # a data file named by mistake: execve would only say ENOEXEC
-        cannot = "the kernel cannot run it" if executable else "no chmod makes it run"
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{described} {path} is neither a #! script nor an ELF executable, so {cannot}; "
-            f"{PROGRAM_FIX[described]}",
-            subject=path,
-        )
-    if not executable:
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{described} {path} is not executable; fix it with: chmod +x {path}",
-            subject=path,
-        )
-
-
 # What to name instead of a file that is no program, by what the messages call the target.
 PROGRAM_FIX = {
     "vLLM executable": "give --vllm the vllm script of the environment vLLM is installed "
     "in, e.g. /venv/bin/vllm",
     "program": "name a program, e.g. vllm-cpu-launch exec -- /venv/bin/python script.py",
 }
+
+
+def check_executable(path: str, found_via: str) -> None:
+    """Raise the exit code a shell would give when `path` cannot be executed."""
+    described = "program" if found_via == "program" else "vLLM executable"  # exec's, or ours
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:  # no subject: nothing was found (doctor says so)
+        raise LaunchError(EXIT_NOT_FOUND, f"{described} {path} does not exist") from None
+    except OSError as error:
+        problem = f"cannot be used: {error.strerror}"
+    else:
+        executable = os.access(path, os.X_OK)
+        if not stat.S_ISREG(status.st_mode):
+            problem = "is not a regular file"
+        elif not is_program(path):  # a data file named by mistake: execve says only ENOEXEC
+            cannot = "the kernel cannot run it" if executable else "no chmod makes it run"
+            problem = (
+                f"is neither a #! script nor an ELF executable, so {cannot}; "
+                f"{PROGRAM_FIX[described]}"
+            )
+        elif not executable:
+            problem = f"is not executable; fix it with: chmod +x {path}"
+        else:
+            return
+    raise LaunchError(EXIT_NOT_EXECUTABLE, f"{described} {path} {problem}", subject=path)
 
 
 def is_program(path: str) -> bool:
@@ -415,7 +339,8 @@ def is_program(path: str) -> bool:
 def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, str]) -> None:
     """Fail as the kernel or the wrapper would, but say why: the interpreter is gone
     (a moved or deleted environment), not executable, or not on PATH."""
-    if wrapper.detail and wrapper.interpreter is None and wrapper.form in ("env", "sh-trampoline"):
+    interpreter = wrapper.interpreter
+    if wrapper.detail and interpreter is None and wrapper.form in ("env", "sh-trampoline"):
         raise LaunchError(
             EXIT_NOT_FOUND,
             f"{executable} runs {wrapper.detail!r} from PATH, but "
@@ -423,10 +348,11 @@ def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, s
             "first on PATH, or choose another vLLM with --vllm",
             subject=executable,
         )
-    interpreter = wrapper.interpreter
-    if interpreter is None:
+    if interpreter is None or (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         return
-    if not os.path.lexists(interpreter):
+    if os.path.lexists(interpreter):  # execve would only say "Exec format error"
+        problem = "is not an executable file"
+    else:
         located, _ = location_environment(executable)
         moved = (
             f"its environment {located} was moved or its Python removed after install "
@@ -434,48 +360,23 @@ def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, s
             if located
             else "reinstall it in a working environment"
         )
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE,
-            f"{executable} runs the interpreter {interpreter}, which does not exist: "
-            f"{moved}, or choose another vLLM with --vllm",
-            subject=executable,
-        )
-    if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
-        raise LaunchError(  # execve would only say "Exec format error" about the script
-            EXIT_NOT_EXECUTABLE,
-            f"{executable} runs the interpreter {interpreter}, which is not an executable file",
-            subject=executable,
-        )
-
-
-def describe_target(executable: str, found_via: str, environ: Mapping[str, str]) -> Target:
-    """Check that the executable can run and decide the environment it runs in."""
-    check_executable(executable, described(found_via))
-    wrapper = read_wrapper(executable, environ.get("PATH"))
-    check_interpreter(executable, wrapper, environ)
-    python, prefix, user_base, evidence, disagreement = decide_environment(
-        executable, wrapper, environ
-    )
-    return Target(
-        executable,
-        found_via,
-        python,
-        prefix,
-        user_base,
-        evidence,
-        disagreement,
-        runner=wrapper.interpreter,
+        problem = f"does not exist: {moved}, or choose another vLLM with --vllm"
+    raise LaunchError(
+        EXIT_NOT_EXECUTABLE,
+        f"{executable} runs the interpreter {interpreter}, which {problem}",
+        subject=executable,
     )
 
 
 def locate(name: str, found_via: str, environ: Mapping[str, str], not_found: str) -> Target:
     """`name` as a path, else the first executable `name` on PATH; 127/126 as a shell."""
-    path_variable = environ.get("PATH")
     if os.sep in name:
         return describe_target(os.path.abspath(name), found_via, environ)
-    found = executable_on_path(name, path_variable)
+    found = executable_on_path(name, environ.get("PATH"))
     if found is None:
-        check_path_files(name, path_variable, described(found_via))
+        # A file on PATH that cannot be executed is the real problem, as for a shell (126).
+        for candidate in path_files(name, environ.get("PATH")):
+            check_executable(candidate, found_via)
         raise LaunchError(EXIT_NOT_FOUND, not_found)
     return describe_target(found, found_via, environ)
 
@@ -484,8 +385,7 @@ def resolve_vllm(
     requested: str | None, environ: Mapping[str, str], launcher_executable: str
 ) -> Target:
     """`--vllm`, else `vllm` beside the launcher's interpreter, else `vllm` on PATH."""
-    path_variable = environ.get("PATH")
-    searched = describe_path(path_variable)
+    searched = describe_path(environ.get("PATH"))
     if requested is not None:
         message = f"--vllm {requested}: no such executable on {searched}"
         return locate(requested, "--vllm", environ, message)

@@ -1,21 +1,10 @@
 """`vllm-cpu-launch env`: the plan's environment, for those who cannot exec through us.
 
-`shell` prints `export` lines safe to `eval`, `systemd` an `EnvironmentFile=` body,
-`docker` Dockerfile `ENV` lines, `kubernetes` a container's `env:` list (YAML), `json`
-the plan itself (as `--dry-run --json`).
-
-The first four carry the final value of every variable the plan relies on: what it
-sets or changes, and the caller's variables it keeps and depends on (the plan's
-`relies_on`: LD_PRELOAD and KMP_BLOCKTIME beside the library it preloads, the binding,
-reservation, block time and thread count the benchmark map's rule read), since a unit or
-an image does not inherit the caller's shell. `json` is the plan as docs/design.md
-defines it.
-
-Every format carries the plan's mark (VLLMCPULAUNCH_PLANNED, which tells vLLM's plugin
-to leave a process alone as planned): an `eval`ed shell's `vllm serve` is one program
-started with the plan, as a unit's is, and without the mark the plugin would undo the
-plan (preload Intel OpenMP where it kept libgomp on purpose). A later vLLM of that shell
-inherits the plan's LD_PRELOAD as much as its mark.
+The four environment formats carry the final value of every variable the plan sets or
+relies on (`relies_on`), since a unit or an image does not inherit the caller's shell, and
+the plan's mark VLLMCPULAUNCH_PLANNED: an `eval`ed shell's `vllm serve` is started with the
+plan as a unit's is, and without the mark vLLM's plugin would undo it (preload Intel OpenMP
+where the plan kept libgomp on purpose).
 """
 
 from __future__ import annotations
@@ -60,11 +49,6 @@ OPTIONS are those of a normal start.
 """
 
 
-def final_environment(plan: Plan) -> dict[str, str]:
-    """What the started program sees of the variables the plan sets or relies on."""
-    return {**dict(plan.relies_on), **dict(plan.env)}
-
-
 def shell_lines(environment: Mapping[str, str]) -> list[str]:
     return [f"export {name}={shlex.quote(value)}" for name, value in environment.items()]
 
@@ -74,11 +58,8 @@ def systemd_lines(environment: Mapping[str, str]) -> list[str]:
 
 
 def docker_value(name: str, value: str) -> str:
-    """A double-quoted Dockerfile word: JSON-style `\\"` and `\\\\`, and `\\$` (no expansion).
-
-    Docker's word lexer reads no other escapes, so control characters (a newline ends
-    the instruction) cannot be written.
-    """
+    """A double-quoted Dockerfile word: JSON-style `\\"` and `\\\\`, and `\\$` (no expansion);
+    Docker's lexer reads no other escapes, so a control character cannot be written."""
     if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
         raise LaunchError(
             EXIT_USAGE, f"{name}'s value holds a control character, which a Dockerfile cannot hold"
@@ -99,15 +80,9 @@ class _Quoted(str):
     unquoted would be read as a number or a boolean."""
 
 
-def kubernetes_value(value: str) -> str:
-    """`$` doubled: Kubernetes expands `$(NAME)` in an env value and reads `$$` as one `$`
-    (EnvVar.value in its API), so every `$` doubled reaches the container unchanged."""
-    return value.replace("$", "$$")
-
-
 def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
-    """`env:` and its list, `- name: N` / `value: "V"` (YAML double-quoted, its escapes for
-    control characters), for a container spec."""
+    """`env:` and its list, `- name: N` / `value: "V"`, for a container spec: `$` doubled,
+    as Kubernetes expands `$(NAME)` in a value and reads `$$` as `$` (EnvVar.value)."""
     import yaml  # only here: the exec path never imports yaml
 
     class Dumper(yaml.SafeDumper):
@@ -123,7 +98,7 @@ def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise LaunchError(EXIT_USAGE, f"{name}'s value is not UTF-8 text") from None
-        entries.append({"name": name, "value": _Quoted(kubernetes_value(value))})
+        entries.append({"name": name, "value": _Quoted(value.replace("$", "$$"))})
     text = yaml.dump(
         {"env": entries}, Dumper=Dumper, allow_unicode=True, sort_keys=False, width=2**31
     )
@@ -134,12 +109,11 @@ def render(plan: Plan, output_format: str) -> str:
     """The plan's environment in one of FORMATS."""
     if output_format == "json":
         return json.dumps(plan_as_json(plan), indent=2)
-    environment = final_environment(plan)
+    environment = {**dict(plan.relies_on), **dict(plan.env)}
     if not environment:
         # One comment line in every format, whatever the reason holds (a config file's
         # words): a line break would end the comment, and YAML refuses a control
         # character even in a comment.
-
         return f"# vllm-cpu-launch: nothing to set ({printable(plan.reason)})"
     renderers = {
         "shell": shell_lines,

@@ -1,8 +1,7 @@
 """`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
 
-The table is rules.RULES; whether a rule applies to a start is rules.py's matcher,
-the one the plan uses. With a vLLM command it matches the start a launch plans: the same
-facts (cli.launch_facts) and plan.start_of. It needs no vLLM installed: without one, the
+Whether a rule applies is rules.py's matcher, the plan's own, over the start a launch
+plans (cli.launch_facts, plan.start_of). No vLLM needs to be installed: without one, the
 vLLM condition fails and says so.
 """
 
@@ -11,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_cpu_launch.cli import (
@@ -22,7 +20,7 @@ from vllm_cpu_launch.cli import (
     parse_options,
     write_stdout,
 )
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
 from vllm_cpu_launch.rules import (
@@ -46,7 +44,7 @@ from vllm_cpu_launch.target import Target, resolve_vllm
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
-    from vllm_cpu_launch.rules import Measured, Rule, Start
+    from vllm_cpu_launch.rules import Rule, Start
 
 USAGE = """\
 usage: vllm-cpu-launch rules [--json]
@@ -73,28 +71,28 @@ SCHEMA = "vllm-cpu-launch/rules/1"
 NOT_MEASURED_HERE = (
     "no setting rule was measured on this host (see each rule's first failing condition)"
 )
-
-
-def measured_json(where: Measured) -> dict[str, Any]:
-    return {
-        "method": where.method,
-        "tokens": where.tokens,
-        "machine": where.machine,
-        "cpus": where.cpus,
-        "vllm": where.vllm,
-        "workers": where.workers,
-        "bindings": list(where.bindings),
-        "unset": list(where.unset),
-        "allocator": where.allocator,
-        "within": list(where.within),
-    }
+NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
+NO_SD = "no speculative decoding requested"
+NO_METHOD = "speculative decoding requested without a method or a draft model: no rule applies"
+# Measured's fields, as --json writes them (in this order, tuples as lists)
+MEASURED_KEYS = (
+    "method",
+    "tokens",
+    "machine",
+    "cpus",
+    "vllm",
+    "workers",
+    "bindings",
+    "unset",
+    "allocator",
+    "within",
+)
 
 
 def rule_json(rule: Rule) -> dict[str, Any]:
-
     return {
         "id": rule.id,
-        "measured": measured_json(rule.measured),
+        "measured": {key: getattr(rule.measured, key) for key in MEASURED_KEYS},
         "adds": {
             "words": rule.adds,
             "variables": dict(rule.variables),
@@ -128,33 +126,31 @@ def rule_json(rule: Rule) -> dict[str, Any]:
     }
 
 
-def measured_words(where: Measured) -> str:
-    """Where a rule was measured, in one line."""
-    tokens = f" with {where.tokens} tokens" if where.tokens is not None else ""
-    binding = " or ".join(b or "unset" for b in where.bindings)
-    parts = [
-        f"{where.method} SD{tokens}",
-        f"{where.machine}, {where.cpus} CPUs, vLLM {where.vllm}, {where.workers} worker",
-        f"VLLM_CPU_OMP_THREADS_BIND {binding}",
-    ]
-    if where.unset:
-        parts.append(f"unset: {' '.join(where.unset)}")
-    if where.within:
-        parts.append(f"in the setting of {' or '.join(where.within)}")
-    else:
-        parts.append("with tcmalloc" if where.allocator == "tcmalloc" else "without tcmalloc")
-    return "; ".join(parts)
-
-
 def table_lines() -> list[str]:
     lines = []
     for rule in RULES:
+        where = rule.measured
+        tokens = f" with {where.tokens} tokens" if where.tokens is not None else ""
+        binding = " or ".join(b or "unset" for b in where.bindings)
+        measured = [
+            f"{where.method} SD{tokens}",
+            f"{where.machine}, {where.cpus} CPUs, vLLM {where.vllm}, {where.workers} worker",
+            f"VLLM_CPU_OMP_THREADS_BIND {binding}",
+        ]
+        if where.unset:
+            measured.append(f"unset: {' '.join(where.unset)}")
+        if where.within:
+            measured.append(f"in the setting of {' or '.join(where.within)}")
+        else:
+            measured.append(
+                "with tcmalloc" if where.allocator == "tcmalloc" else "without tcmalloc"
+            )
         real = f" ({REAL_MODEL}, {REAL_JSON})" if rule.real else ""
         load = f" ({LOAD_JSON})" if rule.load else ""
         adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"
         lines += [
             f"{rule.id:<14} {adds}",
-            f"{'':<14} measured under: {measured_words(rule.measured)}",
+            f"{'':<14} measured under: {'; '.join(measured)}",
             f"{'':<14} figures: TPOT {figures(rule.figures)} of {rule.versus} ({rule.source})",
             f"{'':<14} real weights: {real_words(rule)}{real}",
             f"{'':<14} at load: {load_words(rule)}{load}",
@@ -163,16 +159,11 @@ def table_lines() -> list[str]:
     return lines
 
 
-NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
-
-
 def command_start(
     values: dict[str, object], command: list[str]
 ) -> tuple[Start, str, SpeculativeRequest]:
-    """The start the rules read for `command`: plan.start_of over the facts a launch
-    gathers (cli.launch_facts), where its vLLM was found (or that none was), and its SD
-    request. Without a vLLM, the facts of a target with no program and no environment: the
-    host's and the caller's alone."""
+    """The start the rules read for `command` (as a launch plans it), where its vLLM was
+    found, and its SD request; without a vLLM, the host's and the caller's facts alone."""
     settings = launch_settings(values)
     try:
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
@@ -185,21 +176,15 @@ def command_start(
     return start, f"vLLM: {target.executable}", facts.speculative
 
 
-NO_SD = "no speculative decoding requested"
-NO_METHOD = "speculative decoding requested without a method or a draft model: no rule applies"
-
-
 def rule_key(rule: Rule) -> str:
-    """`map-1 ngram`, `methods-none-7 draft_model 7`: one row of the table, by its id and
-    what it was measured for."""
+    """`map-1 ngram`, `methods-none-7 draft_model 7`: a row of the table, named for a reader."""
     tokens = f" {rule.measured.tokens}" if rule.measured.tokens is not None else ""
     return f"{rule.id} {rule.measured.method}{tokens}"
 
 
 def matching(start: Start, requested: bool) -> dict[str, Any]:
     """Which setting rule and which runtimes rule apply to `start` (`requested`: it asks
-    for SD), and every rule's conditions that fail here (the first is the one that
-    decides)."""
+    for SD), and every rule's conditions that fail here (the first one decides)."""
     setting = setting_rule(start) if start.method else None
     if setting and not setting.note:
         setting = replace(setting, note=f"{NOT_MEASURED_HERE}; libiomp5 at vLLM's settings")
@@ -210,18 +195,6 @@ def matching(start: Start, requested: bool) -> dict[str, Any]:
         "runtime": runtime.rule.id if runtime and runtime.rule else None,
         "runtime_note": runtime.note if runtime else None,
         "misses": {rule_key(rule): [words(m) for m in misses(rule, start)] for rule in RULES},
-    }
-
-
-def start_json(start: Start, found: str) -> dict[str, Any]:
-    return {
-        "machine": start.machine,
-        "cpus": start.cpus,
-        "vllm": start.release,
-        "found": found,
-        "one_worker": start.one_worker,
-        "method": start.method,
-        "tokens": start.tokens,
     }
 
 
@@ -279,7 +252,16 @@ def main(values: dict[str, object], args: list[str]) -> int:
         start, found, speculative = command_start(merged, command)
         matched = matching(start, speculative.requested)
         said = vllm_words(start, speculative, matched["rule"])
-        record.update(start=start_json(start, found), **matched, vllm=said)
+        record["start"] = {
+            "machine": start.machine,
+            "cpus": start.cpus,
+            "vllm": start.release,
+            "found": found,
+            "one_worker": start.one_worker,
+            "method": start.method,
+            "tokens": start.tokens,
+        }
+        record.update(**matched, vllm=said)
         lines = command_lines(start, found, speculative.requested, matched)
         lines += [f"vLLM:     {w}" for w in said]
     write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))

@@ -33,7 +33,6 @@ from vllm_cpu_launch.systemd_syntax import (
     environment_word,
     exec_line,
     plain_text,
-    setting_value,
     user_group_problem,
 )
 
@@ -44,25 +43,15 @@ if TYPE_CHECKING:
 
 DEFAULT_NAME = "vllm-cpu-launch"
 UNIT_OPTIONS = {"--name": "unit_name", "--user": "unit_user", "--group": "unit_group"}
-ENV_OPTION = {"--env": "unit_env"}
 UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.\\-]*\Z")
 UNIT_FILE_NAME_MAX = 255  # NAME_MAX: the unit file NAME.service is one file name
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-LIMIT_NOFILE = 65535
 STOP_MARGIN_S = 60  # beyond vLLM's own --shutdown-timeout (drain), for the engine to exit
 DEFAULT_STOP_TIMEOUT_S = 120
-# Launcher options that are baked into ExecStart, in this order.
-BAKED_VALUED = (
-    ("iomp", "--iomp"),
-    ("iomp_path", "--iomp-path"),
-    ("tcmalloc", "--tcmalloc"),
-    ("tcmalloc_path", "--tcmalloc-path"),
-    ("kmp_blocktime", "--kmp-blocktime"),
-    ("vllm", "--vllm"),
-    ("config", "--launcher-config"),
-)
+# Baked into ExecStart: every valued launcher option (VALUED_OPTIONS' order), then these.
 BAKED_FLAGS = (("strict", "--strict"), ("quiet", "--quiet"), ("verbose", "--verbose"))
 PATH_KEYS = ("iomp_path", "tcmalloc_path", "config")
+PRIVATE_TMP_DIRS = ("/tmp/", "/var/tmp/")  # what PrivateTmp=yes replaces with empty ones
 
 USAGE = """\
 usage: vllm-cpu-launch systemd-unit [--name NAME] [--user USER] [--group GROUP]
@@ -79,12 +68,57 @@ requires. Save it as /etc/systemd/system/NAME.service.
   --group GROUP       run with group GROUP
   --env KEY=VALUE     an Environment= line for the service (repeatable)
 """
+DYNAMIC_USER = (
+    "# No --user given: a transient user; the model must be world-readable.\nDynamicUser=yes"
+)
+NO_PRIVATE_TMP = "# No PrivateTmp=yes: the launcher, vLLM or a library it preloads is under /tmp."
+UNIT = """\
+# {name}.service, written by vllm-cpu-launch {version} systemd-unit.
+# Install: save as /etc/systemd/system/{name}.service, then
+#   systemctl daemon-reload && systemctl enable --now {name}.service
+# Logs: journalctl -u {name}.service (launcher messages keep their levels)
+[Unit]
+Description={description}
+Wants=network-online.target
+After=network-online.target
 
+[Service]
+# exec: started once the launcher runs; it execs vLLM, which keeps the main PID.
+Type=exec
+ExecStart={exec_start}
+{identity}
+# vLLM, Hugging Face and torch write caches under HOME/XDG_CACHE_HOME: point them
+# at the directories systemd creates for this unit (%S = /var/lib, %C = /var/cache).
+Environment=HOME=%S/{name}
+Environment=XDG_CACHE_HOME=%C/{name}
+Environment=HF_HOME=%C/{name}/huggingface
+Environment=VLLM_CACHE_ROOT=%C/{name}/vllm
+{environment}CacheDirectory={name}
+StateDirectory={name}
+WorkingDirectory=%S/{name}
+Restart=on-failure
+RestartSec=10s
+# SIGTERM makes vLLM drain (its --shutdown-timeout) and stop its engine processes;
+# mixed: only the main process gets SIGTERM, all of them SIGKILL at the timeout.
+KillMode=mixed
+TimeoutStopSec={stop_timeout}s
+# vLLM's API server and engine open many sockets and files.
+LimitNOFILE=65535
+# Hardening that vLLM on CPU tolerates. Not MemoryDenyWriteExecute: torch compiles
+# kernels at run time. /dev/shm stays writable for vLLM's shared-memory queues.
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=read-only
+{private_tmp}
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectControlGroups=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+SyslogIdentifier={name}
 
-# ---------------------------------------------------------------- the unit
-
-
-PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp")
+[Install]
+WantedBy=multi-user.target"""
 
 
 def launcher_command() -> list[str]:
@@ -100,12 +134,11 @@ def shutdown_timeout(arguments: Sequence[str]) -> int | None:
     """vLLM's `--shutdown-timeout N` (seconds it drains requests on SIGTERM)."""
     found: int | None = None
     for index, token in enumerate(arguments):
-        value: str | None = None
-        if token in ("--shutdown-timeout", "--shutdown_timeout") and index + 1 < len(arguments):
+        name, has_value, value = token.partition("=")
+        if not has_value and index + 1 < len(arguments):
             value = arguments[index + 1]
-        elif token.startswith(("--shutdown-timeout=", "--shutdown_timeout=")):
-            value = token.partition("=")[2]
-        if value is not None and value.isascii() and value.isdigit():
+        drain = name in ("--shutdown-timeout", "--shutdown_timeout")
+        if drain and value.isascii() and value.isdigit():
             found = int(value)
     return found
 
@@ -113,7 +146,7 @@ def shutdown_timeout(arguments: Sequence[str]) -> int | None:
 def baked_options(values: dict[str, object], target: Target | None) -> list[str]:
     """The launcher options of ExecStart, with every path made absolute."""
     options: list[str] = []
-    for key, option in BAKED_VALUED:
+    for option, key in VALUED_OPTIONS.items():
         value = values.get(key)
         if key == "vllm" and target is not None and target.found_via != "launcher-environment":
             # The same vLLM as now, whether --vllm, a variable, a config file or PATH
@@ -128,16 +161,9 @@ def baked_options(values: dict[str, object], target: Target | None) -> list[str]
     return options
 
 
-def environment_lines(values: dict[str, object], name: str) -> list[str]:
-    """Environment= for the caches vLLM, Hugging Face and torch write, then the user's."""
-    lines = [
-        "# vLLM, Hugging Face and torch write caches under HOME/XDG_CACHE_HOME: point them",
-        "# at the directories systemd creates for this unit (%S = /var/lib, %C = /var/cache).",
-        f"Environment=HOME=%S/{name}",
-        f"Environment=XDG_CACHE_HOME=%C/{name}",
-        f"Environment=HF_HOME=%C/{name}/huggingface",
-        f"Environment=VLLM_CACHE_ROOT=%C/{name}/vllm",
-    ]
+def user_environment(values: dict[str, object]) -> str:
+    """The Environment= lines of --env, each ending in a line break (none without one)."""
+    lines = []
     extra = values.get("unit_env") or []
     assert isinstance(extra, list)
     for assignment in extra:
@@ -146,114 +172,41 @@ def environment_lines(values: dict[str, object], name: str) -> list[str]:
             raise LaunchError(
                 EXIT_USAGE, f"--env {assignment!r}: expected KEY=VALUE with KEY a variable name"
             )
-        lines.append(f"Environment={environment_word(key, value)}")
-    return lines
-
-
-def hidden_by_private_tmp(paths: Sequence[str]) -> list[str]:
-    """The paths PrivateTmp=yes would hide: the service gets an empty /tmp and /var/tmp."""
-    hidden = []
-    for path in dict.fromkeys(paths):
-        for form in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
-            if any(form == top or form.startswith(top + "/") for top in PRIVATE_TMP_DIRS):
-                hidden.append(path)
-                break
-    return hidden
-
-
-def header_lines(name: str, description: str) -> list[str]:
-    """How to install the unit and read its logs, and its [Unit] section."""
-    return [
-        f"# {name}.service, written by vllm-cpu-launch {__version__} systemd-unit.",
-        f"# Install: save as /etc/systemd/system/{name}.service, then",
-        f"#   systemctl daemon-reload && systemctl enable --now {name}.service",
-        f"# Logs: journalctl -u {name}.service (launcher messages keep their levels)",
-        "[Unit]",
-        f"Description={plain_text(description)}",
-        "Wants=network-online.target",
-        "After=network-online.target",
-        "",
-    ]
-
-
-def identity_lines(values: dict[str, object]) -> list[str]:
-    """User= (else a transient DynamicUser) and Group=, as given."""
-    user = values.get("unit_user")
-    group = values.get("unit_group")
-    lines = []
-    if isinstance(user, str):
-        lines.append(f"User={setting_value(user)}")
-    else:
-        lines.append("# No --user given: a transient user; the model must be world-readable.")
-        lines.append("DynamicUser=yes")
-    if isinstance(group, str):
-        lines.append(f"Group={setting_value(group)}")
-    return lines
+        lines.append(f"Environment={environment_word(key, value)}\n")
+    return "".join(lines)
 
 
 def render_unit(
     values: dict[str, object],
-    command: Sequence[str],
-    arguments: Sequence[str],
-    target: Target | None,
+    command: list[str],
+    arguments: list[str],
     description: str,
-    private_tmp: bool = True,
+    private_tmp: bool,
 ) -> str:
-    """The unit file text for `launcher [options] -- command...`; without `private_tmp`,
+    """The unit file text for `launcher command... -- arguments...`; without `private_tmp`,
     PrivateTmp is left out (with a comment saying why)."""
     name = str(values.get("unit_name") or DEFAULT_NAME)
     drain = shutdown_timeout(arguments)
-    stop_timeout = DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S
-    argv = [*launcher_command(), *command, *baked_options(values, target), "--", *arguments]
-    lines = [
-        *header_lines(name, description),
-        "[Service]",
-        "# exec: started once the launcher runs; it execs vLLM, which keeps the main PID.",
-        "Type=exec",
-        f"ExecStart={exec_line(argv)}",
-    ]
-    lines += identity_lines(values)
-    lines += environment_lines(values, name)
-    lines += [
-        f"CacheDirectory={name}",
-        f"StateDirectory={name}",
-        f"WorkingDirectory=%S/{name}",
-        "Restart=on-failure",
-        "RestartSec=10s",
-        "# SIGTERM makes vLLM drain (its --shutdown-timeout) and stop its engine processes;",
-        "# mixed: only the main process gets SIGTERM, all of them SIGKILL at the timeout.",
-        "KillMode=mixed",
-        f"TimeoutStopSec={stop_timeout}s",
-        "# vLLM's API server and engine open many sockets and files.",
-        f"LimitNOFILE={LIMIT_NOFILE}",
-        "# Hardening that vLLM on CPU tolerates. Not MemoryDenyWriteExecute: torch compiles",
-        "# kernels at run time. /dev/shm stays writable for vLLM's shared-memory queues.",
-        "NoNewPrivileges=yes",
-        "ProtectSystem=strict",
-        "ProtectHome=read-only",
-        "PrivateTmp=yes"
-        if private_tmp
-        else "# No PrivateTmp=yes: the launcher, vLLM or a library it preloads is under /tmp.",
-        "ProtectKernelTunables=yes",
-        "ProtectKernelModules=yes",
-        "ProtectControlGroups=yes",
-        "RestrictSUIDSGID=yes",
-        "LockPersonality=yes",
-        f"SyslogIdentifier={name}",
-        "",
-        "[Install]",
-        "WantedBy=multi-user.target",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- the verb
+    user = values.get("unit_user")
+    group = values.get("unit_group")
+    identity = [f"User={user.replace('%', '%%')}" if isinstance(user, str) else DYNAMIC_USER]
+    if isinstance(group, str):
+        identity.append(f"Group={group.replace('%', '%%')}")
+    return UNIT.format(
+        name=name,
+        version=__version__,
+        description=plain_text(description),
+        exec_start=exec_line([*launcher_command(), *command, "--", *arguments]),
+        identity="\n".join(identity),
+        environment=user_environment(values),
+        stop_timeout=DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S,
+        private_tmp="PrivateTmp=yes" if private_tmp else NO_PRIVATE_TMP,
+    )
 
 
 def warn_unseen_variables() -> None:
-    """The caller's VLLMCPULAUNCH_* settings (or their deprecated VLLM_CPU_LAUNCH_* names)
-    do not reach the service. (The system root is no setting: a test's host, where the
-    service is the system's own.)"""
+    """The caller's VLLMCPULAUNCH_* settings (or deprecated VLLM_CPU_LAUNCH_*) do not reach
+    the service. (The system root is no setting: a test's host, where the service is ours.)"""
     for variable in sorted(os.environ):
         ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
         unseen = not variable.endswith("LAUNCH_VLLM") and variable != SYSTEM_ROOT_VARIABLE
@@ -298,18 +251,21 @@ def check_plan(
                 f"HOME); pass --launcher-config {path} or use {SYSTEM_CONFIG}",
             )
     programs = (target.executable, target.interpreter, target.prefix)
-    needed = [p for p in programs if p] + [p.path for p in plan.preload]
-    return target, needed
+    return target, [p for p in programs if p] + [p.path for p in plan.preload]
 
 
 def tmp_ok(needed: Sequence[str], values: dict[str, object]) -> bool:
-    """Whether the unit may have a private /tmp; warns about what it would hide.
-
-    Without --user the unit runs as a transient user (DynamicUser=yes), which implies
-    PrivateTmp=yes whatever the unit says (systemd.exec(5)): such a unit could not see
-    them, and running it as root instead is no default to fall back to, so that is an
-    error naming the fix."""
-    hidden = hidden_by_private_tmp([*launcher_command()[:1], *needed])
+    """Whether the unit may have a private /tmp; warns about what it would hide. Without
+    --user, DynamicUser=yes implies PrivateTmp=yes whatever the unit says (systemd.exec(5)),
+    and running as root instead is no default to fall back to: an error naming the fix."""
+    hidden = [
+        path
+        for path in dict.fromkeys([*launcher_command()[:1], *needed])
+        if any(
+            f"{form}/".startswith(PRIVATE_TMP_DIRS)
+            for form in (os.path.abspath(path), os.path.realpath(path))
+        )
+    ]
     if hidden and not isinstance(values.get("unit_user"), str):
         raise LaunchError(
             EXIT_USAGE,
@@ -339,22 +295,19 @@ def check_names(values: dict[str, object]) -> None:
             f"--name {name!r}: {name}.service is over {UNIT_FILE_NAME_MAX} bytes, the longest "
             "file name; give a shorter name",
         )
-    for key, option, setting in (
-        ("unit_user", "--user", "User"),
-        ("unit_group", "--group", "Group"),
-    ):
-        value = values.get(key)
+    for setting in ("User", "Group"):
+        value = values.get(f"unit_{setting.lower()}")
         problem = user_group_problem(str(value)) if value is not None else None
         if problem:
             raise LaunchError(
                 EXIT_USAGE,
-                f"{option} {value!r}: systemd refuses it in {setting}= ({problem}); give a "
-                "user or group name without ':' or '/', or a numeric id",
+                f"--{setting.lower()} {value!r}: systemd refuses it in {setting}= ({problem}); "
+                "give a user or group name without ':' or '/', or a numeric id",
             )
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, **ENV_OPTION}
+    valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, "--env": "unit_env"}
     more, rest = parse_options(
         args, valued, FLAG_OPTIONS, repeatable=("unit_env",), verb="systemd-unit"
     )
@@ -370,7 +323,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "systemd-unit needs the vLLM command: systemd-unit -- serve MODEL [ARGS...]"
         )
-    environment_lines(merged, DEFAULT_NAME)  # validates every --env before anything else
+    user_environment(merged)  # validates every --env before anything else
     warn_unseen_variables()
     if rest[0] == "exec":
         exec_options, program_argv = parse_options(rest[1:], verb="systemd-unit")
@@ -379,10 +332,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
         merged.update(exec_options)
         target, needed = check_plan(merged, program_argv[1:], program_argv[0])
         program = target.executable if target is not None else program_argv[0]
-        arguments = [program, *program_argv[1:]]
-        # `exec` takes the launcher's options after it, and then the program.
         description = f"{os.path.basename(program)} with Intel OpenMP (vllm-cpu-launch exec)"
-        unit = render_unit(merged, ["exec"], arguments, None, description, tmp_ok(needed, merged))
+        # `exec` takes the launcher's options after it, and then the program.
+        command, arguments = ["exec", *baked_options(merged, None)], [program, *program_argv[1:]]
     else:
         target, needed = check_plan(merged, rest, None)
         model = model_of(rest)
@@ -393,8 +345,8 @@ def main(values: dict[str, object], args: list[str]) -> int:
                 "directory: give an absolute path",
             )
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
-        model_path = [model] if model and os.path.isabs(model) else []
-        private_tmp = tmp_ok(needed + model_path, merged)
-        unit = render_unit(merged, [], rest, target, description, private_tmp)
-    write_stdout(unit.rstrip("\n"))
+        needed += [model] if model and os.path.isabs(model) else []
+        command, arguments = baked_options(merged, target), rest
+    unit = render_unit(merged, command, arguments, description, tmp_ok(needed, merged))
+    write_stdout(unit)
     return 0

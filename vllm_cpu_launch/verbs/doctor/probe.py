@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.cli import launch_facts
-from vllm_cpu_launch.errors import LaunchError
+from vllm_cpu_launch.errors import LaunchError, replace
 from vllm_cpu_launch.gather import import_directories, support
 from vllm_cpu_launch.handoff import LD_PRELOAD, PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.plan import plan_as_json, plan_of, start_of

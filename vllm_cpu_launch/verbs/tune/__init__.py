@@ -1,23 +1,19 @@
-"""`vllm-cpu-launch tune`: measure OpenMP configurations with vLLM's own `vllm bench latency`.
+"""`vllm-cpu-launch tune`: measure OpenMP configurations with vLLM's own benchmarks.
 
 The one verb that runs children. Each contender (a candidate, to the user) is a launcher
-plan, built by the code path `--dry-run` prints (`plan_from_options`), for `vllm bench
-latency --model MODEL ARGS...` translated from the user's `serve MODEL ARGS...`; its
-command runs with its environment, in rounds, the order rotated every round. The rounds
-won and the medians of the runs' median latencies give the outcome (contest.outcome_of);
-`--write` stores the result in the user's launcher config, where it is a config value like
-any other (option > variable > config).
+plan, built by the code path `--dry-run` prints (`plan_from_options`), for the user's
+`serve MODEL ARGS...` (or `vllm bench latency --model MODEL ARGS...` translated from it),
+run in rounds, the order rotated every round. `--write` stores the result in the user's
+launcher config, where it is a config value like any other (option > variable > config).
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import shlex
 import shutil
 import signal
 import tempfile
-import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -33,31 +29,29 @@ from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
-from vllm_cpu_launch.verbs.tune.checks import check_vocabulary, check_writable
-from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
-from vllm_cpu_launch.verbs.tune.config import tune_updates, write_config
-from vllm_cpu_launch.verbs.tune.contest import (
-    CONTENDERS,
-    Contender,
-    Outcome,
-    Summary,
-    besides_runtime,
-    outcome_of,
-    rotated,
-    table,
-)
-from vllm_cpu_launch.verbs.tune.runner import ended, run_once
-from vllm_cpu_launch.verbs.tune.serving import (
+from vllm_cpu_launch.verbs.tune.command import (
+    BENCH_OPTIONS,
     SHIPPED_PROMPTS,
     Load,
+    bench_arguments,
     check_prompts,
-    client_command,
-    default_concurrencies,
+    check_vocabulary,
     parse_concurrencies,
     server_arguments,
-    write_dataset,
 )
-from vllm_cpu_launch.verbs.tune.serving_rounds import outcome_at_load, report_lines, run_rounds
+from vllm_cpu_launch.verbs.tune.config import check_writable, tune_updates, write_config
+from vllm_cpu_launch.verbs.tune.contest import (
+    CONTENDERS,
+    GOMP,
+    IOMP,
+    Contender,
+    Outcome,
+    besides_runtime,
+    latency_contest,
+    outcome_of,
+    serving_contest,
+    table,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -132,39 +126,30 @@ log), 2 usage or config error, 3 libiomp5 not found, 126/127 vLLM not startable;
 benchmark run or server that fails ends the tune with vLLM's exit code (its log is kept).
 """
 
-TUNE_VALUED = {
-    "--rounds": "rounds",
-    "--time-limit": "time_limit",
-    "--benchmark": "benchmark",
-    "--concurrency": "concurrency",
-    "--prompts": "prompts",
-    "--num-prompts": "num_prompts",
-    **{option: key for option, (key, _) in BENCH_OPTIONS.items()},
-}
-
-
-class Benchmark(enum.Enum):
-    """--benchmark: which of vLLM's benchmarks drives the contenders."""
-
-    SERVE = "serve"  # `vllm bench serve` against the user's own server (the default)
-    LATENCY = "latency"  # `vllm bench latency`: batch only, no port
-
-
-LATENCY_ONLY = {
-    option: key for option, (key, _) in BENCH_OPTIONS.items() if option != "--output-len"
-}
 SERVING_ONLY = {
     "--concurrency": "concurrency",
     "--prompts": "prompts",
     "--num-prompts": "num_prompts",
 }
+LATENCY_ONLY = {
+    option: key for option, (key, _) in BENCH_OPTIONS.items() if option != "--output-len"
+}
+TUNE_VALUED = {
+    "--rounds": "rounds",
+    "--time-limit": "time_limit",
+    "--benchmark": "benchmark",
+    **SERVING_ONLY,
+    **{option: key for option, (key, _) in BENCH_OPTIONS.items()},
+}
+# --benchmark: which of vLLM's benchmarks drives the contenders -> the other one, whose
+# options it refuses. serve (the default): `vllm bench serve` against the user's own
+# server; latency: `vllm bench latency`, batch only, no port.
+BENCHMARKS = {"serve": ("latency", LATENCY_ONLY), "latency": ("serve", SERVING_ONLY)}
 # vLLM runs no warm-up iteration at 0 (range(args.num_iters_warmup), latency.py 0.32).
 BENCH_LEAST = {"num_iters_warmup": 0}
 DEFAULT_ROUNDS = 3
 DEFAULT_TIME_LIMIT_S = 1800.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-# ---------------------------------------------------------------- the verb
 
 
 def positive(value: object, option: str, whole: bool, least: float = 1) -> float:
@@ -186,16 +171,13 @@ def contender_plans(
 ) -> tuple[dict[Contender, Plan], Plan]:
     """Each contender's plan (the --dry-run code path), and what --iomp auto plans."""
     plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CONTENDERS}
-    by_name = {c.name: c for c in CONTENDERS}
-    iomp_plan = plans[by_name["libiomp5"]]
-    if not any(p.kind == "iomp" for p in iomp_plan.preload):
-        for warning in iomp_plan.warnings:
+    if not any(p.kind == "iomp" for p in plans[IOMP].preload):
+        for warning in plans[IOMP].warnings:
             emit("warning", warning)
         raise LaunchError(
             EXIT_LIBRARY_MISSING, "libiomp5 cannot be preloaded here: nothing to compare"
         )
-    gomp_plan = plans[by_name["libgomp"]]
-    gomp_preload = dict(gomp_plan.env).get(LD_PRELOAD, inherited(gomp_plan))
+    gomp_preload = dict(plans[GOMP].env).get(LD_PRELOAD, inherited(plans[GOMP]))
     if any(entry.kind.kmp for entry in read_preload(gomp_preload)):
         raise LaunchError(
             EXIT_USAGE,
@@ -211,14 +193,11 @@ def inherited(plan: Plan) -> str:
     return dict(plan.inputs).get(LD_PRELOAD) or ""
 
 
-def parse(values: dict[str, object], args: list[str]) -> tuple[dict[str, object], list[str]]:
-    valued = {**VALUED_OPTIONS, **TUNE_VALUED}
-    more, rest = parse_options(args, valued, {**FLAG_OPTIONS, "--write": "write"}, verb="tune")
-    return {**values, **more}, rest
-
-
 def main(values: dict[str, object], args: list[str]) -> int:
-    merged, serve = parse(values, args)
+    """Every input a run would fail on is checked before the first vLLM start."""
+    valued = {**VALUED_OPTIONS, **TUNE_VALUED}
+    more, serve = parse_options(args, valued, {**FLAG_OPTIONS, "--write": "write"}, verb="tune")
+    merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())
         return 0
@@ -232,8 +211,10 @@ def main(values: dict[str, object], args: list[str]) -> int:
         for option, (key, default) in BENCH_OPTIONS.items()
     }
     explicit = merged.get("config") or os.environ.get(CONFIG_VARIABLE)
-    config_path = str(explicit) if explicit else user_config_path(os.environ)
-    if merged.get("write") and config_path is None:
+    write_to = str(explicit) if explicit else user_config_path(os.environ)
+    if not merged.get("write"):
+        write_to = None
+    elif write_to is None:
         raise LaunchError(
             EXIT_USAGE, "--write: no config file: set HOME or give --launcher-config FILE"
         )
@@ -245,58 +226,44 @@ def main(values: dict[str, object], args: list[str]) -> int:
         check_vocabulary(model_of(serve))
     else:
         server_arguments(serve, 0)  # refuses --headless
-    if merged.get("write") and config_path:
-        check_writable(config_path)
+    if write_to:
+        check_writable(write_to)
     workdir = tempfile.mkdtemp(prefix="vllm-cpu-launch-tune-")
     # SIGTERM/SIGHUP (systemd, a closed terminal) unwind like Ctrl-C: the run in progress
     # is killed with its whole session on the way out, as on every other exit.
     previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
+    keep = False
     try:
-        if load is None:
-            code = measure(merged, serve, bench, rounds, limit_s, config_path, workdir)
-        else:
-            code = measure_serving(merged, serve, load, rounds, limit_s, config_path, workdir)
+        measure(merged, serve, bench, load, rounds, limit_s, write_to, workdir)
     except LaunchError as error:
-        if error.subject != workdir:  # a failed run keeps its logs; nothing else does
-            shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+        keep = error.subject == workdir  # a failed run keeps its logs; nothing else does
         raise
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-    shutil.rmtree(workdir, ignore_errors=True)
-    return code
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
 
 
 def load_of(merged: Mapping[str, object], output_len: int) -> Load | None:
     """What the serving benchmark sends (None: --benchmark latency), after the checks of
     its options; an option of the other benchmark is a usage error, not ignored."""
-    given = str(merged.get("benchmark", Benchmark.SERVE.value))
-    try:
-        benchmark = Benchmark(given)
-    except ValueError:
-        raise LaunchError(
-            EXIT_USAGE, f"--benchmark {given!r}: use serve (the default) or latency"
-        ) from None
-    serving = benchmark is Benchmark.SERVE
-    other = LATENCY_ONLY if serving else SERVING_ONLY
-    theirs = Benchmark.LATENCY if serving else Benchmark.SERVE
-    foreign = [option for option, key in other.items() if key in merged]
+    given = str(merged.get("benchmark", "serve"))
+    if given not in BENCHMARKS:
+        raise LaunchError(EXIT_USAGE, f"--benchmark {given!r}: use serve (the default) or latency")
+    theirs, options = BENCHMARKS[given]
+    foreign = [option for option, key in options.items() if key in merged]
     if foreign:
         raise LaunchError(
             EXIT_USAGE,
-            f"{foreign[0]} is --benchmark {theirs.value}'s option, not {benchmark.value}'s: "
-            f"add --benchmark {theirs.value} or leave it out",
+            f"{foreign[0]} is --benchmark {theirs}'s option, not {given}'s: "
+            f"add --benchmark {theirs} or leave it out",
         )
-    if not serving:
+    if given == "latency":
         return None
-    concurrencies = (
-        parse_concurrencies(merged["concurrency"])
-        if "concurrency" in merged
-        else default_concurrencies(len(os.sched_getaffinity(0)))
-    )
+    usual = "1,4,8" if len(os.sched_getaffinity(0)) >= 8 else "1,4"
+    concurrencies = parse_concurrencies(merged.get("concurrency", usual))
     prompts, texts = check_prompts(str(merged.get("prompts", SHIPPED_PROMPTS)))
     number = merged.get("num_prompts")
     count = None if number is None else int(positive(number, "--num-prompts", whole=True))
@@ -307,103 +274,54 @@ def stop(number: int, _frame: object) -> None:
     raise SystemExit(128 + number)
 
 
-def report(
-    runs: Mapping[Contender, list[float]],
-    default: Contender,
-    plans: Mapping[Contender, Plan],
-    shown: str,
-) -> tuple[Outcome, list[str]]:
-    """The outcome, and what tune prints of it: the command, the table, what the
-    contenders differ in, and the result."""
-    summaries = [Summary(c, tuple(runs[c])) for c in CONTENDERS]
-    outcome = outcome_of(summaries, default)
-    envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
-    lines = [
-        f"measured: {shown}",
-        f"default:  {default.name} (what --iomp auto plans for this command)",
-        table(summaries),
-        besides_runtime(envs, inherited(plans[default])),
-    ]
-    lines.append(result_line(outcome, default))
-    return outcome, lines
-
-
-def result_line(outcome: Outcome, default: Contender) -> str:
-    if outcome.winner is None:
-        return f"result: {outcome.result}: keeping the default ({default.name})"
-    if outcome.winner == default:
-        return f"result: {outcome.result}: the default ({default.name}) is best"
-    return f"result: {outcome.result}: best is --iomp {outcome.winner.iomp}"
-
-
-def run_latency_rounds(
-    plans: Mapping[Contender, Plan],
-    rounds: int,
-    limit_s: float,
-    workdir: str,
-    iterations: int,
-    say: Callable[[str], None],
-) -> dict[Contender, list[float]]:
-    """Each contender's run latencies, round by round in rotated order, within the limit."""
-    runs: dict[Contender, list[float]] = {c: [] for c in CONTENDERS}
-    order = list(rotated(CONTENDERS, rounds))
-    deadline = time.monotonic() + limit_s
-    stopped = ""
-    for number, (round_index, contender) in enumerate(order, 1):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            stopped = f"time limit of {limit_s:g} s reached before run {number}/{len(order)}"
-            break
-        log_path = os.path.join(workdir, f"{number:02d}-{contender.name}.log")
-        output_json = os.path.join(workdir, "latency.json")
-        started = time.monotonic()
-        latency = run_once(plans[contender], log_path, output_json, left)
-        took = time.monotonic() - started
-        if latency is None:
-            stopped = (
-                f"time limit of {limit_s:g} s reached during run {number}/{len(order)} (killed)"
-            )
-            break
-        runs[contender].append(latency)
-        say(
-            f"run {number}/{len(order)} (round {round_index + 1}/{rounds}) {contender.name}: "
-            f"median latency {latency:.4f} s over {iterations} iterations ({took:.0f} s)"
-        )
-    ended(stopped, runs, "ran")
-    return runs
-
-
 def measure(
     merged: dict[str, object],
     serve: Sequence[str],
     bench: Mapping[str, int],
+    load: Load | None,
     rounds: int,
     limit_s: float,
-    config_path: str | None,
+    write_to: str | None,
     workdir: str,
-) -> int:
-    """Plan, run the rounds, print the table, write the config with --write."""
-    arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
+) -> None:
+    """Plan, run the rounds, print the tables, write the config with --write: the one path
+    of both benchmarks, so that they report alike."""
+    if load is None:
+        arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
+        shown = shlex.join(["vllm", *arguments[: arguments.index("--output-json")]])
+        note, each, clients = "not passed to vllm bench latency (serve-only options)", "", []
+    else:
+        arguments, dropped = server_arguments(serve, 0)
+        shown = shlex.join(["vllm", *arguments[:-1], "PORT"])
+        note = "replaced by tune's loopback port"
+        each = f", each start at concurrency {','.join(str(c) for c in load.concurrencies)}"
+        clients = [
+            f"clients:  vllm bench serve on {load.prompts}, {load.output_len} tokens a request"
+        ]
     plans, auto = contender_plans(merged, arguments)
-    default = default_of(auto)
-    shown = shlex.join(["vllm", *arguments[: arguments.index("--output-json")]])
+    default = IOMP if any(p.kind == "iomp" for p in auto.preload) else GOMP
     say = announce(plans, bool(merged.get("quiet")))
     if dropped:
-        say(f"not passed to vllm bench latency (serve-only options): {shlex.join(dropped)}")
-    say(f"measuring {len(plans)} candidates x {rounds} rounds: {shown} (logs in {workdir})")
-
-    runs = run_latency_rounds(plans, rounds, limit_s, workdir, bench["num_iters"], say)
-
-    outcome, lines = report(runs, default, plans, shown)
-    done = min(len(r) for r in runs.values())
-    finish(merged, config_path, outcome, done, shown, auto, lines)
-    return 0
-
-
-def default_of(auto: Plan) -> Contender:
-    """The contender --iomp auto amounts to for this command."""
-    by_name = {c.name: c for c in CONTENDERS}
-    return by_name["libiomp5" if any(p.kind == "iomp" for p in auto.preload) else "libgomp"]
+        say(f"{note}: {shlex.join(dropped)}")
+    say(f"measuring {len(plans)} candidates x {rounds} rounds{each}: {shown} (logs in {workdir})")
+    at_load = None
+    if load is None:
+        summaries = latency_contest(plans, rounds, limit_s, workdir, bench["num_iters"], say)
+        outcome, tables = outcome_of(summaries, default), [table(summaries)]
+        done = min(len(s.runs) for s in summaries)
+    else:
+        contest = serving_contest(merged, serve, load, default, rounds, limit_s, workdir, say)
+        outcome, tables, done, at_load = contest
+    envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
+    lines = [
+        f"measured: {shown}",
+        *clients,
+        f"default:  {default.name} (what --iomp auto plans for this command)",
+        *tables,
+        besides_runtime(envs, inherited(plans[default])),
+        result_line(outcome, default),
+    ]
+    finish(write_to, outcome, done, shown, auto, lines, at_load)
 
 
 def announce(plans: Mapping[Contender, Plan], quiet: bool) -> Callable[[str], None]:
@@ -421,74 +339,34 @@ def announce(plans: Mapping[Contender, Plan], quiet: bool) -> Callable[[str], No
     return say
 
 
+def result_line(outcome: Outcome, default: Contender) -> str:
+    """The last line of the report: what to set, in the words of --iomp."""
+    if outcome.winner is None:
+        return f"result: {outcome.result}: keeping the default ({default.name})"
+    if outcome.winner == default:
+        return f"result: {outcome.result}: the default ({default.name}) is best"
+    return f"result: {outcome.result}: best is --iomp {outcome.winner.iomp}"
+
+
 def finish(
-    merged: Mapping[str, object],
-    config_path: str | None,
+    write_to: str | None,
     outcome: Outcome,
     done: int,
     shown: str,
     auto: Plan,
     lines: list[str],
-    at_load: Mapping[int, Mode] | None = None,
+    at_load: Mapping[int, Mode] | None,
 ) -> None:
     """Store the record with --write (at_load: what won at each concurrency), then print."""
-    if merged.get("write") and config_path:
+    if write_to:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
         scope = auto.scope or Scope()  # a plan always has one
-        updates, removed = tune_updates(config_path, outcome, when, done, shown, scope, at_load)
-        write_config(config_path, updates, removed)
+        updates, removed = tune_updates(write_to, outcome, when, done, shown, scope, at_load)
+        write_config(write_to, updates, removed)
         lines.append(
             f"wrote: the tune record (iomp: {outcome.iomp}, for {describe(scope)}) to "
-            f"{config_path}; other commands and hosts keep what they had"
+            f"{write_to}; other commands and hosts keep what they had"
         )
     else:
         lines.append("not written (use --write to store it in your launcher config)")
     write_stdout("\n".join(lines))
-
-
-def measure_serving(
-    merged: dict[str, object],
-    serve: Sequence[str],
-    load: Load,
-    rounds: int,
-    limit_s: float,
-    config_path: str | None,
-    workdir: str,
-) -> int:
-    """Plan, start and drive each contender's server in rounds, print the tables, write."""
-    shown_arguments, replaced = server_arguments(serve, 0)
-    plans, auto = contender_plans(merged, shown_arguments)
-    default = default_of(auto)
-    model = str(model_of(serve))
-    shown = shlex.join(["vllm", *shown_arguments[:-1], "PORT"])
-    say = announce(plans, bool(merged.get("quiet")))
-    if replaced:
-        say(f"replaced by tune's loopback port: {shlex.join(replaced)}")
-    levels = ",".join(str(c) for c in load.concurrencies)
-    say(
-        f"measuring {len(plans)} candidates x {rounds} rounds, each start at concurrency "
-        f"{levels}: {shown} (logs in {workdir})"
-    )
-
-    dataset = write_dataset(load, os.path.join(workdir, "prompts.json"))
-
-    def client(program: Sequence[str], url: str, concurrency: int, result: str) -> list[str]:
-        return client_command(program, model, serve, url, load, dataset, concurrency, result)
-
-    def plan_for(contender: Contender, arguments: Sequence[str]) -> Plan:
-        return plan_from_options({**merged, "iomp": contender.iomp}, arguments)
-
-    starts = run_rounds(plan_for, serve, client, load, rounds, limit_s, workdir, say)
-    outcome = outcome_at_load(starts, load, default)
-    envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
-    lines = [
-        f"measured: {shown}",
-        f"clients:  vllm bench serve on {load.prompts}, {load.output_len} tokens a request",
-        f"default:  {default.name} (what --iomp auto plans for this command)",
-        *report_lines(starts, load, outcome),
-        besides_runtime(envs, inherited(plans[default])),
-        result_line(outcome.overall, default),
-    ]
-    done = min(len(s) for s in starts.values())
-    finish(merged, config_path, outcome.overall, done, shown, auto, lines, outcome.iomp_at())
-    return 0

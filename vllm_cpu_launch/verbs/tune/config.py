@@ -33,11 +33,9 @@ def tune_updates(
     scope: Scope,
     at_load: Mapping[int, Mode] | None = None,
 ) -> tuple[dict[str, object], tuple[str, ...]]:
-    """(updates, keys to remove) for the config at path: this tune's record first, the
-    file's records of other scopes after it, and the one of the same scope replaced. The
-    file's records are read as launches read them (settings.tuned_in_file): one from
-    before scoping gets its scope written out (settings.record_scope), and the global `iomp:`
-    it wrote beside itself goes, as it was that record's."""
+    """(updates, keys to remove): this tune's record first, the file's records of other
+    scopes after it, read as launches read them (settings.tuned_in_file): one from before
+    scoping gets its scope written out, and the global `iomp:` it wrote beside it goes."""
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, outcome.iomp, outcome.result, rounds, command, scope, concurrency=load)
     records = [record_fields(tuned, scope)]
@@ -61,15 +59,15 @@ def top_level_key(line: str) -> str | None:
 
 
 def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequence[str] = ()) -> str:
-    """The config text with `updates` (top-level keys) replaced or added and the `removed`
-    keys gone, everything else kept as written (comments too). Where the file's form
-    defeats a line edit, checked by parsing both, the whole file is written from its
-    parsed content instead."""
+    """The config text with `updates` (top-level keys) set and `removed` gone, the rest kept
+    as written (comments too); where a line edit parses wrong, the parsed content instead."""
     import yaml  # lazy: a verb, only where it writes
 
-    old = yaml.safe_load(old_text) if old_text.strip() else {}
-    old = old if isinstance(old, dict) else {}
-    wanted = {**{str(k).replace("-", "_"): v for k, v in old.items()}, **updates}
+    def keyed(parsed: object) -> dict[str, object]:  # the keys as settings reads them
+        items = parsed.items() if isinstance(parsed, dict) else ()
+        return {str(k).replace("-", "_"): v for k, v in items}
+
+    wanted = {**keyed(yaml.safe_load(old_text) if old_text.strip() else {}), **updates}
     for name in removed:
         wanted.pop(name, None)
     kept: list[str] = []
@@ -86,22 +84,16 @@ def merged_config(old_text: str, updates: Mapping[str, object], removed: Sequenc
         kept.pop()
     added = yaml.safe_dump(dict(updates), sort_keys=False, width=4096, allow_unicode=True)
     text = "\n".join([*kept, added]) if kept else added
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         parsed = yaml.safe_load(text)
-    except yaml.YAMLError:
-        parsed = None
-    if (
-        isinstance(parsed, dict)
-        and {str(k).replace("-", "_"): v for k, v in parsed.items()} == wanted
-    ):
-        return text
+        if isinstance(parsed, dict) and keyed(parsed) == wanted:
+            return text
     return yaml.safe_dump(wanted, sort_keys=False, width=4096, allow_unicode=True)
 
 
 def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str] = ()) -> None:
-    """Merge `updates` into the config file at path (made if missing), and drop the
-    `removed` keys, atomically; the file must be valid before (it is not overwritten
-    otherwise) and is checked after."""
+    """Merge `updates` into the config file at path (made if missing) atomically; a broken
+    file is reported, not overwritten, and the result is checked."""
     real = os.path.realpath(path)
     old_text, mode = "", 0o644
     if os.path.exists(real):
@@ -127,3 +119,30 @@ def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str
             EXIT_USAGE, f"{path}: cannot write the launcher config: {error}"
         ) from None
     read_config_file(real)
+
+
+def check_writable(path: str) -> None:
+    """--write's file can be made: a file created and removed beside it (in the nearest
+    directory that exists, which the write makes the rest of) before any run."""
+    home = os.path.dirname(os.path.realpath(path))
+    directory = home
+    while not os.path.lexists(directory):
+        directory = os.path.dirname(directory)
+    # The message names the directory the file goes in, and the one the probe tried.
+    missing = (
+        f"its directory {home} does not exist and cannot be made: " if directory != home else ""
+    )
+    why = f"{directory} is not a directory"
+    try:
+        if os.path.isdir(directory):
+            handle, probe = tempfile.mkstemp(prefix=".vllm-cpu-launch-probe.", dir=directory)
+            os.close(handle)
+            os.unlink(probe)
+            return
+    except OSError as error:
+        why = f"creating a file in {directory} fails ({error.strerror})"
+    raise LaunchError(
+        EXIT_USAGE,
+        f"--write: the launcher config {path} cannot be written: {missing}{why}; "
+        "give --launcher-config FILE in a directory you can write",
+    )

@@ -1,23 +1,54 @@
-"""Who won, by the noise rule, and the table of the runs."""
+"""The contest: rounds of runs in rotated order, each bounded and killed with its whole
+session, and who won by the noise rule; the serving benchmark's at each concurrency.
+
+vLLM 0.32's `vllm bench sweep serve` also starts a server per parameter set, but one
+serve command a sweep: the candidates could not alternate round by round, nor share one
+time limit, so tune starts each server itself and runs the client against it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import socket
 import statistics
-from typing import TYPE_CHECKING
+import subprocess
+import time
+import urllib.request
+from typing import TYPE_CHECKING, TypeVar
 
-from vllm_cpu_launch.errors import record
+from vllm_cpu_launch.cli import plan_from_options, provide_metadata
+from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit, record
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import Mode
+from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
+    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.verbs.tune.command import Load
 
+T = TypeVar("T")
 MIN_RUNS_FOR_A_WINNER = 2
 # Rounds a contender must all win, in rotated order, to win on that alone (with fewer, its
 # median must also beat the other's by more than the larger range).
 ROUNDS_FOR_A_SWEEP = 3
+KILL_WAIT_S = 30
+HEALTH_POLL_S = 1.0
+HEALTH_REQUEST_S = 5.0
+LOG_TAIL_LINES = 15
+VOCABULARY_HINT = (
+    "vllm bench latency draws random prompt token ids below 10000; this model's vocabulary "
+    "is smaller"
+)
+# What goes with a runtime rather than besides it: its own block time, and the mark.
+RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
+# The server is on loopback: a proxy in the caller's environment (http_proxy) is not asked.
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @record
@@ -29,6 +60,7 @@ class Contender:
 
 
 CONTENDERS = (Contender("libgomp", Mode.NEVER), Contender("libiomp5", Mode.ALWAYS))
+GOMP, IOMP = CONTENDERS
 
 
 @record
@@ -45,13 +77,6 @@ class Summary:
         return statistics.median(self.runs)
 
     @property
-    def quartiles(self) -> tuple[float, float]:
-        if len(self.runs) < 2:
-            return self.runs[0], self.runs[0]
-        q1, _, q3 = statistics.quantiles(self.runs, n=4, method="inclusive")
-        return q1, q3
-
-    @property
     def spread(self) -> float:
         """The range of the runs' medians: with 2-5 rounds, quartiles understate the noise."""
         return max(self.runs) - min(self.runs)
@@ -66,6 +91,18 @@ class Outcome:
     result: str  # one line: who was faster, by how much, against what spread
 
 
+@record
+class Reading:
+    """One concurrency of one server start, as `vllm bench serve` saved it."""
+
+    concurrency: int
+    tpot_ms: float  # mean time per output token over the requests (vLLM's mean_tpot_ms)
+    output_tps: float  # output tokens per second over the run
+    completed: int
+    drafted: int  # draft tokens proposed (vLLM's /metrics, read by the client)
+    accepted: int  # of them accepted
+
+
 def rotated(items: Sequence[Contender], rounds: int) -> Iterator[tuple[int, Contender]]:
     """(round, contender) for every round, the order rotated by one each round, so that
     drift on the machine spreads over all contenders (as scripts/bench_stats.py does)."""
@@ -75,26 +112,15 @@ def rotated(items: Sequence[Contender], rounds: int) -> Iterator[tuple[int, Cont
             yield round_index, item
 
 
-# ---------------------------------------------------------------- the outcome
-
-
-def rounds_won(fast: Summary, slow: Summary) -> tuple[int, int]:
-    """(rounds `fast` ran faster in, rounds both ran in): a round's runs are a pair, run
-    back to back in rotated order, so drift on the machine hits both alike."""
-    pairs = list(zip(fast.runs, slow.runs, strict=False))  # the time limit may cut a round
-    return sum(1 for mine, theirs in pairs if mine < theirs), len(pairs)
-
-
 def outcome_of(summaries: Sequence[Summary], default: Contender) -> Outcome:
     """The rule of the help text: a winner ran faster in every round, ROUNDS_FOR_A_SWEEP
-    or more; with fewer (MIN_RUNS_FOR_A_WINNER at least), its median also beats the
-    other's by more than the larger range. The result says what was measured either way,
-    and "faster" only of a winner."""
-    ranked = sorted(summaries, key=lambda s: s.median)
-    fast, slow = ranked[0], ranked[-1]
+    or more; with fewer, its median also beats the other's by more than the larger range.
+    A round's runs are a pair, run back to back, so drift on the machine hits both alike."""
+    fast, slow = sorted(summaries, key=lambda s: s.median)
     if min(len(s.runs) for s in summaries) < MIN_RUNS_FOR_A_WINNER:
         return Outcome(None, Mode.AUTO, "fewer than 2 runs each, no noise estimate: default kept")
-    won, rounds = rounds_won(fast, slow)
+    pairs = list(zip(fast.runs, slow.runs, strict=False))  # the time limit may cut a round
+    won, rounds = sum(1 for mine, theirs in pairs if mine < theirs), len(pairs)
     unit = fast.unit
     measured = (
         f"{fast.contender.name} won {won} of {rounds} rounds; median {fast.median:.4g} {unit} "
@@ -112,41 +138,35 @@ def outcome_of(summaries: Sequence[Summary], default: Contender) -> Outcome:
     )
 
 
-def table(summaries: Sequence[Summary], baseline: str = "libgomp") -> str:
+def table(summaries: Sequence[Summary]) -> str:
     """Median, quartiles and range of the runs' median latencies; speed against libgomp."""
-    base = next((s.median for s in summaries if s.contender.name == baseline), None)
+    base = next(s.median for s in summaries if s.contender == GOMP)
     lines = [
         f"{'candidate':<10} {'--iomp':<7} {'runs':>4} {'median s':>10} {'q1-q3 s':>17} "
-        f"{'min-max s':>17} {'speed vs ' + baseline:>17}"
+        f"{'min-max s':>17} {'speed vs libgomp':>17}"
     ]
     for s in summaries:
-        q1, q3 = s.quartiles
-        speed = f"{base / s.median:.2f}x" if base else "-"
+        q1, q3 = s.runs[0], s.runs[0]
+        if len(s.runs) > 1:
+            q1, _, q3 = statistics.quantiles(s.runs, n=4, method="inclusive")
         lines.append(
             f"{s.contender.name:<10} {s.contender.iomp:<7} {len(s.runs):>4} {s.median:>10.4f} "
-            f"{f'{q1:.4f}-{q3:.4f}':>17} {f'{min(s.runs):.4f}-{max(s.runs):.4f}':>17} {speed:>17}"
+            f"{f'{q1:.4f}-{q3:.4f}':>17} {f'{min(s.runs):.4f}-{max(s.runs):.4f}':>17} "
+            f"{f'{base / s.median:.2f}x':>17}"
         )
     return "\n".join(lines)
-
-
-# What goes with a runtime rather than besides it: its own block time, and the mark.
-RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
-
-
-def extras(env: Mapping[str, str], inherited: str) -> list[str]:
-    """What a contender's environment adds besides its OpenMP runtime: the other
-    LD_PRELOAD entries (tcmalloc), and every other variable it sets."""
-    entries = read_preload(env.get(LD_PRELOAD, inherited))
-    added = [f"preloads {e.path}" for e in entries if not e.kind.runtime]
-    added += [f"sets {k}={v}" for k, v in env.items() if k not in (LD_PRELOAD, *RUNTIME_VARIABLES)]
-    return added
 
 
 def besides_runtime(envs: Mapping[str, Mapping[str, str]], inherited: str) -> str:
     """One line: the contenders differ in the OpenMP runtime only, or what else differs
     (a rule may add tcmalloc or a binding to one of them), so a result is read as what it
     measured."""
-    found = {name: extras(env, inherited) for name, env in envs.items()}
+    found = {}
+    for name, env in envs.items():
+        entries = read_preload(env.get(LD_PRELOAD, inherited))
+        added = [f"preloads {e.path}" for e in entries if not e.kind.runtime]
+        skip = (LD_PRELOAD, *RUNTIME_VARIABLES)
+        found[name] = added + [f"sets {k}={v}" for k, v in env.items() if k not in skip]
     common = set.intersection(*(set(items) for items in found.values()))
     differing = {name: [i for i in items if i not in common] for name, items in found.items()}
     if not any(differing.values()):
@@ -155,3 +175,297 @@ def besides_runtime(envs: Mapping[str, Mapping[str, str]], inherited: str) -> st
         f"{name} {', '.join(items) or 'adds nothing else'}" for name, items in differing.items()
     ]
     return f"compared:  the OpenMP runtime and more: {'; '.join(said)}"
+
+
+def run_rounds(
+    rounds: int,
+    limit_s: float,
+    noun: tuple[str, str],
+    attempt: Callable[[str, Contender, float], tuple[T, str] | None],
+    say: Callable[[str], None],
+) -> dict[Contender, list[T]]:
+    """Each contender's results, round by round in rotated order, within the limit (exit 1
+    unless each ran once). attempt(name, contender, deadline) gives a result and its
+    progress line, or None when the deadline came first; noun: ("run", "ran") or the like."""
+    done: dict[Contender, list[T]] = {c: [] for c in CONTENDERS}
+    order = list(rotated(CONTENDERS, rounds))
+    deadline = time.monotonic() + limit_s
+    stopped = ""
+    for number, (round_index, contender) in enumerate(order, 1):
+        this = f"{noun[0]} {number}/{len(order)}"
+        if time.monotonic() >= deadline:
+            stopped = f"time limit of {limit_s:g} s reached before {this}"
+            break
+        started = time.monotonic()
+        result = attempt(f"{number:02d}-{contender.name}", contender, deadline)
+        if result is None:
+            stopped = f"time limit of {limit_s:g} s reached during {this} (killed)"
+            break
+        done[contender].append(result[0])
+        took = f"{time.monotonic() - started:.0f} s"
+        say(f"{this} (round {round_index + 1}/{rounds}) {contender.name}: {result[1]} ({took})")
+    if stopped:
+        emit("warning", f"{stopped}; using what was done")
+    if not all(done.values()):
+        raise LaunchError(
+            EXIT_PROBLEM, f"{stopped}: not every candidate {noun[1]} once; nothing decided"
+        )
+    return done
+
+
+@contextlib.contextmanager
+def started(
+    command: Sequence[str], log_path: str, plan: Plan | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """command in a session of its own, its output into log_path (with plan, in its
+    environment); on the way out, SIGKILL to that session (vLLM's engine core and workers
+    too), the leftovers of a finished run too, and a bounded wait."""
+    environment = None
+    if plan is not None:
+        provide_metadata(plan)
+        environment = {**os.environ, **dict(plan.env)}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=True,
+        )
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=KILL_WAIT_S)
+
+
+def run_child(
+    what: str,
+    command: Sequence[str],
+    log_path: str,
+    result: str,
+    deadline: float,
+    plan: Plan | None = None,
+) -> bool:
+    """Whether command, which writes result, ended before the deadline; a failed one
+    raises."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(result)
+    with started(command, log_path, plan) as process:
+        try:
+            code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            return False
+    if code:
+        raise failed(f"{what} failed", log_path, code)
+    return True
+
+
+def failed(what: str, log_path: str, code: int = 0) -> LaunchError:
+    """A child's failure, its log named and kept: a non-zero exit shows the log's last lines
+    and keeps vLLM's exit code; an exit 0 without its result is EXIT_PROBLEM."""
+    tail: list[str] = []
+    if code:
+        with open(log_path, encoding="utf-8", errors="replace") as stream:
+            tail = stream.read().splitlines()[-LOG_TAIL_LINES:]
+        for line in tail:
+            emit("error", f"  {line}")
+        what += f" (exit code {code})"
+    latency = what.startswith("vllm bench latency")  # its prompt ids are random
+    if latency and any("out of vocabulary" in line for line in tail):
+        what += f" ({VOCABULARY_HINT})"
+    return LaunchError(
+        code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
+        f"{what}; log: {log_path}",
+        subject=os.path.dirname(log_path),
+    )
+
+
+def latency_contest(
+    plans: Mapping[Contender, Plan],
+    rounds: int,
+    limit_s: float,
+    workdir: str,
+    iterations: int,
+    say: Callable[[str], None],
+) -> list[Summary]:
+    """Each contender's `vllm bench latency` runs, each the median of its latencies; a
+    failed run raises, with its log's last lines shown."""
+    output_json = os.path.join(workdir, "latency.json")
+
+    def attempt(name: str, contender: Contender, deadline: float) -> tuple[float, str] | None:
+        log_path, plan = os.path.join(workdir, f"{name}.log"), plans[contender]
+        if not run_child("vllm bench latency", plan.command, log_path, output_json, deadline, plan):
+            return None
+        latencies: object = None
+        with contextlib.suppress(OSError, ValueError), open(output_json, encoding="utf-8") as f:
+            latencies = json.load(f).get("latencies")
+        if not isinstance(latencies, list) or not latencies:
+            what = (  # the log holds no error to show: the result is what is missing
+                f"its result file {output_json} holds no latencies"
+                if os.path.exists(output_json)
+                else f"wrote no result file ({output_json})"
+            )
+            raise failed(f"vllm bench latency exited 0 but {what}", log_path)
+        latency = float(statistics.median(float(value) for value in latencies))
+        return latency, f"median latency {latency:.4f} s over {iterations} iterations"
+
+    runs = run_rounds(rounds, limit_s, ("run", "ran"), attempt, say)
+    return [Summary(c, tuple(runs[c])) for c in CONTENDERS]
+
+
+def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
+    """The figures of a finished client run, from the result file it saved."""
+    try:
+        with open(result, encoding="utf-8") as stream:
+            saved = json.load(stream)
+        reading = Reading(
+            concurrency,
+            float(saved["mean_tpot_ms"]),
+            float(saved["output_throughput"]),
+            int(saved["completed"]),
+            int(saved.get("spec_decode_draft_tokens", 0)),
+            int(saved.get("spec_decode_accepted_tokens", 0)),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        raise failed(
+            f"vllm bench serve exited 0 but its result {result} lacks its figures", log_path
+        ) from None
+    if reading.completed < 1 or reading.tpot_ms <= 0:
+        raise failed(
+            f"vllm bench serve at concurrency {concurrency}: no request completed (a model "
+            "without a chat template cannot answer the chat requests tune sends: use "
+            "--benchmark latency)",
+            log_path,
+        )
+    return reading
+
+
+def serve_once(
+    values: Mapping[str, object],
+    contender: Contender,
+    serve: Sequence[str],
+    load: Load,
+    dataset: str,
+    logs: str,
+    deadline: float,
+) -> list[Reading] | None:
+    """One start of the contender's server on a free loopback port, measured at every
+    concurrency in turn; None when the deadline came first (what still runs is killed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        port = int(probe.getsockname()[1])
+    arguments, _ = server_arguments(serve, port)
+    plan = plan_from_options({**values, "iomp": contender.iomp}, arguments)
+    program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
+    url = f"http://{LOOPBACK}:{port}"
+    with started(plan.command, f"{logs}-serve.log", plan) as server:
+        while not healthy(server, url, f"{logs}-serve.log"):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(HEALTH_POLL_S)
+        readings = []
+        for concurrency in load.concurrencies:
+            result, log_path = f"{logs}-c{concurrency}.json", f"{logs}-c{concurrency}.log"
+            client = client_command(program, serve, load, url, dataset, concurrency, result)
+            what = f"vllm bench serve at concurrency {concurrency}"
+            if not run_child(what, client, log_path, result, deadline):
+                return None
+            readings.append(reading_of(concurrency, result, log_path))
+        return readings
+
+
+def healthy(server: subprocess.Popen[bytes], url: str, log: str) -> bool:
+    """Whether the server answers /health; one that exited raises."""
+    code = server.poll()
+    if code is not None:
+        raise failed("vllm serve exited before it was ready", log, code)
+    with (
+        contextlib.suppress(OSError, ValueError),
+        DIRECT.open(f"{url}/health", timeout=HEALTH_REQUEST_S) as answer,
+    ):
+        return int(answer.status) == 200
+    return False
+
+
+def serving_contest(
+    values: Mapping[str, object],
+    serve: Sequence[str],
+    load: Load,
+    default: Contender,
+    rounds: int,
+    limit_s: float,
+    workdir: str,
+    say: Callable[[str], None],
+) -> tuple[Outcome, list[str], int, dict[int, Mode]]:
+    """(the outcome, the tables, the rounds done, what each concurrency alone said): the
+    rule at each concurrency, and a winner overall only where it won at every one."""
+    dataset = os.path.join(workdir, "prompts.json")
+    with open(dataset, "w", encoding="utf-8") as stream:  # `sharegpt`: the length is tune's
+        turns = [[{"from": "human", "value": t}, {"from": "gpt", "value": ""}] for t in load.texts]
+        json.dump([{"conversations": turn} for turn in turns], stream)
+
+    def attempt(
+        name: str, contender: Contender, deadline: float
+    ) -> tuple[list[Reading], str] | None:
+        logs = os.path.join(workdir, name)
+        readings = serve_once(values, contender, serve, load, dataset, logs, deadline)
+        if readings is None:
+            return None
+        return readings, ", ".join(
+            f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
+            for r in readings
+        )
+
+    starts = run_rounds(rounds, limit_s, ("start", "started"), attempt, say)
+    lines: list[str] = []
+    at: dict[int, Outcome] = {}
+    for index, concurrency in enumerate(load.concurrencies):
+        runs = {c: [readings[index] for readings in starts[c]] for c in CONTENDERS}
+        summaries = [Summary(c, tuple(r.tpot_ms for r in runs[c]), "ms/token") for c in CONTENDERS]
+        at[concurrency] = outcome_of(summaries, default)
+        lines += table_at(concurrency, runs, load)
+        lines.append(f"  result at {concurrency}: {at[concurrency].result}")
+    done = min(len(s) for s in starts.values())
+    return overall(at, default), lines, done, {c: o.iomp for c, o in at.items()}
+
+
+def overall(at: Mapping[int, Outcome], default: Contender) -> Outcome:
+    """A winner only where the same contender won at every concurrency."""
+    winners = {outcome.winner for outcome in at.values()}
+    winner = winners.pop() if len(winners) == 1 else None
+    if winner is not None:
+        iomp = Mode.AUTO if winner == default else winner.iomp
+        levels = ", ".join(str(c) for c in at)
+        return Outcome(winner, iomp, f"{winner.name} won at every concurrency ({levels})")
+    said = "; ".join(
+        f"at {c}: {o.winner.name if o.winner else 'no clear winner'}" for c, o in at.items()
+    )
+    return Outcome(None, Mode.AUTO, f"no candidate won at every concurrency ({said})")
+
+
+def table_at(concurrency: int, runs: Mapping[Contender, list[Reading]], load: Load) -> list[str]:
+    """One concurrency's table: TPOT (median, range), output tokens/s, drafts accepted,
+    speed against libgomp."""
+    base = statistics.median(r.tpot_ms for r in runs[GOMP])
+    lines = [
+        f"concurrency {concurrency} ({load.requests(concurrency)} requests of "
+        f"{load.output_len} tokens a start)",
+        f"  {'candidate':<10} {'--iomp':<7} {'rounds':>6} {'TPOT ms':>9} {'min-max ms':>13} "
+        f"{'tokens/s':>9} {'accepted':>15} {'speed vs libgomp':>17}",
+    ]
+    for contender, readings in runs.items():
+        tpots = [r.tpot_ms for r in readings]
+        median = statistics.median(tpots)
+        drafted, accepted = sum(r.drafted for r in readings), sum(r.accepted for r in readings)
+        drafts = f"{accepted}/{drafted}" if drafted else "none drafted"
+        lines.append(
+            f"  {contender.name:<10} {contender.iomp:<7} {len(readings):>6} {median:>9.2f} "
+            f"{f'{min(tpots):.2f}-{max(tpots):.2f}':>13} "
+            f"{statistics.median(r.output_tps for r in readings):>9.1f} {drafts:>15} "
+            f"{base / median:>16.2f}x"
+        )
+    return lines
