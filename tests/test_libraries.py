@@ -1145,8 +1145,7 @@ def test_doctor_says_llvm_libomp_is_what_the_launcher_preloads_and_by_which_rule
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.settings import Settings
     from vllm_cpu_launch.target import Target
-    from vllm_cpu_launch.verbs.doctor import map_lines
-    from vllm_cpu_launch.verbs.doctor.probe import map_section
+    from vllm_cpu_launch.verbs.doctor import map_lines, map_section
 
     root = cmeel_env_vllm.parent.parent
     (tmp_path / "empty-root").mkdir()
@@ -1361,7 +1360,7 @@ def test_on_aarch64_the_printed_fix_installs_cmeel_libomp_where_the_plan_looks(
 
 
 def test_doctor_on_aarch64_names_the_opt_in_and_elsewhere_not() -> None:
-    from vllm_cpu_launch.verbs.doctor.advice import cpu_features
+    from vllm_cpu_launch.verbs.doctor import cpu_features
 
     ((name, text, command),) = cpu_features({"cpu": {"arch": "aarch64"}}, None)
     assert name == "not-x86" and command == ""

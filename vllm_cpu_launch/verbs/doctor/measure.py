@@ -1,15 +1,12 @@
-"""Measure what libiomp5 is worth on this host for speculative-decoding-like work.
+"""What libiomp5 is worth on this host for speculative-decoding-like work.
 
-vLLM maintainers saw SD on CPU run about 2x slower with GNU libgomp than with libiomp5,
-because SD runs many short parallel regions and the runtimes differ in how idle threads
-wait between them. Hosts differ (core count, load, kernel), so `doctor --measure` and
-`scripts/bench_omp.py` time the same workload under each runtime on the user's host.
-
-Each configuration runs in a fresh process of the target environment's Python (the
-runtime is fixed when the process starts), rounds interleave the configurations in a
-rotated order so drift in host load spreads over all of them, and every child reports
-which OpenMP runtime it really bound to, so a preload that did not take is reported
-as a problem rather than as a figure.
+vLLM maintainers saw SD on CPU run about 2x slower with GNU libgomp than with libiomp5:
+SD runs many short parallel regions, and the runtimes differ in how idle threads wait
+between them. Hosts differ, so `doctor --measure` and `scripts/bench_omp.py` time the same
+workload under each runtime here: each in a fresh process of the target's Python (the
+runtime is fixed at start), rounds rotated so drift in host load spreads over all, and
+each child says which runtime it bound to, so a preload that did not take is a problem,
+not a figure.
 """
 
 from __future__ import annotations
@@ -55,13 +52,8 @@ class OmpConfig:
 
 @dataclass(frozen=True)
 class ConfigResult:
-    """Figures for one configuration over all rounds.
-
-    `round_ms` holds each round's median ms/step, in round order; `median_ms` is their
-    median and `min_ms`/`max_ms` their spread. `speedup` is gomp's ms/step divided by
-    this configuration's, paired within each round (median, min, max over rounds), so
-    2.0 means twice as fast as libgomp.
-    """
+    """One configuration over all rounds: `round_ms` each round's median ms/step; `speedup`
+    gomp's ms/step over this one's, paired within each round (2.0: twice as fast)."""
 
     config: OmpConfig
     median_ms: float
@@ -79,11 +71,8 @@ class ConfigResult:
 
 @dataclass(frozen=True)
 class OmpMeasurement:
-    """A whole run; `problems` is empty when every child ran as configured.
-
-    `load_before` is the 1-minute load average before the first child: busy cores make
-    spinning threads wait for preempted ones, which changes the figures.
-    """
+    """`problems` is empty when every child ran as configured; `load_before` (1-minute load
+    average) since busy cores make spinning threads wait for preempted ones."""
 
     python: str
     iomp_path: str
@@ -113,16 +102,6 @@ class _Run:
 def default_threads() -> int:
     """All logical CPUs this process may run on (its affinity mask, as cgroups/taskset set)."""
     return len(os.sched_getaffinity(0))
-
-
-def _configurations(iomp_path: str, blocktimes: Sequence[str]) -> tuple[OmpConfig, ...]:
-    iomp = (OmpConfig(f"iomp KMP_BLOCKTIME={b}", iomp_path, b) for b in blocktimes)
-    return (OmpConfig(GOMP, None, None), *iomp)
-
-
-def _interleaved_order(count: int, rounds: int) -> list[list[int]]:
-    """Round r runs every configuration once, the list rotated by r."""
-    return [[(r + i) % count for i in range(count)] for r in range(rounds)]
 
 
 def _child_env(config: OmpConfig, threads: int) -> dict[str, str]:
@@ -190,9 +169,8 @@ def _runtime_ok(config: OmpConfig, run: _Run) -> bool:
     """gomp must bind to a libgomp; iomp must bind to the preloaded file itself."""
     if config.preload is None:
         return library_of(run.runtime_path) is Library.GNU
-    return bool(run.runtime_path) and os.path.realpath(run.runtime_path) == os.path.realpath(
-        config.preload
-    )
+    real = os.path.realpath
+    return bool(run.runtime_path) and real(run.runtime_path) == real(config.preload)
 
 
 def _problems(config: OmpConfig, runs: Sequence[_Run], threads: int) -> list[str]:
@@ -242,13 +220,8 @@ def measure_openmp(
     timeout: float = DEFAULT_TIMEOUT,
     progress: Callable[[str], None] | None = None,
 ) -> OmpMeasurement:
-    """Time the SD-like workload under libgomp and under `iomp_path` per KMP_BLOCKTIME.
-
-    `python` is the interpreter of the environment vLLM runs in (it must have torch);
-    `threads` defaults to all logical CPUs. Runs 1 + len(blocktimes) processes per round,
-    one after another. `progress` receives one line per finished process.
-    Raises OmpMeasureError (one-line message) when the workload cannot run.
-    """
+    """libgomp against `iomp_path` per KMP_BLOCKTIME, with the torch of `python` (vLLM's
+    environment). Raises OmpMeasureError, one line, when the workload cannot run."""
     if rounds < 1 or steps < 1 or warmup < 0:
         raise ValueError("rounds and steps must be at least 1, warmup at least 0")
     if len(set(blocktimes)) != len(blocktimes):
@@ -256,8 +229,9 @@ def measure_openmp(
     if not os.path.isfile(iomp_path):
         raise OmpMeasureError(f"no libiomp5 at {iomp_path}")
     nthreads = default_threads() if threads is None else threads
-    configs = _configurations(iomp_path, blocktimes)
-    plan = _interleaved_order(len(configs), rounds)
+    iomp = (OmpConfig(f"iomp KMP_BLOCKTIME={b}", iomp_path, b) for b in blocktimes)
+    configs = (OmpConfig(GOMP, None, None), *iomp)
+    plan = [[(r + i) % len(configs) for i in range(len(configs))] for r in range(rounds)]
     runs: list[list[_Run]] = [[] for _ in configs]  # per configuration, in round order
     load_before = os.getloadavg()[0]
     start = time.monotonic()
