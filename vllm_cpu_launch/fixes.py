@@ -1,12 +1,6 @@
-"""The command that installs Intel OpenMP (or tcmalloc) where the started vLLM will find it.
-
-Each installer's environment needs its own: pip where the environment has pip, uv
-where it was made by uv without pip, ensurepip first in another pip-less venv or conda
-prefix, pipx's `inject` for a pipx venv, `--user` (with `--break-system-packages` under
-PEP 668) for a base interpreter. Each form printed here is run by
-tests/test_installers.py in an environment the real installer made. tcmalloc comes from
-no Python package: conda's gperftools or the system's package (tcmalloc_command). Read
-only when a library is missing: the exec path never gets here.
+"""The command that installs Intel OpenMP (or tcmalloc) where the started vLLM will find it,
+in the form each installer's environment needs (each run by tests/test_installers.py in an
+environment the real installer made). Imported only when a library is missing.
 """
 
 from __future__ import annotations
@@ -26,17 +20,9 @@ PACKAGE = "intel-openmp"
 LLVM_PACKAGE = "cmeel-libomp"  # LLVM's libomp, x86-64 and aarch64 wheels (libraries.cmeel_libomp)
 
 
-def externally_managed(prefix: str) -> bool:
-    """PEP 668: the distribution manages this interpreter; pip refuses to install."""
-    return any(
-        os.path.exists(os.path.join(d, "EXTERNALLY-MANAGED")) for d in python_libraries(prefix)
-    )
-
-
-def has_pip(prefix: str) -> bool:
-    return any(
-        os.path.isdir(os.path.join(d, "site-packages", "pip")) for d in python_libraries(prefix)
-    )
+def in_libraries(prefix: str, name: str) -> bool:
+    """Whether `name` lies in one of the prefix's lib/python3.N directories."""
+    return any(os.path.exists(os.path.join(d, name)) for d in python_libraries(prefix))
 
 
 def made_by_uv(prefix: str) -> bool:
@@ -49,29 +35,26 @@ def made_by_uv(prefix: str) -> bool:
 
 
 def install_command(target: Target, package: str = PACKAGE) -> tuple[str, str]:
-    """(command, where it installs) for an OpenMP runtime's wheel (Intel's by default) in
-    the target's environment.
-
-    The command is "" when the target names no interpreter to install with.
-    """
+    """(command, where it installs) for an OpenMP runtime's wheel in the target's
+    environment: pip, uv, ensurepip first, pipx's `inject`, or `--user` under PEP 668."""
     python, prefix = target.interpreter, target.prefix
     if not python or not prefix:
         return "", "into the Python environment that runs vLLM"
     quoted = shlex.quote(python)
     if target.user_base:
-        managed = " --break-system-packages" if externally_managed(prefix) else ""
+        managed = " --break-system-packages" if in_libraries(prefix, "EXTERNALLY-MANAGED") else ""
         return f"{quoted} -m pip install --user{managed} {package}", f"into {target.user_base}"
     venv = os.path.exists(os.path.join(prefix, "pyvenv.cfg"))
     own_packages = venv or os.path.isdir(os.path.join(prefix, "conda-meta"))
     if venv and os.path.exists(os.path.join(prefix, "pipx_metadata.json")):
         name = shlex.quote(os.path.basename(prefix))
         return f"pipx inject {name} {package}", f"into pipx's venv {prefix}"
-    if own_packages and not has_pip(prefix):
+    if own_packages and not in_libraries(prefix, "site-packages/pip"):
         if made_by_uv(prefix):
             return f"uv pip install --python {quoted} {package}", f"into {prefix} (no pip there)"
         install = f"{quoted} -m ensurepip && {quoted} -m pip install {package}"
         return install, f"into {prefix} (no pip there yet)"
-    if not venv and externally_managed(prefix):
+    if not venv and in_libraries(prefix, "EXTERNALLY-MANAGED"):
         # intel-openmp and cmeel-libomp hold only libraries (no Python modules): nothing
         # of the distribution's can break; the launcher searches the user base too.
         command = f"{quoted} -m pip install --user --break-system-packages {package}"
@@ -80,14 +63,9 @@ def install_command(target: Target, package: str = PACKAGE) -> tuple[str, str]:
 
 
 def tcmalloc_command(target: Target | None, path_variable: str | None) -> tuple[str, str]:
-    """(command, how or where it installs) for tcmalloc, in a place the launcher searches.
-
-    A conda environment gets conda-forge's gperftools in its own lib/ (searched as the
-    vLLM environment's); elsewhere Debian's and Ubuntu's libtcmalloc-minimal4 puts
-    libtcmalloc_minimal.so.4 in the loader's directory. Other systems get no command
-    (tests/test_cli.py runs the apt-get one, simulated, and finds its files). apt-get is
-    looked for on `path_variable`, the PATH of the host the plan is for.
-    """
+    """(command, how or where it installs) for tcmalloc, in a place the launcher searches:
+    conda's gperftools in a conda environment's lib/, else Debian's libtcmalloc-minimal4
+    where apt-get is on `path_variable` (the PATH of the host the plan is for)."""
     prefix = target.prefix if target else None
     if prefix and os.path.isdir(os.path.join(prefix, "conda-meta")):
         command = f"conda install --prefix {shlex.quote(prefix)} --channel conda-forge gperftools"
@@ -101,8 +79,7 @@ def tcmalloc_command(target: Target | None, path_variable: str | None) -> tuple[
 
 
 def fix_hint(target: Target, kind: str, package: str, path_variable: str | None) -> str:
-    """The install command for `kind` (an OpenMP runtime: `package`) and where it
-    installs, as one phrase for a message."""
+    """The install command for `kind` (an OpenMP runtime: `package`) as one phrase."""
     if kind == TCMALLOC:
         command, where = tcmalloc_command(target, path_variable)
         return f"{command}  ({where})" if command else f"install tcmalloc {where}"

@@ -1,22 +1,11 @@
-"""Launcher settings from options, VLLMCPULAUNCH_* variables, YAML config files and the
-`tune --write` records that apply to this launch.
-
-Precedence, highest first: command-line option, environment variable,
-`--launcher-config` file (or the user's `$XDG_CONFIG_HOME/vllm-cpu-launch/config.yaml`),
-`/etc/vllm-cpu-launch/config.yaml`, defaults. Every value is validated where it is
-read, so an error names the option, variable or file and key it came from.
-
-A tune measures one model with one SD method and token count, on one vLLM release and
-this many usable CPUs (Scope). A launch applies the record whose scope matches its own
-command and host; the plan's notes (`-v`, `--dry-run`) say which records were considered
-and why each was or was not used. A record written before tunes were scoped is read as
-scoped to the command it records (its model and SD options; any release and CPUs).
+"""Launcher settings from options, VLLMCPULAUNCH_* variables and YAML config files (their
+precedence: docs/design.md), each validated where it is read so that an error names where
+it came from; and the `tune --write` records that apply to this launch.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import detect, model_of
@@ -26,7 +15,7 @@ from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
-    from typing import TypeVar
+    from typing import TypeGuard, TypeVar
 
     T = TypeVar("T")
     from vllm_cpu_launch.command import SpeculativeRequest
@@ -48,17 +37,16 @@ CONFIG_VARIABLE = "VLLMCPULAUNCH_CONFIG"
 VARIABLE_PREFIX = "VLLMCPULAUNCH_"
 DEPRECATED_PREFIX = "VLLM_CPU_LAUNCH_"
 LARGE_BLOCKTIME_MS = 200
-# The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`); `scope`
-# is optional (records written before tunes were scoped have none).
+# The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`).
 TUNED_FIELDS = ("when", "iomp", "result", "rounds", "command")
 TUNED_OPTIONAL = ("scope", "concurrency")
-SCOPE_FIELDS = ("model", "method", "tokens", "vllm", "cpus")
+# A record's scope fields, each as the notes name it.
+LABELS = dict(model="model", method="SD method", tokens="draft tokens", vllm="vLLM", cpus="CPUs")
 
 
 @record
 class Scope:
-    """What a tune measured, so that it applies only there: the model, the SD method and
-    token count, the vLLM release and the usable CPUs. None: not recorded (any)."""
+    """What a tune measured, so that it applies only there. None: not recorded (any)."""
 
     model: str | None = None
     method: str | None = None
@@ -76,8 +64,8 @@ class Tuned:
     result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
     rounds: int
     command: str  # the `vllm bench latency` command line it measured
-    # Where it applies; None for a record written before tunes were scoped: see below
-    # scopes it to the command it records.
+    # None for a record written before tunes were scoped: record_scope scopes it to the
+    # command it records (its model and SD options; any release and CPUs).
     scope: Scope | None = None
     origin: str = ""  # the config file it was read from
     # A serving tune's concurrencies, each with the --iomp value it alone pointed to
@@ -105,15 +93,13 @@ class Settings:
     tuned: tuple[Tuned, ...] = ()
     # One warning for each variable read under its deprecated VLLM_CPU_LAUNCH_* name.
     deprecated: tuple[str, ...] = ()
-    # Where each setting that is not its default came from, by key: the option, the
-    # variable or the config file (said_setting says it).
+    # Where each setting that is not its default came from, by key (said_setting says it).
     sources: tuple[tuple[str, str], ...] = ()
 
 
 def said_setting(settings: Settings, key: str) -> str:
-    """A setting as every message names it, with where it came from: `--iomp never`,
-    `VLLMCPULAUNCH_IOMP=never`, `iomp: never in /etc/vllm-cpu-launch/config.yaml` (a
-    default, or Settings made without reading, as its option)."""
+    """A setting as every message names it, with its source: `--iomp never`,
+    `VLLMCPULAUNCH_IOMP=never` or `iomp: never in FILE` (a default as its option)."""
     value = getattr(settings, key)
     shown = str(value).lower() if isinstance(value, bool) else value
     option, variable, _ = KEYS[key]
@@ -126,8 +112,7 @@ def said_setting(settings: Settings, key: str) -> str:
 
 
 def yaml_problem(path: str, error: Exception) -> str:
-    """pyyaml's error as `FILE:LINE:COLUMN: what`, where the construct it could not
-    finish began (its context), and what a config file holds."""
+    """pyyaml's error as `FILE:LINE:COLUMN: what`, where the unfinished construct began."""
     mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
     said = [getattr(error, name, None) for name in ("context", "problem")]
@@ -138,11 +123,13 @@ def yaml_problem(path: str, error: Exception) -> str:
     )
 
 
-TOO_DEEP = "nests its YAML deeper than the reader can take; a config file holds `key: value` lines"
-
-
 def fail(where: str, problem: str) -> LaunchError:
     return LaunchError(EXIT_USAGE, f"{where}: {problem}")
+
+
+def positive(value: object) -> TypeGuard[int]:
+    """A whole number of at least 1; YAML's true and false are no numbers."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def parse_mode(value: object, where: str) -> Mode:
@@ -150,10 +137,8 @@ def parse_mode(value: object, where: str) -> Mode:
     if isinstance(value, str) and value.lower() in tuple(Mode):
         return Mode(value.lower())
     hint = " (YAML reads off/no/on/yes as true or false: write never or always)"
-    raise fail(
-        where,
-        f"{value!r} is not one of {', '.join(Mode)}{hint if isinstance(value, bool) else ''}",
-    )
+    said = hint if isinstance(value, bool) else ""
+    raise fail(where, f"{value!r} is not one of {', '.join(Mode)}{said}")
 
 
 def parse_library_path(value: object, where: str) -> str:
@@ -198,7 +183,6 @@ def blocktime_problem(value: str) -> str | None:
 
 
 def parse_blocktime(value: object, where: str) -> str:
-    """KMP_BLOCKTIME: milliseconds (optionally with a `us`/`ms` unit) or `infinite`."""
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
     if isinstance(text, str) and blocktime_milliseconds(text) is not None:
         return text
@@ -226,25 +210,34 @@ def parse_tuned(value: object, where: str) -> tuple[Tuned, ...]:
     return (parse_tune_record(value, where),)
 
 
-def parse_tune_record(value: object, where: str) -> Tuned:
-    """One record: a mapping of exactly TUNED_FIELDS (and an optional scope), each of its
-    type."""
+def keyed(
+    value: object,
+    where: str,
+    fields: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+    check: Callable[[str, object, str], None] = lambda key, item, where: None,
+) -> dict[str, object]:
+    """A record's mapping of `fields` (and `optional` ones) only, each item passing `check`."""
     if not isinstance(value, dict):
-        raise fail(where, f"must be a mapping of {', '.join(TUNED_FIELDS)}, not {value!r}")
-    fields: dict[str, object] = {}
+        raise fail(where, f"must be a mapping of {', '.join(fields)}, not {value!r}")
     for key, item in value.items():
-        if key not in (*TUNED_FIELDS, *TUNED_OPTIONAL):
-            allowed = ", ".join((*TUNED_FIELDS, *TUNED_OPTIONAL))
+        if key not in (*fields, *optional):
+            allowed = ", ".join((*fields, *optional))
             raise fail(f"{where}.{key}", f"unknown key; allowed keys: {allowed}")
-        fields[key] = item
+        check(key, item, f"{where}.{key}")
+    return value
+
+
+def parse_tune_record(value: object, where: str) -> Tuned:
+    """One record: a mapping of exactly TUNED_FIELDS (and optional ones), each of its type."""
+    fields = keyed(value, where, TUNED_FIELDS, TUNED_OPTIONAL)
     missing = [key for key in TUNED_FIELDS if key not in fields]
     if missing:
         raise fail(where, f"lacks {', '.join(missing)}")
-    when = fields["when"]
-    if not isinstance(when, str):  # YAML reads an unquoted time as a timestamp
-        when = when.isoformat() if hasattr(when, "isoformat") else when
+    when = fields["when"]  # YAML reads an unquoted time as a timestamp
+    when = when.isoformat() if hasattr(when, "isoformat") else when
     rounds = fields["rounds"]
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+    if not positive(rounds):
         raise fail(f"{where}.rounds", f"{rounds!r} is not a positive number of rounds")
     return Tuned(
         when=parse_text(when, f"{where}.when"),
@@ -263,28 +256,23 @@ def parse_concurrency(value: object, where: str) -> tuple[tuple[int, Mode], ...]
         raise fail(where, f"must map each concurrency to auto, always or never, not {value!r}")
     found = []
     for key, item in value.items():
-        if not isinstance(key, int) or isinstance(key, bool) or key < 1:
+        if not positive(key):
             raise fail(f"{where}.{key}", "is not a concurrency (a positive whole number)")
         found.append((key, parse_mode(item, f"{where}.{key}")))
     return tuple(sorted(found))
 
 
+def check_scope_field(key: str, item: object, where: str) -> None:
+    """Texts (model, method, vllm) and counts (tokens, cpus), or null."""
+    counted = key in ("tokens", "cpus")
+    if item is None or (positive(item) if counted else isinstance(item, str) and item):
+        return
+    kind = "a positive whole number" if counted else "a non-empty text"
+    raise fail(where, f"{item!r} is not {kind} (or null)")
+
+
 def parse_scope(value: object, where: str) -> Scope:
-    """A record's scope: texts (model, method, vllm) and counts (tokens, cpus), or null."""
-    if not isinstance(value, dict):
-        raise fail(where, f"must be a mapping of {', '.join(SCOPE_FIELDS)}, not {value!r}")
-    fields: dict[str, object] = {}
-    for key, item in value.items():
-        if key not in SCOPE_FIELDS:
-            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {', '.join(SCOPE_FIELDS)}")
-        counted = key in ("tokens", "cpus")
-        if item is not None and (
-            (counted and (not isinstance(item, int) or isinstance(item, bool) or item < 1))
-            or (not counted and (not isinstance(item, str) or not item))
-        ):
-            kind = "a positive whole number" if counted else "a non-empty text"
-            raise fail(f"{where}.{key}", f"{item!r} is not {kind} (or null)")
-        fields[key] = item
+    fields = keyed(value, where, tuple(LABELS), check=check_scope_field)
     return Scope(**fields)  # type: ignore[arg-type]
 
 
@@ -302,21 +290,14 @@ KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
 }
 # Keys only a config file holds.
 CONFIG_ONLY_KEYS: dict[str, Callable[[object, str], object]] = {"tuned": parse_tuned}
-
-
-# Keys whose value in a config file is kept as the text written, not as YAML 1.1 types
-# it: `00200` (octal 128 to YAML), `0x10` or `1_000` mean to KMP_BLOCKTIME what they
-# mean as the option (200 ms, refused, refused), not 128 and 16 and 1000.
-WRITTEN_KEYS = ("kmp_blocktime",)
 # Keys that name a file.
 FILE_KEYS = ("iomp_path", "tcmalloc_path", "vllm")
 
 
 def config_file_path(value: object, where: str) -> object:
-    """A file named in a config file, as a shell would have passed it: `~` expanded
-    (YAML does not). A relative path is refused: each start would look for it from its
-    own working directory (a service's is not the operator's). A bare name (no slash)
-    is left to its key: `vllm: vllm` is looked up on PATH."""
+    """A file named in a config file, `~` expanded as a shell would (YAML does not); a
+    relative path refused (a service's working directory is not the operator's), a bare
+    name left to its key (`vllm: vllm` is looked up on PATH)."""
     if not isinstance(value, str):
         return value
     path = os.path.expanduser(value)
@@ -327,19 +308,6 @@ def config_file_path(value: object, where: str) -> object:
             "directory; give an absolute path (~ is expanded)",
         )
     return path
-
-
-def written_scalars(document: object) -> dict[str, str]:
-    """The text of each top-level scalar value of a YAML document node, by key."""
-    import yaml  # lazy: only when a config file exists
-
-    if not isinstance(document, yaml.MappingNode):
-        return {}
-    return {
-        str(key.value): value.value
-        for key, value in document.value
-        if isinstance(key, yaml.ScalarNode) and isinstance(value, yaml.ScalarNode)
-    }
 
 
 def user_config_path(environ: Mapping[str, str]) -> str | None:
@@ -353,14 +321,12 @@ def read_config_file(path: str) -> dict[str, object]:
     """A config file's settings, validated; any problem is an error naming the file (one
     the trust rule refuses: read_trusted)."""
     try:
-        raw = read_trusted(path)
+        text = read_trusted(path).decode("utf-8")
     except FileProblem as problem:
         raise fail(path, f"config file {problem.problem}") from None
-    try:
-        text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise fail(path, f"config file is not UTF-8 text (byte {error.start})") from None
-    import yaml  # only when a config file exists: the exec path stays light
+    import yaml  # lazy: only when a config file exists, the exec path stays light
 
     loader = yaml.SafeLoader(text)
     try:
@@ -369,15 +335,19 @@ def read_config_file(path: str) -> dict[str, object]:
     except yaml.YAMLError as error:
         raise LaunchError(EXIT_USAGE, yaml_problem(path, error)) from None
     except RecursionError:
-        raise fail(path, f"config file {TOO_DEEP}") from None
+        deep = "nests its YAML deeper than the reader can take; a config file holds"
+        raise fail(path, f"config file {deep} `key: value` lines") from None
     finally:
         loader.dispose()
-    if content is None:
+    if document is None or content is None:
         return {}
     if not isinstance(content, dict):
         raise fail(path, f"must be a mapping of settings, not {type(content).__name__}")
+    # kmp-blocktime is taken as written, not as YAML 1.1 types it: `00200` (octal 128 to
+    # YAML), `0x10` or `1_000` mean what they mean as the option (200 ms, refused,
+    # refused), not 128 and 16 and 1000. A dict was constructed from a MappingNode.
+    written = {str(k.value): v.value for k, v in document.value if isinstance(v, yaml.ScalarNode)}
     values: dict[str, object] = {}
-    written = written_scalars(document)
     for key, value in content.items():
         name = str(key).replace("-", "_")
         parse = KEYS[name][2] if name in KEYS else CONFIG_ONLY_KEYS.get(name)
@@ -385,7 +355,7 @@ def read_config_file(path: str) -> dict[str, object]:
             allowed = ", ".join(k.replace("_", "-") for k in (*KEYS, *CONFIG_ONLY_KEYS))
             raise fail(path, f"unknown key {key!r}; allowed keys: {allowed}")
         where = f"{path}: key {key!r}"
-        if name in WRITTEN_KEYS:
+        if name == "kmp_blocktime":
             value = written.get(str(key), value)
         if name in FILE_KEYS:
             value = config_file_path(value, where)
@@ -410,18 +380,16 @@ def deprecated_name(variable: str) -> str:
 
 
 def ours_set(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` without our variables that are empty: an empty variable of ours is the
-    same as an unset one (docs/design.md), whichever it is."""
+    """`environ` without our empty variables: one is the same as unset (docs/design.md)."""
+    prefixes = (VARIABLE_PREFIX, DEPRECATED_PREFIX)
     return {
-        name: value
-        for name, value in environ.items()
-        if value or not name.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
+        name: value for name, value in environ.items() if value or not name.startswith(prefixes)
     }
 
 
 def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
-    """`environ` with each VLLM_CPU_LAUNCH_* variable of ours read under its current name
-    (where that is unset), and the warning that says so for each; empty ones are unset."""
+    """`environ` with each VLLM_CPU_LAUNCH_* variable read under its current name (where
+    that is unset), and a warning for each; empty ones are unset."""
     environ = ours_set(environ)
     current = dict(environ)
     warnings = []
@@ -439,55 +407,43 @@ def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tupl
     return current, tuple(warnings)
 
 
-def variable_named(variable: str, given: Mapping[str, str]) -> str:
-    """The name under which the user set `variable`: an error names what they wrote."""
-    if variable in given or deprecated_name(variable) not in given:
-        return variable
-    return f"{deprecated_name(variable)} (deprecated name of {variable})"
-
-
 def load_settings(
     options: Mapping[str, object], environ: Mapping[str, str], errors: list[str] | None = None
 ) -> Settings:
-    """Merge the layers. `options` maps setting keys (and "config") to raw option values.
-
-    With `errors` (doctor's), a broken file, variable or option is left out and its message
-    kept there instead of raised: what is not broken still applies, so a config error
-    does not lose an explicit --vllm.
-    """
+    """Merge the layers; `options` maps keys (and "config") to raw values. With `errors`
+    (doctor's), a broken layer is left out, its message kept there: the rest applies."""
     given = ours_set(environ)
     environ, deprecated = with_current_names(given)
     explicit_config = options.get("config") or environ.get(CONFIG_VARIABLE)
-    if explicit_config is not None and not isinstance(explicit_config, str):
-        raise fail("--launcher-config", "needs a file name")
-    files = [SYSTEM_CONFIG, explicit_config or user_config_path(environ)]
+    assert explicit_config is None or isinstance(explicit_config, str)  # the option is text
     values: dict[str, object] = {}
     read: list[str] = []
     tuned: list[Tuned] = []
     iomp_from = "default"
     sources: dict[str, str] = {}
-    for path in files:
+    for path in (SYSTEM_CONFIG, explicit_config or user_config_path(environ)):
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
-        read_file = salvage(errors, read_layer, path)
-        if read_file is None:
+        loaded = salvage(errors, read_layer, path)
+        if loaded is None:
             continue
-        content, records = read_file
+        content, records = loaded
         tuned = [*records, *tuned]  # this file's take precedence over the ones before
         values.update(content)
         sources.update(dict.fromkeys(content, path))
         iomp_from = "config" if "iomp" in content else iomp_from
         read.append(path)
     for key, (option, variable, parse) in KEYS.items():
-        named = variable_named(variable, given)
+        named = variable
+        if variable not in given and deprecated_name(variable) in given:
+            named = f"{deprecated_name(variable)} (deprecated name of {variable})"
         for layer, name, where in ((environ, variable, named), (options, key, option)):
             value = salvage(errors, parse, layer[name], where) if name in layer else None
             if value is not None:
                 values[key] = value
                 sources[key] = where
-                iomp_from = (
-                    ("variable" if layer is environ else "option") if key == "iomp" else iomp_from
-                )
+                if key == "iomp":
+                    iomp_from = "variable" if layer is environ else "option"
     return Settings(
         **values,  # type: ignore[arg-type]
         config_files=tuple(read),
@@ -499,10 +455,8 @@ def load_settings(
 
 
 def read_layer(path: str) -> tuple[dict[str, object], list[Tuned]]:
-    """A config file's settings and its tune records. A record from before scoping is
-    scoped by the command it records (record_scope), which may name a vLLM --config file:
-    read here too, so that one the trust rule refuses is this file's error, in doctor as
-    in a launch."""
+    """A config file's settings and tune records, whose scopes are read here: one from the
+    vLLM --config its command names, refused by the trust rule, is this file's error."""
     content = read_config_file(path)
     records = tuned_in_file(content, path)
     for item in records:
@@ -511,10 +465,8 @@ def read_layer(path: str) -> tuple[dict[str, object], list[Tuned]]:
 
 
 def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
-    """The file's tune records, each with its origin; `content` loses the key. A tune
-    from before scoping wrote a global `iomp:` beside its record: that value is the
-    record's (scoped to its command), not the file's, unless it was edited
-    since (then the record no longer explains it and is dropped)."""
+    """The file's tune records, each with its origin; `content` loses the key. The global
+    `iomp:` an unscoped record wrote beside it is the record's, unless edited since."""
     records = content.pop("tuned", ())
     assert isinstance(records, tuple)
     kept = []
@@ -529,14 +481,6 @@ def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
 
 # Which `tune --write` record applies to a launch
 
-LABELS = {
-    "model": "model",
-    "method": "SD method",
-    "tokens": "draft tokens",
-    "vllm": "vLLM",
-    "cpus": "CPUs",
-}
-
 
 def launch_scope(
     model: str | None, speculative: SpeculativeRequest, release: str | None, cpus: int
@@ -546,8 +490,7 @@ def launch_scope(
 
 
 def normal_model(model: str | None) -> str | None:
-    """A local model directory by its absolute path (a tune may run from elsewhere); a hub
-    name as given."""
+    """A local model directory by its absolute path (a tune may run from elsewhere)."""
     if model and os.path.isdir(model):
         return os.path.abspath(model)
     return model
@@ -557,6 +500,8 @@ def record_scope(tuned: Tuned) -> Scope:
     """A record's scope; one written before scoping, from the command it records."""
     if tuned.scope is not None:
         return tuned.scope
+    import shlex  # lazy: only for a record written before scoping (shlex imports re)
+
     try:
         argv = shlex.split(tuned.command)
     except ValueError:
@@ -577,64 +522,56 @@ def differences(recorded: Scope, launch: Scope) -> list[str]:
 
 
 def describe(scope: Scope) -> str:
-    """`model /m, SD method ngram, draft tokens 3, vLLM 0.32.0, 2 CPUs` (what is recorded)."""
-    parts = [f"{label} {getattr(scope, field)}" for field, label in LABELS.items()]
-    recorded = [part for part, field in zip(parts, LABELS, strict=True) if getattr(scope, field)]
-    return ", ".join(recorded) or "any command"
+    """`model /m, SD method ngram, draft tokens 3, vLLM 0.32.0, CPUs 2` (what is recorded)."""
+    parts = [
+        f"{label} {getattr(scope, key)}" for key, label in LABELS.items() if getattr(scope, key)
+    ]
+    return ", ".join(parts) or "any command"
 
 
 def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
-    """The tune record that applies to this launch (None: none does), and a note on each
-    record considered. Of several that match, the one that recorded the most wins (then
-    the config file with the higher precedence); an --iomp option or VLLMCPULAUNCH_IOMP
-    wins over all."""
+    """The tune record that applies to this launch (None: none), and a note on each one.
+    Of several that match, the one that recorded the most wins, then the earlier one."""
     notes = []
     matching = []
     for tuned in settings.tuned:
         scope = record_scope(tuned)
-        what = f"tune of {tuned.when} ({describe(scope)}; {tuned.origin})"
         missed = differences(scope, launch)
-        uneven = not_won_everywhere(tuned)
-        if missed or uneven:
-            notes.append(f"{what} not applied: {'; '.join([*missed, *filter(None, [uneven])])}")
-        elif settings.iomp_from in ("option", "variable"):
-            given = said_setting(settings, "iomp")
-            notes.append(f"{what} not applied: {given} given, which wins")
+        others = [f"{iomp} at {n}" for n, iomp in tuned.concurrency if iomp != tuned.iomp]
+        if others:
+            held = f"its iomp: {tuned.iomp} did not hold at every concurrency"
+            missed.append(f"{held} ({', '.join(others)})")
+        elif not missed and settings.iomp_from in ("option", "variable"):
+            missed = [f"{said_setting(settings, 'iomp')} given, which wins"]
+        if missed:
+            notes.append(f"{tune_named(tuned, scope)} not applied: {'; '.join(missed)}")
         else:
             matching.append((tuned, scope))
     if not matching:
         return None, notes
-    detail = [sum(getattr(scope, f) is not None for f in LABELS) for _, scope in matching]
-    chosen, scope = matching[detail.index(max(detail))]
-    notes.append(f"tune of {chosen.when} ({describe(scope)}; {chosen.origin}) applied")
+    chosen, scope = max(
+        matching, key=lambda pair: sum(getattr(pair[1], f) is not None for f in LABELS)
+    )
+    notes.append(f"{tune_named(chosen, scope)} applied")
     notes += [
-        f"tune of {t.when} ({describe(s)}; {t.origin}) matches too, but the applied one "
-        "recorded more or comes first"
+        f"{tune_named(t, s)} matches too, but the applied one recorded more or comes first"
         for t, s in matching
         if t is not chosen
     ]
     return chosen, notes
 
 
+def tune_named(tuned: Tuned, scope: Scope) -> str:
+    """A record as each note names it: when, where it applies, and which file holds it."""
+    return f"tune of {tuned.when} ({describe(scope)}; {tuned.origin})"
+
+
 def record_fields(tuned: Tuned, scope: Scope) -> dict[str, object]:
-    """A record as a config file holds it (and doctor shows it), with its scope and, from
-    a serving tune, what each concurrency pointed to."""
-    fields: dict[str, object] = {
-        "when": tuned.when,
+    """A record as a config file holds it and doctor shows it, with its scope."""
+    fields = {key: getattr(tuned, key) for key in TUNED_FIELDS} | {
         "iomp": tuned.iomp.value,  # YAML writes words, not members
-        "result": tuned.result,
-        "rounds": tuned.rounds,
-        "command": tuned.command,
-        "scope": {field: getattr(scope, field) for field in SCOPE_FIELDS},
+        "scope": {key: getattr(scope, key) for key in LABELS},
     }
     if tuned.concurrency:
         fields["concurrency"] = {level: iomp.value for level, iomp in tuned.concurrency}
     return fields
-
-
-def not_won_everywhere(tuned: Tuned) -> str | None:
-    """Why a serving record does not hold at every concurrency it measured, or None."""
-    others = [f"{iomp} at {level}" for level, iomp in tuned.concurrency if iomp != tuned.iomp]
-    if not others:
-        return None
-    return f"its iomp: {tuned.iomp} did not hold at every concurrency ({', '.join(others)})"

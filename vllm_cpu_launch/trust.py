@@ -1,15 +1,8 @@
-"""Whether a file the launcher relies on may be used: one trust rule, and the checks
-before any read.
-
-Every file input (a launcher config, vLLM's `--config`, a model's config.json) is read by
-read_trusted alone: opened without blocking and read only when it is a regular file of a
-sensible size (a FIFO would block, a device or a huge file read forever), and, for
-settings, only when the trust rule accepts it. A library is read for its ELF headers only
-(an ELF shared object for this machine, whole, and which OpenMP runtime it is), never
-loaded. And as root, what the launcher injects or runs (a preloaded library, the server's
-script and interpreter, the vllm metadata) may come only from a place that no user but
-root and the owner of the vLLM started can change, its settings only from one that root
-alone can (insecure_reason; docs/design.md, "Safety").
+"""Whether a file the launcher relies on may be used: one trust rule, and the checks before
+any read. A library is read for its ELF headers only, never loaded. As root, what the
+launcher injects or runs may come only from a place that no user but root and the owner of
+the vLLM started can change, its settings only from one that root alone can
+(insecure_reason; docs/design.md, "Safety").
 """
 
 from __future__ import annotations
@@ -17,23 +10,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import mmap
-
-
-# Every file input, checked before it is read
 
 # A config file is a few lines; one larger than this was named by mistake.
 MAX_BYTES = 1 << 20
-KINDS = {
-    stat.S_IFDIR: "a directory",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
+# Each file type by the letter `ls -l` shows it.
+KINDS = dict(d="a directory", p="a FIFO", c="a character device", b="a block device", s="a socket")
 
 
 class FileProblem(OSError):
@@ -45,64 +26,44 @@ class FileProblem(OSError):
 
 
 class Untrusted(FileProblem):
-    """The trust rule's refusal of a file input: its phrase names why, the file's owner
-    and mode, and the chown/chmod that trusts it; a FileProblem told apart by its type."""
+    """The trust rule's refusal of a file input, told apart from other problems by its type."""
 
 
 def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> bytes:
-    """The bytes of `path`: the one way every file input is read (docs/design.md, "Safety").
-
-    Opened without blocking, it must be a regular file of at most `limit` bytes
-    (/dev/null reads as empty), else FileProblem; then pass the trust rule: as root, no
-    user but root may be able to change it, as another user, not everyone
-    (insecure_reason), else Untrusted. `data`: a file vLLM itself reads from wherever its
-    command names it, whoever owns it (a model's config.json, a tune's prompts): it only
-    chooses among outcomes built of trusted files, so the file checks apply, not the rule.
-    """
-    descriptor = opened_regular(path, limit)
-    if descriptor is None:
-        return b""
-    with os.fdopen(descriptor, "rb") as stream:
-        refusal = None if data else untrusted(path, os.fstat(descriptor))
-        if refusal is not None:
-            raise Untrusted(refusal)
-        try:
-            return stream.read(limit + 1)[:limit]
-        except OSError as error:
-            raise FileProblem(f"cannot be read ({error.strerror})") from None
-
-
-def opened_regular(path: str, limit: int) -> int | None:
-    """A descriptor of `path`, a regular file of at most `limit` bytes, opened without
-    waiting for a writer; None for the null device; else FileProblem (read_trusted)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    """The bytes of `path`, the one way every file input is read (docs/design.md, "Safety"):
+    opened without blocking, a regular file of at most `limit` bytes (a FIFO would block, a
+    device read forever; /dev/null is empty), else FileProblem; one the trust rule accepts,
+    else Untrusted. `data`: a file vLLM reads wherever its command names it (a model's
+    config.json) only chooses among outcomes built of trusted files: the rule does not apply."""
     try:
-        descriptor = os.open(path, flags)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise FileProblem("not found") from None
     except OSError as error:
         raise FileProblem(f"cannot be read ({error.strerror})") from None
     status = os.fstat(descriptor)
-    problem = None
+    if stat.S_ISREG(status.st_mode) and status.st_size <= limit:
+        with os.fdopen(descriptor, "rb") as stream:
+            refusal = None if data else untrusted(path, status)
+            if refusal is not None:
+                raise Untrusted(refusal)
+            try:
+                return stream.read(limit + 1)[:limit]
+            except OSError as error:
+                raise FileProblem(f"cannot be read ({error.strerror})") from None
+    os.close(descriptor)
     if is_null_device(status):  # /dev/null, the usual "no file": empty, at once
-        os.close(descriptor)
-        return None
-    if not stat.S_ISREG(status.st_mode):
-        kind = KINDS.get(stat.S_IFMT(status.st_mode), "no regular file")
-        problem = f"is {kind}, not a regular file"
-    elif status.st_size > limit:
-        problem = f"is {status.st_size} bytes, more than a config file's {limit}"
-    if problem is not None:
-        os.close(descriptor)
-        raise FileProblem(problem)
-    return descriptor
+        return b""
+    if stat.S_ISREG(status.st_mode):
+        raise FileProblem(f"is {status.st_size} bytes, more than a config file's {limit}")
+    kind = KINDS.get(stat.filemode(status.st_mode)[0], "no regular file")
+    raise FileProblem(f"is {kind}, not a regular file")
 
 
 def untrusted(path: str, status: os.stat_result) -> str | None:
-    """Why the trust rule refuses the settings file at `path` (its `status`), with its
-    owner and mode and the fix; None when it may be read. Root alone is trusted as root:
-    the file says what runs and what is preloaded, so another user who could change it
-    would choose for root (as any user, where everyone may write it, anyone could)."""
+    """Why the trust rule refuses a settings file, with its owner, mode and fix, or None.
+    The file says what runs and what is preloaded: another user who could change it would
+    choose for root (as any user, where everyone may write it, anyone could)."""
     euid = os.geteuid()
     found = insecure_reason(os.path.abspath(path), euid)
     if found is None:
@@ -129,25 +90,17 @@ def is_null_device(status: os.stat_result) -> bool:
 # What a library file is: its ELF headers
 
 FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llvm"))
-BANNER = b" OMP version"  # what both markers end with
 # The banner that follows it: `performance` (the runtime), `profile`, or `stub` (serial).
 LIBRARY_TYPE = b" OMP library type: "
 FLAVOR_SCAN_LIMIT = 64 << 20
-# ELF e_machine for each `uname -m`, and the Debian multiarch triplet.
-ELF_MACHINES = {
-    "x86_64": 62,
-    "aarch64": 183,
-    "ppc64le": 21,
-    "s390x": 22,
-    "riscv64": 243,
-    "i686": 3,
-    "i386": 3,
-}
+# ELF e_machine for each `uname -m`.
+ELF_MACHINES = dict(x86_64=62, aarch64=183, ppc64le=21, s390x=22, riscv64=243, i686=3, i386=3)
 ELF_MACHINE_NAMES = {number: name for name, number in ELF_MACHINES.items()}
 # The same machine numbers in a big-endian file name other machines; s390x is big-endian.
 BIG_ENDIAN_NAMES = {21: "ppc64", 183: "aarch64_be", 22: "s390x"}
 BIG_ENDIAN_MACHINES = ("s390x",)
 ELF_TYPE_SHARED = 3
+PT_LOAD = 1
 
 
 def elf_problem(header: bytes, machine: str) -> str | None:
@@ -161,9 +114,7 @@ def elf_problem(header: bytes, machine: str) -> str | None:
     wanted_bits = 32 if machine in ("i686", "i386") else 64
     if bits != wanted_bits:
         return f"a {bits}-bit ELF file; this {machine} host needs {wanted_bits}-bit"
-    # Every field in the file's own byte order (EI_DATA), which must be the host's.
-    elf_type = int.from_bytes(header[16:18], order)  # type: ignore[arg-type]
-    elf_machine = int.from_bytes(header[18:20], order)  # type: ignore[arg-type]
+    elf_type, elf_machine = elf_int(header, 16, 2, header), elf_int(header, 18, 2, header)
     names = BIG_ENDIAN_NAMES if order == "big" else ELF_MACHINE_NAMES
     built_for = names.get(elf_machine, f"ELF machine {elf_machine}")
     host_order = "big" if machine in BIG_ENDIAN_MACHINES else "little"
@@ -180,61 +131,48 @@ def elf_problem(header: bytes, machine: str) -> str | None:
     return None
 
 
-PT_LOAD = 1
-
-
-def field(data: bytes, offset: int, width: int, header: bytes) -> int:
+def elf_int(data: bytes, offset: int, width: int, header: bytes) -> int:
     """An integer field of an ELF structure, in the file's byte order (the header's EI_DATA)."""
     order = "little" if header[5] == 1 else "big"
     return int.from_bytes(data[offset : offset + width], order)  # type: ignore[arg-type]
 
 
-def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
-    """Why a fitting ELF file is cut short, or None when it is whole.
+def elf_tables(header: bytes) -> list[int]:
+    """e_phoff, e_shoff, e_phentsize, e_phnum, e_shentsize, e_shnum and e_shstrndx."""
+    at, width = (32, 8) if header[4] == 2 else (28, 4)
+    offsets = [elf_int(header, at + i * width, width, header) for i in (0, 1)]
+    # The five 2-byte fields follow e_flags (4 bytes) and e_ehsize (2).
+    return offsets + [elf_int(header, at + 2 * width + 6 + 2 * i, 2, header) for i in range(5)]
 
-    Its header tables and every loadable segment must lie within the file: the loader
-    maps them, and a truncated copy (an interrupted download or copy) is refused by the
-    loader or dies of SIGBUS when the missing pages are touched. `header` is the ELF
-    header (checked by elf_problem); the program headers are read from `descriptor`.
-    """
+
+def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
+    """Why a fitting ELF file is cut short (an interrupted download or copy), or None. Its
+    header tables and loadable segments must lie within it: the loader refuses it or dies
+    of SIGBUS when the missing pages are touched."""
     wide = header[4] == 2
     if len(header) < (64 if wide else 52):
         return f"a truncated ELF file ({size} bytes, shorter than its own header)"
-
-    def number(data: bytes, offset: int, width: int) -> int:
-        return field(data, offset, width, header)
-
-    fields = (32, 40, 54, 56, 58, 60) if wide else (28, 32, 42, 44, 46, 48)
-    widths = (8, 8, 2, 2, 2, 2) if wide else (4, 4, 2, 2, 2, 2)
-    phoff, shoff, phentsize, phnum, shentsize, shnum = (
-        number(header, o, w) for o, w in zip(fields, widths, strict=True)
-    )
+    phoff, shoff, phentsize, phnum, shentsize, shnum, _ = elf_tables(header)
     end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    # p_offset and p_filesz at 8 and 32 (64-bit), 4 and 16 (32-bit).
+    (at, length_at), width = ((8, 32), 8) if wide else ((4, 16), 4)
     if end <= size and phentsize:
         table = os.pread(descriptor, phentsize * phnum, phoff)
         for start in range(0, len(table) - phentsize + 1, phentsize):
             entry = table[start : start + phentsize]
-            if number(entry, 0, 4) != PT_LOAD:
-                continue
-            if wide:
-                offset, length = number(entry, 8, 8), number(entry, 32, 8)
-            else:
-                offset, length = number(entry, 4, 4), number(entry, 16, 4)
-            end = max(end, offset + length)
+            if elf_int(entry, 0, 4, header) == PT_LOAD:
+                length = elf_int(entry, length_at, width, header)
+                end = max(end, elf_int(entry, at, width, header) + length)
     if end > size:
         return f"a truncated ELF file ({size} bytes; its headers and segments need {end})"
     return None
 
 
 def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int] | None:
-    """(file offset, end) of the section called `name`, from the section headers of a
-    whole ELF file (elf_truncation has checked they lie within it), or None."""
+    """(file offset, end) of the section called `name` of a whole ELF file (elf_truncation
+    has checked its tables lie within it), or None."""
     wide = header[4] == 2
-    offsets = (40, 58, 60, 62) if wide else (32, 46, 48, 50)
-    widths = (8, 2, 2, 2) if wide else (4, 2, 2, 2)
-    shoff, shentsize, shnum, shstrndx = (
-        field(header, o, w, header) for o, w in zip(offsets, widths, strict=True)
-    )
+    _, shoff, _, _, shentsize, shnum, shstrndx = elf_tables(header)
     if not shoff or not shnum or shstrndx >= shnum or shentsize < (64 if wide else 40):
         return None
     table = os.pread(descriptor, shentsize * shnum, shoff)
@@ -243,8 +181,12 @@ def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int
 
     def placed(index: int) -> tuple[int, int, int]:
         entry = table[index * shentsize : (index + 1) * shentsize]
-        start = field(entry, at, width, header)
-        return field(entry, 0, 4, header), start, start + field(entry, at + width, width, header)
+        start = elf_int(entry, at, width, header)
+        return (
+            elf_int(entry, 0, 4, header),
+            start,
+            start + elf_int(entry, at + width, width, header),
+        )
 
     _, names_start, names_end = placed(shstrndx)
     names = os.pread(descriptor, min(names_end - names_start, 1 << 20), names_start)
@@ -257,47 +199,26 @@ def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int
 
 
 def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | None]:
-    """(flavour, library type) of an OpenMP runtime, from the banners it embeds.
-
-    `Intel(R) OMP version` or `LLVM OMP version` tells the two runtimes apart;
-    `OMP library type:` says whether it is the runtime or the serial stub. A file with
-    no version banner, (None, None), is no OpenMP runtime. Searched in a read-only
-    mapping (no copy of the file): first in `.rodata`, where the banners are constants
-    (0.1 ms instead of 0.6 for libiomp5.so, whose banner lies 2 MB in), then, should a
-    build keep them elsewhere, the whole file up to FLAVOR_SCAN_LIMIT (the runtimes are
-    1-3 MB; a huge file is not scanned to its end).
-    """
+    """(flavour, library type) of an OpenMP runtime, from the banners it embeds; (None,
+    None): no runtime. Searched in a read-only mapping, first in `.rodata`, where the
+    banners are constants (0.1 ms instead of 0.6 for libiomp5.so, whose banner lies 2 MB
+    in), then the file up to FLAVOR_SCAN_LIMIT (the runtimes are 1-3 MB)."""
     import mmap  # 0.4 ms, only once a candidate has passed the cheaper checks
 
     rodata = section_range(header, descriptor, b".rodata")
     with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
         for start, end in ([rodata] if rodata else []) + [(0, FLAVOR_SCAN_LIMIT)]:
-            flavor = banner_flavor(mapped, start, end)
-            if flavor is not None:
-                return flavor, library_type(mapped, start, end)
+            found = [(mapped.find(marker, start, end), flavor) for marker, flavor in FLAVOR_MARKERS]
+            found = [pair for pair in found if pair[0] >= 0]
+            if not found:
+                continue
+            flavor = min(found)[1]  # the first banner's
+            position = mapped.find(LIBRARY_TYPE, start, end)
+            if position < 0:
+                return flavor, None
+            begin = position + len(LIBRARY_TYPE)
+            return flavor, mapped[begin : begin + 32].split(b"\0", 1)[0].decode("ascii", "replace")
     return None, None
-
-
-def library_type(mapped: bytes | mmap.mmap, start: int, end: int) -> str | None:
-    """The word after `OMP library type: ` between `start` and `end`, or None."""
-    position = mapped.find(LIBRARY_TYPE, start, end)
-    if position < 0:
-        return None
-    begin = position + len(LIBRARY_TYPE)
-    return mapped[begin : begin + 32].split(b"\0", 1)[0].decode("ascii", "replace")
-
-
-def banner_flavor(mapped: bytes | mmap.mmap, start: int, end: int) -> str | None:
-    """The flavour of the first version banner between `start` and `end`."""
-    longest = max(len(marker) for marker, _ in FLAVOR_MARKERS)
-    position = mapped.find(BANNER, start, end)
-    while position >= 0:
-        around = mapped[max(0, position + len(BANNER) - longest) : position + len(BANNER)]
-        for marker, flavor in FLAVOR_MARKERS:
-            if around.endswith(marker):
-                return flavor
-        position = mapped.find(BANNER, position + 1, end)
-    return None
 
 
 # The trust rule
@@ -309,15 +230,11 @@ MOVE = "move"  # the fix for a file in a shared, sticky directory: moved out (mo
 def unsafe_owner_or_mode(
     status: os.stat_result, euid: int, is_file: bool, trusted: frozenset[int] = frozenset()
 ) -> tuple[str, str] | None:
-    """(why, which chmod/chown) when a file or directory lets an untrusted user change
-    what runs, or None.
-
-    One rule for the library and the program it is preloaded into (docs/design.md). As root:
-    owned by root or by a `trusted` uid (the owner of the vLLM being started, whose code
-    root runs anyway), and writable by neither group nor others. As another user, whose
-    own Python code runs in vLLM anyway: not writable by all. A sticky directory (like
-    /tmp) is fine above the file's own directory.
-    """
+    """(why, which chmod/chown) when a file or directory lets an untrusted user change what
+    runs, or None. As root: owned by root or a `trusted` uid (the owner of the vLLM started,
+    whose code root runs anyway), writable by neither group nor others. As another user,
+    whose own code runs in vLLM anyway: not writable by all. A sticky directory (/tmp) is
+    fine above the file's own directory."""
     as_root = euid == 0
     if as_root and status.st_uid != 0 and status.st_uid not in trusted:
         whose = "neither root nor the owner of the vLLM being started" if trusted else "not root"
@@ -334,11 +251,9 @@ def unsafe_owner_or_mode(
 
 
 def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
-    """(directories searched, links followed, file reached) on the way to `path`.
-
-    Resolved one component at a time, as the kernel does, so that a directory which
-    only an intermediate symbolic link passes through is seen as well.
-    """
+    """(directories searched, links followed, file reached) on the way to `path`, resolved
+    one component at a time as the kernel does: a directory that only an intermediate
+    symbolic link passes through is seen as well."""
     directories: dict[str, None] = {}
     links: list[str] = []
     current = "/"
@@ -365,14 +280,9 @@ def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
 def insecure_reason(
     path: str, euid: int, trusted: frozenset[int] = frozenset(), named: bool = False
 ) -> tuple[str, str] | None:
-    """(why, fix) when `path` could be swapped by an untrusted user: the file, a link on
-    the way to it, or any directory searched on the way (see unsafe_owner_or_mode).
-
-    The fix is one chmod/chown, given only when it removes the one problem found; with
-    several, none (""). A file in a shared sticky directory is moved out of it, where the
-    user `named` it (and so can name its new path); one found where the launcher
-    searches would no longer be found there: none.
-    """
+    """(why, fix) when an untrusted user could swap `path`, a link or directory on the way
+    to it (unsafe_owner_or_mode). The fix removes the one problem found (several: ""); a
+    file in a shared sticky directory is moved out where the user `named` it."""
     problems: list[tuple[str, str]] = []
     try:
         directories, links, real = lookup_steps(path)
@@ -380,12 +290,12 @@ def insecure_reason(
             None if read_only(real) else unsafe_owner_or_mode(os.stat(real), euid, True, trusted)
         )
         if problem:
-            problems.append((f"{real} is {problem[0]}", command(problem[1], real)))
+            problems.append((f"{real} is {problem[0]}", f"{problem[1]} {quoted(real)}"))
         for link in links:  # a link's own mode means nothing; who may replace it does
             owner = os.lstat(link).st_uid
             if euid == 0 and owner != 0 and owner not in trusted and not read_only(link, False):
                 why = f"symbolic link {link} is owned by uid {owner}, not root"
-                problems.append((why, command("chown -h root", link)))
+                problems.append((why, f"chown -h root {quoted(link)}"))
         home = os.path.dirname(real)
         for directory in directories:
             if read_only(directory):
@@ -394,21 +304,18 @@ def insecure_reason(
             if problem:
                 why = f"directory {directory} is {problem[0]}"
                 moved = moved_out(real) if named else ""
-                fix = moved if problem[1] == MOVE else command(problem[1], directory)
+                fix = moved if problem[1] == MOVE else f"{problem[1]} {quoted(directory)}"
                 problems.append((why, fix))
     except OSError as error:
         return f"cannot check its permissions: {error.strerror}", ""
-    if not problems:
-        return None
     if len(problems) > 1:
         return f"{problems[0][0]} (and {len(problems) - 1} more)", ""
-    return problems[0]
+    return problems[0] if problems else None
 
 
 def read_only(path: str, follow: bool = True) -> bool:
-    """Whether `path` lies on a file system mounted read-only (a Kubernetes ConfigMap or
-    Secret volume, whose directory is mode 0777): no user can change what is there, so its
-    mode bits mean nothing. A link is judged where it lies (its directory's mount)."""
+    """Whether `path` (a link: its directory) lies on a read-only mount, whose mode bits mean
+    nothing: no user can change a Kubernetes ConfigMap volume, mode 0777."""
     try:
         where = path if follow else os.path.dirname(path) or "/"
         return bool(os.statvfs(where).f_flag & os.ST_RDONLY)
@@ -416,15 +323,9 @@ def read_only(path: str, follow: bool = True) -> bool:
         return False
 
 
-def command(change: str, path: str) -> str:
-    """`CHANGE PATH` quoted for a shell, or "" when there is no change to make."""
-    return f"{change} {quoted(path)}" if change else ""
-
-
 def moved_out(path: str) -> str:
     """The file moved from its shared, sticky directory into a new one beside it that only
-    its owner (the user running the fix) can write, and the path to name it by then.
-    `mkdir` without -p fails on a directory someone else made first."""
+    its owner can write, and its new path. `mkdir` fails on a directory someone made first."""
     name = os.path.basename(path)
     stem = name.split(".")[0]
     directory = os.path.join(os.path.dirname(path), stem if stem not in ("", name) else f"{name}.d")
