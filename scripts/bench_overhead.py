@@ -18,8 +18,9 @@ timed end to end, from spawn to the target's exit:
 and, to show where the time goes: the floor plus `import re`, plus `import json`; the
 launcher as `python -m vllm_cpu_launch`; as `python -c` without pip's wrapper; and as
 `python -c` with dotted SD options (`--speculative-config.method ngram`), whose values
-the launcher does not decode as JSON (it imports `json`, `re` and `dataclasses` all the
-same: standard Python over start-up micro-optimisation, issue 21); and the target alone.
+the launcher does not decode as JSON (it imports `json` and `re` all the same); and the
+target alone. The exec path makes its records without `dataclasses` (errors.record),
+whose import and generated methods were about half of (a) (issue 35).
 
 Configurations are interleaved within each round (order rotated per round) and
 summarised by medians; ratios compare configurations of the same run. Nothing is
