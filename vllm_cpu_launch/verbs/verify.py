@@ -93,15 +93,11 @@ def runtimes_in(paths: Iterable[str]) -> list[tuple[Library, str]]:
     return [(kind, path) for path, kind in kinds.items() if kind.runtime]
 
 
-def read_proc(pid: int, name: str) -> str:
-    """/proc/PID/NAME, its bytes that are not UTF-8 kept (surrogateescape)."""
-    with open(f"/proc/{pid}/{name}", "rb") as stream:
-        return stream.read().decode("utf-8", "surrogateescape")
-
-
 def environment_of(pid: int) -> dict[str, str]:
     """/proc/PID/environ: as the process started, or what a title written over it left."""
-    pairs = (entry.partition("=") for entry in read_proc(pid, "environ").split("\0"))
+    with open(f"/proc/{pid}/environ", "rb") as stream:  # bytes not UTF-8 kept
+        entries = stream.read().decode("utf-8", "surrogateescape").split("\0")
+    pairs = (entry.partition("=") for entry in entries)
     return {key: value for key, equals, value in pairs if equals and key}
 
 
@@ -303,7 +299,8 @@ def seen_of(
 ) -> tuple[Seen, dict[str, str]] | None:
     """What verify reads of one process, and its whole environ; None if it is gone."""
     try:
-        maps = read_proc(process.pid, "maps")
+        with open(f"/proc/{process.pid}/maps", "rb") as stream:
+            maps = stream.read().decode("utf-8", "surrogateescape")
         environment = environment_of(process.pid)
         cmdline = process.cmdline()
         ppid = process.ppid()
@@ -465,6 +462,7 @@ VLLM_BINDS = {
     Library.GNU: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
     None: "OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND=true",
 }
+NOBIND = "VLLM_CPU_OMP_THREADS_BIND=nobind"
 
 
 def environment_entry(one: Seen, serves: tuple[Library, str] | None) -> dict[str, Any]:
@@ -486,18 +484,14 @@ def environment_entry(one: Seen, serves: tuple[Library, str] | None) -> dict[str
     # how the runtime came first), and by the bind setting, set after start-up perhaps.
     bind = basis.get("VLLM_CPU_OMP_THREADS_BIND")
     if bind == "nobind":
-        entry["vllm_sets"] = (
-            "nothing (VLLM_CPU_OMP_THREADS_BIND=nobind): the worker keeps what it inherited"
-        )
+        entry["vllm_sets"] = f"nothing ({NOBIND}): the worker keeps what it inherited"
         return entry
     found = vllm_reads(basis.get(LD_PRELOAD, ""))
     kmp = (serves is not None and serves[0].kmp) or Library.INTEL in found
     kind = Library.INTEL if kmp else Library.GNU if Library.GNU in found else None
     unless = f"VLLM_CPU_OMP_THREADS_BIND={bind}"
     if bind is None:
-        unless = (
-            "unless VLLM_CPU_OMP_THREADS_BIND=nobind was set after start-up, where it does not show"
-        )
+        unless = f"unless {NOBIND} was set after start-up, where it does not show"
     entry["vllm_sets"] = f"{VLLM_BINDS[kind]}, over what it inherited ({unless})"
     return entry
 

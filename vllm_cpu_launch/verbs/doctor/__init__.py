@@ -80,14 +80,7 @@ FLAG_ALIASES = {"avx512_vnni": ("avx512_vnni", "avx512vnni")}
 VARIABLE_PREFIXES = ("KMP_", "OMP_", "VLLM_CPU_")
 VARIABLE_NAMES = (LD_PRELOAD, "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
 CANDIDATE_KEYS = ("path", "origin", "verdict", "reason", "flavor", "fix")
-PLAN_KEYS = (
-    "env",
-    "relies_on",
-    "missing",
-    "rule",
-    "runtime",
-    "preload",
-)  # as plan_as_json has them
+PLAN_KEYS = ("env", "relies_on", "missing", "rule", "runtime", "preload")  # plan_as_json's
 # The SD command doctor plans for, to say what the launcher does with SD on this host.
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
