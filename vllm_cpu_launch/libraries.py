@@ -195,25 +195,6 @@ def listing(directory: str) -> list[str]:
         return []
 
 
-def oneapi_directories(host: Host) -> list[str]:
-    """Where Intel oneAPI keeps libiomp5: 2024+ `compiler/X/lib`, older `intel64_lin`."""
-    compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
-    versions = [n for n in listing(compiler_root) if version_key(n)]
-    oneapi = host.environ.get("ONEAPI_ROOT")
-    roots = [
-        host.environ.get("CMPLR_ROOT"),
-        os.path.join(oneapi, "compiler", "latest") if oneapi else None,
-        os.path.join(compiler_root, "latest"),
-        os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
-    ]
-    return [
-        os.path.join(root, *lib)
-        for root in roots
-        if root
-        for lib in (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
-    ]
-
-
 def distribution_files(distribution: str, search_path: Iterable[str], name: str) -> list[str]:
     """Files called `name` that an installed distribution's RECORD lists, read directly:
     importlib.metadata costs more to import than the whole launcher."""
@@ -276,7 +257,19 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
         yield Origin.INTEL_OPENMP_PACKAGE, intel_openmp
         yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
         yield Origin.USER_BASE, files_named(user_lib, names)
-        yield Origin.ONEAPI, files_named(oneapi_directories(host), names)
+        # Intel oneAPI keeps libiomp5 in 2024+ `compiler/X/lib`, older `intel64_lin`.
+        compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
+        versions = [n for n in listing(compiler_root) if version_key(n)]
+        oneapi = environ.get("ONEAPI_ROOT")
+        roots = [
+            environ.get("CMPLR_ROOT"),
+            os.path.join(oneapi, "compiler", "latest") if oneapi else None,
+            os.path.join(compiler_root, "latest"),
+            os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
+        ]
+        libs = (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
+        oneapi_lib = [os.path.join(root, *lib) for root in roots if root for lib in libs]
+        yield Origin.ONEAPI, files_named(oneapi_lib, names)
     else:
         # Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
         bundles = [os.path.join(site, "vllm", "libs") for site in site_packages(target_prefix)]
@@ -349,23 +342,6 @@ class Finding:
     unsafe: bool = False
 
 
-def runtime_problem(flavor: str | None, library_type: str | None) -> str | None:
-    """Why an iomp candidate, a fitting ELF file, is no OpenMP runtime to preload: the
-    intel-openmp wheel ships two beside libiomp5.so, named with `libiomp` too."""
-    if flavor is None:
-        return (
-            "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
-            "libiomp5_db.so, Intel's debugger support library)"
-        )
-    if library_type == "stub":
-        owner = "Intel" if flavor == "intel" else "LLVM"
-        return (
-            f"{owner}'s serial stub library (OMP library type: stub): every parallel region "
-            "would run on one thread; use libiomp5.so"
-        )
-    return None
-
-
 def form_problem(path: str, kind: str) -> str | None:
     """Why a path the plan would put in LD_PRELOAD cannot stand there as written."""
     if not path:
@@ -436,8 +412,18 @@ def examine(
             return Finding(None)
         # The banners are looked for only once it is known to be a fitting ELF file.
         flavor, library_type = openmp_runtime(descriptor, header)
-        problem = runtime_problem(flavor, library_type)
-        return Finding(problem, None if problem else flavor)
+        if flavor is None:  # the intel-openmp wheel ships two such `libiomp*` beside libiomp5.so
+            return Finding(
+                "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
+                "libiomp5_db.so, Intel's debugger support library)"
+            )
+        if library_type == "stub":
+            owner = "Intel" if flavor == "intel" else "LLVM"
+            return Finding(
+                f"{owner}'s serial stub library (OMP library type: stub): every parallel "
+                "region would run on one thread; use libiomp5.so"
+            )
+        return Finding(None, flavor)
 
 
 # Why a caller's bare-named LD_PRELOAD entry is rejected where the loader finds no file.

@@ -111,18 +111,6 @@ def said_setting(settings: Settings, key: str) -> str:
     return f"{key}: {shown} in {source}"
 
 
-def yaml_problem(path: str, error: Exception) -> str:
-    """pyyaml's error as `FILE:LINE:COLUMN: what`, where the unfinished construct began."""
-    mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-    said = [getattr(error, name, None) for name in ("context", "problem")]
-    what = ", ".join(text for text in said if text) or " ".join(str(error).split())
-    return (
-        f"{where}: invalid YAML ({what}); write one `key: value` per line, e.g. "
-        "`iomp: always`, and quote a value holding : # [ ] { } or a leading -"
-    )
-
-
 def fail(where: str, problem: str) -> LaunchError:
     return LaunchError(EXIT_USAGE, f"{where}: {problem}")
 
@@ -333,7 +321,16 @@ def read_config_file(path: str) -> dict[str, object]:
         document = loader.get_single_node()
         content = None if document is None else loader.construct_document(document)
     except yaml.YAMLError as error:
-        raise LaunchError(EXIT_USAGE, yaml_problem(path, error)) from None
+        # As `FILE:LINE:COLUMN: what`, where the unfinished construct began.
+        mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        said = [getattr(error, name, None) for name in ("context", "problem")]
+        what = ", ".join(text for text in said if text) or " ".join(str(error).split())
+        raise fail(
+            where,
+            f"invalid YAML ({what}); write one `key: value` per line, e.g. `iomp: always`, "
+            "and quote a value holding : # [ ] { } or a leading -",
+        ) from None
     except RecursionError:
         deep = "nests its YAML deeper than the reader can take; a config file holds"
         raise fail(path, f"config file {deep} `key: value` lines") from None

@@ -182,11 +182,8 @@ def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int
     def placed(index: int) -> tuple[int, int, int]:
         entry = table[index * shentsize : (index + 1) * shentsize]
         start = elf_int(entry, at, width, header)
-        return (
-            elf_int(entry, 0, 4, header),
-            start,
-            start + elf_int(entry, at + width, width, header),
-        )
+        size = elf_int(entry, at + width, width, header)
+        return elf_int(entry, 0, 4, header), start, start + size
 
     _, names_start, names_end = placed(shstrndx)
     names = os.pread(descriptor, min(names_end - names_start, 1 << 20), names_start)
