@@ -454,8 +454,7 @@ def refusal(candidate: Candidate) -> str:
     )
 
 
-# What the loader does with an LD_PRELOAD entry it cannot load.
-SKIPPED = (
+LOADER_SKIPS = (  # an LD_PRELOAD entry it cannot load
     "the loader will print 'ERROR: ld.so: object {} ... cannot be preloaded' in every vLLM "
     "process and go on without it"
 )
@@ -471,7 +470,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
         + (
             "the loader will preload it all the same"
             if loaded.get(c.path)
-            else SKIPPED.format(c.path)
+            else LOADER_SKIPS.format(c.path)
         )
         + "; nothing is preloaded beside it (it stays as you set it), so no Intel OpenMP "
         f"serves vLLM; Fix: {without_entry(current, c.path)}"
@@ -498,7 +497,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
             f"every vLLM process all the same; it stays as you set it{fix}"
             if found.unsafe
             else f"your LD_PRELOAD entry {entry} cannot be preloaded ({found.reason}): "
-            f"{SKIPPED.format(entry)}; it stays as you set it"
+            f"{LOADER_SKIPS.format(entry)}; it stays as you set it"
         )
     return broken, rejected, others
 
