@@ -273,17 +273,6 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
             signal.signal(number, handler)
 
 
-def run_exec(values: dict[str, object], rest: list[str]) -> int:
-    """`exec [OPTIONS] -- PROGRAM [ARGS...]`: the launch, for any program."""
-    more, command = parse_options(rest, verb="exec")
-    if more.get("help"):
-        write_stdout(EXEC_USAGE.rstrip())
-        return 0
-    if not command:
-        raise LaunchError(EXIT_USAGE, "exec needs a program: vllm-cpu-launch exec -- PROGRAM")
-    return run_plan({**values, **more}, command[1:], program=command[0])
-
-
 # The first word: a verb or vLLM
 
 VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune", "rules")
@@ -349,8 +338,14 @@ library missing, 126 target not executable, 127 target not found; otherwise vLLM
 
 def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
     """The verb named on the command line: each imported here, lazily, only when named."""
-    if verb == "exec":
-        return run_exec(values, rest)
+    if verb == "exec":  # `exec [OPTIONS] -- PROGRAM [ARGS...]`: the launch, for any program
+        more, command = parse_options(rest, verb="exec")
+        if more.get("help"):
+            write_stdout(EXEC_USAGE.rstrip())
+            return 0
+        if not command:
+            raise LaunchError(EXIT_USAGE, "exec needs a program: vllm-cpu-launch exec -- PROGRAM")
+        return run_plan({**values, **more}, command[1:], program=command[0])
     if verb == "doctor":
         from vllm_cpu_launch.verbs.doctor import main as verb_main
     elif verb == "env":

@@ -376,23 +376,6 @@ REFUSALS = (
 )
 
 
-def near_miss(argv: Sequence[str]) -> tuple[str, str] | None:
-    """The first option that is a typo of an SD option (`--speculative-confg`): vLLM refuses
-    it, which is no "no speculative decoding requested". 0.8: no option of vLLM 0.32's is
-    that close to an SD option (the nearest, --compilation-config, is 0.7)."""
-    names = [option.name for option in SD_OPTIONS if option.name.startswith("--")]
-    for token in argv:
-        if token == "--":
-            return None
-        word = split_option(token)[0]
-        if not token.startswith("--") or canonical_option(word, SD_OPTIONS):
-            continue  # no long option, or an SD one (or an abbreviation argparse expands)
-        meant = did_you_mean("--" + word[2:].replace("_", "-"), names, cutoff=0.8)
-        if meant:
-            return word, meant
-    return None
-
-
 EXAMPLE_JSON = '{"method": "ngram", "num_speculative_tokens": 3}'
 
 
@@ -428,29 +411,22 @@ MODEL_OPTION = (Option("--model", "--model"),)
 def model_of(argv: Sequence[str]) -> str | None:
     """The model of a vLLM command line as vLLM resolves it: `serve MODEL`, else the last
     `--model`, the command line's over its --config file's (`model:`)."""
-    positional = serve_positional(argv)
-    if positional is not None:
-        return positional
-    models = [item.value for item in occurrences(argv, MODEL_OPTION)[0]]
-    return next((model for model in reversed(models) if model), None)
-
-
-def serve_positional(argv: Sequence[str]) -> str | None:
-    """`serve`'s positional model (`model_tag`): the first token that is no option and no
-    option's value, taking a bare option's next token for its value (`--port 8000`); a flag
-    then hides a model after it (`--enforce-eager MODEL`): `--model` or the model first."""
-    if not argv or argv[0] != "serve":
-        return None
-    index = 1
+    # serve's positional model (`model_tag`): the first token that is no option and no
+    # option's value, taking a bare option's next token for its value (`--port 8000`); a flag
+    # then hides a model after it (`--enforce-eager MODEL`): `--model` or the model first.
+    index = 1 if argv and argv[0] == "serve" else len(argv)
     while index < len(argv):
         token = argv[index]
         if token == "--":  # what follows is positional to argparse
-            return argv[index + 1] if index + 1 < len(argv) else None
+            if index + 1 < len(argv):
+                return argv[index + 1]
+            break
         if not token.startswith("-"):
             return token
         takes_next = "=" not in token and index + 1 < len(argv)
         index += 2 if takes_next and not argv[index + 1].startswith("-") else 1
-    return None
+    models = [item.value for item in occurrences(argv, MODEL_OPTION)[0]]
+    return next((model for model in reversed(models) if model), None)
 
 
 def detect(argv: Sequence[str]) -> SpeculativeRequest:
@@ -474,8 +450,18 @@ def detect(argv: Sequence[str]) -> SpeculativeRequest:
         return SpeculativeRequest(
             True, f"{os.path.join(model, 'config.json')} (speculators_config)"
         )
-    missed = near_miss(argv)
-    if missed is None:
-        return request
-    note = f"{missed[0]} is no option of vLLM's (vLLM will refuse it): did you mean {missed[1]}?"
-    return SpeculativeRequest(False, request.source, note, near_miss=missed)
+    # The first option that is a typo of an SD option (`--speculative-confg`): vLLM refuses
+    # it, which is no "no speculative decoding requested". 0.8: no option of vLLM 0.32's is
+    # that close to an SD option (the nearest, --compilation-config, is 0.7).
+    names = [option.name for option in SD_OPTIONS if option.name.startswith("--")]
+    for token in argv:
+        if token == "--":
+            break
+        word = split_option(token)[0]
+        if not token.startswith("--") or canonical_option(word, SD_OPTIONS):
+            continue  # no long option, or an SD one (or an abbreviation argparse expands)
+        meant = did_you_mean("--" + word[2:].replace("_", "-"), names, cutoff=0.8)
+        if meant:
+            note = f"{word} is no option of vLLM's (vLLM will refuse it): did you mean {meant}?"
+            return SpeculativeRequest(False, request.source, note, near_miss=(word, meant))
+    return request

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.gather import Facts
-    from vllm_cpu_launch.libraries import Candidate, Finding, PreloadEntry, Search
+    from vllm_cpu_launch.libraries import Candidate, PreloadEntry, Search
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Tuned
 
@@ -454,21 +454,10 @@ def refusal(candidate: Candidate) -> str:
     )
 
 
-def entry_problem(entry: str, found: Finding) -> str | None:
-    """What the loader does with a caller's entry it cannot preload or we distrust (issue 31)."""
-    if found.unsafe:
-        fix = f"; Fix: {found.fix}" if found.fix else ""
-        return (
-            f"your LD_PRELOAD entry {entry} is {found.reason}: the loader will preload "
-            f"it into every vLLM process all the same; it stays as you set it{fix}"
-        )
-    if found.reason:
-        return (
-            f"your LD_PRELOAD entry {entry} cannot be preloaded ({found.reason}): the "
-            f"loader will print 'ERROR: ld.so: object {entry} ... cannot be preloaded' in "
-            "every vLLM process and go on without it; it stays as you set it"
-        )
-    return None
+LOADER_SKIPS = (  # an LD_PRELOAD entry it cannot load
+    "the loader will print 'ERROR: ld.so: object {} ... cannot be preloaded' in every vLLM "
+    "process and go on without it"
+)
 
 
 def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str], list[str]]:
@@ -481,8 +470,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
         + (
             "the loader will preload it all the same"
             if loaded.get(c.path)
-            else f"the loader will print 'ERROR: ld.so: object {c.path} ... cannot be "
-            "preloaded' in every vLLM process and go on without it"
+            else LOADER_SKIPS.format(c.path)
         )
         + "; nothing is preloaded beside it (it stays as you set it), so no Intel OpenMP "
         f"serves vLLM; Fix: {without_entry(current, c.path)}"
@@ -499,8 +487,19 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
         and not (c.kind == IOMP and c.path in decision.yours)
     ]
     done = {c.path for c in callers} | set(decision.dropped)  # dropped: said as such
-    problems = (entry_problem(e, found) for e, found in facts.entries if e not in done)
-    return broken, rejected, [p for p in problems if p]
+    others = []
+    for entry, found in facts.entries:  # issue 31: the loader's way with the rest
+        if entry in done or not found.reason:  # unsafe: always with its reason
+            continue
+        fix = f"; Fix: {found.fix}" if found.fix else ""
+        others.append(
+            f"your LD_PRELOAD entry {entry} is {found.reason}: the loader will preload it into "
+            f"every vLLM process all the same; it stays as you set it{fix}"
+            if found.unsafe
+            else f"your LD_PRELOAD entry {entry} cannot be preloaded ({found.reason}): "
+            f"{LOADER_SKIPS.format(entry)}; it stays as you set it"
+        )
+    return broken, rejected, others
 
 
 def missing_words(facts: Facts, decision: Decision) -> list[str]:

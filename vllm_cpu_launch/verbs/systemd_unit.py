@@ -130,19 +130,6 @@ def launcher_command() -> list[str]:
     return [python, "-m", "vllm_cpu_launch"]
 
 
-def shutdown_timeout(arguments: Sequence[str]) -> int | None:
-    """vLLM's `--shutdown-timeout N` (seconds it drains requests on SIGTERM)."""
-    found: int | None = None
-    for index, token in enumerate(arguments):
-        name, has_value, value = token.partition("=")
-        if not has_value and index + 1 < len(arguments):
-            value = arguments[index + 1]
-        drain = name in ("--shutdown-timeout", "--shutdown_timeout")
-        if drain and value.isascii() and value.isdigit():
-            found = int(value)
-    return found
-
-
 def baked_options(values: dict[str, object], target: Target | None) -> list[str]:
     """The launcher options of ExecStart, with every path made absolute."""
     options: list[str] = []
@@ -186,7 +173,14 @@ def render_unit(
     """The unit file text for `launcher command... -- arguments...`; without `private_tmp`,
     PrivateTmp is left out (with a comment saying why)."""
     name = str(values.get("unit_name") or DEFAULT_NAME)
-    drain = shutdown_timeout(arguments)
+    drain: int | None = None  # vLLM's `--shutdown-timeout N`: seconds it drains on SIGTERM
+    for index, token in enumerate(arguments):
+        option, has_value, value = token.partition("=")
+        if not has_value and index + 1 < len(arguments):
+            value = arguments[index + 1]
+        given = option in ("--shutdown-timeout", "--shutdown_timeout")
+        if given and value.isascii() and value.isdigit():
+            drain = int(value)
     user = values.get("unit_user")
     group = values.get("unit_group")
     identity = [f"User={user.replace('%', '%%')}" if isinstance(user, str) else DYNAMIC_USER]
