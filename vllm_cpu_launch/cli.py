@@ -346,6 +346,7 @@ def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
         if not command:
             raise LaunchError(EXIT_USAGE, "exec needs a program: vllm-cpu-launch exec -- PROGRAM")
         return run_plan({**values, **more}, command[1:], program=command[0])
+    # lazy: only the verb named is imported (the exec path imports none).
     if verb == "doctor":
         from vllm_cpu_launch.verbs.doctor import main as verb_main
     elif verb == "env":

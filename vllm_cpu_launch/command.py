@@ -107,7 +107,7 @@ def config_file_path(argv: Sequence[str]) -> str | None:
 def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
     """The occurrences of `options` a vLLM `--config` YAML file contributes, as vLLM sees
     them; one the trust rule refuses is a usage error, as a launcher config is."""
-    import yaml  # only when the command line names a config file
+    import yaml  # lazy: only when the command line names a config file
 
     try:
         raw = read_trusted(path)

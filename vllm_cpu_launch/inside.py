@@ -181,7 +181,7 @@ def publish_reading(role: Role, directory: str) -> None:
 def serve_readings() -> None:
     """The front end: a private directory for the children's readings, removed at exit,
     and the collector vLLM's /metrics serves."""
-    from prometheus_client import REGISTRY  # vLLM's dependency, imported by vLLM anyway
+    from prometheus_client import REGISTRY  # lazy: vLLM's dependency, imported by vLLM anyway
 
     directory = tempfile.mkdtemp(prefix="vllm-cpu-launch-readings-")  # 0700, this user's
     atexit.register(shutil.rmtree, directory, True)

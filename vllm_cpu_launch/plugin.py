@@ -67,7 +67,7 @@ def register() -> None:
         if not switched_off(environ):
             inside.start(spawned)  # the reading on /metrics, through both doors
         if stands_down(environ, os.uname().machine, spawned) is None:
-            from vllm.platforms import current_platform  # resolved when vLLM loads plugins
+            from vllm.platforms import current_platform  # lazy: resolved when vLLM loads plugins
 
             if current_platform.is_cpu():  # CpuPlatform, or a subclass (zentorch's)
                 wrap_check_and_update_config(type(current_platform))

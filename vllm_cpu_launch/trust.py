@@ -200,7 +200,7 @@ def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | No
     None): no runtime. Searched in a read-only mapping, first in `.rodata`, where the
     banners are constants (0.1 ms instead of 0.6 for libiomp5.so, whose banner lies 2 MB
     in), then the file up to FLAVOR_SCAN_LIMIT (the runtimes are 1-3 MB)."""
-    import mmap  # 0.4 ms, only once a candidate has passed the cheaper checks
+    import mmap  # lazy: 0.4 ms, only once a candidate has passed the cheaper checks
 
     rodata = section_range(header, descriptor, b".rodata")
     with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
@@ -333,7 +333,7 @@ def moved_out(path: str) -> str:
 
 
 def quoted(path: str) -> str:
-    import shlex  # only once a problem is found: it imports `re`, too dear for the exec path
+    import shlex  # lazy: only once a problem is found: it imports `re`, too dear for the exec path
 
     return shlex.quote(path)
 

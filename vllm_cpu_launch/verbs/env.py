@@ -83,7 +83,7 @@ class _Quoted(str):
 def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
     """`env:` and its list, `- name: N` / `value: "V"`, for a container spec: `$` doubled,
     as Kubernetes expands `$(NAME)` in a value and reads `$$` as `$` (EnvVar.value)."""
-    import yaml  # only here: the exec path never imports yaml
+    import yaml  # lazy: the exec path never imports yaml
 
     class Dumper(yaml.SafeDumper):
         """SafeDumper that writes _Quoted values double-quoted."""
