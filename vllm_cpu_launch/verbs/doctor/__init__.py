@@ -278,15 +278,11 @@ def map_section(
     section: dict[str, Any] = {
         "measured": False,
         "unmeasured": unmeasured(target, host, release),
-        "iomp": None,
-        "nobind": None,
-        "kmp_blocktime": None,
+        **dict.fromkeys(("iomp", "nobind", "kmp_blocktime")),
         "env": {},
         "relies_on": {},
         "missing": [],
-        "reason": None,
-        "rule": None,
-        "runtime": None,
+        **dict.fromkeys(("reason", "rule", "runtime")),
         "preload": [],
         "notes": [],
     }
@@ -367,10 +363,8 @@ def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator
 
 def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
     """Refused for its owner or mode, missing, or LLVM's (vLLM measured Intel's)."""
-    in_effect = report["map"]
-    if report["cpu"]["arch"] != "x86_64" or (
-        in_effect["iomp"] == "libgomp" and "iomp" not in in_effect["missing"]
-    ):
+    wanted = report["map"]["iomp"] != "libgomp" or "iomp" in report["map"]["missing"]
+    if report["cpu"]["arch"] != "x86_64" or not wanted:
         return  # not preloaded with SD here (settings, the map): nothing to install or fix
     iomp = report["libraries"]["iomp"]
     command, where = install_command(target) if target else ("", "where vLLM runs")
