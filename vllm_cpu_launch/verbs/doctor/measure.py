@@ -217,12 +217,11 @@ def measure_openmp(
     start = time.monotonic()
     for r, indices in enumerate(plan):
         for i in indices:
-            run = _run_child(python, configs[i], nthreads, steps, warmup, timeout)
+            config = configs[i]
+            run = _run_child(python, config, nthreads, steps, warmup, timeout)
             runs[i].append(run)
             if progress is not None:
-                progress(
-                    f"round {r + 1}/{rounds}: {configs[i].label}: {run['median_ms']:.3f} ms/step"
-                )
+                progress(f"round {r + 1}/{rounds}: {config.label}: {run['median_ms']:.3f} ms/step")
     seconds = time.monotonic() - start
     gomp_ms = [run["median_ms"] for run in runs[0]]
     summaries = [
