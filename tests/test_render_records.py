@@ -489,7 +489,7 @@ def verify_reports(draw: st.DrawFn) -> dict[str, Any]:
         inherited = None
         if renamed is not None and draw(st.booleans()):
             inherited_env = draw(st.dictionaries(st.sampled_from(verify.VARIABLES), TEXT))
-            inherited = verify.Inherited(draw(st.integers(1, 2**22)), inherited_env)
+            inherited = {"from_pid": draw(st.integers(1, 2**22)), "env": inherited_env}
         seen.append(
             verify.Seen(
                 pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited, renamed
