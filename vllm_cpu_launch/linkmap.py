@@ -20,12 +20,9 @@ from vllm_cpu_launch.errors import record
 if TYPE_CHECKING:
     from typing import BinaryIO
 
-AT_PHDR = 3
-AT_PHNUM = 5
-PT_DYNAMIC = 2
-PT_PHDR = 6
-DT_NULL = 0
-DT_DEBUG = 21
+AT_PHDR, AT_PHNUM = 3, 5  # auxv: where the program headers are, and how many
+PT_DYNAMIC, PT_PHDR = 2, 6
+DT_NULL, DT_DEBUG = 0, 21
 PHDR = struct.Struct("<IIQQQQQQ")  # Elf64_Phdr
 DYN = struct.Struct("<qQ")  # Elf64_Dyn
 LINK_MAP = struct.Struct("<QQQQQ")  # l_addr, l_name, l_ld, l_next, l_prev
@@ -49,18 +46,15 @@ class LinkMap:
 
 
 class Unreadable(Exception):
-    """The link map cannot be read; the message says why."""
+    """Why the link map cannot be read."""
 
 
 def read_link_map(pid: int) -> LinkMap:
-    """PID's link map in load order, or None and the reason where it cannot be read."""
     try:
         with open(f"/proc/{pid}/exe", "rb") as stream:
             ident = stream.read(6)
-        if ident[:4] != b"\x7fELF":
-            raise Unreadable("the program is not an ELF file")
-        if ident[4:] != b"\x02\x01":  # ELFCLASS64, ELFDATA2LSB: the layout read here
-            raise Unreadable("a 32-bit or big-endian program: only 64-bit little-endian is read")
+        if ident != b"\x7fELF\x02\x01":  # ELFCLASS64, ELFDATA2LSB: the layout read here
+            raise Unreadable("not a 64-bit little-endian ELF program: only those are read")
         with open(f"/proc/{pid}/auxv", "rb") as stream:
             auxv = dict(struct.iter_unpack("<QQ", stream.read()))
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
@@ -70,7 +64,7 @@ def read_link_map(pid: int) -> LinkMap:
         return LinkMap(None, f"/proc/{pid}/{file}: permission denied ({PTRACE_HINT})")
     except (FileNotFoundError, ProcessLookupError):
         return LinkMap(None, f"process {pid} exited")
-    except (OSError, Unreadable, struct.error, OverflowError, ValueError) as error:
+    except (OSError, Unreadable, struct.error, OverflowError, ValueError, KeyError) as error:
         # A pointer past the end of the address space (a corrupt or changing chain) lands here.
         return LinkMap(None, str(error) or type(error).__name__)
 
@@ -86,8 +80,6 @@ def read_at(mem: BinaryIO, address: int, size: int) -> bytes:
 
 def r_debug_address(mem: BinaryIO, auxv: dict[int, int]) -> int:
     """DT_DEBUG of the executable's dynamic section, which its program headers locate."""
-    if AT_PHDR not in auxv or AT_PHNUM not in auxv:
-        raise Unreadable("no AT_PHDR or AT_PHNUM entry in auxv")
     phdr = auxv[AT_PHDR]
     headers = read_at(mem, phdr, auxv[AT_PHNUM] * PHDR.size)
     bias, dynamic = 0, None
@@ -108,7 +100,6 @@ def r_debug_address(mem: BinaryIO, auxv: dict[int, int]) -> int:
 
 
 def walk(mem: BinaryIO, auxv: dict[int, int]) -> list[tuple[int, str]]:
-    """(l_addr, l_name) along r_debug.r_map's chain, in order."""
     entry = struct.unpack("<Q", read_at(mem, r_debug_address(mem, auxv) + 8, 8))[0]
     objects: list[tuple[int, str]] = []
     while entry and len(objects) < MAX_OBJECTS:
