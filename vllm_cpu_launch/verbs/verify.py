@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
-from vllm_cpu_launch.command import SpeculativeRequest, detect
+from vllm_cpu_launch.command import Option, SpeculativeRequest, detect, on_command_line
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import (
     INFO_METRIC,
@@ -67,13 +67,11 @@ usage: vllm-cpu-launch verify [--json] [--speculative] PID
 Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and its descendants:
 the OpenMP runtimes each loaded and the one that serves it (the first in its link map), the
 LD_PRELOAD/KMP_* it started with (or inherited, where vLLM's title overwrote them), whether
-speculative decoding is requested, and the plugin's readings on the server's /metrics (--port
-from its command line). Judged: the processes that run the model (engine cores and workers,
-else PID and its children); the others are reported. libgomp the plan chose (the mark
-VLLMCPULAUNCH_PLANNED, or iomp: never in PID's environment or config files) is fine.
-Exit 0 when every judged process is served by Intel or LLVM OpenMP or by chosen libgomp, or
-SD is not requested; 1 when one is served by libgomp nothing chose; 2 when PID cannot be
-found or read (as the user vLLM runs as, verify can read it).
+speculative decoding is requested, and the plugin's readings on the server's /metrics. It
+judges the processes that run the model (engine cores and workers, else PID and its
+children) and reports the others. Exit 1 when SD is requested and a judged process is
+served by libgomp no plan chose (the mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's
+environment or config files); 2 when PID cannot be found or read (run as vLLM's user).
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
@@ -119,9 +117,9 @@ def speculative_of(process: psutil.Process) -> SpeculativeRequest:
 def load_order(
     link_map: LinkMap, maps: str
 ) -> tuple[list[Runtime], list[Runtime], Runtime | None, str]:
-    """(as mapped, in load order, the one that serves, how the order was read): the first
-    runtime in the link map serves, as the preloads follow the program and every library's
-    references search the global scope first. Unreadable: as mapped, and None serves."""
+    """(as mapped, in load order, the one that serves or None, how the order was read): the
+    first in the link map serves; the preloads follow the program, and every library's
+    references search the global scope first."""
     paths = []
     files: dict[int, str] = {}  # a link map names each library by l_addr: its file's start
     for line in maps.splitlines():
@@ -212,8 +210,7 @@ def role_of(cmdline: Sequence[str], is_root: bool) -> str:
 
 
 def permission_denied(pid: int) -> str:
-    """As root that is a missing capability (a container's root has no CAP_SYS_PTRACE by
-    default), not a missing root."""
+    """As root, a missing capability (containers drop CAP_SYS_PTRACE), not a missing root."""
     try:
         owner = f"uid {os.stat(f'/proc/{pid}').st_uid}"
     except OSError:
@@ -305,11 +302,8 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
     servers = [one.cmdline for one in seen if one.role == "api-server"]
     if not servers:
         return NO_API_SERVER
-    given: dict[str, str] = {}
-    for index, word in enumerate(servers[0]):
-        name, equals, value = word.partition("=")
-        if name in ("--host", "--port"):
-            given[name] = value if equals else "".join(servers[0][index + 1 : index + 2])
+    options = [Option("--host", "--host"), Option("--port", "--port")]  # no abbreviations
+    given = {found.option: found.value for found in on_command_line(servers[0], options)}
     host = given.get("--host") or "127.0.0.1"
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # all addresses: ask here
     port = given.get("--port") or "8000"  # vLLM's `--port` default
