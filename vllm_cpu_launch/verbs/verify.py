@@ -15,28 +15,13 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from vllm_cpu_launch import handoff, settings
 from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.command import Option, SpeculativeRequest, detect, on_command_line
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
-from vllm_cpu_launch.handoff import (
-    INFO_METRIC,
-    LAUNCHER,
-    LD_PRELOAD,
-    PLANNED_VARIABLE,
-    PLUGIN,
-    Library,
-    library_of,
-    vllm_reads,
-)
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, library_of, vllm_reads
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
-from vllm_cpu_launch.settings import (
-    CONFIG_VARIABLE,
-    Mode,
-    deprecated_name,
-    load_settings,
-    said_setting,
-)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -316,7 +301,7 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
     readings = {}
     for line in text.splitlines():  # `vllm_cpu_launch_openmp_info{...} 1.0`, by its pid label
         name, brace, rest = line.partition("{")
-        labels = rest.rpartition("}")[0] if name == INFO_METRIC and brace else ""
+        labels = rest.rpartition("}")[0] if name == handoff.INFO_METRIC and brace else ""
         pairs = {
             key: re.sub(r"\\.", lambda e: ESCAPES.get(e[0], e[0]), value)
             for key, value in LABEL.findall(labels)
@@ -343,11 +328,12 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     # libgomp is the user's choice where `iomp: never` is in the settings as the plan read
     # them: from PID's start-up environment and the config files it names (from its cwd).
     environ = read[1]
-    for name in (CONFIG_VARIABLE, deprecated_name(CONFIG_VARIABLE)):
+    for name in (settings.CONFIG_VARIABLE, settings.deprecated_name(settings.CONFIG_VARIABLE)):
         if environ.get(name):
             environ[name] = os.path.join(cwd_of(root), environ[name])
-    settings = load_settings({}, environ, errors=[])  # what is broken is left out
-    users = ("the user", said_setting(settings, "iomp")) if settings.iomp == Mode.NEVER else None
+    loaded = settings.load_settings({}, environ, errors=[])  # what is broken is left out
+    never = loaded.iomp == settings.Mode.NEVER
+    users = ("the user", settings.said_setting(loaded, "iomp")) if never else None
     children = (seen_of(process, pid, request) for process in descendants)
     seen = [read[0], *(child[0] for child in children if child is not None)]
     return assemble(pid, request, seen, users, inside_of(seen))
@@ -365,7 +351,7 @@ def assemble(
     # A plan that keeps libgomp marks it (docs/design.md, "verify"). Only a bare mark is a
     # choice: NOT_FOUND_MARK kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
     marks = (one.environment.get(PLANNED_VARIABLE) for one in seen)
-    mark = next((mark for mark in marks if mark in (LAUNCHER, PLUGIN)), None)
+    mark = next((mark for mark in marks if mark in (handoff.LAUNCHER, handoff.PLUGIN)), None)
     chosen = ("the plan", f"{PLANNED_VARIABLE}={mark}") if mark else users
     processes = []
     for one in seen:
