@@ -506,14 +506,14 @@ def insides(draw: st.DrawFn, pids: list[int]) -> verify.Inside:
     """What /metrics said: nothing, or the plugin's series for some of the processes."""
     url = draw(st.none() | TEXT)
     if url is None or draw(st.booleans()):
-        return verify.Inside(url, None)
+        return url, None
     readings = {}
     for pid in draw(st.lists(st.sampled_from(pids), min_size=1, unique=True)):
         labels = {
             name: draw(st.sampled_from(["intel", "none", ""]) | TEXT) for name in INSIDE_LABELS
         }
         readings[pid] = {"pid": str(pid), **labels}
-    return verify.Inside(url, readings)
+    return url, readings
 
 
 @EXAMPLES

@@ -12,13 +12,10 @@ and a reason, never a guess.
 
 from __future__ import annotations
 
+import os
 import struct
-from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
-
-if TYPE_CHECKING:
-    from typing import BinaryIO
 
 AT_PHDR, AT_PHNUM = 3, 5  # auxv: where the program headers are, and how many
 PT_DYNAMIC, PT_PHDR = 2, 6
@@ -58,7 +55,7 @@ def read_link_map(pid: int) -> LinkMap:
         with open(f"/proc/{pid}/auxv", "rb") as stream:
             auxv = dict(struct.iter_unpack("<QQ", stream.read()))
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            return LinkMap(tuple(walk(mem, auxv)))
+            return LinkMap(tuple(walk(mem.fileno(), auxv)))
     except PermissionError as error:
         file = str(error.filename or "mem").rpartition("/")[2]
         return LinkMap(None, f"/proc/{pid}/{file}: permission denied ({PTRACE_HINT})")
@@ -69,16 +66,15 @@ def read_link_map(pid: int) -> LinkMap:
         return LinkMap(None, str(error) or type(error).__name__)
 
 
-def read_at(mem: BinaryIO, address: int, size: int) -> bytes:
+def read_at(mem: int, address: int, size: int) -> bytes:
     """`size` bytes of the process's memory at `address` (short only at an unmapped end)."""
-    mem.seek(address)
-    data: bytes = mem.read(size)
+    data = os.pread(mem, size, address)
     if len(data) < size:
         raise Unreadable(f"short read of {size} bytes at {address:#x}")
     return data
 
 
-def r_debug_address(mem: BinaryIO, auxv: dict[int, int]) -> int:
+def r_debug_address(mem: int, auxv: dict[int, int]) -> int:
     """DT_DEBUG of the executable's dynamic section, which its program headers locate."""
     phdr = auxv[AT_PHDR]
     headers = read_at(mem, phdr, auxv[AT_PHNUM] * PHDR.size)
@@ -99,7 +95,7 @@ def r_debug_address(mem: BinaryIO, auxv: dict[int, int]) -> int:
     raise Unreadable("no DT_DEBUG in the program's dynamic section")
 
 
-def walk(mem: BinaryIO, auxv: dict[int, int]) -> list[tuple[int, str]]:
+def walk(mem: int, auxv: dict[int, int]) -> list[tuple[int, str]]:
     entry = struct.unpack("<Q", read_at(mem, r_debug_address(mem, auxv) + 8, 8))[0]
     objects: list[tuple[int, str]] = []
     while entry and len(objects) < MAX_OBJECTS:
@@ -108,12 +104,11 @@ def walk(mem: BinaryIO, auxv: dict[int, int]) -> list[tuple[int, str]]:
     return objects
 
 
-def read_string(mem: BinaryIO, address: int) -> str:
+def read_string(mem: int, address: int) -> str:
     """A NUL-terminated name; read in pieces, since a page boundary may follow it."""
     data = b""
     while b"\0" not in data and len(data) < MAX_NAME:
-        mem.seek(address + len(data))
-        piece: bytes = mem.read(256 - (address + len(data)) % 256)
+        piece = os.pread(mem, 256 - (address + len(data)) % 256, address + len(data))
         if not piece:
             break
         data += piece

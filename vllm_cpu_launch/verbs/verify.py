@@ -268,15 +268,10 @@ def seen_of(
     return seen, environment
 
 
-@record
-class Inside:
-    """The plugin's readings by PID (url None: no API server; readings None: none read)."""
-
-    url: str | None
-    readings: dict[int, dict[str, str]] | None
-
-
-NO_API_SERVER = Inside(None, None)
+# The plugin's readings by PID on the API server's /metrics, (url, readings): url None
+# where there is no API server, readings None where none could be read.
+Inside = tuple[str | None, dict[int, dict[str, str]] | None]
+NO_API_SERVER: Inside = (None, None)
 # A label of a Prometheus text line; its value escapes backslash, quote and newline.
 LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
@@ -297,7 +292,7 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
         with urllib.request.urlopen(url, timeout=2) as response:
             text = response.read().decode("utf-8", "replace")
     except (OSError, ValueError):
-        return Inside(url, None)
+        return url, None
     readings = {}
     for line in text.splitlines():  # `vllm_cpu_launch_openmp_info{...} 1.0`, by its pid label
         name, brace, rest = line.partition("{")
@@ -308,7 +303,7 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
         }
         if pairs.get("pid", "").isdigit():
             readings[int(pairs["pid"])] = pairs
-    return Inside(url, readings or None)
+    return url, readings or None
 
 
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
@@ -347,6 +342,7 @@ def assemble(
     inside: Inside = NO_API_SERVER,
 ) -> dict[str, Any]:
     """The report from what was read (PID first); `users`: the user's choice of libgomp."""
+    url, readings = inside
     split = any(one.role in MODEL_ROLES.values() for one in seen)
     # A plan that keeps libgomp marks it (docs/design.md, "verify"). Only a bare mark is a
     # choice: NOT_FOUND_MARK kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
@@ -373,7 +369,7 @@ def assemble(
                 "order": how,
                 "env": one.environment,
                 "environment": environment_entry(one, serves),
-                "inside": (inside.readings or {}).get(one.pid),
+                "inside": (readings or {}).get(one.pid),
                 "speculative": one.speculative,
                 "verdict": verdict,
                 "reason": reason,
@@ -383,7 +379,7 @@ def assemble(
         "pid": pid,
         "speculative": {"requested": root_request.requested, "source": root_request.source},
         "ok": all(process["verdict"] != Judgement.PROBLEM for process in processes),
-        "inside": {"url": inside.url, "read": inside.readings is not None},
+        "inside": {"url": url, "read": readings is not None},
         "processes": processes,
     }
 
