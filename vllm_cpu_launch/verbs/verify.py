@@ -83,12 +83,9 @@ def cwd_of(process: psutil.Process) -> str:
         return ""
 
 
-def speculative_of(process: psutil.Process) -> SpeculativeRequest:
+def speculative_of(cmdline: Sequence[str], process: psutil.Process) -> SpeculativeRequest:
     """What the vLLM part of its command line requests, `--config FILE` read from its cwd."""
-    try:
-        arguments = process.cmdline()[1:]
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        arguments = []
+    arguments = list(cmdline[1:])
     for index, word in enumerate(arguments):
         if os.path.basename(word) in ("vllm", "vllm-cpu-launch"):
             arguments = arguments[index + 1 :]
@@ -257,7 +254,7 @@ def seen_of(
         raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
-    wanted = request.requested or (pid != root and speculative_of(process).requested)
+    wanted = request.requested or (pid != root and speculative_of(cmdline, process).requested)
     renamed = cmdline[0] if vllm_title(cmdline) is not None else None
     inherited = inherited_by(process) if renamed is not None else None
     shown = {name: environment[name] for name in VARIABLES if name in environment}
@@ -311,12 +308,13 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     try:
         root = psutil.Process(pid)
         descendants = root.children(recursive=True)
+        cmdline = root.cmdline()
     except (psutil.NoSuchProcess, ValueError, OverflowError):
         raise LaunchError(EXIT_USAGE, f"verify: no process with PID {pid}") from None
     except psutil.AccessDenied:
         raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
     given = SpeculativeRequest(True, "--speculative, given to verify")
-    request = given if speculative else speculative_of(root)
+    request = given if speculative else speculative_of(cmdline, root)
     read = seen_of(root, pid, request)
     if read is None:
         raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited")
