@@ -491,9 +491,7 @@ def verify_reports(draw: st.DrawFn) -> dict[str, Any]:
             inherited_env = draw(st.dictionaries(st.sampled_from(verify.VARIABLES), TEXT))
             inherited = {"from_pid": draw(st.integers(1, 2**22)), "env": inherited_env}
         seen.append(
-            verify.Seen(
-                pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited, renamed
-            )
+            verify.Seen(pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited)
         )
     return verify.assemble(pids[0], request, seen, None, draw(insides(pids)))
 

@@ -233,8 +233,7 @@ class Seen:
     environment: dict[str, str]
     speculative: bool
     link_map: LinkMap
-    inherited: dict[str, Any] | None = None  # {from_pid, env}
-    renamed: str | None = None
+    inherited: dict[str, Any] | None = None  # {from_pid, env}, where vLLM renamed it
 
 
 def seen_of(
@@ -255,13 +254,10 @@ def seen_of(
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
     wanted = request.requested or (pid != root and speculative_of(cmdline, process).requested)
-    renamed = cmdline[0] if vllm_title(cmdline) is not None else None
-    inherited = inherited_by(process) if renamed is not None else None
+    inherited = inherited_by(process) if vllm_title(cmdline) is not None else None
     shown = {name: environment[name] for name in VARIABLES if name in environment}
     role = role_of(cmdline, pid == root)
-    seen = Seen(
-        pid, ppid, cmdline, role, maps, shown, wanted, read_link_map(pid), inherited, renamed
-    )
+    seen = Seen(pid, ppid, cmdline, role, maps, shown, wanted, read_link_map(pid), inherited)
     return seen, environment
 
 
@@ -397,10 +393,10 @@ NOBIND = f"{BIND}=nobind"
 
 def environment_entry(one: Seen, serves: Runtime | None) -> dict[str, Any]:
     """Where vLLM's title overwrote environ: what was inherited, and what vLLM wrote over it."""
-    if one.renamed is None:
+    if vllm_title(one.cmdline) is None:
         return {"readable": True}
     why = (
-        f"vLLM renamed the process ({one.renamed}) and the title overwrote "
+        f"vLLM renamed the process ({one.cmdline[0]}) and the title overwrote "
         f"/proc/{one.pid}/environ: only its tail shows"
     )
     entry: dict[str, Any] = {"readable": False, "why": why, "inherited": one.inherited}
