@@ -489,11 +489,9 @@ def verify_reports(draw: st.DrawFn) -> dict[str, Any]:
         inherited = None
         if renamed is not None and draw(st.booleans()):
             inherited_env = draw(st.dictionaries(st.sampled_from(verify.VARIABLES), TEXT))
-            inherited = verify.Inherited(draw(st.integers(1, 2**22)), inherited_env)
+            inherited = {"from_pid": draw(st.integers(1, 2**22)), "env": inherited_env}
         seen.append(
-            verify.Seen(
-                pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited, renamed
-            )
+            verify.Seen(pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited)
         )
     return verify.assemble(pids[0], request, seen, None, draw(insides(pids)))
 
@@ -506,14 +504,14 @@ def insides(draw: st.DrawFn, pids: list[int]) -> verify.Inside:
     """What /metrics said: nothing, or the plugin's series for some of the processes."""
     url = draw(st.none() | TEXT)
     if url is None or draw(st.booleans()):
-        return verify.Inside(url, None)
+        return url, None
     readings = {}
     for pid in draw(st.lists(st.sampled_from(pids), min_size=1, unique=True)):
         labels = {
             name: draw(st.sampled_from(["intel", "none", ""]) | TEXT) for name in INSIDE_LABELS
         }
         readings[pid] = {"pid": str(pid), **labels}
-    return verify.Inside(url, readings)
+    return url, readings
 
 
 @EXAMPLES

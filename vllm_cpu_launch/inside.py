@@ -51,12 +51,9 @@ logger = logging.getLogger("vllm.plugins.vllm_cpu_launch")
 PREFIX = "vllm-cpu-launch plugin: "
 # The directory the front end made for its children's readings (ours, never VLLM_*).
 READINGS_VARIABLE = "VLLMCPULAUNCH_READINGS"
-BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 DOCUMENTATION = "The OpenMP runtime serving GOMP_parallel in each vLLM process, read inside"
 SUFFIX = ".json"
 WRAPPED = "_vllm_cpu_launch_reads"
-WORKER_MODULE = "vllm.v1.worker.worker_base"
-ENGINE_MODULE = "vllm.v1.engine.core"
 
 
 class Role(enum.Enum):
@@ -80,17 +77,6 @@ class Reading:
     bind: str
 
 
-class DlInfo(ctypes.Structure):
-    """glibc's Dl_info, which dladdr fills."""
-
-    _fields_ = [
-        ("dli_fname", ctypes.c_char_p),
-        ("dli_fbase", ctypes.c_void_p),
-        ("dli_sname", ctypes.c_char_p),
-        ("dli_saddr", ctypes.c_void_p),
-    ]
-
-
 def read_openmp(role: Role) -> Reading:
     """This process's OpenMP as the loader resolves it now: the library defining the
     global scope's `GOMP_parallel`, which torch's and every other library's calls reach."""
@@ -98,12 +84,9 @@ def read_openmp(role: Role) -> Reading:
     scope.dlsym.restype = ctypes.c_void_p
     scope.dlsym.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     address = scope.dlsym(None, b"GOMP_parallel")  # handle 0: RTLD_DEFAULT
-    library = ""
-    if address:
-        info = DlInfo()
-        scope.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo)]
-        if scope.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) and info.dli_fname:
-            library = os.fsdecode(info.dli_fname)
+    info = (ctypes.c_char_p * 4)()  # glibc's Dl_info, four pointers; dli_fname is the first
+    name = info[0] if address and scope.dladdr(ctypes.c_void_p(address), info) else None
+    library = os.fsdecode(name) if name else ""
     kind = library_of(library)
     runtime = METRIC_WORDS.get(kind, NONE)
     blocktime = threads = ""
@@ -111,25 +94,24 @@ def read_openmp(role: Role) -> Reading:
         threads = str(scope.omp_get_max_threads())
         if kind.kmp:
             blocktime = str(scope.kmp_get_blocktime())
-    bind = os.environ.get(BIND_VARIABLE, "")
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     return Reading(role.value, os.getpid(), runtime, library, blocktime, threads, bind)
 
 
 def start(spawned: bool) -> None:
     """Called by the plugin's register() in every vLLM process; never raises. A child reads
-    at vLLM's points (the module's docstring) in the classes it has imported already (each
-    engine core with a busy loop of its own); nothing is imported here. Only the front end
-    is neither spawned by multiprocessing nor given the directory."""
+    at vLLM's points (above) in the classes it has imported already; nothing is imported
+    here. Only the front end is neither spawned by multiprocessing nor given the directory."""
     try:
         directory = os.environ.get(READINGS_VARIABLE)
         if not directory:
             if not spawned:
                 serve_readings()
             return
-        worker = sys.modules.get(WORKER_MODULE)
-        if worker is not None and hasattr(worker, "WorkerWrapperBase"):
-            wrap(worker.WorkerWrapperBase, "init_device", Role.WORKER, directory, after=True)
-        engine = sys.modules.get(ENGINE_MODULE)
+        worker = getattr(sys.modules.get("vllm.v1.worker.worker_base"), "WorkerWrapperBase", None)
+        if worker is not None:
+            wrap(worker, "init_device", Role.WORKER, directory, after=True)
+        engine = sys.modules.get("vllm.v1.engine.core")
         for value in list(vars(engine).values()) if engine is not None else []:
             if isinstance(value, type) and "run_busy_loop" in vars(value):
                 wrap(value, "run_busy_loop", Role.ENGINE_CORE, directory, after=False)
@@ -138,8 +120,7 @@ def start(spawned: bool) -> None:
 
 
 def wrap(owner: type, name: str, role: Role, directory: str, *, after: bool) -> None:
-    """Make owner.name publish this process's reading after (or before) vLLM's own code,
-    whose result and exceptions stay vLLM's."""
+    """Publish the reading after (or before) owner.name; its result and exceptions stay."""
     method = vars(owner)[name]
     if not callable(method) or getattr(method, WRAPPED, False):
         return
@@ -162,12 +143,8 @@ def publish_reading(role: Role, directory: str) -> None:
     try:
         info = os.lstat(directory)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-            logger.warning(
-                "%s%s=%s is not a private directory of this user; nothing published",
-                PREFIX,
-                READINGS_VARIABLE,
-                directory,
-            )
+            why = f"{READINGS_VARIABLE}={directory} is not a private directory of this user"
+            logger.warning("%s%s; nothing published", PREFIX, why)
             return
         reading = read_openmp(role)
         descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
@@ -179,8 +156,7 @@ def publish_reading(role: Role, directory: str) -> None:
 
 
 def serve_readings() -> None:
-    """The front end: a private directory for the children's readings, removed at exit,
-    and the collector vLLM's /metrics serves."""
+    """The front end: the children's private directory (removed at exit), the collector."""
     from prometheus_client import REGISTRY  # lazy: vLLM's dependency, imported by vLLM anyway
 
     directory = tempfile.mkdtemp(prefix="vllm-cpu-launch-readings-")  # 0700, this user's
@@ -190,8 +166,7 @@ def serve_readings() -> None:
 
 
 class ReadingsCollector:
-    """prometheus_client's custom collector: one series for the front end, one for each
-    child whose reading is on file and which is still alive."""
+    """One series for the front end, one for each live child with a reading on file."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -219,8 +194,8 @@ class ReadingsCollector:
 def children_readings(directory: str) -> list[Reading]:
     """The readings on file of processes still alive, by pid; a dead one's is removed."""
     found = []
-    for name in sorted(os.listdir(directory)):
-        if not name.endswith(SUFFIX) or name.startswith("."):
+    for name in os.listdir(directory):
+        if not name.endswith(SUFFIX):  # not the .tmp files being written
             continue
         path = os.path.join(directory, name)
         with open(path, encoding="utf-8") as stream:

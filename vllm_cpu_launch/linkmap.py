@@ -12,20 +12,14 @@ and a reason, never a guess.
 
 from __future__ import annotations
 
+import os
 import struct
-from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
 
-if TYPE_CHECKING:
-    from typing import BinaryIO
-
-AT_PHDR = 3
-AT_PHNUM = 5
-PT_DYNAMIC = 2
-PT_PHDR = 6
-DT_NULL = 0
-DT_DEBUG = 21
+AT_PHDR, AT_PHNUM = 3, 5  # auxv: where the program headers are, and how many
+PT_DYNAMIC, PT_PHDR = 2, 6
+DT_NULL, DT_DEBUG = 0, 21
 PHDR = struct.Struct("<IIQQQQQQ")  # Elf64_Phdr
 DYN = struct.Struct("<qQ")  # Elf64_Dyn
 LINK_MAP = struct.Struct("<QQQQQ")  # l_addr, l_name, l_ld, l_next, l_prev
@@ -49,45 +43,39 @@ class LinkMap:
 
 
 class Unreadable(Exception):
-    """The link map cannot be read; the message says why."""
+    """Why the link map cannot be read."""
 
 
 def read_link_map(pid: int) -> LinkMap:
-    """PID's link map in load order, or None and the reason where it cannot be read."""
     try:
         with open(f"/proc/{pid}/exe", "rb") as stream:
             ident = stream.read(6)
-        if ident[:4] != b"\x7fELF":
-            raise Unreadable("the program is not an ELF file")
-        if ident[4:] != b"\x02\x01":  # ELFCLASS64, ELFDATA2LSB: the layout read here
-            raise Unreadable("a 32-bit or big-endian program: only 64-bit little-endian is read")
+        if ident != b"\x7fELF\x02\x01":  # ELFCLASS64, ELFDATA2LSB: the layout read here
+            raise Unreadable("not a 64-bit little-endian ELF program: only those are read")
         with open(f"/proc/{pid}/auxv", "rb") as stream:
             auxv = dict(struct.iter_unpack("<QQ", stream.read()))
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            return LinkMap(tuple(walk(mem, auxv)))
+            return LinkMap(tuple(walk(mem.fileno(), auxv)))
     except PermissionError as error:
         file = str(error.filename or "mem").rpartition("/")[2]
         return LinkMap(None, f"/proc/{pid}/{file}: permission denied ({PTRACE_HINT})")
     except (FileNotFoundError, ProcessLookupError):
         return LinkMap(None, f"process {pid} exited")
-    except (OSError, Unreadable, struct.error, OverflowError, ValueError) as error:
+    except (OSError, Unreadable, struct.error, OverflowError, ValueError, KeyError) as error:
         # A pointer past the end of the address space (a corrupt or changing chain) lands here.
         return LinkMap(None, str(error) or type(error).__name__)
 
 
-def read_at(mem: BinaryIO, address: int, size: int) -> bytes:
+def read_at(mem: int, address: int, size: int) -> bytes:
     """`size` bytes of the process's memory at `address` (short only at an unmapped end)."""
-    mem.seek(address)
-    data: bytes = mem.read(size)
+    data = os.pread(mem, size, address)
     if len(data) < size:
         raise Unreadable(f"short read of {size} bytes at {address:#x}")
     return data
 
 
-def r_debug_address(mem: BinaryIO, auxv: dict[int, int]) -> int:
+def r_debug_address(mem: int, auxv: dict[int, int]) -> int:
     """DT_DEBUG of the executable's dynamic section, which its program headers locate."""
-    if AT_PHDR not in auxv or AT_PHNUM not in auxv:
-        raise Unreadable("no AT_PHDR or AT_PHNUM entry in auxv")
     phdr = auxv[AT_PHDR]
     headers = read_at(mem, phdr, auxv[AT_PHNUM] * PHDR.size)
     bias, dynamic = 0, None
@@ -107,8 +95,7 @@ def r_debug_address(mem: BinaryIO, auxv: dict[int, int]) -> int:
     raise Unreadable("no DT_DEBUG in the program's dynamic section")
 
 
-def walk(mem: BinaryIO, auxv: dict[int, int]) -> list[tuple[int, str]]:
-    """(l_addr, l_name) along r_debug.r_map's chain, in order."""
+def walk(mem: int, auxv: dict[int, int]) -> list[tuple[int, str]]:
     entry = struct.unpack("<Q", read_at(mem, r_debug_address(mem, auxv) + 8, 8))[0]
     objects: list[tuple[int, str]] = []
     while entry and len(objects) < MAX_OBJECTS:
@@ -117,12 +104,11 @@ def walk(mem: BinaryIO, auxv: dict[int, int]) -> list[tuple[int, str]]:
     return objects
 
 
-def read_string(mem: BinaryIO, address: int) -> str:
+def read_string(mem: int, address: int) -> str:
     """A NUL-terminated name; read in pieces, since a page boundary may follow it."""
     data = b""
     while b"\0" not in data and len(data) < MAX_NAME:
-        mem.seek(address + len(data))
-        piece: bytes = mem.read(256 - (address + len(data)) % 256)
+        piece = os.pread(mem, 256 - (address + len(data)) % 256, address + len(data))
         if not piece:
             break
         data += piece

@@ -1,9 +1,7 @@
 """`vllm-cpu-launch verify PID`: does a running vLLM run the OpenMP runtime its plan chose?
 
-It reads PID's tree from /proc (maps, environ, the link map: linkmap.py) and the plugin's
-readings on /metrics, judges the processes that run model code and reports the others
-(docs/design.md, "verify", says what is evidence and why). Exit 1 when SD is requested and
-a judged process runs libgomp, or no runtime, that no plan chose; 2 when PID is unreadable.
+It reads PID's tree from /proc (maps, environ, the link map) and the plugin's readings on
+/metrics; docs/design.md ("verify") says what is evidence and why.
 """
 
 from __future__ import annotations
@@ -17,51 +15,33 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from vllm_cpu_launch import handoff, settings
 from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
-from vllm_cpu_launch.command import SpeculativeRequest, detect
+from vllm_cpu_launch.command import Option, SpeculativeRequest, detect, on_command_line
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
-from vllm_cpu_launch.handoff import (
-    INFO_METRIC,
-    LAUNCHER,
-    LD_PRELOAD,
-    PLANNED_VARIABLE,
-    PLUGIN,
-    Library,
-    library_of,
-    vllm_reads,
-)
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, library_of, vllm_reads
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
-from vllm_cpu_launch.settings import (
-    CONFIG_VARIABLE,
-    Mode,
-    deprecated_name,
-    load_settings,
-    said_setting,
-)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
     from typing import Any
 
+Runtime = tuple[Library, str]
+Choice = tuple[str, str]  # who left Intel OpenMP out ("the plan" or "the user"), and why
+
 
 class Judgement(StrEnum):
-    """What verify makes of one process: its JSON `verdict`."""
+    """A process's JSON `verdict` (docs/operating.md, "verify", says when each applies)."""
 
-    OK = "ok"  # served as its plan (or the user) chose
-    PROBLEM = "problem"  # SD served by libgomp no plan chose, or no runtime without a word
-    SKIPPED = "skipped"  # nothing to judge yet
+    OK = "ok"
+    PROBLEM = "problem"
+    SKIPPED = "skipped"
     REPORTED = "reported"  # runs no model code: shown, not judged
 
 
-VARIABLES = (
-    LD_PRELOAD,
-    "KMP_BLOCKTIME",
-    "KMP_AFFINITY",
-    "OMP_NUM_THREADS",
-    "VLLM_CPU_OMP_THREADS_BIND",
-    PLANNED_VARIABLE,
-)
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+VARIABLES = (LD_PRELOAD, "KMP_BLOCKTIME", "KMP_AFFINITY", "OMP_NUM_THREADS", BIND, PLANNED_VARIABLE)
 # What vLLM calls its processes (setproctitle "VLLM::NAME", vllm/utils/system_utils.py):
 # the engine core and the workers run the model; the API server and DP coordinator do not.
 MODEL_ROLES = {"EngineCore": "engine-core", "Worker": "worker"}
@@ -69,26 +49,20 @@ MODEL_ROLES = {"EngineCore": "engine-core", "Worker": "worker"}
 USAGE = """\
 usage: vllm-cpu-launch verify [--json] [--speculative] PID
 
-Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and all its
-descendants: which OpenMP runtimes each has loaded and which one serves it (the first in
-its link map), the LD_PRELOAD/KMP_* it started with (or, where vLLM's process title
-overwrote them, what it inherited), whether speculative decoding is requested, and the
-plugin's readings from inside on the server's /metrics (--port from its command line).
-The processes that run the model are judged (vLLM's engine cores and workers; where
-there are none, PID itself and its children); the API server and other helpers are
-reported. libgomp that the plan chose
-(the launcher's or the plugin's mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's
-environment or config files) is fine.
-Exit 0 when every judged process is served by Intel or LLVM OpenMP, or the libgomp it
-runs was chosen, or SD is not requested; 1 when one is served by libgomp nothing chose;
-2 when PID cannot be found or read (as the user vLLM runs as, verify can read it).
+Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and its descendants:
+the OpenMP runtimes each loaded and the one that serves it (the first in its link map), the
+LD_PRELOAD/KMP_* it started with (or inherited, where vLLM's title overwrote them), whether
+speculative decoding is requested, and the plugin's readings on the server's /metrics. It
+judges the processes that run the model (engine cores and workers, else PID and its
+children) and reports the others. Exit 1 when SD is requested and a judged process is
+served by libgomp no plan chose (the mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's
+environment or config files); 2 when PID cannot be found or read (run as vLLM's user).
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
 
 
-def runtimes_in(paths: Iterable[str]) -> list[tuple[Library, str]]:
-    """(runtime, path) of each OpenMP runtime among paths, once, in their order."""
+def runtimes_in(paths: Iterable[str]) -> list[Runtime]:
     kinds = {path: library_of(path) for path in dict.fromkeys(paths)}
     return [(kind, path) for path, kind in kinds.items() if kind.runtime]
 
@@ -101,52 +75,33 @@ def environment_of(pid: int) -> dict[str, str]:
     return {key: value for key, equals, value in pairs if equals and key}
 
 
-def cwd_of(process: psutil.Process) -> str | None:
+def cwd_of(process: psutil.Process) -> str:
     """Relative file names on its command line and in its environment are relative to it."""
     try:
         return process.cwd()
     except psutil.Error:
-        return None
+        return ""
 
 
-def speculative_of(process: psutil.Process) -> SpeculativeRequest:
+def speculative_of(cmdline: Sequence[str], process: psutil.Process) -> SpeculativeRequest:
     """What the vLLM part of its command line requests, `--config FILE` read from its cwd."""
-    try:
-        arguments = process.cmdline()[1:]
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        arguments = []
+    arguments = list(cmdline[1:])
     for index, word in enumerate(arguments):
         if os.path.basename(word) in ("vllm", "vllm-cpu-launch"):
             arguments = arguments[index + 1 :]
             break
-    cwd = cwd_of(process) or ""
     for index, word in enumerate(arguments[:-1]):
         if word == "--config":
-            arguments[index + 1] = os.path.join(cwd, arguments[index + 1])
+            arguments[index + 1] = os.path.join(cwd_of(process), arguments[index + 1])
     return detect(arguments)
 
 
-@record
-class Choice:
-    """Why the plan left Intel OpenMP out: `by` "the plan" (its mark) or "the user"."""
-
-    by: str
-    why: str
-
-
-@record
-class Order:
-    """One process's OpenMP runtimes as mapped, and as ordered: the one that serves."""
-
-    mapped: list[tuple[Library, str]]  # in /proc/PID/maps order
-    runtimes: list[tuple[Library, str]]  # in load order, else as mapped
-    serves: tuple[Library, str] | None  # None where the load order is unknown
-    how: str
-
-
-def load_order(link_map: LinkMap, maps: str) -> Order:
-    """The first OpenMP runtime in the link map serves: the preloads follow the program and
-    every library's references search the global scope first."""
+def load_order(
+    link_map: LinkMap, maps: str
+) -> tuple[list[Runtime], list[Runtime], Runtime | None, str]:
+    """(as mapped, in load order, the one that serves or None, how the order was read): the
+    first in the link map serves; the preloads follow the program, and every library's
+    references search the global scope first."""
     paths = []
     files: dict[int, str] = {}  # a link map names each library by l_addr: its file's start
     for line in maps.splitlines():
@@ -161,51 +116,50 @@ def load_order(link_map: LinkMap, maps: str) -> Order:
             f"load order unreadable: {link_map.unreadable}; in /proc/PID/maps (address) "
             "order, which does not say which serves"
         )
-        return Order(mapped, mapped, None, how)
+        return mapped, mapped, None, how
     runtimes = runtimes_in(files.get(address, name) for address, name in link_map.objects)
     how = "in load order (the link map, as pldd reads it)"
-    return Order(mapped, runtimes, runtimes[0] if runtimes else None, how)
+    return mapped, runtimes, runtimes[0] if runtimes else None, how
 
 
 def judge(
-    order: Order, environment: dict[str, str], is_root: bool, wanted: bool, chosen: Choice | None
+    runtimes: list[Runtime], serves: Runtime | None, one: Seen, is_root: bool, chosen: Choice | None
 ) -> tuple[Judgement, str]:
     """Under SD the runtime that serves decides; libgomp, or none, is fine if it was chosen."""
-    kinds = [kind for kind, _ in order.runtimes]
-    preload = environment.get(LD_PRELOAD, "")
+    kinds = [kind for kind, _ in runtimes]
+    preload = one.environment.get(LD_PRELOAD, "")
     preloaded_iomp = Library.INTEL in vllm_reads(preload)
-    described = described_runtimes(order.runtimes)
+    described = described_runtimes(runtimes)
     if not kinds:
         if not is_root:
             return Judgement.SKIPPED, "no OpenMP runtime loaded"
-        if not wanted:
+        if not one.speculative:
             return Judgement.OK, "no OpenMP runtime loaded yet"
         if chosen:
-            none = f"none preloaded, as {chosen.by} chose ({chosen.why})"
+            none = f"none preloaded, as {chosen[0]} chose ({chosen[1]})"
             return Judgement.OK, f"no OpenMP runtime loaded yet; {none}"
         if preloaded_iomp:
             return Judgement.PROBLEM, f"LD_PRELOAD names {preload} but no OpenMP runtime is loaded"
         return Judgement.PROBLEM, "started without Intel OpenMP in LD_PRELOAD"
-    if not wanted:
+    if not one.speculative:
         return Judgement.OK, f"speculative decoding not requested; runs {described}"
     gnu_only = set(kinds) == {Library.GNU}
     # Where the link map could not be read, libgomp serves when it is all that is mapped.
-    gnu_serves = order.serves[0] is Library.GNU if order.serves else gnu_only
-    if chosen and gnu_serves:
-        verb = "kept by" if chosen.by == "the plan" else "chosen by"
-        return Judgement.OK, f"libgomp {verb} {chosen.by} ({chosen.why}): {described}"
+    if chosen and (serves[0] is Library.GNU if serves else gnu_only):
+        verb = "kept by" if chosen[0] == "the plan" else "chosen by"
+        return Judgement.OK, f"libgomp {verb} {chosen[0]} ({chosen[1]}): {described}"
     if gnu_only:
         return Judgement.PROBLEM, f"runs GNU libgomp only ({described})"
-    if order.serves is None:
+    if serves is None:
         # A visible LD_PRELOAD without Intel OpenMP says libgomp was bound first. vLLM's
         # renamed processes (VLLM::Worker...) have their start-up environment overwritten
         # by the process title, so an absent LD_PRELOAD there tells nothing.
-        if Library.GNU in kinds and LD_PRELOAD in environment and not preloaded_iomp:
+        if Library.GNU in kinds and LD_PRELOAD in one.environment and not preloaded_iomp:
             why = f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})"
             return Judgement.PROBLEM, why
         return Judgement.OK, described
-    kind, path = order.serves
-    others = [runtime for runtime in order.runtimes if runtime != order.serves]
+    kind, path = serves
+    others = [runtime for runtime in runtimes if runtime != serves]
     also = f"; also mapped, not serving: {described_runtimes(others)}" if others else ""
     if kind is not Library.GNU:
         return Judgement.OK, f"{kind.title} serves ({path}){also}"
@@ -218,14 +172,12 @@ def judge(
 
 def vllm_title(cmdline: Sequence[str]) -> str | None:
     """The NAME of a process vLLM renamed "VLLM::NAME" (setproctitle), else None."""
-    title = cmdline[0] if cmdline else ""
-    prefix, separator, name = title.partition("::")
+    prefix, separator, name = (cmdline[0] if cmdline else "").partition("::")
     return name if separator and prefix and " " not in prefix else None
 
 
 def role_of(cmdline: Sequence[str], is_root: bool) -> str:
-    """engine-core or worker (model code), api-server (so titled, or PID itself where it
-    runs `vllm serve`), main (PID itself otherwise: a script, a program), other."""
+    """By vLLM's title; else PID itself is the api-server where it runs `vllm serve`."""
     name = vllm_title(cmdline) or ""
     for start, role in {**MODEL_ROLES, "APIServer": "api-server"}.items():
         if name.startswith(start):
@@ -240,39 +192,30 @@ def role_of(cmdline: Sequence[str], is_root: bool) -> str:
 
 
 def permission_denied(pid: int) -> str:
-    """What to do where /proc/PID cannot be read: as root that is a missing capability
-    (a container's root has no CAP_SYS_PTRACE by default), not a missing root."""
+    """As root, a missing capability (containers drop CAP_SYS_PTRACE), not a missing root."""
     try:
         owner = f"uid {os.stat(f'/proc/{pid}').st_uid}"
     except OSError:
         owner = "its user"
     problem = f"verify: cannot read /proc/{pid} (maps, environ): permission denied"
-    if os.geteuid() == 0:
-        return (
-            f"{problem} although verify runs as root: reading another user's process needs "
-            "the CAP_SYS_PTRACE capability, which containers drop by default; run verify "
-            f"as the user vLLM runs as ({owner})"
-        )
-    return f"{problem}; run verify as the user vLLM runs as ({owner}), or as root"
+    advice = f"run verify as the user vLLM runs as ({owner})"
+    if os.geteuid() != 0:
+        return f"{problem}; {advice}, or as root"
+    return (
+        f"{problem} although verify runs as root: reading another user's process needs the "
+        f"CAP_SYS_PTRACE capability, which containers drop by default; {advice}"
+    )
 
 
-@record
-class Inherited:
-    """What a renamed process inherited at spawn: its nearest unrenamed ancestor's VARIABLES."""
-
-    from_pid: int
-    environment: dict[str, str]
-
-
-def inherited_by(process: psutil.Process) -> Inherited | None:
-    """vLLM's title overwrites /proc/PID/environ; the nearest unrenamed ancestor's start-up
-    environment is what reached it at spawn (less what that ancestor changed later)."""
+def inherited_by(process: psutil.Process) -> dict[str, Any] | None:
+    """{from_pid, env}: the nearest unrenamed ancestor's start-up VARIABLES, which reached a
+    renamed process at spawn (less what that ancestor changed later)."""
     try:
         for ancestor in process.parents():
             if vllm_title(ancestor.cmdline()) is None:
                 whole = environment_of(ancestor.pid)
                 shown = {name: whole[name] for name in VARIABLES if name in whole}
-                return Inherited(ancestor.pid, shown)
+                return {"from_pid": ancestor.pid, "env": shown}
     except (OSError, psutil.Error):
         return None
     return None
@@ -290,61 +233,50 @@ class Seen:
     environment: dict[str, str]
     speculative: bool
     link_map: LinkMap
-    inherited: Inherited | None = None
-    renamed: str | None = None
+    inherited: dict[str, Any] | None = None  # {from_pid, env}, where vLLM renamed it
 
 
 def seen_of(
     process: psutil.Process, root: int, request: SpeculativeRequest
 ) -> tuple[Seen, dict[str, str]] | None:
     """What verify reads of one process, and its whole environ; None if it is gone."""
+    pid = process.pid
     try:
-        with open(f"/proc/{process.pid}/maps", "rb") as stream:
+        with open(f"/proc/{pid}/maps", "rb") as stream:
             maps = stream.read().decode("utf-8", "surrogateescape")
-        environment = environment_of(process.pid)
+        environment = environment_of(pid)
         cmdline = process.cmdline()
         ppid = process.ppid()
     except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
     except PermissionError:
-        raise LaunchError(EXIT_USAGE, permission_denied(process.pid)) from None
+        raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
-    pid, wanted = process.pid, request.requested
-    if pid != root and not wanted:
-        wanted = speculative_of(process).requested
-    renamed = cmdline[0] if vllm_title(cmdline) is not None else None
-    inherited = inherited_by(process) if renamed is not None else None
+    wanted = request.requested or (pid != root and speculative_of(cmdline, process).requested)
+    inherited = inherited_by(process) if vllm_title(cmdline) is not None else None
     shown = {name: environment[name] for name in VARIABLES if name in environment}
     role = role_of(cmdline, pid == root)
-    seen = Seen(
-        pid, ppid, cmdline, role, maps, shown, wanted, read_link_map(pid), inherited, renamed
-    )
+    seen = Seen(pid, ppid, cmdline, role, maps, shown, wanted, read_link_map(pid), inherited)
     return seen, environment
 
 
-@record
-class Inside:
-    """The plugin's readings from inside each process, by PID, on the API server's /metrics
-    (url None: no API server in the tree; readings None: none could be read)."""
-
-    url: str | None
-    readings: dict[int, dict[str, str]] | None
-
-
-NO_API_SERVER = Inside(None, None)
+# The plugin's readings by PID on the API server's /metrics, (url, readings): url None
+# where there is no API server, readings None where none could be read.
+Inside = tuple[str | None, dict[int, dict[str, str]] | None]
+NO_API_SERVER: Inside = (None, None)
+# A label of a Prometheus text line; its value escapes backslash, quote and newline.
+LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
 def inside_of(seen: Sequence[Seen]) -> Inside:
     """The plugin's series from the API server's /metrics (2 s), at its `--host`/`--port`."""
-    servers = [one for one in seen if one.role == "api-server"]
+    servers = [one.cmdline for one in seen if one.role == "api-server"]
     if not servers:
         return NO_API_SERVER
-    given: dict[str, str] = {}
-    for index, word in enumerate(servers[0].cmdline):
-        name, equals, value = word.partition("=")
-        if name in ("--host", "--port"):
-            given[name] = value if equals else "".join(servers[0].cmdline[index + 1 : index + 2])
+    options = [Option("--host", "--host"), Option("--port", "--port")]  # no abbreviations
+    given = {found.option: found.value for found in on_command_line(servers[0], options)}
     host = given.get("--host") or "127.0.0.1"
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # all addresses: ask here
     port = given.get("--port") or "8000"  # vLLM's `--port` default
@@ -353,22 +285,18 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
         with urllib.request.urlopen(url, timeout=2) as response:
             text = response.read().decode("utf-8", "replace")
     except (OSError, ValueError):
-        return Inside(url, None)
-    # The labels of each `vllm_cpu_launch_openmp_info{...} 1.0` line, by its pid label
-    # (Prometheus text format: label values escape backslash, quote and newline).
-    label = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
-    escapes = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+        return url, None
     readings = {}
-    for line in text.splitlines():
+    for line in text.splitlines():  # `vllm_cpu_launch_openmp_info{...} 1.0`, by its pid label
         name, brace, rest = line.partition("{")
-        labels = rest.rpartition("}")[0] if name == INFO_METRIC and brace else ""
+        labels = rest.rpartition("}")[0] if name == handoff.INFO_METRIC and brace else ""
         pairs = {
-            key: re.sub(r"\\.", lambda e: escapes.get(e[0], e[0]), value)
-            for key, value in label.findall(labels)
+            key: re.sub(r"\\.", lambda e: ESCAPES.get(e[0], e[0]), value)
+            for key, value in LABEL.findall(labels)
         }
         if pairs.get("pid", "").isdigit():
             readings[int(pairs["pid"])] = pairs
-    return Inside(url, readings or None)
+    return url, readings or None
 
 
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
@@ -376,25 +304,25 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     try:
         root = psutil.Process(pid)
         descendants = root.children(recursive=True)
+        cmdline = root.cmdline()
     except (psutil.NoSuchProcess, ValueError, OverflowError):
         raise LaunchError(EXIT_USAGE, f"verify: no process with PID {pid}") from None
     except psutil.AccessDenied:
         raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
     given = SpeculativeRequest(True, "--speculative, given to verify")
-    request = given if speculative else speculative_of(root)
+    request = given if speculative else speculative_of(cmdline, root)
     read = seen_of(root, pid, request)
     if read is None:
         raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited")
     # libgomp is the user's choice where `iomp: never` is in the settings as the plan read
     # them: from PID's start-up environment and the config files it names (from its cwd).
-    environ, cwd = read[1], cwd_of(root) or ""
-    for name in (CONFIG_VARIABLE, deprecated_name(CONFIG_VARIABLE)):
+    environ = read[1]
+    for name in (settings.CONFIG_VARIABLE, settings.deprecated_name(settings.CONFIG_VARIABLE)):
         if environ.get(name):
-            environ[name] = os.path.join(cwd, environ[name])
-    settings = load_settings({}, environ, errors=[])  # what is broken is left out
-    users = (
-        Choice("the user", said_setting(settings, "iomp")) if settings.iomp == Mode.NEVER else None
-    )
+            environ[name] = os.path.join(cwd_of(root), environ[name])
+    loaded = settings.load_settings({}, environ, errors=[])  # what is broken is left out
+    never = loaded.iomp == settings.Mode.NEVER
+    users = ("the user", settings.said_setting(loaded, "iomp")) if never else None
     children = (seen_of(process, pid, request) for process in descendants)
     seen = [read[0], *(child[0] for child in children if child is not None)]
     return assemble(pid, request, seen, users, inside_of(seen))
@@ -408,36 +336,34 @@ def assemble(
     inside: Inside = NO_API_SERVER,
 ) -> dict[str, Any]:
     """The report from what was read (PID first); `users`: the user's choice of libgomp."""
-    # Where vLLM runs the model in engine-core and worker processes, only they are judged.
+    url, readings = inside
     split = any(one.role in MODEL_ROLES.values() for one in seen)
-    # A plan that keeps libgomp marks it: the launcher in PID's start-up environment, the
-    # plugin (after start-up) only in the processes vLLM spawns, in the tail of environ a
-    # title leaves (docs/design.md, "verify"). Only a bare mark is a choice: NOT_FOUND_MARK
-    # kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
+    # A plan that keeps libgomp marks it (docs/design.md, "verify"). Only a bare mark is a
+    # choice: NOT_FOUND_MARK kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
     marks = (one.environment.get(PLANNED_VARIABLE) for one in seen)
-    mark = next((mark for mark in marks if mark in (LAUNCHER, PLUGIN)), None)
-    chosen = Choice("the plan", f"{PLANNED_VARIABLE}={mark}") if mark else users
+    mark = next((mark for mark in marks if mark in (handoff.LAUNCHER, handoff.PLUGIN)), None)
+    chosen = ("the plan", f"{PLANNED_VARIABLE}={mark}") if mark else users
     processes = []
     for one in seen:
-        order = load_order(one.link_map, one.maps)
+        mapped, runtimes, serves, how = load_order(one.link_map, one.maps)
         if split and one.role not in MODEL_ROLES.values():
-            runs = described_runtimes(order.runtimes) or "no OpenMP runtime loaded"
+            runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
             verdict, reason = Judgement.REPORTED, f"{runs}; runs no model code, so not judged"
         else:
-            verdict, reason = judge(order, one.environment, one.pid == pid, one.speculative, chosen)
+            verdict, reason = judge(runtimes, serves, one, one.pid == pid, chosen)
         processes.append(
             {
                 "pid": one.pid,
                 "ppid": one.ppid,
                 "cmdline": one.cmdline,
                 "role": one.role,
-                "runtimes": [runtime_entry(*runtime) for runtime in order.mapped],
-                "load_order": [runtime_entry(*runtime) for runtime in order.runtimes],
-                "serves": None if order.serves is None else runtime_entry(*order.serves),
-                "order": order.how,
+                "runtimes": [runtime_entry(*runtime) for runtime in mapped],
+                "load_order": [runtime_entry(*runtime) for runtime in runtimes],
+                "serves": None if serves is None else runtime_entry(*serves),
+                "order": how,
                 "env": one.environment,
-                "environment": environment_entry(one, order.serves),
-                "inside": (inside.readings or {}).get(one.pid),
+                "environment": environment_entry(one, serves),
+                "inside": (readings or {}).get(one.pid),
                 "speculative": one.speculative,
                 "verdict": verdict,
                 "reason": reason,
@@ -447,7 +373,7 @@ def assemble(
         "pid": pid,
         "speculative": {"requested": root_request.requested, "source": root_request.source},
         "ok": all(process["verdict"] != Judgement.PROBLEM for process in processes),
-        "inside": {"url": inside.url, "read": inside.readings is not None},
+        "inside": {"url": url, "read": readings is not None},
         "processes": processes,
     }
 
@@ -462,47 +388,42 @@ VLLM_BINDS = {
     Library.GNU: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
     None: "OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND=true",
 }
-NOBIND = "VLLM_CPU_OMP_THREADS_BIND=nobind"
+NOBIND = f"{BIND}=nobind"
 
 
-def environment_entry(one: Seen, serves: tuple[Library, str] | None) -> dict[str, Any]:
+def environment_entry(one: Seen, serves: Runtime | None) -> dict[str, Any]:
     """Where vLLM's title overwrote environ: what was inherited, and what vLLM wrote over it."""
-    if one.renamed is None:
+    if vllm_title(one.cmdline) is None:
         return {"readable": True}
     why = (
-        f"vLLM renamed the process ({one.renamed}) and the title overwrote "
+        f"vLLM renamed the process ({one.cmdline[0]}) and the title overwrote "
         f"/proc/{one.pid}/environ: only its tail shows"
     )
-    entry: dict[str, Any] = {"readable": False, "why": why, "inherited": None}
-    inherited = one.inherited.environment if one.inherited else {}
-    if one.inherited is not None:
-        entry["inherited"] = {"from_pid": one.inherited.from_pid, "env": inherited}
+    entry: dict[str, Any] = {"readable": False, "why": why, "inherited": one.inherited}
     if one.role != "worker":
         return entry
-    basis = {**inherited, **one.environment}
     # vLLM goes by LD_PRELOAD, which a worker served by Intel or LLVM OpenMP had (that is
     # how the runtime came first), and by the bind setting, set after start-up perhaps.
-    bind = basis.get("VLLM_CPU_OMP_THREADS_BIND")
+    basis = {**(one.inherited or {}).get("env", {}), **one.environment}
+    bind = basis.get(BIND)
     if bind == "nobind":
         entry["vllm_sets"] = f"nothing ({NOBIND}): the worker keeps what it inherited"
         return entry
     found = vllm_reads(basis.get(LD_PRELOAD, ""))
     kmp = (serves is not None and serves[0].kmp) or Library.INTEL in found
     kind = Library.INTEL if kmp else Library.GNU if Library.GNU in found else None
-    unless = f"VLLM_CPU_OMP_THREADS_BIND={bind}"
-    if bind is None:
-        unless = f"unless {NOBIND} was set after start-up, where it does not show"
+    unless = f"unless {NOBIND} was set after start-up, where it does not show"
+    if bind is not None:
+        unless = f"{BIND}={bind}"
     entry["vllm_sets"] = f"{VLLM_BINDS[kind]}, over what it inherited ({unless})"
     return entry
 
 
 def runtime_entry(kind: Library, path: str) -> dict[str, str]:
-    """One runtime as the JSON report names it."""
     return {"kind": kind.value, "path": path}
 
 
-def described_runtimes(runtimes: Sequence[tuple[Library, str]]) -> str:
-    """Runtimes for people, by name and path."""
+def described_runtimes(runtimes: Sequence[Runtime]) -> str:
     return ", ".join(f"{kind.title} {path}" for kind, path in runtimes)
 
 
@@ -515,8 +436,7 @@ def shortened(command: str, width: int = 100) -> str:
 
 def verify_as_text(report: dict[str, Any]) -> str:
     """The report for people: a block per process, where the inside readings came from."""
-    speculative = report["speculative"]
-    lines = [f"speculative decoding: {described_request(**speculative)}"]
+    lines = [f"speculative decoding: {described_request(**report['speculative'])}"]
     for process in report["processes"]:
         command = shortened(shlex.join(process["cmdline"])) or "?"
         role = f"{process['role']} (parent {process['ppid']})"
@@ -550,7 +470,6 @@ NONE_SET = "no LD_PRELOAD, KMP_* or OMP_NUM_THREADS set"
 
 
 def variables_text(environment: dict[str, str]) -> str:
-    """NAME=VALUE pairs as a shell reads them."""
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in environment.items())
 
 
@@ -604,9 +523,8 @@ def main(values: dict[str, object], args: list[str]) -> int:
         write_stdout(USAGE.rstrip())
         return 0
     if len(rest) != 1:
-        raise LaunchError(
-            EXIT_USAGE, "verify needs one PID: vllm-cpu-launch verify [--json] [--speculative] PID"
-        )
+        usage = "vllm-cpu-launch verify [--json] [--speculative] PID"
+        raise LaunchError(EXIT_USAGE, f"verify needs one PID: {usage}")
     if not (rest[0].isascii() and rest[0].isdigit()):
         raise LaunchError(EXIT_USAGE, f"verify: {rest[0]!r} is not a process ID")
     if int(rest[0]) == 0:
