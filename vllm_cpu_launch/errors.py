@@ -71,16 +71,13 @@ def record(cls: type[_T]) -> type[_T]:
     fields, defaults, parameters = fields_of(cls)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if len(args) > len(parameters):
-            raise TypeError(f"{cls.__name__}() takes {len(parameters)} positional arguments")
         given = dict(zip(parameters, args, strict=False))
-        for name, value in kwargs.items():
-            if name not in parameters or name in given:
-                raise TypeError(f"{cls.__name__}() got an unexpected argument {name!r}")
-            given[name] = value
+        unknown = [name for name in kwargs if name not in parameters or name in given]
+        given.update(kwargs)
         missing = [name for name in parameters if name not in given and name not in defaults]
-        if missing:
-            raise TypeError(f"{cls.__name__}() missing arguments: {', '.join(missing)}")
+        if len(args) > len(parameters) or unknown or missing:
+            wrong = f"{len(args)} positional, unexpected {unknown}, missing {missing}"
+            raise TypeError(f"{cls.__name__}() takes {', '.join(parameters)}: {wrong}")
         # In field order, so that vars() of a record lists its fields as they are declared.
         self.__dict__.update({name: given.get(name, defaults.get(name)) for name in parameters})
         if hasattr(self, "__post_init__"):

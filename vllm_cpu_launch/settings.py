@@ -131,11 +131,9 @@ def blocktime_milliseconds(text: str) -> float | None:
     """KMP_BLOCKTIME in milliseconds (`5`, `5ms`, `500us`, `infinite`); None if invalid."""
     if text == "infinite":
         return float("inf")
-    for unit, scale in (("ms", 1.0), ("us", 0.001), ("", 1.0)):
-        if text.endswith(unit):
-            number = text[: len(text) - len(unit)]
-            return int(number) * scale if number.isascii() and number.isdigit() else None
-    return None
+    scale = {"ms": 1.0, "us": 0.001}.get(text[-2:])
+    number = text if scale is None else text[:-2]
+    return int(number) * (scale or 1.0) if number.isascii() and number.isdigit() else None
 
 
 def blocktime_problem(value: str) -> str | None:
@@ -178,21 +176,15 @@ def parse_bool(value: object, where: str) -> bool:
 
 
 def keyed(
-    value: object,
-    where: str,
-    fields: tuple[str, ...],
-    optional: tuple[str, ...] = (),
-    check: Callable[[str, object, str], None] | None = None,
+    value: object, where: str, fields: tuple[str, ...], optional: tuple[str, ...] = ()
 ) -> dict[str, object]:
-    """A record's mapping of `fields` (and `optional` ones) only, each item passing `check`."""
+    """A record's mapping of `fields` (and `optional` ones) only."""
     if not isinstance(value, dict):
         raise fail(where, f"must be a mapping of {', '.join(fields)}, not {value!r}")
-    for key, item in value.items():
+    for key in value:
         if key not in (*fields, *optional):
             allowed = ", ".join((*fields, *optional))
             raise fail(f"{where}.{key}", f"unknown key; allowed keys: {allowed}")
-        if check:
-            check(key, item, f"{where}.{key}")
     return value
 
 
@@ -236,17 +228,15 @@ def parse_concurrency(value: object, where: str) -> tuple[tuple[int, Mode], ...]
     return tuple(sorted(found))
 
 
-def check_scope_field(key: str, item: object, where: str) -> None:
-    """Texts (model, method, vllm) and counts (tokens, cpus), or null."""
-    counted = key in ("tokens", "cpus")
-    if item is None or (positive(item) if counted else isinstance(item, str) and item):
-        return
-    kind = "a positive whole number" if counted else "a non-empty text"
-    raise fail(where, f"{item!r} is not {kind} (or null)")
-
-
 def parse_scope(value: object, where: str) -> Scope:
-    return Scope(**keyed(value, where, tuple(LABELS), check=check_scope_field))  # type: ignore[arg-type]
+    """Texts (model, method, vllm) and counts (tokens, cpus), or null."""
+    fields = keyed(value, where, tuple(LABELS))
+    for key, item in fields.items():
+        counted = key in ("tokens", "cpus")
+        if item is not None and not (positive(item) if counted else isinstance(item, str) and item):
+            kind = "a positive whole number" if counted else "a non-empty text"
+            raise fail(f"{where}.{key}", f"{item!r} is not {kind} (or null)")
+    return Scope(**fields)  # type: ignore[arg-type]
 
 
 # key -> (option, environment variable, parser); "" where the launcher takes no option.

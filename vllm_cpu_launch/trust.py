@@ -58,9 +58,8 @@ def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> by
 
 
 def untrusted(path: str, status: os.stat_result) -> str | None:
-    """Why the trust rule refuses a settings file, with its owner, mode and fix, or None.
-    The file says what runs and what is preloaded: another user who could change it would
-    choose for root (as any user, where everyone may write it, anyone could)."""
+    """Why the trust rule refuses a settings file (with owner, mode and fix), or None: another
+    user who could change what runs and is preloaded would choose for root (or for anyone)."""
     found = insecure_reason(os.path.abspath(path), os.geteuid())
     if found is None:
         return None
@@ -159,8 +158,7 @@ def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
 
 
 def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int] | None:
-    """(file offset, end) of the section called `name` of a whole ELF file (elf_truncation
-    has checked its tables lie within it), or None."""
+    """(offset, end) of section `name` of an ELF file elf_truncation passed, or None."""
     wide = header[4] == 2
     _, shoff, _, _, shentsize, shnum, shstrndx = elf_tables(header)
     if not shoff or not shnum or shstrndx >= shnum or shentsize < (64 if wide else 40):
@@ -215,9 +213,8 @@ def unsafe_owner_or_mode(
 ) -> tuple[str, str] | None:
     """(why, which chmod/chown) when a file or directory lets an untrusted user change what
     runs, or None. As root: owned by root or a `trusted` uid (the owner of the vLLM started,
-    whose code root runs anyway), writable by neither group nor others. As another user,
-    whose own code runs in vLLM anyway: not writable by all. A sticky directory (/tmp) is
-    fine above the file's own directory."""
+    whose code root runs anyway), writable by neither group nor others. As another user: not
+    writable by all. A sticky directory (/tmp) is fine above the file's own directory."""
     as_root = euid == 0
     if as_root and status.st_uid != 0 and status.st_uid not in trusted:
         whose = "neither root nor the owner of the vLLM being started" if trusted else "not root"
@@ -233,9 +230,8 @@ def unsafe_owner_or_mode(
 
 
 def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
-    """(directories searched, links followed, file reached) on the way to `path`, resolved
-    one component at a time as the kernel does: a directory that only an intermediate
-    symbolic link passes through is seen as well."""
+    """(directories searched, links followed, file reached) on the way to `path`, resolved as
+    the kernel does: a directory that only an intermediate symbolic link passes is seen too."""
     directories: dict[str, None] = {}
     links: list[str] = []
     current = "/"
