@@ -166,14 +166,12 @@ def stderr_is_journal(journal_stream: str | None) -> bool:
 
 
 def visible(char: str) -> str:
-    """An unprintable character as its escape; a byte that was not UTF-8 as \\xNN."""
     code = ord(char)
     return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else ascii(char)[1:-1]
 
 
 def emit(level: str, text: str) -> None:
-    """Write one message to stderr, one line whatever `text` holds (journald's priority
-    first under systemd); a closed stderr is not an error worth dying for."""
+    """One message on stderr, one line whatever `text` holds; a closed stderr is no error."""
     priority = PRIORITY[level] if stderr_is_journal(os.environ.get("JOURNAL_STREAM")) else ""
     label = "" if level == "info" else f"{level}: "
     shown = "".join(char if char.isprintable() else visible(char) for char in text)
@@ -185,8 +183,7 @@ def emit(level: str, text: str) -> None:
 
 
 def did_you_mean(word: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
-    """The one of `known` that `word` is most likely a typo of (difflib's ratio of at least
-    `cutoff`), or None: every "did you mean" the launcher says."""
+    """The one of `known` that `word` is most likely a typo of, or None (difflib's ratio)."""
     from difflib import get_close_matches  # lazy: only for a typo
 
     close = get_close_matches(word, known, n=1, cutoff=cutoff)

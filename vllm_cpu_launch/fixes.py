@@ -63,8 +63,7 @@ def install_command(target: Target, package: str = PACKAGE) -> tuple[str, str]:
 
 def tcmalloc_command(target: Target | None, path_variable: str | None) -> tuple[str, str]:
     """(command, how or where it installs) for tcmalloc where the launcher searches: conda's
-    gperftools in a conda environment, else Debian's package where apt-get is on the PATH of
-    the host the plan is for."""
+    gperftools in a conda environment, else Debian's where apt-get is on `path_variable`."""
     prefix = target.prefix if target else None
     if prefix and os.path.isdir(os.path.join(prefix, "conda-meta")):
         command = f"conda install --prefix {shlex.quote(prefix)} --channel conda-forge gperftools"
