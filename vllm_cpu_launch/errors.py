@@ -1,11 +1,5 @@
 """What every module says and makes: records, closed sets, the user-facing error and its
 exit codes, and the one-line messages on stderr (with journald priorities under systemd).
-
-`record` is the one way the package makes a value that flows between modules: a frozen
-class of its annotated fields, with keyword or positional construction, equality, hashing
-and a readable repr, as `dataclass(frozen=True)` makes, without its cost at start-up.
-A closed set of words (a mode, an origin, a verdict) is a `StrEnum`: its members are the
-words the user sees, in text and JSON alike.
 """
 
 from __future__ import annotations
@@ -28,11 +22,10 @@ else:
         return lambda decorator: decorator
 
 
-# Records
-
-
-# Not dataclasses: importing it (with inspect) and the six functions it compiles for each
-# class took 23 ms of a 49 ms launch (issue 35, Python 3.11); the exec path makes 30 records.
+# Records: frozen values with keyword or positional construction, equality, hashing and a
+# readable repr, as `dataclass(frozen=True)` makes them. Not dataclasses: importing it (with
+# inspect) and the six functions it compiles for each class took 23 ms of a 49 ms launch
+# (issue 35, Python 3.11); the exec path makes 30 records.
 NOT_A_PARAMETER: Any = object()
 
 
@@ -45,21 +38,19 @@ class FrozenRecordError(AttributeError):
     """Assigning to a record's field: records are values."""
 
 
-def fields_of(cls: type) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """The record's fields (its bases' first, ClassVars not) and their defaults, refused at
-    once where dataclass would refuse them: a shared mutable default, a field without a
-    default after one with a default, or no field at all."""
-    annotations = [getattr(base, "__annotations__", {}) for base in reversed(cls.__mro__[:-1])]
+def fields_of(cls: type) -> tuple[tuple[str, ...], dict[str, Any], tuple[str, ...]]:
+    """The record's fields (its bases' first, ClassVars not), their defaults and its
+    parameters, refused at once where dataclass would refuse them."""
     fields = tuple(
         dict.fromkeys(
             name
-            for found in annotations
-            for name, annotation in found.items()
+            for base in reversed(cls.__mro__[:-1])
+            for name, annotation in getattr(base, "__annotations__", {}).items()
             if not str(annotation).startswith(("ClassVar", "typing.ClassVar"))
         )
     )
     defaults = {name: getattr(cls, name) for name in fields if hasattr(cls, name)}
-    parameters = [name for name in fields if defaults.get(name) is not NOT_A_PARAMETER]
+    parameters = tuple(name for name in fields if defaults.get(name) is not NOT_A_PARAMETER)
     has_default = [name in defaults for name in parameters]
     problems = {
         "no annotated field (from __future__ import annotations is needed)": not fields,
@@ -68,33 +59,27 @@ def fields_of(cls: type) -> tuple[tuple[str, ...], dict[str, Any]]:
         ),
         "a field without a default follows one with a default": has_default != sorted(has_default),
     }
-    for problem, found in problems.items():
-        if found:
-            raise TypeError(f"record {cls.__qualname__}: {problem}")
-    return fields, defaults
+    found = [problem for problem, failed in problems.items() if failed]
+    if found:
+        raise TypeError(f"record {cls.__qualname__}: {found[0]}")
+    return fields, defaults, parameters
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field,))
 def record(cls: type[_T]) -> type[_T]:
     """Make `cls` a frozen record of its annotated fields (its bases' first)."""
-    fields, defaults = fields_of(cls)
-    parameters = tuple(name for name in fields if defaults.get(name) is not NOT_A_PARAMETER)
+    fields, defaults, parameters = fields_of(cls)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if len(args) > len(parameters):
-            raise TypeError(f"{cls.__name__}() takes {len(parameters)} positional arguments")
         given = dict(zip(parameters, args, strict=False))
-        for name, value in kwargs.items():
-            if name not in parameters or name in given:
-                raise TypeError(f"{cls.__name__}() got an unexpected argument {name!r}")
-            given[name] = value
+        unknown = [name for name in kwargs if name not in parameters or name in given]
+        given.update(kwargs)
         missing = [name for name in parameters if name not in given and name not in defaults]
-        if missing:
-            raise TypeError(f"{cls.__name__}() missing arguments: {', '.join(missing)}")
+        if len(args) > len(parameters) or unknown or missing:
+            wrong = f"{len(args)} positional, unexpected {unknown}, missing {missing}"
+            raise TypeError(f"{cls.__name__}() takes {', '.join(parameters)}: {wrong}")
         # In field order, so that vars() of a record lists its fields as they are declared.
-        self.__dict__.update(
-            {name: given[name] if name in given else defaults[name] for name in parameters}
-        )
+        self.__dict__.update({name: given.get(name, defaults.get(name)) for name in parameters})
         if hasattr(self, "__post_init__"):
             self.__post_init__()
         if len(self.__dict__) < len(fields):
@@ -104,9 +89,9 @@ def record(cls: type[_T]) -> type[_T]:
         return tuple(getattr(self, name) for name in fields)
 
     def __eq__(self: Any, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return bool(values(self) == values(other))
+        return (
+            values(self) == values(other) if other.__class__ is self.__class__ else NotImplemented
+        )
 
     def __repr__(self: Any) -> str:
         shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in fields)
@@ -115,16 +100,15 @@ def record(cls: type[_T]) -> type[_T]:
     def frozen(self: Any, name: str, *_value: Any) -> None:
         raise FrozenRecordError(f"cannot assign to field {name!r}")
 
-    def __hash__(self: Any) -> int:
-        return hash(values(self))
-
     made: dict[str, object] = {
         "__init__": __init__,
         "__eq__": __eq__,
-        "__hash__": __hash__,
+        "__hash__": lambda self: hash(values(self)),
         "__repr__": __repr__,
+        "__setattr__": frozen,
+        "__delattr__": frozen,
+        "__match_args__": parameters,
     }
-    made.update(__setattr__=frozen, __delattr__=frozen, __match_args__=parameters)
     for name, value in made.items():
         if vars(cls).get(name) is None:  # what the class defines itself stays
             setattr(cls, name, value)
@@ -134,13 +118,12 @@ def record(cls: type[_T]) -> type[_T]:
 def replace(item: _T, /, **changes: Any) -> _T:
     """A copy of the record `item` with `changes` to its fields."""
     parameters: tuple[str, ...] = type(item).__match_args__  # type: ignore[attr-defined]
-    kept = {name: getattr(item, name) for name in parameters}
-    return type(item)(**{**kept, **changes})
+    return type(item)(**{name: getattr(item, name) for name in parameters} | changes)
 
 
 class StrEnum(str, enum.Enum):
-    """A closed set of words, each member its word wherever it is shown (`f"{member}"`,
-    `str()`, json.dumps) and equal to it: Python 3.11's enum.StrEnum, which 3.10 lacks."""
+    """A closed set of words (a mode, an origin, a verdict), each member its word wherever it
+    is shown (`f"{member}"`, `str()`, json.dumps): Python 3.11's enum.StrEnum, not in 3.10."""
 
     def __str__(self) -> str:
         return str.__str__(self)
@@ -148,8 +131,6 @@ class StrEnum(str, enum.Enum):
     def __format__(self, spec: str) -> str:
         return str.__format__(self, spec)
 
-
-# The user-facing error and its exit codes
 
 # Exit codes of docs/design.md.
 EXIT_PROBLEM = 1
@@ -169,8 +150,6 @@ class LaunchError(Exception):
         self.subject = subject  # the file the failure is about, where there is one
 
 
-# Messages on stderr
-
 PREFIX = "vllm-cpu-launch: "
 # sd-daemon(3) priority prefixes, which journald turns into log levels.
 PRIORITY = {"error": "<3>", "warning": "<4>", "info": "<6>", "debug": "<7>"}
@@ -178,9 +157,7 @@ PRIORITY = {"error": "<3>", "warning": "<4>", "info": "<6>", "debug": "<7>"}
 
 def stderr_is_journal(journal_stream: str | None) -> bool:
     """True when stderr is the journal stream systemd announced in JOURNAL_STREAM."""
-    if not journal_stream:
-        return False
-    device, _, inode = journal_stream.partition(":")
+    device, _, inode = (journal_stream or "").partition(":")
     try:
         status = os.fstat(2)
         return (status.st_dev, status.st_ino) == (int(device), int(inode))
@@ -188,39 +165,25 @@ def stderr_is_journal(journal_stream: str | None) -> bool:
         return False
 
 
-def one_line(text: str) -> str:
-    """`text` with each unprintable character (a line break in a path, a byte that is not
-    UTF-8) written as its escape, so a message stays one line and says what was given."""
-    return "".join(char if char.isprintable() else visible(char) for char in text)
-
-
 def visible(char: str) -> str:
     code = ord(char)
-    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
-        return f"\\x{code - 0xDC00:02x}"
-    return ascii(char)[1:-1]
-
-
-def format_message(level: str, text: str, journal: bool) -> str:
-    """One line as it is written: priority (under journald), prefix, level word, text."""
-    label = "" if level == "info" else f"{level}: "
-    priority = PRIORITY[level] if journal else ""
-    return f"{priority}{PREFIX}{label}{one_line(text)}"
+    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else ascii(char)[1:-1]
 
 
 def emit(level: str, text: str) -> None:
-    """Write one message to stderr; a closed stderr is not an error worth dying for."""
-    line = format_message(level, text, stderr_is_journal(os.environ.get("JOURNAL_STREAM")))
+    """One message on stderr, one line whatever `text` holds; a closed stderr is no error."""
+    priority = PRIORITY[level] if stderr_is_journal(os.environ.get("JOURNAL_STREAM")) else ""
+    label = "" if level == "info" else f"{level}: "
+    shown = "".join(char if char.isprintable() else visible(char) for char in text)
     try:
-        sys.stderr.write(line + "\n")
+        sys.stderr.write(f"{priority}{PREFIX}{label}{shown}\n")
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
         pass
 
 
 def did_you_mean(word: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
-    """The one of `known` that `word` is most likely a typo of (difflib's ratio of at least
-    `cutoff`), or None: every "did you mean" the launcher says."""
+    """The one of `known` that `word` is most likely a typo of, or None (difflib's ratio)."""
     from difflib import get_close_matches  # lazy: only for a typo
 
     close = get_close_matches(word, known, n=1, cutoff=cutoff)

@@ -1,6 +1,5 @@
 """The command that installs Intel OpenMP (or tcmalloc) where the started vLLM will find it,
-in the form each installer's environment needs (each run by tests/test_installers.py in an
-environment the real installer made). Imported only when a library is missing.
+as each installer's environment needs it (tests/test_installers.py runs each one).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ LLVM_PACKAGE = "cmeel-libomp"  # LLVM's libomp, x86-64 and aarch64 wheels (libra
 
 
 def in_libraries(prefix: str, name: str) -> bool:
-    """Whether `name` lies in one of the prefix's lib/python3.N directories."""
     return any(os.path.exists(os.path.join(d, name)) for d in python_libraries(prefix))
 
 
@@ -41,20 +39,21 @@ def install_command(target: Target, package: str = PACKAGE) -> tuple[str, str]:
     if not python or not prefix:
         return "", "into the Python environment that runs vLLM"
     quoted = shlex.quote(python)
+    managed = in_libraries(prefix, "EXTERNALLY-MANAGED")
     if target.user_base:
-        managed = " --break-system-packages" if in_libraries(prefix, "EXTERNALLY-MANAGED") else ""
-        return f"{quoted} -m pip install --user{managed} {package}", f"into {target.user_base}"
+        forced = " --break-system-packages" if managed else ""
+        return f"{quoted} -m pip install --user{forced} {package}", f"into {target.user_base}"
     venv = os.path.exists(os.path.join(prefix, "pyvenv.cfg"))
-    own_packages = venv or os.path.isdir(os.path.join(prefix, "conda-meta"))
     if venv and os.path.exists(os.path.join(prefix, "pipx_metadata.json")):
         name = shlex.quote(os.path.basename(prefix))
         return f"pipx inject {name} {package}", f"into pipx's venv {prefix}"
+    own_packages = venv or os.path.isdir(os.path.join(prefix, "conda-meta"))
     if own_packages and not in_libraries(prefix, "site-packages/pip"):
         if made_by_uv(prefix):
             return f"uv pip install --python {quoted} {package}", f"into {prefix} (no pip there)"
         install = f"{quoted} -m ensurepip && {quoted} -m pip install {package}"
         return install, f"into {prefix} (no pip there yet)"
-    if not venv and in_libraries(prefix, "EXTERNALLY-MANAGED"):
+    if not venv and managed:
         # intel-openmp and cmeel-libomp hold only libraries (no Python modules): nothing
         # of the distribution's can break; the launcher searches the user base too.
         command = f"{quoted} -m pip install --user --break-system-packages {package}"
@@ -63,19 +62,16 @@ def install_command(target: Target, package: str = PACKAGE) -> tuple[str, str]:
 
 
 def tcmalloc_command(target: Target | None, path_variable: str | None) -> tuple[str, str]:
-    """(command, how or where it installs) for tcmalloc, in a place the launcher searches:
-    conda's gperftools in a conda environment's lib/, else Debian's libtcmalloc-minimal4
-    where apt-get is on `path_variable` (the PATH of the host the plan is for)."""
+    """(command, how or where it installs) for tcmalloc where the launcher searches: conda's
+    gperftools in a conda environment, else Debian's where apt-get is on `path_variable`."""
     prefix = target.prefix if target else None
     if prefix and os.path.isdir(os.path.join(prefix, "conda-meta")):
         command = f"conda install --prefix {shlex.quote(prefix)} --channel conda-forge gperftools"
         return command, f"into {prefix}"
     if shutil.which("apt-get", path=path_variable):
         return "apt-get install libtcmalloc-minimal4", "as root, from Debian's or Ubuntu's archive"
-    return "", (
-        "with the system's package manager (gperftools' libtcmalloc_minimal.so.4: "
-        "gperftools-libs on Fedora and RHEL), or name it with --tcmalloc-path"
-    )
+    where = "gperftools' libtcmalloc_minimal.so.4: gperftools-libs on Fedora and RHEL"
+    return "", f"with the system's package manager ({where}), or name it with --tcmalloc-path"
 
 
 def fix_hint(target: Target, kind: str, package: str, path_variable: str | None) -> str:

@@ -37,10 +37,8 @@ CONFIG_VARIABLE = "VLLMCPULAUNCH_CONFIG"
 VARIABLE_PREFIX = "VLLMCPULAUNCH_"
 DEPRECATED_PREFIX = "VLLM_CPU_LAUNCH_"
 LARGE_BLOCKTIME_MS = 200
-# The fields of a `tuned:` record (written by `vllm-cpu-launch tune --write`).
-TUNED_FIELDS = ("when", "iomp", "result", "rounds", "command")
+TUNED_FIELDS = ("when", "iomp", "result", "rounds", "command")  # of a `tuned:` record
 TUNED_OPTIONAL = ("scope", "concurrency")
-# A record's scope fields, each as the notes name it.
 LABELS = dict(model="model", method="SD method", tokens="draft tokens", vllm="vLLM", cpus="CPUs")
 
 
@@ -64,12 +62,9 @@ class Tuned:
     result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
     rounds: int
     command: str  # the `vllm bench latency` command line it measured
-    # None for a record written before tunes were scoped: record_scope scopes it to the
-    # command it records (its model and SD options; any release and CPUs).
-    scope: Scope | None = None
+    scope: Scope | None = None  # None: written before tunes were scoped (record_scope)
     origin: str = ""  # the config file it was read from
-    # A serving tune's concurrencies, each with the --iomp value it alone pointed to
-    # (auto: no clear winner there, or the default won); empty: `vllm bench latency`.
+    # A serving tune's --iomp value at each concurrency (auto: no clear winner there).
     concurrency: tuple[tuple[int, Mode], ...] = ()
 
 
@@ -86,15 +81,11 @@ class Settings:
     strict: bool = False
     plugin: bool = True  # vLLM's plugin applies the plan (docs/design.md, "The plugin")
     config_files: tuple[str, ...] = ()  # the files that were read, for doctor and -v
-    # Where `iomp` came from: "option", "variable", "config" or "default". A tune record
-    # that matches the launch (record_scope) wins over a config file's value, not over these.
+    # "option", "variable", "config" or "default": a matching tune record wins over "config".
     iomp_from: str = "default"
-    # Every tune record of the config files, the one with the highest precedence first.
-    tuned: tuple[Tuned, ...] = ()
-    # One warning for each variable read under its deprecated VLLM_CPU_LAUNCH_* name.
-    deprecated: tuple[str, ...] = ()
-    # Where each setting that is not its default came from, by key (said_setting says it).
-    sources: tuple[tuple[str, str], ...] = ()
+    tuned: tuple[Tuned, ...] = ()  # every tune record, the one with the highest precedence first
+    deprecated: tuple[str, ...] = ()  # a warning for each VLLM_CPU_LAUNCH_* variable read
+    sources: tuple[tuple[str, str], ...] = ()  # where each setting not its default came from
 
 
 def said_setting(settings: Settings, key: str) -> str:
@@ -103,12 +94,10 @@ def said_setting(settings: Settings, key: str) -> str:
     value = getattr(settings, key)
     shown = str(value).lower() if isinstance(value, bool) else value
     option, variable, _ = KEYS[key]
-    source = dict(settings.sources).get(key, option or variable)  # not read: as an option
+    source = dict(settings.sources).get(key, option or variable)
     if source == option:
-        return f"{option} {shown}" if not isinstance(value, bool) else option
-    if source == variable:
-        return f"{variable}={shown}"
-    return f"{key}: {shown} in {source}"
+        return option if isinstance(value, bool) else f"{option} {shown}"
+    return f"{variable}={shown}" if source == variable else f"{key}: {shown} in {source}"
 
 
 def fail(where: str, problem: str) -> LaunchError:
@@ -130,26 +119,21 @@ def parse_mode(value: object, where: str) -> Mode:
 
 
 def parse_library_path(value: object, where: str) -> str:
+    if isinstance(value, str) and os.path.isabs(value):
+        return value
     if not isinstance(value, str) or not value:
         raise fail(where, "needs the absolute path of a library file")
-    if not os.path.isabs(value):
-        raise fail(
-            where,
-            f"{value!r} is relative; give an absolute path, since what is preloaded must "
-            "not depend on the working directory",
-        )
-    return value
+    why = "since what is preloaded must not depend on the working directory"
+    raise fail(where, f"{value!r} is relative; give an absolute path, {why}")
 
 
 def blocktime_milliseconds(text: str) -> float | None:
     """KMP_BLOCKTIME in milliseconds (`5`, `5ms`, `500us`, `infinite`); None if invalid."""
     if text == "infinite":
         return float("inf")
-    for unit, scale in (("ms", 1.0), ("us", 0.001), ("", 1.0)):
-        if text.endswith(unit):
-            number = text[: len(text) - len(unit)]
-            return int(number) * scale if number.isascii() and number.isdigit() else None
-    return None
+    scale = {"ms": 1.0, "us": 0.001}.get(text[-2:])
+    number = text if scale is None else text[:-2]
+    return int(number) * (scale or 1.0) if number.isascii() and number.isdigit() else None
 
 
 def blocktime_problem(value: str) -> str | None:
@@ -191,29 +175,24 @@ def parse_bool(value: object, where: str) -> bool:
     raise fail(where, f"{value!r} is not a yes/no value (use 1 or 0, true or false)")
 
 
+def keyed(
+    value: object, where: str, fields: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, object]:
+    """A record's mapping of `fields` (and `optional` ones) only."""
+    if not isinstance(value, dict):
+        raise fail(where, f"must be a mapping of {', '.join(fields)}, not {value!r}")
+    for key in value:
+        if key not in (*fields, *optional):
+            allowed = ", ".join((*fields, *optional))
+            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {allowed}")
+    return value
+
+
 def parse_tuned(value: object, where: str) -> tuple[Tuned, ...]:
     """`tuned:`: a list of records (one a mapping, as tunes before scoping wrote it)."""
     if isinstance(value, list):
         return tuple(parse_tune_record(item, f"{where}[{i}]") for i, item in enumerate(value))
     return (parse_tune_record(value, where),)
-
-
-def keyed(
-    value: object,
-    where: str,
-    fields: tuple[str, ...],
-    optional: tuple[str, ...] = (),
-    check: Callable[[str, object, str], None] = lambda key, item, where: None,
-) -> dict[str, object]:
-    """A record's mapping of `fields` (and `optional` ones) only, each item passing `check`."""
-    if not isinstance(value, dict):
-        raise fail(where, f"must be a mapping of {', '.join(fields)}, not {value!r}")
-    for key, item in value.items():
-        if key not in (*fields, *optional):
-            allowed = ", ".join((*fields, *optional))
-            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {allowed}")
-        check(key, item, f"{where}.{key}")
-    return value
 
 
 def parse_tune_record(value: object, where: str) -> Tuned:
@@ -223,12 +202,11 @@ def parse_tune_record(value: object, where: str) -> Tuned:
     if missing:
         raise fail(where, f"lacks {', '.join(missing)}")
     when = fields["when"]  # YAML reads an unquoted time as a timestamp
-    when = when.isoformat() if hasattr(when, "isoformat") else when
     rounds = fields["rounds"]
     if not positive(rounds):
         raise fail(f"{where}.rounds", f"{rounds!r} is not a positive number of rounds")
     return Tuned(
-        when=parse_text(when, f"{where}.when"),
+        when=parse_text(when.isoformat() if hasattr(when, "isoformat") else when, f"{where}.when"),
         iomp=parse_mode(fields["iomp"], f"{where}.iomp"),
         result=parse_text(fields["result"], f"{where}.result"),
         rounds=rounds,
@@ -250,17 +228,14 @@ def parse_concurrency(value: object, where: str) -> tuple[tuple[int, Mode], ...]
     return tuple(sorted(found))
 
 
-def check_scope_field(key: str, item: object, where: str) -> None:
-    """Texts (model, method, vllm) and counts (tokens, cpus), or null."""
-    counted = key in ("tokens", "cpus")
-    if item is None or (positive(item) if counted else isinstance(item, str) and item):
-        return
-    kind = "a positive whole number" if counted else "a non-empty text"
-    raise fail(where, f"{item!r} is not {kind} (or null)")
-
-
 def parse_scope(value: object, where: str) -> Scope:
-    fields = keyed(value, where, tuple(LABELS), check=check_scope_field)
+    """Texts (model, method, vllm) and counts (tokens, cpus), or null."""
+    fields = keyed(value, where, tuple(LABELS))
+    for key, item in fields.items():
+        counted = key in ("tokens", "cpus")
+        if item is not None and not (positive(item) if counted else isinstance(item, str) and item):
+            kind = "a positive whole number" if counted else "a non-empty text"
+            raise fail(f"{where}.{key}", f"{item!r} is not {kind} (or null)")
     return Scope(**fields)  # type: ignore[arg-type]
 
 
@@ -273,12 +248,9 @@ KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
     "kmp_blocktime": ("--kmp-blocktime", "VLLMCPULAUNCH_KMP_BLOCKTIME", parse_blocktime),
     "vllm": ("--vllm", "VLLMCPULAUNCH_VLLM", parse_text),
     "strict": ("--strict", "VLLMCPULAUNCH_STRICT", parse_bool),
-    # Read by vLLM's plugin only: the launcher plans whatever it says.
-    "plugin": ("", PLUGIN_VARIABLE, parse_bool),
+    "plugin": ("", PLUGIN_VARIABLE, parse_bool),  # read by vLLM's plugin only
 }
-# Keys only a config file holds.
 CONFIG_ONLY_KEYS: dict[str, Callable[[object, str], object]] = {"tuned": parse_tuned}
-# Keys that name a file.
 FILE_KEYS = ("iomp_path", "tcmalloc_path", "vllm")
 
 
@@ -286,22 +258,16 @@ def config_file_path(value: object, where: str) -> object:
     """A file named in a config file, `~` expanded as a shell would (YAML does not); a
     relative path refused (a service's working directory is not the operator's), a bare
     name left to its key (`vllm: vllm` is looked up on PATH)."""
-    if not isinstance(value, str):
-        return value
-    path = os.path.expanduser(value)
-    if os.sep in path and not os.path.isabs(path):
-        raise fail(
-            where,
-            f"{value!r} is relative: each start would look for it from its own working "
-            "directory; give an absolute path (~ is expanded)",
-        )
+    path = os.path.expanduser(value) if isinstance(value, str) else value
+    if isinstance(path, str) and os.sep in path and not os.path.isabs(path):
+        why = "each start would look for it from its own working directory"
+        raise fail(where, f"{value!r} is relative: {why}; give an absolute path (~ is expanded)")
     return path
 
 
 def user_config_path(environ: Mapping[str, str]) -> str | None:
-    base = environ.get("XDG_CONFIG_HOME") or (
-        os.path.join(environ["HOME"], ".config") if environ.get("HOME") else None
-    )
+    home = environ.get("HOME")
+    base = environ.get("XDG_CONFIG_HOME") or (os.path.join(home, ".config") if home else None)
     return os.path.join(base, "vllm-cpu-launch", "config.yaml") if base else None
 
 
@@ -326,11 +292,8 @@ def read_config_file(path: str) -> dict[str, object]:
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
         said = [getattr(error, name, None) for name in ("context", "problem")]
         what = ", ".join(text for text in said if text) or " ".join(str(error).split())
-        raise fail(
-            where,
-            f"invalid YAML ({what}); write one `key: value` per line, e.g. `iomp: always`, "
-            "and quote a value holding : # [ ] { } or a leading -",
-        ) from None
+        fix = "write one `key: value` per line, e.g. `iomp: always`, and quote a value holding"
+        raise fail(where, f"invalid YAML ({what}); {fix} : # [ ] {{ }} or a leading -") from None
     except RecursionError:
         deep = "nests its YAML deeper than the reader can take; a config file holds"
         raise fail(path, f"config file {deep} `key: value` lines") from None
@@ -354,19 +317,17 @@ def read_config_file(path: str) -> dict[str, object]:
         where = f"{path}: key {key!r}"
         if name == "kmp_blocktime":
             value = written.get(str(key), value)
-        if name in FILE_KEYS:
-            value = config_file_path(value, where)
-        values[name] = parse(value, where)
+        values[name] = parse(config_file_path(value, where) if name in FILE_KEYS else value, where)
     return values
 
 
 def salvage(errors: list[str] | None, read: Callable[..., T], *args: object) -> T | None:
     """read(*args); when `errors` collects them, a failure is kept there and gives None."""
-    if errors is None:
-        return read(*args)
     try:
         return read(*args)
     except LaunchError as error:
+        if errors is None:
+            raise
         errors.append(error.message)
         return None
 
@@ -378,10 +339,8 @@ def deprecated_name(variable: str) -> str:
 
 def ours_set(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` without our empty variables: one is the same as unset (docs/design.md)."""
-    prefixes = (VARIABLE_PREFIX, DEPRECATED_PREFIX)
-    return {
-        name: value for name, value in environ.items() if value or not name.startswith(prefixes)
-    }
+    ours = (VARIABLE_PREFIX, DEPRECATED_PREFIX)
+    return {name: value for name, value in environ.items() if value or not name.startswith(ours)}
 
 
 def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
@@ -392,15 +351,15 @@ def with_current_names(environ: Mapping[str, str]) -> tuple[dict[str, str], tupl
     warnings = []
     for variable in (CONFIG_VARIABLE, *(entry[1] for entry in KEYS.values())):
         old = deprecated_name(variable)
-        if old in environ:
-            if variable not in environ:
-                current[variable] = environ[old]
-            warnings.append(
-                f"{old} is deprecated: vLLM reports every VLLM_* variable it does not know "
-                f"(and refuses to start on one with --fail-on-environ-validation); "
-                f"rename it to {variable}"
-                + ("" if variable not in environ else f" (ignored: {variable} is set too)")
-            )
+        if old not in environ:
+            continue
+        current.setdefault(variable, environ[old])
+        ignored = f" (ignored: {variable} is set too)" if variable in environ else ""
+        warnings.append(
+            f"{old} is deprecated: vLLM reports every VLLM_* variable it does not know (and "
+            f"refuses to start on one with --fail-on-environ-validation); rename it to "
+            f"{variable}{ignored}"
+        )
     return current, tuple(warnings)
 
 
@@ -416,20 +375,18 @@ def load_settings(
     values: dict[str, object] = {}
     read: list[str] = []
     tuned: list[Tuned] = []
-    iomp_from = "default"
     sources: dict[str, str] = {}
+    iomp_from = "default"
     for path in (SYSTEM_CONFIG, explicit_config or user_config_path(environ)):
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
         loaded = salvage(errors, read_layer, path)
-        if loaded is None:
-            continue
-        content, records = loaded
-        tuned = [*records, *tuned]  # this file's take precedence over the ones before
-        values.update(content)
-        sources.update(dict.fromkeys(content, path))
-        iomp_from = "config" if "iomp" in content else iomp_from
-        read.append(path)
+        if loaded is not None:
+            tuned = [*loaded[1], *tuned]  # this file's take precedence over the ones before
+            values.update(loaded[0])
+            sources.update(dict.fromkeys(loaded[0], path))
+            iomp_from = "config" if "iomp" in loaded[0] else iomp_from
+            read.append(path)
     for key, (option, variable, parse) in KEYS.items():
         named = variable
         if variable not in given and deprecated_name(variable) in given:
@@ -488,9 +445,7 @@ def launch_scope(
 
 def normal_model(model: str | None) -> str | None:
     """A local model directory by its absolute path (a tune may run from elsewhere)."""
-    if model and os.path.isdir(model):
-        return os.path.abspath(model)
-    return model
+    return os.path.abspath(model) if model and os.path.isdir(model) else model
 
 
 def record_scope(tuned: Tuned) -> Scope:
@@ -514,7 +469,7 @@ def differences(recorded: Scope, launch: Scope) -> list[str]:
     for field, label in LABELS.items():
         wanted, actual = getattr(recorded, field), getattr(launch, field)
         if wanted is not None and wanted != actual:
-            found.append(f"{label} {actual if actual is not None else 'unknown'}, not {wanted}")
+            found.append(f"{label} {'unknown' if actual is None else actual}, not {wanted}")
     return found
 
 
@@ -547,7 +502,7 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
     if not matching:
         return None, notes
     chosen, scope = max(
-        matching, key=lambda pair: sum(getattr(pair[1], f) is not None for f in LABELS)
+        matching, key=lambda pair: sum(v is not None for v in vars(pair[1]).values())
     )
     notes.append(f"{tune_named(chosen, scope)} applied")
     notes += [

@@ -11,9 +11,7 @@ import errno
 import os
 import stat
 
-# A config file is a few lines; one larger than this was named by mistake.
-MAX_BYTES = 1 << 20
-# Each file type by the letter `ls -l` shows it.
+MAX_BYTES = 1 << 20  # a config file is a few lines; a larger one was named by mistake
 KINDS = dict(d="a directory", p="a FIFO", c="a character device", b="a block device", s="a socket")
 
 
@@ -37,10 +35,9 @@ def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> by
     config.json) only chooses among outcomes built of trusted files: the rule does not apply."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise FileProblem("not found") from None
     except OSError as error:
-        raise FileProblem(f"cannot be read ({error.strerror})") from None
+        found = isinstance(error, FileNotFoundError)
+        raise FileProblem("not found" if found else f"cannot be read ({error.strerror})") from None
     status = os.fstat(descriptor)
     if stat.S_ISREG(status.st_mode) and status.st_size <= limit:
         with os.fdopen(descriptor, "rb") as stream:
@@ -61,20 +58,16 @@ def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> by
 
 
 def untrusted(path: str, status: os.stat_result) -> str | None:
-    """Why the trust rule refuses a settings file, with its owner, mode and fix, or None.
-    The file says what runs and what is preloaded: another user who could change it would
-    choose for root (as any user, where everyone may write it, anyone could)."""
-    euid = os.geteuid()
-    found = insecure_reason(os.path.abspath(path), euid)
+    """Why the trust rule refuses a settings file (with owner, mode and fix), or None: another
+    user who could change what runs and is preloaded would choose for root (or for anyone)."""
+    found = insecure_reason(os.path.abspath(path), os.geteuid())
     if found is None:
         return None
     why, fix = found
     said = f"owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)}"
-    reader = (
-        "as root, only settings no other user can change are read"
-        if euid == 0
-        else "settings everyone can change are not read"
-    )
+    reader = "as root, only settings no other user can change are read"
+    if os.geteuid() != 0:
+        reader = "settings everyone can change are not read"
     fixed = f"Fix: {fix}" if fix else "move it where only its owner can write"
     return f"not read: {why} ({said}); {reader}; {fixed}"
 
@@ -93,14 +86,10 @@ FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llv
 # The banner that follows it: `performance` (the runtime), `profile`, or `stub` (serial).
 LIBRARY_TYPE = b" OMP library type: "
 FLAVOR_SCAN_LIMIT = 64 << 20
-# ELF e_machine for each `uname -m`.
+# ELF e_machine for each `uname -m`; in a big-endian file the same numbers name others.
 ELF_MACHINES = dict(x86_64=62, aarch64=183, ppc64le=21, s390x=22, riscv64=243, i686=3, i386=3)
 ELF_MACHINE_NAMES = {number: name for name, number in ELF_MACHINES.items()}
-# The same machine numbers in a big-endian file name other machines; s390x is big-endian.
 BIG_ENDIAN_NAMES = {21: "ppc64", 183: "aarch64_be", 22: "s390x"}
-BIG_ENDIAN_MACHINES = ("s390x",)
-ELF_TYPE_SHARED = 3
-PT_LOAD = 1
 
 
 def elf_problem(header: bytes, machine: str) -> str | None:
@@ -117,13 +106,13 @@ def elf_problem(header: bytes, machine: str) -> str | None:
     elf_type, elf_machine = elf_int(header, 16, 2, header), elf_int(header, 18, 2, header)
     names = BIG_ENDIAN_NAMES if order == "big" else ELF_MACHINE_NAMES
     built_for = names.get(elf_machine, f"ELF machine {elf_machine}")
-    host_order = "big" if machine in BIG_ENDIAN_MACHINES else "little"
+    host_order = "big" if machine == "s390x" else "little"
     if order != host_order:
         return (
             f"a {order}-endian ELF file built for {built_for}; this {machine} host runs "
             f"{host_order}-endian ones"
         )
-    if elf_type != ELF_TYPE_SHARED:
+    if elf_type != 3:  # ET_DYN
         return f"an ELF file of type {elf_type}, not a shared object"
     wanted_machine = ELF_MACHINES.get(machine)
     if wanted_machine is not None and elf_machine != wanted_machine:
@@ -160,7 +149,7 @@ def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
         table = os.pread(descriptor, phentsize * phnum, phoff)
         for start in range(0, len(table) - phentsize + 1, phentsize):
             entry = table[start : start + phentsize]
-            if elf_int(entry, 0, 4, header) == PT_LOAD:
+            if elf_int(entry, 0, 4, header) == 1:  # PT_LOAD
                 length = elf_int(entry, length_at, width, header)
                 end = max(end, elf_int(entry, at, width, header) + length)
     if end > size:
@@ -169,8 +158,7 @@ def elf_truncation(header: bytes, descriptor: int, size: int) -> str | None:
 
 
 def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int] | None:
-    """(file offset, end) of the section called `name` of a whole ELF file (elf_truncation
-    has checked its tables lie within it), or None."""
+    """(offset, end) of section `name` of an ELF file elf_truncation passed, or None."""
     wide = header[4] == 2
     _, shoff, _, _, shentsize, shnum, shstrndx = elf_tables(header)
     if not shoff or not shnum or shstrndx >= shnum or shentsize < (64 if wide else 40):
@@ -178,21 +166,17 @@ def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int
     table = os.pread(descriptor, shentsize * shnum, shoff)
     # sh_name at 0; sh_offset and sh_size at 24 and 32 (64-bit), 16 and 20 (32-bit).
     at, width = (24, 8) if wide else (16, 4)
-
-    def placed(index: int) -> tuple[int, int, int]:
+    placed = []
+    for index in range(shnum):
         entry = table[index * shentsize : (index + 1) * shentsize]
         start = elf_int(entry, at, width, header)
-        size = elf_int(entry, at + width, width, header)
-        return elf_int(entry, 0, 4, header), start, start + size
-
-    _, names_start, names_end = placed(shstrndx)
+        end = start + elf_int(entry, at + width, width, header)
+        placed.append((elf_int(entry, 0, 4, header), start, end))
+    _, names_start, names_end = placed[shstrndx]
     names = os.pread(descriptor, min(names_end - names_start, 1 << 20), names_start)
     wanted = name + b"\0"
-    for index in range(shnum):
-        name_at, start, end = placed(index)
-        if names[name_at : name_at + len(wanted)] == wanted:
-            return start, end
-    return None
+    found = [(start, end) for name_at, start, end in placed if names.startswith(wanted, name_at)]
+    return found[0] if found else None
 
 
 def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | None]:
@@ -229,28 +213,25 @@ def unsafe_owner_or_mode(
 ) -> tuple[str, str] | None:
     """(why, which chmod/chown) when a file or directory lets an untrusted user change what
     runs, or None. As root: owned by root or a `trusted` uid (the owner of the vLLM started,
-    whose code root runs anyway), writable by neither group nor others. As another user,
-    whose own code runs in vLLM anyway: not writable by all. A sticky directory (/tmp) is
-    fine above the file's own directory."""
+    whose code root runs anyway), writable by neither group nor others. As another user: not
+    writable by all. A sticky directory (/tmp) is fine above the file's own directory."""
     as_root = euid == 0
     if as_root and status.st_uid != 0 and status.st_uid not in trusted:
         whose = "neither root nor the owner of the vLLM being started" if trusted else "not root"
         return f"owned by uid {status.st_uid}, {whose}", "chown root"
     mask = (stat.S_IWGRP | stat.S_IWOTH) if as_root else stat.S_IWOTH
     sticky = bool(status.st_mode & stat.S_ISVTX)
-    if status.st_mode & mask and (is_file or not sticky):
-        who = "others" if status.st_mode & stat.S_IWOTH else "its group"
-        # A sticky directory (/tmp, /dev/shm) is meant to be shared: chmod would break it
-        # for everyone, so the file moves out of it instead (insecure_reason).
-        fix = MOVE if sticky else "chmod go-w" if as_root else "chmod o-w"
-        return f"writable by {who}", fix
-    return None
+    if not status.st_mode & mask or (sticky and not is_file):
+        return None
+    who = "others" if status.st_mode & stat.S_IWOTH else "its group"
+    # A sticky directory (/tmp, /dev/shm) is meant to be shared: chmod would break it for
+    # everyone, so the file moves out of it instead (insecure_reason).
+    return f"writable by {who}", MOVE if sticky else "chmod go-w" if as_root else "chmod o-w"
 
 
 def lookup_steps(path: str) -> tuple[list[str], list[str], str]:
-    """(directories searched, links followed, file reached) on the way to `path`, resolved
-    one component at a time as the kernel does: a directory that only an intermediate
-    symbolic link passes through is seen as well."""
+    """(directories searched, links followed, file reached) on the way to `path`, resolved as
+    the kernel does: a directory that only an intermediate symbolic link passes is seen too."""
     directories: dict[str, None] = {}
     links: list[str] = []
     current = "/"
@@ -299,10 +280,9 @@ def insecure_reason(
                 continue
             problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home, trusted)
             if problem:
-                why = f"directory {directory} is {problem[0]}"
                 moved = moved_out(real) if named else ""
                 fix = moved if problem[1] == MOVE else f"{problem[1]} {quoted(directory)}"
-                problems.append((why, fix))
+                problems.append((f"directory {directory} is {problem[0]}", fix))
     except OSError as error:
         return f"cannot check its permissions: {error.strerror}", ""
     if len(problems) > 1:
