@@ -11,30 +11,19 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch import __version__
+from vllm_cpu_launch import __version__, errors
 from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
-from vllm_cpu_launch.errors import (
-    EXIT_LIBRARY_MISSING,
-    EXIT_NOT_EXECUTABLE,
-    EXIT_NOT_FOUND,
-    EXIT_USAGE,
-    LaunchError,
-    did_you_mean,
-    emit,
-)
-from vllm_cpu_launch.gather import gather, write_alias
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, emit
+from vllm_cpu_launch.gather import Facts, gather, write_alias
 from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_as_json, plan_as_text, plan_of, summary_line
-from vllm_cpu_launch.settings import load_settings
-from vllm_cpu_launch.target import resolve_program, resolve_vllm
+from vllm_cpu_launch.settings import Settings, load_settings
+from vllm_cpu_launch.target import Target, resolve_program, resolve_vllm
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.plan import Plan
-    from vllm_cpu_launch.settings import Settings
-    from vllm_cpu_launch.target import Target
 
 
 SETTING_KEYS = ("iomp", "iomp_path", "tcmalloc", "tcmalloc_path", "kmp_blocktime", "vllm")
@@ -167,7 +156,7 @@ def plan_from_options(
     unsafe target (126) and a wanted library missing (3): one error line, other warnings."""
     settings, _, plan = prepare_launch(values, arguments, program)
     if plan.refused:  # never two OpenMP runtimes, nor a library others can change
-        raise LaunchError(EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
+        raise LaunchError(errors.EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
     if not settings.strict or not (plan.unsafe or plan.missing):
         return plan
     fatal = list(plan.unsafe or plan.fatal)
@@ -175,8 +164,8 @@ def plan_from_options(
         if warning not in fatal:
             emit("warning", warning)
     if plan.unsafe:
-        raise LaunchError(EXIT_NOT_EXECUTABLE, f"{STRICT_REFUSAL}: {'; '.join(fatal)}")
-    raise LaunchError(EXIT_LIBRARY_MISSING, "; ".join(fatal))
+        raise LaunchError(errors.EXIT_NOT_EXECUTABLE, f"{STRICT_REFUSAL}: {'; '.join(fatal)}")
+    raise LaunchError(errors.EXIT_LIBRARY_MISSING, "; ".join(fatal))
 
 
 def write_stdout(text: str) -> None:
@@ -234,12 +223,11 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
     previous = [signal.signal(number, signal.SIG_DFL) for number in restored]
     try:
         os.execve(plan.command[0], list(plan.command), {**os.environ, **dict(plan.env)})
-    except FileNotFoundError as error:
-        raise LaunchError(EXIT_NOT_FOUND, f"cannot start {plan.command[0]}: {error}") from None
     except OSError as error:
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE, f"cannot start {plan.command[0]}: {error.strerror}"
-        ) from None
+        missing = isinstance(error, FileNotFoundError)
+        code = errors.EXIT_NOT_FOUND if missing else errors.EXIT_NOT_EXECUTABLE
+        why = error if missing else error.strerror
+        raise LaunchError(code, f"cannot start {plan.command[0]}: {why}") from None
     finally:  # only reached when the exec failed: a closed stderr must not kill us
         for number, handler in zip(restored, previous, strict=True):
             signal.signal(number, handler)
@@ -329,11 +317,8 @@ def dispatch(argv: Sequence[str]) -> int:
     """A verb of ours, else vLLM's subcommand; a near miss of a verb is a typo (`--` before
     it passes it to vLLM)."""
     values, rest = parse_options(argv)
-    if values.get("help"):
-        write_stdout(HELP.rstrip())
-        return 0
-    if values.get("version"):
-        write_stdout(f"vllm-cpu-launch {__version__}")
+    if values.get("help") or values.get("version"):
+        write_stdout(HELP.rstrip() if values.get("help") else f"vllm-cpu-launch {__version__}")
         return 0
     if not rest:
         raise LaunchError(

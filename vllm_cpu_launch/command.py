@@ -171,13 +171,11 @@ SD_OPTIONS = (
     Option("--speculative-model", "--speculative-m"),
     Option("--num-speculative-tokens", "--num-s"),
 )
+TOKENS = "num_speculative_tokens"
 # The options that set one field of the speculative config, besides the JSON itself.
 FIELD_OPTIONS = {
-    "--spec-method": "method",
-    "--spec-model": "model",
-    "--spec-tokens": "num_speculative_tokens",
-    "--speculative-model": "model",
-    "--num-speculative-tokens": "num_speculative_tokens",
+    **{"--spec-method": "method", "--spec-model": "model", "--speculative-model": "model"},
+    **{"--spec-tokens": TOKENS, "--num-speculative-tokens": TOKENS},
 }
 NO_VALUE = ("", "None")
 CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few kB
@@ -249,7 +247,7 @@ def method_and_tokens(fields: Mapping[str, object]) -> tuple[str | None, int | N
     else:
         draft = fields.get("model")
         method = inferred_method(draft) if isinstance(draft, str) and draft else None
-    tokens = fields.get("num_speculative_tokens")
+    tokens = fields.get(TOKENS)
     if isinstance(tokens, str) and tokens.isascii() and tokens.isdigit():
         tokens = int(tokens)
     return method, tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
@@ -315,7 +313,6 @@ class Refusal:
     source: str = f"{SPECULATIVE_SOURCE}._verify_args"  # vLLM's file and function
 
 
-TOKENS = "num_speculative_tokens"
 # The refusals that need no model (a draft's n_predict needs it). vLLM still starts
 # unchanged: the command is the user's.
 REFUSALS = (
