@@ -61,8 +61,7 @@ def split_option(token: str) -> tuple[str, str | None, str | None]:
 
 
 def on_command_line(argv: Sequence[str], options: Sequence[Option]) -> Iterator[Occurrence]:
-    """Only option tokens are read: a value that contains an option's text (a chat template)
-    is none."""
+    """Only option tokens are read: a value holding an option's text (a chat template) is none."""
     index = 0
     while index < len(argv):
         token = argv[index]
@@ -224,8 +223,7 @@ def speculative_from(options: Sequence[Occurrence]) -> SpeculativeRequest:
 
 
 def config_fields(options: Sequence[Occurrence]) -> dict[str, object]:
-    """The speculative config as vLLM merges it: a JSON value replaces, dotted keys and the
-    `--spec-*` shorthands set one field."""
+    """As vLLM merges them: a JSON value replaces, dotted keys and `--spec-*` set one field."""
     fields: dict[str, object] = {}
     for item in options:
         if item.option in CONFIG_OPTIONS and item.dotted is None:
@@ -392,8 +390,7 @@ def model_of(argv: Sequence[str]) -> str | None:
 
 
 def detect(argv: Sequence[str]) -> SpeculativeRequest:
-    """SD requested by this vLLM command line (subcommand first), its --config file, or the
-    model itself (a local speculators checkpoint)?"""
+    """SD requested by the command line (subcommand first), its --config, or the model?"""
     found, problem = occurrences(argv, SD_OPTIONS)
     request = speculative_from(found)
     if problem is not None and request.source is None:

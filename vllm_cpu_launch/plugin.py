@@ -79,13 +79,9 @@ def wrap_check_and_update_config(platform_class: type) -> None:
     descriptor = isinstance(found, (classmethod, staticmethod))
     vllm_code = found.__func__ if descriptor else found
     if not descriptor and not (callable(found) and hasattr(found, "__get__")):
-        logger.warning(
-            "%s%s.%s is %s, not a method it can wrap; vLLM runs without the plugin",
-            PREFIX,
-            platform_class.__name__,
-            HOOK,
-            "missing" if found is None else type(found).__name__,
-        )
+        kind = "missing" if found is None else type(found).__name__
+        what = f"{platform_class.__name__}.{HOOK} is {kind}"
+        logger.warning("%s%s, not a method it can wrap; vLLM runs without the plugin", PREFIX, what)
         return
     if getattr(vllm_code, WRAPPED, False):
         return
@@ -93,10 +89,8 @@ def wrap_check_and_update_config(platform_class: type) -> None:
 
     @functools.wraps(vllm_code)
     def check_and_update_config(*args: Any, **kwargs: Any) -> Any:
-        given = args[skip:]
-        apply_plan(
-            kwargs["vllm_config"] if "vllm_config" in kwargs else given[0] if given else None
-        )
+        given = (*args[skip:], None)  # vLLM's configuration first, else none
+        apply_plan(kwargs.get("vllm_config", given[0]))
         try:
             return vllm_code(*args, **kwargs)  # vLLM's own: what it raises is vLLM's
         finally:
