@@ -1,6 +1,5 @@
-"""The command line: the launcher's option grammar, the first word that picks a verb or
-starts vLLM, the plan prepared and reported, the exec, and exit codes, never a traceback
-for a user's mistake. The exec path (this module and the pipeline below) imports neither
+"""The command line: the option grammar, the first word (a verb or vLLM), the plan, the exec,
+and exit codes, never a traceback for a user's mistake. The exec path imports neither
 psutil, cpuinfo nor yaml (pyproject.toml's import-linter contracts).
 """
 
@@ -12,55 +11,30 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch import __version__
+from vllm_cpu_launch import __version__, errors
 from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
-from vllm_cpu_launch.errors import (
-    EXIT_LIBRARY_MISSING,
-    EXIT_NOT_EXECUTABLE,
-    EXIT_NOT_FOUND,
-    EXIT_USAGE,
-    LaunchError,
-    did_you_mean,
-    emit,
-)
-from vllm_cpu_launch.gather import gather, write_alias
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, emit
+from vllm_cpu_launch.gather import Facts, gather, write_alias
 from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_as_json, plan_as_text, plan_of, summary_line
-from vllm_cpu_launch.settings import load_settings
-from vllm_cpu_launch.target import resolve_program, resolve_vllm
+from vllm_cpu_launch.settings import Settings, load_settings
+from vllm_cpu_launch.target import Target, resolve_program, resolve_vllm
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.plan import Plan
-    from vllm_cpu_launch.settings import Settings
-    from vllm_cpu_launch.target import Target
 
 
-# Launcher options that take a value -> the key they fill.
-VALUED_OPTIONS = {
-    "--iomp": "iomp",
-    "--iomp-path": "iomp_path",
-    "--tcmalloc": "tcmalloc",
-    "--tcmalloc-path": "tcmalloc_path",
-    "--kmp-blocktime": "kmp_blocktime",
-    "--vllm": "vllm",
-    "--launcher-config": "config",
-}
-FLAG_OPTIONS = {
-    "--strict": "strict",
-    "--dry-run": "dry_run",
-    "--json": "json",
-    "-q": "quiet",
-    "--quiet": "quiet",
-    "-v": "verbose",
-    "--verbose": "verbose",
-    "-h": "help",
-    "--help": "help",
-    "--version": "version",
-}
 SETTING_KEYS = ("iomp", "iomp_path", "tcmalloc", "tcmalloc_path", "kmp_blocktime", "vllm")
+# Launcher options that take a value -> the key they fill: --iomp-path fills iomp_path.
+VALUED_OPTIONS = {f"--{key.replace('_', '-')}": key for key in SETTING_KEYS}
+VALUED_OPTIONS["--launcher-config"] = "config"
+FLAG_OPTIONS = {
+    **{"--strict": "strict", "--dry-run": "dry_run", "--json": "json"},
+    **{"-q": "quiet", "--quiet": "quiet", "-v": "verbose", "--verbose": "verbose"},
+    **{"-h": "help", "--help": "help", "--version": "version"},
+}
 EXEC_USAGE = """\
 usage: vllm-cpu-launch exec [OPTIONS] -- PROGRAM [ARGS...]
 
@@ -71,10 +45,8 @@ The launcher's options (see vllm-cpu-launch --help) go before `--`.
 
 
 def unknown_option(token: str, verb: str | None, known: Sequence[str]) -> str:
-    """Before the vLLM subcommand an unknown option is most likely vLLM's, put too early,
-    unless close to one of `known` (a typo); after a verb, that verb's help lists them."""
-    # 0.8: a letter or two off (--iomp-pth, --stric); vLLM's --config or --model is no
-    # typo of --launcher-config or --help.
+    """Before the vLLM subcommand an unknown option is most likely vLLM's put too early,
+    unless a typo of one of `known` (0.8: --iomp-pth, --stric, but not vLLM's --config)."""
     close = did_you_mean(token.partition("=")[0], known, cutoff=0.8)
     hint = f" (did you mean {close}?)" if close else ""
     if verb is not None:
@@ -94,8 +66,8 @@ def parse_options(
     repeatable: tuple[str, ...] = (),
     verb: str | None = None,
 ) -> tuple[dict[str, object], list[str]]:
-    """Options up to the first other word or `--`; return them and the rest, untouched.
-    `verb`: the verb whose options these are (None: the launcher's, before a subcommand)."""
+    """Options up to the first other word or `--`, and the rest untouched; `verb`: whose
+    options (None: the launcher's)."""
     values: dict[str, object] = {}
     index = 0
     while index < len(args):
@@ -138,7 +110,6 @@ def current_host() -> Host:
 
 
 def launch_settings(values: dict[str, object]) -> Settings:
-    """The settings a start reads: the launcher's options, over its variables and files."""
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     if values.get("strict"):
         options["strict"] = True
@@ -152,9 +123,8 @@ def launch_facts(
     program: str | None = None,
     host: Host | None = None,
 ) -> Facts:
-    """The facts a start plans from: `vllm ARGUMENTS` as vLLM reads them (SD, one worker),
-    or `exec -- PROGRAM ARGUMENTS` (Intel OpenMP by default); `rules serve` and doctor's
-    map gather the same, to match the rules against its start (plan.start_of)."""
+    """`vllm ARGUMENTS` as vLLM reads them, or `exec -- PROGRAM ARGUMENTS` (Intel OpenMP by
+    default); `rules serve` and doctor's map gather the same (plan.start_of)."""
     speculative = detect(arguments) if program is None else SpeculativeRequest(False)
     return gather(
         settings,
@@ -171,7 +141,6 @@ def launch_facts(
 def prepare_launch(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> tuple[Settings, Target, Plan]:
-    """Settings, target and plan for `vllm ARGUMENTS` or `exec -- PROGRAM ARGUMENTS`."""
     settings = launch_settings(values)
     if program is None:
         target = resolve_vllm(settings.vllm, os.environ, sys.executable)
@@ -183,24 +152,20 @@ def prepare_launch(
 def plan_from_options(
     values: dict[str, object], arguments: Sequence[str], program: str | None = None
 ) -> Plan:
-    """The plan to exec or print. A caller's LD_PRELOAD entry the trust rule refuses is
-    fatal (126); with --strict, so are a target the trust rule reports and a wanted
-    library missing: one error line (the other warnings stay warnings)."""
+    """The plan to exec or print. A refused plan is fatal (126); with --strict, so are an
+    unsafe target (126) and a wanted library missing (3): one error line, other warnings."""
     settings, _, plan = prepare_launch(values, arguments, program)
     if plan.refused:  # never two OpenMP runtimes, nor a library others can change
-        raise LaunchError(EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
+        raise LaunchError(errors.EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
     if not settings.strict or not (plan.unsafe or plan.missing):
         return plan
-    if plan.unsafe:
-        fatal, code = list(plan.unsafe), EXIT_NOT_EXECUTABLE
-        message = f"{STRICT_REFUSAL}: {'; '.join(fatal)}"
-    else:
-        fatal = list(plan.fatal)
-        code, message = EXIT_LIBRARY_MISSING, "; ".join(fatal)
+    fatal = list(plan.unsafe or plan.fatal)
     for warning in plan.warnings:
         if warning not in fatal:
             emit("warning", warning)
-    raise LaunchError(code, message)
+    if plan.unsafe:
+        raise LaunchError(errors.EXIT_NOT_EXECUTABLE, f"{STRICT_REFUSAL}: {'; '.join(fatal)}")
+    raise LaunchError(errors.EXIT_LIBRARY_MISSING, "; ".join(fatal))
 
 
 def write_stdout(text: str) -> None:
@@ -214,8 +179,7 @@ def write_stdout(text: str) -> None:
 
 
 def report(plan: Plan, values: dict[str, object], unchanged: str | None = None) -> None:
-    """Warnings always; the INFO line unless quiet; notes and candidates when verbose.
-    `unchanged`: what the INFO line says where the plan changes nothing (summary_line)."""
+    """Warnings always; the INFO line unless quiet; notes and candidates when verbose."""
     for warning in plan.warnings:
         emit("warning", warning)
     if not values.get("quiet"):
@@ -228,8 +192,8 @@ def report(plan: Plan, values: dict[str, object], unchanged: str | None = None) 
 
 
 def provide_metadata(plan: Plan) -> None:
-    """Write the `vllm` metadata the plan puts on PYTHONPATH (gather.py); where that
-    fails, say so and start anyway (a missing PYTHONPATH entry is ignored)."""
+    """The `vllm` metadata the plan puts on PYTHONPATH; where it cannot be written, start
+    anyway (a missing PYTHONPATH entry is ignored)."""
     if plan.metadata is None:
         return
     try:
@@ -244,15 +208,12 @@ def provide_metadata(plan: Plan) -> None:
 
 
 def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
-    """Print the plan (--dry-run), or replace this process with the planned command."""
     if values.get("json") and not values.get("dry_run"):
         raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
     plan = plan_from_options(values, arguments, program)
     if values.get("dry_run"):
-        if values.get("json"):
-            write_stdout(json.dumps(plan_as_json(plan), indent=2))
-        else:
-            write_stdout(plan_as_text(plan))
+        json_plan = values.get("json")
+        write_stdout(json.dumps(plan_as_json(plan), indent=2) if json_plan else plan_as_text(plan))
         return 0
     report(plan, values)
     provide_metadata(plan)
@@ -262,12 +223,11 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
     previous = [signal.signal(number, signal.SIG_DFL) for number in restored]
     try:
         os.execve(plan.command[0], list(plan.command), {**os.environ, **dict(plan.env)})
-    except FileNotFoundError as error:
-        raise LaunchError(EXIT_NOT_FOUND, f"cannot start {plan.command[0]}: {error}") from None
     except OSError as error:
-        raise LaunchError(
-            EXIT_NOT_EXECUTABLE, f"cannot start {plan.command[0]}: {error.strerror}"
-        ) from None
+        missing = isinstance(error, FileNotFoundError)
+        code = errors.EXIT_NOT_FOUND if missing else errors.EXIT_NOT_EXECUTABLE
+        why = error if missing else error.strerror
+        raise LaunchError(code, f"cannot start {plan.command[0]}: {why}") from None
     finally:  # only reached when the exec failed: a closed stderr must not kill us
         for number, handler in zip(restored, previous, strict=True):
             signal.signal(number, handler)
@@ -279,16 +239,8 @@ VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune", "rules")
 # vLLM's own subcommands (vllm/entrypoints/cli/main.py, CMD_MODULES, the same in vLLM 0.32,
 # 0.33 and 0.34): always passed on, never taken for a mistyped verb.
 VLLM_SUBCOMMANDS = (
-    "serve",
-    "chat",
-    "complete",
-    "bench",
-    "collect-env",
-    "run-batch",
-    "launch",
-    "preload",
-    "download-kernels",
-    "snapshot",
+    *("serve", "chat", "complete", "bench", "collect-env", "run-batch", "launch", "preload"),
+    *("download-kernels", "snapshot"),
 )
 
 USAGE = """\
@@ -337,7 +289,6 @@ library missing, 126 target not executable, 127 target not found; otherwise vLLM
 
 
 def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
-    """The verb named on the command line: each imported here, lazily, only when named."""
     if verb == "exec":  # `exec [OPTIONS] -- PROGRAM [ARGS...]`: the launch, for any program
         more, command = parse_options(rest, verb="exec")
         if more.get("help"):
@@ -363,14 +314,11 @@ def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
 
 
 def dispatch(argv: Sequence[str]) -> int:
-    """The first word: a verb of ours, else vLLM's subcommand (a near miss of a verb, no
-    vLLM subcommand, is a typo: `--` before it still passes it to vLLM)."""
+    """A verb of ours, else vLLM's subcommand; a near miss of a verb is a typo (`--` before
+    it passes it to vLLM)."""
     values, rest = parse_options(argv)
-    if values.get("help"):
-        write_stdout(HELP.rstrip())
-        return 0
-    if values.get("version"):
-        write_stdout(f"vllm-cpu-launch {__version__}")
+    if values.get("help") or values.get("version"):
+        write_stdout(HELP.rstrip() if values.get("help") else f"vllm-cpu-launch {__version__}")
         return 0
     if not rest:
         raise LaunchError(
@@ -391,7 +339,6 @@ def dispatch(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point: the exit code, never a traceback for user errors."""
     try:
         return dispatch(sys.argv[1:] if argv is None else argv)
     except LaunchError as error:

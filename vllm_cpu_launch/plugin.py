@@ -13,16 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch import inside
-from vllm_cpu_launch.handoff import (
-    DEPRECATED_PLUGIN_VARIABLE,
-    LD_PRELOAD,
-    PLUGIN,
-    PLUGIN_VARIABLE,
-    already_planned,
-    stands_down,
-    switched_off,
-)
+from vllm_cpu_launch import handoff, inside
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -31,19 +22,15 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.plan import Plan
-    from vllm_cpu_launch.settings import Settings
 
 # A child of vLLM's "vllm" logger: the plugin's lines come out in vLLM's own log format.
 logger, PREFIX = inside.logger, inside.PREFIX
 HOOK = "check_and_update_config"
-# Set on the wrapper, so that a second register() in the same process wraps nothing.
-WRAPPED = "_vllm_cpu_launch_wrapped"
-# The parts of vLLM's configuration that a new engine's configuration builds anew and a
-# copy of one (vLLM's `replace(vllm_config, ...)`, which re-runs the hook) shares.
+WRAPPED = "_vllm_cpu_launch_wrapped"  # on the wrapper: a second register() wraps nothing
+# What a new engine's configuration builds anew and a copy (vLLM's `replace(vllm_config,
+# ...)`, which re-runs the hook) shares.
 SHARED_PARTS = ("model_config", "parallel_config", "cache_config")
-# The fields of vLLM's ParallelConfig that make several workers (besides `nnodes`, if any).
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
-# The offline engine, the one that honours VLLM_ENABLE_V1_MULTIPROCESSING=0.
 OFFLINE_ENGINE = os.path.join("vllm", "v1", "engine", "llm_engine.py")
 
 # Whether this process registered (other code may call register() again); the
@@ -64,19 +51,20 @@ def register() -> None:
     environ = os.environ
     try:
         spawned = multiprocessing.parent_process() is not None
-        if not switched_off(environ):
+        off = handoff.switched_off(environ)
+        if not off:
             inside.start(spawned)  # the reading on /metrics, through both doors
-        if stands_down(environ, os.uname().machine, spawned) is None:
+        if handoff.stands_down(environ, os.uname().machine, spawned) is None:
             from vllm.platforms import current_platform  # lazy: resolved when vLLM loads plugins
 
             if current_platform.is_cpu():  # CpuPlatform, or a subclass (zentorch's)
                 wrap_check_and_update_config(type(current_platform))
-        elif not spawned and switched_off(environ) and environ.get(DEPRECATED_PLUGIN_VARIABLE):
+        elif not spawned and off and environ.get(handoff.DEPRECATED_PLUGIN_VARIABLE):
             # The off switch's old name, read where the plugin stood down: said once, in
             # the front end, in the words every deprecated name of ours gets.
             from vllm_cpu_launch.settings import with_current_names  # lazy: front end only
 
-            names = (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE)
+            names = (handoff.PLUGIN_VARIABLE, handoff.DEPRECATED_PLUGIN_VARIABLE)
             _, warnings = with_current_names({n: environ[n] for n in names if n in environ})
             for warning in warnings:
                 logger.warning("%s%s", PREFIX, warning)
@@ -85,31 +73,24 @@ def register() -> None:
 
 
 def wrap_check_and_update_config(platform_class: type) -> None:
-    """Make the class's check_and_update_config apply the plan first, once per class; all
-    else is vLLM's own method's. One the plugin cannot wrap is a warning, and no plan."""
+    """Make the class's hook apply the plan first, once per class; one the plugin cannot
+    wrap is a warning, and no plan."""
     found: Any = next((vars(c)[HOOK] for c in platform_class.__mro__ if HOOK in vars(c)), None)
     descriptor = isinstance(found, (classmethod, staticmethod))
     vllm_code = found.__func__ if descriptor else found
     if not descriptor and not (callable(found) and hasattr(found, "__get__")):
-        logger.warning(
-            "%s%s.%s is %s, not a method it can wrap; vLLM runs without the plugin",
-            PREFIX,
-            platform_class.__name__,
-            HOOK,
-            "missing" if found is None else type(found).__name__,
-        )
+        kind = "missing" if found is None else type(found).__name__
+        what = f"{platform_class.__name__}.{HOOK} is {kind}"
+        logger.warning("%s%s, not a method it can wrap; vLLM runs without the plugin", PREFIX, what)
         return
     if getattr(vllm_code, WRAPPED, False):
         return
-    # Where vLLM's configuration comes: after the class or the instance, unless static.
-    skip = 0 if isinstance(found, staticmethod) else 1
+    skip = 0 if isinstance(found, staticmethod) else 1  # the class or the instance
 
     @functools.wraps(vllm_code)
     def check_and_update_config(*args: Any, **kwargs: Any) -> Any:
-        given = args[skip:]
-        apply_plan(
-            kwargs["vllm_config"] if "vllm_config" in kwargs else given[0] if given else None
-        )
+        given = (*args[skip:], None)  # vLLM's configuration first, else none
+        apply_plan(kwargs.get("vllm_config", given[0]))
         try:
             return vllm_code(*args, **kwargs)  # vLLM's own: what it raises is vLLM's
         finally:
@@ -121,8 +102,7 @@ def wrap_check_and_update_config(platform_class: type) -> None:
 
 
 def derived(vllm_config: Any, earlier: Any) -> bool:
-    """Whether a configuration is an earlier one or a copy of it (vLLM re-runs the hook
-    for `replace(vllm_config, ...)`): it shares a part a new engine builds anew."""
+    """Whether a configuration is an earlier one or a copy of it (it shares SHARED_PARTS)."""
     parts = [(getattr(vllm_config, p, None), getattr(earlier, p, None)) for p in SHARED_PARTS]
     return vllm_config is earlier or any(
         mine is not None and mine is theirs for mine, theirs in parts
@@ -140,48 +120,44 @@ def apply_plan(vllm_config: Any) -> None:
         undo_last_plan()
         if vllm_config is None:
             logger.warning("%scould not plan (vLLM passed no configuration)", PREFIX)
-        elif not already_planned(os.environ):
+        elif not handoff.already_planned(os.environ):
             plan_and_apply(vllm_config)
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not plan (%r); vLLM starts as it would without it", PREFIX, error)
 
 
 def undo_last_plan() -> None:
-    """Put back what the last plan and vLLM after it changed, where still as left."""
+    """Put back what the last plan and vLLM after it changed, where still as left (else
+    someone else's now); note LD_PRELOAD, which vLLM's own code extends after the plan."""
     for name, value in left.items():
-        if os.environ.get(name) != value:
-            continue  # changed since: someone else's now
         original = before[name]
+        if os.environ.get(name) != value:
+            continue
         if original is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = original
     left.clear()
     before.clear()
-    track(())
-
-
-def track(names: Sequence[str]) -> None:
-    """Note the values before a plan changes them, and LD_PRELOAD's, which vLLM's own
-    code extends after it (the values left: remember())."""
-    for name in (LD_PRELOAD, *names):
-        before.setdefault(name, os.environ.get(name))
+    before[handoff.LD_PRELOAD] = os.environ.get(handoff.LD_PRELOAD)
 
 
 def remember() -> None:
     """After vLLM's own code: the values the plan and vLLM left; never raises."""
     try:
-        for name in before:
-            left[name] = os.environ.get(name)
+        left.update({name: os.environ.get(name) for name in before})
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not note what it changed (%r)", PREFIX, error)
 
 
 def plan_and_apply(vllm_config: Any) -> None:
-    """The launcher's plan for the engine this configuration describes, put into
-    os.environ, which vLLM's engine core and workers inherit."""
+    """The plan for this configuration's engine into os.environ, which its processes inherit."""
+    from vllm_cpu_launch.cli import current_host  # lazy: front end only
     from vllm_cpu_launch.errors import LaunchError  # lazy: front end only
+    from vllm_cpu_launch.gather import gather  # lazy: front end only
+    from vllm_cpu_launch.plan import plan_of  # lazy: front end only
     from vllm_cpu_launch.settings import load_settings  # lazy: front end only
+    from vllm_cpu_launch.target import Target  # lazy: front end only
 
     try:
         settings = load_settings({}, os.environ)
@@ -193,8 +169,26 @@ def plan_and_apply(vllm_config: Any) -> None:
         logger.info("%sswitched off (plugin: off, from %s); vLLM unchanged", PREFIX, where)
         return
     speculative = speculative_request(vllm_config)
-    in_process = engine_in_this_process(os.environ)
-    plan = engine_plan(vllm_config, speculative, settings, in_process)
+    in_process = engine_in_this_process(os.environ)  # then none the map measured
+    # The interpreter is the trust rule's program; a script it runs is the user's own code.
+    python = sys.executable
+    target = Target(
+        python, "plugin", python, sys.prefix, evidence="the interpreter vLLM runs in", runner=python
+    )
+    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    one = one_worker(vllm_config) and not in_process
+    facts = gather(
+        settings,
+        (),
+        speculative,
+        target,
+        current_host(),
+        speculative.requested,
+        one_worker=one,
+        planner=handoff.PLUGIN,
+        model=model,
+    )
+    plan = plan_of(facts)
     if plan.refused:  # the launcher refuses to start; a plugin cannot: it changes nothing
         logger.error("%s%s (vLLM starts unchanged)", PREFIX, plan.refused[0])
         return
@@ -209,7 +203,8 @@ def plan_and_apply(vllm_config: Any) -> None:
         logger.warning("%s%s", PREFIX, warning)
     if settings.strict and (plan.missing or plan.unsafe):
         logger.error("%sstrict is set, but a plugin cannot stop vLLM: see above", PREFIX)
-    track([name for name, _ in plan.env])
+    for name, _ in plan.env:
+        before.setdefault(name, os.environ.get(name))
     os.environ.update(plan.env)
     logger.info("%s%s", PREFIX, summary(plan))
 
@@ -223,16 +218,14 @@ def engine_in_this_process(environ: Mapping[str, str]) -> bool:
     if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
         return False
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(OFFLINE_ENGINE):
-            return True
+    while frame is not None and not frame.f_code.co_filename.endswith(OFFLINE_ENGINE):
         frame = frame.f_back
-    return False
+    return frame is not None
 
 
 def speculative_request(vllm_config: Any) -> SpeculativeRequest:
-    """SD as vLLM resolved it, whatever asked for it; where the configuration lacks the
-    field (a vLLM that moved it), as the launcher reads this process's command line."""
+    """SD as vLLM resolved it; without the field (a vLLM that moved it), as the launcher
+    reads this process's command line."""
     from vllm_cpu_launch.command import SpeculativeRequest, detect  # lazy: front end only
 
     if not hasattr(vllm_config, "speculative_config"):
@@ -247,48 +240,13 @@ def speculative_request(vllm_config: Any) -> SpeculativeRequest:
 
 
 def one_worker(vllm_config: Any) -> bool:
-    """One worker on one node, as vLLM's parallel config says (the map measured that)."""
+    """One worker on one node (what the map measured)."""
     parallel = vllm_config.parallel_config
     sizes = [getattr(parallel, name) for name in PARALLEL_SIZES] + [getattr(parallel, "nnodes", 1)]
     return all(size == 1 for size in sizes)
 
 
-def engine_plan(
-    vllm_config: Any, speculative: SpeculativeRequest, settings: Settings, in_process: bool
-) -> Plan:
-    """The launcher's plan for the vLLM in this interpreter; an engine in this process
-    (`in_process`) is none the benchmark map measured."""
-    from vllm_cpu_launch.cli import current_host  # lazy: front end only
-    from vllm_cpu_launch.gather import gather  # lazy: front end only
-    from vllm_cpu_launch.plan import plan_of  # lazy: front end only
-    from vllm_cpu_launch.target import Target  # lazy: front end only
-
-    # The interpreter is what runs the server (the trust rule's program); a script it runs
-    # is the user's own code, already running.
-    target = Target(
-        executable=sys.executable,
-        found_via="plugin",
-        interpreter=sys.executable,
-        prefix=sys.prefix,
-        evidence="the interpreter vLLM runs in",
-        runner=sys.executable,
-    )
-    facts = gather(  # the launcher's facts and plan (plan.plan_of)
-        settings,
-        (),
-        speculative,
-        target,
-        current_host(),
-        speculative.requested,
-        one_worker=one_worker(vllm_config) and not in_process,
-        planner=PLUGIN,
-        model=getattr(getattr(vllm_config, "model_config", None), "model", None),
-    )
-    return plan_of(facts)
-
-
 def summary(plan: Plan) -> str:
-    """The launcher's INFO line, for what the engine core and workers will start with."""
     from vllm_cpu_launch.plan import summary_line  # lazy: front end only
 
     unchanged = "vLLM's engine processes start unchanged"
@@ -298,8 +256,7 @@ def summary(plan: Plan) -> str:
 
 
 def in_process_message(source: str, orig_argv: Sequence[str]) -> str:
-    """Said once when the engine runs in the front end, whose runtime nothing can change
-    now: the launcher's exec sets LD_PRELOAD before the process starts."""
+    """For an engine in the front end, whose runtime nothing can change now."""
     import shlex  # lazy: front end only
 
     command = shlex.join(["vllm-cpu-launch", "exec", "--", *orig_argv])
