@@ -1,9 +1,5 @@
-"""Where to look for a library, and which candidate to preload.
-
-Discovery only stats and reads the known places of docs/design.md's search order, in that
-order, each when reached: the usual case (the library in the vLLM environment) stops after
-a handful of system calls. Each candidate is validated (trust, ELF) before one is chosen.
-"""
+"""Where to look for a library, and which candidate to preload: the places of docs/design.md's
+search order are read in order, each only when reached, and every candidate is validated."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
-from vllm_cpu_launch.target import python_libraries, python_user_base
+from vllm_cpu_launch.target import python_user_base, site_packages
 from vllm_cpu_launch.trust import (
     elf_problem,
     elf_truncation,
@@ -30,53 +26,30 @@ if TYPE_CHECKING:
 
     Places = Iterator[tuple["Origin", list[str]]]  # each place's origin and the files it proposes
 
-
-# Where to look: the places of the search order
-
 IOMP = "iomp"
 TCMALLOC = "tcmalloc"
-NAMES = {
-    IOMP: ("libiomp5.so",),
-    TCMALLOC: (
-        "libtcmalloc_minimal.so.4",
-        "libtcmalloc.so.4",
-        "libtcmalloc_minimal.so",
-        "libtcmalloc.so",
-    ),
-}
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so")
+NAMES = {IOMP: ("libiomp5.so",), TCMALLOC: (*TCMALLOC_NAMES, "libtcmalloc.so")}
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
 # The caller's entries a search proposes, by what their file's name says they are.
 PROPOSED = {IOMP: (Library.INTEL, Library.LLVM), TCMALLOC: (Library.TCMALLOC,)}
 LLVM = Library.LLVM.value  # also the flavor of LLVM's libomp (its banner, trust.py)
-
-MULTIARCH = {
-    "x86_64": "x86_64-linux-gnu",
-    "aarch64": "aarch64-linux-gnu",
-    "ppc64le": "powerpc64le-linux-gnu",
-    "s390x": "s390x-linux-gnu",
-    "riscv64": "riscv64-linux-gnu",
-}
+MULTIARCH = {m: f"{m}-linux-gnu" for m in ("x86_64", "aarch64", "s390x", "riscv64")}
+MULTIARCH["ppc64le"] = "powerpc64le-linux-gnu"
 LOADER_CACHE = "etc/ld.so.cache"
 ONEAPI_ROOT = "opt/intel/oneapi"
 
-
-# Where the system places are, for a test that states the host it runs on (a bare one, or
-# one with Debian's allocators unpacked): it adds no way in, since whoever sets it could set
-# LD_PRELOAD, and every library found under it passes the same trust rule as one named by
-# --iomp-path (every directory from "/" to the file).
+# Where the system places are, for a test that states the host it runs on: it adds no way
+# in, since whoever sets it could set LD_PRELOAD, and every library found under it passes
+# the same trust rule as one named by --iomp-path (every directory from "/" to the file).
 SYSTEM_ROOT_VARIABLE = "VLLMCPULAUNCH_SYSTEM_ROOT"
 
 
 def system_root(environ: Mapping[str, str]) -> str:
-    """The directory the system places lie under: "/" unless SYSTEM_ROOT_VARIABLE says."""
     value = environ.get(SYSTEM_ROOT_VARIABLE, "")
     if value and not os.path.isabs(value):
-        raise LaunchError(
-            EXIT_USAGE,
-            f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path; give the directory the "
-            "system libraries lie under, or unset it (the system's own: /)",
-        )
+        raise LaunchError(EXIT_USAGE, f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path")
     return value or "/"
 
 
@@ -114,8 +87,7 @@ class Host:
 
 
 class Origin(StrEnum):
-    """Where a candidate came from: the --iomp-path/--tcmalloc-path given, or a place of
-    the search order (the word the plan, doctor and --dry-run say)."""
+    """Where a candidate came from (the word the plan, doctor and --dry-run say)."""
 
     EXPLICIT = "explicit"
     LD_PRELOAD = "ld-preload"
@@ -165,19 +137,17 @@ def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[s
     order = CACHE_BYTE_ORDER.get(data[start + 28] & 3, sys.byteorder)
     count = int.from_bytes(data[start + 20 : start + 24], order)
     paths = []
-    for index in range(count):
-        entry = start + 48 + 24 * index
+    for entry in range(start + 48, start + 48 + 24 * count, 24):
         if entry + 24 > len(data):
             break
-        value = int.from_bytes(data[entry + 8 : entry + 12], order)
-        end = data.find(b"\0", start + value)
+        value = start + int.from_bytes(data[entry + 8 : entry + 12], order)
+        end = data.find(b"\0", value)
         if end > 0:
-            paths.append(data[start + value : end].decode("utf-8", "surrogateescape"))
+            paths.append(data[value:end].decode("utf-8", "surrogateescape"))
     return paths
 
 
 def system_path(host: Host, path: str) -> str:
-    """A system location under the host's root directory."""
     return os.path.join(host.root, path.lstrip("/"))
 
 
@@ -188,7 +158,6 @@ def version_key(name: str) -> tuple[int, ...]:
 
 
 def listing(directory: str) -> list[str]:
-    """The names in `directory`, sorted; none where it cannot be read."""
     try:
         return sorted(os.listdir(directory))
     except OSError:
@@ -202,40 +171,45 @@ def distribution_files(distribution: str, search_path: Iterable[str], name: str)
     found = []
     for site in filter(os.path.isabs, search_path):  # "" in sys.path: the working directory
         for entry in listing(site):
-            if not (entry.startswith(prefix) and entry.endswith(".dist-info")):
-                continue
-            try:
-                with open(os.path.join(site, entry, "RECORD"), encoding="utf-8") as stream:
-                    for line in stream:
-                        relative = line.split(",", 1)[0]
-                        if os.path.basename(relative) == name:
-                            found.append(os.path.normpath(os.path.join(site, relative)))
-            except OSError:
-                continue
-    return found
+            if entry.startswith(prefix) and entry.endswith(".dist-info"):
+                try:
+                    with open(os.path.join(site, entry, "RECORD"), encoding="utf-8") as stream:
+                        relatives = [line.split(",", 1)[0] for line in stream]
+                except OSError:
+                    continue
+                found += [os.path.join(site, r) for r in relatives if os.path.basename(r) == name]
+    return [os.path.normpath(path) for path in found]
 
 
 def lib_directory(prefix: str | None) -> str | None:
     return os.path.join(prefix, "lib") if prefix else None
 
 
-def site_packages(prefix: str | None) -> list[str]:
-    """`lib/python3.N/site-packages` of a prefix (or user base), for every N it has."""
-    return (
-        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
-    )
-
-
 def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
     """LLVM's runtime from the `cmeel-libomp` wheel, by its libiomp5.so alias in
-    `site-packages/cmeel.prefix/lib/` (the name vLLM looks for): in the vLLM environment
-    (its user base first), the user base, then on the launcher's own path. That directory
-    also holds a `libgomp.so.1` alias, so it is never put on a library path: only the file
-    is preloaded."""
+    `site-packages/cmeel.prefix/lib/`: in the vLLM environment (its user base first), the
+    user base, then on the launcher's own path. That directory also holds a `libgomp.so.1`
+    alias, so it is never put on a library path: only the file is preloaded."""
     prefixes = (target.user_base, target.prefix) if target else ()
     user_base = python_user_base(host.environ)  # where `pip install --user` puts it
     sites = [site for prefix in (*prefixes, user_base) for site in site_packages(prefix)]
     return distribution_files("cmeel-libomp", [*sites, *host.search_path], NAMES[IOMP][0])
+
+
+def oneapi_directories(host: Host) -> list[str]:
+    """Intel oneAPI keeps libiomp5 in 2024+ `compiler/X/lib`, older `intel64_lin`."""
+    environ = host.environ
+    compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
+    versions = [n for n in listing(compiler_root) if version_key(n)]
+    oneapi = environ.get("ONEAPI_ROOT")
+    roots = [
+        environ.get("CMPLR_ROOT"),
+        os.path.join(oneapi, "compiler", "latest") if oneapi else None,
+        os.path.join(compiler_root, "latest"),
+        os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
+    ]
+    libs = (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
+    return [os.path.join(root, *lib) for root in roots if root for lib in libs]
 
 
 def search_places(kind: str, host: Host, target: Target | None) -> Places:
@@ -257,19 +231,7 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
         yield Origin.INTEL_OPENMP_PACKAGE, intel_openmp
         yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
         yield Origin.USER_BASE, files_named(user_lib, names)
-        # Intel oneAPI keeps libiomp5 in 2024+ `compiler/X/lib`, older `intel64_lin`.
-        compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
-        versions = [n for n in listing(compiler_root) if version_key(n)]
-        oneapi = environ.get("ONEAPI_ROOT")
-        roots = [
-            environ.get("CMPLR_ROOT"),
-            os.path.join(oneapi, "compiler", "latest") if oneapi else None,
-            os.path.join(compiler_root, "latest"),
-            os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
-        ]
-        libs = (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
-        oneapi_lib = [os.path.join(root, *lib) for root in roots if root for lib in libs]
-        yield Origin.ONEAPI, files_named(oneapi_lib, names)
+        yield Origin.ONEAPI, files_named(oneapi_directories(host), names)
     else:
         # Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
         bundles = [os.path.join(site, "vllm", "libs") for site in site_packages(target_prefix)]
@@ -304,15 +266,11 @@ def loader_places(names: tuple[str, ...], host: Host) -> Places:
     yield Origin.SYSTEM, files_named(system, names)
 
 
-# Validating the candidates and choosing one
-
 FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 
 
 class CandidateVerdict(StrEnum):
-    """What became of a candidate: preloaded, valid but passed over, or refused."""
-
     CHOSEN = "chosen"
     USABLE = "usable"  # valid, but a better one was chosen (or none is wanted beside theirs)
     REJECTED = "rejected"  # its reason says why
@@ -372,10 +330,10 @@ def examine(
     as_written: bool = True,
     named: bool = False,
 ) -> Finding:
-    """What one candidate file is: a path that can stand in LD_PRELOAD, a regular, readable
-    ELF file of this machine that the trust rule accepts, and for iomp, a runtime's banner.
-    `kind` None: any library (a caller's). `as_written` False: `path` is where the loader
-    finds a caller's entry, whose form is theirs. `named`: the user named the file."""
+    """Whether a file may be preloaded: a path that can stand in LD_PRELOAD (unless not
+    `as_written`: a caller's entry where the loader finds it; `kind` None: any library), a
+    regular, readable ELF file of this machine that the trust rule accepts, and for iomp, a
+    runtime's banner. `named`: the user named the file."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
         return Finding(problem)
@@ -412,18 +370,18 @@ def examine(
             return Finding(None)
         # The banners are looked for only once it is known to be a fitting ELF file.
         flavor, library_type = openmp_runtime(descriptor, header)
-        if flavor is None:  # the intel-openmp wheel ships two such `libiomp*` beside libiomp5.so
-            return Finding(
-                "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
-                "libiomp5_db.so, Intel's debugger support library)"
-            )
-        if library_type == "stub":
-            owner = "Intel" if flavor == "intel" else "LLVM"
-            return Finding(
-                f"{owner}'s serial stub library (OMP library type: stub): every parallel "
-                "region would run on one thread; use libiomp5.so"
-            )
-        return Finding(None, flavor)
+    if flavor is None:  # the intel-openmp wheel ships two such `libiomp*` beside libiomp5.so
+        return Finding(
+            "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
+            "libiomp5_db.so, Intel's debugger support library)"
+        )
+    if library_type == "stub":
+        owner = "Intel" if flavor == "intel" else "LLVM"
+        return Finding(
+            f"{owner}'s serial stub library (OMP library type: stub): every parallel "
+            "region would run on one thread; use libiomp5.so"
+        )
+    return Finding(None, flavor)
 
 
 # Why a caller's bare-named LD_PRELOAD entry is rejected where the loader finds no file.
@@ -431,24 +389,22 @@ NOT_FOUND_BY_LOADER = (
     "the loader finds no file of that name where it looks (LD_LIBRARY_PATH, its cache, "
     "the system directories): it prints 'cannot be preloaded' and goes on without it"
 )
-
-
 RELATIVE_ENTRY = (
     "a relative path, which the loader opens from each process's working directory (a "
     "unit, container or worker started elsewhere preloads nothing)"
 )
 
 
+def relative(entry: str) -> bool:
+    return "/" in entry and not os.path.isabs(entry) and "$" not in entry
+
+
 def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Finding:
-    """A caller's LD_PRELOAD entry, judged once for every use: theirs as written, examined
-    where the loader finds it, its name unjudged; a relative path is refused by the trust
-    rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that names the same files
-    absolutely."""
-    if "/" in entry and not os.path.isabs(entry) and "$" not in entry:
-        absolute = ":".join(
-            os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
-            for e in (p.path for p in host.preload)
-        )
+    """A caller's LD_PRELOAD entry, examined where the loader finds it, its name unjudged; a
+    relative path is refused by the trust rule, with the LD_PRELOAD naming it absolutely."""
+    if relative(entry):
+        written = (p.path for p in host.preload)
+        absolute = ":".join(os.path.abspath(p) if relative(p) else p for p in written)
         return Finding(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
     if "/" not in entry:  # a bare name, where the loader looks for it
         places = loader_places((entry,), host)
@@ -470,8 +426,6 @@ def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[i
 def candidate_of(
     kind: str, path: str, origin: Origin, host: Host, trusted: frozenset[int]
 ) -> Candidate:
-    """One file examined where `origin` proposed it: a caller's LD_PRELOAD entry as
-    examine_entry judges it; ours must be an absolute path vLLM recognises."""
     if origin == Origin.LD_PRELOAD:
         found = examine_entry(path, kind, host, trusted)
     else:
@@ -499,11 +453,10 @@ def find_library(
     explicit: str | None = None,
     trusted: frozenset[int] = frozenset(),
 ) -> Search:
-    """Search the places in order; the first place with a usable file wins, but an Intel
-    OpenMP in any place wins over LLVM's (the plan decides whether to preload LLVM's for
-    SD: rules.llvm_runtime). `exhaustive` (doctor) examines every place. An `explicit` file
-    (--iomp-path) is the only candidate: no falling back from what the user named.
-    `trusted`: uids besides root whose files may be preloaded (the target's owners)."""
+    """The first place with a usable file wins, but an Intel OpenMP in any place wins over
+    LLVM's (rules.llvm_runtime decides on LLVM's for SD). `exhaustive` (doctor) examines
+    every place; an `explicit` file (--iomp-path) is the only candidate. `trusted`: uids
+    besides root whose files may be preloaded (the target's owners)."""
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == CandidateVerdict.USABLE:
@@ -517,16 +470,12 @@ def find_library(
     llvm: Candidate | None = None  # the first LLVM runtime, taken if no Intel one is found
     for origin, paths in search_places(kind, host, target):
         searched.append(origin)
-        usable: list[Candidate] = []
         for path in paths:
             normalized = os.path.normpath(path) if path else path
-            if normalized in seen:
-                continue
-            seen.add(normalized)
-            candidate = candidate_of(kind, path, origin, host, trusted)
-            candidates.append(candidate)
-            if candidate.verdict == CandidateVerdict.USABLE:
-                usable.append(candidate)
+            if normalized not in seen:
+                seen.add(normalized)
+                candidates.append(candidate_of(kind, path, origin, host, trusted))
+        usable = (c for c in candidates if c.origin == origin and c.verdict == "usable")
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
         if best is not None and best.flavor == LLVM and origin != Origin.LD_PRELOAD:

@@ -1,18 +1,12 @@
 """Which program to exec (usually `vllm`), and the Python environment it runs in, read from
-the console-script wrapper its installer wrote.
+the console-script wrapper its installer wrote (docs/installers.md): `#!/env/bin/python`,
+`#!/usr/bin/env python3.11`, or `#!/bin/sh` then `'''exec' WORD "$0" "$@"`, WORD the
+interpreter as a shell word: unquoted, double- or single-quoted, or relative to the script's
+real path (`uv venv --relocatable`: `"$(dirname -- "$(realpath -- "$0")")"/'python'`).
 
-Installers write a handful of forms, all seen from the real tools:
-
-- `#!/env/bin/python` (pip/distlib, uv, virtualenv, pipx, conda with a short prefix);
-- `#!/usr/bin/env python3.11` (conda with a long prefix, hand-written scripts);
-- `#!/bin/sh` then `'''exec' WORD "$0" "$@"`, where WORD is the interpreter as a shell
-  word: unquoted or double-quoted (pip, virtualenv: paths too long for the kernel's `#!`
-  limit, or with spaces), single-quoted (uv), or relative to the script's real path
-  (`uv venv --relocatable`: `"$(dirname -- "$(realpath -- "$0")")"/'python'`).
-
-The word is evaluated here, not by a shell: only quoting and the `dirname`/`realpath`
-command substitutions installers use are understood; anything else leaves the
-interpreter unknown rather than guessed. No child process is started.
+The word is evaluated here, not by a shell (no child process): only quoting and the
+`dirname`/`realpath` substitutions installers use; anything else leaves the interpreter
+unknown rather than guessed.
 """
 
 from __future__ import annotations
@@ -26,15 +20,11 @@ from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchEr
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
 
-
-# Which interpreter a console script runs
-
 HEAD_BYTES = 4096  # a wrapper's first two lines; a long venv path fits many times
 TRAMPOLINE = "'''exec' "
 SHELLS = ("sh", "bash", "dash")
 PYTHON_NAMES = ("python", "pypy")  # how the names of Python interpreters begin
 MAX_NESTING = 8  # `$(` within `$(`: installers nest two; deeper is not theirs
-# The commands installers' trampolines run inside `$( )`, computed without a shell.
 SUBSTITUTIONS: dict[str, Callable[[str], str]] = {
     "dirname": os.path.dirname,
     "realpath": os.path.realpath,
@@ -56,8 +46,8 @@ class WordError(ValueError):
 
 
 def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, int]:
-    """Evaluate the shell word at `text[index:]`, inside `depth` `$(`: its value and the
-    index after it."""
+    """The value of the shell word at `text[index:]`, inside `depth` `$(`, and the index
+    after it."""
     ends = " \t)" if depth else " \t"  # unquoted, these end a word (`)` only inside `$(`)
     value: list[str] = []
     quote = ""
@@ -93,8 +83,7 @@ def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, 
 
 
 def substitute(text: str, start: int, script: str, depth: int) -> tuple[str, int]:
-    """The output of the `$(` whose command starts at `start`, and the index after its `)`:
-    only what installers run (SUBSTITUTIONS) is understood."""
+    """The output of the `$(` whose command starts at `start`, and the index after its `)`."""
     if depth > MAX_NESTING:
         raise WordError(f"$( nested more than {MAX_NESTING} deep")
     if ")" not in text[start:]:
@@ -126,13 +115,11 @@ def path_files(name: str, path_variable: str | None) -> Iterator[str]:
 
 
 def executable_on_path(name: str, path_variable: str | None) -> str | None:
-    """The first executable `name` on PATH (like the shell), else None."""
     return next((f for f in path_files(name, path_variable) if os.access(f, os.X_OK)), None)
 
 
 def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
-    """The interpreter `script` (`$0` to a trampoline) runs, as the kernel and its `#!` line
-    would pick it."""
+    """The interpreter `script` runs, as the kernel and its `#!` line would pick it."""
     try:
         with open(script, "rb") as stream:
             head = stream.read(HEAD_BYTES)
@@ -169,8 +156,6 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
     return Wrapper("sh-trampoline", os.path.abspath(python))
 
 
-# The program to exec and its environment
-
 ENVIRONMENT_MARKERS = ("pyvenv.cfg", "conda-meta")  # venv/virtualenv/uv/pipx; conda
 
 
@@ -191,31 +176,32 @@ class Target:
 
 def python_libraries(prefix: str) -> list[str]:
     """`<prefix>/lib/python3.N` directories (a handful of names, not a listing of lib/)."""
-    lib = os.path.join(prefix, "lib")
-    return [
-        os.path.join(lib, f"python3.{minor}")
-        for minor in range(8, 20)
-        if os.path.isdir(os.path.join(lib, f"python3.{minor}"))
-    ]
+    libraries = (os.path.join(prefix, "lib", f"python3.{minor}") for minor in range(8, 20))
+    return [directory for directory in libraries if os.path.isdir(directory)]
+
+
+def site_packages(prefix: str | None) -> list[str]:
+    """`lib/python3.N/site-packages` of a prefix (or user base), for every N it has."""
+    return (
+        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
+    )
 
 
 def environment_of(path: str) -> tuple[str | None, str]:
-    """(prefix, marker) of the environment `path` (an interpreter or a script) lies in:
-    `<prefix>/bin/`, marked by ENVIRONMENT_MARKERS, else a base interpreter's (marker "").
-    The path is not resolved: a venv's `bin/python` links to the base interpreter."""
+    """(prefix, marker) of the environment `path` lies in: `<prefix>/bin/`, marked by
+    ENVIRONMENT_MARKERS, else a base interpreter's (marker ""). The path is not resolved: a
+    venv's `bin/python` links to the base interpreter."""
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.basename(directory) != "bin":
         return None, ""
     prefix = os.path.dirname(directory)
-    for marker in ENVIRONMENT_MARKERS:
-        if os.path.exists(os.path.join(prefix, marker)):
-            return prefix, marker
-    return prefix, ""
+    markers = (m for m in ENVIRONMENT_MARKERS if os.path.exists(os.path.join(prefix, m)))
+    return prefix, next(markers, "")
 
 
 def location_environment(executable: str) -> tuple[str | None, str]:
-    """The marked environment the script itself lies in, as installed or behind links
-    (pipx and `uv tool` link `~/.local/bin/NAME` into their own venvs)."""
+    """The marked environment the script lies in, as installed or behind links (pipx and
+    `uv tool` link `~/.local/bin/NAME` into their own venvs)."""
     for path in dict.fromkeys((executable, os.path.realpath(executable))):
         prefix, marker = environment_of(path)
         if marker:
@@ -225,10 +211,8 @@ def location_environment(executable: str) -> tuple[str | None, str]:
 
 def python_user_base(environ: Mapping[str, str]) -> str | None:
     """The user base as Python computes it on Linux: PYTHONUSERBASE, else `~/.local`."""
-    if environ.get("PYTHONUSERBASE"):
-        return environ["PYTHONUSERBASE"]
     home = environ.get("HOME")
-    return os.path.join(home, ".local") if home else None
+    return environ.get("PYTHONUSERBASE") or (os.path.join(home, ".local") if home else None)
 
 
 HOW_NAMED = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"}
@@ -328,7 +312,7 @@ def check_executable(path: str, found_via: str) -> None:
 
 
 def is_program(path: str) -> bool:
-    """Whether the file starts as the kernel runs it: `#!` or ELF's magic number. One that
+    """Whether the file starts as the kernel runs it: `#!` or ELF's magic number; one that
     cannot be read is given the benefit of the doubt."""
     try:
         with open(path, "rb") as stream:
@@ -352,9 +336,8 @@ def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, s
         )
     if interpreter is None or (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         return
-    if os.path.lexists(interpreter):  # execve would only say "Exec format error"
-        problem = "is not an executable file"
-    else:
+    problem = "is not an executable file"  # where execve would say only "Exec format error"
+    if not os.path.lexists(interpreter):
         located, _ = location_environment(executable)
         moved = (
             f"its environment {located} was moved or its Python removed after install "
