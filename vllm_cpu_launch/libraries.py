@@ -70,8 +70,6 @@ def read_preload(value: str) -> tuple[PreloadEntry, ...]:
 
 @record
 class Host:
-    """What discovery needs to know of this process and machine, and of its caller."""
-
     environ: Mapping[str, str]
     machine: str  # os.uname().machine
     euid: int
@@ -106,7 +104,6 @@ class Origin(StrEnum):
 
 
 def files_named(directories: Iterable[str | None], names: tuple[str, ...]) -> list[str]:
-    """The files with one of `names` that exist in `directories` (skipping unset ones)."""
     return [
         os.path.join(directory, name)
         for directory in directories
@@ -186,10 +183,8 @@ def lib_directory(prefix: str | None) -> str | None:
 
 
 def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
-    """LLVM's runtime from the `cmeel-libomp` wheel, by its libiomp5.so alias in
-    `site-packages/cmeel.prefix/lib/`: in the vLLM environment (its user base first), the
-    user base, then on the launcher's own path. That directory also holds a `libgomp.so.1`
-    alias, so it is never put on a library path: only the file is preloaded."""
+    """LLVM's runtime by the `cmeel-libomp` wheel's libiomp5.so alias, whose directory also
+    holds a `libgomp.so.1` alias: it is never put on a library path, only the file preloaded."""
     prefixes = (target.user_base, target.prefix) if target else ()
     user_base = python_user_base(host.environ)  # where `pip install --user` puts it
     sites = [site for prefix in (*prefixes, user_base) for site in site_packages(prefix)]
@@ -214,10 +209,8 @@ def oneapi_directories(host: Host) -> list[str]:
 
 def search_places(kind: str, host: Host, target: Target | None) -> Places:
     """The places to look and what each proposes, in docs/design.md's order, each computed
-    only when reached. The vLLM environment is its user base (a `pip install --user` vLLM's,
-    where pip put intel-openmp too) and its prefix; later, the user base Python would use."""
-    names = NAMES[kind]
-    environ = host.environ
+    only when reached (the vLLM environment: its user base, where pip put intel-openmp too)."""
+    names, environ, search = NAMES[kind], host.environ, host.search_path
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
     user_lib = [lib_directory(python_user_base(environ))]
@@ -227,8 +220,7 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
     yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], names)
     yield Origin.VIRTUALENV, files_named([lib_directory(environ.get("VIRTUAL_ENV"))], names)
     if kind == IOMP:
-        intel_openmp = distribution_files("intel-openmp", host.search_path, names[0])
-        yield Origin.INTEL_OPENMP_PACKAGE, intel_openmp
+        yield Origin.INTEL_OPENMP_PACKAGE, distribution_files("intel-openmp", search, names[0])
         yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
         yield Origin.USER_BASE, files_named(user_lib, names)
         yield Origin.ONEAPI, files_named(oneapi_directories(host), names)
@@ -242,8 +234,7 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
 
 
 def loader_places(names: tuple[str, ...], host: Host) -> Places:
-    """Where the loader itself looks for a bare name, in its order; an empty or relative
-    LD_LIBRARY_PATH entry is proposed only to be rejected."""
+    """Where the loader looks for a bare name, in its order (relative entries: to reject)."""
     value = host.environ.get("LD_LIBRARY_PATH", "")
     paths: list[str] = []
     for directory in value.split(":") if value else []:
@@ -278,8 +269,6 @@ class CandidateVerdict(StrEnum):
 
 @record
 class Candidate:
-    """A library file considered for preloading, with the verdict and its reason."""
-
     kind: str
     path: str
     origin: Origin
@@ -330,10 +319,8 @@ def examine(
     as_written: bool = True,
     named: bool = False,
 ) -> Finding:
-    """Whether a file may be preloaded: a path that can stand in LD_PRELOAD (unless not
-    `as_written`: a caller's entry where the loader finds it; `kind` None: any library), a
-    regular, readable ELF file of this machine that the trust rule accepts, and for iomp, a
-    runtime's banner. `named`: the user named the file."""
+    """Whether a file may be preloaded: a path that can stand in LD_PRELOAD (`as_written`), a
+    regular ELF file of this machine the trust rule accepts, and for iomp, a runtime's banner."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
         return Finding(problem)
@@ -341,9 +328,8 @@ def examine(
         status = os.stat(path)
     except OSError as error:
         if os.path.islink(path):
-            return Finding(
-                "a symbolic link loop" if error.errno == 40 else "a dangling symbolic link"
-            )
+            loop = error.errno == 40  # ELOOP
+            return Finding("a symbolic link loop" if loop else "a dangling symbolic link")
         return Finding("does not exist" if isinstance(error, FileNotFoundError) else error.strerror)
     if not stat.S_ISREG(status.st_mode):
         return Finding("a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file")
@@ -437,8 +423,6 @@ def candidate_of(
 
 @record
 class Search:
-    """The outcome of looking for one kind of library."""
-
     kind: str
     chosen: Candidate | None
     candidates: tuple[Candidate, ...]
@@ -453,10 +437,8 @@ def find_library(
     explicit: str | None = None,
     trusted: frozenset[int] = frozenset(),
 ) -> Search:
-    """The first place with a usable file wins, but an Intel OpenMP in any place wins over
-    LLVM's (rules.llvm_runtime decides on LLVM's for SD). `exhaustive` (doctor) examines
-    every place; an `explicit` file (--iomp-path) is the only candidate. `trusted`: uids
-    besides root whose files may be preloaded (the target's owners)."""
+    """The first place with a usable file wins, but Intel OpenMP anywhere wins over LLVM's;
+    `exhaustive` (doctor) examines every place, `explicit` (--iomp-path) only that file."""
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == CandidateVerdict.USABLE:

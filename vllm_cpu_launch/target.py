@@ -1,13 +1,8 @@
 """Which program to exec (usually `vllm`), and the Python environment it runs in, read from
-the console-script wrapper its installer wrote (docs/installers.md): `#!/env/bin/python`,
-`#!/usr/bin/env python3.11`, or `#!/bin/sh` then `'''exec' WORD "$0" "$@"`, WORD the
-interpreter as a shell word: unquoted, double- or single-quoted, or relative to the script's
-real path (`uv venv --relocatable`: `"$(dirname -- "$(realpath -- "$0")")"/'python'`).
-
-The word is evaluated here, not by a shell (no child process): only quoting and the
-`dirname`/`realpath` substitutions installers use; anything else leaves the interpreter
-unknown rather than guessed.
-"""
+the wrapper its installer wrote (docs/installers.md): `#!/env/bin/python`, `#!/usr/bin/env
+python3.11`, or `#!/bin/sh` then `'''exec' WORD "$0" "$@"`, WORD evaluated here, not by a
+shell: quoting and the `dirname`/`realpath` substitutions of `uv venv --relocatable` only;
+anything else leaves the interpreter unknown rather than guessed."""
 
 from __future__ import annotations
 
@@ -46,8 +41,7 @@ class WordError(ValueError):
 
 
 def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, int]:
-    """The value of the shell word at `text[index:]`, inside `depth` `$(`, and the index
-    after it."""
+    """The value of the shell word at `text[index:]`, inside `depth` `$(`, and its end."""
     ends = " \t)" if depth else " \t"  # unquoted, these end a word (`)` only inside `$(`)
     value: list[str] = []
     quote = ""
@@ -106,8 +100,7 @@ def substitute(text: str, start: int, script: str, depth: int) -> tuple[str, int
 
 
 def path_files(name: str, path_variable: str | None) -> Iterator[str]:
-    """The files called `name` in PATH's absolute directories, in order (unset PATH: the
-    default a shell uses). The current directory is no place to pick a server from."""
+    """`name` in PATH's absolute directories (unset: the shell's default; never the cwd)."""
     for directory in (path_variable or os.defpath).split(os.pathsep):
         candidate = os.path.join(directory, name)
         if os.path.isabs(directory) and os.path.isfile(candidate):
@@ -161,8 +154,7 @@ ENVIRONMENT_MARKERS = ("pyvenv.cfg", "conda-meta")  # venv/virtualenv/uv/pipx; c
 
 @record
 class Target:
-    """The program to exec and the Python environment whose libraries should serve it,
-    decided from what installers leave on disk, never by running Python."""
+    """The program to exec and its Python environment, from what installers leave on disk."""
 
     executable: str  # absolute path
     found_via: str  # "--vllm", "launcher-environment", "PATH" or "program"
@@ -188,20 +180,18 @@ def site_packages(prefix: str | None) -> list[str]:
 
 
 def environment_of(path: str) -> tuple[str | None, str]:
-    """(prefix, marker) of the environment `path` lies in: `<prefix>/bin/`, marked by
-    ENVIRONMENT_MARKERS, else a base interpreter's (marker ""). The path is not resolved: a
-    venv's `bin/python` links to the base interpreter."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.basename(directory) != "bin":
+    """(prefix, marker) of the environment whose `bin/` holds `path`, unresolved: a venv's
+    `bin/python` links to the base interpreter."""
+    directory, bin_name = os.path.split(os.path.dirname(os.path.abspath(path)))
+    if bin_name != "bin":
         return None, ""
-    prefix = os.path.dirname(directory)
+    prefix = directory
     markers = (m for m in ENVIRONMENT_MARKERS if os.path.exists(os.path.join(prefix, m)))
     return prefix, next(markers, "")
 
 
 def location_environment(executable: str) -> tuple[str | None, str]:
-    """The marked environment the script lies in, as installed or behind links (pipx and
-    `uv tool` link `~/.local/bin/NAME` into their own venvs)."""
+    """The marked environment the script lies in, or behind its links (pipx, `uv tool`)."""
     for path in dict.fromkeys((executable, os.path.realpath(executable))):
         prefix, marker = environment_of(path)
         if marker:
@@ -219,9 +209,8 @@ HOW_NAMED = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"
 
 
 def describe_target(executable: str, found_via: str, environ: Mapping[str, str]) -> Target:
-    """Check that the executable can run, and decide its environment: the one of the Python
-    the wrapper runs, whose site-packages vLLM imports; where it names no Python (a shell
-    script, or none at all: `exec -- /venv/bin/python`), the one the script lies in."""
+    """Check that the executable runs, and decide its environment: the one of the Python the
+    wrapper runs, else (a shell script, or `exec -- /venv/bin/python`) the one it lies in."""
     check_executable(executable, found_via)
     wrapper = read_wrapper(executable, environ.get("PATH"))
     check_interpreter(executable, wrapper, environ)
@@ -259,8 +248,7 @@ PATH_SHOWN = 3  # directories of PATH a message names; a real PATH runs to hundr
 
 
 def describe_path(path_variable: str | None) -> str:
-    """PATH for a message, briefly: its first directories and how many more, and the
-    relative entries the search skipped (path_files); unset, the default used."""
+    """PATH for a message, briefly, with the relative entries the search skipped."""
     if path_variable is None:
         return f"PATH (unset, so {os.defpath})"
     entries = list(dict.fromkeys(d for d in path_variable.split(os.pathsep) if d))
@@ -312,8 +300,7 @@ def check_executable(path: str, found_via: str) -> None:
 
 
 def is_program(path: str) -> bool:
-    """Whether the file starts as the kernel runs it: `#!` or ELF's magic number; one that
-    cannot be read is given the benefit of the doubt."""
+    """Whether the file starts as the kernel runs it (one unread is given the doubt)."""
     try:
         with open(path, "rb") as stream:
             head = stream.read(4)
@@ -323,8 +310,7 @@ def is_program(path: str) -> bool:
 
 
 def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, str]) -> None:
-    """Fail as the kernel or the wrapper would, but say why: the interpreter is gone
-    (a moved or deleted environment), not executable, or not on PATH."""
+    """Fail as the kernel or the wrapper would, but say why."""
     interpreter = wrapper.interpreter
     if wrapper.detail and interpreter is None and wrapper.form in ("env", "sh-trampoline"):
         raise LaunchError(
