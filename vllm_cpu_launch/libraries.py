@@ -191,25 +191,8 @@ def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
     return distribution_files("cmeel-libomp", [*sites, *host.search_path], NAMES[IOMP][0])
 
 
-def oneapi_directories(host: Host) -> list[str]:
-    """Intel oneAPI keeps libiomp5 in 2024+ `compiler/X/lib`, older `intel64_lin`."""
-    environ = host.environ
-    compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
-    versions = [n for n in listing(compiler_root) if version_key(n)]
-    oneapi = environ.get("ONEAPI_ROOT")
-    roots = [
-        environ.get("CMPLR_ROOT"),
-        os.path.join(oneapi, "compiler", "latest") if oneapi else None,
-        os.path.join(compiler_root, "latest"),
-        os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
-    ]
-    libs = (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
-    return [os.path.join(root, *lib) for root in roots if root for lib in libs]
-
-
 def search_places(kind: str, host: Host, target: Target | None) -> Places:
-    """The places to look and what each proposes, in docs/design.md's order, each computed
-    only when reached (the vLLM environment: its user base, where pip put intel-openmp too)."""
+    """The places of docs/design.md's order and what each proposes, each computed when reached."""
     names, environ, search = NAMES[kind], host.environ, host.search_path
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
@@ -223,7 +206,19 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
         yield Origin.INTEL_OPENMP_PACKAGE, distribution_files("intel-openmp", search, names[0])
         yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
         yield Origin.USER_BASE, files_named(user_lib, names)
-        yield Origin.ONEAPI, files_named(oneapi_directories(host), names)
+        # Intel oneAPI keeps libiomp5 in 2024+ `compiler/X/lib`, older `intel64_lin`.
+        compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
+        versions = [n for n in listing(compiler_root) if version_key(n)]
+        oneapi = environ.get("ONEAPI_ROOT")
+        roots = [
+            environ.get("CMPLR_ROOT"),
+            os.path.join(oneapi, "compiler", "latest") if oneapi else None,
+            os.path.join(compiler_root, "latest"),
+            os.path.join(compiler_root, max(versions, key=version_key)) if versions else None,
+        ]
+        libs = (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
+        oneapi_lib = [os.path.join(root, *lib) for root in roots if root for lib in libs]
+        yield Origin.ONEAPI, files_named(oneapi_lib, names)
     else:
         # Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
         bundles = [os.path.join(site, "vllm", "libs") for site in site_packages(target_prefix)]
@@ -344,9 +339,8 @@ def examine(
         if not stat.S_ISREG(opened.st_mode):
             return Finding("not a regular file")
         header = stream.read(64)
-        problem = elf_problem(header, host.machine) or elf_truncation(
-            header, descriptor, opened.st_size
-        )
+        problem = elf_problem(header, host.machine)
+        problem = problem or elf_truncation(header, descriptor, opened.st_size)
         if problem:
             return Finding(problem)
         unsafe = insecure_reason(path, host.euid, trusted, named)

@@ -182,10 +182,9 @@ def site_packages(prefix: str | None) -> list[str]:
 def environment_of(path: str) -> tuple[str | None, str]:
     """(prefix, marker) of the environment whose `bin/` holds `path`, unresolved: a venv's
     `bin/python` links to the base interpreter."""
-    directory, bin_name = os.path.split(os.path.dirname(os.path.abspath(path)))
+    prefix, bin_name = os.path.split(os.path.dirname(os.path.abspath(path)))
     if bin_name != "bin":
         return None, ""
-    prefix = directory
     markers = (m for m in ENVIRONMENT_MARKERS if os.path.exists(os.path.join(prefix, m)))
     return prefix, next(markers, "")
 
@@ -209,8 +208,7 @@ HOW_NAMED = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"
 
 
 def describe_target(executable: str, found_via: str, environ: Mapping[str, str]) -> Target:
-    """Check that the executable runs, and decide its environment: the one of the Python the
-    wrapper runs, else (a shell script, or `exec -- /venv/bin/python`) the one it lies in."""
+    """Check that it runs; its environment is the Python's it runs, else the one it lies in."""
     check_executable(executable, found_via)
     wrapper = read_wrapper(executable, environ.get("PATH"))
     check_interpreter(executable, wrapper, environ)
