@@ -382,10 +382,11 @@ def load_settings(
             continue
         loaded = salvage(errors, read_layer, path)
         if loaded is not None:
-            tuned = [*loaded[1], *tuned]  # this file's take precedence over the ones before
-            values.update(loaded[0])
-            sources.update(dict.fromkeys(loaded[0], path))
-            iomp_from = "config" if "iomp" in loaded[0] else iomp_from
+            file_values, file_tuned = loaded
+            tuned = [*file_tuned, *tuned]  # this file's take precedence over the ones before
+            values.update(file_values)
+            sources.update(dict.fromkeys(file_values, path))
+            iomp_from = "config" if "iomp" in file_values else iomp_from
             read.append(path)
     for key, (option, variable, parse) in KEYS.items():
         named = variable

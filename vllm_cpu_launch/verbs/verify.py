@@ -28,7 +28,14 @@ if TYPE_CHECKING:
     from typing import Any
 
 Runtime = tuple[Library, str]
-Choice = tuple[str, str]  # who left Intel OpenMP out ("the plan" or "the user"), and why
+
+
+@record
+class Choice:
+    """Why Intel OpenMP was left out: `by` "the plan" (its mark) or "the user"."""
+
+    by: str
+    why: str
 
 
 class Judgement(StrEnum):
@@ -136,7 +143,7 @@ def judge(
         if not one.speculative:
             return Judgement.OK, "no OpenMP runtime loaded yet"
         if chosen:
-            none = f"none preloaded, as {chosen[0]} chose ({chosen[1]})"
+            none = f"none preloaded, as {chosen.by} chose ({chosen.why})"
             return Judgement.OK, f"no OpenMP runtime loaded yet; {none}"
         if preloaded_iomp:
             return Judgement.PROBLEM, f"LD_PRELOAD names {preload} but no OpenMP runtime is loaded"
@@ -146,8 +153,8 @@ def judge(
     gnu_only = set(kinds) == {Library.GNU}
     # Where the link map could not be read, libgomp serves when it is all that is mapped.
     if chosen and (serves[0] is Library.GNU if serves else gnu_only):
-        verb = "kept by" if chosen[0] == "the plan" else "chosen by"
-        return Judgement.OK, f"libgomp {verb} {chosen[0]} ({chosen[1]}): {described}"
+        verb = "kept by" if chosen.by == "the plan" else "chosen by"
+        return Judgement.OK, f"libgomp {verb} {chosen.by} ({chosen.why}): {described}"
     if gnu_only:
         return Judgement.PROBLEM, f"runs GNU libgomp only ({described})"
     if serves is None:
@@ -322,7 +329,7 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
             environ[name] = os.path.join(cwd_of(root), environ[name])
     loaded = settings.load_settings({}, environ, errors=[])  # what is broken is left out
     never = loaded.iomp == settings.Mode.NEVER
-    users = ("the user", settings.said_setting(loaded, "iomp")) if never else None
+    users = Choice("the user", settings.said_setting(loaded, "iomp")) if never else None
     children = (seen_of(process, pid, request) for process in descendants)
     seen = [read[0], *(child[0] for child in children if child is not None)]
     return assemble(pid, request, seen, users, inside_of(seen))
@@ -342,7 +349,7 @@ def assemble(
     # choice: NOT_FOUND_MARK kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
     marks = (one.environment.get(PLANNED_VARIABLE) for one in seen)
     mark = next((mark for mark in marks if mark in (handoff.LAUNCHER, handoff.PLUGIN)), None)
-    chosen = ("the plan", f"{PLANNED_VARIABLE}={mark}") if mark else users
+    chosen = Choice("the plan", f"{PLANNED_VARIABLE}={mark}") if mark else users
     processes = []
     for one in seen:
         mapped, runtimes, serves, how = load_order(one.link_map, one.maps)
