@@ -1,9 +1,8 @@
 """`vllm-cpu-launch env`: the plan's environment, for those who cannot exec through us.
 
-Every format but json carries the final value of each variable the plan sets or relies on
-(`relies_on`), as a unit or an image does not inherit the caller's shell, and the plan's mark
-VLLMCPULAUNCH_PLANNED: without it, vLLM's plugin in an `eval`ed shell's `vllm serve` would
-undo the plan (preload Intel OpenMP where the plan kept libgomp on purpose).
+Each format but json carries the final value of every variable the plan sets or relies on
+(a unit or an image inherits no shell) and the mark VLLMCPULAUNCH_PLANNED, without which
+vLLM's plugin would undo the plan (preload Intel OpenMP where it kept libgomp on purpose).
 """
 
 from __future__ import annotations
@@ -72,12 +71,10 @@ def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
         return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style='"')
 
     Dumper.add_representer(_Quoted, quoted)
+    entries = []
     for name, value in environment.items():
         check_utf8(name, value)
-    entries = [
-        {"name": name, "value": _Quoted(value.replace("$", "$$"))}
-        for name, value in environment.items()
-    ]
+        entries.append({"name": name, "value": _Quoted(value.replace("$", "$$"))})
     text = yaml.dump(
         {"env": entries}, Dumper=Dumper, allow_unicode=True, sort_keys=False, width=2**31
     )

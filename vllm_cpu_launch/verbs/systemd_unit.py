@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from vllm_cpu_launch import __version__, cli, systemd_syntax
 from vllm_cpu_launch.command import model_of
@@ -131,11 +131,9 @@ def baked_options(values: dict[str, object], target: Target | None) -> list[str]
 
 def user_environment(values: dict[str, object]) -> list[tuple[str, str]]:
     """The --env assignments, each KEY=VALUE with KEY a variable name."""
-    assignments = values.get("unit_env") or []
-    assert isinstance(assignments, list)
     pairs = []
-    for assignment in assignments:
-        key, has_value, value = str(assignment).partition("=")
+    for assignment in cast("list[str]", values.get("unit_env") or []):
+        key, has_value, value = assignment.partition("=")
         if not has_value or not VARIABLE_NAME.match(key):
             raise LaunchError(
                 EXIT_USAGE, f"--env {assignment!r}: expected KEY=VALUE with KEY a variable name"
