@@ -92,7 +92,8 @@ def user_group_problem(name: str) -> str | None:
         return "it holds a control character or a byte that is not UTF-8"
     if ":" in name or "/" in name:
         return "it holds ':' or '/'"
-    if re.fullmatch(r"-?[0-9]*", name):  # parse_uid: decimal, no sign, no leading zero
+    if re.fullmatch(r"-?[0-9]*", name):
+        # parse_uid: decimal, no sign, no leading zero, neither (uid_t) -1 nor 16-bit -1
         if re.fullmatch(r"0|[1-9][0-9]*", name) and int(name) < UID_MAX and int(name) != 0xFFFF:
             return None
         return "it is all digits but no valid uid (0 to 4294967294, not 65535, no leading zero)"
