@@ -7,6 +7,7 @@ follow systemd.exec(5): only `"`, `\\`, `` ` `` and `$` escaped, newlines kept l
 
 from __future__ import annotations
 
+import re
 import string
 from typing import TYPE_CHECKING
 
@@ -20,14 +21,10 @@ if TYPE_CHECKING:
 PLAIN = frozenset(string.ascii_letters + string.digits + "_@%+=:,./-$")
 # C-style escapes as systemd's unescaper reads them: its named ones, and \xNN for any other
 # control character and for a raw byte that was not UTF-8 (surrogateescape).
-C_ESCAPES = {
-    **{code: f"\\x{code:02x}" for code in [*range(0x20), 0x7F]},
-    **{0xDC00 + byte: f"\\x{byte:02x}" for byte in range(0x80, 0x100)},
-    **{
-        ord(char): "\\" + letter
-        for char, letter in zip('\\"\n\t\r\a\b\f\v', '\\"ntrabfv', strict=True)
-    },
-}
+NAMED_ESCAPES = dict(zip('\\"\n\t\r\a\b\f\v', '\\"ntrabfv', strict=True))
+C_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), 0x7F]}
+C_ESCAPES |= {0xDC00 + byte: f"\\x{byte:02x}" for byte in range(0x80, 0x100)}
+C_ESCAPES |= {ord(char): f"\\{letter}" for char, letter in NAMED_ESCAPES.items()}
 # What systemd's string_is_safe() refuses in ExecStart's executable (src/basic/string-util.c,
 # called from config_parse_exec): quotes, backslashes, control characters.
 UNSAFE_IN_EXECUTABLE = frozenset("\"'\\\x7f" + "".join(map(chr, range(1, 0x20))))
@@ -48,9 +45,9 @@ def exec_line(argv: Sequence[str]) -> str:
     if any(char in UNSAFE_IN_EXECUTABLE for char in program):
         raise LaunchError(
             EXIT_USAGE,
-            f"systemd refuses to start an executable whose path holds a quote, a backslash "
-            f"or a control character ({printable(program)}): install vllm-cpu-launch where its "
-            "path has none of them",
+            "systemd refuses to start an executable whose path holds a quote, a backslash or a "
+            f"control character ({printable(program)}): install vllm-cpu-launch where its path "
+            "has none of them",
         )
     words = [quote_word(word.replace("%", "%%").replace("$", "$$")) for word in arguments]
     return " ".join([quote_word(program.replace("%", "%%")), *words])
@@ -61,14 +58,15 @@ def environment_word(name: str, value: str) -> str:
     return quote_word(f"{name}={value}".replace("%", "%%"))
 
 
+def check_utf8(name: str, value: str) -> None:
+    """Refuse a value holding raw bytes (surrogateescape), which no text file can hold."""
+    if any("\ud800" <= char <= "\udfff" for char in value):
+        raise LaunchError(EXIT_USAGE, f"{name}'s value is not UTF-8 text")
+
+
 def environment_file_line(name: str, value: str) -> str:
     """`NAME="value"` for an EnvironmentFile= (systemd.exec(5), double-quoted form)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise LaunchError(
-            EXIT_USAGE, f"{name}'s value is not UTF-8 text, which an EnvironmentFile must be"
-        ) from None
+    check_utf8(name, value)
     escaped = "".join("\\" + char if char in '"\\`$' else char for char in value)
     return f'{name}="{escaped}"'
 
@@ -94,13 +92,9 @@ def user_group_problem(name: str) -> str | None:
         return "it holds a control character or a byte that is not UTF-8"
     if ":" in name or "/" in name:
         return "it holds ':' or '/'"
-    digits = name.removeprefix("-")
-    if digits == "" or (digits.isascii() and digits.isdigit()):
+    if re.fullmatch(r"-?[0-9]*", name):
         # parse_uid: decimal, no sign, no leading zero, neither (uid_t) -1 nor 16-bit -1
-        uid = int(name) if name.isdigit() and (name == "0" or name[0] != "0") else UID_MAX
-        if uid < UID_MAX and uid != 0xFFFF:
+        if re.fullmatch(r"0|[1-9][0-9]*", name) and int(name) < UID_MAX and int(name) != 0xFFFF:
             return None
         return "it is all digits but no valid uid (0 to 4294967294, not 65535, no leading zero)"
-    if name in (".", ".."):
-        return "it is '.' or '..'"
-    return None
+    return "it is '.' or '..'" if name in (".", "..") else None

@@ -1,10 +1,8 @@
 """`vllm-cpu-launch env`: the plan's environment, for those who cannot exec through us.
 
-The four environment formats carry the final value of every variable the plan sets or
-relies on (`relies_on`), since a unit or an image does not inherit the caller's shell, and
-the plan's mark VLLMCPULAUNCH_PLANNED: an `eval`ed shell's `vllm serve` is started with the
-plan as a unit's is, and without the mark vLLM's plugin would undo it (preload Intel OpenMP
-where the plan kept libgomp on purpose).
+Each format but json carries the final value of every variable the plan sets or relies on
+(a unit or an image inherits no shell) and the mark VLLMCPULAUNCH_PLANNED, without which
+vLLM's plugin would undo the plan (preload Intel OpenMP where it kept libgomp on purpose).
 """
 
 from __future__ import annotations
@@ -13,18 +11,10 @@ import json
 import shlex
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.cli import (
-    FLAG_OPTIONS,
-    VALUED_OPTIONS,
-    parse_options,
-    plan_from_options,
-    provide_metadata,
-    report,
-    write_stdout,
-)
+from vllm_cpu_launch import cli
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.plan import plan_as_json
-from vllm_cpu_launch.systemd_syntax import environment_file_line, printable
+from vllm_cpu_launch.systemd_syntax import check_utf8, environment_file_line, printable
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -49,14 +39,6 @@ OPTIONS are those of a normal start.
 """
 
 
-def shell_lines(environment: Mapping[str, str]) -> list[str]:
-    return [f"export {name}={shlex.quote(value)}" for name, value in environment.items()]
-
-
-def systemd_lines(environment: Mapping[str, str]) -> list[str]:
-    return [environment_file_line(name, value) for name, value in environment.items()]
-
-
 def docker_value(name: str, value: str) -> str:
     """A double-quoted Dockerfile word: JSON-style `\\"` and `\\\\`, and `\\$` (no expansion);
     Docker's lexer reads no other escapes, so a control character cannot be written."""
@@ -64,10 +46,7 @@ def docker_value(name: str, value: str) -> str:
         raise LaunchError(
             EXIT_USAGE, f"{name}'s value holds a control character, which a Dockerfile cannot hold"
         )
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise LaunchError(EXIT_USAGE, f"{name}'s value is not UTF-8 text") from None
+    check_utf8(name, value)
     return json.dumps(value, ensure_ascii=False).replace("$", "\\$")
 
 
@@ -94,10 +73,7 @@ def kubernetes_lines(environment: Mapping[str, str]) -> list[str]:
     Dumper.add_representer(_Quoted, quoted)
     entries = []
     for name, value in environment.items():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise LaunchError(EXIT_USAGE, f"{name}'s value is not UTF-8 text") from None
+        check_utf8(name, value)
         entries.append({"name": name, "value": _Quoted(value.replace("$", "$$"))})
     text = yaml.dump(
         {"env": entries}, Dumper=Dumper, allow_unicode=True, sort_keys=False, width=2**31
@@ -111,27 +87,27 @@ def render(plan: Plan, output_format: str) -> str:
         return json.dumps(plan_as_json(plan), indent=2)
     environment = {**dict(plan.relies_on), **dict(plan.env)}
     if not environment:
-        # One comment line in every format, whatever the reason holds (a config file's
-        # words): a line break would end the comment, and YAML refuses a control
-        # character even in a comment.
+        # One comment line in every format (a line break would end it; YAML refuses a
+        # control character even in a comment), whatever the reason holds.
         return f"# vllm-cpu-launch: nothing to set ({printable(plan.reason)})"
-    renderers = {
-        "shell": shell_lines,
-        "systemd": systemd_lines,
-        "docker": docker_lines,
-        "kubernetes": kubernetes_lines,
-    }
-    return "\n".join(renderers[output_format](environment))
+    if output_format == "shell":
+        lines = [f"export {name}={shlex.quote(value)}" for name, value in environment.items()]
+    elif output_format == "systemd":
+        lines = [environment_file_line(name, value) for name, value in environment.items()]
+    else:
+        lines = (docker_lines if output_format == "docker" else kubernetes_lines)(environment)
+    return "\n".join(lines)
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    valued = {**VALUED_OPTIONS, "--format": "format"}
-    more, command = parse_options(args, valued, FLAG_OPTIONS, verb="env")
+    more, command = cli.parse_options(
+        args, {**cli.VALUED_OPTIONS, "--format": "format"}, cli.FLAG_OPTIONS, verb="env"
+    )
     merged = {**values, **more}
     if merged.get("help"):
-        write_stdout(USAGE.rstrip())
+        cli.write_stdout(USAGE.rstrip())
         return 0
-    output_format = merged.get("format", "json" if merged.get("json") else "shell")
+    output_format = str(merged.get("format", "json" if merged.get("json") else "shell"))
     if output_format not in FORMATS:
         raise LaunchError(
             EXIT_USAGE, f"--format {output_format!r}: use one of {', '.join(FORMATS)}"
@@ -145,9 +121,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "env needs the vLLM command line: vllm-cpu-launch env serve MODEL ..."
         )
-    plan = plan_from_options(merged, command)
-    text = render(plan, str(output_format))
-    report(plan, merged, unchanged="nothing to set")  # env starts nothing
-    provide_metadata(plan)  # the PYTHONPATH printed names it: it must exist
-    write_stdout(text)
+    plan = cli.plan_from_options(merged, command)
+    text = render(plan, output_format)
+    cli.report(plan, merged, unchanged="nothing to set")  # env starts nothing
+    cli.provide_metadata(plan)  # the PYTHONPATH printed names it: it must exist
+    cli.write_stdout(text)
     return 0

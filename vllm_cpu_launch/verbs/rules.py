@@ -1,8 +1,7 @@
 """`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
 
-Whether a rule applies is rules.py's matcher, the plan's own, over the start a launch
-plans (cli.launch_facts, plan.start_of). No vLLM needs to be installed: without one, the
-vLLM condition fails and says so.
+A rule applies by rules.py's matcher, the plan's own, over the start a launch plans
+(cli.launch_facts, plan.start_of); with no vLLM installed, the vLLM condition fails.
 """
 
 from __future__ import annotations
@@ -12,39 +11,15 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from vllm_cpu_launch.cli import (
-    FLAG_OPTIONS,
-    VALUED_OPTIONS,
-    launch_facts,
-    launch_settings,
-    parse_options,
-    write_stdout,
-)
+from vllm_cpu_launch import cli, rules
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
-from vllm_cpu_launch.rules import (
-    BLOCKTIME_VARIABLE,
-    LOAD_JSON,
-    REAL_JSON,
-    REAL_MODEL,
-    RULES,
-    bound_worker_overrides,
-    figures,
-    llvm_runtime,
-    load_words,
-    misses,
-    override_words,
-    real_words,
-    release_words,
-    setting_rule,
-    words,
-)
+from vllm_cpu_launch.rules import LOAD_JSON, REAL_JSON, REAL_MODEL, RULES
 from vllm_cpu_launch.target import Target, resolve_vllm
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
-    from vllm_cpu_launch.rules import Rule, Start
 
 USAGE = """\
 usage: vllm-cpu-launch rules [--json]
@@ -71,58 +46,32 @@ SCHEMA = "vllm-cpu-launch/rules/1"
 NOT_MEASURED_HERE = (
     "no setting rule was measured on this host (see each rule's first failing condition)"
 )
+INDENT = " " * 15  # the table's rows under a rule's id
 NO_VLLM = "vLLM: none found (--vllm, beside this Python, PATH): no rule's vLLM holds"
 NO_SD = "no speculative decoding requested"
 NO_METHOD = "speculative decoding requested without a method or a draft model: no rule applies"
-# Measured's fields, as --json writes them (in this order, tuples as lists)
-MEASURED_KEYS = (
-    "method",
-    "tokens",
-    "machine",
-    "cpus",
-    "vllm",
-    "workers",
-    "bindings",
-    "unset",
-    "allocator",
-    "within",
-)
 
 
-def rule_json(rule: Rule) -> dict[str, Any]:
+def rule_json(rule: rules.Rule) -> dict[str, Any]:
+    """A rule as --json writes it (tuples become lists)."""
+    real, load = rule.real, rule.load
+    adds = {"words": rule.adds, "variables": dict(rule.variables)}
     return {
         "id": rule.id,
-        "measured": {key: getattr(rule.measured, key) for key in MEASURED_KEYS},
-        "adds": {
-            "words": rule.adds,
-            "variables": dict(rule.variables),
-            "allocator": rule.allocator,
-            "runtime": rule.runtime,
-        },
-        "figures": list(rule.figures),
+        "measured": vars(rule.measured),  # Measured's fields, in their order
+        "adds": {**adds, "allocator": rule.allocator, "runtime": rule.runtime},
+        "figures": rule.figures,
         "versus": rule.versus,
         "source": rule.source,
         "evidence": rule.evidence,
         "rule": not rule.why,
         "why": rule.why or None,
         "real": None
-        if rule.real is None
-        else {
-            "model": REAL_MODEL,
-            "figures": list(rule.real.figures),
-            "accepted": list(rule.real.accepted),
-            "evidence": REAL_JSON,
-        },
+        if real is None
+        else {"model": REAL_MODEL, **vars(real), "evidence": REAL_JSON},
         "load": None
-        if not rule.load
-        else {
-            "model": REAL_MODEL,
-            "levels": [
-                {"concurrency": at.concurrency, "figures": list(at.figures), "held": at.held}
-                for at in rule.load
-            ],
-            "evidence": LOAD_JSON,
-        },
+        if not load
+        else {"model": REAL_MODEL, "levels": [vars(at) for at in load], "evidence": LOAD_JSON},
     }
 
 
@@ -136,9 +85,8 @@ def table_lines() -> list[str]:
             f"{where.method} SD{tokens}",
             f"{where.machine}, {where.cpus} CPUs, vLLM {where.vllm}, {where.workers} worker",
             f"VLLM_CPU_OMP_THREADS_BIND {binding}",
+            *([f"unset: {' '.join(where.unset)}"] if where.unset else []),
         ]
-        if where.unset:
-            measured.append(f"unset: {' '.join(where.unset)}")
         if where.within:
             measured.append(f"in the setting of {' or '.join(where.within)}")
         else:
@@ -150,61 +98,65 @@ def table_lines() -> list[str]:
         adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"
         lines += [
             f"{rule.id:<14} {adds}",
-            f"{'':<14} measured under: {'; '.join(measured)}",
-            f"{'':<14} figures: TPOT {figures(rule.figures)} of {rule.versus} ({rule.source})",
-            f"{'':<14} real weights: {real_words(rule)}{real}",
-            f"{'':<14} at load: {load_words(rule)}{load}",
-            f"{'':<14} evidence: {rule.evidence}",
+            f"{INDENT}measured under: {'; '.join(measured)}",
+            f"{INDENT}figures: TPOT {rules.figures(rule.figures)} of {rule.versus} ({rule.source})",
+            f"{INDENT}real weights: {rules.real_words(rule)}{real}",
+            f"{INDENT}at load: {rules.load_words(rule)}{load}",
+            f"{INDENT}evidence: {rule.evidence}",
         ]
     return lines
 
 
 def command_start(
     values: dict[str, object], command: list[str]
-) -> tuple[Start, str, SpeculativeRequest]:
+) -> tuple[rules.Start, str, SpeculativeRequest]:
     """The start the rules read for `command` (as a launch plans it), where its vLLM was
     found, and its SD request; without a vLLM, the host's and the caller's facts alone."""
-    settings = launch_settings(values)
+    settings = cli.launch_settings(values)
     try:
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
     except LaunchError:
         target = None
-    facts = launch_facts(settings, target or Target("", "none"), command)
+    facts = cli.launch_facts(settings, target or Target("", "none"), command)
     start = start_of(facts)
     if target is None:
         return replace(start, vllm_found=False), NO_VLLM, facts.speculative
     return start, f"vLLM: {target.executable}", facts.speculative
 
 
-def rule_key(rule: Rule) -> str:
-    """`map-1 ngram`, `methods-none-7 draft_model 7`: a row of the table, named for a reader."""
-    tokens = f" {rule.measured.tokens}" if rule.measured.tokens is not None else ""
-    return f"{rule.id} {rule.measured.method}{tokens}"
-
-
-def matching(start: Start, requested: bool) -> dict[str, Any]:
+def matching(start: rules.Start, requested: bool) -> dict[str, Any]:
     """Which setting rule and which runtimes rule apply to `start` (`requested`: it asks
     for SD), and every rule's conditions that fail here (the first one decides)."""
-    setting = setting_rule(start) if start.method else None
+    setting = rules.setting_rule(start) if start.method else None
     if setting and not setting.note:
         setting = replace(setting, note=f"{NOT_MEASURED_HERE}; libiomp5 at vLLM's settings")
-    runtime = llvm_runtime(start) if start.method else None
+    runtime = rules.llvm_runtime(start) if start.method else None
     return {
         "rule": setting.rule.id if setting and setting.rule else None,
         "note": setting.note if setting else NO_METHOD if requested else NO_SD,
         "runtime": runtime.rule.id if runtime and runtime.rule else None,
         "runtime_note": runtime.note if runtime else None,
-        "misses": {rule_key(rule): [words(m) for m in misses(rule, start)] for rule in RULES},
+        "misses": {
+            rule_key(rule): [rules.words(m) for m in rules.misses(rule, start)] for rule in RULES
+        },
     }
 
 
-def command_lines(start: Start, found: str, requested: bool, matched: dict[str, Any]) -> list[str]:
+def rule_key(rule: rules.Rule) -> str:
+    """`map-1 ngram`, `methods-none-7 draft_model 7`: a row of the table, named for a reader."""
+    tokens = f" {rule.measured.tokens}" if rule.measured.tokens is not None else ""
+    return f"{rule.id} {rule.measured.method}{tokens}"
+
+
+def command_lines(
+    start: rules.Start, found: str, requested: bool, matched: dict[str, Any]
+) -> list[str]:
     tokens = f", {start.tokens} tokens" if start.tokens is not None else ""
     workers = "one worker" if start.one_worker else "several workers or nodes"
     method = start.method or ("unnamed" if requested else "no")
     lines = [
         f"here:     {method} SD{tokens}; {start.machine}, {start.cpus} usable "
-        f"CPUs, {release_words(start)}, {workers}",
+        f"CPUs, {rules.release_words(start)}, {workers}",
         f"          {found}",
         f"setting:  {matched['rule'] or 'no rule'}: {matched['note']}",
     ]
@@ -219,7 +171,7 @@ def command_lines(start: Start, found: str, requested: bool, matched: dict[str, 
     return lines
 
 
-def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) -> list[str]:
+def vllm_words(start: rules.Start, speculative: SpeculativeRequest, rule: str | None) -> list[str]:
     """What vLLM itself will do with this command that the plan does not: refuse its
     speculative config or an unknown option, and write over the block time and thread
     count it hands on in each worker it binds (with libiomp5 preloaded, as SD gets it)."""
@@ -228,20 +180,20 @@ def vllm_words(start: Start, speculative: SpeculativeRequest, rule: str | None) 
         return said
     environ = dict(start.environ)
     if start.chosen_blocktime:
-        environ[BLOCKTIME_VARIABLE] = start.chosen_blocktime
+        environ[rules.BLOCKTIME_VARIABLE] = start.chosen_blocktime
     added = next((r.variables for r in RULES if r.id == rule), ())
     environ = {**dict(added), **environ}  # a rule adds only what is unset
     if not vllm_reads(environ.get(LD_PRELOAD, "")):
         environ[LD_PRELOAD] = "libiomp5.so"
-    overrides = bound_worker_overrides(environ)
-    return said + ([override_words(overrides)] if overrides else [])
+    overrides = rules.bound_worker_overrides(environ)
+    return said + ([rules.override_words(overrides)] if overrides else [])
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    more, command = parse_options(args, VALUED_OPTIONS, FLAG_OPTIONS, verb="rules")
+    more, command = cli.parse_options(args, verb="rules")
     merged = {**values, **more}
     if merged.get("help"):
-        write_stdout(USAGE.rstrip())
+        cli.write_stdout(USAGE.rstrip())
         return 0
     for key, option in (("dry_run", "--dry-run"), ("version", "--version")):
         if merged.get(key):
@@ -264,5 +216,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
         record.update(**matched, vllm=said)
         lines = command_lines(start, found, speculative.requested, matched)
         lines += [f"vLLM:     {w}" for w in said]
-    write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
+    cli.write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0

@@ -1,23 +1,13 @@
-"""`vllm-cpu-launch systemd-unit`: a service unit whose ExecStart runs the launcher.
-
-The unit's syntax (quoting, escapes) is systemd_syntax.py's.
-"""
+"""`vllm-cpu-launch systemd-unit`: a service unit whose ExecStart runs the launcher."""
 
 from __future__ import annotations
 
 import os
 import re
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from vllm_cpu_launch import __version__
-from vllm_cpu_launch.cli import (
-    FLAG_OPTIONS,
-    VALUED_OPTIONS,
-    parse_options,
-    prepare_launch,
-    write_stdout,
-)
+from vllm_cpu_launch import __version__, cli, systemd_syntax
 from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import (
     EXIT_NOT_EXECUTABLE,
@@ -29,12 +19,6 @@ from vllm_cpu_launch.errors import (
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 from vllm_cpu_launch.settings import DEPRECATED_PREFIX, SYSTEM_CONFIG, VARIABLE_PREFIX
-from vllm_cpu_launch.systemd_syntax import (
-    environment_word,
-    exec_line,
-    plain_text,
-    user_group_problem,
-)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -133,47 +117,34 @@ def launcher_command() -> list[str]:
 def baked_options(values: dict[str, object], target: Target | None) -> list[str]:
     """The launcher options of ExecStart, with every path made absolute."""
     options: list[str] = []
-    for option, key in VALUED_OPTIONS.items():
+    for option, key in cli.VALUED_OPTIONS.items():
         value = values.get(key)
         if key == "vllm" and target is not None and target.found_via != "launcher-environment":
             # The same vLLM as now, whether --vllm, a variable, a config file or PATH
             # found it: the service sees none of the last three as they are here.
             value = target.executable
-        if not isinstance(value, str):
-            continue
-        if key in PATH_KEYS or (key == "vllm" and os.sep in value):
-            value = os.path.abspath(value)
-        options += [option, value]
-    options += [option for key, option in BAKED_FLAGS if values.get(key)]
-    return options
+        if isinstance(value, str):
+            absolute = key in PATH_KEYS or (key == "vllm" and os.sep in value)
+            options += [option, os.path.abspath(value) if absolute else value]
+    return options + [option for key, option in BAKED_FLAGS if values.get(key)]
 
 
-def user_environment(values: dict[str, object]) -> str:
-    """The Environment= lines of --env, each ending in a line break (none without one)."""
-    lines = []
-    extra = values.get("unit_env") or []
-    assert isinstance(extra, list)
-    for assignment in extra:
-        key, has_value, value = str(assignment).partition("=")
+def user_environment(values: dict[str, object]) -> list[tuple[str, str]]:
+    """The --env assignments, each KEY=VALUE with KEY a variable name."""
+    pairs = []
+    for assignment in cast("list[str]", values.get("unit_env") or []):
+        key, has_value, value = assignment.partition("=")
         if not has_value or not VARIABLE_NAME.match(key):
             raise LaunchError(
                 EXIT_USAGE, f"--env {assignment!r}: expected KEY=VALUE with KEY a variable name"
             )
-        lines.append(f"Environment={environment_word(key, value)}\n")
-    return "".join(lines)
+        pairs.append((key, value))
+    return pairs
 
 
-def render_unit(
-    values: dict[str, object],
-    command: list[str],
-    arguments: list[str],
-    description: str,
-    private_tmp: bool,
-) -> str:
-    """The unit file text for `launcher command... -- arguments...`; without `private_tmp`,
-    PrivateTmp is left out (with a comment saying why)."""
-    name = str(values.get("unit_name") or DEFAULT_NAME)
-    drain: int | None = None  # vLLM's `--shutdown-timeout N`: seconds it drains on SIGTERM
+def stop_timeout(arguments: Sequence[str]) -> int:
+    """TimeoutStopSec: vLLM's `--shutdown-timeout N` (its drain on SIGTERM) and a margin."""
+    drain = None
     for index, token in enumerate(arguments):
         option, has_value, value = token.partition("=")
         if not has_value and index + 1 < len(arguments):
@@ -181,35 +152,36 @@ def render_unit(
         given = option in ("--shutdown-timeout", "--shutdown_timeout")
         if given and value.isascii() and value.isdigit():
             drain = int(value)
-    user = values.get("unit_user")
-    group = values.get("unit_group")
+    return DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S
+
+
+def render_unit(
+    values: dict[str, object],
+    command: list[str],
+    arguments: list[str],
+    about: str,
+    needed: list[str],
+) -> str:
+    """The unit for `launcher command... -- arguments...`: PrivateTmp only if none of the
+    `needed` files is under /tmp."""
+    private_tmp = tmp_ok(needed, values)
+    user, group = values.get("unit_user"), values.get("unit_group")
     identity = [f"User={user.replace('%', '%%')}" if isinstance(user, str) else DYNAMIC_USER]
-    if isinstance(group, str):
-        identity.append(f"Group={group.replace('%', '%%')}")
+    identity += [f"Group={group.replace('%', '%%')}"] if isinstance(group, str) else []
+    environment = [
+        f"Environment={systemd_syntax.environment_word(*pair)}\n"
+        for pair in user_environment(values)
+    ]
     return UNIT.format(
-        name=name,
+        name=values.get("unit_name") or DEFAULT_NAME,
         version=__version__,
-        description=plain_text(description),
-        exec_start=exec_line([*launcher_command(), *command, "--", *arguments]),
+        description=systemd_syntax.plain_text(about),
+        exec_start=systemd_syntax.exec_line([*launcher_command(), *command, "--", *arguments]),
         identity="\n".join(identity),
-        environment=user_environment(values),
-        stop_timeout=DEFAULT_STOP_TIMEOUT_S if drain is None else drain + STOP_MARGIN_S,
+        environment="".join(environment),
+        stop_timeout=stop_timeout(arguments),
         private_tmp="PrivateTmp=yes" if private_tmp else NO_PRIVATE_TMP,
     )
-
-
-def warn_unseen_variables() -> None:
-    """The caller's VLLMCPULAUNCH_* settings (or deprecated VLLM_CPU_LAUNCH_*) do not reach
-    the service. (The system root is no setting: a test's host, where the service is ours.)"""
-    for variable in sorted(os.environ):
-        ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
-        unseen = not variable.endswith("LAUNCH_VLLM") and variable != SYSTEM_ROOT_VARIABLE
-        if ours and os.environ[variable] and unseen:
-            emit(
-                "warning",
-                f"{variable} is set here but the service will not see it; pass the option "
-                "to systemd-unit or put it in /etc/vllm-cpu-launch/config.yaml",
-            )
 
 
 def check_plan(
@@ -218,7 +190,7 @@ def check_plan(
     """Plan now, to warn early about what the service will meet: the target (None
     without one) and the files the service will need (programs, environment, libraries)."""
     try:
-        settings, target, plan = prepare_launch(values, arguments, program)
+        settings, target, plan = cli.prepare_launch(values, arguments, program)
     except LaunchError as error:
         if error.code not in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
             raise
@@ -228,8 +200,7 @@ def check_plan(
         emit("warning", warning)
     for refused in plan.refused:  # the caller's LD_PRELOAD: never advised into the unit
         emit("warning", f"{refused}; the unit does not pass it on")
-    extra = values.get("unit_env") or []
-    given = {str(item).partition("=")[0] for item in extra} if isinstance(extra, list) else set()
+    given = {key for key, _ in user_environment(values)}
     for name, value in plan.relies_on:
         if name not in given and not (plan.refused and name == LD_PRELOAD):
             emit(
@@ -238,7 +209,7 @@ def check_plan(
                 f"pass --env {name}={value}",
             )
     for path in settings.config_files:
-        if path != SYSTEM_CONFIG and path != values.get("config"):
+        if path not in (SYSTEM_CONFIG, values.get("config")):
             emit(
                 "warning",
                 f"settings from {path} apply here but not to the service (it has its own "
@@ -252,26 +223,26 @@ def tmp_ok(needed: Sequence[str], values: dict[str, object]) -> bool:
     """Whether the unit may have a private /tmp; warns about what it would hide. Without
     --user, DynamicUser=yes implies PrivateTmp=yes whatever the unit says (systemd.exec(5)),
     and running as root instead is no default to fall back to: an error naming the fix."""
-    hidden = [
+    hidden = ", ".join(
         path
         for path in dict.fromkeys([*launcher_command()[:1], *needed])
         if any(
             f"{form}/".startswith(PRIVATE_TMP_DIRS)
             for form in (os.path.abspath(path), os.path.realpath(path))
         )
-    ]
+    )
     if hidden and not isinstance(values.get("unit_user"), str):
         raise LaunchError(
             EXIT_USAGE,
-            f"{', '.join(hidden)} under /tmp would be hidden from the service: without --user "
-            "it runs as a transient user (DynamicUser=yes), which always gets a private /tmp; "
-            "give --user USER, or install outside /tmp",
+            f"{hidden} under /tmp would be hidden from the service: without --user it runs as "
+            "a transient user (DynamicUser=yes), which always gets a private /tmp; give --user "
+            "USER, or install outside /tmp",
         )
     if hidden:
         emit(
             "warning",
-            f"{', '.join(hidden)} under /tmp would be hidden from the service by "
-            "PrivateTmp=yes: left out of the unit; install outside /tmp to keep it",
+            f"{hidden} under /tmp would be hidden from the service by PrivateTmp=yes: left out "
+            "of the unit; install outside /tmp to keep it",
         )
     return not hidden
 
@@ -283,31 +254,29 @@ def check_names(values: dict[str, object]) -> None:
         raise LaunchError(
             EXIT_USAGE, f"--name {name!r}: use letters, digits and : _ . - (a unit name)"
         )
-    if name is not None and len(os.fsencode(f"{name}.service")) > UNIT_FILE_NAME_MAX:
+    if name is not None and len(f"{name}.service") > UNIT_FILE_NAME_MAX:  # ASCII: chars are bytes
         raise LaunchError(
             EXIT_USAGE,
             f"--name {name!r}: {name}.service is over {UNIT_FILE_NAME_MAX} bytes, the longest "
             "file name; give a shorter name",
         )
-    for setting in ("User", "Group"):
-        value = values.get(f"unit_{setting.lower()}")
-        problem = user_group_problem(str(value)) if value is not None else None
+    for option in ("--user", "--group"):
+        value = values.get(f"unit_{option[2:]}")
+        problem = systemd_syntax.user_group_problem(str(value)) if value is not None else None
         if problem:
             raise LaunchError(
                 EXIT_USAGE,
-                f"--{setting.lower()} {value!r}: systemd refuses it in {setting}= ({problem}); "
+                f"{option} {value!r}: systemd refuses it in {option[2:].title()}= ({problem}); "
                 "give a user or group name without ':' or '/', or a numeric id",
             )
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    valued = {**VALUED_OPTIONS, **UNIT_OPTIONS, "--env": "unit_env"}
-    more, rest = parse_options(
-        args, valued, FLAG_OPTIONS, repeatable=("unit_env",), verb="systemd-unit"
-    )
+    valued = {**cli.VALUED_OPTIONS, **UNIT_OPTIONS, "--env": "unit_env"}
+    more, rest = cli.parse_options(args, valued, repeatable=("unit_env",), verb="systemd-unit")
     merged = {**values, **more}
     if merged.get("help"):
-        write_stdout(USAGE.rstrip())
+        cli.write_stdout(USAGE.rstrip())
         return 0
     for key, option in (("dry_run", "--dry-run"), ("json", "--json"), ("version", "--version")):
         if merged.get(key):
@@ -318,9 +287,18 @@ def main(values: dict[str, object], args: list[str]) -> int:
             EXIT_USAGE, "systemd-unit needs the vLLM command: systemd-unit -- serve MODEL [ARGS...]"
         )
     user_environment(merged)  # validates every --env before anything else
-    warn_unseen_variables()
+    # The caller's settings do not reach the service (the system root is a test host's).
+    for variable in sorted(os.environ):
+        ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
+        unseen = not variable.endswith("LAUNCH_VLLM") and variable != SYSTEM_ROOT_VARIABLE
+        if ours and os.environ[variable] and unseen:
+            emit(
+                "warning",
+                f"{variable} is set here but the service will not see it; pass the option "
+                "to systemd-unit or put it in /etc/vllm-cpu-launch/config.yaml",
+            )
     if rest[0] == "exec":
-        exec_options, program_argv = parse_options(rest[1:], verb="systemd-unit")
+        exec_options, program_argv = cli.parse_options(rest[1:], verb="systemd-unit")
         if not program_argv:
             raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
         merged.update(exec_options)
@@ -341,6 +319,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
         needed += [model] if model and os.path.isabs(model) else []
         command, arguments = baked_options(merged, target), rest
-    unit = render_unit(merged, command, arguments, description, tmp_ok(needed, merged))
-    write_stdout(unit)
+    cli.write_stdout(render_unit(merged, command, arguments, description, needed))
     return 0
