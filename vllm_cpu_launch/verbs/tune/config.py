@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 def tune_updates(
     path: str,
     outcome: Outcome,
-    when: str,
     rounds: int,
     command: str,
     scope: Scope,
@@ -36,6 +36,7 @@ def tune_updates(
     """(updates, keys to remove): this tune's record first, the file's records of other
     scopes after it, read as launches read them (settings.tuned_in_file): one from before
     scoping gets its scope written out, and the global `iomp:` it wrote beside it goes."""
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, outcome.iomp, outcome.result, rounds, command, scope, concurrency=load)
     records = [record_fields(tuned, scope)]
