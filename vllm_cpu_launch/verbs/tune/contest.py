@@ -7,6 +7,7 @@ time limit, so tune starts each server itself and runs the client against it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -184,13 +185,12 @@ def run_rounds(
     stopped = ""
     for number, (round_index, contender) in enumerate(order, 1):
         this = f"{noun[0]} {number}/{len(order)}"
-        if time.monotonic() >= deadline:
-            stopped = f"time limit of {limit_s:g} s reached before {this}"
-            break
         started = time.monotonic()
-        result = attempt(f"{number:02d}-{contender.name}", contender, deadline)
+        late = started >= deadline
+        result = None if late else attempt(f"{number:02d}-{contender.name}", contender, deadline)
         if result is None:
-            stopped = f"time limit of {limit_s:g} s reached during {this} (killed)"
+            when = f"before {this}" if late else f"during {this} (killed)"
+            stopped = f"time limit of {limit_s:g} s reached {when}"
             break
         done[contender].append(result[0])
         took = f"{time.monotonic() - started:.0f} s"
@@ -337,22 +337,22 @@ def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
 
 def serve_once(
     values: Mapping[str, object],
-    contender: Contender,
     serve: Sequence[str],
     load: Load,
-    dataset: str,
-    logs: str,
+    workdir: str,
+    name: str,
+    contender: Contender,
     deadline: float,
-) -> list[Reading] | None:
+) -> tuple[list[Reading], str] | None:
     """One start of the server on a free loopback port, measured at each concurrency in
-    turn; None when the deadline came first."""
+    turn, and its progress line; None when the deadline came first."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         port = int(probe.getsockname()[1])
     arguments, _ = server_arguments(serve, port)
     plan = plan_from_options({**values, "iomp": contender.iomp}, arguments)
     program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
-    url = f"http://{LOOPBACK}:{port}"
+    url, logs = f"http://{LOOPBACK}:{port}", os.path.join(workdir, name)
     with started(plan.command, f"{logs}-serve.log", plan) as server:
         while not healthy(server, url, f"{logs}-serve.log"):
             if time.monotonic() >= deadline:
@@ -361,12 +361,16 @@ def serve_once(
         readings = []
         for concurrency in load.concurrencies:
             result, log_path = f"{logs}-c{concurrency}.json", f"{logs}-c{concurrency}.log"
+            dataset = os.path.join(workdir, "prompts.json")
             client = client_command(program, serve, load, url, dataset, concurrency, result)
             what = f"vllm bench serve at concurrency {concurrency}"
             if not run_child(what, client, log_path, result, deadline):
                 return None
             readings.append(reading_of(concurrency, result, log_path))
-        return readings
+    return readings, ", ".join(
+        f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
+        for r in readings
+    )
 
 
 def healthy(server: subprocess.Popen[bytes], url: str, log: str) -> bool:
@@ -392,23 +396,11 @@ def serving_contest(
     say: Callable[[str], None],
 ) -> tuple[Outcome, list[str], int, dict[int, Mode]]:
     """(the outcome, the tables, the rounds done, what won at each concurrency)."""
-    dataset = os.path.join(workdir, "prompts.json")
-    with open(dataset, "w", encoding="utf-8") as stream:  # `sharegpt`: the length is tune's
+    with open(os.path.join(workdir, "prompts.json"), "w", encoding="utf-8") as stream:
+        # `sharegpt`, whose answer is empty: the length is tune's --output-len
         turns = [[{"from": "human", "value": t}, {"from": "gpt", "value": ""}] for t in load.texts]
         json.dump([{"conversations": turn} for turn in turns], stream)
-
-    def attempt(
-        name: str, contender: Contender, deadline: float
-    ) -> tuple[list[Reading], str] | None:
-        logs = os.path.join(workdir, name)
-        readings = serve_once(values, contender, serve, load, dataset, logs, deadline)
-        if readings is None:
-            return None
-        return readings, ", ".join(
-            f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
-            for r in readings
-        )
-
+    attempt = functools.partial(serve_once, values, serve, load, workdir)
     starts = run_rounds(rounds, limit_s, ("start", "started"), attempt, say)
     lines: list[str] = []
     at: dict[int, Outcome] = {}
