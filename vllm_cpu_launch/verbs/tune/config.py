@@ -33,9 +33,9 @@ def tune_updates(
     scope: Scope,
     at_load: Mapping[int, Mode] | None = None,
 ) -> tuple[dict[str, object], tuple[str, ...]]:
-    """(updates, keys to remove): this tune's record first, the file's records of other
-    scopes after it, read as launches read them (settings.tuned_in_file): one from before
-    scoping gets its scope written out, and the global `iomp:` it wrote beside it goes."""
+    """(updates, keys to remove): this tune's record, then the file's records of other scopes
+    as launches read them (settings.tuned_in_file): one from before scoping gets its scope
+    written out, and the global `iomp:` it wrote beside it goes."""
     when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, outcome.iomp, outcome.result, rounds, command, scope, concurrency=load)
@@ -111,10 +111,9 @@ def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str
                 stream.write(text)
             os.chmod(temporary, mode)
             os.replace(temporary, real)
-        except BaseException:
+        finally:  # gone after the replace; left behind by a failure before it
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
-            raise
     except OSError as error:
         raise LaunchError(
             EXIT_USAGE, f"{path}: cannot write the launcher config: {error}"
@@ -129,7 +128,6 @@ def check_writable(path: str) -> None:
     directory = home
     while not os.path.lexists(directory):
         directory = os.path.dirname(directory)
-    # The message names the directory the file goes in, and the one the probe tried.
     missing = (
         f"its directory {home} does not exist and cannot be made: " if directory != home else ""
     )

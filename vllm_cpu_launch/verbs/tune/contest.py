@@ -82,10 +82,10 @@ class Summary:
 
 @record
 class Outcome:
-    """What a tune found: the winner (None: no clear one), what --write stores, the line."""
+    """The winner (None: no clear one), what --write stores (auto for the default), why."""
 
     winner: Contender | None
-    iomp: Mode  # the winner's --iomp when it is not the default, else auto
+    iomp: Mode
     result: str
 
 
