@@ -120,7 +120,9 @@ benchmark run or server that fails ends the tune with vLLM's exit code (its log 
 """
 
 SERVING_ONLY = {
-    f"--{key.replace('_', '-')}": key for key in ("concurrency", "prompts", "num_prompts")
+    "--concurrency": "concurrency",
+    "--prompts": "prompts",
+    "--num-prompts": "num_prompts",
 }
 LATENCY_ONLY = {option: key for option, (key, _) in BENCH_OPTIONS.items() if key != "output_len"}
 TUNE_VALUED = {"--rounds": "rounds", "--time-limit": "time_limit", "--benchmark": "benchmark"}
