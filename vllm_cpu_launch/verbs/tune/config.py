@@ -39,16 +39,11 @@ def tune_updates(
     when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, outcome.iomp, outcome.result, rounds, command, scope, concurrency=load)
-    records = [record_fields(tuned, scope)]
-    removed: tuple[str, ...] = ()
-    if os.path.exists(path):
-        content = read_config_file(path)
-        had_iomp = "iomp" in content
-        for item in tuned_in_file(content, path):
-            if record_scope(item) != scope:
-                records.append(record_fields(item, record_scope(item)))
-        removed = ("iomp",) if had_iomp and "iomp" not in content else ()
-    return {"tuned": records}, removed
+    content = read_config_file(path) if os.path.exists(path) else {}
+    had_iomp = "iomp" in content
+    others = [item for item in tuned_in_file(content, path) if record_scope(item) != scope]
+    records = [record_fields(tuned, scope), *(record_fields(o, record_scope(o)) for o in others)]
+    return {"tuned": records}, (("iomp",) if had_iomp and "iomp" not in content else ())
 
 
 def top_level_key(line: str) -> str | None:

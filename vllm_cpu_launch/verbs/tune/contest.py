@@ -282,8 +282,7 @@ def latency_contest(
     iterations: int,
     say: Callable[[str], None],
 ) -> tuple[Outcome, list[str], int, dict[int, Mode] | None]:
-    """(the outcome, its table, the rounds done) of `vllm bench latency` runs, each the
-    median of its latencies."""
+    """(the outcome, its table, the rounds done) of `vllm bench latency` runs."""
     output_json = os.path.join(workdir, "latency.json")
 
     def attempt(name: str, contender: Contender, deadline: float) -> tuple[float, str] | None:
