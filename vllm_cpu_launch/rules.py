@@ -44,8 +44,7 @@ class Measured:
     # The caller's variables it needs unset ("KMP_BLOCKTIME": unset or the rule's value).
     unset: tuple[str, ...] = (RESERVED_VARIABLE, THREADS_VARIABLE, BLOCKTIME_VARIABLE)
     allocator: str = "none"  # "tcmalloc": measured with one preloaded; "none": without
-    # A runtimes rule's setting: measured where one of these rules applies (their ids).
-    within: tuple[str, ...] = ()
+    within: tuple[str, ...] = ()  # a runtimes rule's: measured where one of these applies
 
 
 @record
@@ -321,8 +320,7 @@ class Start:
     tcmalloc_found: bool = False  # a tcmalloc the settings let in was found
     callers_allocator: str | None = None  # "tcmalloc" or "other": one in their LD_PRELOAD
     vllm_found: bool = True  # False: no vLLM found (release None); True with None: unknown
-    # Their LD_PRELOAD's OpenMP runtime: kept as set, and nothing goes beside it.
-    callers_runtime: str | None = None
+    callers_runtime: str | None = None  # their LD_PRELOAD's OpenMP runtime: kept, alone
 
 
 @record
@@ -407,18 +405,16 @@ def setting_misses(where: Measured, start: Start) -> list[Miss]:
     return said
 
 
-def within_misses(where: Measured, start: Start) -> list[Miss]:
-    applies = any(not misses(r, start) for r in RULES if r.id in where.within and not r.why)
-    if not where.within or applies:
-        return []
-    return [Miss("within", "this start's setting", f"measured in {' or '.join(where.within)}'s")]
-
-
 def misses(rule: Rule, start: Start) -> list[Miss]:
-    """Every condition of `rule` that does not hold for `start`, in the table's order."""
+    """Every condition of `rule` that does not hold for `start`, in the table's order; a
+    runtimes rule's setting: one of the rules it was measured `within` applies here."""
     where = rule.measured
-    found = host_misses(where, start) + command_misses(where, start)
-    return found + setting_misses(where, start) + within_misses(where, start)
+    found = host_misses(where, start) + command_misses(where, start) + setting_misses(where, start)
+    within = [r for r in RULES if r.id in where.within and not r.why]
+    if where.within and all(misses(r, start) for r in within):
+        measured = f"measured in {' or '.join(where.within)}'s"
+        found.append(Miss("within", "this start's setting", measured))
+    return found
 
 
 def sd_words(start: Start) -> str:
