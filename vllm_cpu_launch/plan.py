@@ -219,14 +219,8 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     broken = tuple(rejected[e] for e in decision.yours if e in rejected)
     broken = tuple(c for c in broken if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
     missing = bool(broken) if foreign else iomp is None
-    return replace(
-        decision,
-        runtime=runtime,
-        iomp_search=search,
-        iomp=None if foreign else iomp,
-        broken=broken,
-        iomp_missing=missing,
-    )
+    decision = replace(decision, runtime=runtime, iomp_search=search, broken=broken)
+    return replace(decision, iomp=None if foreign else iomp, iomp_missing=missing)
 
 
 def allocator_stage(facts: Facts, decision: Decision) -> Decision:
@@ -297,14 +291,10 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     or a start whose LD_PRELOAD names a runtime (ours or the caller's) the launcher hands on."""
     env = dict(decision.env)
     planner, environ = facts.planner, facts.host.environ
-    requested = facts.speculative.requested
-    keeps_gomp = decision.iomp is None and (
-        decision.mode == Mode.NEVER or (requested and not decision.yours)
-    )
+    never, sd = decision.mode == Mode.NEVER, facts.speculative.requested
     mark = None
-    if keeps_gomp:
-        found = decision.mode == Mode.NEVER or not decision.iomp_missing
-        mark = planner if found else planner + NOT_FOUND_MARK
+    if decision.iomp is None and (never or (sd and not decision.yours)):  # libgomp kept
+        mark = planner if never or not decision.iomp_missing else planner + NOT_FOUND_MARK
     elif planner == LAUNCHER and vllm_reads(env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))):
         mark = planner + STARTED_MARK
     if mark and not decision.refused and environ.get(PLANNED_VARIABLE) != mark:
