@@ -73,7 +73,6 @@ class Rule:
     id: str
     adds: str  # what it adds, in words
     figures: tuple[float, float]  # lowest and highest median TPOT ratio (> 1 = faster)
-    versus: str  # what the figures compare with
     source: str  # where they were measured
     measured: Measured
     evidence: str  # the kept run's JSON file, from the repository's root
@@ -83,6 +82,7 @@ class Rule:
     why: str = ""  # a non-rule's reason
     real: RealWeights | None = None  # None: not run on real weights (EAGLE: no trained head)
     load: tuple[AtLoad, ...] = ()  # re-judged per concurrency; () where not (EAGLE)
+    versus: str = PLAIN  # what the figures compare with
 
 
 LOAD_LEVELS = (1, 4, 8)  # the concurrencies of the map at load
@@ -104,7 +104,6 @@ RULES = (
         "map-1",
         f"{BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}, no tcmalloc",
         (1.19, 1.42),
-        PLAIN,
         MAP,
         Measured("ngram"),
         MAP_JSON,
@@ -116,19 +115,18 @@ RULES = (
         "map-2",
         f"{BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME} under your {BIND_VARIABLE}=nobind, no tcmalloc",
         (1.32, 1.55),
-        "libgomp under nobind",
         MAP,
         Measured("ngram", bindings=("nobind",), unset=(THREADS_VARIABLE, BLOCKTIME_VARIABLE)),
         MAP_JSON,
         UNBOUND[1:],
         real=RealWeights((1.47, 1.47), (0.93, 0.93)),
         load=loads((1.50, 1.50), (1.30, 1.30), (1.28, 1.28)),
+        versus="libgomp under nobind",
     ),
     Rule(
         "methods-4",
         f"tcmalloc, {BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}",
         (1.31, 1.51),
-        PLAIN,
         METHODS_MAP,
         Measured("eagle", 3, allocator="tcmalloc"),
         METHODS_JSON,
@@ -139,7 +137,6 @@ RULES = (
         "methods-none-3",
         "nothing",
         (0.86, 1.45),
-        PLAIN,
         METHODS_MAP,
         Measured("draft_model", 3, allocator="tcmalloc"),
         METHODS_JSON,
@@ -150,7 +147,6 @@ RULES = (
         "methods-none-7",
         "nothing",
         (1.22, 1.41),
-        PLAIN,
         METHODS_MAP,
         Measured("draft_model", 7, allocator="tcmalloc"),
         METHODS_JSON,
@@ -165,19 +161,18 @@ RULES = (
         "runtimes-1",
         LLVM_ADDS,
         (1.24, 1.33),
-        "libgomp under nobind",
         RUNTIMES_MAP,
         Measured("ngram", within=("map-1", "map-2")),
         "docs/bench_vllm_runtimes.json",
         runtime="llvm",
         real=RealWeights((1.57, 1.57), (0.93, 0.93)),
         load=loads((1.52, 1.52), (1.29, 1.29), (1.24, 1.24)),
+        versus="libgomp under nobind",
     ),
     Rule(
         "runtimes-2",
         LLVM_ADDS,
         (1.68, 1.70),
-        PLAIN,
         RUNTIMES_MAP,
         Measured("eagle", 3, within=("methods-4",)),
         "docs/bench_vllm_drafter_runtimes.json",
@@ -189,7 +184,6 @@ RULES = (
         "runtimes-3",
         LLVM_ADDS,
         (1.37, 1.39),
-        PLAIN,
         RUNTIMES_MAP,
         Measured("draft_model", 7, within=("methods-4",)),
         "docs/bench_vllm_draft_model_runtimes.json",
@@ -201,7 +195,6 @@ RULES = (
         "runtimes-none",
         "nothing",
         (0.98, 1.01),
-        "libgomp",
         RUNTIMES_MAP,
         Measured("draft_model", 3, bindings=("", "auto")),
         "docs/bench_vllm_draft_model_runtimes.json",
@@ -209,6 +202,7 @@ RULES = (
         why="at vLLM's binding (the setting the plan gives draft_model with 3 tokens, which "
         "has no map rule) it measured 0.98-1.01x of libgomp, a loss at 4 requests in every "
         "round",
+        versus="libgomp",
     ),
 )
 
