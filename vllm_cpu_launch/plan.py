@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.gather import Facts
     from vllm_cpu_launch.libraries import Candidate, PreloadEntry, Search
-    from vllm_cpu_launch.rules import Rule
+    from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Tuned
 
 
@@ -376,7 +376,7 @@ class Plan:
     refused: tuple[str, ...] = ()  # the caller's entries the trust rule refuses (exit 126)
     fatal: tuple[str, ...] = ()  # --strict's not-found messages (exit 127), in warnings too
     metadata: Alias | None = None  # the `vllm` metadata supplied to a vllm-cpu install
-    overridden: tuple[tuple[str, str, str], ...] = ()  # with SD: vLLM's in bound workers
+    overridden: tuple[Override, ...] = ()  # with SD: vLLM's in bound workers
 
 
 def missing_message(search: Search, install: str, consequence: str, llvm: bool = False) -> str:
@@ -622,6 +622,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
     applied = decision.applied
     environ = {**facts.host.environ, **dict(decision.env)}  # what vLLM starts with
     overridden = bound_worker_overrides(environ) if facts.speculative.requested else ()
+    overridden_note = (override_words(overridden),) if overridden else ()
     return Plan(
         command=(facts.target.executable, *facts.arguments),
         speculative=facts.speculative,
@@ -629,7 +630,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         preload=tuple(Preload(c.kind, c.path, c.flavor, c.origin) for c in chosen),
         env=decision.env,
         warnings=tuple(warnings),
-        notes=(*notes_of(facts, decision), *[override_words(overridden)] * bool(overridden)),
+        notes=(*notes_of(facts, decision), *overridden_note),
         candidates=tuple(c for s in decision.searches for c in s.candidates),
         missing=(IOMP,) * decision.iomp_missing + (TCMALLOC,) * decision.tcmalloc_missing,
         unsafe=tuple(unsafe),

