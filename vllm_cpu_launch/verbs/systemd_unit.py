@@ -157,6 +157,7 @@ def stop_timeout(arguments: Sequence[str]) -> int:
 
 def render_unit(
     values: dict[str, object],
+    environment: list[tuple[str, str]],
     command: list[str],
     arguments: list[str],
     about: str,
@@ -168,27 +169,24 @@ def render_unit(
     user, group = values.get("unit_user"), values.get("unit_group")
     identity = [f"User={user.replace('%', '%%')}" if isinstance(user, str) else DYNAMIC_USER]
     identity += [f"Group={group.replace('%', '%%')}"] if isinstance(group, str) else []
-    environment = [
-        f"Environment={systemd_syntax.environment_word(*pair)}\n"
-        for pair in user_environment(values)
-    ]
+    lines = [f"Environment={systemd_syntax.environment_word(*pair)}\n" for pair in environment]
     return UNIT.format(
         name=values.get("unit_name") or DEFAULT_NAME,
         version=__version__,
         description=systemd_syntax.plain_text(about),
         exec_start=systemd_syntax.exec_line([*launcher_command(), *command, "--", *arguments]),
         identity="\n".join(identity),
-        environment="".join(environment),
+        environment="".join(lines),
         stop_timeout=stop_timeout(arguments),
         private_tmp="PrivateTmp=yes" if private_tmp else NO_PRIVATE_TMP,
     )
 
 
 def check_plan(
-    values: dict[str, object], arguments: Sequence[str], program: str | None
+    values: dict[str, object], given: set[str], arguments: Sequence[str], program: str | None
 ) -> tuple[Target | None, list[str]]:
-    """Plan now, to warn early about what the service will meet: the target (None
-    without one) and the files the service will need (programs, environment, libraries)."""
+    """Plan now, to warn early about what the service will meet (`given`: the --env names):
+    the target (None without one) and the files it will need (programs, environment, libraries)."""
     try:
         settings, target, plan = cli.prepare_launch(values, arguments, program)
     except LaunchError as error:
@@ -200,7 +198,6 @@ def check_plan(
         emit("warning", warning)
     for refused in plan.refused:  # the caller's LD_PRELOAD: never advised into the unit
         emit("warning", f"{refused}; the unit does not pass it on")
-    given = {key for key, _ in user_environment(values)}
     for name, value in plan.relies_on:
         if name not in given and not (plan.refused and name == LD_PRELOAD):
             emit(
@@ -286,7 +283,8 @@ def main(values: dict[str, object], args: list[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "systemd-unit needs the vLLM command: systemd-unit -- serve MODEL [ARGS...]"
         )
-    user_environment(merged)  # validates every --env before anything else
+    environment = user_environment(merged)  # every --env checked before anything else
+    given = {name for name, _ in environment}
     # The caller's settings do not reach the service (the system root is a test host's).
     for variable in sorted(os.environ):
         ours = variable.startswith((VARIABLE_PREFIX, DEPRECATED_PREFIX))
@@ -302,13 +300,13 @@ def main(values: dict[str, object], args: list[str]) -> int:
         if not program_argv:
             raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
         merged.update(exec_options)
-        target, needed = check_plan(merged, program_argv[1:], program_argv[0])
+        target, needed = check_plan(merged, given, program_argv[1:], program_argv[0])
         program = target.executable if target is not None else program_argv[0]
         description = f"{os.path.basename(program)} with Intel OpenMP (vllm-cpu-launch exec)"
         # `exec` takes the launcher's options after it, and then the program.
         command, arguments = ["exec", *baked_options(merged, None)], [program, *program_argv[1:]]
     else:
-        target, needed = check_plan(merged, rest, None)
+        target, needed = check_plan(merged, given, rest, None)
         model = model_of(rest)
         if model is not None and not os.path.isabs(model) and os.path.exists(model):
             emit(
@@ -319,5 +317,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
         needed += [model] if model and os.path.isabs(model) else []
         command, arguments = baked_options(merged, target), rest
-    cli.write_stdout(render_unit(merged, command, arguments, description, needed))
+    cli.write_stdout(render_unit(merged, environment, command, arguments, description, needed))
     return 0
