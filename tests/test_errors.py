@@ -422,9 +422,10 @@ def test_a_record_is_a_frozen_value_made_by_position_or_keyword() -> None:
     assert replace(setting, note="changed") == Setting(None, "changed", tcmalloc=True)
     with pytest.raises(FrozenRecordError):
         setting.note = "changed"  # type: ignore[misc]
-    for wrong in ({"rule": None, "note": "", "nothing": 1}, {"rule": None}):
-        with pytest.raises(TypeError):
-            Setting(**wrong)
+    with pytest.raises(TypeError, match=r": unexpected \['nothing'\]$"):
+        Setting(None, "", nothing=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^Setting\(\) takes rule, note, .*: missing \['note'\]$"):
+        Setting(rule=None)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         Setting(None, "a note", note="twice")  # type: ignore[misc]
     # A derived field: the host's preload, read once from its environment when it is made.

@@ -1435,3 +1435,21 @@ def test_a_drafter_gets_llvm_libomp_in_the_setting_measured_for_it(
     result, record = launched(tmp_path, cmeel_env_vllm, args)
     assert result.returncode == 0, result.stderr
     assert record["LD_PRELOAD"] == f"{tcmalloc}:{alias}" and openmp_mapped(record) == [alias]
+
+
+def test_a_relative_system_root_is_refused_with_what_to_give(tmp_path: Path) -> None:
+    """The test host's variable: a relative value is one line, exit 2, naming the fix."""
+    environ = clean_environ(tmp_path, VLLMCPULAUNCH_SYSTEM_ROOT="rel/root")
+    result = subprocess.run(
+        [*LAUNCHER, "--dry-run", "--vllm", "/bin/true", "serve", "m", "-sc", NGRAM],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        "vllm-cpu-launch: error: VLLMCPULAUNCH_SYSTEM_ROOT=rel/root: not an absolute path; "
+        "give the directory the system libraries lie under, or unset it (the system's own: /)\n",
+    )

@@ -75,9 +75,13 @@ def record(cls: type[_T]) -> type[_T]:
         unknown = [name for name in kwargs if name not in parameters or name in given]
         given.update(kwargs)
         missing = [name for name in parameters if name not in given and name not in defaults]
-        if len(args) > len(parameters) or unknown or missing:
-            wrong = f"{len(args)} positional, unexpected {unknown}, missing {missing}"
-            raise TypeError(f"{cls.__name__}() takes {', '.join(parameters)}: {wrong}")
+        wrong = [f"{len(args)} positional"] if len(args) > len(parameters) else []
+        if unknown:
+            wrong.append(f"unexpected {unknown}")
+        if missing:
+            wrong.append(f"missing {missing}")
+        if wrong:
+            raise TypeError(f"{cls.__name__}() takes {', '.join(parameters)}: {', '.join(wrong)}")
         # In field order, so that vars() of a record lists its fields as they are declared.
         self.__dict__.update({name: given.get(name, defaults.get(name)) for name in parameters})
         if hasattr(self, "__post_init__"):

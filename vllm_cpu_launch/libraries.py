@@ -49,7 +49,11 @@ SYSTEM_ROOT_VARIABLE = "VLLMCPULAUNCH_SYSTEM_ROOT"
 def system_root(environ: Mapping[str, str]) -> str:
     value = environ.get(SYSTEM_ROOT_VARIABLE, "")
     if value and not os.path.isabs(value):
-        raise LaunchError(EXIT_USAGE, f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path")
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{SYSTEM_ROOT_VARIABLE}={value}: not an absolute path; give the directory the "
+            "system libraries lie under, or unset it (the system's own: /)",
+        )
     return value or "/"
 
 
@@ -451,7 +455,8 @@ def find_library(
             if normalized not in seen:
                 seen.add(normalized)
                 candidates.append(candidate_of(kind, path, origin, host, trusted))
-        usable = (c for c in candidates if c.origin == origin and c.verdict == "usable")
+        here = (c for c in candidates if c.origin == origin)
+        usable = (c for c in here if c.verdict == CandidateVerdict.USABLE)
         best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
         if best is not None and best.flavor == LLVM and origin != Origin.LD_PRELOAD:

@@ -61,7 +61,7 @@ def read_link_map(pid: int) -> LinkMap:
         return LinkMap(None, f"/proc/{pid}/{file}: permission denied ({PTRACE_HINT})")
     except (FileNotFoundError, ProcessLookupError):
         return LinkMap(None, f"process {pid} exited")
-    except (OSError, Unreadable, struct.error, OverflowError, ValueError, KeyError) as error:
+    except (OSError, Unreadable, struct.error, OverflowError, ValueError) as error:
         # A pointer past the end of the address space (a corrupt or changing chain) lands here.
         return LinkMap(None, str(error) or type(error).__name__)
 
@@ -76,6 +76,8 @@ def read_at(mem: int, address: int, size: int) -> bytes:
 
 def r_debug_address(mem: int, auxv: dict[int, int]) -> int:
     """DT_DEBUG of the executable's dynamic section, which its program headers locate."""
+    if AT_PHDR not in auxv or AT_PHNUM not in auxv:
+        raise Unreadable("no AT_PHDR or AT_PHNUM entry in auxv")
     phdr = auxv[AT_PHDR]
     headers = read_at(mem, phdr, auxv[AT_PHNUM] * PHDR.size)
     bias, dynamic = 0, None

