@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -420,13 +421,21 @@ def test_tune_writes_the_winner_and_the_next_plan_follows_it(
     write(user_config, "# my settings\ntcmalloc: never\n")
     result = tune(tmp_path, bench_env, "gomp-faster", "--write", "--rounds", "2", "--", *SERVE)
     assert result.returncode == 0, result.stderr
-    progress = [line for line in result.stderr.splitlines() if " run " in f" {line}"]
+    said = result.stderr.splitlines()
+    progress = [line for line in said if " run " in f" {line}"]
     assert [line.split(":")[1].split()[-1] for line in progress] == [
         "libgomp",
         "libiomp5",
         "libiomp5",
         "libgomp",
     ]
+    # How long it will take, said before the first run and again, measured, after it.
+    first = said.index(progress[0])
+    assert said[first - 1].endswith(
+        "4 runs in all, at most 30 min (--time-limit); the first "
+        "one's time gives the estimate for the rest"
+    ), said
+    assert re.search(r"expect about \d+ s more: 3 runs at the first's pace$", said[first + 1])
     assert "not passed to vllm bench latency (serve-only options): --port 8000" in result.stderr
     measured = runs(tmp_path)
     assert [run["iomp"] for run in measured] == [False, True, True, False]

