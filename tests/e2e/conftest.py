@@ -22,6 +22,9 @@ from typing import Any
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+README = SCRIPTS.parent / "README.md"
+# A README block the e2e tests run as written: `<!-- KIND: NAME -->` before a bash block.
+README_BLOCK = re.compile(r"<!-- (install|quickstart): (\w+) -->\n```bash\n(.*?)```", re.DOTALL)
 # Every real-vLLM module's pytestmark (tests/conftest.py marks all of tests/e2e so anyway;
 # VLLMCPULAUNCH_SKIP_E2E=1 skips them all).
 REAL_VLLM = pytest.mark.real_vllm
@@ -74,6 +77,12 @@ PROBE_VARIABLE = "VLLMCPULAUNCH_TEST_PROBE"
 METRICS_LIMIT_S = 30
 POLL_INTERVAL_S = 1.0
 LOG_TAIL_LINES = 60
+
+
+def readme_blocks(kind: str = "install") -> dict[str, str]:
+    """The README's blocks of that kind by name, as written."""
+    text = README.read_text(encoding="utf-8")
+    return {name: body for found, name, body in README_BLOCK.findall(text) if found == kind}
 
 
 def isolated_environment(
@@ -141,8 +150,20 @@ def run_script(command: Sequence[str], limit_s: float) -> str:
 
 @pytest.fixture(scope="session")
 def vllm_env() -> Path:
-    """The cached vLLM CPU environment, built on first use."""
+    """The cached vLLM CPU environment exactly as the README's install makes it, built on
+    first use: nothing written into it, so its own `vllm` fails (PackageNotFoundError) as a
+    user's does, and every door the tests start there (the launcher, tune, verify, doctor)
+    must cope as it does for them."""
     return Path(run_script(prepare_env_command(), ENV_SETUP_LIMIT_S))
+
+
+@pytest.fixture(scope="session")
+def doctored_env() -> Path:
+    """The README's install after its plugin step: the fix `vllm-cpu-launch doctor` prints
+    for plain `vllm serve`, run as printed (scripts/vllm_env.py --doctored, its own cached
+    directory). What plain `vllm serve` needs on vllm-cpu 0.32: the plugin door's tests
+    start vLLM there."""
+    return Path(run_script(prepare_env_command(doctored=True), ENV_SETUP_LIMIT_S))
 
 
 # The edges of the support window this machine can install (docs/releases.md): 0.27.0 is
@@ -152,15 +173,16 @@ WINDOW_EDGES = ("0.27.0", DEFAULT_RELEASE)
 
 
 @pytest.fixture(scope="session")
-def release_env(vllm_env: Path) -> Callable[[str], Path]:
-    """The cached vLLM CPU environment of a release (each built once, on first use)."""
-    built = {DEFAULT_RELEASE: vllm_env}
+def release_env(vllm_env: Path) -> Callable[..., Path]:
+    """The cached vLLM CPU environment of a release as installed, or `doctored` (each built
+    once, on first use)."""
+    built = {(DEFAULT_RELEASE, False): vllm_env}
 
-    def environment(release: str) -> Path:
-        if release not in built:
-            command = prepare_env_command(release)
-            built[release] = Path(run_script(command, ENV_SETUP_LIMIT_S))
-        return built[release]
+    def environment(release: str, doctored: bool = False) -> Path:
+        if (release, doctored) not in built:
+            command = prepare_env_command(release, doctored)
+            built[release, doctored] = Path(run_script(command, ENV_SETUP_LIMIT_S))
+        return built[release, doctored]
 
     return environment
 
@@ -340,7 +362,7 @@ def plain_environment(scratch: Path, plugin_path: Path, **variables: str) -> dic
 
 @contextlib.contextmanager
 def plain_serve(
-    vllm_env: Path,
+    doctored_env: Path,
     model: Path,
     scratch: Path,
     plugin_path: Path,
@@ -350,9 +372,10 @@ def plain_serve(
     extra: Sequence[str] = (),
     **variables: str,
 ) -> Iterator[Server]:
-    """`vllm serve MODEL ... EXTRA` started as users start it, with the plugin installed."""
+    """`vllm serve MODEL ... EXTRA` started as users start it, with the plugin installed,
+    from an environment where plain `vllm` runs (doctored_env: the README's plugin step)."""
     env = plain_environment(scratch, plugin_path, **variables)
-    vllm = [str(vllm_env / "bin" / "vllm")]
+    vllm = [str(doctored_env / "bin" / "vllm")]
     server = start_server(
         vllm,
         model,

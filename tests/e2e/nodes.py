@@ -75,21 +75,30 @@ def node_arguments(mode: str, rank: int, ports: dict[str, int]) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class PluginDoor:
+    """A node started as plain `vllm` with the plugin: from `doctored_env` (where plain `vllm`
+    runs: the README's plugin step done), the plugin in `path` on PYTHONPATH."""
+
+    doctored_env: Path
+    path: Path
+
+
 def start_node(
-    vllm_env: Path, model: Path, scratch: Path, arguments: list[str], plugin: Path | None
+    vllm_env: Path, model: Path, scratch: Path, arguments: list[str], plugin: PluginDoor | None
 ) -> Server:
     """One node starting `serve MODEL ... ARGUMENTS`, in an environment without OpenMP or
     launcher settings, its log and vLLM cache under scratch: through the launcher (default
-    settings), or, with `plugin` (a directory holding it, for PYTHONPATH), as plain `vllm`."""
+    settings) on vllm_env, or, with `plugin`, as plain `vllm` with the plugin."""
     scratch.mkdir()
     env = isolated_environment(
         scratch, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_"), RUN_CACHE["vllm"]
     )
-    vllm = str(vllm_env / "bin" / "vllm")
     if plugin is not None:
-        env["PYTHONPATH"] = str(plugin)
-        return start_server([vllm], model, scratch, env, cwd=REPO, extra=arguments)
-    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", vllm]
+        env["PYTHONPATH"] = str(plugin.path)
+        vllm = [str(plugin.doctored_env / "bin" / "vllm")]
+        return start_server(vllm, model, scratch, env, cwd=REPO, extra=arguments)
+    launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
     return start_server(launcher, model, scratch, env, cwd=REPO, extra=arguments)
 
 
@@ -99,7 +108,7 @@ def start_cluster(
     model: Path,
     scratch: Path,
     started: list[Server],
-    plugin: Path | None = None,
+    plugin: PluginDoor | None = None,
     extra: Sequence[str] = (),
 ) -> Cluster:
     """Both nodes of `mode` (the primary first), on fresh loopback ports, logs under

@@ -2,9 +2,10 @@
 docs/examples/plugin-volume.yaml adds it to an image you do not own.
 
 The recipe's commands run here with its paths mapped onto this machine (/opt/vllm: the
-cached vLLM 0.32.0 CPU environment; /wheels: a wheel of this checkout built by `python -m
-build --wheel`; /plugins: an empty directory; /models/model: the tiny model): the init
-container's `pip install --no-deps --no-index --target /plugins WHEEL`, by the vLLM
+cached vLLM 0.32.0 CPU environment after the README's plugin step, where plain `vllm` runs
+as in vLLM's own CPU image: conftest's doctored_env; /wheels: a wheel of this checkout built
+by `python -m build --wheel`; /plugins: an empty directory; /models/model: the tiny model):
+the init container's `pip install --no-deps --no-index --target /plugins WHEEL`, by the vLLM
 environment's own pip; then the vLLM container's plain `vllm serve` with the recipe's
 speculative config and PYTHONPATH, from a working directory with nothing in it; then the
 liveness probe's `verify`. The tests' probe plugin, installed in a directory of its own
@@ -76,11 +77,11 @@ def mapped(value: str, places: Mapping[str, Path]) -> str:
 
 
 @pytest.fixture(scope="module")
-def places(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def places(doctored_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The recipe's paths on this machine, /plugins filled by the init container's command."""
     wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
     places = {
-        "/opt/vllm": vllm_env,
+        "/opt/vllm": doctored_env,
         "/wheels": wheel.parent,
         "/plugins": tmp_path_factory.mktemp("plugins"),
     }
@@ -90,10 +91,10 @@ def places(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 
 @pytest.fixture(scope="module")
-def probe_path(vllm_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def probe_path(doctored_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tests' probe plugin, installed by vLLM's pip into a directory of its own."""
     target = tmp_path_factory.mktemp("probe")
-    command = [str(vllm_env / "bin" / "python"), "-m", "pip", "install", "--no-deps"]
+    command = [str(doctored_env / "bin" / "python"), "-m", "pip", "install", "--no-deps"]
     run_script(
         [*command, "--no-input", "--target", str(target), str(probe_copy(tmp_path_factory))],
         PLUGIN_INSTALL_LIMIT_S,
@@ -144,11 +145,11 @@ def served(
         yield server, scratch / "probe.jsonl"
 
 
-def vllm_python(vllm_env: Path, code: str, cwd: Path, **variables: str) -> str:
+def vllm_python(doctored_env: Path, code: str, cwd: Path, **variables: str) -> str:
     """`python -c CODE` of the vLLM environment; its stdout."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run(
-        [str(vllm_env / "bin" / "python"), "-c", code],
+        [str(doctored_env / "bin" / "python"), "-c", code],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -173,25 +174,25 @@ DISTRIBUTIONS = (
 
 
 def test_the_plugin_is_only_in_the_target_directory(
-    places: dict[str, Path], vllm_env: Path, tmp_path: Path
+    places: dict[str, Path], doctored_env: Path, tmp_path: Path
 ) -> None:
     plugins = places["/plugins"]
     assert {path.name for path in plugins.iterdir()} == INSTALLED  # no dependency copied
-    assert json.loads(vllm_python(vllm_env, FIND_PLUGIN, tmp_path)) == []
-    found = vllm_python(vllm_env, FIND_PLUGIN, tmp_path, PYTHONPATH=str(plugins))
+    assert json.loads(vllm_python(doctored_env, FIND_PLUGIN, tmp_path)) == []
+    found = vllm_python(doctored_env, FIND_PLUGIN, tmp_path, PYTHONPATH=str(plugins))
     assert json.loads(found) == [str(plugins / DIST_INFO)]
 
 
 def test_vllms_environment_meets_the_plugins_requirements(
-    places: dict[str, Path], vllm_env: Path, tmp_path: Path
+    places: dict[str, Path], doctored_env: Path, tmp_path: Path
 ) -> None:
     """`--no-deps` is safe: with the plugin on PYTHONPATH (importlib.metadata lists it),
     `pip check` finds its requirements met by what vLLM installed."""
     plugins = str(places["/plugins"])
-    listed = vllm_python(vllm_env, DISTRIBUTIONS, tmp_path, PYTHONPATH=plugins)
+    listed = vllm_python(doctored_env, DISTRIBUTIONS, tmp_path, PYTHONPATH=plugins)
     assert "vllm-cpu-launch" in json.loads(listed)
     result = subprocess.run(
-        [str(vllm_env / "bin" / "python"), "-m", "pip", "check"],
+        [str(doctored_env / "bin" / "python"), "-m", "pip", "check"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -223,7 +224,9 @@ def test_doctor_in_the_container_finds_the_plugin_vllm_will_load(
     assert plugin["loads"] is True, plugin
 
 
-def test_engine_core_and_workers_map_libiomp5(served: tuple[Server, Path], vllm_env: Path) -> None:
+def test_engine_core_and_workers_map_libiomp5(
+    served: tuple[Server, Path], doctored_env: Path
+) -> None:
     server, _ = served
     views = tree_views(server)
     models = model_processes(views)
@@ -232,7 +235,7 @@ def test_engine_core_and_workers_map_libiomp5(served: tuple[Server, Path], vllm_
     for view in views:
         runtimes = sorted(path for path in view.mapped if "omp" in Path(path).name)
         print(f"{view.title[:40]!r} maps {runtimes}")
-    library = os.path.realpath(vllm_env / "lib" / "libiomp5.so")
+    library = os.path.realpath(doctored_env / "lib" / "libiomp5.so")
     assert {str(view): os.path.realpath(view.iomp() or "-") for view in models} == {
         str(view): library for view in models
     }
@@ -264,7 +267,7 @@ def recipe_plan(places: Mapping[str, Path], model: Path, scratch: Path) -> dict[
 def test_every_process_loads_the_plugin_from_pythonpath_and_only_the_front_end_plans(
     served: tuple[Server, Path],
     places: dict[str, Path],
-    vllm_env: Path,
+    doctored_env: Path,
     tiny_model: Path,
     tmp_path: Path,
 ) -> None:
@@ -275,7 +278,7 @@ def test_every_process_loads_the_plugin_from_pythonpath_and_only_the_front_end_p
     records = probe_records(probe)
     front, models = views[0], model_processes(views)
     plugin = str(places["/plugins"] / "vllm_cpu_launch" / "plugin.py")
-    library = str(vllm_env / "lib" / "libiomp5.so")
+    library = str(doctored_env / "lib" / "libiomp5.so")
     preload = recipe_plan(places, tiny_model, tmp_path)["env"]["LD_PRELOAD"]
     assert preload.split(":")[-1] == library and "libgomp" not in preload, preload
     for view in [front, *models]:

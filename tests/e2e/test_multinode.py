@@ -55,7 +55,7 @@ from .conftest import (
     wait_for_drafts,
     wait_for_health,
 )
-from .nodes import CLUSTER_STARTUP_LIMIT_S, Cluster, start_cluster
+from .nodes import CLUSTER_STARTUP_LIMIT_S, Cluster, PluginDoor, start_cluster
 
 pytestmark = REAL_VLLM
 
@@ -64,15 +64,17 @@ pytestmark = REAL_VLLM
 def cluster(
     request: pytest.FixtureRequest,
     vllm_env: Path,
+    doctored_env: Path,
     tiny_model: Path,
     plugin_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     """Both nodes of one mode, the primary healthy (it answers only once the secondary has
     joined); every process of both sessions killed on the way out, whatever happened. The
-    data-parallel pair's headless node runs plain vLLM with the plugin."""
+    data-parallel pair's headless node runs plain vLLM with the plugin, from doctored_env
+    (the README's plugin step done: plain `vllm` runs there)."""
     mode: str = request.param
-    plugin = plugin_path if mode == "data-parallel" else None
+    plugin = PluginDoor(doctored_env, plugin_path) if mode == "data-parallel" else None
     started: list[Server] = []
     try:
         scratch = tmp_path_factory.mktemp(mode)
@@ -87,13 +89,16 @@ def cluster(
             kill_session(server)
 
 
-def test_each_node_is_vllm_serve_itself(cluster: Cluster, vllm_env: Path) -> None:
+def test_each_node_is_vllm_serve_itself(
+    cluster: Cluster, vllm_env: Path, doctored_env: Path
+) -> None:
     """The launcher execs into vLLM: nothing stands between the test and either node."""
     for role, server in cluster.nodes.items():
+        env = doctored_env if role in cluster.plugged else vllm_env
         main = psutil.Process(server.process.pid)
         assert main.ppid() == os.getpid(), f"{role}: a process stands between test and vLLM"
-        assert Path(main.exe()).resolve() == (vllm_env / "bin" / "python").resolve(), role
-        assert main.cmdline()[1:3] == [str(vllm_env / "bin" / "vllm"), "serve"], role
+        assert Path(main.exe()).resolve() == (env / "bin" / "python").resolve(), role
+        assert main.cmdline()[1:3] == [str(env / "bin" / "vllm"), "serve"], role
         assert ("--headless" in main.cmdline()) == (role == "secondary")
 
 

