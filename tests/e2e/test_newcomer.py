@@ -15,9 +15,9 @@ drafts accepted by /metrics' count, which the block prints); the plugin's: `doct
 line as doctor prints it for this install (the test holds the README's line to doctor's
 output), then plain `vllm serve` with SD. The output a block shows (its comment lines after
 a command, `...` standing for any text) is found in what it printed. The shell has no
-setting of the README's beyond them: no KV-cache size, no model hub switch. Two vLLM
-starts, one per door; the tune block runs in test_tune.py. Set VLLMCPULAUNCH_SKIP_E2E=1 to
-skip this module.
+setting of the README's beyond them: no KV-cache size, no model hub switch. Between the two
+doors, the tune block (2 starts, driven by `vllm bench serve`), before the plugin's step
+adds the metadata. Four vLLM starts. Set VLLMCPULAUNCH_SKIP_E2E=1 to skip this module.
 """
 
 from __future__ import annotations
@@ -230,6 +230,48 @@ def test_launcher_quickstart(newcomer: dict[str, str], tmp_path: Path) -> None:
     assert {v.title.split("::")[1][:6] for v in models} == {"Engine", "Worker"}, views
     assert all(v.maps_iomp() for v in [views[0], *models]), f"{views}\n{log[-3000:]}"
     assert SD_WARNING not in log
+
+
+# The README's tune block: 2 candidates x 1 round, at these concurrencies.
+CONCURRENCIES = (1, 2)
+TUNE_LIMIT_S = 900  # its own --time-limit is 1800 s; it took about 4 minutes here
+
+
+def test_tune_quickstart(newcomer: dict[str, str]) -> None:
+    """The tune block as written, after the model's, before the plugin's step: vLLM's
+    environment has no `vllm` metadata, so the launcher supplies it to each server and to
+    `vllm bench serve`, which drives each (the client failed so before). It says how many
+    starts it will make and what the rest will take after the first; one round decides
+    nothing, the default kept."""
+    blocks = readme_blocks("quickstart")
+    result = subprocess.run(
+        ["bash", "-ec", blocks["model"] + blocks["tune"]],
+        env=newcomer,
+        cwd=newcomer[CHECKOUT],
+        capture_output=True,
+        text=True,
+        timeout=TUNE_LIMIT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    out, progress = result.stdout[result.stdout.index("measured: ") :], result.stderr
+    assert_shown(blocks["tune"], out, newcomer)
+    assert out.startswith("measured: vllm serve ") and " --port PORT\n" in out
+    assert "2 starts in all, at most 30 min (--time-limit)" in progress, progress
+    assert re.search(r"expect about \d+ (s|min) more: 1 start at the first's pace", progress)
+    starts = [line for line in progress.splitlines() if re.match(r"\S+: start \d+/", line)]
+    assert [line.split(":")[1].split()[-1] for line in starts] == ["libgomp", "libiomp5"]
+    for concurrency in CONCURRENCIES:  # tune's defaults: 8 requests at least, 128 tokens
+        assert f"concurrency {concurrency} (8 requests of 128 tokens a start)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  lib")]
+    assert [row[0] for row in rows] == ["libgomp", "libiomp5"] * len(CONCURRENCIES)
+    for row in rows:  # TPOT and tokens/s measured; ngram drafted from the prompts' text
+        assert float(row[3]) > 0 and float(row[5]) > 0
+        accepted, drafted = map(int, row[6].split("/"))
+        assert drafted > 0 and 0 <= accepted <= drafted
+    # One round is no noise estimate: no winner anywhere, the default kept.
+    assert "no candidate won at every concurrency (at 1: no clear winner; at 2: no clear" in out
+    assert "keeping the default (libiomp5)" in out
 
 
 def test_plugin_quickstart_after_doctors_fix(newcomer: dict[str, str], tmp_path: Path) -> None:

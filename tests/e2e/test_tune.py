@@ -1,17 +1,14 @@
 """`tune` against the real vLLM 0.32: correctness only, no timing asserted.
 
-A serving tune (the default benchmark) of SmolLM2-135M-Instruct's real weights with ngram,
-the README's tune block as written (1 round at concurrency 1 and 2 on
-docs/examples/prompts.jsonl), on the README's install: each candidate's server started
-through its plan, driven by `vllm bench serve` (both need the `vllm` metadata the launcher
-supplies), the table per concurrency with the drafts accepted. One latency tune (2 rounds,
-tiny iteration counts, `--write` into an isolated XDG_CONFIG_HOME) of the seed's case,
-speculative decoding with a draft model (the tiny model drafts for itself: the same
-tokenizer, as vLLM requires), runs `vllm bench latency` under both candidates; the tests
-check that every run happened, the table, the scoped record it wrote, that a later `--dry-
-run` of that command follows it and that one of another model does not. A second check holds
-the translation of `serve` into `bench latency` and the serve-only table against vLLM's own
-parsers.
+The serving tune (the default benchmark) is the README's tune block, run as written by
+test_newcomer.py on the README's install. Here one latency tune (2 rounds, tiny iteration
+counts, `--write` into an isolated XDG_CONFIG_HOME) of the seed's case, speculative decoding
+with a draft model (the tiny model drafts for itself: the same tokenizer, as vLLM requires),
+runs `vllm bench latency` under both candidates, on the README's install (the launcher
+supplies vLLM's `vllm` metadata to each run); the tests check that every run happened, the
+table, the scoped record it wrote, that a later `--dry-run` of that command follows it and
+that one of another model does not. A second check holds the translation of `serve` into
+`bench latency` and the serve-only table against vLLM's own parsers.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,7 +29,7 @@ from vllm_server import process_tree
 from vllm_cpu_launch.settings import Scope, Tuned, read_config_file
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
 
-from .conftest import REAL_VLLM, RUN_CACHE, isolated_environment, readme_blocks, run_script
+from .conftest import REAL_VLLM, RUN_CACHE, isolated_environment, run_script
 
 pytestmark = REAL_VLLM
 
@@ -272,53 +268,6 @@ def test_a_later_dry_run_of_that_command_follows_the_record_and_no_other(
     assert "(from tune " not in other
     assert "iomp" in preloaded_kinds(env, vllm_env, serve_command(tiny_model, draft=wide_model))
     assert f"not applied: model {tiny_model}, not {wide_model}" in other
-
-
-CONCURRENCIES = (1, 2)
-
-
-@pytest.fixture(scope="module")
-def served_tune(
-    vllm_env: Path, real_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> subprocess.CompletedProcess[str]:
-    """The README's tune block as written, after its model block, in a shell whose HOME
-    holds `~/vllm-env` (a link to the README's install, conftest.vllm_env: no `vllm`
-    metadata in it, so the launcher must supply it to the servers and to `vllm bench
-    serve`) and the made model in its cache: 2 candidates, 1 round, concurrency 1 and 2,
-    the prompts of docs/examples/prompts.jsonl. Its output from tune's first line on."""
-    scratch = tmp_path_factory.mktemp("serving-tune")
-    home = scratch / "home"
-    (home / ".cache" / "vllm-cpu-launch").mkdir(parents=True)
-    (home / ".cache" / "vllm-cpu-launch" / "models").symlink_to(real_model.parent)
-    (home / "vllm-env").symlink_to(vllm_env)
-    env = isolated_environment(
-        scratch, ("LD_PRELOAD", "PYTHONPATH"), ("KMP_", "VLLMCPULAUNCH_"), RUN_CACHE["vllm"]
-    )
-    env["HOME"] = str(home)
-    blocks = readme_blocks("quickstart")
-    result = run_tune(["bash", "-ec", blocks["model"] + blocks["tune"]], env)
-    result.stdout = result.stdout[result.stdout.index("measured: ") :]
-    return result
-
-
-def test_a_serving_tune_drives_each_candidates_server_at_each_concurrency(
-    served_tune: subprocess.CompletedProcess[str],
-) -> None:
-    out, progress = served_tune.stdout, served_tune.stderr
-    assert out.startswith("measured: vllm serve ") and " --port PORT\n" in out
-    starts = [line for line in progress.splitlines() if re.match(r"\S+: start \d+/", line)]
-    assert [line.split(":")[1].split()[-1] for line in starts] == ["libgomp", "libiomp5"]
-    for concurrency in CONCURRENCIES:  # tune's defaults: 8 requests at least, 128 tokens
-        assert f"concurrency {concurrency} (8 requests of 128 tokens a start)" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("  lib")]
-    assert [row[0] for row in rows] == ["libgomp", "libiomp5"] * len(CONCURRENCIES)
-    for row in rows:  # TPOT and tokens/s measured; ngram drafted from the shipped prompts
-        assert float(row[3]) > 0 and float(row[5]) > 0
-        accepted, drafted = map(int, row[6].split("/"))
-        assert drafted > 0 and 0 <= accepted <= drafted
-    # One round is no noise estimate: no winner anywhere, the default kept.
-    assert "no candidate won at every concurrency (at 1: no clear winner; at 2: no clear" in out
-    assert "keeping the default (libiomp5)" in out
 
 
 def test_bench_translation_agrees_with_vllms_parsers(vllm_env: Path) -> None:

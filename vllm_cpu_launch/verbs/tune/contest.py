@@ -210,7 +210,8 @@ def run_rounds(
         if number == 1 and len(order) > 1:
             rest = len(order) - 1
             expected = min(rest * seconds, deadline - time.monotonic())
-            say(f"expect about {duration(expected)} more: {rest} {noun[0]}s at the first's pace")
+            many = noun[0] if rest == 1 else f"{noun[0]}s"
+            say(f"expect about {duration(expected)} more: {rest} {many} at the first's pace")
     if stopped:
         emit("warning", f"{stopped}; using what was done")
     if not all(done.values()):
