@@ -12,7 +12,8 @@ whose own environment holds no libiomp5) with libiomp5.so only in the *last*
   bigpath  a directory of 100,000 files as the first LD_LIBRARY_PATH entry
   biglib   the same directory as the target env's lib/ (LD_LIBRARY_PATH as in base)
   usual    the library in the target env's lib/ (the common case; found first)
-  find     `find / -xdev -iname libiomp5.so`, what vLLM's docs suggest (time-bounded)
+  find     `find / -xdev -iname libiomp5.so`, what vLLM's docs suggest (time-bounded;
+           --find-root DIR searches DIR instead of /)
 
 `LD_LIBRARY_PATH` is handed to the planning interpreter through another variable and set
 in its os.environ, so the dynamic loader's own search while starting Python is not timed.
@@ -42,7 +43,6 @@ from script_cli import ScriptError, bounded_run, exit_code, narrator
 REPO = Path(__file__).resolve().parent.parent
 SD_JSON = '{"method":"ngram","num_speculative_tokens":3}'
 LIBRARY_PATH_CARRIER = "BENCH_DISCOVERY_LD_LIBRARY_PATH"
-FIND_COMMAND = ("find", "/", "-xdev", "-iname", "libiomp5.so")
 WORKER_TIME_LIMIT_S = 120
 STAT_CALLS = (
     "newfstatat",
@@ -185,13 +185,15 @@ def run_watched(
     """(exit code, stdout, stderr, wall seconds, killed by the watchdog) of one command.
 
     Not subprocess.run(timeout=...): its wait polls with growing sleeps and would round
-    the wall time up; a watchdog thread kills the command at the limit instead.
+    the wall time up; a watchdog thread kills the command at the limit instead. Its output
+    is read as bytes, as file names are (find prints whatever names a host holds), and
+    decoded as os.fsdecode does, losslessly.
     """
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         code, wall = timed_run(command, limit_s, env, cwd=cwd, stdout=out, stderr=err)
         out.seek(0)
         err.seek(0)
-        return code, out.read(), err.read(), wall, wall >= limit_s
+        return code, os.fsdecode(out.read()), os.fsdecode(err.read()), wall, wall >= limit_s
 
 
 def run_worker(
@@ -211,9 +213,14 @@ def run_worker(
     return float(report["seconds"]), wall, report
 
 
-def run_find(timeout: float, cwd: Path) -> float:
-    """Seconds for the find of vLLM's docs; `timeout` when it did not finish."""
-    _code, _out, _err, wall, killed = run_watched(FIND_COMMAND, timeout, None, cwd)
+def find_command(root: str) -> tuple[str, ...]:
+    """The find of vLLM's docs, over root (theirs is /)."""
+    return ("find", root, "-xdev", "-iname", "libiomp5.so")
+
+
+def run_find(root: str, timeout: float, cwd: Path) -> float:
+    """Seconds for the find of vLLM's docs over root; `timeout` when it did not finish."""
+    _code, _out, _err, wall, killed = run_watched(find_command(root), timeout, None, cwd)
     return timeout if killed else wall
 
 
@@ -285,7 +292,7 @@ def summarize_counts(counts: dict[str, int]) -> tuple[int, int, int, int]:
 
 
 def report_strace(
-    python: str, layout: Layout, workers: Sequence[Worker], find_timeout: float
+    python: str, layout: Layout, workers: Sequence[Worker], args: argparse.Namespace
 ) -> None:
     problem = strace_problem()
     if problem is not None:
@@ -314,7 +321,9 @@ def report_strace(
         }
     started = time.perf_counter()
     find = summarize_counts(
-        strace_counts(FIND_COMMAND, dict(os.environ), layout.root, find_timeout * 4)
+        strace_counts(
+            find_command(args.find_root), dict(os.environ), layout.root, args.find_timeout * 4
+        )
     )
     elapsed = time.perf_counter() - started
     print(
@@ -334,6 +343,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--files", type=int, default=100_000, help="files in the big directory")
     parser.add_argument(
         "--find-timeout", type=float, default=120.0, help="bound on each find, seconds"
+    )
+    parser.add_argument(
+        "--find-root", default="/", help="the directory find searches (default /, as vLLM's docs)"
     )
     parser.add_argument("--no-find", action="store_true", help="skip the find comparison")
     parser.add_argument("--no-strace", action="store_true", help="skip the syscall counts")
@@ -359,7 +371,7 @@ def measure(
     origins: dict[str, object] = {}
     for round_index, key in interleaved(keys, args.rounds + 1):
         if key == "find":
-            seconds = run_find(args.find_timeout, layout.root)
+            seconds = run_find(args.find_root, args.find_timeout, layout.root)
             in_process, whole = seconds, seconds
         else:
             worker = next(w for w in workers if w[0] == key)
@@ -395,7 +407,7 @@ def bench(arguments: Sequence[str]) -> None:
             capped = " (hit the timeout)" if max(plan["find"]) >= args.find_timeout else ""
             print(
                 f"{'find':<8} {q2 * 1e3:9.1f} {q1 * 1e3:8.1f}-{q3 * 1e3:<8.1f} {q2 * 1e3:10.1f}"
-                f"  {shlex.join(FIND_COMMAND)}{capped}"
+                f"  {shlex.join(find_command(args.find_root))}{capped}"
             )
         base = statistics.median(plan["base"])
         print()
@@ -408,7 +420,7 @@ def bench(arguments: Sequence[str]) -> None:
             what = "find / planning process"
             print(ratio_line("find/base-process", what, find / base_wall, 1))
         if not args.no_strace:
-            report_strace(args.python, layout, workers, args.find_timeout)
+            report_strace(args.python, layout, workers, args)
     print("\n" + rerun_line("bench_discovery.py", arguments))
 
 

@@ -187,7 +187,8 @@ def tree_cpu(server: Server) -> dict[str, float]:
     for pid in process_tree(server.process.pid):
         try:
             title = command_line(pid)
-            with open(f"/proc/{pid}/stat", encoding="utf-8") as stream:
+            # The name in parentheses is any process's own: only what follows is read.
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as stream:
                 fields = stream.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue

@@ -132,7 +132,7 @@ def test_a_process_not_served_by_its_runtime_is_a_problem(tmp_path: Path) -> Non
     """A "libiomp5" that is no OpenMP runtime (the C library): libgomp serves the process."""
     libc = next(
         line.split()[-1]
-        for line in Path("/proc/self/maps").read_text().splitlines()
+        for line in os.fsdecode(Path("/proc/self/maps").read_bytes()).splitlines()
         if Path(line.split()[-1]).name.startswith("libc.so")
     )
     # The later --rounds wins over run_bench's.

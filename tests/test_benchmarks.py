@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,22 @@ def test_bench_discovery_prints_its_ratios() -> None:
         line = f"ratio {key}/base"
         assert line in output
     assert "strace" in output  # the syscall table, or the reason it was skipped
+
+
+def test_the_discovery_benchmarks_find_reads_any_file_name(tmp_path: Path) -> None:
+    """find prints whatever names a host holds: one with the byte 0xff (any user may make
+    one under /) is read back as os.fsdecode reads it, never a UnicodeDecodeError (the bench
+    tier's run above failed so on such a host). Here find searches only what the test made."""
+    discovery = load_script("bench_discovery.py")
+    odd = os.fsencode(tmp_path / "lib") + b"\xff"
+    os.mkdir(odd)
+    os.close(os.open(odd + b"/libiomp5.so", os.O_CREAT | os.O_WRONLY, 0o644))
+    command = discovery.find_command(str(tmp_path))
+    code, out, err, _wall, killed = discovery.run_watched(command, 60, None, tmp_path)
+    assert (code, err, killed) == (0, "", False)
+    assert [os.fsencode(line) for line in out.splitlines()] == [odd + b"/libiomp5.so"]
+    # The step the benchmark times: it finished (60, the bound, is what a killed find reads).
+    assert discovery.run_find(str(tmp_path), 60, tmp_path) < 60
 
 
 @pytest.mark.real_vllm

@@ -382,6 +382,7 @@ def test_plugin_volume_recipe_shares_one_volume_and_leaves_the_image_alone() -> 
     assert vllm["command"] == ["/opt/vllm/bin/vllm"] and vllm["args"][0] == "serve"
 
 
+@pytest.mark.installers  # `python -m build`: pip installs the backend into a fresh env
 def test_the_wheel_fits_the_recipes_configmap(tmp_path: Path) -> None:
     """The ConfigMap the recipe's `kubectl create configmap --from-file=WHEEL` line makes
     (a non-UTF-8 file goes to binaryData) validates and stays under Kubernetes' 1 MiB, and

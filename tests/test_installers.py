@@ -88,10 +88,12 @@ def test_each_installer_gets_its_own_library_chosen_and_mapped(
     assert record["argv"] == SD
 
 
-# Reads the maps of the process the launcher execs: which libiomp5 the loader mapped.
+# Reads the maps of the process the launcher execs: which libiomp5 the loader mapped. The
+# maps name the host's files too, whatever bytes their names hold: read as bytes.
 MAPPED_IOMP = """\
-paths = {line.split()[-1] for line in open("/proc/self/maps") if "libiomp5" in line}
-print(*sorted(paths))
+import os
+maps = open("/proc/self/maps", "rb").read().splitlines()
+print(*sorted({os.fsdecode(line.split()[-1]) for line in maps if b"libiomp5" in line}))
 """
 
 

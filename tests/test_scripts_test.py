@@ -12,8 +12,10 @@ from pathlib import Path
 from .conftest import REPO
 
 SCRIPT = REPO / "scripts" / "test"
-# One quick test that is system_host: both of the quick run's sessions run it.
+# One quick test that is system_host: both of the quick run's sessions run it. Its module
+# is named too, so that each session collects that module, not the whole suite.
 ONE_TEST = "test_a_deprecated_variable_name_is_read_and_said_once"
+ONE_MODULE = "tests/test_cli.py"
 
 
 def developer_environ(venv: Path) -> dict[str, str]:
@@ -63,11 +65,13 @@ def linked_venv(root: Path) -> Path:
 
 
 def test_each_pytest_session_of_the_quick_run_is_said_before_it_runs(tmp_path: Path) -> None:
-    """Once two pytest sessions with no word of what each covers."""
+    """Once two pytest sessions with no word of what each covers. Where the developer's
+    shell says PYTHONDONTWRITEBYTECODE, the bytecode still goes to the venv (not the tree):
+    the launchers' and pytest's rewritten test modules."""
     venv = linked_venv(tmp_path / "venv")
     result = subprocess.run(
-        [str(SCRIPT), "--quick", "-k", ONE_TEST, "-p", "no:cacheprovider", "-n", "0"],
-        env=developer_environ(venv),
+        [str(SCRIPT), "--quick", ONE_MODULE, "-k", ONE_TEST, "-p", "no:cacheprovider", "-n", "0"],
+        env={**developer_environ(venv), "PYTHONDONTWRITEBYTECODE": "1"},
         capture_output=True,
         text=True,
         timeout=600,
@@ -87,3 +91,6 @@ def test_each_pytest_session_of_the_quick_run_is_said_before_it_runs(tmp_path: P
     first, second = (result.stdout.index(line) for line in said)
     assert len(summaries) == 2 and first < summaries[0] < second < summaries[1]
     assert "creating the test venv" not in result.stdout  # it exists: nothing is made
+    cache = venv / "pycache"
+    assert list(cache.rglob("vllm_cpu_launch/cli.*.pyc")), "no launcher bytecode in the venv"
+    assert list(cache.rglob("tests/test_cli.*-pytest-*.pyc")), "no rewritten test module"
