@@ -316,6 +316,110 @@ def test_root_without_the_capability_is_not_told_to_run_as_root(
     assert fixed.returncode == 0, fixed.stderr
 
 
+# A tree as uid 65534 whose child (forked: the interpreter may be closed to a second exec
+# as that user) closes itself: PR_SET_DUMPABLE (4) 0, as a setuid program's process is,
+# hands its /proc files to root.
+UNDUMPABLE_TREE = """\
+import ctypes, os, time
+read, write = os.pipe()
+child = os.fork()
+if child == 0:
+    assert ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) == 0
+    os.write(write, b"x")
+    time.sleep(600)
+    os._exit(0)
+assert os.read(read, 1) == b"x"
+print("ready", child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_descendant_closed_to_verify_is_said_unreadable_and_the_rest_is_read(
+    tmp_path: Path, nobody_launcher: list[str]
+) -> None:
+    """verify, as the user vLLM runs as, reads PID and says why the undumpable child is
+    closed to it, not "run verify as the user vLLM runs as" (it does) with exit 2; PID
+    itself undumpable is still exit 2, with those words."""
+    tree = subprocess.Popen(
+        [*AS_NOBODY, nobody_launcher[0], "-c", UNDUMPABLE_TREE],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd="/",
+    )
+    try:
+        assert tree.stdout is not None
+        words = tree.stdout.readline().split()
+        assert words[:1] == ["ready"], words
+        child = int(words[1])
+        as_nobody = [*AS_NOBODY, *nobody_launcher]
+        result = run_launcher(["verify", "--json", str(tree.pid)], NOBODY_ENVIRON, as_nobody)
+        assert result.returncode == 0, result.stderr
+        processes = by_pid(json.loads(result.stdout))
+        assert processes[tree.pid]["reason"] == "no OpenMP runtime loaded yet"  # read
+        closed = processes[child]
+        assert closed["verdict"] == "unreadable" and closed["ppid"] == tree.pid
+        undumpable = (
+            f"cannot read /proc/{child} (maps, environ): permission denied: process {child} "
+            "(uid 65534) made itself undumpable (PR_SET_DUMPABLE 0"
+        )
+        assert closed["reason"].startswith(undumpable), closed["reason"]
+        assert closed["reason"].endswith("root with CAP_SYS_PTRACE; run verify as root")
+        text = run_launcher(["verify", str(tree.pid)], NOBODY_ENVIRON, as_nobody).stdout
+        assert text.endswith("ok: 1 process judged, 1 checked, 1 unreadable\n"), text
+        direct = run_launcher(["verify", str(child)], NOBODY_ENVIRON, as_nobody)
+        assert direct.returncode == 2 and direct.stderr.count("\n") == 1
+        assert undumpable in direct.stderr and "runs as (uid" not in direct.stderr
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)  # the tree this test started, by its id
+        tree.wait()
+
+
+NOBODY_ENVIRON = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def test_root_is_not_told_a_root_process_is_another_users(nobody_launcher: list[str]) -> None:
+    """Root without CAP_SYS_PTRACE (Docker's capabilities) and a root process holding more:
+    the kernel refuses, and the words say why, not "another user's process ... (uid 0)"."""
+    with open("/proc/self/status") as stream:
+        effective = next(line for line in stream if line.startswith("CapEff:")).split()[1]
+    if not int(effective, 16) >> 21 & 1:  # CAP_SYS_ADMIN: one the dropped verify lacks
+        pytest.skip("this root holds no capability beyond Docker's default set")
+    drop = ["setpriv", f"--bounding-set=-all,{DOCKER_CAPABILITIES}", "--inh-caps=-all"]
+    vllm = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        result = run_launcher(["verify", str(vllm.pid)], NOBODY_ENVIRON, [*drop, *nobody_launcher])
+    finally:
+        os.killpg(vllm.pid, signal.SIGKILL)  # the process this test started, by its id
+        vllm.wait()
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+    assert (
+        f"permission denied although verify runs as root, as process {vllm.pid} does: either "
+        "it holds capabilities verify lacks or it made itself undumpable"
+    ) in result.stderr
+    assert result.stderr.rstrip().endswith("; run verify with CAP_SYS_PTRACE")
+    assert "another user's" not in result.stderr
+
+
+def test_a_kernel_thread_is_said_to_be_one_not_to_have_exited(tmp_path: Path) -> None:
+    """A kernel thread (kthreadd is PID 2 on a host) has no memory to read: no program."""
+    for entry in sorted(os.listdir("/proc"), key=lambda name: (len(name), name)):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = (Path("/proc") / entry / "stat").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rpartition(b")")[2].split()[6]) & 0x00200000:  # PF_KTHREAD
+            break
+    else:
+        pytest.skip("no kernel thread visible in this PID namespace (a container's)")
+    result = verify(tmp_path, entry)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+    assert f"verify: process {entry} (" in result.stderr
+    assert ") is a kernel thread, which runs no program: give vLLM's PID" in result.stderr
+
+
 def test_help(tmp_path: Path) -> None:
     result = verify(tmp_path, "--help")
     assert result.returncode == 0 and "usage: vllm-cpu-launch verify" in result.stdout

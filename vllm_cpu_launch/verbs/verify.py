@@ -45,6 +45,7 @@ class Judgement(StrEnum):
     PROBLEM = "problem"
     SKIPPED = "skipped"
     REPORTED = "reported"  # runs no model code: shown, not judged
+    UNREADABLE = "unreadable"  # a descendant closed to verify: said why, not judged
 
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -64,7 +65,7 @@ judges the processes that run the model (engine cores and workers, else PID and 
 children) and reports the others. Exit 1 when SD is requested and a judged process is
 served by libgomp, or PID has loaded no OpenMP runtime yet, and no plan chose that (the
 mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's environment or config files), else 0;
-2 when PID cannot be found or read (run as vLLM's user).
+2 when PID cannot be found or read (the message says why; a descendant is "unreadable").
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
@@ -199,19 +200,58 @@ def role_of(cmdline: Sequence[str], is_root: bool) -> str:
     return "api-server" if serves or "vllm.entrypoints.openai.api_server" in cmdline else "main"
 
 
+PF_KTHREAD = 0x00200000  # /proc/PID/stat's flags: a kernel thread, which runs no program
+CAP_SYS_PTRACE = 19
+
+
+def kernel_thread(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as stream:  # flags: the 7th field after the name
+        return bool(int(stream.read().rpartition(b")")[2].split()[6]) & PF_KTHREAD)
+
+
+def may_ptrace() -> bool:
+    """CAP_SYS_PTRACE among verify's effective capabilities."""
+    with open("/proc/self/status") as stream:
+        effective = next(line for line in stream if line.startswith("CapEff:"))
+    return bool(int(effective.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+
+
 def permission_denied(pid: int) -> str:
-    """As root, a missing capability (containers drop CAP_SYS_PTRACE), not a missing root."""
+    """Why /proc/PID is closed to verify, true of this case (the kernel's ptrace check), and
+    the fix: another user's; undumpable (its files then belong to root); as root, a process
+    with capabilities verify lacks (containers drop CAP_SYS_PTRACE)."""
+    problem = f"cannot read /proc/{pid} (maps, environ): permission denied"
     try:
-        owner = f"uid {os.stat(f'/proc/{pid}').st_uid}"
-    except OSError:
-        owner = "its user"
-    problem = f"verify: cannot read /proc/{pid} (maps, environ): permission denied"
-    advice = f"run verify as the user vLLM runs as ({owner})"
-    if os.geteuid() != 0:
+        uid = psutil.Process(pid).uids().real
+        undumpable = os.stat(f"/proc/{pid}/maps").st_uid != uid
+    except (OSError, psutil.Error):
+        return f"{problem}; run verify as the user vLLM runs as, or as root"
+    root = os.geteuid() == 0
+    if undumpable:
+        fix = "" if root else "; run verify as root"
+        return (
+            f"{problem}: process {pid} (uid {uid}) made itself undumpable (PR_SET_DUMPABLE 0, "
+            f"or it runs a setuid or file-capability program), which closes it to all but "
+            f"root with CAP_SYS_PTRACE{fix}"
+        )
+    advice = f"run verify as the user vLLM runs as (uid {uid})"
+    if not root:
         return f"{problem}; {advice}, or as root"
+    if uid != 0:
+        return (
+            f"{problem} although verify runs as root: reading another user's process needs "
+            f"the CAP_SYS_PTRACE capability, which containers drop by default; {advice}"
+        )
+    if may_ptrace():
+        return (
+            f"{problem} although verify runs as root with CAP_SYS_PTRACE, and process {pid} "
+            "as root too: a policy past users and capabilities refuses it (a security "
+            "module, or the kernel's own)"
+        )
     return (
-        f"{problem} although verify runs as root: reading another user's process needs the "
-        f"CAP_SYS_PTRACE capability, which containers drop by default; {advice}"
+        f"{problem} although verify runs as root, as process {pid} does: either it holds "
+        "capabilities verify lacks or it made itself undumpable, and reading it then needs "
+        "CAP_SYS_PTRACE, which containers drop by default; run verify with CAP_SYS_PTRACE"
     )
 
 
@@ -242,30 +282,36 @@ class Seen:
     speculative: bool
     link_map: LinkMap
     inherited: dict[str, Any] | None = None  # {from_pid, env}, where vLLM renamed it
+    unreadable: str | None = None  # why its maps and environ are closed to verify
 
 
 def seen_of(
     process: psutil.Process, root: int, request: SpeculativeRequest
 ) -> tuple[Seen, dict[str, str]] | None:
-    """What verify reads of one process, and its whole environ; None if it is gone."""
+    """What verify reads of one process, and its whole environ; None if it is gone. A
+    descendant closed to verify is said so; PID closed is an error."""
     pid = process.pid
+    unreadable = None
     try:
-        with open(f"/proc/{pid}/maps", "rb") as stream:
-            maps = stream.read().decode("utf-8", "surrogateescape")
-        environment = environment_of(pid)
-        cmdline = process.cmdline()
-        ppid = process.ppid()
+        cmdline, ppid = process.cmdline(), process.ppid()  # open to all users
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as stream:
+                maps = stream.read().decode("utf-8", "surrogateescape")
+            environment = environment_of(pid)
+        except PermissionError:
+            if pid == root:
+                raise LaunchError(EXIT_USAGE, f"verify: {permission_denied(pid)}") from None
+            maps, environment, unreadable = "", {}, permission_denied(pid)
     except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
-    except PermissionError:
-        raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
     wanted = request.requested or (pid != root and speculative_of(cmdline, process).requested)
     inherited = inherited_by(process) if vllm_title(cmdline) is not None else None
     shown = {name: environment[name] for name in VARIABLES if name in environment}
     role = role_of(cmdline, pid == root)
-    seen = Seen(pid, ppid, cmdline, role, maps, shown, wanted, read_link_map(pid), inherited)
+    link_map = LinkMap(None, unreadable) if unreadable else read_link_map(pid)
+    seen = Seen(pid, ppid, cmdline, role, maps, shown, wanted, link_map, inherited, unreadable)
     return seen, environment
 
 
@@ -313,10 +359,17 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
         root = psutil.Process(pid)
         descendants = root.children(recursive=True)
         cmdline = root.cmdline()
-    except (psutil.NoSuchProcess, ValueError, OverflowError):
+        thread = kernel_thread(pid)
+    except (psutil.NoSuchProcess, FileNotFoundError, ValueError, OverflowError):
         raise LaunchError(EXIT_USAGE, f"verify: no process with PID {pid}") from None
     except psutil.AccessDenied:
-        raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
+        raise LaunchError(EXIT_USAGE, f"verify: {permission_denied(pid)}") from None
+    if thread:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"verify: process {pid} ({root.name()}) is a kernel thread, which runs no program: "
+            "give vLLM's PID (systemctl show -p MainPID --value UNIT)",
+        )
     given = SpeculativeRequest(True, "--speculative, given to verify")
     request = given if speculative else speculative_of(cmdline, root)
     read = seen_of(root, pid, request)
@@ -354,7 +407,9 @@ def assemble(
     processes = []
     for one in seen:
         mapped, runtimes, serves, how = load_order(one.link_map, one.maps)
-        if split and one.role not in MODEL_ROLES.values():
+        if one.unreadable:
+            verdict, reason = Judgement.UNREADABLE, one.unreadable
+        elif split and one.role not in MODEL_ROLES.values():
             runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
             verdict, reason = Judgement.REPORTED, f"{runs}; runs no model code, so not judged"
         else:
@@ -401,6 +456,8 @@ NOBIND = f"{BIND}=nobind"
 
 def environment_entry(one: Seen, serves: Runtime | None) -> dict[str, Any]:
     """Where vLLM's title overwrote environ: what was inherited, and what vLLM wrote over it."""
+    if one.unreadable:
+        return {"readable": False, "why": one.unreadable, "inherited": one.inherited}
     if vllm_title(one.cmdline) is None:
         return {"readable": True}
     why = (
@@ -449,7 +506,8 @@ def verify_as_text(report: dict[str, Any]) -> str:
         command = shortened(shlex.join(process["cmdline"])) or "?"
         role = f"{process['role']} (parent {process['ppid']})"
         lines.append(f"{process['pid']:>7}  {process['verdict']:<8} {role}: {command}")
-        lines.extend(f"{'':>9}{line}" for line in [process["reason"], *process_lines(process)])
+        more = process_lines(process) if process["verdict"] != Judgement.UNREADABLE else []
+        lines.extend(f"{'':>9}{line}" for line in [process["reason"], *more])
     inside = report["inside"]
     if inside["read"]:
         lines.append(f"read from inside: the plugin's series on {inside['url']}")
@@ -459,8 +517,8 @@ def verify_as_text(report: dict[str, Any]) -> str:
         why = "the plugin is not installed, or /metrics unreachable"
         lines.append(f"no inside reading from {inside['url']} ({why})")
     verdicts = [process["verdict"] for process in report["processes"]]
-    problems = verdicts.count(Judgement.PROBLEM)
-    judged = len(verdicts) - verdicts.count(Judgement.REPORTED)
+    problems, unread = verdicts.count(Judgement.PROBLEM), verdicts.count(Judgement.UNREADABLE)
+    judged = len(verdicts) - verdicts.count(Judgement.REPORTED) - unread
     if problems:
         lacks = "process lacks" if judged == 1 else "processes lack"
         lines.append(
@@ -470,7 +528,8 @@ def verify_as_text(report: dict[str, Any]) -> str:
         )
     else:
         noun = "process" if judged == 1 else "processes"
-        lines.append(f"ok: {judged} {noun} judged, {len(verdicts)} checked")
+        unreadable = f", {unread} unreadable" if unread else ""
+        lines.append(f"ok: {judged} {noun} judged, {len(verdicts) - unread} checked{unreadable}")
     return "\n".join(lines)
 
 
