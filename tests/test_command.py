@@ -14,7 +14,14 @@ from typing import Any
 
 import pytest
 
-from vllm_cpu_launch.command import REFUSALS, SPECULATIVE_SOURCE, detect, model_of, single_worker
+from vllm_cpu_launch.command import (
+    REFUSALS,
+    SPECULATIVE_SOURCE,
+    detect,
+    listen_address,
+    model_of,
+    single_worker,
+)
 from vllm_cpu_launch.rules import BOUND_WORKERS_SOURCE
 
 from .conftest import REPO, clean_environ, read_record, run_launcher
@@ -133,6 +140,21 @@ def test_config_file_not_requested(tmp_path: Path, text: str) -> None:
     result = detect(["serve", "m", "--config", write(tmp_path, text)])
     assert not result.requested
     assert result.note is None
+
+
+def test_listen_address_is_read_from_the_config_file_then_the_command_line(
+    tmp_path: Path,
+) -> None:
+    """Where `vllm serve` listens, as verify asks it: the file first, the last wins."""
+    path = write(tmp_path, "port: 8123\nhost: 0.0.0.0\nuds: /run/vllm.sock\n")
+    assert listen_address(["serve", "m", "--config", path]) == {
+        "--port": "8123",
+        "--host": "0.0.0.0",
+        "--uds": "/run/vllm.sock",
+    }
+    argv = ["serve", "m", "--config", path, "--port=9000", "--uds", "vllm.sock"]
+    assert listen_address(argv) == {"--port": "9000", "--host": "0.0.0.0", "--uds": "vllm.sock"}
+    assert listen_address(["serve", "m", "--portal", "1", "--", "--port", "2"]) == {}
 
 
 def test_command_line_wins_over_config_file(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ wheel's real libiomp5.so, LLVM's the real libomp.so.5 of Debian's libomp5-14.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -206,35 +207,60 @@ int main(void) { puts("ready"); fflush(stdout); sleep(600); return 0; }
 """
 
 
-def test_where_no_link_map_exists_verify_says_so_and_names_no_server(tmp_path: Path) -> None:
-    """A statically linked program has no dynamic section: verify says the load order is
-    unreadable and why, lists the runtimes in map order, and names none as serving."""
+def built_static(tmp_path: Path, how: str) -> Path:
+    """SLEEPER_C built with `gcc HOW` (-static, -static-pie); skips where no static libc is."""
     source = tmp_path / "sleeper.c"
     source.write_text(SLEEPER_C)
     program = tmp_path / "sleeper"
     built = subprocess.run(
-        ["gcc", "-static", "-o", str(program), str(source)],
+        ["gcc", how, "-o", str(program), str(source)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     if built.returncode != 0:
-        pytest.skip(f"gcc -static failed (no static libc here): {built.stderr.strip()}")
+        pytest.skip(f"gcc {how} failed (no static libc here): {built.stderr.strip()}")
+    return program
+
+
+@contextlib.contextmanager
+def sleeping(program: Path) -> Iterator[int]:
+    """PROGRAM running until the block ends; its PID once it said "ready"."""
     process = subprocess.Popen(
         [str(program)], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
-        link_map = read_link_map(process.pid)
+        yield process.pid
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the process this test started, by its id
+        process.wait()
+
+
+def test_where_no_link_map_exists_verify_says_so_and_names_no_server(tmp_path: Path) -> None:
+    """A statically linked program has no dynamic section: verify says the load order is
+    unreadable and why, lists the runtimes in map order, and names none as serving."""
+    with sleeping(built_static(tmp_path, "-static")) as pid:
+        link_map = read_link_map(pid)
         assert link_map == LinkMap(None, "a statically linked program (no PT_DYNAMIC)")
-        code, seen = verify_speculative(tmp_path, process.pid)
+        code, seen = verify_speculative(tmp_path, pid)
         assert seen["serves"] is None and seen["load_order"] == []
         assert seen["order"] == (
             "load order unreadable: a statically linked program (no PT_DYNAMIC); in "
             "/proc/PID/maps (address) order, which does not say which serves"
         )
         assert code == 1  # SD asked, no runtime loaded and none preloaded: as before
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # the process this test started, by its id
-        process.wait()
+
+
+def test_a_static_pie_programs_link_map_is_read(tmp_path: Path) -> None:
+    """-static-pie: a dynamic section and glibc's own link map, but no PT_PHDR, whose
+    absence once left the load bias 0 and the read at EIO ("[Errno 5] Input/output error").
+    The bias comes from the entry point: the program is first in the map, no runtime in it."""
+    with sleeping(built_static(tmp_path, "-static-pie")) as pid:
+        link_map = read_link_map(pid)
+        assert link_map.objects is not None, link_map.unreadable
+        assert link_map.objects[0][1] == ""
+        code, seen = verify_speculative(tmp_path, pid)
+        assert seen["order"] == "in load order (the link map, as pldd reads it)"
+        assert seen["load_order"] == [] and code == 1

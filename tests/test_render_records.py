@@ -490,8 +490,13 @@ def verify_reports(draw: st.DrawFn) -> dict[str, Any]:
         if renamed is not None and draw(st.booleans()):
             inherited_env = draw(st.dictionaries(st.sampled_from(verify.VARIABLES), TEXT))
             inherited = {"from_pid": draw(st.integers(1, 2**22)), "env": inherited_env}
+        unreadable = draw(st.none() | TEXT) if index > 0 else None  # a closed descendant
+        if unreadable is not None:
+            maps, environment, link_map, inherited = "", {}, LinkMap(None, unreadable), None
         seen.append(
-            verify.Seen(pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited)
+            verify.Seen(
+                pid, ppid, cmdline, role, maps, environment, wanted, link_map, inherited, unreadable
+            )
         )
     return verify.assemble(pids[0], request, seen, None, draw(insides(pids)))
 
@@ -503,15 +508,17 @@ INSIDE_LABELS = ("role", "runtime", "library", "blocktime_ms", "threads", "bind"
 def insides(draw: st.DrawFn, pids: list[int]) -> verify.Inside:
     """What /metrics said: nothing, or the plugin's series for some of the processes."""
     url = draw(st.none() | TEXT)
-    if url is None or draw(st.booleans()):
-        return url, None
+    if url is None:
+        return verify.NO_API_SERVER
+    if draw(st.booleans()):
+        return url, None, draw(TEXT)
     readings = {}
     for pid in draw(st.lists(st.sampled_from(pids), min_size=1, unique=True)):
         labels = {
             name: draw(st.sampled_from(["intel", "none", ""]) | TEXT) for name in INSIDE_LABELS
         }
         readings[pid] = {"pid": str(pid), **labels}
-    return url, readings
+    return url, readings, None
 
 
 @EXAMPLES

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +30,8 @@ GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
 TREE = """\
 import ctypes, json, os, subprocess, sys, time
+if "LISTEN_FD" in os.environ or "LISTEN_UDS" in os.environ:
+    exec(os.environ["LISTEN"])
 CHILD = '''
 import ctypes, os, sys, time
 if os.environ.get("LOAD_LATE"):
@@ -62,6 +65,43 @@ time.sleep(600)
 """
 
 
+# The root as vLLM's API server: it listens on the socket the test bound (LISTEN_FD) or
+# on a unix socket (LISTEN_UDS) and answers GET /metrics with the file METRICS, read at
+# each request; with DRIP, a byte a second for ever.
+LISTEN = """\
+import http.server, socket, threading
+class Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        try:
+            if os.environ.get("DRIP"):
+                self.wfile.write(b"HTTP/1.0 200 OK\\r\\n\\r\\n")
+                while True:
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                    time.sleep(1)
+            with open(os.environ["METRICS"], "rb") as stream:
+                body = stream.read()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass
+    def log_message(self, *args):
+        pass
+if "LISTEN_FD" in os.environ:
+    listener = socket.socket(fileno=int(os.environ.pop("LISTEN_FD")))
+else:
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(os.environ.pop("LISTEN_UDS"))
+listener.listen()
+server = http.server.ThreadingHTTPServer(("", 0), Metrics, bind_and_activate=False)
+server.socket.close()
+server.socket = listener
+threading.Thread(target=server.serve_forever, daemon=True).start()
+"""
+
+
 @pytest.fixture
 def gomp() -> str:
     if not os.path.exists(GOMP):
@@ -81,9 +121,13 @@ def start_tree(tmp_path: Path) -> Iterator[Callable[..., list[int]]]:
         args: list[str],
         children: list[dict[str, Any]],
         cwd: Path | None = None,
+        listen: socket.socket | None = None,
         **environ: str | None,
     ) -> list[int]:
-        env = clean_environ(tmp_path, CHILDREN=json.dumps(children))
+        """`listen`: a bound socket the root listens on, as vLLM's API server."""
+        env = clean_environ(tmp_path, CHILDREN=json.dumps(children), LISTEN=LISTEN)
+        if listen is not None:
+            env["LISTEN_FD"] = str(listen.fileno())
         for key, value in environ.items():
             if value is None:
                 env.pop(key, None)
@@ -96,6 +140,7 @@ def start_tree(tmp_path: Path) -> Iterator[Callable[..., list[int]]]:
             text=True,
             start_new_session=True,
             cwd=cwd,
+            pass_fds=() if listen is None else (listen.fileno(),),
         )
         started.append(process)
         assert process.stdout is not None
@@ -314,6 +359,110 @@ def test_root_without_the_capability_is_not_told_to_run_as_root(
     # What the message says works: the same verify as vLLM's user reads it.
     fixed = verify_nobodys_process([*AS_NOBODY, *nobody_launcher])
     assert fixed.returncode == 0, fixed.stderr
+
+
+# A tree as uid 65534 whose child (forked: the interpreter may be closed to a second exec
+# as that user) closes itself: PR_SET_DUMPABLE (4) 0, as a setuid program's process is,
+# hands its /proc files to root.
+UNDUMPABLE_TREE = """\
+import ctypes, os, time
+read, write = os.pipe()
+child = os.fork()
+if child == 0:
+    assert ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) == 0
+    os.write(write, b"x")
+    time.sleep(600)
+    os._exit(0)
+assert os.read(read, 1) == b"x"
+print("ready", child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_descendant_closed_to_verify_is_said_unreadable_and_the_rest_is_read(
+    tmp_path: Path, nobody_launcher: list[str]
+) -> None:
+    """verify, as the user vLLM runs as, reads PID and says why the undumpable child is
+    closed to it, not "run verify as the user vLLM runs as" (it does) with exit 2; PID
+    itself undumpable is still exit 2, with those words."""
+    tree = subprocess.Popen(
+        [*AS_NOBODY, nobody_launcher[0], "-c", UNDUMPABLE_TREE],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd="/",
+    )
+    try:
+        assert tree.stdout is not None
+        words = tree.stdout.readline().split()
+        assert words[:1] == ["ready"], words
+        child = int(words[1])
+        as_nobody = [*AS_NOBODY, *nobody_launcher]
+        result = run_launcher(["verify", "--json", str(tree.pid)], NOBODY_ENVIRON, as_nobody)
+        assert result.returncode == 0, result.stderr
+        processes = by_pid(json.loads(result.stdout))
+        assert processes[tree.pid]["reason"] == "no OpenMP runtime loaded yet"  # read
+        closed = processes[child]
+        assert closed["verdict"] == "unreadable" and closed["ppid"] == tree.pid
+        undumpable = (
+            f"cannot read /proc/{child} (maps, environ): permission denied: process {child} "
+            "(uid 65534) made itself undumpable (PR_SET_DUMPABLE 0"
+        )
+        assert closed["reason"].startswith(undumpable), closed["reason"]
+        assert closed["reason"].endswith("root with CAP_SYS_PTRACE; run verify as root")
+        text = run_launcher(["verify", str(tree.pid)], NOBODY_ENVIRON, as_nobody).stdout
+        assert text.endswith("ok: 1 process judged, 1 checked, 1 unreadable\n"), text
+        direct = run_launcher(["verify", str(child)], NOBODY_ENVIRON, as_nobody)
+        assert direct.returncode == 2 and direct.stderr.count("\n") == 1
+        assert undumpable in direct.stderr and "runs as (uid" not in direct.stderr
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)  # the tree this test started, by its id
+        tree.wait()
+
+
+NOBODY_ENVIRON = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def test_root_is_not_told_a_root_process_is_another_users(nobody_launcher: list[str]) -> None:
+    """Root without CAP_SYS_PTRACE (Docker's capabilities) and a root process holding more:
+    the kernel refuses, and the words say why, not "another user's process ... (uid 0)"."""
+    with open("/proc/self/status") as stream:
+        effective = next(line for line in stream if line.startswith("CapEff:")).split()[1]
+    if not int(effective, 16) >> 21 & 1:  # CAP_SYS_ADMIN: one the dropped verify lacks
+        pytest.skip("this root holds no capability beyond Docker's default set")
+    drop = ["setpriv", f"--bounding-set=-all,{DOCKER_CAPABILITIES}", "--inh-caps=-all"]
+    vllm = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        result = run_launcher(["verify", str(vllm.pid)], NOBODY_ENVIRON, [*drop, *nobody_launcher])
+    finally:
+        os.killpg(vllm.pid, signal.SIGKILL)  # the process this test started, by its id
+        vllm.wait()
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+    assert (
+        f"permission denied although verify runs as root, as process {vllm.pid} does: either "
+        "it holds capabilities verify lacks or it made itself undumpable"
+    ) in result.stderr
+    assert result.stderr.rstrip().endswith("; run verify with CAP_SYS_PTRACE")
+    assert "another user's" not in result.stderr
+
+
+def test_a_kernel_thread_is_said_to_be_one_not_to_have_exited(tmp_path: Path) -> None:
+    """A kernel thread (kthreadd is PID 2 on a host) has no memory to read: no program."""
+    for entry in sorted(os.listdir("/proc"), key=lambda name: (len(name), name)):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = (Path("/proc") / entry / "stat").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rpartition(b")")[2].split()[6]) & 0x00200000:  # PF_KTHREAD
+            break
+    else:
+        pytest.skip("no kernel thread visible in this PID namespace (a container's)")
+    result = verify(tmp_path, entry)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+    assert f"verify: process {entry} (" in result.stderr
+    assert ") is a kernel thread, which runs no program: give vLLM's PID" in result.stderr
 
 
 def test_help(tmp_path: Path) -> None:
@@ -600,27 +749,38 @@ def series(**labels: str) -> str:
     return f"vllm_cpu_launch_openmp_info{{{pairs}}} 1.0"
 
 
+def bound_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1, for the tree's root to listen on."""
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    return bound
+
+
 def test_the_plugins_reading_from_inside_is_read_from_metrics_and_shown_per_process(
-    tmp_path: Path,
-    start_tree: Callable[..., list[int]],
-    real_iomp: Path,
-    metrics_server: Callable[[list[str]], int],
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
 ) -> None:
     """verify finds the port on the API server's command line (`--port=N`, `--port N`),
-    reads /metrics, and puts each series beside the process whose pid it names."""
-    body = [""]  # a server without the series first
-    port = metrics_server(body)
-    pids = start_tree([*SERVE_SD, f"--port={port}"], MODEL_CHILDREN, LD_PRELOAD=str(real_iomp))
+    reads /metrics from the socket the server holds, and puts each series beside the
+    process whose pid it names."""
+    metrics = tmp_path / "metrics"
+    metrics.write_text("")  # a server without the series first
+    with bound_port() as bound:
+        port = bound.getsockname()[1]
+        iomp = {"LD_PRELOAD": str(real_iomp), "METRICS": str(metrics)}
+        pids = start_tree([*SERVE_SD, f"--port={port}"], MODEL_CHILDREN, listen=bound, **iomp)
     _, report = verify_json(tmp_path, pids[0])
-    assert report["inside"] == {"url": f"http://127.0.0.1:{port}/metrics", "read": False}
+    assert report["inside"] == {
+        "url": f"http://127.0.0.1:{port}/metrics",
+        "read": False,
+        "why": "no vllm_cpu_launch_openmp_info in it: the plugin is not installed",
+    }
     text = verify(tmp_path, str(pids[0])).stdout
-    note = f"no inside reading from http://127.0.0.1:{port}/metrics (the plugin is not installed"
+    note = f"no inside reading from http://127.0.0.1:{port}/metrics (no vllm_cpu_launch_openmp"
     assert text.count(note) == 1, text
-    pids = start_tree(
-        [*SERVE_SD, "--host", "127.0.0.1", "--port", str(port)],
-        MODEL_CHILDREN,
-        LD_PRELOAD=str(real_iomp),
-    )
+    with bound_port() as bound:
+        port = bound.getsockname()[1]
+        command = [*SERVE_SD, "--host", "127.0.0.1", "--port", str(port)]
+        pids = start_tree(command, MODEL_CHILDREN, listen=bound, **iomp)
     library = "/v/lib/lib iomp5.so"  # a space, and an escaped quote below
     worker = {"role": "worker", "pid": str(pids[2]), "runtime": "intel", "library": library}
     worker |= {"blocktime_ms": "200", "threads": "1", "bind": "nobind"}
@@ -633,9 +793,9 @@ def test_the_plugins_reading_from_inside_is_read_from_metrics_and_shown_per_proc
         series(**engine, bind=""),
         'vllm_other_metric{pid="1"} 2.0',
     ]
-    body.append("\n".join(lines) + "\n")
+    metrics.write_text("\n".join(lines) + "\n")
     _, report = verify_json(tmp_path, pids[0])
-    assert report["inside"]["read"] is True
+    assert report["inside"]["read"] is True and report["inside"]["why"] is None
     processes = by_pid(report)
     assert processes[pids[2]]["inside"] == worker
     assert processes[pids[1]]["inside"]["library"] == '/x/"q"/libgomp.so.1'
@@ -648,12 +808,109 @@ def test_the_plugins_reading_from_inside_is_read_from_metrics_and_shown_per_proc
     assert "no inside reading" not in text
 
 
+def test_a_listener_not_of_the_tree_is_not_read(
+    tmp_path: Path,
+    start_tree: Callable[..., list[int]],
+    real_iomp: Path,
+    metrics_server: Callable[[list[str]], int],
+) -> None:
+    """Whoever else listens on vLLM's port supplies no "read from inside" lines: the
+    socket must be one a process of the tree holds."""
+    forged = [""]
+    port = metrics_server(forged)
+    pids = start_tree([*SERVE_SD, "--port", str(port)], [], LD_PRELOAD=str(real_iomp))
+    forged.append(series(pid=str(pids[0]), runtime="intel", blocktime_ms="200", threads="2"))
+    _, report = verify_json(tmp_path, pids[0])
+    assert report["inside"]["read"] is False and by_pid(report)[pids[0]]["inside"] is None
+    assert report["inside"]["why"] == (
+        f"no process of this tree listens on port {port}; verify reads /metrics only from "
+        "a socket vLLM holds"
+    )
+    text = verify(tmp_path, str(pids[0])).stdout
+    assert "read from inside" not in text
+    assert text.count(f"no inside reading from http://127.0.0.1:{port}/metrics (no process") == 1
+
+
+def test_the_port_in_the_vllm_config_file_is_the_one_read(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """`--config FILE` (from vLLM's working directory) gives the port as the plan reads it."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    metrics = tmp_path / "metrics"
+    metrics.write_text("")
+    with bound_port() as bound:
+        port = bound.getsockname()[1]
+        (workdir / "serve.yaml").write_text(f"host: 127.0.0.1\nport: {port}\n")
+        command = [*SERVE_SD, "--config", "serve.yaml"]
+        pids = start_tree(
+            command, [], cwd=workdir, listen=bound, LD_PRELOAD=str(real_iomp), METRICS=str(metrics)
+        )
+    metrics.write_text(series(role="api-server", pid=str(pids[0]), runtime="intel") + "\n")
+    _, report = verify_json(tmp_path, pids[0])
+    assert report["inside"] == {
+        "url": f"http://127.0.0.1:{port}/metrics",
+        "read": True,
+        "why": None,
+    }
+    assert by_pid(report)[pids[0]]["inside"]["runtime"] == "intel"
+
+
+def test_uds_is_read_only_where_the_tree_listens_on_it(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """`--uds PATH` (relative to vLLM's working directory): the socket there, if the
+    process that listens on it is of the tree; another's is not read."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    metrics = tmp_path / "metrics"
+    path = workdir / "vllm.sock"
+    environ = {"LD_PRELOAD": str(real_iomp), "METRICS": str(metrics), "LISTEN_UDS": str(path)}
+    pids = start_tree([*SERVE_SD, "--uds", "vllm.sock"], [], cwd=workdir, **environ)
+    metrics.write_text(series(role="api-server", pid=str(pids[0]), runtime="intel") + "\n")
+    _, report = verify_json(tmp_path, pids[0])
+    url = f"http://localhost/metrics on unix socket {path}"
+    assert report["inside"] == {"url": url, "read": True, "why": None}
+    text = verify(tmp_path, str(pids[0])).stdout
+    assert f"read from inside: the plugin's series on {url}" in text
+    with socket.socket(socket.AF_UNIX) as foreign:
+        foreign.bind(str(workdir / "other.sock"))
+        foreign.listen()
+        pids = start_tree([*SERVE_SD, "--uds", "other.sock"], [], cwd=workdir)
+        _, report = verify_json(tmp_path, pids[0])
+    why = f"process {os.getpid()}, not one of this tree, listens on {workdir / 'other.sock'}"
+    assert report["inside"]["read"] is False and report["inside"]["why"] == why
+
+
+def test_a_server_that_drips_its_answer_is_left_at_the_deadline(
+    tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
+) -> None:
+    """A byte a second, for ever: verify's one deadline covers the whole request (each
+    read's own timeout never ran out). The subprocess timeout only bounds a hang."""
+    with bound_port() as bound:
+        port = bound.getsockname()[1]
+        pids = start_tree(
+            [*SERVE_SD, "--port", str(port)], [], listen=bound, LD_PRELOAD=str(real_iomp), DRIP="1"
+        )
+    result = subprocess.run(
+        [*LAUNCHER, "verify", str(pids[0])],
+        env=clean_environ(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    note = f"no inside reading from http://127.0.0.1:{port}/metrics (no whole answer within 5 s)"
+    assert result.stdout.count("no inside reading") == 1 and note in result.stdout
+
+
 def test_without_a_server_there_is_one_note_not_an_error(
     tmp_path: Path, start_tree: Callable[..., list[int]], real_iomp: Path
 ) -> None:
-    """vLLM's default port, nothing listening there (or the plugin not installed)."""
+    """vLLM's default port, nothing of the tree listening there."""
     pids = start_tree(SERVE_SD, MODEL_CHILDREN, LD_PRELOAD=str(real_iomp))
     result = verify(tmp_path, str(pids[0]))
     assert result.returncode == 0 and result.stderr == ""
-    note = "no inside reading from http://127.0.0.1:8000/metrics (the plugin is not installed, "
-    assert result.stdout.count(note + "or /metrics unreachable)") == 1
+    note = "no inside reading from http://127.0.0.1:8000/metrics (no process of this tree "
+    assert result.stdout.count(note + "listens on port 8000;") == 1

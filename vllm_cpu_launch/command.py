@@ -386,6 +386,16 @@ def model_of(argv: Sequence[str]) -> str | None:
     return next((model for model in reversed(models) if model), None)
 
 
+# Where `vllm serve` listens (vllm/entrypoints/openai/cli_args.py): `--uds PATH` over
+# `--host`/`--port` (8000). Whole names only, as verify always read them.
+LISTEN_OPTIONS = tuple(Option(name, name) for name in ("--host", "--port", "--uds"))
+
+
+def listen_address(argv: Sequence[str]) -> dict[str, str]:
+    """`--host`, `--port`, `--uds` as vLLM reads them, its --config file first (the last wins)."""
+    return {item.option: item.value for item in occurrences(argv, LISTEN_OPTIONS)[0] if item.value}
+
+
 def detect(argv: Sequence[str]) -> SpeculativeRequest:
     """SD requested by the command line (subcommand first), its --config, or the model?"""
     found, problem = occurrences(argv, SD_OPTIONS)

@@ -1,10 +1,11 @@
 """A running process's link map, in load order, read as glibc's `pldd` reads it.
 
 /proc/PID/maps lists files by address, which says nothing of the loader's search order;
-its own list does: /proc/PID/auxv gives the program headers, whose PT_PHDR gives the load
-bias and PT_DYNAMIC the dynamic section, whose DT_DEBUG points at `struct r_debug`, whose
-`r_map` heads the chain of `struct link_map`, read from /proc/PID/mem: the executable, the
-preloads, what they and it need, then what was opened later. Only 64-bit little-endian
+its own list does: /proc/PID/auxv gives the program headers and the entry point (less the
+program's e_entry: the load bias), whose PT_DYNAMIC gives the dynamic section, whose
+DT_DEBUG points at `struct r_debug`, whose `r_map` heads the chain of `struct link_map`,
+read from /proc/PID/mem: the executable, the preloads, what they and it need, then what
+was opened later. Only 64-bit little-endian
 processes are read (x86-64, tested; aarch64 has the same layout); any other, or one whose
 memory is closed (another user's, Yama's ptrace_scope, no CAP_SYS_PTRACE), gets `None`
 and a reason, never a guess.
@@ -17,8 +18,8 @@ import struct
 
 from vllm_cpu_launch.errors import record
 
-AT_PHDR, AT_PHNUM = 3, 5  # auxv: where the program headers are, and how many
-PT_DYNAMIC, PT_PHDR = 2, 6
+AT_PHDR, AT_PHNUM, AT_ENTRY = 3, 5, 9  # auxv: the program headers, how many, the entry
+PT_DYNAMIC = 2
 DT_NULL, DT_DEBUG = 0, 21
 PHDR = struct.Struct("<IIQQQQQQ")  # Elf64_Phdr
 DYN = struct.Struct("<qQ")  # Elf64_Dyn
@@ -49,13 +50,14 @@ class Unreadable(Exception):
 def read_link_map(pid: int) -> LinkMap:
     try:
         with open(f"/proc/{pid}/exe", "rb") as stream:
-            ident = stream.read(6)
-        if ident != b"\x7fELF\x02\x01":  # ELFCLASS64, ELFDATA2LSB: the layout read here
+            header = stream.read(32)
+        if header[:6] != b"\x7fELF\x02\x01":  # ELFCLASS64, ELFDATA2LSB: the layout read here
             raise Unreadable("not a 64-bit little-endian ELF program: only those are read")
         with open(f"/proc/{pid}/auxv", "rb") as stream:
             auxv = dict(struct.iter_unpack("<QQ", stream.read()))
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            return LinkMap(tuple(walk(mem.fileno(), auxv)))
+            entry = struct.unpack_from("<Q", header, 24)[0]  # e_entry
+            return LinkMap(tuple(walk(mem.fileno(), auxv, entry)))
     except PermissionError as error:
         file = str(error.filename or "mem").rpartition("/")[2]
         return LinkMap(None, f"/proc/{pid}/{file}: permission denied ({PTRACE_HINT})")
@@ -74,17 +76,16 @@ def read_at(mem: int, address: int, size: int) -> bytes:
     return data
 
 
-def r_debug_address(mem: int, auxv: dict[int, int]) -> int:
-    """DT_DEBUG of the executable's dynamic section, which its program headers locate."""
-    if AT_PHDR not in auxv or AT_PHNUM not in auxv:
-        raise Unreadable("no AT_PHDR or AT_PHNUM entry in auxv")
-    phdr = auxv[AT_PHDR]
+def r_debug_address(mem: int, auxv: dict[int, int], entry: int) -> int:
+    """DT_DEBUG of the executable's dynamic section, which its program headers locate; the
+    load bias from the entry point (a -static-pie program has no PT_PHDR to give it)."""
+    if not {AT_PHDR, AT_PHNUM, AT_ENTRY} <= auxv.keys():
+        raise Unreadable("no AT_PHDR, AT_PHNUM or AT_ENTRY entry in auxv")
+    phdr, bias = auxv[AT_PHDR], auxv[AT_ENTRY] - entry
     headers = read_at(mem, phdr, auxv[AT_PHNUM] * PHDR.size)
-    bias, dynamic = 0, None
+    dynamic = None
     for p_type, _, _, p_vaddr, _, _, p_memsz, _ in PHDR.iter_unpack(headers):
-        if p_type == PT_PHDR:
-            bias = phdr - p_vaddr
-        elif p_type == PT_DYNAMIC:
+        if p_type == PT_DYNAMIC:
             dynamic = (p_vaddr, p_memsz)
     if dynamic is None:
         raise Unreadable("a statically linked program (no PT_DYNAMIC)")
@@ -97,8 +98,9 @@ def r_debug_address(mem: int, auxv: dict[int, int]) -> int:
     raise Unreadable("no DT_DEBUG in the program's dynamic section")
 
 
-def walk(mem: int, auxv: dict[int, int]) -> list[tuple[int, str]]:
-    entry = struct.unpack("<Q", read_at(mem, r_debug_address(mem, auxv) + 8, 8))[0]
+def walk(mem: int, auxv: dict[int, int], program_entry: int) -> list[tuple[int, str]]:
+    r_debug = r_debug_address(mem, auxv, program_entry)
+    entry = struct.unpack("<Q", read_at(mem, r_debug + 8, 8))[0]
     objects: list[tuple[int, str]] = []
     while entry and len(objects) < MAX_OBJECTS:
         address, name, _, entry, _ = LINK_MAP.unpack(read_at(mem, entry, LINK_MAP.size))

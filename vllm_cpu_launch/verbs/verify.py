@@ -6,25 +6,28 @@ It reads PID's tree from /proc (maps, environ, the link map) and the plugin's re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
-import urllib.request
+import socket
+import struct
+import time
 from typing import TYPE_CHECKING
 
 import psutil
 
 from vllm_cpu_launch import handoff, settings
 from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
-from vllm_cpu_launch.command import Option, SpeculativeRequest, detect, on_command_line
+from vllm_cpu_launch.command import SpeculativeRequest, detect, listen_address
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, library_of, vllm_reads
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
     from typing import Any
 
 Runtime = tuple[Library, str]
@@ -45,6 +48,7 @@ class Judgement(StrEnum):
     PROBLEM = "problem"
     SKIPPED = "skipped"
     REPORTED = "reported"  # runs no model code: shown, not judged
+    UNREADABLE = "unreadable"  # a descendant closed to verify: said why, not judged
 
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -64,7 +68,7 @@ judges the processes that run the model (engine cores and workers, else PID and 
 children) and reports the others. Exit 1 when SD is requested and a judged process is
 served by libgomp, or PID has loaded no OpenMP runtime yet, and no plan chose that (the
 mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's environment or config files), else 0;
-2 when PID cannot be found or read (run as vLLM's user).
+2 when PID cannot be found or read (the message says why; a descendant is "unreadable").
   --speculative   judge as if SD is requested: vLLM's offline API (LLM(...)) and
                   `vllm bench` take it in Python or a config, not on their command line
 """
@@ -83,16 +87,16 @@ def environment_of(pid: int) -> dict[str, str]:
     return {key: value for key, equals, value in pairs if equals and key}
 
 
-def cwd_of(process: psutil.Process) -> str:
+def cwd_of(pid: int) -> str:
     """Relative file names on its command line and in its environment are relative to it."""
     try:
-        return process.cwd()
+        return psutil.Process(pid).cwd()
     except psutil.Error:
         return ""
 
 
-def speculative_of(cmdline: Sequence[str], process: psutil.Process) -> SpeculativeRequest:
-    """What the vLLM part of its command line requests, `--config FILE` read from its cwd."""
+def vllm_arguments(cmdline: Sequence[str], pid: int) -> list[str]:
+    """The vLLM part of a command line, `--config FILE` made relative to its cwd."""
     arguments = list(cmdline[1:])
     for index, word in enumerate(arguments):
         if os.path.basename(word) in ("vllm", "vllm-cpu-launch"):
@@ -100,8 +104,8 @@ def speculative_of(cmdline: Sequence[str], process: psutil.Process) -> Speculati
             break
     for index, word in enumerate(arguments[:-1]):
         if word == "--config":
-            arguments[index + 1] = os.path.join(cwd_of(process), arguments[index + 1])
-    return detect(arguments)
+            arguments[index + 1] = os.path.join(cwd_of(pid), arguments[index + 1])
+    return arguments
 
 
 def load_order(
@@ -199,19 +203,58 @@ def role_of(cmdline: Sequence[str], is_root: bool) -> str:
     return "api-server" if serves or "vllm.entrypoints.openai.api_server" in cmdline else "main"
 
 
+PF_KTHREAD = 0x00200000  # /proc/PID/stat's flags: a kernel thread, which runs no program
+CAP_SYS_PTRACE = 19
+
+
+def kernel_thread(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as stream:  # flags: the 7th field after the name
+        return bool(int(stream.read().rpartition(b")")[2].split()[6]) & PF_KTHREAD)
+
+
+def may_ptrace() -> bool:
+    """CAP_SYS_PTRACE among verify's effective capabilities."""
+    with open("/proc/self/status") as stream:
+        effective = next(line for line in stream if line.startswith("CapEff:"))
+    return bool(int(effective.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+
+
 def permission_denied(pid: int) -> str:
-    """As root, a missing capability (containers drop CAP_SYS_PTRACE), not a missing root."""
+    """Why /proc/PID is closed to verify, true of this case (the kernel's ptrace check), and
+    the fix: another user's; undumpable (its files then belong to root); as root, a process
+    with capabilities verify lacks (containers drop CAP_SYS_PTRACE)."""
+    problem = f"cannot read /proc/{pid} (maps, environ): permission denied"
     try:
-        owner = f"uid {os.stat(f'/proc/{pid}').st_uid}"
-    except OSError:
-        owner = "its user"
-    problem = f"verify: cannot read /proc/{pid} (maps, environ): permission denied"
-    advice = f"run verify as the user vLLM runs as ({owner})"
-    if os.geteuid() != 0:
+        uid = psutil.Process(pid).uids().real
+        undumpable = os.stat(f"/proc/{pid}/maps").st_uid != uid
+    except (OSError, psutil.Error):
+        return f"{problem}; run verify as the user vLLM runs as, or as root"
+    root = os.geteuid() == 0
+    if undumpable:
+        fix = "" if root else "; run verify as root"
+        return (
+            f"{problem}: process {pid} (uid {uid}) made itself undumpable (PR_SET_DUMPABLE 0, "
+            f"or it runs a setuid or file-capability program), which closes it to all but "
+            f"root with CAP_SYS_PTRACE{fix}"
+        )
+    advice = f"run verify as the user vLLM runs as (uid {uid})"
+    if not root:
         return f"{problem}; {advice}, or as root"
+    if uid != 0:
+        return (
+            f"{problem} although verify runs as root: reading another user's process needs "
+            f"the CAP_SYS_PTRACE capability, which containers drop by default; {advice}"
+        )
+    if may_ptrace():
+        return (
+            f"{problem} although verify runs as root with CAP_SYS_PTRACE, and process {pid} "
+            "as root too: a policy past users and capabilities refuses it (a security "
+            "module, or the kernel's own)"
+        )
     return (
-        f"{problem} although verify runs as root: reading another user's process needs the "
-        f"CAP_SYS_PTRACE capability, which containers drop by default; {advice}"
+        f"{problem} although verify runs as root, as process {pid} does: either it holds "
+        "capabilities verify lacks or it made itself undumpable, and reading it then needs "
+        "CAP_SYS_PTRACE, which containers drop by default; run verify with CAP_SYS_PTRACE"
     )
 
 
@@ -242,58 +285,174 @@ class Seen:
     speculative: bool
     link_map: LinkMap
     inherited: dict[str, Any] | None = None  # {from_pid, env}, where vLLM renamed it
+    unreadable: str | None = None  # why its maps and environ are closed to verify
 
 
 def seen_of(
     process: psutil.Process, root: int, request: SpeculativeRequest
 ) -> tuple[Seen, dict[str, str]] | None:
-    """What verify reads of one process, and its whole environ; None if it is gone."""
+    """What verify reads of one process, and its whole environ; None if it is gone. A
+    descendant closed to verify is said so; PID closed is an error."""
     pid = process.pid
+    unreadable = None
     try:
-        with open(f"/proc/{pid}/maps", "rb") as stream:
-            maps = stream.read().decode("utf-8", "surrogateescape")
-        environment = environment_of(pid)
-        cmdline = process.cmdline()
-        ppid = process.ppid()
+        cmdline, ppid = process.cmdline(), process.ppid()  # open to all users
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as stream:
+                maps = stream.read().decode("utf-8", "surrogateescape")
+            environment = environment_of(pid)
+        except PermissionError:
+            if pid == root:
+                raise LaunchError(EXIT_USAGE, f"verify: {permission_denied(pid)}") from None
+            maps, environment, unreadable = "", {}, permission_denied(pid)
     except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
-    except PermissionError:
-        raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
-    wanted = request.requested or (pid != root and speculative_of(cmdline, process).requested)
-    inherited = inherited_by(process) if vllm_title(cmdline) is not None else None
+    wanted = request.requested or (pid != root and detect(vllm_arguments(cmdline, pid)).requested)
+    renamed = vllm_title(cmdline) is not None and not unreadable
+    inherited = inherited_by(process) if renamed else None
     shown = {name: environment[name] for name in VARIABLES if name in environment}
     role = role_of(cmdline, pid == root)
-    seen = Seen(pid, ppid, cmdline, role, maps, shown, wanted, read_link_map(pid), inherited)
+    link_map = LinkMap(None, unreadable) if unreadable else read_link_map(pid)
+    seen = Seen(pid, ppid, cmdline, role, maps, shown, wanted, link_map, inherited, unreadable)
     return seen, environment
 
 
-# The plugin's readings by PID on the API server's /metrics, (url, readings): url None
-# where there is no API server, readings None where none could be read.
-Inside = tuple[str | None, dict[int, dict[str, str]] | None]
-NO_API_SERVER: Inside = (None, None)
+# The plugin's readings by PID on the API server's /metrics, (url, readings, why not read):
+# url None where there is no API server, readings None where none could be read.
+Inside = tuple[str | None, dict[int, dict[str, str]] | None, str | None]
+NO_API_SERVER: Inside = (None, None, None)
 # A label of a Prometheus text line; its value escapes backslash, quote and newline.
 LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+METRICS_SECONDS = 5  # for the whole request: a server that drips a byte a second included
+METRICS_LIMIT = 8 << 20  # vLLM's /metrics is some 100 kB
+ALL_ADDRESSES = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # a server on all addresses: ask here
+
+
+class NotRead(Exception):
+    """Why /metrics was not read."""
+
+
+def held_sockets(pids: Iterable[int]) -> set[int]:
+    """The inodes of the sockets these processes hold open (those verify may read)."""
+    held = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        held.add(int(link[8:-1]))
+    return held
+
+
+def tcp_listeners(pid: int, port: int) -> Iterator[tuple[str, int]]:
+    """(address, inode) of each TCP socket listening (state 0A) on `port` in PID's network
+    namespace; /proc/net/tcp* give an address as 32-bit words in the host's byte order."""
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as stream:
+            for line in stream.readlines()[1:]:
+                fields = line.split()
+                address, _, hex_port = fields[1].partition(":")
+                if fields[3] == "0A" and int(hex_port, 16) == port:
+                    words = (address[i : i + 8] for i in range(0, len(address), 8))
+                    raw = b"".join(struct.pack("=I", int(word, 16)) for word in words)
+                    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+                    yield socket.inet_ntop(family, raw), int(fields[9])
+
+
+def remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def tcp_connection(server: int, port: str, pids: Iterable[int], deadline: float) -> socket.socket:
+    """To the socket on `port` that a process of the tree listens on, in verify's network."""
+    if not (port.isascii() and port.isdigit()):
+        raise NotRead(f"--port {port!r} is no port number")
+    held = held_sockets(pids)
+    listening = [address for address, inode in tcp_listeners(server, int(port)) if inode in held]
+    if not listening:
+        raise NotRead(
+            f"no process of this tree listens on port {port}; verify reads /metrics only "
+            "from a socket vLLM holds"
+        )
+    try:
+        if os.readlink(f"/proc/{server}/ns/net") != os.readlink("/proc/self/ns/net"):
+            raise NotRead(f"process {server} is in another network namespace: run verify in it")
+    except OSError as error:
+        raise NotRead(f"cannot read /proc/{server}/ns/net ({error.strerror})") from None
+    address = ALL_ADDRESSES.get(listening[0], listening[0])
+    return socket.create_connection((address, int(port)), timeout=remaining(deadline))
+
+
+def uds_connection(path: str, pids: Iterable[int], deadline: float) -> socket.socket:
+    """To `--uds PATH`, kept only where the process that listens there is of the tree."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.settimeout(remaining(deadline))
+        connection.connect(path)
+        peer = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except BaseException:
+        connection.close()
+        raise
+    if peer[0] not in pids:
+        connection.close()
+        raise NotRead(f"process {peer[0]}, not one of this tree, listens on {path}")
+    return connection
+
+
+def fetched(connection: socket.socket, deadline: float) -> str:
+    """GET /metrics, all of it by `deadline` (each wait shortened to what is left)."""
+    connection.settimeout(remaining(deadline))
+    connection.sendall(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+    response = b""
+    while chunk := connection.recv(1 << 16):
+        response += chunk
+        if len(response) > METRICS_LIMIT:
+            raise NotRead(f"it sent more than {METRICS_LIMIT >> 20} MiB")
+        connection.settimeout(remaining(deadline))
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = head.partition(b"\r\n")[0].decode("ascii", "replace")
+    if status.split(" ")[1:2] != ["200"]:
+        raise NotRead(f"it answered {status!r}")
+    return body.decode("utf-8", "replace")
 
 
 def inside_of(seen: Sequence[Seen]) -> Inside:
-    """The plugin's series from the API server's /metrics (2 s), at its `--host`/`--port`."""
-    servers = [one.cmdline for one in seen if one.role == "api-server"]
+    """The plugin's series from the API server's /metrics: at its `--uds`, or its `--port`
+    (command line and --config), read only from a socket the tree holds, in 5 s in all."""
+    servers = [one for one in seen if one.role == "api-server"]
     if not servers:
         return NO_API_SERVER
-    options = [Option("--host", "--host"), Option("--port", "--port")]  # no abbreviations
-    given = {found.option: found.value for found in on_command_line(servers[0], options)}
+    given = listen_address(vllm_arguments(servers[0].cmdline, servers[0].pid))
+    pids = {one.pid for one in seen if not one.unreadable}
+    deadline = time.monotonic() + METRICS_SECONDS
+    uds = os.path.join(cwd_of(servers[0].pid), given["--uds"]) if "--uds" in given else None
     host = given.get("--host") or "127.0.0.1"
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # all addresses: ask here
+    host = ALL_ADDRESSES.get(host, host)
     port = given.get("--port") or "8000"  # vLLM's `--port` default
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+    if uds:
+        url = f"http://localhost/metrics on unix socket {uds}"
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            text = response.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return url, None
+        connection = (
+            uds_connection(uds, pids, deadline)
+            if uds
+            else tcp_connection(servers[0].pid, port, pids, deadline)
+        )
+        with connection:
+            text = fetched(connection, deadline)
+    except NotRead as refusal:
+        return url, None, str(refusal)
+    except TimeoutError:
+        return url, None, f"no whole answer within {METRICS_SECONDS} s"
+    except OSError as error:
+        return url, None, f"cannot read it: {error.strerror or error}"
     readings = {}
     for line in text.splitlines():  # `vllm_cpu_launch_openmp_info{...} 1.0`, by its pid label
         name, brace, rest = line.partition("{")
@@ -304,7 +463,8 @@ def inside_of(seen: Sequence[Seen]) -> Inside:
         }
         if pairs.get("pid", "").isdigit():
             readings[int(pairs["pid"])] = pairs
-    return url, readings or None
+    why = None if readings else f"no {handoff.INFO_METRIC} in it: the plugin is not installed"
+    return url, readings or None, why
 
 
 def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
@@ -313,12 +473,19 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
         root = psutil.Process(pid)
         descendants = root.children(recursive=True)
         cmdline = root.cmdline()
-    except (psutil.NoSuchProcess, ValueError, OverflowError):
+        thread = kernel_thread(pid)
+    except (psutil.NoSuchProcess, FileNotFoundError, ValueError, OverflowError):
         raise LaunchError(EXIT_USAGE, f"verify: no process with PID {pid}") from None
     except psutil.AccessDenied:
-        raise LaunchError(EXIT_USAGE, permission_denied(pid)) from None
+        raise LaunchError(EXIT_USAGE, f"verify: {permission_denied(pid)}") from None
+    if thread:
+        raise LaunchError(
+            EXIT_USAGE,
+            f"verify: process {pid} ({root.name()}) is a kernel thread, which runs no program: "
+            "give vLLM's PID (systemctl show -p MainPID --value UNIT)",
+        )
     given = SpeculativeRequest(True, "--speculative, given to verify")
-    request = given if speculative else speculative_of(cmdline, root)
+    request = given if speculative else detect(vllm_arguments(cmdline, pid))
     read = seen_of(root, pid, request)
     if read is None:
         raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited")
@@ -327,7 +494,7 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     environ = read[1]
     for name in (settings.CONFIG_VARIABLE, settings.deprecated_name(settings.CONFIG_VARIABLE)):
         if environ.get(name):
-            environ[name] = os.path.join(cwd_of(root), environ[name])
+            environ[name] = os.path.join(cwd_of(pid), environ[name])
     loaded = settings.load_settings({}, environ, errors=[])  # what is broken is left out
     never = loaded.iomp == settings.Mode.NEVER
     users = Choice("the user", settings.said_setting(loaded, "iomp")) if never else None
@@ -344,7 +511,7 @@ def assemble(
     inside: Inside = NO_API_SERVER,
 ) -> dict[str, Any]:
     """The report from what was read (PID first); `users`: the user's choice of libgomp."""
-    url, readings = inside
+    url, readings, why = inside
     split = any(one.role in MODEL_ROLES.values() for one in seen)
     # A plan that keeps libgomp marks it (docs/design.md, "verify"). Only a bare mark is a
     # choice: NOT_FOUND_MARK kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
@@ -354,7 +521,9 @@ def assemble(
     processes = []
     for one in seen:
         mapped, runtimes, serves, how = load_order(one.link_map, one.maps)
-        if split and one.role not in MODEL_ROLES.values():
+        if one.unreadable:
+            verdict, reason, how = Judgement.UNREADABLE, one.unreadable, one.unreadable
+        elif split and one.role not in MODEL_ROLES.values():
             runs = described_runtimes(runtimes) or "no OpenMP runtime loaded"
             verdict, reason = Judgement.REPORTED, f"{runs}; runs no model code, so not judged"
         else:
@@ -381,7 +550,7 @@ def assemble(
         "pid": pid,
         "speculative": {"requested": root_request.requested, "source": root_request.source},
         "ok": all(process["verdict"] != Judgement.PROBLEM for process in processes),
-        "inside": {"url": url, "read": readings is not None},
+        "inside": {"url": url, "read": readings is not None, "why": why},
         "processes": processes,
     }
 
@@ -401,6 +570,8 @@ NOBIND = f"{BIND}=nobind"
 
 def environment_entry(one: Seen, serves: Runtime | None) -> dict[str, Any]:
     """Where vLLM's title overwrote environ: what was inherited, and what vLLM wrote over it."""
+    if one.unreadable:
+        return {"readable": False, "why": one.unreadable, "inherited": one.inherited}
     if vllm_title(one.cmdline) is None:
         return {"readable": True}
     why = (
@@ -456,11 +627,10 @@ def verify_as_text(report: dict[str, Any]) -> str:
     elif inside["url"] is None:
         lines.append("no inside reading (no API server in this tree to ask its /metrics)")
     else:
-        why = "the plugin is not installed, or /metrics unreachable"
-        lines.append(f"no inside reading from {inside['url']} ({why})")
+        lines.append(f"no inside reading from {inside['url']} ({inside['why']})")
     verdicts = [process["verdict"] for process in report["processes"]]
-    problems = verdicts.count(Judgement.PROBLEM)
-    judged = len(verdicts) - verdicts.count(Judgement.REPORTED)
+    problems, unread = verdicts.count(Judgement.PROBLEM), verdicts.count(Judgement.UNREADABLE)
+    judged = len(verdicts) - verdicts.count(Judgement.REPORTED) - unread
     if problems:
         lacks = "process lacks" if judged == 1 else "processes lack"
         lines.append(
@@ -470,7 +640,8 @@ def verify_as_text(report: dict[str, Any]) -> str:
         )
     else:
         noun = "process" if judged == 1 else "processes"
-        lines.append(f"ok: {judged} {noun} judged, {len(verdicts)} checked")
+        unreadable = f", {unread} unreadable" if unread else ""
+        lines.append(f"ok: {judged} {noun} judged, {len(verdicts) - unread} checked{unreadable}")
     return "\n".join(lines)
 
 
@@ -501,6 +672,8 @@ def process_lines(process: dict[str, Any]) -> list[str]:
             f"{labels.get('blocktime_ms') or '-'} ms, {threads} thread"
             f"{'' if threads == '1' else 's'}, bind {labels.get('bind') or 'unset'}"
         )
+    if process["verdict"] == Judgement.UNREADABLE:
+        return lines[1:]  # its reason says what could not be read
     mapped = process["runtimes"]
     if {r["path"] for r in mapped} != {r["path"] for r in process["load_order"]}:
         lines.append(f"mapped (/proc/PID/maps): {', '.join(r['path'] for r in mapped)}")
