@@ -944,6 +944,11 @@ def test_the_time_limit_kills_a_server_that_never_gets_ready(
         (["--prompts", "{tmp}"], "cannot be read"),
         (["--prompts", "{tmp}/bad.jsonl"], 'line 2 is not a JSON object with a "prompt" text'),
         (["--prompts", "{tmp}/empty.jsonl"], "holds no prompts"),
+        # vLLM's reader skips each: nothing was sent (issue 45).
+        (["--prompts", "{tmp}/blank.jsonl"], "{tmp}/blank.jsonl: no prompt has 4 words"),
+        (["--prompts", "{tmp}/short.jsonl"], "{tmp}/short.jsonl: no prompt has 4 words"),
+        # The limit said as the prompts file's, not "a config file's" (issue 45).
+        (["--prompts", "{tmp}/huge.jsonl"], "over the 1048576-byte limit of a prompts file"),
         ([*SERVE, "--headless"], "needs an API server, which --headless leaves out"),
     ],
 )
@@ -953,7 +958,12 @@ def test_serving_usage_errors_are_one_line_exit_2(
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n["not", "an", "object"]\n')
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "plain.txt").write_text("Why is the sky blue?\n")
+    (tmp_path / "blank.jsonl").write_text('{"prompt": ""}\n{"prompt": "  "}\n')
+    (tmp_path / "short.jsonl").write_text('{"prompt": "Why?"}\n{"prompt": "Say hi"}\n')
+    with open(tmp_path / "huge.jsonl", "wb") as huge:
+        huge.truncate(100 << 20)  # 100 MB, sparse
     given = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    part = part.replace("{tmp}", str(tmp_path))
     command = given if given[:1] == ["serve"] else [*given, *SERVE]
     result = tune(tmp_path, bench_env, "iomp-faster", *command, benchmark="")
     assert result.returncode == 2, result.stderr
