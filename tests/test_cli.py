@@ -581,9 +581,14 @@ def test_a_config_file_another_user_can_change_is_refused_with_the_fix(
     result = launcher(tmp_path, args)
     assert_one_error(result, 2, f"{config}: config file not read: ", "Fix: ")
     line = result.stderr.strip()
-    status = (directory if change == "directory 777" else config).stat()
-    if change != "directory 777":
-        assert f"(owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)})" in line
+    # The owner and mode of what is at fault: the directory's drwxrwxrwx, not the file's
+    # -rw-r--r-- shown as if the directory's (issue 45).
+    faulty = directory if change == "directory 777" else config
+    status = faulty.stat()
+    kind = "directory " if faulty == directory else ""
+    owner_and_mode = f"(owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)})"
+    assert f"{kind}{faulty} is " in line and owner_and_mode in line
+    assert stat.filemode(config.stat().st_mode) not in line or faulty == config
     doctor = launcher(tmp_path, ["doctor"], VLLMCPULAUNCH_CONFIG=str(config))
     assert "config file not read" in doctor.stdout and "Traceback" not in doctor.stderr
     subprocess.run(["sh", "-c", line.rpartition("Fix: ")[2]], check=True, timeout=60)
@@ -635,7 +640,7 @@ def test_a_vllm_config_another_user_can_change_is_refused_as_root_with_the_fix(
         directory.chmod(0o775)
     vllm = str(vllm_env / "bin" / "vllm")
     line = vllm_config_refusals(tmp_path, vllm, config)
-    status = config.stat()
+    status = (config if change == "owned by another user" else directory).stat()
     assert f"(owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)})" in line
     subprocess.run(["sh", "-c", line.rpartition("Fix: ")[2]], check=True, timeout=60)
     args = ["--vllm", vllm, "serve", "m", "--config", str(config)]

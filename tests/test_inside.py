@@ -265,3 +265,96 @@ def test_the_plugins_off_switch_stops_the_reading_too(
     )
     environ = clean_environ(tmp_path, TMPDIR=str(tmp_path), VLLMCPULAUNCH_PLUGIN=switch)
     assert run_python(code, environ) == f"{reads}\n"
+
+
+# A front end that lays out its readings directory as the test's case says, then is
+# scraped twice: the series of each scrape, and the directory's leftovers.
+LAID_OUT = """\
+import json, logging, os, sys
+logging.basicConfig(format="%(levelname)s %(message)s")
+from vllm_cpu_launch import inside
+from prometheus_client import REGISTRY, generate_latest
+inside.start(False)
+directory = os.environ["VLLMCPULAUNCH_READINGS"]
+case, pid = sys.argv[1], os.getpid()
+good = {"role": "worker", "pid": pid, "runtime": "gnu", "library": "/lib/libgomp.so.1",
+        "blocktime_ms": "", "threads": "2", "bind": ""}
+forged = {**good, "pid": 1, "library": "/forged/libiomp5.so"}
+def write(name, content):
+    with open(os.path.join(directory, name), "w") as stream:
+        stream.write(content)
+if case == "bad files":
+    write(f"{pid}.json", json.dumps(good))
+    write("bad.json", "{not json")
+    write("2.json", json.dumps({**good, "pid": "2"}))
+    write("3.json", json.dumps(forged))  # its pid is not its name's
+    write("4.json", json.dumps({**good, "pid": 4, "threads": 2}))
+    write("5.json", "[" * 100000)
+    os.mkdir(os.path.join(directory, "x.json"))
+    os.symlink(os.path.join(directory, f"{pid}.json"), os.path.join(directory, "link.json"))
+else:  # the directory swapped for another one, or for a link to it
+    os.rename(directory, directory + ".moved")
+    made = directory + ".forged" if case == "swapped for a link" else directory
+    os.mkdir(made, 0o700)
+    with open(os.path.join(made, "1.json"), "w") as stream:
+        json.dump(forged, stream)
+    if made != directory:
+        os.symlink(made, directory)
+scrapes = [generate_latest(REGISTRY).decode() for _ in range(2)]
+print(json.dumps({"pid": pid, "scrapes": scrapes, "left": sorted(os.listdir(directory))}))
+"""
+
+
+def laid_out(tmp_path: Path, case: str) -> tuple[dict[str, Any], list[str]]:
+    environ = clean_environ(tmp_path, TMPDIR=str(tmp_path))
+    completed = subprocess.run(
+        [sys.executable, "-c", LAID_OUT, case],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    outcome: dict[str, Any] = json.loads(completed.stdout)
+    return outcome, completed.stderr.splitlines()
+
+
+def test_a_file_that_is_no_reading_is_skipped_warned_once_and_the_others_stay(
+    tmp_path: Path,
+) -> None:
+    """One malformed file removed every series, the front end's too, with a warning at each
+    scrape (issue 45): each is skipped with one warning, and the good ones stay."""
+    outcome, warnings = laid_out(tmp_path, "bad files")
+    pid = str(outcome["pid"])
+    for metrics in outcome["scrapes"]:
+        front_end, child = series(metrics)
+        assert front_end["role"] == "api-server" and front_end["pid"] == pid
+        assert child["role"] == "worker" and child["pid"] == pid
+        assert child["library"] == "/lib/libgomp.so.1"
+    skipped = ["2.json", "3.json", "4.json", "5.json", "bad.json", "link.json", "x.json"]
+    assert len(warnings) == len(skipped), warnings
+    for name, warning in zip(skipped, sorted(warnings), strict=True):
+        assert (
+            warning.startswith("WARNING vllm-cpu-launch plugin: skips ") and f"/{name}," in warning
+        )
+    assert "/forged/" not in "".join(outcome["scrapes"])
+
+
+@pytest.mark.parametrize("case", ["swapped", "swapped for a link"])
+def test_a_directory_swapped_for_another_is_not_read(tmp_path: Path, case: str) -> None:
+    """With TMPDIR in a directory others can write, another user swapped the readings
+    directory and /metrics showed a forged worker (issue 45): the collector reads only the
+    directory it made, and says so once."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    outcome, warnings = laid_out(shared, case)
+    for metrics in outcome["scrapes"]:
+        (front_end,) = series(metrics)
+        assert front_end["pid"] == str(outcome["pid"])
+    assert "/forged/" not in "".join(outcome["scrapes"]) and outcome["left"] == ["1.json"]
+    (warning,) = warnings
+    assert warning.startswith("WARNING vllm-cpu-launch plugin: ")
+    said = "cannot read" if case == "swapped for a link" else "is no longer the private directory"
+    assert said in warning

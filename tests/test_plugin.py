@@ -328,6 +328,21 @@ def test_a_broken_config_is_said_and_vllm_goes_on(tmp_path: Path) -> None:
     assert str(config) in warning and "'sometimes' is not one of auto, always, never" in warning
 
 
+def test_a_config_with_a_yaml_alias_is_one_short_warning_and_vllm_goes_on(tmp_path: Path) -> None:
+    """The plugin reads the launcher's config inside vLLM: an alias bomb there (issue 45)
+    is refused as the launcher refuses it, in one warning, and vLLM starts unchanged."""
+    config = tmp_path / "config.yaml"
+    levels = [f"&l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, 6)]
+    config.write_text(f"iomp: [&l0 [x, x, x, x, x, x, x, x, x], {', '.join(levels)}]\n")
+    outcome = run_vllm_process(tmp_path, {"VLLMCPULAUNCH_CONFIG": str(config)})
+    assert outcome["seen"] == [None, None]
+    (warning,) = said(outcome, "WARNING")
+    assert warning == (
+        f"{PREFIX}{config}:1:46: holds a YAML alias (of anchor 'l0'); write each value out: "
+        "a config file takes none; vLLM starts as it would without the plugin"
+    )
+
+
 def test_a_configuration_it_cannot_read_is_said_and_vllm_goes_on(tmp_path: Path) -> None:
     outcome = run_vllm_process(tmp_path, case={"parallel": False})
     assert outcome["seen"] == [None, None]

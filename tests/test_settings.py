@@ -90,3 +90,61 @@ def test_bad_config_file_exits_2_naming_file_and_key(
             assert f"key {key!r}" in line
         if problem == "unknown-key":
             assert "allowed keys: iomp, iomp-path" in line
+
+
+def alias_bomb(levels: int) -> str:
+    """A YAML list whose each level is nine aliases of the one before: about 300 bytes that
+    expand to 9**levels items (8 levels: 43 million, 3.4 GB as one repr)."""
+    parts = ["&l0 [x, x, x, x, x, x, x, x, x]"]
+    parts += [f"&l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, levels)]
+    return f"[{', '.join(parts)}]"
+
+
+BOMBED = {
+    key: f"{key}: {{bomb}}\n"
+    for key in ("iomp", "tcmalloc", "kmp-blocktime", "strict", "plugin", "vllm")
+}
+RECORD = "when: '2026-01-01', iomp: always, result: r, rounds: 1, command: serve m"
+BOMBED["tuned"] = f"tuned: [{{{{{RECORD}, scope: {{bomb}}}}}}]\n"
+BOMBED["tuned-concurrency"] = f"tuned: {{{{{RECORD}, concurrency: {{{{1: {{bomb}}}}}}}}}}\n"
+
+
+@pytest.mark.parametrize("levels", [5, 8])
+@pytest.mark.parametrize("key", list(BOMBED))
+def test_a_yaml_alias_is_refused_in_one_short_line(key: str, levels: int) -> None:
+    """A config holding an alias bomb hung the launcher (8 levels: 3.4 GB, 38 s) or made
+    an error line of 481,706 characters (5 levels), whichever key held it (issue 45). A
+    config needs no aliases: the first one is refused, naming the file, line and column."""
+    with public_directory() as root:
+        config = root / "launcher.yaml"
+        content = "# an alias bomb\n" + BOMBED[key].format(bomb=alias_bomb(levels))
+        config.write_text(content)
+        column = content.splitlines()[1].index("*l0") + 1
+        args = ["--launcher-config", str(config), "--vllm", str(fake_vllm(root / "env"))]
+        result = run([*args, "--dry-run", "serve", "m"], base_environ(root / "home"))
+        line = single_error(result, 2)
+        assert line == (
+            f"vllm-cpu-launch: error: {config}:2:{column}: holds a YAML alias (of anchor 'l0'); "
+            "write each value out: a config file takes none"
+        )
+
+
+@pytest.mark.parametrize(
+    ("content", "quoted"),
+    [
+        ("iomp: " + "a" * 500_000, "key 'iomp': 'aaaa"),
+        ("tuned: [[" + "1, " * 100_000 + "1]]", "must be a mapping of when"),
+        (f"? {'k' * 500_000}\n: 1", "unknown key 'kkkk"),
+    ],
+    ids=["long-scalar", "long-list", "long-key"],
+)
+def test_an_error_quotes_a_value_cut_short(content: str, quoted: str) -> None:
+    """A value an error line quotes is cut to 80 characters, not the whole file's."""
+    with public_directory() as root:
+        config = root / "launcher.yaml"
+        config.write_text(content + "\n")
+        args = ["--launcher-config", str(config), "--vllm", str(fake_vllm(root / "env"))]
+        result = run([*args, "--dry-run", "serve", "m"], base_environ(root / "home"))
+        line = single_error(result, 2)
+        assert str(config) in line and quoted in line and "..." in line
+        assert len(line) < 400 + 2 * len(str(config))

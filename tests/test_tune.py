@@ -10,6 +10,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import yaml
 
 from vllm_cpu_launch.command import detect
 from vllm_cpu_launch.errors import LaunchError
+from vllm_cpu_launch.inside import DIRECTORY_PREFIX
 from vllm_cpu_launch.plan import why
 from vllm_cpu_launch.settings import (
     Mode,
@@ -30,6 +33,7 @@ from vllm_cpu_launch.settings import (
     read_config_file,
     record_scope,
 )
+from vllm_cpu_launch.verbs.tune import contest
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.config import merged_config
 from vllm_cpu_launch.verbs.tune.contest import (
@@ -276,7 +280,7 @@ def write(path: Path, text: str) -> Path:
 @pytest.mark.parametrize(
     ("record", "parts"),
     [
-        ({**TUNED, "colour": "blue"}, ("tuned'.colour", "unknown key", "when, iomp")),
+        ({**TUNED, "colour": "blue"}, ("key 'tuned': unknown key 'colour'", "when, iomp")),
         ({k: v for k, v in TUNED.items() if k != "result"}, ("key 'tuned'", "lacks result")),
         ({**TUNED, "iomp": "sometimes"}, ("tuned'.iomp", "'sometimes'")),
         ({**TUNED, "rounds": 0}, ("tuned'.rounds", "positive")),
@@ -628,6 +632,50 @@ def process_state(pid: int) -> str | None:
     return stat.rpartition(")")[2].split()[0]
 
 
+# A server for `started`: the plugin's front end (its readings directory, removed at exit)
+# and a child in its session, as vLLM's engine core; on SIGTERM it exits as vLLM's API
+# server does, or (ignores) it ignores SIGTERM, and so does the child it execs.
+SERVER = """\
+import os, signal, subprocess, sys, time
+from vllm_cpu_launch import inside
+inside.start(False)
+if sys.argv[1] == "ignores":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(os.environ["VLLMCPULAUNCH_READINGS"], child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("server", "code"), [("exits", 0), ("ignores", -signal.SIGKILL)])
+def test_a_stopped_server_gets_sigterm_then_sigkill_and_leaves_no_readings_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: str, code: int
+) -> None:
+    """tune killed each server with SIGKILL, so every start left a readings directory
+    behind (issue 45): SIGTERM first, which vLLM's API server ends on, removing it; one
+    that ignores SIGTERM is killed after the grace period, with its whole session, and
+    the directory its front end made is removed. Another's stays."""
+    monkeypatch.setattr(contest, "STOP_GRACE_S", 2.0)  # the wait the ignoring one gets
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setenv("PYTHONPATH", clean_environ(tmp_path)["PYTHONPATH"])
+    another = tmp_path / f"{DIRECTORY_PREFIX}1-kept"
+    another.mkdir(mode=0o700)
+    log = tmp_path / "server.log"
+    with contest.started([sys.executable, "-c", SERVER, server], str(log)) as process:
+        for _ in range(600):  # bounded wait for it to be under way (not a timing check)
+            if log.read_text().endswith("\n") or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        directory, child = log.read_text().split()
+        assert Path(directory).is_dir()
+    assert process.returncode == code
+    assert process_state(int(child)) in (None, "Z")  # gone, or dead and not yet reaped
+    assert not Path(directory).exists() and another.is_dir()
+
+
 def test_a_failed_run_shows_why_and_keeps_its_log(tmp_path: Path, bench_env: Path) -> None:
     result = tune(tmp_path, bench_env, "fail", *SERVE)
     assert result.returncode == 1
@@ -953,6 +1001,11 @@ def test_the_time_limit_kills_a_server_that_never_gets_ready(
         (["--prompts", "{tmp}"], "cannot be read"),
         (["--prompts", "{tmp}/bad.jsonl"], 'line 2 is not a JSON object with a "prompt" text'),
         (["--prompts", "{tmp}/empty.jsonl"], "holds no prompts"),
+        # vLLM's reader skips each: nothing was sent (issue 45).
+        (["--prompts", "{tmp}/blank.jsonl"], "{tmp}/blank.jsonl: no prompt has 4 words"),
+        (["--prompts", "{tmp}/short.jsonl"], "{tmp}/short.jsonl: no prompt has 4 words"),
+        # The limit said as the prompts file's, not "a config file's" (issue 45).
+        (["--prompts", "{tmp}/huge.jsonl"], "over the 1048576-byte limit of a prompts file"),
         ([*SERVE, "--headless"], "needs an API server, which --headless leaves out"),
     ],
 )
@@ -962,7 +1015,12 @@ def test_serving_usage_errors_are_one_line_exit_2(
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n["not", "an", "object"]\n')
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "plain.txt").write_text("Why is the sky blue?\n")
+    (tmp_path / "blank.jsonl").write_text('{"prompt": ""}\n{"prompt": "  "}\n')
+    (tmp_path / "short.jsonl").write_text('{"prompt": "Why?"}\n{"prompt": "Say hi"}\n')
+    with open(tmp_path / "huge.jsonl", "wb") as huge:
+        huge.truncate(100 << 20)  # 100 MB, sparse
     given = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    part = part.replace("{tmp}", str(tmp_path))
     command = given if given[:1] == ["serve"] else [*given, *SERVE]
     result = tune(tmp_path, bench_env, "iomp-faster", *command, benchmark="")
     assert result.returncode == 2, result.stderr

@@ -186,6 +186,17 @@ def emit(level: str, text: str) -> None:
         pass
 
 
+def shown(value: object, width: int = 80) -> str:
+    """repr(value), cut to about `width` characters: an error line quotes a value, never a
+    whole file (reprlib stops at a few items and levels, before the whole repr is made)."""
+    import reprlib  # lazy: only for an error
+
+    limits = reprlib.Repr()
+    limits.maxstring = limits.maxother = limits.maxlong = width
+    text = limits.repr(value)
+    return text if len(text) <= width else f"{text[: width - 3]}..."
+
+
 def did_you_mean(word: str, known: Sequence[str], cutoff: float = 0.6) -> str | None:
     """The one of `known` that `word` is most likely a typo of, or None (difflib's ratio)."""
     from difflib import get_close_matches  # lazy: only for a typo

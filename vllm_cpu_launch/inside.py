@@ -4,8 +4,10 @@ vLLM's process titles overwrite the environment of its engine core and workers i
 so each process says of itself which library serves the `GOMP_parallel` its global scope
 resolves (`dlsym(RTLD_DEFAULT)`, then `dladdr`: the preloaded runtime, or the first
 loaded), that runtime's own block time and thread count, and VLLM_CPU_OMP_THREADS_BIND.
-The front end makes a private directory (mkdtemp, 0700) named in READINGS_VARIABLE, which
-its children inherit and write their readings into (JSON, atomically); a collector in
+The front end makes a private directory (mkdtemp, 0700, its pid in the name) named in
+READINGS_VARIABLE, which its children inherit and write their readings into (JSON,
+atomically); a collector, which reads only that directory (this user's, private, the
+inode made) and skips, warned once, each file that is no reading of ours, in
 prometheus_client's default registry, which vLLM's /metrics serves with one API server
 (vllm/entrypoints/serve/instrumentator/metrics.py), yields one
 `vllm_cpu_launch_openmp_info` series per live process.
@@ -28,6 +30,7 @@ Nothing here raises into vLLM: a failure is one warning, and the series is left 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import enum
 import functools
@@ -53,6 +56,8 @@ PREFIX = "vllm-cpu-launch plugin: "
 READINGS_VARIABLE = "VLLMCPULAUNCH_READINGS"
 DOCUMENTATION = "The OpenMP runtime serving GOMP_parallel in each vLLM process, read inside"
 SUFFIX = ".json"
+DIRECTORY_PREFIX = "vllm-cpu-launch-readings-"  # then the front end's pid and a dash
+READING_BYTES = 1 << 16  # a reading is a few hundred bytes
 WRAPPED = "_vllm_cpu_launch_reads"
 
 
@@ -159,17 +164,42 @@ def serve_readings() -> None:
     """The front end: the children's private directory (removed at exit), the collector."""
     from prometheus_client import REGISTRY  # lazy: vLLM's dependency, imported by vLLM anyway
 
-    directory = tempfile.mkdtemp(prefix="vllm-cpu-launch-readings-")  # 0700, this user's
-    atexit.register(shutil.rmtree, directory, True)
+    directory = tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-")  # 0700, ours
+    made = os.lstat(directory)
+    atexit.register(remove_readings, directory, (made.st_dev, made.st_ino))
     os.environ[READINGS_VARIABLE] = directory
-    REGISTRY.register(ReadingsCollector(directory))
+    REGISTRY.register(ReadingsCollector(directory, (made.st_dev, made.st_ino)))
+
+
+def private(info: os.stat_result) -> bool:
+    """A directory of this user that no one else can write into."""
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
+def remove_readings(directory: str, made: tuple[int, int] | None = None) -> None:
+    """Remove a readings directory that is still this user's (and, given, the one made)."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(directory)
+        if private(info) and made in (None, (info.st_dev, info.st_ino)):
+            shutil.rmtree(directory)
+
+
+def remove_readings_of(pid: int) -> None:
+    """What the front end `pid`, now gone (SIGKILLed: no atexit), left behind."""
+    import glob  # lazy: tune's, after a server it started
+
+    pattern = os.path.join(glob.escape(tempfile.gettempdir()), f"{DIRECTORY_PREFIX}{pid}-*")
+    for directory in glob.glob(pattern):
+        remove_readings(directory)
 
 
 class ReadingsCollector:
     """One series for the front end, one for each live child with a reading on file."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, made: tuple[int, int]) -> None:
         self.directory = directory
+        self.made = made  # (st_dev, st_ino) of the directory made
+        self.warned: set[str] = set()  # what was said once: a file's name, the directory
         # The front end's reading, taken at the first scrape: it is serving by then.
         self.front_end = functools.cache(functools.partial(read_openmp, Role.API_SERVER))
 
@@ -184,28 +214,75 @@ class ReadingsCollector:
 
         family = InfoMetricFamily(METRIC, DOCUMENTATION, labels=())
         try:
-            for reading in (self.front_end(), *children_readings(self.directory)):
-                family.add_metric((), {k: str(v) for k, v in vars(reading).items()})
+            family.add_metric((), labels(self.front_end()))
+            for reading in self.children_readings():
+                family.add_metric((), labels(reading))
         except Exception as error:  # a scrape must still answer vLLM's own metrics
             logger.warning("%scould not read the OpenMP readings (%r)", PREFIX, error)
         yield family
 
+    def warn_once(self, key: str, problem: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            logger.warning("%s%s", PREFIX, problem)
 
-def children_readings(directory: str) -> list[Reading]:
-    """The readings on file of processes still alive, by pid; a dead one's is removed."""
-    found = []
-    for name in os.listdir(directory):
-        if not name.endswith(SUFFIX):  # not the .tmp files being written
-            continue
-        path = os.path.join(directory, name)
-        with open(path, encoding="utf-8") as stream:
-            reading = Reading(**json.load(stream))
+    def children_readings(self) -> list[Reading]:
+        """The readings on file of processes still alive, by pid, from the directory made
+        (not one swapped in its place); a dead one's is removed, a bad file skipped."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            os.kill(reading.pid, 0)
-        except ProcessLookupError:
-            os.unlink(path)
-            continue
-        except PermissionError:  # alive, another user's: not one of ours, but alive
-            pass
-        found.append(reading)
-    return sorted(found, key=lambda reading: reading.pid)
+            descriptor = os.open(self.directory, flags)
+        except OSError as error:
+            self.warn_once(self.directory, f"cannot read {self.directory} ({error.strerror})")
+            return []
+        try:
+            info = os.fstat(descriptor)
+            if not private(info) or (info.st_dev, info.st_ino) != self.made:
+                why = "is no longer the private directory it made; its children are left out"
+                self.warn_once(self.directory, f"{self.directory} {why}")
+                return []
+            return sorted(self.live_readings(descriptor), key=lambda reading: reading.pid)
+        finally:
+            os.close(descriptor)
+
+    def live_readings(self, directory: int) -> Iterator[Reading]:
+        for name in os.listdir(directory):
+            if not name.endswith(SUFFIX):  # not the .tmp files being written
+                continue
+            try:
+                reading = read_reading(directory, name)
+            except (OSError, ValueError, RecursionError) as error:
+                why = f"skips {os.path.join(self.directory, name)}, no reading of its own"
+                self.warn_once(name, f"{why} ({error})")
+                continue
+            try:
+                os.kill(reading.pid, 0)
+            except ProcessLookupError:
+                os.unlink(name, dir_fd=directory)
+                continue
+            except PermissionError:  # alive, another user's: not one of ours, but alive
+                pass
+            yield reading
+
+
+def labels(reading: Reading) -> dict[str, str]:
+    return {key: str(value) for key, value in vars(reading).items()}
+
+
+def read_reading(directory: int, name: str) -> Reading:
+    """DIRECTORY/NAME as a child wrote it: a regular file of this user, not a link, of a
+    Reading's fields, each of its type, its pid the file's name; else ValueError."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    with os.fdopen(os.open(name, flags, dir_fd=directory), "rb") as stream:
+        info = os.fstat(stream.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise ValueError("not a regular file of this user")
+        data = json.loads(stream.read(READING_BYTES + 1))
+    fields = Reading.__match_args__
+    if not isinstance(data, dict) or sorted(data) != sorted(fields):
+        raise ValueError(f"not a mapping of {', '.join(fields)}")
+    pid = data["pid"]
+    texts = all(isinstance(data[key], str) for key in fields if key != "pid")
+    if type(pid) is not int or f"{pid}{SUFFIX}" != name or not texts:
+        raise ValueError("its pid is not its name's, or a label is not a text")
+    return Reading(**data)

@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import detect, model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace, shown
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
@@ -115,7 +115,7 @@ def parse_mode(value: object, where: str) -> Mode:
         return Mode(value.lower())
     hint = " (YAML reads off/no/on/yes as true or false: write never or always)"
     said = hint if isinstance(value, bool) else ""
-    raise fail(where, f"{value!r} is not one of {', '.join(Mode)}{said}")
+    raise fail(where, f"{shown(value)} is not one of {', '.join(Mode)}{said}")
 
 
 def parse_library_path(value: object, where: str) -> str:
@@ -124,7 +124,7 @@ def parse_library_path(value: object, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise fail(where, "needs the absolute path of a library file")
     why = "since what is preloaded must not depend on the working directory"
-    raise fail(where, f"{value!r} is relative; give an absolute path, {why}")
+    raise fail(where, f"{shown(value)} is relative; give an absolute path, {why}")
 
 
 def blocktime_milliseconds(text: str) -> float | None:
@@ -140,7 +140,9 @@ def blocktime_problem(value: str) -> str | None:
     """What is slow or wasteful about a KMP_BLOCKTIME value, or None."""
     milliseconds = blocktime_milliseconds(value)
     if milliseconds is None:
-        return f"KMP_BLOCKTIME={value!r} is not a number of milliseconds; the runtime ignores it"
+        return (
+            f"KMP_BLOCKTIME={shown(value)} is not a number of milliseconds; the runtime ignores it"
+        )
     if milliseconds == 0:
         return (
             f"KMP_BLOCKTIME={value}: threads sleep at once after each parallel region, losing what "
@@ -158,13 +160,15 @@ def parse_blocktime(value: object, where: str) -> str:
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
     if isinstance(text, str) and blocktime_milliseconds(text) is not None:
         return text
-    raise fail(where, f"{value!r} is not a KMP_BLOCKTIME: use milliseconds like 5, or infinite")
+    raise fail(
+        where, f"{shown(value)} is not a KMP_BLOCKTIME: use milliseconds like 5, or infinite"
+    )
 
 
 def parse_text(value: object, where: str) -> str:
     if isinstance(value, str) and value:
         return value
-    raise fail(where, f"needs a non-empty text (a path or a name), not {value!r}")
+    raise fail(where, f"needs a non-empty text (a path or a name), not {shown(value)}")
 
 
 def parse_bool(value: object, where: str) -> bool:
@@ -172,7 +176,7 @@ def parse_bool(value: object, where: str) -> bool:
         return value
     if isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
         return value.lower() in TRUE_WORDS
-    raise fail(where, f"{value!r} is not a yes/no value (use 1 or 0, true or false)")
+    raise fail(where, f"{shown(value)} is not a yes/no value (use 1 or 0, true or false)")
 
 
 def keyed(
@@ -180,11 +184,11 @@ def keyed(
 ) -> dict[str, object]:
     """A record's mapping of `fields` (and `optional` ones) only."""
     if not isinstance(value, dict):
-        raise fail(where, f"must be a mapping of {', '.join(fields)}, not {value!r}")
+        raise fail(where, f"must be a mapping of {', '.join(fields)}, not {shown(value)}")
     for key in value:
         if key not in (*fields, *optional):
             allowed = ", ".join((*fields, *optional))
-            raise fail(f"{where}.{key}", f"unknown key; allowed keys: {allowed}")
+            raise fail(where, f"unknown key {shown(key)}; allowed keys: {allowed}")
     return value
 
 
@@ -204,7 +208,7 @@ def parse_tune_record(value: object, where: str) -> Tuned:
     when = fields["when"]  # YAML reads an unquoted time as a timestamp
     rounds = fields["rounds"]
     if not positive(rounds):
-        raise fail(f"{where}.rounds", f"{rounds!r} is not a positive number of rounds")
+        raise fail(f"{where}.rounds", f"{shown(rounds)} is not a positive number of rounds")
     return Tuned(
         when=parse_text(when.isoformat() if hasattr(when, "isoformat") else when, f"{where}.when"),
         iomp=parse_mode(fields["iomp"], f"{where}.iomp"),
@@ -219,11 +223,11 @@ def parse_tune_record(value: object, where: str) -> Tuned:
 def parse_concurrency(value: object, where: str) -> tuple[tuple[int, Mode], ...]:
     """A serving tune's `concurrency:` mapping: positive whole numbers to --iomp values."""
     if not isinstance(value, dict):
-        raise fail(where, f"must map each concurrency to auto, always or never, not {value!r}")
+        raise fail(where, f"must map each concurrency to auto, always or never, not {shown(value)}")
     found = []
     for key, item in value.items():
         if not positive(key):
-            raise fail(f"{where}.{key}", "is not a concurrency (a positive whole number)")
+            raise fail(where, f"{shown(key)} is not a concurrency (a positive whole number)")
         found.append((key, parse_mode(item, f"{where}.{key}")))
     return tuple(sorted(found))
 
@@ -235,7 +239,7 @@ def parse_scope(value: object, where: str) -> Scope:
         counted = key in ("tokens", "cpus")
         if item is not None and not (positive(item) if counted else isinstance(item, str) and item):
             kind = "a positive whole number" if counted else "a non-empty text"
-            raise fail(f"{where}.{key}", f"{item!r} is not {kind} (or null)")
+            raise fail(f"{where}.{key}", f"{shown(item)} is not {kind} (or null)")
     return Scope(**fields)  # type: ignore[arg-type]
 
 
@@ -261,7 +265,9 @@ def config_file_path(value: object, where: str) -> object:
     path = os.path.expanduser(value) if isinstance(value, str) else value
     if isinstance(path, str) and os.sep in path and not os.path.isabs(path):
         why = "each start would look for it from its own working directory"
-        raise fail(where, f"{value!r} is relative: {why}; give an absolute path (~ is expanded)")
+        raise fail(
+            where, f"{shown(value)} is relative: {why}; give an absolute path (~ is expanded)"
+        )
     return path
 
 
@@ -282,7 +288,18 @@ def read_config_file(path: str) -> dict[str, object]:
         raise fail(path, f"config file is not UTF-8 text (byte {error.start})") from None
     import yaml  # lazy: only when a config file exists, the exec path stays light
 
-    loader = yaml.SafeLoader(text)
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+            """An alias refused: a config file needs none, and nested ones (an alias bomb of
+            600 bytes) expand past any memory."""
+            if self.check_event(yaml.AliasEvent):
+                alias = self.current_event  # what check_event looked at
+                mark, fix = alias.start_mark, "write each value out: a config file takes none"
+                problem = f"holds a YAML alias (of anchor {shown(alias.anchor)}); {fix}"
+                raise fail(f"{path}:{mark.line + 1}:{mark.column + 1}", problem)
+            return super().compose_node(parent, index)
+
+    loader = Loader(text)
     try:
         document = loader.get_single_node()
         content = None if document is None else loader.construct_document(document)
@@ -313,8 +330,8 @@ def read_config_file(path: str) -> dict[str, object]:
         parse = KEYS[name][2] if name in KEYS else CONFIG_ONLY_KEYS.get(name)
         if parse is None:
             allowed = ", ".join(k.replace("_", "-") for k in (*KEYS, *CONFIG_ONLY_KEYS))
-            raise fail(path, f"unknown key {key!r}; allowed keys: {allowed}")
-        where = f"{path}: key {key!r}"
+            raise fail(path, f"unknown key {shown(key)}; allowed keys: {allowed}")
+        where = f"{path}: key {shown(key)}"
         if name == "kmp_blocktime":
             value = written.get(str(key), value)
         values[name] = parse(config_file_path(value, where) if name in FILE_KEYS else value, where)

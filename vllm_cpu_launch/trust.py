@@ -27,12 +27,15 @@ class Untrusted(FileProblem):
     """The trust rule's refusal of a file input, told apart from other problems by its type."""
 
 
-def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> bytes:
+def read_trusted(
+    path: str, limit: int = MAX_BYTES, *, data: bool = False, what: str = "a config file"
+) -> bytes:
     """The bytes of `path`, the one way every file input is read (docs/design.md, "Safety"):
     opened without blocking, a regular file of at most `limit` bytes (a FIFO would block, a
     device read forever; /dev/null is empty), else FileProblem; one the trust rule accepts,
     else Untrusted. `data`: a file vLLM reads wherever its command names it (a model's
-    config.json) only chooses among outcomes built of trusted files: the rule does not apply."""
+    config.json) only chooses among outcomes built of trusted files: the rule does not apply.
+    `what` the file is, as a message about its size says it."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as error:
@@ -41,7 +44,7 @@ def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> by
     status = os.fstat(descriptor)
     if stat.S_ISREG(status.st_mode) and status.st_size <= limit:
         with os.fdopen(descriptor, "rb") as stream:
-            refusal = None if data else untrusted(path, status)
+            refusal = None if data else untrusted(path)
             if refusal is not None:
                 raise Untrusted(refusal)
             try:
@@ -52,24 +55,23 @@ def read_trusted(path: str, limit: int = MAX_BYTES, *, data: bool = False) -> by
     if is_null_device(status):  # /dev/null, the usual "no file": empty, at once
         return b""
     if stat.S_ISREG(status.st_mode):
-        raise FileProblem(f"is {status.st_size} bytes, more than a config file's {limit}")
+        raise FileProblem(f"is {status.st_size} bytes, over the {limit}-byte limit of {what}")
     kind = KINDS.get(stat.filemode(status.st_mode)[0], "no regular file")
     raise FileProblem(f"is {kind}, not a regular file")
 
 
-def untrusted(path: str, status: os.stat_result) -> str | None:
+def untrusted(path: str) -> str | None:
     """Why the trust rule refuses a settings file (with owner, mode and fix), or None: another
     user who could change what runs and is preloaded would choose for root (or for anyone)."""
     found = insecure_reason(os.path.abspath(path), os.geteuid())
     if found is None:
         return None
     why, fix = found
-    said = f"owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)}"
     reader = "as root, only settings no other user can change are read"
     if os.geteuid() != 0:
         reader = "settings everyone can change are not read"
     fixed = f"Fix: {fix}" if fix else "move it where only its owner can write"
-    return f"not read: {why} ({said}); {reader}; {fixed}"
+    return f"not read: {why}; {reader}; {fixed}"
 
 
 def is_null_device(status: os.stat_result) -> bool:
@@ -264,11 +266,11 @@ def insecure_reason(
     problems: list[tuple[str, str]] = []
     try:
         directories, links, real = lookup_steps(path)
-        problem = (
-            None if read_only(real) else unsafe_owner_or_mode(os.stat(real), euid, True, trusted)
-        )
+        status = os.stat(real)
+        problem = None if read_only(real) else unsafe_owner_or_mode(status, euid, True, trusted)
         if problem:
-            problems.append((f"{real} is {problem[0]}", f"{problem[1]} {quoted(real)}"))
+            why = f"{real} is {problem[0]} ({owner_and_mode(status)})"
+            problems.append((why, f"{problem[1]} {quoted(real)}"))
         for link in links:  # a link's own mode means nothing; who may replace it does
             owner = os.lstat(link).st_uid
             if euid == 0 and owner != 0 and owner not in trusted and not read_only(link, False):
@@ -278,16 +280,22 @@ def insecure_reason(
         for directory in directories:
             if read_only(directory):
                 continue
-            problem = unsafe_owner_or_mode(os.stat(directory), euid, directory == home, trusted)
+            status = os.stat(directory)
+            problem = unsafe_owner_or_mode(status, euid, directory == home, trusted)
             if problem:
                 moved = moved_out(real) if named else ""
                 fix = moved if problem[1] == MOVE else f"{problem[1]} {quoted(directory)}"
-                problems.append((f"directory {directory} is {problem[0]}", fix))
+                why = f"directory {directory} is {problem[0]} ({owner_and_mode(status)})"
+                problems.append((why, fix))
     except OSError as error:
         return f"cannot check its permissions: {error.strerror}", ""
     if len(problems) > 1:
         return f"{problems[0][0]} (and {len(problems) - 1} more)", ""
     return problems[0] if problems else None
+
+
+def owner_and_mode(status: os.stat_result) -> str:
+    return f"owner uid {status.st_uid}, mode {stat.filemode(status.st_mode)}"
 
 
 def read_only(path: str, follow: bool = True) -> bool:

@@ -94,7 +94,7 @@ goes to stderr; the tables and the result to stdout.
                          other scopes, other keys and comments are kept
   --rounds N             rounds of every candidate (default 3)
   --time-limit SECONDS   bound on the whole tune (default 1800): no start or run begins
-                         after it, one still going then is killed, and the rounds done
+                         after it, one still going then is stopped, and the rounds done
                          are used
   --output-len N         output tokens per request (default 128)
 Serving (--benchmark serve):

@@ -30,6 +30,9 @@ SHIPPED_PROMPTS = os.path.join(os.path.dirname(vllm_cpu_launch.__file__), "servi
 LOOPBACK = "127.0.0.1"
 PROMPTS_PER_STREAM = 4
 MIN_PROMPTS = 8
+# vLLM's sharegpt reader skips a prompt of fewer tokens (is_valid_sequence's min_len, 0.32);
+# each word is a token at least, so a prompt of this many words is sent.
+MIN_PROMPT_WORDS = 4
 # Options of `vllm serve` (vLLM 0.32.0) that `vllm bench latency` rejects, by what follows
 # them: one value, nothing (flags; all but --grpc and --headless have a --no- form), or "+"
 # values up to the next option. Checked against vLLM's parsers by tests/e2e/test_tune.py.
@@ -186,7 +189,7 @@ def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
     `data`), since its prompts only weigh the runtimes the tune compares."""
     where = f"--prompts {path}"
     try:
-        text = read_trusted(path, data=True).decode("utf-8")
+        text = read_trusted(path, data=True, what="a prompts file").decode("utf-8")
     except (FileProblem, OSError, UnicodeDecodeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise LaunchError(EXIT_USAGE, f"{where}: cannot be read: {reason}") from None
@@ -206,6 +209,12 @@ def check_prompts(path: str) -> tuple[str, tuple[str, ...]]:
         prompts.append(item["prompt"])
     if not prompts:
         raise LaunchError(EXIT_USAGE, f"{where}: holds no prompts")
+    if all(len(prompt.split()) < MIN_PROMPT_WORDS for prompt in prompts):
+        raise LaunchError(
+            EXIT_USAGE,
+            f"{where}: no prompt has {MIN_PROMPT_WORDS} words, and vLLM's benchmark skips one "
+            f"under {MIN_PROMPT_WORDS} tokens: nothing would be sent; write longer prompts",
+        )
     return os.path.abspath(path), tuple(prompts)
 
 

@@ -1,4 +1,4 @@
-"""The contest: rounds of runs in rotated order, each bounded and killed with its whole
+"""The contest: rounds of runs in rotated order, each bounded and stopped with its whole
 session, and who won by the noise rule. vLLM 0.32's `vllm bench sweep serve` starts one
 serve command a sweep: the candidates could not alternate round by round, nor share one
 time limit, so tune starts each server itself and runs the client against it.
@@ -16,12 +16,14 @@ import statistics
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from vllm_cpu_launch.cli import plan_from_options, provide_metadata
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit, record
 from vllm_cpu_launch.gather import PYTHONPATH
 from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.inside import remove_readings_of
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import Mode
 from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
@@ -38,6 +40,10 @@ MIN_RUNS_FOR_A_WINNER = 2
 # beat the other's by more than the larger range).
 ROUNDS_FOR_A_SWEEP = 3
 KILL_WAIT_S = 30
+# How long a stopped session has after SIGTERM (vLLM's API server stops its engine core and
+# workers, and its plugin removes its readings directory) before SIGKILL.
+STOP_GRACE_S = 15.0
+STOP_POLL_S = 0.2
 HEALTH_POLL_S = 1.0
 HEALTH_REQUEST_S = 5.0
 LOG_TAIL_LINES = 15
@@ -223,13 +229,18 @@ def run_rounds(
 
 @contextlib.contextmanager
 def started(
-    command: Sequence[str], log_path: str, plan: Plan, only: Collection[str] | None = None
+    command: Sequence[str],
+    log_path: str,
+    plan: Plan | None = None,
+    only: Collection[str] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """command in a session of its own, in plan's environment (`only` those of its variables),
-    killed on the way out with that whole session: vLLM's engine core and workers, a finished
-    run's leftovers."""
-    provide_metadata(plan)
-    planned = {name: value for name, value in plan.env if only is None or name in only}
+    """command in a session of its own, in plan's environment (`only` those of its variables;
+    no plan: this one's), stopped on the way out with that whole session: vLLM's engine core
+    and workers, a finished run's leftovers."""
+    planned = {}
+    if plan is not None:
+        provide_metadata(plan)
+        planned = {name: value for name, value in plan.env if only is None or name in only}
     environment = {**os.environ, **planned}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
@@ -243,10 +254,36 @@ def started(
     try:
         yield process
     finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=KILL_WAIT_S)
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the process's group, SIGKILL to what is left of it after STOP_GRACE_S
+    (or at once, if interrupted); then what a killed vLLM front end left behind is removed."""
+    try:
+        end_group(process, signal.SIGTERM, STOP_GRACE_S)
+    finally:
+        end_group(process, signal.SIGKILL, KILL_WAIT_S)
+        remove_readings_of(process.pid)
+
+
+def end_group(process: subprocess.Popen[bytes], number: int, wait_s: float) -> None:
+    """Signal the process's group, and wait up to wait_s for all of it to be dead."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, number)
+    deadline = time.monotonic() + wait_s
+    while (process.poll() is None or group_alive(process.pid)) and time.monotonic() < deadline:
+        time.sleep(STOP_POLL_S)
+
+
+def group_alive(group: int) -> bool:
+    """Whether a process of the group is alive (a zombie is not: it waits for its reaper)."""
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(entry.path, "stat").read_text().rpartition(")")[2].split()
+            if fields[0] != "Z" and int(fields[2]) == group:  # state, ppid, pgrp
+                return True
+    return False
 
 
 def run_child(
