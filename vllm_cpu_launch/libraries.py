@@ -9,12 +9,13 @@ import sys
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
-from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
+from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
 from vllm_cpu_launch.target import python_user_base, site_packages
 from vllm_cpu_launch.trust import (
     elf_problem,
     elf_truncation,
     insecure_reason,
+    library_of,
     openmp_runtime,
     quoted,
 )
@@ -32,7 +33,7 @@ TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_m
 NAMES = {IOMP: ("libiomp5.so",), TCMALLOC: (*TCMALLOC_NAMES, "libtcmalloc.so")}
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
-# The caller's entries a search proposes, by what their file's name says they are.
+# The caller's entries a search proposes, by what their files are (trust.library_of).
 PROPOSED = {IOMP: (Library.INTEL, Library.LLVM), TCMALLOC: (Library.TCMALLOC,)}
 LLVM = Library.LLVM.value  # also the flavor of LLVM's libomp (its banner, trust.py)
 MULTIARCH = {m: f"{m}-linux-gnu" for m in ("x86_64", "aarch64", "s390x", "riscv64")}
@@ -59,7 +60,7 @@ def system_root(environ: Mapping[str, str]) -> str:
 
 @record
 class PreloadEntry:
-    """One entry of the caller's LD_PRELOAD, and what its file's name says it is."""
+    """One entry of the caller's LD_PRELOAD, and what its file is (trust.library_of)."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
     kind: Library

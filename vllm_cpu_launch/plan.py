@@ -17,7 +17,6 @@ from vllm_cpu_launch.handoff import (
     PLANNED_VARIABLE,
     STARTED_MARK,
     Library,
-    library_of,
     vllm_reads,
 )
 from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, CandidateVerdict, Origin
@@ -34,6 +33,7 @@ from vllm_cpu_launch.rules import (
     setting_rule,
 )
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
+from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
