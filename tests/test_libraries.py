@@ -186,8 +186,8 @@ def test_intels_stub_and_debugger_library_are_intels_but_serve_nothing(real_iomp
 def test_a_file_is_named_only_where_none_can_be_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built: Path
 ) -> None:
-    """A missing file and a bare name (the loader's to find, never the working directory's
-    file) by their names; a file that is no ELF is no library the loader would load."""
+    """A missing file, a bare name (the loader's to find, never the working directory's
+    file) and a file no ELF shared object by their names (examine says why they are none)."""
     monkeypatch.chdir(tmp_path)
     shutil.copy2(built / "libompl.so", tmp_path / "libiomp5.so")
     assert identify("libiomp5.so") == (Library.INTEL, True)
@@ -196,14 +196,16 @@ def test_a_file_is_named_only_where_none_can_be_read(
     assert library_of(str(tmp_path / "gone" / "libompwork.so")) is Library.LLVM
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "libiomp5.so").write_text("INPUT(libiomp5.so.1)\n")
-    assert identify(str(tmp_path / "text" / "libiomp5.so")) == (Library.OTHER, False)
+    assert identify(str(tmp_path / "text" / "libiomp5.so")) == (Library.INTEL, True)
+    assert identify(str(tmp_path / "text")) == (Library.OTHER, False)
 
 
 def test_a_renamed_runtime_the_caller_preloads_is_theirs_a_fopenmp_library_is_not(
     tmp_path: Path, real_iomp: Path, built: Path
 ) -> None:
     """LD_PRELOAD's entries by their files: Intel's runtime named libfoo.so is the caller's,
-    kept with nothing beside it; libompwork.so is no runtime to keep or refuse."""
+    kept with nothing beside it; libompwork.so is another library, but vLLM takes it for
+    Intel OpenMP by its name (`libomp`): examined as one, and refused as none."""
     theirs = place_library(real_iomp, tmp_path / "theirs" / "libfoo.so")
     good = place_library(real_iomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so")
     target = in_environment(tmp_path / "vllm-env")
@@ -213,9 +215,11 @@ def test_a_renamed_runtime_the_caller_preloads_is_theirs_a_fopenmp_library_is_no
     work = str(built / "libompwork.so")
     caller = host(tmp_path, {"LD_PRELOAD": work})
     assert [entry.kind for entry in caller.preload] == [Library.OTHER]
-    search = find_library(IOMP, caller, target)
-    assert search.chosen is not None and search.chosen.path == str(good)
-    assert work not in [c.path for c in search.candidates]
+    search = find_library(IOMP, caller, target, exhaustive=True)
+    (refused, chosen) = search.candidates
+    assert (refused.path, refused.verdict) == (work, "rejected")
+    assert refused.reason.startswith("not an OpenMP runtime")
+    assert search.chosen == chosen and chosen.path == str(good)
 
 
 def test_target_environment_wins_over_launcher_conda_and_venv(

@@ -202,7 +202,10 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
     user_lib = [lib_directory(python_user_base(environ))]
-    yield Origin.LD_PRELOAD, [e.path for e in host.preload if e.kind in PROPOSED[kind]]
+    # An entry vLLM takes for Intel OpenMP by its name is examined as one: vLLM acts on it.
+    named = {e.path for e in host.preload if kind == IOMP and Library.INTEL in vllm_reads(e.path)}
+    proposed = [e.path for e in host.preload if e.kind in PROPOSED[kind] or e.path in named]
+    yield Origin.LD_PRELOAD, proposed
     yield Origin.VLLM_ENVIRONMENT, files_named(target_lib, names)
     yield Origin.LAUNCHER_ENVIRONMENT, files_named([lib_directory(host.launcher_prefix)], names)
     yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], names)

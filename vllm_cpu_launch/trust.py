@@ -230,7 +230,8 @@ def identify(path: str) -> tuple[Library, bool]:
     libgomp.so.1 keep libomp.so; libtcmalloc, libjemalloc, libmimalloc), else a runtime if it
     defines GOMP_parallel, Intel's or LLVM's by its banner, else GNU's. A `-fopenmp` library
     only needs libgomp: another library. By the file's name (a directory's says nothing) only
-    where no file can be read: a bare name (the loader's to find), a missing or deleted one."""
+    where no library of this host can be read: a bare name (the loader's to find), a missing,
+    deleted or corrupt file, one not ELF or not this machine's (examine says why)."""
     named = kind_named(os.path.basename(path))
     if "/" not in path:  # a bare name, the loader's to find: no file in the working directory
         return named, named.runtime
@@ -238,16 +239,17 @@ def identify(path: str) -> tuple[Library, bool]:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError:
         return named, named.runtime
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        return named, named.runtime
     with os.fdopen(descriptor, "rb") as stream:
-        header = stream.read(64) if stat.S_ISREG(os.fstat(descriptor).st_mode) else b""
-        if len(header) < 52 or header[:4] != b"\x7fELF" or {header[4], header[5]} - {1, 2}:
-            return Library.OTHER, False  # no ELF file: nothing the loader would load
+        if elf_problem(header := stream.read(64), os.uname().machine):  # as the caller meant
+            return named, named.runtime
         try:
             tags = dynamic_tags(descriptor, header)
-            named_at = tags[DT_STRTAB] + tags[DT_SONAME] if DT_SONAME in tags else -1
-            soname = (
-                c_string(descriptor, named_at, 256) if DT_STRTAB in tags and named_at >= 0 else ""
-            )
+            soname = ""
+            if DT_SONAME in tags and DT_STRTAB in tags:
+                soname = c_string(descriptor, tags[DT_STRTAB] + tags[DT_SONAME], 256)
             serves = defines(descriptor, header, tags, SERVES)
             kind = RUNTIME_SONAMES.get(soname.partition(".so")[0].partition("-")[0])
             if kind is not None or not serves:
