@@ -88,6 +88,12 @@ class Host:
     def __post_init__(self) -> None:
         object.__setattr__(self, "preload", read_preload(self.environ.get(LD_PRELOAD, "")))
 
+    @property
+    def taken_for_intel(self) -> tuple[str, ...]:
+        """The entries whose file's name vLLM takes for Intel OpenMP (`libiomp`, `libomp`)."""
+        names = (e.path for e in self.preload)
+        return tuple(p for p in names if Library.INTEL in vllm_reads(os.path.basename(p)))
+
 
 class Origin(StrEnum):
     """Where a candidate came from (the word the plan, doctor and --dry-run say)."""
@@ -202,8 +208,8 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
     user_lib = [lib_directory(python_user_base(environ))]
-    # An entry vLLM takes for Intel OpenMP by its name is examined as one: vLLM acts on it.
-    named = {e.path for e in host.preload if kind == IOMP and Library.INTEL in vllm_reads(e.path)}
+    # An entry vLLM takes for Intel OpenMP by its file's name is examined as one: vLLM acts on it.
+    named = host.taken_for_intel if kind == IOMP else ()
     proposed = [e.path for e in host.preload if e.kind in PROPOSED[kind] or e.path in named]
     yield Origin.LD_PRELOAD, proposed
     yield Origin.VLLM_ENVIRONMENT, files_named(target_lib, names)

@@ -120,9 +120,10 @@ def architecture_gate(facts: Facts, decision: Decision) -> Decision:
 
 
 def callers_stage(facts: Facts, decision: Decision) -> Decision:
-    """The caller's OpenMP runtime and malloc in LD_PRELOAD: theirs, nothing beside them."""
+    """The caller's OpenMP runtime and malloc in LD_PRELOAD: theirs, nothing beside them; a
+    runtime by its file, or an entry vLLM takes for Intel's by its name (examined: warned)."""
     entries = facts.host.preload
-    yours = tuple(e.path for e in entries if e.kind.kmp)
+    yours = tuple(e.path for e in entries if e.kind.kmp or e.path in facts.host.taken_for_intel)
     allocators = tuple(e.path for e in entries if e.kind.allocator)
     other = tuple(e.path for e in entries if e.kind is Library.MALLOC)
     return replace(decision, yours=yours, allocators=allocators, other_malloc=other)
