@@ -22,6 +22,7 @@ import pytest
 
 from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.fixes import LLVM_PACKAGE
+from vllm_cpu_launch.handoff import Library
 from vllm_cpu_launch.libraries import (
     IOMP,
     NOT_FOUND_BY_LOADER,
@@ -33,7 +34,7 @@ from vllm_cpu_launch.libraries import (
     loader_cache_entries,
 )
 from vllm_cpu_launch.target import Target
-from vllm_cpu_launch.trust import openmp_runtime
+from vllm_cpu_launch.trust import identify, library_of, openmp_runtime
 
 from . import test_plan as contract
 from .conftest import AS_NOBODY, NOBODY, REPO, SystemHost, clean_environ, install_recorder
@@ -91,6 +92,134 @@ def place_library(source: Path, destination: Path) -> Path:
     destination.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(source, destination)
     return destination
+
+
+# ------------------------------------------------- what a library is (trust.identify)
+
+# A library calling the GNU OpenMP API (built -fopenmp: it needs libgomp.so.1), and one
+# defining GOMP_parallel itself, as a runtime does.
+CALLS_OPENMP = "int threads(void) { int n = 0;\n#pragma omp parallel\n n = 1; return n; }\n"
+DEFINES_GOMP = "void GOMP_parallel(void (*f)(void *), void *d, unsigned n, unsigned g) { f(d); }\n"
+# name: (source, gcc flags): libompl.so (OMPL's) and libompd.so (LLVM's debugging library)
+# are real names starting `libomp`; libompwork.so is a -fopenmp library named like a runtime.
+BUILT = {
+    "libompl.so": ("int ompl(void) { return 1; }\n", ["-Wl,-soname,libompl.so"]),
+    "libompd.so": ("int ompd(void) { return 1; }\n", ["-Wl,-soname,libompd.so"]),
+    "libompwork.so": (CALLS_OPENMP, ["-fopenmp"]),
+    "libgomp-0123abcd.so.1.0.0": (DEFINES_GOMP, ["-Wl,-soname,libgomp-0123abcd.so.1.0.0"]),
+    "libgnu-hash.so": (DEFINES_GOMP, ["-Wl,--hash-style=gnu"]),
+    "libsysv-hash.so": (DEFINES_GOMP, ["-Wl,--hash-style=sysv"]),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """BUILT, each compiled by gcc into one directory."""
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the test libraries")
+    directory = tmp_path_factory.mktemp("built")
+    for name, (code, flags) in BUILT.items():
+        (directory / "source.c").write_text(code)
+        command = ["gcc", "-shared", "-fPIC", *flags, "-o", str(directory / name)]
+        subprocess.run([*command, str(directory / "source.c")], check=True, timeout=120)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("libompl.so", (Library.OTHER, False)),
+        ("libompd.so", (Library.OTHER, False)),
+        ("libompwork.so", (Library.OTHER, False)),  # it calls GOMP_parallel: no definition
+        ("libgomp-0123abcd.so.1.0.0", (Library.GNU, True)),  # a wheel's renamed libgomp
+        ("libgnu-hash.so", (Library.GNU, True)),  # no SONAME: it defines GOMP_parallel
+        ("libsysv-hash.so", (Library.GNU, True)),  # found through DT_HASH alone too
+    ],
+)
+def test_a_library_is_what_its_elf_file_says_not_its_name(
+    built: Path, name: str, expected: tuple[Library, bool]
+) -> None:
+    """Issue 45: a name starting `libomp` made LLVM OpenMP of libompwork.so (gcc -fopenmp,
+    needing libgomp), OMPL's libompl.so and LLVM's libompd.so, none a runtime."""
+    assert identify(str(built / name)) == expected
+    assert library_of(str(built / name)) is expected[0]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "kind"),
+    [
+        ("real_iomp", Library.INTEL),
+        ("llvm-14/lib/libomp.so.5", Library.LLVM),
+        ("llvm-14/lib/libiomp5.so", Library.LLVM),  # Debian's alias: SONAME libomp.so.5
+        ("llvm-14/lib/libgomp.so", Library.LLVM),
+        ("/usr/lib/x86_64-linux-gnu/libgomp.so.1", Library.GNU),
+    ],
+)
+@pytest.mark.parametrize("renamed", [None, "libfoo.so", "libompwork.so"])
+def test_a_real_runtime_is_itself_under_any_name(
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    debian_root: Path,
+    runtime: str,
+    kind: Library,
+    renamed: str | None,
+) -> None:
+    """Each real runtime, and a copy named libfoo.so or like another runtime: its DT_SONAME
+    and the GOMP_parallel it defines say what it is."""
+    if runtime == "real_iomp":
+        path = request.getfixturevalue(runtime)
+    else:
+        path = Path(runtime) if runtime.startswith("/") else debian_root / "usr/lib" / runtime
+    if not path.is_file():
+        pytest.fail(f"{path} missing: apt-get install libgomp1")
+    if renamed is not None:
+        path = place_library(path, tmp_path / renamed)
+    assert identify(str(path)) == (kind, True)
+
+
+def test_intels_stub_and_debugger_library_are_intels_but_serve_nothing(real_iomp: Path) -> None:
+    """By their SONAMEs Intel's (the plan refuses them by name, below); no GOMP_parallel."""
+    for name in ("libiompstubs5.so", "libiomp5_db.so"):
+        assert identify(str(real_iomp.parent / name)) == (Library.INTEL, False)
+
+
+def test_a_file_is_named_only_where_none_can_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built: Path
+) -> None:
+    """A missing file, a bare name (the loader's to find, never the working directory's
+    file) and a file no ELF shared object by their names (examine says why they are none)."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy2(built / "libompl.so", tmp_path / "libiomp5.so")
+    assert identify("libiomp5.so") == (Library.INTEL, True)
+    assert library_of(str(tmp_path / "libiomp5.so")) is Library.OTHER
+    assert identify(str(tmp_path / "gone" / "libgomp.so.1")) == (Library.GNU, True)
+    assert library_of(str(tmp_path / "gone" / "libompwork.so")) is Library.LLVM
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "libiomp5.so").write_text("INPUT(libiomp5.so.1)\n")
+    assert identify(str(tmp_path / "text" / "libiomp5.so")) == (Library.INTEL, True)
+    assert identify(str(tmp_path / "text")) == (Library.OTHER, False)
+
+
+def test_a_renamed_runtime_the_caller_preloads_is_theirs_a_fopenmp_library_is_not(
+    tmp_path: Path, real_iomp: Path, built: Path
+) -> None:
+    """LD_PRELOAD's entries by their files: Intel's runtime named libfoo.so is the caller's,
+    kept with nothing beside it; libompwork.so is another library, but vLLM takes it for
+    Intel OpenMP by its name (`libomp`): examined as one, and refused as none."""
+    theirs = place_library(real_iomp, tmp_path / "theirs" / "libfoo.so")
+    good = place_library(real_iomp, tmp_path / "vllm-env" / "lib" / "libiomp5.so")
+    target = in_environment(tmp_path / "vllm-env")
+    search = find_library(IOMP, host(tmp_path, {"LD_PRELOAD": str(theirs)}), target)
+    assert search.chosen is not None
+    assert (search.chosen.path, search.chosen.origin) == (str(theirs), "ld-preload")
+    work = str(built / "libompwork.so")
+    caller = host(tmp_path, {"LD_PRELOAD": work})
+    assert [entry.kind for entry in caller.preload] == [Library.OTHER]
+    search = find_library(IOMP, caller, target, exhaustive=True)
+    (refused, chosen) = search.candidates
+    assert (refused.path, refused.verdict) == (work, "rejected")
+    assert refused.reason.startswith("not an OpenMP runtime")
+    assert search.chosen == chosen and chosen.path == str(good)
 
 
 def test_target_environment_wins_over_launcher_conda_and_venv(

@@ -122,6 +122,7 @@ def llvm_libomp(debian_root: Path) -> Path:
 
 
 @pytest.mark.parametrize(("runtime", "kind"), [("real_iomp", "iomp"), ("llvm_libomp", "llvm")])
+@pytest.mark.parametrize("renamed", [None, "libfoo.so"])
 def test_a_preloaded_runtime_serves_a_libgomp_linked_library_and_verify_says_so(
     tmp_path: Path,
     parallel_library: Path,
@@ -129,10 +130,14 @@ def test_a_preloaded_runtime_serves_a_libgomp_linked_library_and_verify_says_so(
     request: pytest.FixtureRequest,
     runtime: str,
     kind: str,
+    renamed: str | None,
 ) -> None:
     """LD_PRELOAD puts the runtime right after the program in the link map; the library's
-    GOMP_parallel, bound to libgomp.so.1 at link time, resolves to it."""
+    GOMP_parallel, bound to libgomp.so.1 at link time, resolves to it. A copy of the
+    runtime named libfoo.so is that runtime all the same (its ELF file says so)."""
     preloaded = os.path.realpath(request.getfixturevalue(runtime))
+    if renamed is not None:
+        preloaded = str(shutil.copy2(preloaded, tmp_path / renamed))
     pid, serving = probe(parallel_library, preload=preloaded)
     assert serving == preloaded  # from inside: the preloaded runtime runs the region
     code, process = verify_speculative(tmp_path, pid)
@@ -264,3 +269,18 @@ def test_a_static_pie_programs_link_map_is_read(tmp_path: Path) -> None:
         code, seen = verify_speculative(tmp_path, pid)
         assert seen["order"] == "in load order (the link map, as pldd reads it)"
         assert seen["load_order"] == [] and code == 1
+
+
+def test_a_fopenmp_library_named_like_a_runtime_serves_nothing(
+    tmp_path: Path, parallel_library: Path, probe: Callable[..., tuple[int, str]], real_iomp: Path
+) -> None:
+    """Issue 45: the -fopenmp library named libompwork.so, libiomp5 dlopen'd after it: the
+    name made it LLVM OpenMP serving, exit 0; it defines no GOMP_parallel, libgomp serves."""
+    work = shutil.copy2(parallel_library, tmp_path / "libompwork.so")
+    pid, serving = probe(work, str(real_iomp))
+    assert os.path.basename(serving).startswith("libgomp")  # from inside
+    code, process = verify_speculative(tmp_path, pid)
+    assert (code, process["verdict"]) == (1, "problem")
+    assert process["serves"] == {"kind": "gomp", "path": serving}
+    assert [r["kind"] for r in process["load_order"]] == ["gomp", "iomp"]
+    assert str(work) not in [r["path"] for r in process["runtimes"]]

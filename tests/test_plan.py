@@ -70,10 +70,12 @@ from .conftest import (
     LAUNCHER,
     SystemHost,
     clean_environ,
+    debian_packages,
     install_recorder,
     make_environment,
     read_record,
     run_launcher,
+    unpack,
 )
 from .hardening import GUARD, REPO, base_environ, fake_vllm, patch_elf, record_argv, text
 from .hardening import NGRAM as NGRAM_JSON
@@ -361,9 +363,11 @@ def test_blocktime_units(value: str, valid: bool) -> None:
 def test_a_callers_intel_openmp_stays_as_set(tmp_path: Path, real_iomp: Path) -> None:
     """--iomp never with libiomp5 in the caller's LD_PRELOAD: it stays, said (once it was
     removed); with SD, the caller's runtime is the one, and nothing is added beside it."""
-    foo = tmp_path / "x" / "libfoo.so"  # another library of theirs, a real one
+    from tests.test_cli import ZLIB
+
+    foo = tmp_path / "x" / "libfoo.so"  # another library of theirs, a real one (zlib)
     foo.parent.mkdir()
-    shutil.copy(real_iomp, foo)
+    shutil.copy(ZLIB, foo)
     preload = f"{foo}:{real_iomp}"
     plan = plan_for(tmp_path, real_iomp, settings=Settings(iomp=Mode.NEVER), LD_PRELOAD=preload)
     assert plan["env"] == {"VLLMCPULAUNCH_PLANNED": "launcher"}
@@ -421,6 +425,13 @@ def test_a_callers_runtime_leaves_their_ld_preload_byte_for_byte(
     assert plan["env"] == STARTED and plan["relies_on"] == {"LD_PRELOAD": preload}
 
 
+def real_jemalloc(tmp_path: Path) -> Path:
+    """Debian's libjemalloc.so.2 (libjemalloc2), unpacked here: a library is what its file
+    says it is, so a copy of another one under that name is not."""
+    root = unpack(debian_packages(["libjemalloc2"]), tmp_path / "jemalloc")
+    return root / MULTIARCH_LIB / "libjemalloc.so.2"
+
+
 def allocator_host(debian_root: Path, preload: str) -> Host:
     """4 CPUs (no map rule), Debian's tcmalloc in the system places, the caller's preload."""
     return Host(
@@ -439,10 +450,7 @@ def test_a_callers_jemalloc_gets_no_tcmalloc_beside_it(
 ) -> None:
     """Issue 29, defect 2: their allocator is theirs, as their runtime is; Intel OpenMP
     still goes in for SD."""
-    tcmalloc = debian_root / MULTIARCH_LIB / "libtcmalloc_minimal.so.4"
-    jemalloc = tmp_path / "jemalloc" / "libjemalloc.so.2"  # a real ELF file of that name
-    jemalloc.parent.mkdir()
-    shutil.copy(tcmalloc, jemalloc)
+    jemalloc = real_jemalloc(tmp_path)
     host = allocator_host(debian_root, str(jemalloc))
     assert preloaded_kinds(tmp_path, real_iomp, host) == [("iomp", "vllm-environment")]
     without = allocator_host(debian_root, "")  # the same host without theirs: both go in
@@ -472,12 +480,14 @@ def test_a_callers_entry_that_cannot_load_is_said_once_and_kept(
 ) -> None:
     """Issue 31: an entry that does not exist, is no ELF file of this machine, or is
     unsafe gets one warning naming it and what the loader will do; it stays."""
+    from tests.test_cli import ZLIB
+
     wrong = tmp_path / "wrong" / "libwrong.so"  # a 32-bit copy: not for this machine
     wrong.parent.mkdir()
     patch_elf(real_iomp, wrong, ei_class=1)
     shared = tmp_path / "shared"
     shared.mkdir()
-    shutil.copy(real_iomp, shared / "libshared.so")
+    shutil.copy(ZLIB, shared / "libshared.so")  # a real library, no runtime
     shared.chmod(0o777)
     entries = ["/nonexistent/libfoo.so", str(wrong), str(shared / "libshared.so")]
     try:
@@ -1299,9 +1309,7 @@ def test_the_plan_and_the_verbs_read_the_callers_two_entries_alike(
     where the loader splits it (a space): doctor shows each entry's kind, the plan
     (--dry-run) keeps the runtime as theirs with nothing beside either, and `rules` reads
     the malloc as their other allocator, each in a fresh process."""
-    jemalloc = tmp_path / "jemalloc" / "libjemalloc.so.2"  # a real ELF file of that name
-    jemalloc.parent.mkdir()
-    shutil.copy(real_iomp, jemalloc)
+    jemalloc = real_jemalloc(tmp_path)
     environ = clean_environ(tmp_path, LD_PRELOAD=f"{jemalloc} {real_iomp}")
     doctor = run_launcher(["--vllm", str(map_vllm), "doctor", "--json"], environ)
     assert doctor.returncode == 0, doctor.stderr

@@ -1,11 +1,10 @@
-"""What the launcher and the plugin share: a library's kind by its file's name, and the mark
-that tells the plugin to leave a process alone. The plugin runs in every vLLM process and
+"""What the launcher and the plugin share: the kinds of library (trust.library_of), and
+the mark that tells the plugin to leave a process alone. The plugin runs in every vLLM process and
 must stop at once in all but the front end, with nothing imported (stands_down)."""
 
 from __future__ import annotations
 
 import enum
-import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,9 +14,9 @@ LD_PRELOAD = "LD_PRELOAD"  # the loader's variable, which vLLM reads too
 
 
 class Library(enum.Enum):
-    """What a library is, by its file's name; the value is its kind in verify's JSON."""
+    """What a library is (trust.library_of); the value is its kind in verify's JSON."""
 
-    INTEL = "iomp"  # Intel's OpenMP runtime, libiomp5 (Debian's libiomp5.so alias of LLVM's too)
+    INTEL = "iomp"  # Intel's OpenMP runtime, libiomp5 (its stub and debugger libraries too)
     LLVM = "llvm"  # LLVM's libomp: the same KMP_* interface as Intel's
     GNU = "gomp"  # GNU libgomp (torch's, sentencepiece's renamed copy)
     TCMALLOC = "tcmalloc"  # gperftools' tcmalloc (libtcmalloc, libtcmalloc_minimal)
@@ -57,25 +56,10 @@ METRIC = "vllm_cpu_launch_openmp"
 INFO_METRIC = f"{METRIC}_info"  # prometheus_client appends `_info` to an info family's name
 
 
-def library_of(path: str) -> Library:
-    """The library at `path`, by the file the loader loads: a directory's name says nothing
-    (`/opt/libomp-17/`), nor does LLVM's offloading library (libomptarget), no runtime."""
-    name = os.path.basename(path)
-    if "libiomp" in name:
-        return Library.INTEL
-    if "libgomp" in name:
-        return Library.GNU
-    if name.startswith("libomp") and not name.startswith("libomptarget"):
-        return Library.LLVM
-    if "libtcmalloc" in name:
-        return Library.TCMALLOC
-    return Library.MALLOC if "libjemalloc" in name or "libmimalloc" in name else Library.OTHER
-
-
 def vllm_reads(ld_preload: str) -> frozenset[Library]:
     """The OpenMP runtimes vLLM finds in an LD_PRELOAD text, by substrings as vLLM tests them
     (vllm/utils/ompmultiprocessing.py, use_iomp and use_gomp): a directory's name counts,
-    and libomptarget is Intel's to vLLM, no runtime to library_of."""
+    and libomptarget is Intel's to vLLM, though no runtime."""
     tests = {Library.INTEL: ("libiomp", "libomp"), Library.GNU: ("libgomp",)}
     return frozenset(kind for kind, names in tests.items() if any(n in ld_preload for n in names))
 

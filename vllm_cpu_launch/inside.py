@@ -44,7 +44,8 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
-from vllm_cpu_launch.handoff import METRIC, METRIC_WORDS, NONE, library_of
+from vllm_cpu_launch.handoff import METRIC, METRIC_WORDS, NONE
+from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -9,12 +9,13 @@ import sys
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
-from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of, vllm_reads
+from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
 from vllm_cpu_launch.target import python_user_base, site_packages
 from vllm_cpu_launch.trust import (
     elf_problem,
     elf_truncation,
     insecure_reason,
+    library_of,
     openmp_runtime,
     quoted,
 )
@@ -32,7 +33,7 @@ TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_m
 NAMES = {IOMP: ("libiomp5.so",), TCMALLOC: (*TCMALLOC_NAMES, "libtcmalloc.so")}
 # vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
 MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
-# The caller's entries a search proposes, by what their file's name says they are.
+# The caller's entries a search proposes, by what their files are (trust.library_of).
 PROPOSED = {IOMP: (Library.INTEL, Library.LLVM), TCMALLOC: (Library.TCMALLOC,)}
 LLVM = Library.LLVM.value  # also the flavor of LLVM's libomp (its banner, trust.py)
 MULTIARCH = {m: f"{m}-linux-gnu" for m in ("x86_64", "aarch64", "s390x", "riscv64")}
@@ -59,7 +60,7 @@ def system_root(environ: Mapping[str, str]) -> str:
 
 @record
 class PreloadEntry:
-    """One entry of the caller's LD_PRELOAD, and what its file's name says it is."""
+    """One entry of the caller's LD_PRELOAD, and what its file is (trust.library_of)."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
     kind: Library
@@ -86,6 +87,12 @@ class Host:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preload", read_preload(self.environ.get(LD_PRELOAD, "")))
+
+    @property
+    def taken_for_intel(self) -> tuple[str, ...]:
+        """The entries whose file's name vLLM takes for Intel OpenMP (`libiomp`, `libomp`)."""
+        names = (e.path for e in self.preload)
+        return tuple(p for p in names if Library.INTEL in vllm_reads(os.path.basename(p)))
 
 
 class Origin(StrEnum):
@@ -201,7 +208,10 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
     user_lib = [lib_directory(python_user_base(environ))]
-    yield Origin.LD_PRELOAD, [e.path for e in host.preload if e.kind in PROPOSED[kind]]
+    # An entry vLLM takes for Intel OpenMP by its file's name is examined as one: vLLM acts on it.
+    named = host.taken_for_intel if kind == IOMP else ()
+    proposed = [e.path for e in host.preload if e.kind in PROPOSED[kind] or e.path in named]
+    yield Origin.LD_PRELOAD, proposed
     yield Origin.VLLM_ENVIRONMENT, files_named(target_lib, names)
     yield Origin.LAUNCHER_ENVIRONMENT, files_named([lib_directory(host.launcher_prefix)], names)
     yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], names)

@@ -17,7 +17,6 @@ from vllm_cpu_launch.handoff import (
     PLANNED_VARIABLE,
     STARTED_MARK,
     Library,
-    library_of,
     vllm_reads,
 )
 from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, CandidateVerdict, Origin
@@ -34,6 +33,7 @@ from vllm_cpu_launch.rules import (
     setting_rule,
 )
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
+from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -120,9 +120,10 @@ def architecture_gate(facts: Facts, decision: Decision) -> Decision:
 
 
 def callers_stage(facts: Facts, decision: Decision) -> Decision:
-    """The caller's OpenMP runtime and malloc in LD_PRELOAD: theirs, nothing beside them."""
+    """The caller's OpenMP runtime and malloc in LD_PRELOAD: theirs, nothing beside them; a
+    runtime by its file, or an entry vLLM takes for Intel's by its name (examined: warned)."""
     entries = facts.host.preload
-    yours = tuple(e.path for e in entries if e.kind.kmp)
+    yours = tuple(e.path for e in entries if e.kind.kmp or e.path in facts.host.taken_for_intel)
     allocators = tuple(e.path for e in entries if e.kind.allocator)
     other = tuple(e.path for e in entries if e.kind is Library.MALLOC)
     return replace(decision, yours=yours, allocators=allocators, other_malloc=other)

@@ -10,6 +10,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import TYPE_CHECKING
+
+from vllm_cpu_launch.handoff import Library
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 MAX_BYTES = 1 << 20  # a config file is a few lines; a larger one was named by mistake
 KINDS = dict(d="a directory", p="a FIFO", c="a character device", b="a block device", s="a socket")
@@ -202,6 +208,161 @@ def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | No
             begin = position + len(LIBRARY_TYPE)
             return flavor, mapped[begin : begin + 32].split(b"\0", 1)[0].decode("ascii", "replace")
     return None, None
+
+
+# What a library is: what its ELF file says of itself, never its file's name
+
+DT_HASH, DT_STRTAB, DT_SYMTAB, DT_SONAME, DT_GNU_HASH = 4, 5, 6, 14, 0x6FFFFEF5
+SERVES = b"GOMP_parallel"  # what every OpenMP runtime defines: the first in scope serves
+MAX_CHAIN = 1 << 16  # a hash chain longer than any library's: a corrupt file's, ended
+# A runtime's DT_SONAME, less `.so...` and a wheel's `-HASH` (torch's libgomp-HASH.so.1):
+# Intel's stub and debugger libraries are no runtime to preload, but Intel's (libraries.py).
+RUNTIME_SONAMES = dict(libiomp5=Library.INTEL, libiompstubs5=Library.INTEL, libomp=Library.LLVM)
+RUNTIME_SONAMES.update(libiomp5_db=Library.INTEL, libgomp=Library.GNU)
+FLAVORS = dict(intel=Library.INTEL, llvm=Library.LLVM)  # by openmp_runtime's banners
+
+
+def library_of(path: str) -> Library:
+    return identify(path)[0]
+
+
+def identify(path: str) -> tuple[Library, bool]:
+    """(What the library at `path` is, whether it defines GOMP_parallel), from its ELF header
+    and dynamic section: its DT_SONAME (RUNTIME_SONAMES; LLVM's copies named libiomp5.so or
+    libgomp.so.1 keep libomp.so; libtcmalloc, libjemalloc, libmimalloc), else a runtime if it
+    defines GOMP_parallel, Intel's or LLVM's by its banner, else GNU's. A `-fopenmp` library
+    only needs libgomp: another library. By the file's name (a directory's says nothing) only
+    where no library of this host can be read: a bare name (the loader's to find), a missing,
+    deleted or corrupt file, one not ELF or not this machine's (examine says why)."""
+    named = kind_named(os.path.basename(path))
+    if "/" not in path:  # a bare name, the loader's to find: no file in the working directory
+        return named, named.runtime
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return named, named.runtime
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        return named, named.runtime
+    with os.fdopen(descriptor, "rb") as stream:
+        if elf_problem(header := stream.read(64), os.uname().machine):  # as the caller meant
+            return named, named.runtime
+        try:
+            tags = dynamic_tags(descriptor, header)
+            soname = ""
+            if DT_SONAME in tags and DT_STRTAB in tags:
+                soname = c_string(descriptor, tags[DT_STRTAB] + tags[DT_SONAME], 256)
+            serves = defines(descriptor, header, tags, SERVES)
+            kind = RUNTIME_SONAMES.get(soname.partition(".so")[0].partition("-")[0])
+            if kind is not None or not serves:
+                return kind or kind_named(soname, runtimes=False), serves
+            flavor, _ = openmp_runtime(descriptor, header)
+        except (OSError, ValueError, OverflowError):  # a corrupt file: no dynamic section read
+            return named, named.runtime
+    return FLAVORS.get(flavor or "", Library.GNU), serves
+
+
+def kind_named(name: str, runtimes: bool = True) -> Library:
+    """A library by a name: a runtime's (`runtimes`), an allocator's, or another's."""
+    if runtimes and "libiomp" in name:
+        return Library.INTEL
+    if runtimes and "libgomp" in name:
+        return Library.GNU
+    if runtimes and name.startswith("libomp") and not name.startswith("libomptarget"):
+        return Library.LLVM
+    if "libtcmalloc" in name:
+        return Library.TCMALLOC
+    return Library.MALLOC if "libjemalloc" in name or "libmimalloc" in name else Library.OTHER
+
+
+def c_string(descriptor: int, at: int, limit: int) -> str:
+    return os.pread(descriptor, limit, at).partition(b"\0")[0].decode("utf-8", "replace")
+
+
+def dynamic_tags(descriptor: int, header: bytes) -> dict[int, int]:
+    """The first value of each DT_* above in the dynamic section (PT_DYNAMIC), its addresses
+    made file offsets through the PT_LOAD segments (DT_SONAME's is one in DT_STRTAB)."""
+    wide = header[4] == 2
+    width = 8 if wide else 4
+    phoff, _, phentsize, phnum = elf_tables(header)[:4]
+    table = os.pread(descriptor, phentsize * phnum, phoff) if phentsize else b""
+    loads, dynamic = [], (0, 0)
+    for start in range(0, len(table) - phentsize + 1, phentsize or 1):
+        entry = table[start : start + phentsize]
+        # p_offset, p_vaddr and p_filesz at 8, 16 and 32 (64-bit), 4, 8 and 16 (32-bit).
+        offset, address, size = (
+            elf_int(entry, at, width, header) for at in (width, 2 * width, 4 * width)
+        )
+        kind = elf_int(entry, 0, 4, header)
+        loads += [(address, offset, size)] if kind == 1 else []  # PT_LOAD
+        dynamic = (offset, size) if kind == 2 else dynamic  # PT_DYNAMIC
+    data = os.pread(descriptor, min(dynamic[1], 1 << 16), dynamic[0])
+    found: dict[int, int] = {}
+    for start in range(0, len(data) - 2 * width + 1, 2 * width):
+        tag = elf_int(data, start, width, header)
+        if tag == 0:  # DT_NULL
+            break
+        if tag in (DT_HASH, DT_STRTAB, DT_SYMTAB, DT_SONAME, DT_GNU_HASH):
+            found.setdefault(tag, elf_int(data, start + width, width, header))
+    placed = {
+        tag: value
+        if tag == DT_SONAME
+        else next((value - a + o for a, o, s in loads if a <= value < a + s), None)
+        for tag, value in found.items()
+    }
+    return {tag: value for tag, value in placed.items() if value is not None}
+
+
+def defines(descriptor: int, header: bytes, tags: dict[int, int], name: bytes) -> bool:
+    """Whether the dynamic symbol table defines `name` (any version), looked up as the loader
+    looks it up. A reference (SHN_UNDEF, 0) defines nothing."""
+    if DT_SYMTAB not in tags or DT_STRTAB not in tags:
+        return False
+    size, section_at = (24, 6) if header[4] == 2 else (16, 14)  # Elf_Sym, its st_shndx
+    wanted = name + b"\0"
+    for index in hash_chain(descriptor, header, tags, name):
+        symbol = os.pread(descriptor, size, tags[DT_SYMTAB] + index * size)
+        at = tags[DT_STRTAB] + elf_int(symbol, 0, 4, header)
+        if (
+            elf_int(symbol, section_at, 2, header)
+            and os.pread(descriptor, len(wanted), at) == wanted
+        ):
+            return True
+    return False
+
+
+def hash_chain(descriptor: int, header: bytes, tags: dict[int, int], name: bytes) -> Iterator[int]:
+    """The indexes of the symbols that may be `name`: its chain in DT_GNU_HASH, else DT_HASH."""
+
+    def word(at: int) -> int:
+        return elf_int(os.pread(descriptor, 4, at), 0, 4, header)
+
+    digest = 5381
+    if DT_GNU_HASH in tags:
+        table = tags[DT_GNU_HASH]
+        buckets, first, blooms = (word(table + 4 * i) for i in range(3))
+        for byte in name:
+            digest = (digest * 33 + byte) & 0xFFFFFFFF
+        start = table + 16 + blooms * (8 if header[4] == 2 else 4)
+        bucket = word(start + 4 * (digest % buckets)) if buckets else 0
+        for index in range(bucket, bucket + MAX_CHAIN) if bucket >= max(first, 1) else ():
+            value = word(start + 4 * (buckets + index - first))
+            if value | 1 == digest | 1:
+                yield index
+            if value & 1:
+                return
+    elif DT_HASH in tags:
+        table, digest = tags[DT_HASH], 0
+        for byte in name:
+            digest = ((digest << 4) + byte) & 0xFFFFFFFF
+            digest = (digest ^ (digest >> 24) & 0xF0) & 0x0FFFFFFF
+        buckets, chains = word(table), word(table + 4)
+        index = word(table + 8 + 4 * (digest % buckets)) if buckets else 0
+        for _ in range(min(chains, MAX_CHAIN)) if index else ():
+            yield index
+            index = word(table + 8 + 4 * (buckets + index))
+            if not index:
+                return
 
 
 # The trust rule

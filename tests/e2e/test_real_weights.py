@@ -45,7 +45,8 @@ from vllm_server import (
     served_name,
 )
 
-from vllm_cpu_launch.handoff import METRIC_WORDS, library_of
+from vllm_cpu_launch.handoff import METRIC_WORDS
+from vllm_cpu_launch.trust import library_of
 
 from .conftest import (
     MAX_TOKENS,

@@ -22,9 +22,10 @@ from vllm_cpu_launch import handoff, settings
 from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.command import SpeculativeRequest, detect, listen_address
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
-from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, library_of, vllm_reads
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, vllm_reads
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
+from vllm_cpu_launch.trust import identify
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Sequence
@@ -61,7 +62,8 @@ USAGE = """\
 usage: vllm-cpu-launch verify [--json] [--speculative] PID
 
 Check a running vLLM (PID, e.g. systemctl show -p MainPID --value UNIT) and its descendants:
-the OpenMP runtimes each loaded and the one that serves it (the first in its link map), the
+the OpenMP runtimes each loaded and the one that serves it (the first in its link map to
+define GOMP_parallel, by the libraries' own ELF files, never their names), the
 LD_PRELOAD/KMP_* it started with (or inherited, where vLLM's title overwrote them), whether
 speculative decoding is requested, and the plugin's readings on the server's /metrics. It
 judges the processes that run the model (engine cores and workers, else PID and its
@@ -74,9 +76,12 @@ mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's environment or config files)
 """
 
 
-def runtimes_in(paths: Iterable[str]) -> list[Runtime]:
-    kinds = {path: library_of(path) for path in dict.fromkeys(paths)}
-    return [(kind, path) for path, kind in kinds.items() if kind.runtime]
+def runtimes_in(paths: Iterable[str]) -> tuple[list[Runtime], Runtime | None]:
+    """The OpenMP runtimes among `paths` (trust.identify), and the first that defines
+    GOMP_parallel: a library named like one, or needing one, is none."""
+    found = {path: identify(path) for path in dict.fromkeys(paths)}
+    runtimes = [(kind, path) for path, (kind, _) in found.items() if kind.runtime]
+    return runtimes, next((r for r in runtimes if found[r[1]][1]), None)
 
 
 def environment_of(pid: int) -> dict[str, str]:
@@ -112,8 +117,8 @@ def load_order(
     link_map: LinkMap, maps: str
 ) -> tuple[list[Runtime], list[Runtime], Runtime | None, str]:
     """(as mapped, in load order, the one that serves or None, how the order was read): the
-    first in the link map serves; the preloads follow the program, and every library's
-    references search the global scope first."""
+    first in the link map to define GOMP_parallel serves; the preloads follow the program,
+    and every library's references search the global scope first."""
     paths = []
     files: dict[int, str] = {}  # a link map names each library by l_addr: its file's start
     for line in maps.splitlines():
@@ -122,16 +127,15 @@ def load_order(
             paths.append(fields[5].removesuffix(" (deleted)"))
             if int(fields[2], 16) == 0:
                 files.setdefault(int(fields[0].partition("-")[0], 16), paths[-1])
-    mapped = runtimes_in(paths)
+    mapped = runtimes_in(paths)[0]
     if link_map.objects is None:
         how = (
             f"load order unreadable: {link_map.unreadable}; in /proc/PID/maps (address) "
             "order, which does not say which serves"
         )
         return mapped, mapped, None, how
-    runtimes = runtimes_in(files.get(address, name) for address, name in link_map.objects)
-    how = "in load order (the link map, as pldd reads it)"
-    return mapped, runtimes, runtimes[0] if runtimes else None, how
+    runtimes, serves = runtimes_in(files.get(a, name) for a, name in link_map.objects)
+    return mapped, runtimes, serves, "in load order (the link map, as pldd reads it)"
 
 
 def judge(

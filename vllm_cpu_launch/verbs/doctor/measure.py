@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_cpu_launch.errors import record
-from vllm_cpu_launch.handoff import LD_PRELOAD, Library, library_of
+from vllm_cpu_launch.handoff import LD_PRELOAD, Library
+from vllm_cpu_launch.trust import library_of
 
 WORKLOAD = Path(__file__).with_name("_omp_workload.py")
 DEFAULT_BLOCKTIMES = ("0", "5", "200")
