@@ -234,7 +234,7 @@ def test_launcher_quickstart(newcomer: dict[str, str], tmp_path: Path) -> None:
 
 # The README's tune block: 2 candidates x 1 round, at these concurrencies.
 CONCURRENCIES = (1, 2)
-TUNE_LIMIT_S = 900  # its own --time-limit is 1800 s; it took about 4 minutes here
+TUNE_LIMIT_S = 1200  # its own --time-limit is 1800 s; it took 9 minutes here, loaded
 
 
 def test_tune_quickstart(newcomer: dict[str, str]) -> None:
@@ -261,8 +261,8 @@ def test_tune_quickstart(newcomer: dict[str, str]) -> None:
     assert re.search(r"expect about \d+ (s|min) more: 1 start at the first's pace", progress)
     starts = [line for line in progress.splitlines() if re.match(r"\S+: start \d+/", line)]
     assert [line.split(":")[1].split()[-1] for line in starts] == ["libgomp", "libiomp5"]
-    for concurrency in CONCURRENCIES:  # tune's defaults: 8 requests at least, 128 tokens
-        assert f"concurrency {concurrency} (8 requests of 128 tokens a start)" in out
+    for concurrency in CONCURRENCIES:  # tune's default: 8 requests at least
+        assert f"concurrency {concurrency} (8 requests of 64 tokens a start)" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("  lib")]
     assert [row[0] for row in rows] == ["libgomp", "libiomp5"] * len(CONCURRENCIES)
     for row in rows:  # TPOT and tokens/s measured; ngram drafted from the prompts' text
