@@ -246,7 +246,7 @@ VLLM_SUBCOMMANDS = (
 USAGE = """\
 usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
        vllm-cpu-launch exec [OPTIONS] -- PROGRAM [ARGS...]
-       vllm-cpu-launch doctor [--json] [--measure]
+       vllm-cpu-launch doctor [--json]
        vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json] [OPTIONS]
                            [--] VLLM_SUBCOMMAND ...
        vllm-cpu-launch verify [--json] [--speculative] PID
