@@ -124,7 +124,7 @@ def launch_facts(
     host: Host | None = None,
 ) -> Facts:
     """`vllm ARGUMENTS` as vLLM reads them, or `exec -- PROGRAM ARGUMENTS` (Intel OpenMP by
-    default); `rules serve` and doctor's map gather the same (plan.start_of)."""
+    default); `rules serve` and doctor's advice gather the same (plan.start_of)."""
     speculative = detect(arguments) if program is None else SpeculativeRequest(False)
     return gather(
         settings,
