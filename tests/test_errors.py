@@ -155,7 +155,7 @@ def test_doctor_writes_settings_as_they_are_set_and_names_a_missing_vllm_once(
         (["verfy", "1"], "unknown verb 'verfy': did you mean verify?"),
         (["--iomp-pth", "/x.so", "serve", "m"], "'--iomp-pth' (did you mean --iomp-path?)"),
         (["--stric", "serve", "m"], "'--stric' (did you mean --strict?)"),
-        (["doctor", "--mesure"], "'--mesure' for doctor (did you mean --measure?)"),
+        (["doctor", "--jsno"], "'--jsno' for doctor (did you mean --json?)"),
         (["env", "--fromat", "json", "serve", "m"], "(did you mean --format?)"),
     ],
 )

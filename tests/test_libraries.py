@@ -1264,17 +1264,21 @@ def test_under_your_nobind_llvm_libomp_gets_the_block_time_it_was_measured_with(
     assert plan["reason"].endswith("runtimes rule runtimes-1; map rule map-2")
 
 
-def test_doctor_says_llvm_libomp_is_what_the_launcher_preloads_and_by_which_rule(
+def test_rules_serve_says_llvm_libomp_stands_in_and_by_which_rule(
     tmp_path: Path, cmeel_env_vllm: Path
 ) -> None:
-    """doctor's map section, JSON and text, on the map's host with cmeel-libomp alone: the
-    launcher preloads LLVM's libomp (not "libiomp5"), by runtimes-1 with map-1. In this
-    process (doctor needs psutil, which the base Python of the fresh-process tests lacks),
-    with the host's places empty but for the vLLM environment."""
+    """What doctor's map section said until issue 47 left it to `rules serve`, on the map's
+    host with cmeel-libomp alone: runtimes-1 lets LLVM's libomp stand in, with map-1; and
+    doctor's advice reads that plan as preloading a runtime by a rule. In this process
+    (doctor needs psutil, which the base Python of the fresh-process tests lacks), with the
+    host's places empty but for the vLLM environment."""
+    from vllm_cpu_launch.cli import launch_facts
     from vllm_cpu_launch.libraries import Host
+    from vllm_cpu_launch.plan import start_of
     from vllm_cpu_launch.settings import Settings
     from vllm_cpu_launch.target import Target
-    from vllm_cpu_launch.verbs.doctor import map_lines, map_section
+    from vllm_cpu_launch.verbs.doctor import SD_PROBE, SdProbe, sd_probe
+    from vllm_cpu_launch.verbs.rules import matching
 
     root = cmeel_env_vllm.parent.parent
     (tmp_path / "empty-root").mkdir()
@@ -1282,13 +1286,10 @@ def test_doctor_says_llvm_libomp_is_what_the_launcher_preloads_and_by_which_rule
         {}, "x86_64", os.geteuid(), str(tmp_path / "none"), (), str(tmp_path / "empty-root"), cpus=2
     )
     target = Target(str(cmeel_env_vllm), "--vllm", str(root / "bin" / "python"), str(root))
-    section = map_section(Settings(), target, host, "0.32.0")
-    assert [p["flavor"] for p in section["preload"]] == ["llvm"]
-    assert section["runtime"]["id"] == evidence.rule("runtimes-1").id
-    assert section["rule"]["id"] == evidence.NGRAM_UNBOUND.id
-    text = "\n".join(map_lines(section))
-    assert "  with SD  the launcher preloads LLVM's libomp, sets KMP_BLOCKTIME=200" in text
-    assert "  runtime  runtimes-1 adds LLVM's libomp" in text
+    matched = matching(start_of(launch_facts(Settings(), target, SD_PROBE, host=host)), True)
+    assert matched["rule"] == evidence.NGRAM_UNBOUND.id
+    assert matched["runtime"] == evidence.rule("runtimes-1").id
+    assert sd_probe(Settings(), target, host) == SdProbe(True, True, (), True)
 
 
 def test_a_method_the_runtimes_map_never_ran_keeps_libgomp(
@@ -1489,12 +1490,13 @@ def test_on_aarch64_the_printed_fix_installs_cmeel_libomp_where_the_plan_looks(
 
 
 def test_doctor_on_aarch64_names_the_opt_in_and_elsewhere_not() -> None:
-    from vllm_cpu_launch.verbs.doctor import cpu_features
+    from vllm_cpu_launch.verbs.doctor import SdProbe, cpu_features
 
-    ((name, text, command),) = cpu_features({"cpu": {"arch": "aarch64"}}, None)
+    no_plan = SdProbe(measured=False, iomp=None)
+    ((name, text, command),) = cpu_features({"cpu": {"arch": "aarch64"}}, None, no_plan)
     assert name == "not-x86" and command == ""
     assert text.endswith("(--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)")
-    ((_, other, _),) = cpu_features({"cpu": {"arch": "ppc64le"}}, None)
+    ((_, other, _),) = cpu_features({"cpu": {"arch": "ppc64le"}}, None, no_plan)
     assert other.endswith("so the launcher preloads none here")
 
 

@@ -1365,7 +1365,8 @@ def test_vllms_official_cpu_image_is_started_unchanged(
     tmp_path: Path, map_vllm: Path, real_iomp: Path, debian_root: Path
 ) -> None:
     """Its LD_PRELOAD names tcmalloc and libiomp5, no KMP_*: nothing is added or changed,
-    and the one INFO line says so; doctor says what is in effect."""
+    and the one INFO line says so; `rules serve` says why no rule applies (doctor's map
+    section said it until issue 47)."""
     preload = image_root(tmp_path, real_iomp, debian_root)
     result, record = launched(tmp_path, map_vllm, NGRAM_SERVE, LD_PRELOAD=preload)
     assert result.returncode == 0, result.stderr
@@ -1377,12 +1378,13 @@ def test_vllms_official_cpu_image_is_started_unchanged(
     assert plan["env"] == STARTED and plan["rule"] is None
     assert plan["relies_on"] == {"LD_PRELOAD": preload}
     environ = clean_environ(tmp_path, LD_PRELOAD=preload)
-    doctor = run_launcher(["--vllm", str(map_vllm), "doctor", "--json"], environ, PINNED)
-    in_effect = json.loads(doctor.stdout)["map"]
-    assert (in_effect["iomp"], in_effect["env"]) == ("libiomp5", STARTED)
-    assert in_effect["relies_on"] == {"LD_PRELOAD": preload}
-    text = run_launcher(["--vllm", str(map_vllm), "doctor"], environ, PINNED).stdout
-    assert f"keeps your LD_PRELOAD={preload}" in text and "nothing added" in text
+    rules = run_launcher(["rules", "--vllm", str(map_vllm), *NGRAM_SERVE], environ, PINNED)
+    assert rules.returncode == 0, rules.stderr
+    (setting,) = (line for line in rules.stdout.splitlines() if line.startswith("setting:"))
+    assert f"no rule: your LD_PRELOAD names an OpenMP runtime ({tmp_path / IMAGE_IOMP})" in (
+        setting
+    )
+    assert setting.endswith("kept as set, nothing added")
 
 
 def run_fix(fix: str, tmp_path: Path, vllm: Path, environ: dict[str, str]) -> Any:
@@ -1547,4 +1549,5 @@ def test_every_json_output_carries_the_same_schema_key(tmp_path: Path, map_vllm:
         document = json.loads(result.stdout)
         assert next(iter(document)) == "schema", name
         output = name.partition("/")[0]
-        assert document["schema"] == f"vllm-cpu-launch/{output}/2", name
+        version = 3 if output == "doctor" else 2  # doctor 3: issue 47 dropped map, measure
+        assert document["schema"] == f"vllm-cpu-launch/{output}/{version}", name

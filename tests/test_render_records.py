@@ -1,8 +1,8 @@
 """Every state renders (issue 17), property-based: the report records themselves.
 
 Reports are made by the producers' own code from generated inputs: doctor's sections
-(vllm_section, plugin_section, library_section, settings_section, map_section,
-caller_variables, recommend) from generated records, whose strategies are derived from
+(vllm_section, plugin_section, library_section, settings_section, caller_variables,
+recommend over sd_probe) from generated records, whose strategies are derived from
 the records' annotations (a new field gets values with no change here); verify's report
 by verify.assemble from generated /proc readings; the Plan from its annotations. The
 host-only sections of doctor (CPU, cores, NUMA, memory) are generated with the keys the
@@ -54,9 +54,9 @@ from vllm_cpu_launch.verbs.doctor import (
     CPU_FLAGS,
     caller_variables,
     library_section,
-    map_section,
     plugin_section,
     recommend,
+    sd_probe,
     settings_section,
     vllm_section,
 )
@@ -399,19 +399,16 @@ def doctor_reports(draw: st.DrawFn, prefixes: list[str]) -> tuple[dict[str, Any]
     report["environment"] = caller_variables(environ)
     report["preload"] = doctor.preload_section(host.preload)
     report["settings"] = settings_section(launcher_settings, draw(MAYBE_TEXT), draw(records(Scope)))
-    report["map"] = map_section(launcher_settings, target, host, release)
     unsafe = st.lists(st.tuples(TEXT, st.just("") | TEXT).map(list), max_size=2)
     report["vllm"]["unsafe"] = draw(unsafe)
-    report["recommendations"] = recommend(report, target)
-    report["measure"] = None
+    report["recommendations"] = recommend(report, target, sd_probe(launcher_settings, target, host))
     return report, target
 
 
 @pytest.fixture(scope="module")
 def real_report() -> dict[str, Any]:
     """doctor's report of this host, as the verb builds it."""
-    report, _ = doctor.build_report({}, os.environ)
-    return report
+    return doctor.build_report({}, os.environ)
 
 
 def test_host_sections_are_generated_with_the_keys_of_the_real_ones(

@@ -124,7 +124,7 @@ def launch_facts(
     host: Host | None = None,
 ) -> Facts:
     """`vllm ARGUMENTS` as vLLM reads them, or `exec -- PROGRAM ARGUMENTS` (Intel OpenMP by
-    default); `rules serve` and doctor's map gather the same (plan.start_of)."""
+    default); `rules serve` and doctor's advice gather the same (plan.start_of)."""
     speculative = detect(arguments) if program is None else SpeculativeRequest(False)
     return gather(
         settings,
@@ -246,7 +246,7 @@ VLLM_SUBCOMMANDS = (
 USAGE = """\
 usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
        vllm-cpu-launch exec [OPTIONS] -- PROGRAM [ARGS...]
-       vllm-cpu-launch doctor [--json] [--measure]
+       vllm-cpu-launch doctor [--json]
        vllm-cpu-launch env [--format shell|systemd|docker|kubernetes|json] [OPTIONS]
                            [--] VLLM_SUBCOMMAND ...
        vllm-cpu-launch verify [--json] [--speculative] PID

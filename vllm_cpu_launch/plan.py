@@ -136,7 +136,7 @@ def x86_sd(facts: Facts, decision: Decision) -> bool:
 
 
 def start_of(facts: Facts) -> Start:
-    """The one start the plan's stages, `rules serve ...` and doctor's map match against."""
+    """The one start the plan's stages, `rules serve ...` and doctor's advice match against."""
     callers = callers_stage(facts, Decision())
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
     theirs = "other" if callers.other_malloc else "tcmalloc" if callers.allocators else None

@@ -1,7 +1,8 @@
 """`vllm-cpu-launch doctor`: this host as vLLM on CPU sees it, and what to change.
 
 It explains and never judges: the exit code is 0 whatever it finds (2 for a usage error).
-`--json` keys are documented in docs/operating.md; `--measure` adds measure.py's benchmark.
+`--json` keys are documented in docs/operating.md; which measured rule a command gets is
+`rules serve ...`'s to say (verbs/rules.py): doctor reads the ngram plan for its advice only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__, cli, gather, rules
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, emit, replace
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.handoff import (
     LD_PRELOAD,
@@ -27,7 +28,7 @@ from vllm_cpu_launch.handoff import (
     vllm_reads,
 )
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, find_library
-from vllm_cpu_launch.plan import plan_as_json, plan_of, rule_words, schema, start_of
+from vllm_cpu_launch.plan import plan_of, start_of
 from vllm_cpu_launch.settings import (
     Mode,
     Scope,
@@ -44,22 +45,21 @@ if TYPE_CHECKING:
     from typing import Any
 
     from vllm_cpu_launch.libraries import Host, PreloadEntry, Search
-    from vllm_cpu_launch.plan import Plan
-    from vllm_cpu_launch.rules import Start
     from vllm_cpu_launch.settings import Settings, Tuned
     from vllm_cpu_launch.target import Target
 
-SCHEMA = schema("doctor")  # the JSON layout's name and version (docs/design.md, "JSON")
+# The JSON layout's name and version (docs/design.md, "JSON"): 3 dropped `map` and `measure`.
+SCHEMA = "vllm-cpu-launch/doctor/3"
 
 USAGE = """\
-usage: vllm-cpu-launch doctor [--json] [--measure]
+usage: vllm-cpu-launch doctor [--json]
 
 Describe this host as vLLM on CPU sees it: CPU flags, cores, NUMA nodes and memory, the
 vLLM it would start and its version, every Intel OpenMP and tcmalloc candidate with its
 verdict, your OpenMP/vLLM variables, the settings in effect, and what to change.
 Launcher options given before `doctor` (e.g. --vllm PATH) are taken into account.
   --json      one JSON object (keys documented in docs/operating.md)
-  --measure   also time libgomp against libiomp5 in the vLLM environment (minutes)
+Which measured rule a command gets here: vllm-cpu-launch rules serve MODEL [ARGS...].
 Exit code 0: doctor explains, it does not judge.
 """
 
@@ -81,10 +81,16 @@ VARIABLE_PREFIXES = ("KMP_", "OMP_", "VLLM_CPU_")
 VARIABLE_NAMES = (LD_PRELOAD, "LD_LIBRARY_PATH", "CPU_VISIBLE_MEMORY_NODES")
 TARGET_FIELDS = ("prefix", "user_base", "evidence", "disagreement")  # as vllm_section names them
 CANDIDATE_KEYS = ("path", "origin", "verdict", "reason", "flavor", "fix")
-PLAN_KEYS = ("env", "relies_on", "missing", "rule", "runtime", "preload")  # plan_as_json's
-# The SD command doctor plans for, to say what the launcher does with SD on this host.
+# The SD command doctor plans for: its advice follows what the launcher does with it here.
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
 SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
+RULES_LINE = (
+    "rules      which measured rule a command gets here: vllm-cpu-launch rules serve MODEL ..."
+)
+MEASURE_MOVED = (
+    "doctor --measure moved to scripts/bench_omp.py (a checkout's script): use "
+    "`vllm-cpu-launch tune` to measure your own command"
+)
 
 
 def host_sections() -> dict[str, Any]:
@@ -240,71 +246,35 @@ def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
     }
 
 
-def unmeasured(target: Target | None, host: Host, release: str | None) -> str:
-    """Why the map did not measure this host and vLLM (each way it differs), or ""."""
-    reasons = []
+@record
+class SdProbe:
+    """What the launcher does for an ngram `serve` here (SD_PROBE), as doctor's advice reads
+    it: whether a map rule's host is this one, and the plan (`iomp` None: no plan)."""
+
+    measured: bool
+    iomp: bool | None
+    missing: tuple[str, ...] = ()
+    rule: bool = False
+
+
+def sd_probe(settings: Settings, target: Target | None, host: Host) -> SdProbe:
+    """A library path that cannot be preloaded stops the plan, not the start (the rules do
+    not depend on paths)."""
     if target is None:
-        reasons.append("no vLLM found")
-    elif release is None:
-        reasons.append("the vLLM found names no release")
-    elif release.split(".")[:2] != rules.MAP_VLLM.split("."):
-        reasons.append(f"vLLM {release} here")
-    if host.cpus != rules.MAP_CPUS:
-        reasons.append(f"{host.cpus} usable CPU{'' if host.cpus == 1 else 's'} here")
-    binding = host.environ.get(rules.BIND_VARIABLE, "")
-    if binding not in ("", "auto", "nobind"):
-        reasons.append(f"your {rules.BIND_VARIABLE}={binding}")
-    return "; ".join(reasons)
-
-
-def probe(settings: Settings, target: Target, host: Host) -> tuple[Start, Plan | LaunchError]:
-    """The ngram `serve`'s start and plan or the error that stops it; a library path that
-    cannot be preloaded stops the plan, not the start (the map does not depend on paths)."""
+        return SdProbe(measured=False, iomp=None)
     try:
         facts = cli.launch_facts(settings, target, SD_PROBE, host=host)
-    except LaunchError as error:
+    except LaunchError:
         plain = replace(settings, iomp_path=None, tcmalloc_path=None)
-        return start_of(cli.launch_facts(plain, target, SD_PROBE, host=host)), error
+        start = start_of(cli.launch_facts(plain, target, SD_PROBE, host=host))
+        return SdProbe(measured=rules.measured_host(start), iomp=None)
+    measured = rules.measured_host(start_of(facts))
     try:
-        return start_of(facts), plan_of(facts)
-    except LaunchError as error:
-        return start_of(facts), error
-
-
-def map_section(
-    settings: Settings, target: Target | None, host: Host, release: str | None
-) -> dict[str, Any]:
-    """What the launcher does for SD here, and whether the map measured it: users ask both."""
-    section: dict[str, Any] = {
-        "measured": False,
-        "unmeasured": unmeasured(target, host, release),
-        **dict.fromkeys(("iomp", "nobind", "kmp_blocktime")),
-        "env": {},
-        "relies_on": {},
-        "missing": [],
-        **dict.fromkeys(("reason", "rule", "runtime")),
-        "preload": [],
-        "notes": [],
-    }
-    if target is None:
-        return section
-    start, plan = probe(settings, target, host)
-    if rules.measured_host(start):
-        section.update(measured=True, unmeasured="")
-    if isinstance(plan, LaunchError):
-        return {**section, "reason": plan.message}
-    in_effect = {**dict(plan.relies_on), **dict(plan.env)}
+        plan = plan_of(facts)
+    except LaunchError:
+        return SdProbe(measured=measured, iomp=None)
     iomp = any(p.kind == "iomp" for p in plan.preload)
-    record = plan_as_json(plan)
-    return {
-        **section,
-        **{key: record[key] for key in PLAN_KEYS},
-        "reason": plan.reason,
-        "iomp": "libiomp5" if iomp else "libgomp",
-        "nobind": in_effect.get(rules.BIND_VARIABLE) == "nobind",
-        "kmp_blocktime": in_effect.get("KMP_BLOCKTIME") if iomp else None,
-        "notes": [note for note in record["notes"] if "rule" in note or "measured" in note],
-    }
+    return SdProbe(measured, iomp, plan.missing, plan.rule is not None)
 
 
 def caller_variables(environ: Mapping[str, str]) -> dict[str, str]:
@@ -328,7 +298,9 @@ VLLM_MISFITS = "torchvision torchaudio torchcodec"
 VLLM_CPU_NAMES = ("vllm-cpu", "vllm_cpu")  # as its METADATA may spell it
 
 
-def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+def settings_and_vllm(
+    report: dict[str, Any], target: Target | None, sd: SdProbe
+) -> Iterator[Advice]:
     """A broken config; vLLM missing, broken, without metadata or unsafe: each stops a start."""
     vllm = report["vllm"]
     if report["settings"]["error"]:
@@ -361,11 +333,10 @@ def settings_and_vllm(report: dict[str, Any], target: Target | None) -> Iterator
         yield "vllm-unsafe", text, command
 
 
-def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+def intel_openmp(report: dict[str, Any], target: Target | None, sd: SdProbe) -> Iterator[Advice]:
     """Refused for its owner or mode, missing, or LLVM's (vLLM measured Intel's)."""
-    wanted = report["map"]["iomp"] != "libgomp" or "iomp" in report["map"]["missing"]
-    if report["cpu"]["arch"] != "x86_64" or not wanted:
-        return  # not preloaded with SD here (settings, the map): nothing to install or fix
+    if report["cpu"]["arch"] != "x86_64" or (sd.iomp is False and "iomp" not in sd.missing):
+        return  # libgomp kept with SD here (settings, the rules): nothing to install or fix
     iomp = report["libraries"]["iomp"]
     command, where = install_command(target) if target else ("", "where vLLM runs")
     unsafe = next((c for c in iomp["candidates"] if c["fix"]), None)
@@ -390,7 +361,7 @@ def intel_openmp(report: dict[str, Any], target: Target | None) -> Iterator[Advi
         yield "llvm-openmp", text, command
 
 
-def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+def cpu_features(report: dict[str, Any], target: Target | None, sd: SdProbe) -> Iterator[Advice]:
     cpu = report["cpu"]
     if cpu["arch"] != "x86_64":
         text = (
@@ -412,11 +383,11 @@ def cpu_features(report: dict[str, Any], target: Target | None) -> Iterator[Advi
         yield "no-avx512", text, ""
 
 
-def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+def tcmalloc(report: dict[str, Any], target: Target | None, sd: SdProbe) -> Iterator[Advice]:
     if report["libraries"]["tcmalloc"]["chosen"] is not None:
         return
     command, where = tcmalloc_command(target, os.environ.get("PATH"))
-    if report["map"]["measured"]:  # ngram's rules preload none; a drafter's best needs one
+    if sd.measured:  # ngram's rules preload none; a drafter's best needs one
         ratios = [ratio for rule in rules.DRAFTER_RULES.values() for ratio in rule.figures]
         methods = " or ".join(f"{method} {tokens}" for method, tokens in rules.DRAFTER_RULES)
         text = (
@@ -432,7 +403,9 @@ def tcmalloc(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
     yield "install-tcmalloc", text, command
 
 
-def preload_and_blocktime(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+def preload_and_blocktime(
+    report: dict[str, Any], target: Target | None, sd: SdProbe
+) -> Iterator[Advice]:
     """The caller's libgomp entries (plan.compose_ld_preload drops them), a bad KMP_BLOCKTIME."""
     gomp = [e["path"] for e in report["preload"] if Library.GNU in vllm_reads(e["path"])]
     if gomp:
@@ -451,7 +424,7 @@ def preload_and_blocktime(report: dict[str, Any], target: Target | None) -> Iter
         yield "kmp-blocktime", problem, "unset KMP_BLOCKTIME"
 
 
-def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+def kvcache_space(report: dict[str, Any], target: Target | None, sd: SdProbe) -> Iterator[Advice]:
     """doctor cannot see --kv-cache-memory-bytes (it has no vLLM command line), but it sees
     VLLM_CPU_KVCACHE_SPACE, its legacy form (vLLM 0.32-0.34, CpuPlatform.
     check_and_update_config: GiB, it overrides the option): unset, not a number, too big."""
@@ -482,12 +455,13 @@ def kvcache_space(report: dict[str, Any], target: Target | None) -> Iterator[Adv
     yield "kvcache-space", text, ""
 
 
-def threads_and_binding(report: dict[str, Any], target: Target | None) -> Iterator[Advice]:
+def threads_and_binding(
+    report: dict[str, Any], target: Target | None, sd: SdProbe
+) -> Iterator[Advice]:
     """Where the map measured this host, the user's binding, threads or block time can keep
     its ngram rule off (advice, never done); elsewhere OMP_NUM_THREADS reaches the API server."""
     env = report["environment"]
-    in_effect = report["map"]
-    if not in_effect["measured"]:
+    if not sd.measured:
         if env.get("OMP_NUM_THREADS") and env.get(rules.BIND_VARIABLE, "auto") != "nobind":
             text = (
                 "OMP_NUM_THREADS is set, but vLLM sets it per worker from its CPU binding; yours "
@@ -496,7 +470,7 @@ def threads_and_binding(report: dict[str, Any], target: Target | None) -> Iterat
             yield "omp-num-threads", text, ""
         return
     auto = report["settings"]["values"]["iomp"] == Mode.AUTO
-    if not auto or in_effect["iomp"] != "libiomp5" or in_effect["rule"] is not None:
+    if not auto or not sd.iomp or sd.rule:
         return
     variables = [v for v in (rules.BIND_VARIABLE, rules.THREADS_VARIABLE) if v in env]
     rule = rules.NGRAM_UNBOUND
@@ -514,7 +488,7 @@ def threads_and_binding(report: dict[str, Any], target: Target | None) -> Iterat
 
 
 # In the order their advice is printed; each reads the report, none another's result.
-RULES: tuple[Callable[[dict[str, Any], Target | None], Iterator[Advice]], ...] = (
+RULES: tuple[Callable[[dict[str, Any], Target | None, SdProbe], Iterator[Advice]], ...] = (
     settings_and_vllm,
     intel_openmp,
     cpu_features,
@@ -525,11 +499,11 @@ RULES: tuple[Callable[[dict[str, Any], Target | None], Iterator[Advice]], ...] =
 )
 
 
-def recommend(report: dict[str, Any], target: Target | None) -> list[dict[str, str]]:
+def recommend(report: dict[str, Any], target: Target | None, sd: SdProbe) -> list[dict[str, str]]:
     return [
         {"id": identifier, "text": text, "command": command}
         for rule in RULES
-        for identifier, text, command in rule(report, target)
+        for identifier, text, command in rule(report, target, sd)
     ]
 
 
@@ -537,9 +511,7 @@ def preload_section(preload: Sequence[PreloadEntry]) -> list[dict[str, str]]:
     return [{"path": entry.path, "kind": entry.kind.value} for entry in preload]
 
 
-def build_report(
-    values: dict[str, object], environ: Mapping[str, str]
-) -> tuple[dict[str, Any], Target | None]:
+def build_report(values: dict[str, object], environ: Mapping[str, str]) -> dict[str, Any]:
     options = {key: values[key] for key in (*cli.SETTING_KEYS, "config") if key in values}
     errors: list[str] = []  # a broken layer is left out; the others still apply
     settings = load_settings(options, environ, errors)
@@ -568,30 +540,10 @@ def build_report(
         "environment": caller_variables(environ),
         "preload": preload_section(host.preload),
         "settings": settings_section(settings, "; ".join(errors) or None, here),
-        "map": map_section(settings, target, host, release),
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
-    report["recommendations"] = recommend(report, target)
-    report["measure"] = None
-    return report, target
-
-
-def run_measure(report: dict[str, Any], target: Target | None) -> tuple[dict[str, Any], str]:
-    """ompmeasure in the vLLM environment, whose torch and libiomp5 are what vLLM runs on."""
-    from vllm_cpu_launch.verbs.doctor import measure as ompmeasure  # lazy: only doctor --measure
-
-    iomp = report["libraries"]["iomp"]["chosen"]
-    python = target.interpreter if target else None
-    if python is None or iomp is None:
-        missing = "the vLLM environment's Python" if python is None else "a libiomp5.so"
-        problem = f"cannot measure without {missing}"
-        return {"error": problem}, f"measure: {problem}"
-    try:
-        measurement = ompmeasure.measure_openmp(python, iomp, progress=lambda ln: emit("info", ln))
-    except ompmeasure.OmpMeasureError as error:
-        return {"error": str(error)}, f"measure: {error}"
-    table = ompmeasure.render_table(measurement)
-    return {"error": None, "result": ompmeasure.to_json(measurement)}, table
+    report["recommendations"] = recommend(report, target, sd_probe(settings, target, host))
+    return report
 
 
 def size(value: int | None) -> str:
@@ -621,33 +573,6 @@ def vllm_lines(vllm: dict[str, Any]) -> list[str]:
         *(f"  version  {v}" for v in versions or ["unknown (no vllm or vllm-cpu metadata found)"]),
         f"  release  {vllm['release']['status']}: {vllm['release']['note']}",
     ]
-
-
-def map_lines(section: dict[str, Any]) -> list[str]:
-    if section["measured"]:
-        lines = ["benchmark map: measured here (docs/benchmarks.md, the map)"]
-    else:
-        why = f"{section['unmeasured']}; " if section["unmeasured"] else ""
-        lines = [
-            f"benchmark map: not measured here ({why}it covers {rules.MAP_CPUS} CPUs with vLLM "
-            f"{rules.MAP_VLLM}); the launcher does what vLLM advises"
-        ]
-    if section["iomp"] is None:
-        lines.append(f"  with SD  unknown: {section['reason'] or 'no vLLM found'}")
-        return lines
-    flavor = next((p["flavor"] for p in section["preload"] if p["kind"] == "iomp"), None)
-    runtime = "LLVM's libomp" if flavor == "llvm" else "libiomp5"
-    does = ["keeps libgomp" if flavor is None else f"preloads {runtime}"]
-    # LD_PRELOAD goes unsaid where it is the runtime alone; with tcmalloc or the caller's
-    # entries beside it, the whole value.
-    alone = [p["path"] for p in section["preload"] if p["kind"] == "iomp"]
-    does += [f"sets {k}={v}" for k, v in section["env"].items() if k != LD_PRELOAD or [v] != alone]
-    does += [f"keeps your {name}={value}" for name, value in section["relies_on"].items()]
-    does += [f"misses {kind} (see recommendations)" for kind in section["missing"]]
-    lines += [f"  with SD  the launcher {', '.join(does)}", f"  because  {section['reason']}"]
-    rules_applied = (("rule", section["rule"]), ("runtime", section["runtime"]))
-    lines += [f"  {label:<9}{rule_words(rule)}" for label, rule in rules_applied if rule]
-    return lines + [f"  note     {note}" for note in section["notes"]]
 
 
 def machine_lines(report: dict[str, Any]) -> list[str]:
@@ -709,7 +634,7 @@ def setting_text(value: object) -> str:
     return "(default)" if value is None else str(value)
 
 
-def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> str:
+def doctor_as_text(report: dict[str, Any]) -> str:
     lines = [*machine_lines(report), "", *vllm_lines(report["vllm"])]
     plugin = report["plugin"]
     lines.append(f"  plugin   {plugin['reason']}")
@@ -732,9 +657,7 @@ def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> s
     if not report["environment"]:
         lines.append("  none of LD_PRELOAD, LD_LIBRARY_PATH, KMP_*, OMP_*, VLLM_CPU_* is set")
     lines += [f"    preloads {e['path']}: {Library(e['kind']).title}" for e in report["preload"]]
-    lines += ["", *settings_lines(report["settings"]), "", *map_lines(report["map"]), ""]
-    if measure_text:
-        lines += [measure_text, ""]
+    lines += ["", *settings_lines(report["settings"]), "", RULES_LINE, ""]
     advice = report["recommendations"]
     lines.append("recommendations" if advice else "recommendations: none, all looks right")
     for index, item in enumerate(advice, 1):
@@ -745,9 +668,9 @@ def doctor_as_text(report: dict[str, Any], measure_text: str | None = None) -> s
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    more, rest = cli.parse_options(
-        args, {}, {**cli.FLAG_OPTIONS, "--measure": "measure"}, verb="doctor"
-    )
+    if "--measure" in args:
+        raise LaunchError(EXIT_USAGE, MEASURE_MOVED)
+    more, rest = cli.parse_options(args, {}, cli.FLAG_OPTIONS, verb="doctor")
     merged = {**values, **more}
     if merged.get("help"):
         cli.write_stdout(USAGE.rstrip())
@@ -757,12 +680,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     for key, option in (("dry_run", "--dry-run"), ("version", "--version")):
         if merged.get(key):
             raise LaunchError(EXIT_USAGE, f"doctor only reports; {option} does not apply")
-    report, target = build_report(merged, os.environ)
-    measure_text = None
-    if merged.get("measure"):
-        report["measure"], measure_text = run_measure(report, target)
+    report = build_report(merged, os.environ)
     if merged.get("json"):
         cli.write_stdout(json.dumps(report, indent=2))
     else:
-        cli.write_stdout(doctor_as_text(report, measure_text))
+        cli.write_stdout(doctor_as_text(report))
     return 0

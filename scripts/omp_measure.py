@@ -2,10 +2,11 @@
 
 vLLM maintainers saw SD on CPU run about 2x slower with GNU libgomp than with libiomp5:
 SD runs many short parallel regions, and the runtimes differ in how idle threads wait
-between them. `doctor --measure` and `scripts/bench_omp.py` time the same workload under
-each runtime here, each in a fresh process of the target's Python (the runtime is fixed at
+between them. `scripts/bench_omp.py` times the same workload (omp_workload.py) under each
+runtime here, each in a fresh process of the target's Python (the runtime is fixed at
 start), rounds rotated so that drift in host load spreads over all; each child says which
-runtime it bound to, so a preload that did not take is a problem, not a figure.
+runtime it bound to, so a preload that did not take is a problem, not a figure. (It was
+`doctor --measure`: a synthetic loop; `vllm-cpu-launch tune` measures the user's command.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library
 from vllm_cpu_launch.trust import library_of
 
-WORKLOAD = Path(__file__).with_name("_omp_workload.py")
+WORKLOAD = Path(__file__).with_name("omp_workload.py")
 DEFAULT_BLOCKTIMES = ("0", "5", "200")
 DEFAULT_ROUNDS = 3
 DEFAULT_STEPS = 60
@@ -246,7 +247,7 @@ def measure_openmp(
 
 
 def to_json(measurement: OmpMeasurement) -> dict[str, Any]:
-    """A JSON-ready dict, for `doctor --json`."""
+    """A JSON-ready dict, for `bench_omp.py --json`."""
     results = [{**vars(result), "config": vars(result.config)} for result in measurement.results]
     return {**vars(measurement), "results": results}
 

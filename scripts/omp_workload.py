@@ -1,4 +1,4 @@
-"""Child of measure.py: time speculative-decoding-like steps and print one JSON line.
+"""Child of omp_measure.py: time speculative-decoding-like steps and print one JSON line.
 
 Run by path with the target environment's Python, which has torch but not this package:
 the standard library and torch only. The parent picks the runtime (LD_PRELOAD, OMP_*,
@@ -14,8 +14,8 @@ import sys
 import time
 from types import ModuleType
 
-# Run by path, Python puts this package's directory first on sys.path, where module
-# names such as `plan` or `settings` could shadow what torch imports.
+# Run by path, Python puts scripts/ first on sys.path, where module names such as `demo`
+# or `checkout` could shadow what torch imports.
 if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]
 
