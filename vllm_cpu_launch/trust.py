@@ -239,7 +239,7 @@ def identify(path: str) -> tuple[Library, bool]:
         return named, named.runtime
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in the text, which names no file
         return named, named.runtime
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
