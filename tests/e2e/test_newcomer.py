@@ -234,7 +234,7 @@ def test_launcher_quickstart(newcomer: dict[str, str], tmp_path: Path) -> None:
 
 # The README's tune block: 2 candidates x 1 round, at these concurrencies.
 CONCURRENCIES = (1, 2)
-TUNE_LIMIT_S = 1200  # its own --time-limit is 1800 s; it took 9 minutes here, loaded
+TUNE_LIMIT_S = 1200  # its own --time-limit is 1800 s; it took 4 minutes here, loaded
 
 
 def test_tune_quickstart(newcomer: dict[str, str]) -> None:
