@@ -214,20 +214,30 @@ def site_packages(env: Path) -> Path:
     return Path(completed.stdout.strip())
 
 
+def captured(
+    command: Sequence[str], child_env: Mapping[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """A short command's run in child_env, its output captured; one that hangs is an error."""
+    try:
+        return subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env=dict(child_env),
+            timeout=VERIFY_TIME_LIMIT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as timeout:
+        raise EnvError(f"`{' '.join(command)}` did not finish in {timeout.timeout} s") from None
+
+
 def apply_doctors_fix(env: Path, log_path: Path, child_env: Mapping[str, str]) -> None:
     """The README's plugin step: `vllm-cpu-launch doctor` (this checkout's, the Python running
     this script) asked about the environment's `vllm`, and the fix it prints for plain
     `vllm serve` run as printed, by bash. Nothing is written here by hand."""
     doctor = [sys.executable, "-m", "vllm_cpu_launch", "--vllm", str(env / "bin" / "vllm")]
-    completed = subprocess.run(
-        [*doctor, "doctor", "--json"],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env=dict(child_env),
-        timeout=VERIFY_TIME_LIMIT_S,
-        check=False,
-    )
+    completed = captured([*doctor, "doctor", "--json"], child_env)
     try:
         recommendations = json.loads(completed.stdout)["recommendations"]
         (fix,) = [r["command"] for r in recommendations if r["id"] == METADATA_FIX]
@@ -262,20 +272,9 @@ def verify(
         "-c",
         "import importlib.metadata as m; print(m.version('vllm-cpu') + '+cpu')",
     ]
-    try:
-        completed = subprocess.run(
-            [str(env / "bin" / "vllm"), "--version"] if doctored else as_installed,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            env=dict(child_env),
-            timeout=VERIFY_TIME_LIMIT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as timeout:
-        raise EnvError(
-            f"`{env}/bin/vllm --version` did not finish in {timeout.timeout} s"
-        ) from None
+    completed = captured(
+        [str(env / "bin" / "vllm"), "--version"] if doctored else as_installed, child_env
+    )
     with log_path.open("a", encoding="utf-8") as log:
         log.write(f"\n$ vllm --version\n{completed.stdout}{completed.stderr}")
     lines = completed.stdout.strip().splitlines()

@@ -98,6 +98,13 @@ def assert_shown(block: str, output: str, newcomer: dict[str, str]) -> None:
 def run(command: str | list[str], env: dict[str, str], limit_s: float) -> str:
     """A command as the newcomer types it (a string runs in bash); its output. Fails with
     what it said when it fails."""
+    return ran(command, env, limit_s).stdout
+
+
+def ran(
+    command: str | list[str], env: dict[str, str], limit_s: float
+) -> subprocess.CompletedProcess[str]:
+    """run's whole outcome (stdout and stderr), which must be exit 0."""
     argv = ["bash", "-ec", command] if isinstance(command, str) else command
     result = subprocess.run(
         argv,
@@ -109,7 +116,7 @@ def run(command: str | list[str], env: dict[str, str], limit_s: float) -> str:
         check=False,
     )
     assert result.returncode == 0, f"{command} failed ({result.returncode}):\n{result.stderr}"
-    return result.stdout
+    return result
 
 
 def pip_cache() -> str:
@@ -244,16 +251,7 @@ def test_tune_quickstart(newcomer: dict[str, str]) -> None:
     starts it will make and what the rest will take after the first; one round decides
     nothing, the default kept."""
     blocks = readme_blocks("quickstart")
-    result = subprocess.run(
-        ["bash", "-ec", blocks["model"] + blocks["tune"]],
-        env=newcomer,
-        cwd=newcomer[CHECKOUT],
-        capture_output=True,
-        text=True,
-        timeout=TUNE_LIMIT_S,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = ran(blocks["model"] + blocks["tune"], newcomer, TUNE_LIMIT_S)
     out, progress = result.stdout[result.stdout.index("measured: ") :], result.stderr
     assert_shown(blocks["tune"], out, newcomer)
     assert out.startswith("measured: vllm serve ") and " --port PORT\n" in out
