@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+import vllm_cpu_launch
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 
 # CI must be reproducible: the same examples every run (a developer's runs explore). No
@@ -260,7 +261,7 @@ def nobody_launcher() -> Iterator[list[str]]:
 
     public = Path(tempfile.mkdtemp(prefix="vcl-nobody-"))
     try:
-        for package in (REPO / "vllm_cpu_launch", Path(psutil.__file__).parent):
+        for package in (Path(vllm_cpu_launch.__file__).parent, Path(psutil.__file__).parent):
             ignore = shutil.ignore_patterns("__pycache__")
             shutil.copytree(package, public / package.name, ignore=ignore)
         subprocess.run(["chmod", "-R", "a+rX", str(public)], check=True, timeout=60)
