@@ -26,6 +26,12 @@ hypothesis_settings.register_profile("dev", deadline=None)
 hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 REPO = Path(__file__).resolve().parent.parent
+# What the Pythons the tests start import the package under test from (their PYTHONPATH):
+# this checkout, or the wheel's site-packages first where scripts/dist_check tests it as
+# installed (its tree has no vllm_cpu_launch/; the checkout still gives tests/ and scripts/).
+IMPORT_PATH = os.pathsep.join(
+    dict.fromkeys((str(Path(vllm_cpu_launch.__file__).parents[1]), str(REPO)))
+)
 # The scripts' modules, importable by every test as they import each other (siblings).
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -312,7 +318,7 @@ def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:
     }
     environ["XDG_CONFIG_HOME"] = str(tmp_path / "no-user-config")
     environ["HOME"] = str(tmp_path / "home")
-    environ["PYTHONPATH"] = str(REPO)
+    environ["PYTHONPATH"] = IMPORT_PATH
     environ[SYSTEM_ROOT_VARIABLE] = os.environ[SYSTEM_ROOT_VARIABLE]  # the test's host
     environ.update(extra)
     return environ

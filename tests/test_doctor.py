@@ -30,8 +30,8 @@ from vllm_cpu_launch.verbs.doctor.measure import (
 )
 
 from .conftest import (
+    IMPORT_PATH,
     LAUNCHER,
-    REPO,
     clean_environ,
     install_recorder,
     make_environment,
@@ -243,7 +243,7 @@ def isolated_launcher(tmp_path: Path, code: str) -> tuple[str, ...]:
         sys.executable,
         "-S",
         "-c",
-        f"import sys; sys.path[:0] = [{str(site)!r}, {str(REPO)!r}]; {code}",
+        f"import sys; sys.path[:0] = [{str(site)!r}, *{IMPORT_PATH.split(os.pathsep)!r}]; {code}",
     )
 
 
