@@ -26,12 +26,24 @@ hypothesis_settings.register_profile("dev", deadline=None)
 hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 REPO = Path(__file__).resolve().parent.parent
-# What the Pythons the tests start import the package under test from (their PYTHONPATH):
-# this checkout, or the wheel's site-packages first where scripts/dist_check tests it as
-# installed (its tree has no vllm_cpu_launch/; the checkout still gives tests/ and scripts/).
-IMPORT_PATH = os.pathsep.join(
-    dict.fromkeys((str(Path(vllm_cpu_launch.__file__).parents[1]), str(REPO)))
-)
+
+
+def import_path() -> str:
+    """What the Pythons the tests start import the package under test from (their
+    PYTHONPATH): this checkout, or, where scripts/dist_check tests the wheel as installed
+    (its tree has no vllm_cpu_launch/), a directory holding only a link to the installed
+    package, as the checkout holds only it: the rest of that site-packages (intel-openmp's
+    metadata) would tell the launcher where a libiomp5 is. The checkout gives tests/ and
+    scripts/."""
+    package = Path(vllm_cpu_launch.__file__).parent
+    if package.parent == REPO:
+        return str(REPO)
+    alone = Path(tempfile.mkdtemp(prefix="vllm-cpu-launch-installed-"))
+    (alone / package.name).symlink_to(package)
+    return os.pathsep.join((str(alone), str(REPO)))
+
+
+IMPORT_PATH = import_path()
 # The scripts' modules, importable by every test as they import each other (siblings).
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))

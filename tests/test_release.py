@@ -46,7 +46,7 @@ def test_the_package_under_test_is_the_installed_one_when_the_artefact_is_tested
         timeout=60,
         check=True,
     )
-    for imported in (Path(vllm_cpu_launch.__file__), Path(started.stdout.strip())):
+    for imported in (Path(vllm_cpu_launch.__file__), Path(started.stdout.strip()).resolve()):
         if INSTALLED:
             assert imported.is_relative_to(sysconfig.get_paths()["purelib"]), imported
             assert not (REPO / "vllm_cpu_launch").exists()
