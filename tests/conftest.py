@@ -35,7 +35,7 @@ def import_path() -> str:
     package, as the checkout holds only it: the rest of that site-packages (intel-openmp's
     metadata) would tell the launcher where a libiomp5 is. The checkout gives tests/ and
     scripts/."""
-    package = Path(vllm_cpu_launch.__file__).parent
+    package = Path(vllm_cpu_launch.__file__).resolve().parent
     if package.parent == REPO:
         return str(REPO)
     alone = Path(tempfile.mkdtemp(prefix="vllm-cpu-launch-installed-"))
