@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+import vllm_cpu_launch
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 
 # CI must be reproducible: the same examples every run (a developer's runs explore). No
@@ -25,6 +26,24 @@ hypothesis_settings.register_profile("dev", deadline=None)
 hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def import_path() -> str:
+    """What the Pythons the tests start import the package under test from (their
+    PYTHONPATH): this checkout, or, where scripts/dist_check tests the wheel as installed
+    (its tree has no vllm_cpu_launch/), a directory holding only a link to the installed
+    package, as the checkout holds only it: the rest of that site-packages (intel-openmp's
+    metadata) would tell the launcher where a libiomp5 is. The checkout gives tests/ and
+    scripts/."""
+    package = Path(vllm_cpu_launch.__file__).resolve().parent
+    if package.parent == REPO:
+        return str(REPO)
+    alone = Path(tempfile.mkdtemp(prefix="vllm-cpu-launch-installed-"))
+    (alone / package.name).symlink_to(package)
+    return os.pathsep.join((str(alone), str(REPO)))
+
+
+IMPORT_PATH = import_path()
 # The scripts' modules, importable by every test as they import each other (siblings).
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -260,7 +279,7 @@ def nobody_launcher() -> Iterator[list[str]]:
 
     public = Path(tempfile.mkdtemp(prefix="vcl-nobody-"))
     try:
-        for package in (REPO / "vllm_cpu_launch", Path(psutil.__file__).parent):
+        for package in (Path(vllm_cpu_launch.__file__).parent, Path(psutil.__file__).parent):
             ignore = shutil.ignore_patterns("__pycache__")
             shutil.copytree(package, public / package.name, ignore=ignore)
         subprocess.run(["chmod", "-R", "a+rX", str(public)], check=True, timeout=60)
@@ -311,7 +330,7 @@ def clean_environ(tmp_path: Path, **extra: str) -> dict[str, str]:
     }
     environ["XDG_CONFIG_HOME"] = str(tmp_path / "no-user-config")
     environ["HOME"] = str(tmp_path / "home")
-    environ["PYTHONPATH"] = str(REPO)
+    environ["PYTHONPATH"] = IMPORT_PATH
     environ[SYSTEM_ROOT_VARIABLE] = os.environ[SYSTEM_ROOT_VARIABLE]  # the test's host
     environ.update(extra)
     return environ

@@ -22,7 +22,8 @@ from typing import Any
 
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import IMPORT_PATH
+
 PYTHON = sys.executable
 LAUNCHER: tuple[str, ...] = (PYTHON, "-m", "vllm_cpu_launch")
 # The real Intel OpenMP of the `intel-openmp` wheel in the test venv; it is also the
@@ -112,7 +113,7 @@ def base_environ(home: Path, **extra: str) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     environ["HOME"] = str(home)
     environ["XDG_CONFIG_HOME"] = str(home / "xdg-config")
-    environ["PYTHONPATH"] = str(REPO)
+    environ["PYTHONPATH"] = IMPORT_PATH
     (home / "bare-system").mkdir(exist_ok=True)
     environ[SYSTEM_ROOT_VARIABLE] = str(home / "bare-system")
     environ.update(extra)
@@ -163,7 +164,7 @@ def isolated_environ(home: Path, **extra: str) -> dict[str, str]:
     import sysconfig
 
     site = sysconfig.get_paths()["purelib"]
-    return base_environ(home, PYTHONPATH=os.pathsep.join((str(REPO), site)), **extra)
+    return base_environ(home, PYTHONPATH=os.pathsep.join((IMPORT_PATH, site)), **extra)
 
 
 def run(

@@ -20,7 +20,7 @@ import pytest
 from checkout import checkout_copy
 
 from .conftest import (
-    REPO,
+    IMPORT_PATH,
     clean_environ,
     install_recorder,
     make_environment,
@@ -225,7 +225,7 @@ def isolated_launcher(tmp_path: Path, code: str) -> tuple[str, ...]:
         sys.executable,
         "-S",
         "-c",
-        f"import sys; sys.path[:0] = [{str(site)!r}, {str(REPO)!r}]; {code}",
+        f"import sys; sys.path[:0] = [{str(site)!r}, *{IMPORT_PATH.split(os.pathsep)!r}]; {code}",
     )
 
 

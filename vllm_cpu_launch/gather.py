@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 
 WINDOW = ((0, 20), (0, 34))  # first and last minor release the plan holds for, as read
+FIRST, LAST = (".".join(map(str, edge)) for edge in WINDOW)  # as said: "0.20", "0.34"
 V1_SD_REFUSED = (0, 9, 1)  # from here until WINDOW[0], the CPU model runner refuses SD
 RELEASES_DOC = "docs/releases.md"
 
@@ -75,7 +76,6 @@ def dist_infos(directory: str) -> list[tuple[str, str]]:
 
 
 def support(release: str | None) -> Support:
-    first, last = (".".join(map(str, edge)) for edge in WINDOW)
     if release is None:
         return Support(None, "unknown", "no installed vLLM release found to check against")
     key = version_key(release)
@@ -85,15 +85,15 @@ def support(release: str | None) -> Support:
             if key >= V1_SD_REFUSED
             else "it runs speculative decoding on CPU only on its old V0 engine"
         )
-        note = f"vLLM {release} is older than {first}: {why} ({RELEASES_DOC})"
+        note = f"vLLM {release} is older than {FIRST}: {why} ({RELEASES_DOC})"
         return Support(release, "older", note)
     if key[:2] > WINDOW[1]:
         note = (
-            f"vLLM {release} is newer than the releases read ({first} to {last}): the plan "
-            f"follows {last}, not checked against this one ({RELEASES_DOC})"
+            f"vLLM {release} is newer than the releases read ({FIRST} to {LAST}): the plan "
+            f"follows {LAST}, not checked against this one ({RELEASES_DOC})"
         )
         return Support(release, "newer", note)
-    return Support(release, "window", f"vLLM {release}: in the releases read ({first} to {last})")
+    return Support(release, "window", f"vLLM {release}: in the releases read ({FIRST} to {LAST})")
 
 
 PYTHONPATH = "PYTHONPATH"
