@@ -38,4 +38,4 @@ def test_the_package_keeps_the_weight_issue_35_cut() -> None:
     """A ratchet, not a target: a change that needs more lines raises it in its own diff."""
     files = sorted(PACKAGE.rglob("*.py"))
     total = sum(len(path.read_text(encoding="utf-8").splitlines()) for path in files)
-    assert total <= 9_000
+    assert total <= 8_819  # issue 45's additions paid for by doctor --measure's move (47)
