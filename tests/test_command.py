@@ -24,7 +24,7 @@ from vllm_cpu_launch.command import (
 )
 from vllm_cpu_launch.rules import BOUND_WORKERS_SOURCE
 
-from .conftest import REPO, clean_environ, read_record, run_launcher
+from .conftest import IMPORT_PATH, clean_environ, read_record, run_launcher
 
 # -------------------- Formerly tests/test_speculative.py --------------------
 # SD detection in every form vLLM accepts, both ways (requested and not).
@@ -379,7 +379,7 @@ def test_malformed_json_is_one_line_with_the_fix_under_every_python(
         pytest.fail(f"need Python 3.10 and 3.11 (pyenv under {PYENV} or on PATH)")
     vllm = str(vllm_env / "bin" / "vllm")
     environ = clean_environ(
-        tmp_path, RECORD_TO=str(record_file), PYTHONPATH=f"{REPO}:{yaml_only(tmp_path)}"
+        tmp_path, RECORD_TO=str(record_file), PYTHONPATH=f"{IMPORT_PATH}:{yaml_only(tmp_path)}"
     )
     launcher = [python, "-m", "vllm_cpu_launch"]
     for index, value in enumerate(MALFORMED):

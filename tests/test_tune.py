@@ -862,7 +862,7 @@ def test_the_table_names_what_else_the_candidates_differ_in() -> None:
 
 # ---------------------------------------------------------------- the serving benchmark
 
-SHIPPED = str(Path(__file__).resolve().parent.parent / "vllm_cpu_launch" / "serving_prompts.jsonl")
+SHIPPED = str(Path(contest.__file__).parents[2] / "serving_prompts.jsonl")  # the package's
 
 
 def argvs(tmp_path: Path, first: str) -> list[dict[str, Any]]:
