@@ -93,8 +93,12 @@ if inside is not None:
     started = time.perf_counter()
     if config is None:
         inside.publish_reading(inside.Role.WORKER, directory)
-    else:
+    elif hasattr(inside, "children_readings"):  # a --baseline from before issue 45
         [*inside.children_readings(directory), inside.read_openmp(inside.Role.API_SERVER)]
+    else:  # the collector reads only the directory it was given, as made
+        made = os.lstat(directory)
+        collector = inside.ReadingsCollector(directory, (made.st_dev, made.st_ino))
+        [*collector.children_readings(), inside.read_openmp(inside.Role.API_SERVER)]
     result["read"] = time.perf_counter() - started
 print("RESULT " + json.dumps(result), flush=True)
 """
