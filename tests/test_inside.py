@@ -86,7 +86,10 @@ if __name__ == "__main__":
 """
 
 
-def run_python(code: str, environ: dict[str, str], *arguments: str) -> str:
+def python_run(
+    code: str, environ: dict[str, str], *arguments: str
+) -> subprocess.CompletedProcess[str]:
+    """`python -c CODE ARGUMENTS`, which must exit 0: its CompletedProcess."""
     completed = subprocess.run(
         [sys.executable, "-c", code, *arguments],
         env=environ,
@@ -96,7 +99,11 @@ def run_python(code: str, environ: dict[str, str], *arguments: str) -> str:
         timeout=120,
     )
     assert completed.returncode == 0, completed.stderr
-    return completed.stdout
+    return completed
+
+
+def run_python(code: str, environ: dict[str, str], *arguments: str) -> str:
+    return python_run(code, environ, *arguments).stdout
 
 
 def gnu_libgomp() -> str:
@@ -307,15 +314,7 @@ print(json.dumps({"pid": pid, "scrapes": scrapes, "left": sorted(os.listdir(dire
 
 def laid_out(tmp_path: Path, case: str) -> tuple[dict[str, Any], list[str]]:
     environ = clean_environ(tmp_path, TMPDIR=str(tmp_path))
-    completed = subprocess.run(
-        [sys.executable, "-c", LAID_OUT, case],
-        env=environ,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = python_run(LAID_OUT, environ, case)
     outcome: dict[str, Any] = json.loads(completed.stdout)
     return outcome, completed.stderr.splitlines()
 
