@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -416,3 +417,58 @@ def test_bench_plugin_times_each_kind_of_vllm_process(tmp_path: Path) -> None:
     for role in samples:
         assert f"ratio plugin-{role} (plugin / import vllm, {role}, median of 1" in output
     assert "rerun: cd " in output and "bench_plugin.py --rounds 1" in output
+
+
+# The evidence's front page holds the headline, the rules' evidence and the kept records
+# within 3,000 words (issue 47); the rest is in pages it links to, every figure reachable.
+DOCS = REPO / "docs"
+FRONT_PAGE_WORDS = 3_000
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors_of(page: Path) -> set[str]:
+    text = page.read_text(encoding="utf-8")
+    return {github_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+def benchmark_pages() -> list[Path]:
+    return sorted(DOCS.glob("benchmarks*.md"))
+
+
+def test_the_benchmarks_front_page_is_at_most_3000_words() -> None:
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    assert len(text.split()) <= FRONT_PAGE_WORDS, "move details to docs/benchmarks-details.md"
+
+
+def test_every_link_of_the_benchmark_pages_reaches_its_page_and_heading() -> None:
+    for page in benchmark_pages():
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            name, _, anchor = target.partition("#")
+            linked = (page.parent / name) if name else page
+            assert linked.is_file(), (page.name, target)
+            if anchor:
+                assert anchor in anchors_of(linked), (page.name, target)
+
+
+def test_every_kept_record_and_plot_is_reachable_from_the_front_page() -> None:
+    """Each record under docs/ is named on the front page or on a page it links to, and
+    each plot is drawn or named there, or is its record's (the kept records' table: "Each has its
+    plot beside it")."""
+    front = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    linked = {DOCS / name.partition("#")[0] for name in LINK.findall(front) if "://" not in name}
+    pages = [DOCS / "benchmarks.md", *(page for page in benchmark_pages() if page in linked)]
+    text = "\n".join(page.read_text(encoding="utf-8") for page in pages)
+    records = sorted(DOCS.glob("bench_vllm_*.json"))
+    plots = sorted(DOCS.glob("bench_vllm_*.png"))
+    assert records and plots
+    for record in records:
+        assert record.name in text, record.name
+    for plot in plots:
+        assert plot.name in text or plot.with_suffix(".json").name in text, plot.name
