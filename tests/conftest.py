@@ -203,6 +203,17 @@ def outside_tmp() -> Path:
     pytest.fail(f"no writable directory outside /tmp among {', '.join(map(str, candidates))}")
 
 
+@pytest.fixture
+def unit_dir() -> Iterator[Path]:
+    """A directory the unprivileged systemd test mode can read (tmp_path is 0700)."""
+    directory = Path(tempfile.mkdtemp(prefix="vllm-cpu-launch-units-"))
+    directory.chmod(0o755)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def system_under_test() -> Iterator[SystemHost]:
     """Every test's system (TEST_HOST_VARIABLE), set for this process and its children.

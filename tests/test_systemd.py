@@ -13,13 +13,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tests.conftest import (
     AS_NOBODY,
@@ -30,7 +27,7 @@ from tests.conftest import (
     outside_tmp,
     run_launcher,
 )
-from vllm_cpu_launch.systemd_syntax import environment_word, exec_line, quote_word
+from vllm_cpu_launch.systemd_syntax import quote_word
 
 SYSTEMD = "/lib/systemd/systemd"
 SHIPPED = REPO / "scripts"
@@ -66,17 +63,6 @@ def need(tool: str) -> str:
     if found is None:
         pytest.fail(f"{tool} missing: scripts/test installs systemd (apt-get install systemd)")
     return found
-
-
-@pytest.fixture
-def unit_dir() -> Iterator[Path]:
-    """A directory the unprivileged systemd test mode can read (tmp_path is 0700)."""
-    directory = Path(tempfile.mkdtemp(prefix="vllm-cpu-launch-units-"))
-    directory.chmod(0o755)
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory)
 
 
 def generate(args: Sequence[str], tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -250,20 +236,6 @@ def systemd_words(line: str) -> list[str]:
         words.append(
             "".join(word).encode("utf-8", "surrogateescape").decode("utf-8", "surrogateescape")
         )
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.text(st.characters(exclude_categories=["Cs"]), max_size=12), max_size=6))
-def test_exec_line_round_trips_for_any_text(arguments: list[str]) -> None:
-    arguments = [a.replace("\0", "") for a in arguments]
-    line = exec_line(["/usr/bin/x", *arguments])
-    assert "\n" not in line
-    assert systemd_words(line) == ["/usr/bin/x", *arguments]
-
-
-def test_environment_assignment_keeps_dollars_and_doubles_percent(tmp_path: Path) -> None:
-    assert environment_word("A", "x y $Z 5%") == '"A=x y $Z 5%%"'
-    assert environment_word("A", "plain") == "A=plain"
 
 
 # ---------------------------------------------------------------- the unit itself
