@@ -35,7 +35,6 @@ from vllm_cpu_launch.settings import (
 )
 from vllm_cpu_launch.verbs.tune import contest
 from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
-from vllm_cpu_launch.verbs.tune.config import merged_config
 from vllm_cpu_launch.verbs.tune.contest import (
     CONTENDERS,
     Summary,
@@ -251,24 +250,6 @@ TUNED = {
     "rounds": 3,
     "command": "vllm bench latency --model m",
 }
-
-
-def test_merge_keeps_other_keys_and_comments_and_replaces_an_old_result() -> None:
-    old = (
-        "# mine\nstrict: true\niomp: always   # was\ntuned:\n  when: x\n  iomp: always\n"
-        "kmp-blocktime: 5\n"
-    )
-    text = merged_config(old, {"iomp": "never", "tuned": TUNED})
-    assert "# mine" in text and "was" not in text
-    assert yaml.safe_load(text) == {
-        "strict": True,
-        "iomp": "never",
-        "tuned": TUNED,
-        "kmp-blocktime": 5,
-    }
-    flow = merged_config("{strict: true, iomp: always}\n", {"iomp": "never"})
-    assert yaml.safe_load(flow) == {"strict": True, "iomp": "never"}
-    assert yaml.safe_load(merged_config("", {"iomp": "auto"})) == {"iomp": "auto"}
 
 
 def write(path: Path, text: str) -> Path:
