@@ -38,9 +38,6 @@ from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
 from vllm_cpu_launch.verbs.tune.contest import (
     CONTENDERS,
     Summary,
-    besides_runtime,
-    outcome_of,
-    rotated,
     table,
 )
 
@@ -197,38 +194,7 @@ def test_model_given_as_option_is_kept_and_a_missing_one_is_a_usage_error() -> N
         assert raised.value.code == 2
 
 
-def test_rounds_rotate_the_order() -> None:
-    names = [(r, c.name) for r, c in rotated(CONTENDERS, 3)]
-    assert names == [
-        (0, "libgomp"),
-        (0, "libiomp5"),
-        (1, "libiomp5"),
-        (1, "libgomp"),
-        (2, "libgomp"),
-        (2, "libiomp5"),
-    ]
-
-
 # ---------------------------------------------------------------- the noise rule
-
-
-def test_a_winner_won_every_round_and_the_result_says_what_was_measured() -> None:
-    clear = outcome_of([Summary(GOMP, (0.10, 0.11, 0.10)), Summary(IOMP, (0.19, 0.20, 0.21))], IOMP)
-    assert clear.winner == GOMP and clear.iomp == "never"
-    assert clear.result == (
-        "libgomp 2.00x faster than libiomp5: libgomp won 3 of 3 rounds; median 0.1 s vs "
-        "0.2 s for libiomp5, spread 0.01 s and 0.02 s"
-    )
-    noisy = outcome_of([Summary(GOMP, (0.10, 0.14)), Summary(IOMP, (0.11, 0.12))], IOMP)
-    assert noisy.winner is None and noisy.iomp == "auto"
-    assert noisy.result.startswith("no clear winner: libiomp5 won 1 of 2 rounds; median 0.115")
-    assert "faster" not in noisy.result
-    default_wins = outcome_of([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], IOMP)
-    assert default_wins.winner == IOMP and default_wins.iomp == "auto"  # auto already does it
-    without_sd = outcome_of([Summary(GOMP, (0.2, 0.2)), Summary(IOMP, (0.1, 0.1))], GOMP)
-    assert without_sd.iomp == "always"
-    once = outcome_of([Summary(GOMP, (0.1,)), Summary(IOMP, (0.2, 0.2))], IOMP)
-    assert once.winner is None and "fewer than 2 runs" in once.result
 
 
 def test_table_shows_median_quartiles_range_and_speed() -> None:
@@ -803,42 +769,6 @@ def test_no_warm_up_is_accepted_as_vllm_accepts_it(tmp_path: Path, bench_env: Pa
     assert argv[argv.index("--num-iters-warmup") + 1] == "0"
     refused = tune(tmp_path, bench_env, "iomp-faster", "--num-iters-warmup", "-1", *SERVE)
     assert refused.returncode == 2 and "needs a whole number, 0 or more" in refused.stderr
-
-
-def test_the_issues_tune_every_round_won_at_1_6x_is_a_winner_not_noise() -> None:
-    """SmolLM2-135M, draft_model k=7, 3 rounds: libiomp5 21.6/10.6/17.2 s, libgomp
-    27.0/27.5/29.2 s, its order rotated. Its 2x spread exceeds the gap of the medians, so
-    the range rule said "within the noise"; it won every round: it wins, and no result
-    says "faster" beside "no clear winner"."""
-    measured = [Summary(GOMP, (27.0, 27.5, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))]
-    outcome = outcome_of(measured, IOMP)
-    assert outcome.winner == IOMP and outcome.iomp == "auto"
-    assert outcome.result.startswith("libiomp5 1.60x faster than libgomp: libiomp5 won 3 of 3")
-    assert "median 17.2 s vs 27.5 s for libgomp, spread 11 s and 2.2 s" in outcome.result
-    # One round lost: no winner, and the line says what happened, not "faster".
-    split = outcome_of([Summary(GOMP, (27.0, 10.0, 29.2)), Summary(IOMP, (21.6, 10.6, 17.2))], IOMP)
-    assert split.winner is None and "faster" not in split.result
-    assert split.result.startswith("no clear winner: libiomp5 won 2 of 3 rounds; median 17.2")
-    # Two rounds both won, but within the larger range: not enough for a winner.
-    two = outcome_of([Summary(GOMP, (0.20, 0.21)), Summary(IOMP, (0.19, 0.10))], IOMP)
-    assert two.winner is None and "won 2 of 2 rounds" in two.result
-
-
-def test_the_table_names_what_else_the_candidates_differ_in() -> None:
-    gomp = {"VLLMCPULAUNCH_PLANNED": "launcher"}
-    iomp = {"LD_PRELOAD": "/l/libtcmalloc_minimal.so.4:/v/libiomp5.so", "KMP_BLOCKTIME": "5"}
-    line = besides_runtime({"libgomp": gomp, "libiomp5": iomp}, "")
-    assert line == (
-        "compared:  the OpenMP runtime and more: libgomp adds nothing else; "
-        "libiomp5 preloads /l/libtcmalloc_minimal.so.4"
-    )
-    both = {**iomp, "LD_PRELOAD": "/l/libtcmalloc_minimal.so.4"}
-    alike = besides_runtime({"libgomp": both, "libiomp5": iomp}, "")
-    assert alike == "compared:  the OpenMP runtime only (and its KMP_BLOCKTIME)"
-    nobind = {**iomp, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    assert "sets VLLM_CPU_OMP_THREADS_BIND=nobind" in besides_runtime(
-        {"libgomp": both, "libiomp5": nobind}, ""
-    )
 
 
 # ---------------------------------------------------------------- the serving benchmark
