@@ -1,6 +1,6 @@
 """`tune` without vLLM: the argv it measures, the noise rule, the config it writes, the
-reason later plans give, and the whole verb run against a stand-in `vllm` that writes
-`vllm bench latency`'s JSON (the real benchmark runs in tests/e2e/test_tune.py)."""
+reason later plans give, and the whole verb run against a stand-in `vllm` that serves and
+writes `vllm bench serve`'s JSON (the real benchmark runs in tests/e2e/test_tune.py)."""
 
 from __future__ import annotations
 
@@ -34,20 +34,18 @@ from vllm_cpu_launch.settings import (
     record_scope,
 )
 from vllm_cpu_launch.verbs.tune import contest
-from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, bench_arguments
+from vllm_cpu_launch.verbs.tune.command import check_serve, server_arguments
 from vllm_cpu_launch.verbs.tune.contest import (
     CONTENDERS,
-    Summary,
-    table,
 )
 
 from .conftest import LAUNCHER, SystemHost, clean_environ, make_environment, run_launcher
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
-BENCH = {key: default for key, default in BENCH_OPTIONS.values()}
 GOMP, IOMP = CONTENDERS
-# A stand-in `vllm`: records its argv and preload, then answers like `vllm bench latency`.
-# FAKE_BENCH picks the story: which runtime is faster, both alike, a failure or a hang.
+# A stand-in `vllm`: records its argv and preload, then serves (`vllm serve`) or answers
+# like `vllm bench serve`. FAKE_BENCH picks the story: which runtime is faster, both alike,
+# each faster at one concurrency, a failure or a hang.
 FAKE_BENCH = """\
 import http.server, json, os, subprocess, sys, time, urllib.request
 
@@ -57,6 +55,8 @@ def serve_story(args, story, iomp):
         print("RuntimeError: the engine core died")
         sys.exit(3)
     if story == "hang":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(os.path.join(os.environ["FAKE_RECORD"], "child.pid"), "w").write(str(child.pid))
         time.sleep(600)
     class Answer(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -68,8 +68,15 @@ def serve_story(args, story, iomp):
     port = int(args[args.index("--port") + 1])
     http.server.HTTPServer((args[args.index("--host") + 1], port), Answer).serve_forever()
 
-def client_story(args, story):
+def client_story(args, story, count):
     # `vllm bench serve`: asks the server what it preloaded; its TPOT follows the story.
+    if story == "fail":
+        print("ValueError: the client failed")
+        sys.exit(1)
+    if story == "no-result":  # exits 0 and writes no result (a vLLM that changed it)
+        for line in range(20):
+            print(f"INFO bench line {line}")
+        sys.exit(0)
     value = lambda name: args[args.index(name) + 1]
     url, concurrency = value("--base-url"), int(value("--max-concurrency"))
     with open(value("--dataset-path")) as dataset, open(os.path.join(
@@ -82,11 +89,15 @@ def client_story(args, story):
     faster = iomp if story == "iomp-faster" else not iomp if story == "gomp-faster" else (
         iomp if concurrency == 1 else not iomp)
     tpot = 10.0 if faster else 20.0
+    if story == "alike":  # each run differs from the last by more than the candidates do
+        tpot = 10.0 + count % 4
     result = os.path.join(value("--result-dir"), value("--result-filename"))
-    if story == "no-chat":  # vLLM's client exits 0 when every request failed
+    # A model without a chat template: vLLM's client exits 0 when every request failed.
+    no_chat = story == "no-chat" and value("--endpoint") == "/v1/chat/completions"
+    if no_chat:
         tpot = 0.0
     json.dump({"mean_tpot_ms": tpot, "output_throughput": tpot and 1000 / tpot * concurrency,
-               "completed": 0 if story == "no-chat" else 8, "spec_decode_draft_tokens": 30,
+               "completed": 0 if no_chat else 8, "spec_decode_draft_tokens": 30,
                "spec_decode_accepted_tokens": 20 if iomp else 19}, open(result, "w"))
     sys.exit(0)
 
@@ -101,33 +112,14 @@ count = sum(1 for _ in open(runs))
 if args[:1] == ["serve"]:
     serve_story(args, story, iomp)
 if args[:2] == ["bench", "serve"]:
-    client_story(args, story)
-if story == "fail":
-    print("vllm.exceptions.VLLMValidationError: Token id 9554 is out of vocabulary")
-    sys.exit(1)
-if story == "no-result":  # exits 0 and writes no --output-json (a vLLM that changed it)
-    for line in range(20):
-        print(f"INFO bench line {line}")
-    sys.exit(0)
-if story == "hang":
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    open(os.path.join(os.environ["FAKE_RECORD"], "child.pid"), "w").write(str(child.pid))
-    time.sleep(600)
-if story == "gomp-faster":
-    latency = 0.2 if iomp else 0.1
-elif story == "iomp-faster":
-    latency = 0.1 if iomp else 0.2
-else:  # alike: each run differs from the last by more than the candidates do
-    latency = 0.1 + 0.01 * (count % 3)
-out = args[args.index("--output-json") + 1]
-json.dump({"latencies": [latency, latency * 1.01, latency * 0.99]}, open(out, "w"))
+    client_story(args, story, count)
 """
 
 
 # ---------------------------------------------------------------- the command measured
 
 
-def test_serve_becomes_bench_latency_without_the_serve_only_options() -> None:
+def test_the_serve_command_runs_on_tunes_port_without_its_connection_options() -> None:
     serve = [
         "serve",
         "/models/m",
@@ -142,12 +134,13 @@ def test_serve_becomes_bench_latency_without_the_serve_only_options() -> None:
         "m",
         "--speculative-config",
         NGRAM,
+        "--ssl-keyfile=/k.pem",
         "--chat-template",
         "--not-an-option-but-a-value",
         "-tp",
         "1",
     ]
-    arguments, dropped = bench_arguments(serve, BENCH, "/tmp/out.json")
+    arguments, dropped = server_arguments(serve, 9000)
     assert dropped == [
         "--host",
         "0.0.0.0",
@@ -155,55 +148,33 @@ def test_serve_becomes_bench_latency_without_the_serve_only_options() -> None:
         "--api_key",
         "k1",
         "k2",
-        "--enable-log-requests",
-        "--chat-template",
-        "--not-an-option-but-a-value",
+        "--ssl-keyfile=/k.pem",
     ]
     assert arguments == [
-        "bench",
-        "latency",
-        "--model",
+        "serve",
         "/models/m",
+        "--enable-log-requests",
         "--served-model-name",
         "m",
         "--speculative-config",
         NGRAM,
+        "--chat-template",
+        "--not-an-option-but-a-value",
         "-tp",
         "1",
-        "--batch-size",
-        "1",
-        "--input-len",
-        "64",
-        "--output-len",
-        "128",
-        "--num-iters",
-        "5",
-        "--num-iters-warmup",
-        "1",
-        "--output-json",
-        "/tmp/out.json",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9000",
     ]
 
 
 def test_model_given_as_option_is_kept_and_a_missing_one_is_a_usage_error() -> None:
-    arguments, _ = bench_arguments(["serve", "--model=/m", "-sc", NGRAM], BENCH, "o.json")
-    assert arguments[2:5] == ["--model=/m", "-sc", NGRAM]
+    check_serve(["serve", "--model=/m", "-sc", NGRAM])
     for serve in (["serve"], ["serve", "-sc", NGRAM], ["chat", "m"], []):
         with pytest.raises(LaunchError) as raised:
-            bench_arguments(serve, BENCH, "o.json")
+            check_serve(serve)
         assert raised.value.code == 2
-
-
-# ---------------------------------------------------------------- the noise rule
-
-
-def test_table_shows_median_quartiles_range_and_speed() -> None:
-    text = table([Summary(GOMP, (0.1, 0.3, 0.2)), Summary(IOMP, (0.1, 0.1, 0.1))])
-    header, gomp, iomp = text.splitlines()
-    assert "median s" in header and "q1-q3 s" in header and "speed vs libgomp" in header
-    assert gomp.split()[:6] == ["libgomp", "never", "3", "0.2000", "0.1500-0.2500", "0.1000-0.3000"]
-    assert gomp.split()[6] == "1.00x"
-    assert iomp.split()[-1] == "2.00x"
 
 
 # ---------------------------------------------------------------- the config
@@ -331,24 +302,26 @@ def tune(
     bench_env: Path,
     story: str,
     *args: str,
-    benchmark: str = "latency",
     **variables: str,
 ) -> subprocess.CompletedProcess[str]:
-    """tune against the stand-in (`benchmark`: the --benchmark given; "": none), with
-    `variables` in its environment."""
+    """tune against the stand-in, with `variables` in its environment."""
     record = tmp_path / "record"
     record.mkdir(exist_ok=True)
     environ = clean_environ(
         tmp_path, FAKE_BENCH=story, FAKE_RECORD=str(record), TMPDIR=str(tmp_path), **variables
     )  # a failed run's logs are kept: under tmp_path, not /tmp
     vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
-    chosen = ["--benchmark", benchmark] if benchmark else []
-    return run_launcher([*vllm, "tune", *chosen, *args], environ)
+    return run_launcher([*vllm, "tune", *args], environ)
 
 
 def runs(tmp_path: Path) -> list[dict[str, Any]]:
     lines = (tmp_path / "record" / "runs.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def argvs(tmp_path: Path, first: str) -> list[dict[str, Any]]:
+    """The stand-in's recorded runs whose argv starts with `first` (serve, or bench)."""
+    return [run for run in runs(tmp_path) if run["argv"][0] == first]
 
 
 SERVE = ["serve", "/models/m", "--port", "8000", "-sc", NGRAM]
@@ -373,7 +346,7 @@ def test_tune_writes_the_winner_and_the_next_plan_follows_it(
     result = tune(tmp_path, bench_env, "gomp-faster", "--write", "--rounds", "2", "--", *SERVE)
     assert result.returncode == 0, result.stderr
     said = result.stderr.splitlines()
-    progress = [line for line in said if " run " in f" {line}"]
+    progress = [line for line in said if ": start " in line and "(round " in line]
     assert [line.split(":")[1].split()[-1] for line in progress] == [
         "libgomp",
         "libiomp5",
@@ -383,16 +356,16 @@ def test_tune_writes_the_winner_and_the_next_plan_follows_it(
     # How long it will take, said before the first run and again, measured, after it.
     first = said.index(progress[0])
     assert said[first - 1].endswith(
-        "4 runs in all, at most 30 min (--time-limit); the first "
+        "4 starts in all, at most 30 min (--time-limit); the first "
         "one's time gives the estimate for the rest"
     ), said
-    assert re.search(r"expect about \d+ s more: 3 runs at the first's pace$", said[first + 1])
-    assert "not passed to vllm bench latency (serve-only options): --port 8000" in result.stderr
-    measured = runs(tmp_path)
+    assert re.search(r"expect about \d+ s more: 3 starts at the first's pace$", said[first + 1])
+    assert "replaced by tune's loopback port: --port 8000" in result.stderr
+    measured = argvs(tmp_path, "serve")
     assert [run["iomp"] for run in measured] == [False, True, True, False]
     assert {run["blocktime"] for run in measured if run["iomp"]} == {"5"}
-    assert all(run["argv"][:4] == ["bench", "latency", "--model", "/models/m"] for run in measured)
-    assert "libgomp 2.00x faster than libiomp5" in result.stdout
+    assert all(run["argv"][:2] == ["serve", "/models/m"] for run in measured)
+    assert "result at 1: libgomp 2.00x faster than libiomp5" in result.stdout
     assert "best is --iomp never" in result.stdout
     config = read_config_file(str(user_config))
     assert "iomp" not in config and config["tcmalloc"] == "never"  # no global choice
@@ -400,7 +373,7 @@ def test_tune_writes_the_winner_and_the_next_plan_follows_it(
     assert isinstance(records, tuple) and len(records) == 1
     record: Tuned = records[0]
     assert record.rounds == 2 and record.iomp == "never"
-    assert record.command.startswith("vllm bench latency --model /models/m -sc")
+    assert record.command.startswith("vllm serve /models/m -sc")
     assert record.scope == Scope("/models/m", "ngram", 3, None, len(os.sched_getaffinity(0)))
     assert user_config.read_text().startswith("# my settings\n")
 
@@ -428,10 +401,12 @@ def test_without_a_clear_winner_the_default_is_kept_and_said(
         str(config),
         "--rounds",
         "3",
+        "--concurrency",
+        "1",
         *SERVE,
     )
     assert result.returncode == 0, result.stderr
-    assert "result: no clear winner: libiomp5 won 2 of 3 rounds; median" in result.stdout
+    assert "result at 1: no clear winner: libiomp5 won 2 of 3 rounds; median" in result.stdout
     # The plan adds the host's tcmalloc to libiomp5 only (with libgomp it adds nothing).
     compared = "compared:  the OpenMP runtime only (and its KMP_BLOCKTIME)"
     if system_host.tcmalloc:
@@ -520,21 +495,12 @@ def test_without_write_nothing_is_written(tmp_path: Path, bench_env: Path) -> No
     assert not tmp_path.joinpath(*USER_CONFIG).exists()
 
 
-def test_the_time_limit_kills_the_run_and_its_children(tmp_path: Path, bench_env: Path) -> None:
-    result = tune(tmp_path, bench_env, "hang", "--time-limit", "3", *SERVE)
-    assert result.returncode == 1, result.stderr
-    assert "time limit of 3 s reached during run 1/6 (killed)" in result.stderr
-    assert "not every candidate ran once" in result.stderr
-    child = int((tmp_path / "record" / "child.pid").read_text())
-    assert process_state(child) in (None, "Z")  # gone, or dead and not yet reaped by init
-
-
 def test_sigterm_stops_the_run_and_its_children(tmp_path: Path, bench_env: Path) -> None:
     record = tmp_path / "record"
     record.mkdir()
     environ = clean_environ(tmp_path, FAKE_BENCH="hang", FAKE_RECORD=str(record))
     vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
-    command = [*LAUNCHER, *vllm, "tune", "--benchmark", "latency", *SERVE]
+    command = [*LAUNCHER, *vllm, "tune", *SERVE]
     with subprocess.Popen(command, env=environ, stderr=subprocess.PIPE, text=True) as process:
         pid_file = record / "child.pid"
         for _ in range(600):  # bounded wait for the run to be under way (not a timing check)
@@ -561,9 +527,9 @@ def test_a_run_that_exits_0_without_its_result_is_one_error_naming_file_and_log(
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "INFO bench line" not in result.stderr, result.stderr
     (line,) = errors
-    prefix = "vllm-cpu-launch: error: vllm bench latency exited 0 but wrote no result file ("
-    assert line.startswith(prefix), line
-    output = line.removeprefix(prefix).partition(")")[0]
+    prefix = "vllm-cpu-launch: error: vllm bench serve exited 0 but its result "
+    assert line.startswith(prefix) and " lacks its figures; log: " in line, line
+    output = line.removeprefix(prefix).partition(" ")[0]
     log = Path(line.rpartition("; log: ")[2])
     assert output.endswith(".json") and not Path(output).exists()
     assert "INFO bench line 19" in log.read_text()
@@ -627,10 +593,10 @@ def test_a_failed_run_shows_why_and_keeps_its_log(tmp_path: Path, bench_env: Pat
     result = tune(tmp_path, bench_env, "fail", *SERVE)
     assert result.returncode == 1
     last = result.stderr.splitlines()[-1]
-    assert "vllm bench latency failed (exit code 1)" in last
-    assert "random prompt token ids below 10000" in last
+    assert "vllm bench serve at concurrency 1 failed (exit code 1)" in last
+    assert "ValueError: the client failed" in result.stderr
     log = Path(last.rpartition("log: ")[2])
-    assert "out of vocabulary" in log.read_text()
+    assert "ValueError: the client failed" in log.read_text()
     assert not tmp_path.joinpath(*USER_CONFIG).exists()
 
 
@@ -639,7 +605,7 @@ def test_a_failed_run_shows_why_and_keeps_its_log(tmp_path: Path, bench_env: Pat
     [
         (["--rounds", "0", *SERVE], "--rounds '0': needs a positive whole number"),
         (["--time-limit", "soon", *SERVE], "--time-limit 'soon': needs a positive number"),
-        (["--num-iters", "2.5", *SERVE], "--num-iters '2.5'"),
+        (["--output-len", "2.5", *SERVE], "--output-len '2.5': needs a positive whole number"),
         (["--iomp", "never", *SERVE], "tune does not take --iomp"),
         (["--dry-run", *SERVE], "tune does not take --dry-run"),
         (["--write"], "tune measures a `serve` command"),
@@ -693,41 +659,6 @@ def test_a_broken_config_is_reported_not_overwritten(tmp_path: Path, bench_env: 
     assert config.read_text() == "colour: blue\n"
 
 
-def small_model(tmp_path: Path, vocabulary: int) -> Path:
-    """A local model directory whose config.json names its vocabulary, as HF writes it."""
-    model = tmp_path / "small-model"
-    model.mkdir(exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocabulary}
-    (model / "config.json").write_text(json.dumps(config))
-    return model
-
-
-def test_a_vocabulary_below_the_prompt_ids_is_refused_before_vllm_runs(
-    tmp_path: Path, bench_env: Path
-) -> None:
-    """vllm bench latency prompts with token ids below 10000 (vllm/benchmarks/latency.py):
-    a 1024-token model is refused at once, the limit and a model that fits named."""
-    model = small_model(tmp_path, 1024)
-    result = tune(tmp_path, bench_env, "iomp-faster", "--input-len", "8", "serve", str(model))
-    assert result.returncode == 2, result.stderr
-    (line,) = result.stderr.splitlines()
-    assert f"{model}: its vocabulary holds 1024 tokens" in line
-    assert "below 10000 (--input-len does not change that)" in line
-    assert "such as SmolLM2-135M-Instruct (49152)" in line
-    assert not (tmp_path / "record" / "runs.jsonl").exists()  # vLLM never started
-    fits = tune(
-        tmp_path,
-        bench_env,
-        "iomp-faster",
-        "--rounds",
-        "1",
-        "serve",
-        str(model := small_model(tmp_path, 10000)),
-    )
-    assert fits.returncode == 0, fits.stderr
-    assert [run["argv"][3] for run in runs(tmp_path)] == [str(model)] * 2
-
-
 @pytest.mark.parametrize("where", ["parent-is-a-file", "read-only"])
 def test_write_proves_the_config_can_be_written_before_measuring(
     tmp_path: Path, bench_env: Path, where: str
@@ -759,26 +690,9 @@ def test_write_proves_the_config_can_be_written_before_measuring(
     assert not config.exists()
 
 
-def test_no_warm_up_is_accepted_as_vllm_accepts_it(tmp_path: Path, bench_env: Path) -> None:
-    """vllm bench latency runs range(--num-iters-warmup) warm-ups: 0 is none."""
-    result = tune(
-        tmp_path, bench_env, "iomp-faster", "--rounds", "1", "--num-iters-warmup", "0", *SERVE
-    )
-    assert result.returncode == 0, result.stderr
-    argv = runs(tmp_path)[0]["argv"]
-    assert argv[argv.index("--num-iters-warmup") + 1] == "0"
-    refused = tune(tmp_path, bench_env, "iomp-faster", "--num-iters-warmup", "-1", *SERVE)
-    assert refused.returncode == 2 and "needs a whole number, 0 or more" in refused.stderr
-
-
 # ---------------------------------------------------------------- the serving benchmark
 
 SHIPPED = str(Path(contest.__file__).parents[2] / "serving_prompts.jsonl")  # the package's
-
-
-def argvs(tmp_path: Path, first: str) -> list[dict[str, Any]]:
-    """The stand-in's recorded runs whose argv starts with `first` (serve, or bench)."""
-    return [run for run in runs(tmp_path) if run["argv"][0] == first]
 
 
 def only_record(tmp_path: Path) -> Tuned:
@@ -808,7 +722,7 @@ def test_a_serving_tune_judges_each_concurrency_and_records_what_won_at_each(
     vllm = ["--vllm", str(bench_env / "bin" / "vllm")]
     args = ["--write", "--rounds", "3", "--concurrency", "2,1", "--output-len", "16"]
     proxy = "http://127.0.0.1:9"  # nothing listens there
-    result = tune(tmp_path, bench_env, "split", *args, *SERVE, benchmark="", http_proxy=proxy)
+    result = tune(tmp_path, bench_env, "split", *args, *SERVE, http_proxy=proxy)
     assert result.returncode == 0, result.stderr
     assert "replaced by tune's loopback port: --port 8000" in result.stderr
     servers = argvs(tmp_path, "serve")
@@ -848,9 +762,7 @@ def test_a_serving_tune_won_at_every_concurrency_is_a_winner_the_plan_follows(
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text('{"prompt": "Repeat: a b c"}\n\n{"prompt": "Why?", "kind": "open"}\n')
     args = ["--write", "--rounds", "3", "--concurrency", "1,4", "--prompts", str(prompts)]
-    result = tune(
-        tmp_path, bench_env, "gomp-faster", *args, "--num-prompts", "5", *SERVE, benchmark=""
-    )
+    result = tune(tmp_path, bench_env, "gomp-faster", *args, "--num-prompts", "5", *SERVE)
     assert result.returncode == 0, result.stderr
     assert "libgomp won at every concurrency (1, 4): best is --iomp never" in result.stdout
     clients = [run["argv"] for run in argvs(tmp_path, "bench")]
@@ -868,7 +780,7 @@ def test_a_serving_tune_won_at_every_concurrency_is_a_winner_the_plan_follows(
 def test_a_server_that_dies_before_it_is_ready_ends_the_tune_with_its_code_and_log(
     tmp_path: Path, bench_env: Path
 ) -> None:
-    result = tune(tmp_path, bench_env, "serve-dies", *SERVE, benchmark="serve")
+    result = tune(tmp_path, bench_env, "serve-dies", *SERVE)
     assert result.returncode == 3, result.stderr
     assert "RuntimeError: the engine core died" in result.stderr
     last = result.stderr.splitlines()[-1]
@@ -880,30 +792,39 @@ def test_a_client_run_that_completed_no_request_is_one_error_with_the_way_out(
     tmp_path: Path, bench_env: Path
 ) -> None:
     """A model without a chat template: vLLM refuses every chat request, and its client
-    still exits 0 with zero figures; tune ends with one line, not a division by zero."""
-    result = tune(tmp_path, bench_env, "no-chat", *SERVE, benchmark="serve")
+    still exits 0 with zero figures; tune ends with one line, not a division by zero, and
+    names --completions, which sends the prompts as text to the completions endpoint."""
+    result = tune(tmp_path, bench_env, "no-chat", *SERVE)
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, result.stderr
     (error,) = errors
     assert "vllm bench serve at concurrency 1: no request completed" in error
-    assert "use --benchmark latency); log: " in error and "Traceback" not in result.stderr
+    assert "add --completions); log: " in error and "Traceback" not in result.stderr
+    plain = tune(tmp_path, bench_env, "no-chat", "--completions", "--rounds", "1", *SERVE)
+    assert plain.returncode == 0, plain.stderr
+    clients = [run["argv"] for run in argvs(tmp_path, "bench")][-4:]
+    assert all(option(argv, "--backend") == "openai" for argv in clients)
+    assert all(option(argv, "--endpoint") == "/v1/completions" for argv in clients)
+    assert "tokens a request, sent as text to /v1/completions" in plain.stdout
+    assert "tokens a request, sent as chat requests" not in plain.stdout
 
 
 def test_the_time_limit_kills_a_server_that_never_gets_ready(
     tmp_path: Path, bench_env: Path
 ) -> None:
-    result = tune(tmp_path, bench_env, "hang", "--time-limit", "3", *SERVE, benchmark="serve")
+    result = tune(tmp_path, bench_env, "hang", "--time-limit", "3", *SERVE)
     assert result.returncode == 1, result.stderr
     assert "time limit of 3 s reached during start 1/6 (killed)" in result.stderr
     assert "not every candidate started once" in result.stderr
+    child = int((tmp_path / "record" / "child.pid").read_text())
+    assert process_state(child) in (None, "Z")  # gone, or dead and not yet reaped by init
 
 
 @pytest.mark.parametrize(
     ("args", "part"),
     [
-        (["--benchmark", "bench"], "--benchmark 'bench': use serve (the default) or latency"),
-        (["--batch-size", "2"], "--batch-size is --benchmark latency's option, not serve's"),
+        (["--benchmark", "latency"], "unknown option '--benchmark' for tune"),
         (["--concurrency", "0,2"], "--concurrency '0,2': needs positive whole numbers"),
         (["--concurrency", "x"], "needs positive whole numbers, comma-separated"),
         (["--num-prompts", "0"], "--num-prompts '0': needs a positive whole number"),
@@ -933,16 +854,10 @@ def test_serving_usage_errors_are_one_line_exit_2(
     given = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     part = part.replace("{tmp}", str(tmp_path))
     command = given if given[:1] == ["serve"] else [*given, *SERVE]
-    result = tune(tmp_path, bench_env, "iomp-faster", *command, benchmark="")
+    result = tune(tmp_path, bench_env, "iomp-faster", *command)
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.splitlines()) == 1 and part in result.stderr, result.stderr
     assert not (tmp_path / "record" / "runs.jsonl").exists()
-
-
-def test_latency_takes_none_of_the_serving_options(tmp_path: Path, bench_env: Path) -> None:
-    result = tune(tmp_path, bench_env, "iomp-faster", "--concurrency", "4", *SERVE)
-    assert result.returncode == 2
-    assert "--concurrency is --benchmark serve's option, not latency's" in result.stderr
 
 
 def test_the_shipped_prompts_hold_both_kinds_of_request() -> None:

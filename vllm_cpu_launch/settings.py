@@ -61,7 +61,7 @@ class Tuned:
     iomp: Mode  # the value it found best (auto: no clear winner, the default kept)
     result: str  # e.g. "libgomp 1.12x faster than libiomp5, spread 0.03"
     rounds: int
-    command: str  # the `vllm bench latency` command line it measured
+    command: str  # the command line it measured (`vllm serve ...`; `vllm bench latency ...` before)
     scope: Scope | None = None  # None: written before tunes were scoped (record_scope)
     origin: str = ""  # the config file it was read from
     # A serving tune's --iomp value at each concurrency (auto: no clear winner there).

@@ -1,14 +1,14 @@
 """`tune` against the real vLLM 0.32: correctness only, no timing asserted.
 
-The serving tune (the default benchmark) is the README's tune block, run as written by
-test_newcomer.py on the README's install. Here one latency tune (2 rounds, tiny iteration
-counts, `--write` into an isolated XDG_CONFIG_HOME) of the seed's case, speculative decoding
-with a draft model (the tiny model drafts for itself: the same tokenizer, as vLLM requires),
-runs `vllm bench latency` under both candidates, on the README's install (the launcher
-supplies vLLM's `vllm` metadata to each run); the tests check that every run happened, the
-table, the scoped record it wrote, that a later `--dry-run` of that command follows it and
-that one of another model does not. A second check holds the translation of `serve` into
-`bench latency` and the serve-only table against vLLM's own parsers.
+The README's tune block (ngram, chat requests) runs as written in test_newcomer.py on the
+README's install. Here one tune (2 rounds at concurrency 1, `--completions`, `--write` into
+an isolated XDG_CONFIG_HOME) of the seed's case, speculative decoding with a draft model
+(the tiny model drafts for itself: the same tokenizer, as vLLM requires), serves under both
+candidates on the README's install (the launcher supplies vLLM's `vllm` metadata to each
+start and client); the tests check that every start happened, the table, the scoped record
+it wrote, that a later `--dry-run` of that command follows it and that one of another model
+does not. A second check holds the connection options tune replaces and the client's
+argv, chat and completions, against vLLM's own parsers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,68 +28,57 @@ import pytest
 from vllm_server import process_tree
 
 from vllm_cpu_launch.settings import Scope, Tuned, read_config_file
-from vllm_cpu_launch.verbs.tune.command import BENCH_OPTIONS, SERVE_ONLY, bench_arguments
+from vllm_cpu_launch.verbs.tune.command import CONNECTION_OPTIONS, Load, client_command
 
-from .conftest import REAL_VLLM, RUN_CACHE, isolated_environment, run_script
+from .conftest import REAL_VLLM, RUN_CACHE, isolated_environment
 
 pytestmark = REAL_VLLM
 
-# `vllm bench latency` prompts are random token ids below 10000 (vllm/benchmarks/latency.py):
-# the tiny model's embeddings are widened to a vocabulary that holds them.
-WIDEN_MODEL = """
-import shutil, sys
-import torch
-from transformers import AutoModelForCausalLM
-source, output = sys.argv[1], sys.argv[2]
-shutil.copytree(source, output)
-model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.bfloat16)
-torch.manual_seed(0)
-model.resize_token_embeddings(10240, mean_resizing=False)
-model.save_pretrained(output)
-print(output)
-"""
-# Runs in the vLLM environment: the serve-only options, and both parses compared.
+# Runs in the vLLM environment: the connection options of `vllm serve` (those of a
+# listening address, a TLS setting or a key), and the client's argvs as vLLM's client
+# parses them.
 PARSERS = """
 import json, sys
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
-from vllm.benchmarks.latency import add_cli_args
+from vllm.benchmarks.serve import add_cli_args
 
 serve = make_arg_parser(FlexibleArgumentParser())
-bench = FlexibleArgumentParser()
-add_cli_args(bench)
-bench_options = {s for a in bench._actions for s in a.option_strings}
-serve_only = {
+client = FlexibleArgumentParser()
+add_cli_args(client)
+names = ("--host", "--port", "--uds", "--root-path", "--api-key")
+connection = {
     s: (0 if a.nargs == 0 else "+" if a.nargs == "+" else 1)
     for a in serve._actions
     for s in a.option_strings
-    if s not in bench_options
+    if "-ssl-" in s or s in names
 }
-data = json.load(sys.stdin)
-served = vars(serve.parse_args(data["serve"]))
-benched = vars(bench.parse_args(data["bench"]))
-common = sorted(k for k in served if k in benched and served[k] != benched[k])
-print(json.dumps({
-    "serve_only": serve_only,
-    "differ": common,
-    "model_tag": served["model_tag"],
-    "bench_model": benched["model"],
-}))
+parsed = [vars(client.parse_args(argv)) for argv in json.load(sys.stdin)]
+keys = ("backend", "endpoint", "dataset_name", "model", "served_model_name", "ignore_eos")
+print(json.dumps({"connection": connection, "clients": [[p[k] for k in keys] for p in parsed]}))
 """
-# tune's own --time-limit; it kills its runs when it is reached. A draft-model run is
+# tune's own --time-limit; it kills its runs when it is reached. A draft-model start is
 # mostly vLLM's start with two models: 95-150 s each on 2 loaded CPUs here.
 TUNE_LIMIT_S = 720
 WAIT_LIMIT_S = TUNE_LIMIT_S + 120
 ROUNDS = 2
-BENCH_SIZE = ["--input-len", "16", "--output-len", "16", "--num-iters", "2"]
+LOAD = ["--concurrency", "1", "--output-len", "16", "--completions"]
 LAUNCHER = [sys.executable, "-m", "vllm_cpu_launch"]
 
 
 @pytest.fixture(scope="module")
-def wide_model(vllm_env: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = tmp_path_factory.mktemp("wide-model") / "model"
-    python = str(vllm_env / "bin" / "python")
-    return Path(run_script([python, "-c", WIDEN_MODEL, str(tiny_model), str(output)], 300))
+def plain_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny model without its chat template: vLLM refuses it chat requests,
+    the user case of --completions."""
+    model = tmp_path_factory.mktemp("plain-model") / "model"
+    shutil.copytree(tiny_model, model)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (model / name).unlink(missing_ok=True)
+    config = model / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    return model
 
 
 DRAFT_TOKENS = 3
@@ -147,7 +137,7 @@ def run_tune(command: list[str], env: dict[str, str]) -> subprocess.CompletedPro
 
 @pytest.fixture(scope="module")
 def tuned(
-    vllm_env: Path, wide_model: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_env: Path, plain_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, str], Path]:
     """One real `tune --write`: its result, its environment and the user config it wrote."""
     scratch = tmp_path_factory.mktemp("tune")
@@ -159,16 +149,15 @@ def tuned(
         "--vllm",
         str(vllm_env / "bin" / "vllm"),
         "tune",
-        "--benchmark",
-        "latency",
         "--write",
         "--rounds",
         str(ROUNDS),
         "--time-limit",
         str(TUNE_LIMIT_S),
-        *BENCH_SIZE,
+        *LOAD,
         "--",
-        *serve_command(wide_model),
+        *serve_command(plain_model),
+        "--enforce-eager",  # no compile at each start; no part of the record's scope
     ]
     result = run_tune(command, env)
     config = scratch / "config" / "vllm-cpu-launch" / "config.yaml"
@@ -179,14 +168,12 @@ def test_every_candidate_ran_every_round(
     tuned: tuple[subprocess.CompletedProcess[str], dict[str, str], Path],
 ) -> None:
     result, _, _ = tuned
-    progress = [line for line in result.stderr.splitlines() if ": run " in line]
+    said = result.stderr.splitlines()
+    progress = [line for line in said if ": start " in line and "(round " in line]
     assert len(progress) == 2 * ROUNDS, result.stderr
-    names = [line.split(" s over ")[0].split(")")[1].split(":")[0].strip() for line in progress]
+    names = [line.split(":")[1].split()[-1] for line in progress]
     assert names == ["libgomp", "libiomp5", "libiomp5", "libgomp"]
-    assert (
-        "not passed to vllm bench latency (serve-only options): --host 127.0.0.1 --port 8000"
-        in (result.stderr)
-    )
+    assert "replaced by tune's loopback port: --host 127.0.0.1 --port 8000" in result.stderr
     # The libiomp5 runs are the launcher's plan: vLLM's own libiomp5, in LD_PRELOAD (and,
     # on a host the benchmark map measured, tuned as it says: its reason in the line).
     plans = {
@@ -210,11 +197,15 @@ def test_the_table_has_both_candidates_and_a_result(
 ) -> None:
     result, _, _ = tuned
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("measured: vllm bench latency --model ")
-    assert lines[1].startswith("default:  libiomp5")
-    rows = {line.split()[0]: line.split() for line in lines if line.startswith("lib")}
+    assert lines[0].startswith("measured: vllm serve ") and lines[0].endswith(" --port PORT")
+    assert lines[1].endswith("16 tokens a request, sent as text to /v1/completions")
+    assert lines[2].startswith("default:  libiomp5")
+    assert "concurrency 1 (8 requests of 16 tokens a start)" in lines
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("  lib")}
     assert set(rows) == {"libgomp", "libiomp5"}
+    # Rounds, TPOT and tokens/s measured: the completions endpoint answered every request.
     assert all(row[2] == str(ROUNDS) and float(row[3]) > 0 for row in rows.values())
+    assert all(float(row[5]) > 0 for row in rows.values())
     assert rows["libgomp"][-1] == "1.00x"
     assert any(line.startswith("result: ") for line in lines)
     assert lines[-1].startswith("wrote: the tune record (iomp: ")
@@ -244,7 +235,7 @@ def preloaded_kinds(env: dict[str, str], vllm_env: Path, command: list[str]) -> 
 def test_a_later_dry_run_of_that_command_follows_the_record_and_no_other(
     tuned: tuple[subprocess.CompletedProcess[str], dict[str, str], Path],
     vllm_env: Path,
-    wide_model: Path,
+    plain_model: Path,
     tiny_model: Path,
 ) -> None:
     result, env, config = tuned
@@ -254,44 +245,39 @@ def test_a_later_dry_run_of_that_command_follows_the_record_and_no_other(
     assert isinstance(records, tuple) and len(records) == 1
     record: Tuned = records[0]
     assert record.rounds == ROUNDS and record.result in result.stdout
-    assert record.command.startswith(f"vllm bench latency --model {wide_model} ")
+    assert record.command.startswith(f"vllm serve {plain_model} ")
     cpus = len(os.sched_getaffinity(0))
-    assert record.scope == Scope(str(wide_model), "draft_model", DRAFT_TOKENS, "0.32.0", cpus)
-    same = dry_run(env, vllm_env, serve_command(wide_model))
+    assert record.scope == Scope(str(plain_model), "draft_model", DRAFT_TOKENS, "0.32.0", cpus)
+    same = dry_run(env, vllm_env, serve_command(plain_model))
     # SD gets Intel OpenMP whichever candidate won: a record that kept libgomp is read,
     # then not applied, and the note says why (docs/design.md, "Tune records").
-    assert "iomp" in preloaded_kinds(env, vllm_env, serve_command(wide_model))
-    assert f"note:        tune of {record.when} (model {wide_model}" in same
+    assert "iomp" in preloaded_kinds(env, vllm_env, serve_command(plain_model))
+    assert f"note:        tune of {record.when} (model {plain_model}" in same
     if record.iomp == "never":
         assert f"tune of {record.when} not applied after all: it kept libgomp" in same
         assert "(from tune " not in same
     else:
         assert f"(from tune {record.when}: {record.result})" in same
-    other = dry_run(env, vllm_env, serve_command(tiny_model, draft=wide_model))
+    other = dry_run(env, vllm_env, serve_command(tiny_model, draft=plain_model))
     assert "(from tune " not in other
-    assert "iomp" in preloaded_kinds(env, vllm_env, serve_command(tiny_model, draft=wide_model))
-    assert f"not applied: model {tiny_model}, not {wide_model}" in other
+    assert "iomp" in preloaded_kinds(env, vllm_env, serve_command(tiny_model, draft=plain_model))
+    assert f"not applied: model {tiny_model}, not {plain_model}" in other
 
 
-def test_bench_translation_agrees_with_vllms_parsers(vllm_env: Path) -> None:
-    serve = [
-        *serve_command(Path("/models/m")),
-        "--served-model-name",
-        "tiny",
-        "--api-key",
-        "k1",
-        "--max-model-len",
-        "512",
-        "--enable-log-requests",
-        "--uvicorn-log-level=debug",
-        "-tp",
-        "1",
+def test_the_connection_options_and_the_clients_agree_with_vllms_parsers(
+    vllm_env: Path,
+) -> None:
+    serve = [*serve_command(Path("/models/m")), "--served-model-name", "tiny", "--api-key", "k"]
+    clients = [
+        client_command([], serve, load, "http://127.0.0.1:1", "/p.json", 1, "/r/c1.json")
+        for load in (
+            Load((1,), "/p.jsonl", ("a b c d",), None, 16, completions=False),
+            Load((1,), "/p.jsonl", ("a b c d",), None, 16, completions=True),
+        )
     ]
-    bench = {key: default for key, default in BENCH_OPTIONS.values()}
-    arguments, _ = bench_arguments(serve, bench, "/tmp/latency.json")
     result = subprocess.run(
         [str(vllm_env / "bin" / "python"), "-c", PARSERS],
-        input=json.dumps({"serve": serve[1:], "bench": arguments[2:]}),
+        input=json.dumps([argv[2:] for argv in clients]),  # after `bench serve`
         capture_output=True,
         text=True,
         timeout=300,
@@ -300,9 +286,8 @@ def test_bench_translation_agrees_with_vllms_parsers(vllm_env: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
-    # --config is no parser option of either: FlexibleArgumentParser expands it for both.
-    expected = {name: arity for name, arity in parsed["serve_only"].items() if name != "--config"}
-    assert expected == SERVE_ONLY
-    assert parsed["model_tag"] == parsed["bench_model"] == "/models/m"
-    # serve keeps the model as model_tag; the benchmark turns prefix caching off itself.
-    assert parsed["differ"] == ["enable_prefix_caching", "model"]
+    assert parsed["connection"] == CONNECTION_OPTIONS
+    assert parsed["clients"] == [
+        ["openai-chat", "/v1/chat/completions", "sharegpt", "/models/m", "tiny", True],
+        ["openai", "/v1/completions", "sharegpt", "/models/m", "tiny", True],
+    ]

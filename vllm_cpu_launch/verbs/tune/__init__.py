@@ -19,18 +19,15 @@ from vllm_cpu_launch.cli import (
     plan_from_options,
     write_stdout,
 )
-from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.command import (
-    BENCH_OPTIONS,
     SHIPPED_PROMPTS,
     Load,
-    bench_arguments,
     check_prompts,
-    check_vocabulary,
+    check_serve,
     parse_concurrencies,
     server_arguments,
 )
@@ -42,7 +39,6 @@ from vllm_cpu_launch.verbs.tune.contest import (
     Contender,
     Outcome,
     besides_runtime,
-    latency_contest,
     serving_contest,
 )
 
@@ -60,17 +56,13 @@ the KMP_BLOCKTIME the launcher plans; LLVM's libomp where that is the runtime fo
 started through the plan the launcher would use. KMP_BLOCKTIME is not varied: vLLM's
 workers set their own (5) when they see libiomp5, unless VLLM_CPU_OMP_THREADS_BIND=nobind.
 
---benchmark serve (the default): your `serve MODEL ARGS` itself, on a loopback port of
-tune's own (your --host, --port, --uds, --api-key, --root-path and --ssl-* are replaced),
-one start per candidate a round, driven by vLLM's client (`vllm bench serve`, greedy
-chat requests, every one --output-len tokens) at each --concurrency in turn, on the
-shipped prompts or yours (a model without a chat template needs --benchmark latency).
-Per concurrency the table gives each candidate's mean time per output token (TPOT:
-median over the rounds and range), output tokens/s, the drafts accepted (vLLM's /metrics)
-and speed against libgomp.
---benchmark latency: `vllm bench latency --model MODEL ARGS` (batch only, no port; its
-prompts are random token ids, on which ngram drafts almost nothing). Serve-only options of
-vLLM 0.32 are not passed to it and are listed; a --config file is passed as it is.
+Your `serve MODEL ARGS` itself runs on a loopback port of tune's own (your --host, --port,
+--uds, --api-key, --root-path and --ssl-* are replaced), one start per candidate a round,
+driven by vLLM's client (`vllm bench serve`, greedy chat requests, every one --output-len
+tokens) at each --concurrency in turn, on the shipped prompts or yours. A model without a
+chat template cannot answer chat requests: give it --completions. Per concurrency the
+table gives each candidate's mean time per output token (TPOT: median over the rounds and
+range), output tokens/s, the drafts accepted (vLLM's /metrics) and speed against libgomp.
 
 Rule: each round runs both candidates back to back, so a round is a pair. A candidate
 wins when it ran faster in every round, with 3 rounds or more; with 2 rounds, its median
@@ -97,7 +89,6 @@ goes to stderr; the tables and the result to stdout.
                          after it, one still going then is stopped, and the rounds done
                          are used
   --output-len N         output tokens per request (default 128)
-Serving (--benchmark serve):
   --concurrency LIST     concurrent requests, measured in turn on each start (default 1,4;
                          1,4,8 with 8 usable CPUs or more)
   --prompts FILE         your prompts, as vLLM's custom dataset: JSON lines, each
@@ -105,12 +96,9 @@ Serving (--benchmark serve):
                          quote or edit their text, where ngram drafts, half open-ended)
   --num-prompts N        requests at each concurrency (default 4 per concurrent request,
                          at least 8)
-Latency (--benchmark latency):
-  --batch-size N  --input-len N  --num-iters N  --num-iters-warmup N
-                         passed to vllm bench latency (defaults 1, 64, 5, 1; the warm-up
-                         may be 0); its prompt ids are below 10000, so a model whose
-                         config.json has a smaller vocab_size is refused before anything
-                         runs
+  --completions          send each prompt as it is to /v1/completions, not as a chat
+                         request: for a model without a chat template (or to measure
+                         without the template)
 Launcher options (--vllm, --iomp-path, --tcmalloc, --kmp-blocktime, --strict, -q, -v,
 --launcher-config) apply to every candidate; --iomp is what tune varies.
 Exit codes: 0 measured (whatever won), 1 the time limit ended it before every candidate
@@ -119,33 +107,23 @@ log), 2 usage or config error, 3 libiomp5 not found, 126/127 vLLM not startable;
 benchmark run or server that fails ends the tune with vLLM's exit code (its log is kept).
 """
 
-SERVING_ONLY = {
-    "--concurrency": "concurrency",
-    "--prompts": "prompts",
-    "--num-prompts": "num_prompts",
-}
-LATENCY_ONLY = {option: key for option, (key, _) in BENCH_OPTIONS.items() if key != "output_len"}
-TUNE_VALUED = {"--rounds": "rounds", "--time-limit": "time_limit", "--benchmark": "benchmark"}
-TUNE_VALUED |= {**SERVING_ONLY, **{option: key for option, (key, _) in BENCH_OPTIONS.items()}}
-# --benchmark -> the other one, whose options it refuses.
-BENCHMARKS = {"serve": ("latency", LATENCY_ONLY), "latency": ("serve", SERVING_ONLY)}
-# vLLM runs no warm-up iteration at 0 (range(args.num_iters_warmup), latency.py 0.32).
-BENCH_LEAST = {"num_iters_warmup": 0}
+TUNE_KEYS = ("rounds", "time_limit", "output_len", "concurrency", "prompts", "num_prompts")
+TUNE_VALUED = {"--" + key.replace("_", "-"): key for key in TUNE_KEYS}
+TUNE_FLAGS = {"--write": "write", "--completions": "completions"}
 DEFAULT_ROUNDS = 3
+DEFAULT_OUTPUT_LEN = 128
 DEFAULT_TIME_LIMIT_S = 1800.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-def positive(value: object, option: str, whole: bool, least: float = 1) -> float:
-    """A number of at least `least` (whole) or above 0 (seconds), else a usage error."""
+def positive(value: object, option: str, whole: bool) -> float:
+    """A positive whole number or number of seconds, else a usage error."""
     try:
         number = int(str(value)) if whole else float(str(value))
     except ValueError:
         number = -1
-    if not (number >= least if whole else number > 0) or number == float("inf"):
-        kind = "a positive number of seconds"
-        if whole:
-            kind = "a whole number, 0 or more" if least == 0 else "a positive whole number"
+    if not number > 0 or number == float("inf"):
+        kind = "a positive whole number" if whole else "a positive number of seconds"
         raise LaunchError(EXIT_USAGE, f"{option} {value!r}: needs {kind}")
     return number
 
@@ -179,7 +157,7 @@ def inherited(plan: Plan) -> str:
 def main(values: dict[str, object], args: list[str]) -> int:
     """Every input a run would fail on is checked before the first vLLM start."""
     valued = {**VALUED_OPTIONS, **TUNE_VALUED}
-    more, serve = parse_options(args, valued, {**FLAG_OPTIONS, "--write": "write"}, verb="tune")
+    more, serve = parse_options(args, valued, {**FLAG_OPTIONS, **TUNE_FLAGS}, verb="tune")
     merged = {**values, **more}
     if merged.get("help"):
         write_stdout(USAGE.rstrip())
@@ -189,10 +167,6 @@ def main(values: dict[str, object], args: list[str]) -> int:
             raise LaunchError(EXIT_USAGE, f"tune does not take {option}: it measures --iomp itself")
     rounds = int(positive(merged.get("rounds", DEFAULT_ROUNDS), "--rounds", whole=True))
     limit_s = positive(merged.get("time_limit", DEFAULT_TIME_LIMIT_S), "--time-limit", whole=False)
-    bench = {
-        key: int(positive(merged.get(key, default), option, True, BENCH_LEAST.get(key, 1)))
-        for option, (key, default) in BENCH_OPTIONS.items()
-    }
     explicit = merged.get("config") or os.environ.get(CONFIG_VARIABLE)
     write_to = str(explicit) if explicit else user_config_path(os.environ)
     if not merged.get("write"):
@@ -203,12 +177,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
         )
     if explicit and not os.path.exists(str(explicit)):
         merged["config"] = os.devnull  # --write makes it; until then it holds nothing
-    bench_arguments(serve, bench, "")  # usage errors before anything is made
-    load = load_of(merged, bench["output_len"])
-    if load is None:
-        check_vocabulary(model_of(serve))
-    else:
-        server_arguments(serve, 0)  # refuses --headless
+    check_serve(serve)
+    load = load_of(merged)
+    server_arguments(serve, 0)  # refuses --headless
     if write_to:
         check_writable(write_to)
     workdir = tempfile.mkdtemp(prefix="vllm-cpu-launch-tune-")
@@ -217,7 +188,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
     previous = {number: signal.signal(number, stop) for number in STOP_SIGNALS}
     keep = False
     try:
-        measure(merged, serve, bench, load, rounds, limit_s, write_to, workdir)
+        measure(merged, serve, load, rounds, limit_s, write_to, workdir)
     except LaunchError as error:
         keep = error.subject == workdir  # a failed run keeps its logs; nothing else does
         raise
@@ -229,28 +200,16 @@ def main(values: dict[str, object], args: list[str]) -> int:
     return 0
 
 
-def load_of(merged: Mapping[str, object], output_len: int) -> Load | None:
-    """What the serving benchmark sends (None: --benchmark latency), its options checked;
-    an option of the other benchmark is a usage error, not ignored."""
-    given = str(merged.get("benchmark", "serve"))
-    if given not in BENCHMARKS:
-        raise LaunchError(EXIT_USAGE, f"--benchmark {given!r}: use serve (the default) or latency")
-    theirs, options = BENCHMARKS[given]
-    foreign = [option for option, key in options.items() if key in merged]
-    if foreign:
-        raise LaunchError(
-            EXIT_USAGE,
-            f"{foreign[0]} is --benchmark {theirs}'s option, not {given}'s: "
-            f"add --benchmark {theirs} or leave it out",
-        )
-    if given == "latency":
-        return None
+def load_of(merged: Mapping[str, object]) -> Load:
+    """What the client sends, its options checked."""
+    output_len = int(positive(merged.get("output_len", DEFAULT_OUTPUT_LEN), "--output-len", True))
     usual = "1,4,8" if len(os.sched_getaffinity(0)) >= 8 else "1,4"
     concurrencies = parse_concurrencies(merged.get("concurrency", usual))
     prompts, texts = check_prompts(str(merged.get("prompts", SHIPPED_PROMPTS)))
     number = merged.get("num_prompts")
     count = None if number is None else int(positive(number, "--num-prompts", whole=True))
-    return Load(concurrencies, prompts, texts, count, output_len)
+    completions = bool(merged.get("completions"))
+    return Load(concurrencies, prompts, texts, count, output_len, completions)
 
 
 def stop(number: int, _frame: object) -> None:
@@ -260,42 +219,33 @@ def stop(number: int, _frame: object) -> None:
 def measure(
     merged: dict[str, object],
     serve: Sequence[str],
-    bench: Mapping[str, int],
-    load: Load | None,
+    load: Load,
     rounds: int,
     limit_s: float,
     write_to: str | None,
     workdir: str,
 ) -> None:
-    """Plan, run the rounds, print the tables, write with --write: one path for both
-    benchmarks, so that they report alike."""
-    if load is None:
-        arguments, dropped = bench_arguments(serve, bench, os.path.join(workdir, "latency.json"))
-        shown = shlex.join(["vllm", *arguments[: arguments.index("--output-json")]])
-        note, each, clients = "not passed to vllm bench latency (serve-only options)", "", []
-    else:
-        arguments, dropped = server_arguments(serve, 0)
-        shown = shlex.join(["vllm", *arguments[:-1], "PORT"])
-        note = "replaced by tune's loopback port"
-        each = f", each start at concurrency {','.join(str(c) for c in load.concurrencies)}"
-        clients = [
-            f"clients:  vllm bench serve on {load.prompts}, {load.output_len} tokens a request"
-        ]
+    """Plan, run the rounds, print the tables, write with --write."""
+    arguments, dropped = server_arguments(serve, 0)
+    shown = shlex.join(["vllm", *arguments[:-1], "PORT"])
+    each = ",".join(str(c) for c in load.concurrencies)
+    sent = "as text to /v1/completions" if load.completions else "as chat requests"
     plans, auto = contender_plans(merged, arguments)
     default = IOMP if any(p.kind == "iomp" for p in auto.preload) else GOMP
     say = announce(plans, bool(merged.get("quiet")))
     if dropped:
-        say(f"{note}: {shlex.join(dropped)}")
-    say(f"measuring {len(plans)} candidates x {rounds} rounds{each}: {shown} (logs in {workdir})")
-    if load is None:
-        contest = latency_contest(plans, default, rounds, limit_s, workdir, bench["num_iters"], say)
-    else:
-        contest = serving_contest(merged, serve, load, default, rounds, limit_s, workdir, say)
+        say(f"replaced by tune's loopback port: {shlex.join(dropped)}")
+    say(
+        f"measuring {len(plans)} candidates x {rounds} rounds, each start at concurrency "
+        f"{each}: {shown} (logs in {workdir})"
+    )
+    contest = serving_contest(merged, serve, load, default, rounds, limit_s, workdir, say)
     outcome, tables, done, at_load = contest
     envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
     lines = [
         f"measured: {shown}",
-        *clients,
+        f"clients:  vllm bench serve on {load.prompts}, {load.output_len} tokens a request, "
+        f"sent {sent}",
         f"default:  {default.name} (what --iomp auto plans for this command)",
         *tables,
         besides_runtime(envs, inherited(plans[default])),

