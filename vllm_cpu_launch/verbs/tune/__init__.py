@@ -60,7 +60,7 @@ Your `serve MODEL ARGS` itself runs on a loopback port of tune's own (your --hos
 --uds, --api-key, --root-path and --ssl-* are replaced), one start per candidate a round,
 driven by vLLM's client (`vllm bench serve`, greedy chat requests, every one --output-len
 tokens) at each --concurrency in turn, on the shipped prompts or yours. A model without a
-chat template cannot answer chat requests: give it --completions. Per concurrency the
+chat template (vLLM refuses it chat requests) takes --completions. Per concurrency the
 table gives each candidate's mean time per output token (TPOT: median over the rounds and
 range), output tokens/s, the drafts accepted (vLLM's /metrics) and speed against libgomp.
 
