@@ -28,7 +28,7 @@ from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.command import SpeculativeRequest, detect
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.gather import Facts, gather, support
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library, Planner
 from vllm_cpu_launch.libraries import (
     Candidate,
     CandidateVerdict,
@@ -574,7 +574,7 @@ def facts(
         host,
         True,
         True,
-        "launcher",
+        Planner.LAUNCHER,
         frozenset(),
         (),
         {},

@@ -24,6 +24,7 @@ from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.inside import DIRECTORY_PREFIX
 from vllm_cpu_launch.plan import why
 from vllm_cpu_launch.settings import (
+    Given,
     Mode,
     Scope,
     Settings,
@@ -260,7 +261,9 @@ def test_a_record_applies_only_where_it_was_measured(
     assert note.startswith("tune of 2026-12-01T10:02Z (model /models/m, SD method ngram, ")
     assert note.endswith("; c.yaml) applied") if applied else str(why_not) in note
     # An option or a variable wins over a matching record, and says so.
-    given, notes = choose(Settings(iomp=Mode.ALWAYS, iomp_from="option", tuned=(record,)), launch)
+    given, notes = choose(
+        Settings(iomp=Mode.ALWAYS, iomp_from=Given.OPTION, tuned=(record,)), launch
+    )
     assert given is None and len(notes) == 1
 
 

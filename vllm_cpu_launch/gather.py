@@ -12,8 +12,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import model_of
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
-from vllm_cpu_launch.handoff import IOMP_MACHINES, LAUNCHER, LLVM_OPT_IN_MACHINES, Library
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
+from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES, Library, Planner
 from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, Finding, examine_entry, find_library
 from vllm_cpu_launch.settings import Mode, choose, launch_scope
 from vllm_cpu_launch.target import site_packages
@@ -33,10 +33,19 @@ V1_SD_REFUSED = (0, 9, 1)  # from here until WINDOW[0], the CPU model runner ref
 RELEASES_DOC = "docs/releases.md"
 
 
+class ReleaseStatus(StrEnum):
+    """Where the installed vLLM release stands against the releases the plan was read for."""
+
+    WINDOW = "window"
+    OLDER = "older"
+    NEWER = "newer"
+    UNKNOWN = "unknown"  # no dist-info names one
+
+
 @record
 class Support:
     release: str | None  # as installed ("0.32.0"), None when no dist-info names one
-    status: str  # "window", "older", "newer" or "unknown"
+    status: ReleaseStatus
     note: str
 
 
@@ -77,7 +86,9 @@ def dist_infos(directory: str) -> list[tuple[str, str]]:
 
 def support(release: str | None) -> Support:
     if release is None:
-        return Support(None, "unknown", "no installed vLLM release found to check against")
+        return Support(
+            None, ReleaseStatus.UNKNOWN, "no installed vLLM release found to check against"
+        )
     key = version_key(release)
     if key[:2] < WINDOW[0]:
         why = (
@@ -86,14 +97,15 @@ def support(release: str | None) -> Support:
             else "it runs speculative decoding on CPU only on its old V0 engine"
         )
         note = f"vLLM {release} is older than {FIRST}: {why} ({RELEASES_DOC})"
-        return Support(release, "older", note)
+        return Support(release, ReleaseStatus.OLDER, note)
     if key[:2] > WINDOW[1]:
         note = (
             f"vLLM {release} is newer than the releases read ({FIRST} to {LAST}): the plan "
             f"follows {LAST}, not checked against this one ({RELEASES_DOC})"
         )
-        return Support(release, "newer", note)
-    return Support(release, "window", f"vLLM {release}: in the releases read ({FIRST} to {LAST})")
+        return Support(release, ReleaseStatus.NEWER, note)
+    read = f"vLLM {release}: in the releases read ({FIRST} to {LAST})"
+    return Support(release, ReleaseStatus.WINDOW, read)
 
 
 PYTHONPATH = "PYTHONPATH"
@@ -195,7 +207,7 @@ class Facts:
     host: Host
     auto_iomp: bool  # what `--iomp auto` means here: SD requested (vLLM) or always (exec)
     one_worker: bool
-    planner: str
+    planner: Planner
     trusted: frozenset[int]  # uids besides root whose files may be preloaded
     target_problems: tuple[tuple[str, str], ...]  # (text, fix) of the target's own trust
     explicit: Mapping[str, Search]  # --iomp-path / --tcmalloc-path, validated
@@ -263,7 +275,11 @@ def mode_of(facts: Facts) -> Mode:
 def searches(facts: Facts) -> tuple[Search | None, Search | None]:
     """The searches for an OpenMP runtime and for tcmalloc, made where each may be wanted."""
     settings, host, mode = facts.settings, facts.host, mode_of(facts)
-    older = facts.speculative.requested and facts.release.status == "older" and mode == Mode.AUTO
+    older = (
+        facts.speculative.requested
+        and facts.release.status == ReleaseStatus.OLDER
+        and mode == Mode.AUTO
+    )
     runtime = (mode == Mode.ALWAYS and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
         mode == Mode.AUTO and facts.auto_iomp and host.machine in IOMP_MACHINES and not older
     )
@@ -288,7 +304,7 @@ def gather(
     auto_iomp: bool,
     *,
     one_worker: bool,
-    planner: str = LAUNCHER,
+    planner: Planner = Planner.LAUNCHER,
     model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:

@@ -68,7 +68,15 @@ def vllm_reads(ld_preload: str) -> frozenset[Library]:
 # `verify` why libgomp is loaded. Its value is who planned, alone where the plan keeps
 # libgomp by the user's word (`iomp: never`), else with one of the suffixes below.
 PLANNED_VARIABLE = "VLLMCPULAUNCH_PLANNED"
-LAUNCHER, PLUGIN = "launcher", "plugin"  # who planned
+
+
+class Planner(enum.Enum):
+    """Who planned: the mark's value, before a suffix."""
+
+    LAUNCHER = "launcher"
+    PLUGIN = "plugin"
+
+
 # libgomp kept because no usable Intel OpenMP was found: `verify` does not count it chosen.
 NOT_FOUND_MARK = ":not-found"
 # The launcher hands over an LD_PRELOAD naming a runtime: the plugin, which plans a front

@@ -6,17 +6,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
-from vllm_cpu_launch.gather import PYTHONPATH, Alias, effective_tune, mode_of, pythonpath_with
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
+from vllm_cpu_launch.gather import (
+    PYTHONPATH,
+    Alias,
+    ReleaseStatus,
+    effective_tune,
+    mode_of,
+    pythonpath_with,
+)
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
-    LAUNCHER,
     LD_PRELOAD,
     LLVM_OPT_IN_MACHINES,
     NOT_FOUND_MARK,
     PLANNED_VARIABLE,
     STARTED_MARK,
     Library,
+    Planner,
     vllm_reads,
 )
 from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, CandidateVerdict, Origin
@@ -25,6 +32,7 @@ from vllm_cpu_launch.rules import (
     BLOCKTIME_VARIABLE,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
+    Allocator,
     Setting,
     Start,
     bound_worker_overrides,
@@ -50,6 +58,13 @@ if TYPE_CHECKING:
 DEFAULT_KMP_BLOCKTIME = "5"
 
 
+class MachineGate(StrEnum):
+    """What the host's architecture does to the runtime the plan wants."""
+
+    OPT_IN = "opt-in"  # --iomp always where LLVM's libomp is the one KMP runtime built
+    OFF = "off"  # no Intel OpenMP for this architecture
+
+
 @record
 class Decision:
     """What the stages decided so far; each stage returns a new one."""
@@ -58,8 +73,8 @@ class Decision:
     tuned: Tuned | None = None  # the tune record applied
     tune_dropped: bool = False  # a tune that kept libgomp, not applied to SD
     wants_iomp: bool = False
-    release_gate: str | None = None  # the release's status where it decides ("older")
-    machine_gate: str | None = None  # "opt-in": --iomp always where LLVM's is; "off"
+    release_gate: ReleaseStatus | None = None  # the release's status where it decides
+    machine_gate: MachineGate | None = None
     yours: tuple[str, ...] = ()  # the caller's OpenMP runtime entries
     allocators: tuple[str, ...] = ()  # the caller's malloc entries (tcmalloc or other)
     other_malloc: tuple[str, ...] = ()  # those that are no tcmalloc
@@ -101,11 +116,11 @@ def mode_stage(facts: Facts, decision: Decision) -> Decision:
 def release_gate(facts: Facts, decision: Decision) -> Decision:
     """For SD, an older vLLM than the window starts unchanged under --iomp auto."""
     status = facts.release.status
-    if not facts.speculative.requested or status not in ("older", "newer"):
+    if not facts.speculative.requested or status not in (ReleaseStatus.OLDER, ReleaseStatus.NEWER):
         return decision
-    if status == "older" and decision.mode != Mode.AUTO:
+    if status == ReleaseStatus.OLDER and decision.mode != Mode.AUTO:
         return decision
-    wants = decision.wants_iomp and status != "older"
+    wants = decision.wants_iomp and status != ReleaseStatus.OLDER
     return replace(decision, release_gate=status, wants_iomp=wants)
 
 
@@ -113,9 +128,9 @@ def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP one built."""
     machine, wants = facts.host.machine, decision.wants_iomp
     if wants and machine in LLVM_OPT_IN_MACHINES and decision.mode == Mode.ALWAYS:
-        return replace(decision, machine_gate="opt-in")
+        return replace(decision, machine_gate=MachineGate.OPT_IN)
     if wants and machine not in IOMP_MACHINES:
-        return replace(decision, machine_gate="off", wants_iomp=False)
+        return replace(decision, machine_gate=MachineGate.OFF, wants_iomp=False)
     return decision
 
 
@@ -139,7 +154,8 @@ def start_of(facts: Facts) -> Start:
     """The one start the plan's stages, `rules serve ...` and doctor's advice match against."""
     callers = callers_stage(facts, Decision())
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
-    theirs = "other" if callers.other_malloc else "tcmalloc" if callers.allocators else None
+    tcmalloc = Allocator.TCMALLOC if callers.allocators else None
+    theirs = Allocator.OTHER if callers.other_malloc else tcmalloc
     return Start(
         facts.host.machine,
         facts.host.cpus,
@@ -295,9 +311,11 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     never, sd = decision.mode == Mode.NEVER, facts.speculative.requested
     mark = None
     if decision.iomp is None and (never or (sd and not decision.yours)):  # libgomp kept
-        mark = planner if never or not decision.iomp_missing else planner + NOT_FOUND_MARK
-    elif planner == LAUNCHER and vllm_reads(env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))):
-        mark = planner + STARTED_MARK
+        mark = planner.value + ("" if never or not decision.iomp_missing else NOT_FOUND_MARK)
+    elif planner == Planner.LAUNCHER and vllm_reads(
+        env.get(LD_PRELOAD, environ.get(LD_PRELOAD, ""))
+    ):
+        mark = planner.value + STARTED_MARK
     if mark and not decision.refused and environ.get(PLANNED_VARIABLE) != mark:
         env[PLANNED_VARIABLE] = mark
     if facts.alias and not facts.alias_problem:
@@ -473,7 +491,7 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
 
 def missing_words(facts: Facts, decision: Decision) -> list[str]:
     """A wanted library not found: where it looked, and the fix (--strict: fatal)."""
-    refuses = facts.settings.strict and facts.planner == LAUNCHER
+    refuses = facts.settings.strict and facts.planner == Planner.LAUNCHER
     llvm = facts.host.machine in LLVM_OPT_IN_MACHINES
     said = []
     if decision.iomp_missing and not decision.broken and decision.iomp_search:
@@ -494,10 +512,10 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
     """(warnings, the target's unsafe problems, --strict's fatal messages), in order."""
     unsafe = [f"{text}; Fix: {fix}" if fix else text for text, fix in facts.target_problems]
     said = [*facts.settings.deprecated, *filter(None, [facts.speculative.note])]
-    if decision.release_gate != "older":  # an older vLLM refuses SD on CPU altogether
+    if decision.release_gate != ReleaseStatus.OLDER:  # an older vLLM refuses SD on CPU altogether
         said += facts.speculative.refusals
     said += [*filter(None, [facts.target.disagreement]), *unsafe]
-    if decision.machine_gate == "off" and decision.mode == Mode.ALWAYS:
+    if decision.machine_gate == MachineGate.OFF and decision.mode == Mode.ALWAYS:
         said.append(machine_words(facts.host.machine))
     if decision.yours and decision.mode == Mode.NEVER and not decision.wants_iomp:
         names = ", ".join(decision.yours)
@@ -532,7 +550,7 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
             f"not supplying vLLM's missing `vllm` metadata{where}: {problem}, so `vllm` may "
             f"fail with PackageNotFoundError{fix}"
         )
-    refuses = facts.settings.strict and facts.planner == LAUNCHER
+    refuses = facts.settings.strict and facts.planner == Planner.LAUNCHER
     return said, unsafe, missing if refuses else []
 
 
@@ -558,12 +576,12 @@ def notes_of(facts: Facts, decision: Decision) -> list[str]:
             "you set iomp: never"
         )
     machine = facts.host.machine
-    if decision.machine_gate == "opt-in":
+    if decision.machine_gate == MachineGate.OPT_IN:
         said.append(
             f"--iomp always on {machine}: LLVM's libomp, never measured on such a host "
             "(the runtimes map ran on x86-64)"
         )
-    elif decision.machine_gate == "off" and decision.mode != Mode.ALWAYS:
+    elif decision.machine_gate == MachineGate.OFF and decision.mode != Mode.ALWAYS:
         said.append(machine_words(machine))
     if decision.setting.note and decision.setting.rule is None:
         said.append(decision.setting.note)
@@ -590,9 +608,9 @@ def reason_of(facts: Facts, decision: Decision) -> str:
     release, iomp = facts.release, decision.iomp
     named = said_setting(facts.settings, "iomp")
     reasons = [why(decision.mode, facts.speculative, facts.auto_iomp, decision.tuned, named)]
-    if decision.release_gate == "older":
+    if decision.release_gate == ReleaseStatus.OLDER:
         reasons.append(f"{release.note}: starting it unchanged; --iomp always preloads anyway")
-    elif decision.release_gate == "newer":
+    elif decision.release_gate == ReleaseStatus.NEWER:
         reasons.append(release.note)
     if decision.yours and decision.wants_iomp:
         reasons.append("your LD_PRELOAD names an OpenMP runtime: kept as set, nothing added")

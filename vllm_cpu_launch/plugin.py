@@ -185,7 +185,7 @@ def plan_and_apply(vllm_config: Any) -> None:
         current_host(),
         speculative.requested,
         one_worker=one,
-        planner=handoff.PLUGIN,
+        planner=handoff.Planner.PLUGIN,
         model=model,
     )
     plan = plan_of(facts)

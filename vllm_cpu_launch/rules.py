@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.errors import record
+from vllm_cpu_launch.errors import StrEnum, record
 from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
 from vllm_cpu_launch.settings import Mode
 
@@ -30,6 +30,14 @@ REAL_MODEL = "SmolLM2-135M-Instruct"  # scripts/real_model.py makes it
 LLVM_ADDS = "LLVM's libomp, no Intel OpenMP being found"
 
 
+class Allocator(StrEnum):
+    """A malloc measured with, added, or in the caller's LD_PRELOAD."""
+
+    TCMALLOC = "tcmalloc"
+    OTHER = "other"  # another malloc (jemalloc, mimalloc): the caller's
+    NONE = "none"  # measured without one
+
+
 @record
 class Measured:
     """Where a rule was measured: every condition must hold on a start for it to apply."""
@@ -43,7 +51,7 @@ class Measured:
     bindings: tuple[str, ...] = ("",)  # VLLM_CPU_OMP_THREADS_BIND as measured ("": unset)
     # The caller's variables it needs unset ("KMP_BLOCKTIME": unset or the rule's value).
     unset: tuple[str, ...] = (RESERVED_VARIABLE, THREADS_VARIABLE, BLOCKTIME_VARIABLE)
-    allocator: str = "none"  # "tcmalloc": measured with one preloaded; "none": without
+    allocator: Allocator = Allocator.NONE  # measured with tcmalloc preloaded, or without
     within: tuple[str, ...] = ()  # a runtimes rule's: measured where one of these applies
 
 
@@ -77,7 +85,7 @@ class Rule:
     measured: Measured
     evidence: str  # the kept run's JSON file, from the repository's root
     variables: tuple[tuple[str, str], ...] = ()  # the variables it adds, if left unset
-    allocator: str | None = None  # the allocator it adds
+    allocator: Allocator | None = None  # the allocator it adds
     runtime: str | None = None  # the OpenMP runtime it lets stand in
     why: str = ""  # a non-rule's reason
     real: RealWeights | None = None  # None: not run on real weights (EAGLE: no trained head)
@@ -128,17 +136,17 @@ RULES = (
         f"tcmalloc, {BIND_VARIABLE}=nobind and {BLOCKTIME_VARIABLE}={NOBIND_BLOCKTIME}",
         (1.31, 1.51),
         METHODS_MAP,
-        Measured("eagle", 3, allocator="tcmalloc"),
+        Measured("eagle", 3, allocator=Allocator.TCMALLOC),
         METHODS_JSON,
         UNBOUND,
-        "tcmalloc",
+        Allocator.TCMALLOC,
     ),
     Rule(
         "methods-none-3",
         "nothing",
         (0.86, 1.45),
         METHODS_MAP,
-        Measured("draft_model", 3, allocator="tcmalloc"),
+        Measured("draft_model", 3, allocator=Allocator.TCMALLOC),
         METHODS_JSON,
         why="at 1 request its rounds ranged 0.86-1.45x",
     ),
@@ -148,7 +156,7 @@ RULES = (
         "nothing",
         (1.22, 1.41),
         METHODS_MAP,
-        Measured("draft_model", 7, allocator="tcmalloc"),
+        Measured("draft_model", 7, allocator=Allocator.TCMALLOC),
         METHODS_JSON,
         why=f"on {REAL_MODEL}'s real weights, drafting for itself (95 % of drafts accepted), "
         "its rounds ranged 1.00-1.26x (the first 0.999x), though a gain in every round with a "
@@ -321,7 +329,7 @@ class Start:
     chosen_blocktime: str | None = None  # --kmp-blocktime (option, variable or config)
     tcmalloc: Mode = Mode.AUTO  # the tcmalloc setting
     tcmalloc_found: bool = False  # a tcmalloc the settings let in was found
-    callers_allocator: str | None = None  # "tcmalloc" or "other": one in their LD_PRELOAD
+    callers_allocator: Allocator | None = None  # TCMALLOC or OTHER: one in their LD_PRELOAD
     vllm_found: bool = True  # False: no vLLM found (release None); True with None: unknown
     callers_runtime: str | None = None  # their LD_PRELOAD's OpenMP runtime: kept, alone
 
@@ -398,12 +406,14 @@ def setting_misses(where: Measured, start: Start) -> list[Miss]:
         said.append(Miss("bindings", f"your {BIND_VARIABLE}={binding or 'unset'}", why))
     said += [m for name in where.unset if (m := variable_miss(name, start))]
     theirs, tcmalloc = start.callers_allocator, start.tcmalloc
-    found = theirs == "tcmalloc" or (not theirs and tcmalloc != Mode.NEVER and start.tcmalloc_found)
-    if where.allocator == "none" and theirs:
+    found = theirs == Allocator.TCMALLOC or (
+        not theirs and tcmalloc != Mode.NEVER and start.tcmalloc_found
+    )
+    if where.allocator == Allocator.NONE and theirs:
         said.append(Miss("allocator", f"your LD_PRELOAD's {theirs} allocator", "measured without"))
-    elif where.allocator == "none" and tcmalloc == Mode.ALWAYS:
+    elif where.allocator == Allocator.NONE and tcmalloc == Mode.ALWAYS:
         said.append(Miss("allocator", "tcmalloc set to always", "measured without it"))
-    elif where.allocator == "tcmalloc" and not found:
+    elif where.allocator == Allocator.TCMALLOC and not found:
         said.append(Miss("allocator", "no tcmalloc to preload", "measured with one"))
     return said
 
@@ -463,7 +473,7 @@ def setting_rule(start: Start) -> Setting:
         chosen = {BLOCKTIME_VARIABLE: start.chosen_blocktime} if start.chosen_blocktime else {}
         mine = {**start.environ, **chosen}
         added = tuple((name, value) for name, value in rule.variables if not mine.get(name))
-        tcmalloc = rule.allocator == "tcmalloc"
+        tcmalloc = rule.allocator == Allocator.TCMALLOC
         return Setting(rule, f"{described(rule)} applied", added, tcmalloc, read=True)
     return Setting(None, f"{note}; libiomp5 as vLLM advises", read=True)
 

@@ -29,6 +29,15 @@ class Mode(StrEnum):
     NEVER = "never"
 
 
+class Given(StrEnum):
+    """Where --iomp's value came from: a matching tune record wins over CONFIG."""
+
+    OPTION = "option"
+    VARIABLE = "variable"
+    CONFIG = "config"
+    DEFAULT = "default"
+
+
 SYSTEM_CONFIG = "/etc/vllm-cpu-launch/config.yaml"
 CONFIG_VARIABLE = "VLLMCPULAUNCH_CONFIG"
 # Our variables were named VLLM_CPU_LAUNCH_* in 0.1: vLLM reports every VLLM_* variable
@@ -81,8 +90,7 @@ class Settings:
     strict: bool = False
     plugin: bool = True  # vLLM's plugin applies the plan (docs/design.md, "The plugin")
     config_files: tuple[str, ...] = ()  # the files that were read, for doctor and -v
-    # "option", "variable", "config" or "default": a matching tune record wins over "config".
-    iomp_from: str = "default"
+    iomp_from: Given = Given.DEFAULT
     tuned: tuple[Tuned, ...] = ()  # every tune record, the one with the highest precedence first
     deprecated: tuple[str, ...] = ()  # a warning for each VLLM_CPU_LAUNCH_* variable read
     sources: tuple[tuple[str, str], ...] = ()  # where each setting not its default came from
@@ -393,7 +401,7 @@ def load_settings(
     read: list[str] = []
     tuned: list[Tuned] = []
     sources: dict[str, str] = {}
-    iomp_from = "default"
+    iomp_from = Given.DEFAULT
     for path in (SYSTEM_CONFIG, explicit_config or user_config_path(environ)):
         if path is None or (path != explicit_config and not os.path.exists(path)):
             continue
@@ -403,7 +411,7 @@ def load_settings(
             tuned = [*file_tuned, *tuned]  # this file's take precedence over the ones before
             values.update(file_values)
             sources.update(dict.fromkeys(file_values, path))
-            iomp_from = "config" if "iomp" in file_values else iomp_from
+            iomp_from = Given.CONFIG if "iomp" in file_values else iomp_from
             read.append(path)
     for key, (option, variable, parse) in KEYS.items():
         named = variable
@@ -415,7 +423,7 @@ def load_settings(
                 values[key] = value
                 sources[key] = where
                 if key == "iomp":
-                    iomp_from = "variable" if layer is environ else "option"
+                    iomp_from = Given.VARIABLE if layer is environ else Given.OPTION
     return Settings(
         **values,  # type: ignore[arg-type]
         config_files=tuple(read),
@@ -511,7 +519,7 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
         if others:
             held = f"its iomp: {tuned.iomp} did not hold at every concurrency"
             missed.append(f"{held} ({', '.join(others)})")
-        elif not missed and settings.iomp_from in ("option", "variable"):
+        elif not missed and settings.iomp_from in (Given.OPTION, Given.VARIABLE):
             missed = [f"{said_setting(settings, 'iomp')} given, which wins"]
         if missed:
             notes.append(f"{tune_named(tuned, scope)} not applied: {'; '.join(missed)}")

@@ -90,9 +90,8 @@ def table_lines() -> list[str]:
         if where.within:
             measured.append(f"in the setting of {' or '.join(where.within)}")
         else:
-            measured.append(
-                "with tcmalloc" if where.allocator == "tcmalloc" else "without tcmalloc"
-            )
+            with_it = where.allocator == rules.Allocator.TCMALLOC
+            measured.append("with tcmalloc" if with_it else "without tcmalloc")
         real = f" ({REAL_MODEL}, {REAL_JSON})" if rule.real else ""
         load = f" ({LOAD_JSON})" if rule.load else ""
         adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"

@@ -520,7 +520,7 @@ def assemble(
     # A plan that keeps libgomp marks it (docs/design.md, "verify"). Only a bare mark is a
     # choice: NOT_FOUND_MARK kept libgomp for want of Intel OpenMP, STARTED_MARK kept none.
     marks = (one.environment.get(PLANNED_VARIABLE) for one in seen)
-    mark = next((mark for mark in marks if mark in (handoff.LAUNCHER, handoff.PLUGIN)), None)
+    mark = next((mark for mark in marks if mark in {p.value for p in handoff.Planner}), None)
     chosen = Choice("the plan", f"{PLANNED_VARIABLE}={mark}") if mark else users
     processes = []
     for one in seen:
