@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from vllm_cpu_launch.command import SpeculativeRequest
     from vllm_cpu_launch.gather import Facts
-    from vllm_cpu_launch.libraries import Candidate, PreloadEntry, Search
+    from vllm_cpu_launch.libraries import Candidate, Finding, PreloadEntry, Search
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Tuned
 
@@ -452,8 +452,11 @@ LOADER_SKIPS = (  # an LD_PRELOAD entry it cannot load
 
 
 def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str], list[str]]:
-    """The warnings on the caller's LD_PRELOAD: (a runtime of theirs that cannot be used;
-    a tcmalloc of theirs that cannot; any other entry that will not load)."""
+    """The warnings on the caller's LD_PRELOAD, each entry said once: (a runtime of theirs
+    that cannot be used; an entry a search examined and rejected; any other entry that will
+    not load, issue 31). An entry a search examined is said by it or not here (an unsafe
+    one is refused), one the plan drops as dropped."""
+    examined = [c for s in decision.searches for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     preloads = "the loader will preload it all the same"
     loaded = {entry: preloads for entry, found in facts.entries if found.reason is None}
     broken = [
@@ -464,29 +467,31 @@ def callers_words(facts: Facts, decision: Decision) -> tuple[list[str], list[str
         for c in decision.broken
         if not c.unsafe
     ]
-    callers = [c for s in decision.searches for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     rejected = [
         f"your LD_PRELOAD entry {c.path} stays as you set it, but it is no usable {c.kind} "
         f"library: {c.reason}"
-        for c in callers
+        for c in examined
         if c.verdict == CandidateVerdict.REJECTED
         and not c.unsafe
-        and not (c.kind == IOMP and c.path in decision.yours)
+        and not (c.kind == IOMP and c.path in decision.yours)  # broken
     ]
-    done = {c.path for c in callers} | set(decision.dropped)  # dropped: said as such
-    others = []
-    for entry, found in facts.entries:  # issue 31: the loader's way with the rest
-        if entry in done or not found.reason:  # unsafe: always with its reason
-            continue
+    said = {c.path for c in examined}.union(decision.dropped)
+    others = [entry_words(e, found) for e, found in facts.entries if found.reason and e not in said]
+    return broken, rejected, others
+
+
+def entry_words(entry: str, found: Finding) -> str:
+    """Another entry of the caller's that will not load as meant: unsafe, or unloadable."""
+    if found.unsafe:
         fix = f"; Fix: {found.fix}" if found.fix else ""
-        others.append(
+        return (
             f"your LD_PRELOAD entry {entry} is {found.reason}: the loader will preload it into "
             f"every vLLM process all the same; it stays as you set it{fix}"
-            if found.unsafe
-            else f"your LD_PRELOAD entry {entry} cannot be preloaded ({found.reason}): "
-            f"{LOADER_SKIPS.format(entry)}; it stays as you set it"
         )
-    return broken, rejected, others
+    return (
+        f"your LD_PRELOAD entry {entry} cannot be preloaded ({found.reason}): "
+        f"{LOADER_SKIPS.format(entry)}; it stays as you set it"
+    )
 
 
 def missing_words(facts: Facts, decision: Decision) -> list[str]:
