@@ -94,7 +94,7 @@ class Load:
     texts: tuple[str, ...]  # its prompts
     num_prompts: int | None  # per concurrency; None: PROMPTS_PER_STREAM each stream
     output_len: int
-    completions: bool  # plain text to /v1/completions, not chat requests
+    completions: bool = False  # plain text to /v1/completions, not chat requests
 
     def requests(self, concurrency: int) -> int:
         return self.num_prompts or max(MIN_PROMPTS, PROMPTS_PER_STREAM * concurrency)
