@@ -87,6 +87,21 @@ def test_the_client_asks_the_server_as_the_user_would_tokenize() -> None:
     assert words_after(chosen, "--num-prompts") == "5"
 
 
+def test_chat_requests_or_with_completions_the_text_as_it_is() -> None:
+    """Chat requests by default (the server applies the model's chat template); with
+    --completions, vLLM's completions backend, which applies none: a model without one."""
+    serve = ["serve", "/models/m", "-sc", NGRAM]
+    ends = {}
+    for completions in (False, True):
+        load = Load((1,), "/p/prompts.jsonl", ("say this back to me",), None, 64, completions)
+        argv = client_command(["vllm"], serve, load, "http://h:1", "/d.json", 1, "/r/c.json")
+        ends[completions] = (words_after(argv, "--backend"), words_after(argv, "--endpoint"))
+    assert ends == {
+        False: ("openai-chat", "/v1/chat/completions"),
+        True: ("openai", "/v1/completions"),
+    }
+
+
 @pytest.mark.parametrize(
     ("value", "levels"), [("1", (1,)), ("8,1,4,4", (1, 4, 8)), (" 2, 16", (2, 16))]
 )
