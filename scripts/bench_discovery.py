@@ -68,7 +68,7 @@ SCRUBBED = (
 WORKER = f"""\
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
-from vllm_cpu_launch.cli import plan_from_options
+from vllm_cpu_launch.launch import plan_from_options
 carried = os.environ.pop("{LIBRARY_PATH_CARRIER}", None)
 if carried is not None:
     os.environ["LD_LIBRARY_PATH"] = carried

@@ -1272,7 +1272,7 @@ def test_rules_serve_says_llvm_libomp_stands_in_and_by_which_rule(
     doctor's advice reads that plan as preloading a runtime by a rule. In this process
     (doctor needs psutil, which the base Python of the fresh-process tests lacks), with the
     host's places empty but for the vLLM environment."""
-    from vllm_cpu_launch.cli import launch_facts
+    from vllm_cpu_launch.launch import launch_facts
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import start_of
     from vllm_cpu_launch.settings import Settings

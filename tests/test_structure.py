@@ -1,6 +1,7 @@
 """The package's shape: no function over 60 lines (issue 29), plan_of at most 40, and
 each stage of the decision at most 50: what one reader holds in mind at once; and the
-package's weight, which issue 35 cut from 11,503 lines to 8,782."""
+package's weight, which issue 35 cut from 11,503 lines to 8,782; no import cycle among
+the package's modules (issue 47)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,57 @@ def test_the_package_keeps_the_weight_issue_35_cut() -> None:
     files = sorted(PACKAGE.rglob("*.py"))
     total = sum(len(path.read_text(encoding="utf-8").splitlines()) for path in files)
     assert total <= 8_819  # issue 45's additions paid for by doctor --measure's move (47)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(node: ast.Import | ast.ImportFrom, modules: set[str]) -> set[str]:
+    """The package's modules an import statement names (`from P import M`: M if a module)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names} & modules
+    assert node.level == 0, "the package imports by absolute names"
+    names = {f"{node.module}.{alias.name}" for alias in node.names}
+    return (names & modules) or ({node.module or ""} & modules)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> those it imports anywhere: at the top, inside a
+    function (lazy), or for the type checker alone."""
+    paths = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    modules = set(paths)
+    graph = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        statements = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        graph[name] = set().union(*(imported(n, modules) for n in statements)) - {name}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of the graph as its modules in order (the first repeated at the end), or []."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str]:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return []
+        for target in sorted(graph[name]):
+            found = visit(target, [*path, name])
+            if found:
+                return found
+        done.add(name)
+        return []
+
+    return next(filter(None, (visit(name, []) for name in sorted(graph))), [])
+
+
+def test_the_package_imports_in_no_circle() -> None:
+    """cli dispatches to the verbs, which stand on the launch core below both (issue 47:
+    cli was dispatcher and core at once, a circle of nine files)."""
+    graph = import_graph()
+    assert "vllm_cpu_launch.verbs.env" in graph["vllm_cpu_launch.cli"]  # the lazy dispatch
+    assert cycle_in(graph) == []

@@ -152,9 +152,9 @@ def remember() -> None:
 
 def plan_and_apply(vllm_config: Any) -> None:
     """The plan for this configuration's engine into os.environ, which its processes inherit."""
-    from vllm_cpu_launch.cli import current_host  # lazy: front end only
     from vllm_cpu_launch.errors import LaunchError  # lazy: front end only
     from vllm_cpu_launch.gather import gather  # lazy: front end only
+    from vllm_cpu_launch.launch import current_host  # lazy: front end only
     from vllm_cpu_launch.plan import plan_of  # lazy: front end only
     from vllm_cpu_launch.settings import load_settings  # lazy: front end only
     from vllm_cpu_launch.target import Target  # lazy: front end only

@@ -11,7 +11,7 @@ import json
 import shlex
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch import cli
+from vllm_cpu_launch import launch
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.plan import plan_as_json
 from vllm_cpu_launch.systemd_syntax import check_utf8, environment_file_line, printable
@@ -100,12 +100,12 @@ def render(plan: Plan, output_format: str) -> str:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    more, command = cli.parse_options(
-        args, {**cli.VALUED_OPTIONS, "--format": "format"}, cli.FLAG_OPTIONS, verb="env"
+    more, command = launch.parse_options(
+        args, {**launch.VALUED_OPTIONS, "--format": "format"}, launch.FLAG_OPTIONS, verb="env"
     )
     merged = {**values, **more}
     if merged.get("help"):
-        cli.write_stdout(USAGE.rstrip())
+        launch.write_stdout(USAGE.rstrip())
         return 0
     output_format = str(merged.get("format", "json" if merged.get("json") else "shell"))
     if output_format not in FORMATS:
@@ -121,9 +121,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "env needs the vLLM command line: vllm-cpu-launch env serve MODEL ..."
         )
-    plan = cli.plan_from_options(merged, command)
+    plan = launch.plan_from_options(merged, command)
     text = render(plan, output_format)
-    cli.report(plan, merged, unchanged="nothing to set")  # env starts nothing
-    cli.provide_metadata(plan)  # the PYTHONPATH printed names it: it must exist
-    cli.write_stdout(text)
+    launch.report(plan, merged, unchanged="nothing to set")  # env starts nothing
+    launch.provide_metadata(plan)  # the PYTHONPATH printed names it: it must exist
+    launch.write_stdout(text)
     return 0

@@ -1,7 +1,7 @@
 """`vllm-cpu-launch rules`: the measured rules, and which one a command gets here.
 
 A rule applies by rules.py's matcher, the plan's own, over the start a launch plans
-(cli.launch_facts, plan.start_of); with no vLLM installed, the vLLM condition fails.
+(launch.launch_facts, plan.start_of); with no vLLM installed, the vLLM condition fails.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from vllm_cpu_launch import cli, rules
+from vllm_cpu_launch import launch, rules
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
@@ -111,12 +111,12 @@ def command_start(
 ) -> tuple[rules.Start, str, SpeculativeRequest]:
     """The start the rules read for `command` (as a launch plans it), where its vLLM was
     found, and its SD request; without a vLLM, the host's and the caller's facts alone."""
-    settings = cli.launch_settings(values)
+    settings = launch.launch_settings(values)
     try:
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
     except LaunchError:
         target = None
-    facts = cli.launch_facts(settings, target or Target("", "none"), command)
+    facts = launch.launch_facts(settings, target or Target("", "none"), command)
     start = start_of(facts)
     if target is None:
         return replace(start, vllm_found=False), NO_VLLM, facts.speculative
@@ -189,10 +189,10 @@ def vllm_words(start: rules.Start, speculative: SpeculativeRequest, rule: str | 
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    more, command = cli.parse_options(args, verb="rules")
+    more, command = launch.parse_options(args, verb="rules")
     merged = {**values, **more}
     if merged.get("help"):
-        cli.write_stdout(USAGE.rstrip())
+        launch.write_stdout(USAGE.rstrip())
         return 0
     for key, option in (("dry_run", "--dry-run"), ("version", "--version")):
         if merged.get(key):
@@ -215,5 +215,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
         record.update(**matched, vllm=said)
         lines = command_lines(start, found, speculative.requested, matched)
         lines += [f"vLLM:     {w}" for w in said]
-    cli.write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
+    launch.write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0

@@ -7,7 +7,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, cast
 
-from vllm_cpu_launch import __version__, cli, systemd_syntax
+from vllm_cpu_launch import __version__, launch, systemd_syntax
 from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import (
     EXIT_NOT_EXECUTABLE,
@@ -117,7 +117,7 @@ def launcher_command() -> list[str]:
 def baked_options(values: dict[str, object], target: Target | None) -> list[str]:
     """The launcher options of ExecStart, with every path made absolute."""
     options: list[str] = []
-    for option, key in cli.VALUED_OPTIONS.items():
+    for option, key in launch.VALUED_OPTIONS.items():
         value = values.get(key)
         if key == "vllm" and target is not None and target.found_via != "launcher-environment":
             # The same vLLM as now, whether --vllm, a variable, a config file or PATH
@@ -188,7 +188,7 @@ def check_plan(
     """Plan now, to warn early about what the service will meet (`given`: the --env names):
     the target (None without one) and the files it will need (programs, environment, libraries)."""
     try:
-        settings, target, plan = cli.prepare_launch(values, arguments, program)
+        settings, target, plan = launch.prepare_launch(values, arguments, program)
     except LaunchError as error:
         if error.code not in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
             raise
@@ -269,11 +269,11 @@ def check_names(values: dict[str, object]) -> None:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    valued = {**cli.VALUED_OPTIONS, **UNIT_OPTIONS, "--env": "unit_env"}
-    more, rest = cli.parse_options(args, valued, repeatable=("unit_env",), verb="systemd-unit")
+    valued = {**launch.VALUED_OPTIONS, **UNIT_OPTIONS, "--env": "unit_env"}
+    more, rest = launch.parse_options(args, valued, repeatable=("unit_env",), verb="systemd-unit")
     merged = {**values, **more}
     if merged.get("help"):
-        cli.write_stdout(USAGE.rstrip())
+        launch.write_stdout(USAGE.rstrip())
         return 0
     for key, option in (("dry_run", "--dry-run"), ("json", "--json"), ("version", "--version")):
         if merged.get(key):
@@ -296,7 +296,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
                 "to systemd-unit or put it in /etc/vllm-cpu-launch/config.yaml",
             )
     if rest[0] == "exec":
-        exec_options, program_argv = cli.parse_options(rest[1:], verb="systemd-unit")
+        exec_options, program_argv = launch.parse_options(rest[1:], verb="systemd-unit")
         if not program_argv:
             raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
         merged.update(exec_options)
@@ -317,5 +317,5 @@ def main(values: dict[str, object], args: list[str]) -> int:
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
         needed += [model] if model and os.path.isabs(model) else []
         command, arguments = baked_options(merged, target), rest
-    cli.write_stdout(render_unit(merged, environment, command, arguments, description, needed))
+    launch.write_stdout(render_unit(merged, environment, command, arguments, description, needed))
     return 0

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import psutil
 
 from vllm_cpu_launch import handoff, settings
-from vllm_cpu_launch.cli import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.command import SpeculativeRequest, detect, listen_address
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, vllm_reads
+from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
 from vllm_cpu_launch.trust import identify

@@ -15,7 +15,7 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch import __version__, cli, gather, rules
+from vllm_cpu_launch import __version__, gather, launch, rules
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.handoff import (
@@ -228,7 +228,7 @@ def settings_section(settings: Settings, error: str | None, here: Scope) -> dict
     return {
         "files": list(settings.config_files),
         "error": error,
-        "values": {key: getattr(settings, key) for key in (*cli.SETTING_KEYS, "strict")},
+        "values": {key: getattr(settings, key) for key in (*launch.SETTING_KEYS, "strict")},
         "iomp_from": settings.iomp_from,
         "tuned": [tune_record(tuned, here) for tuned in settings.tuned],
     }
@@ -263,10 +263,10 @@ def sd_probe(settings: Settings, target: Target | None, host: Host) -> SdProbe:
     if target is None:
         return SdProbe(measured=False, iomp=None)
     try:
-        facts = cli.launch_facts(settings, target, SD_PROBE, host=host)
+        facts = launch.launch_facts(settings, target, SD_PROBE, host=host)
     except LaunchError:
         plain = replace(settings, iomp_path=None, tcmalloc_path=None)
-        start = start_of(cli.launch_facts(plain, target, SD_PROBE, host=host))
+        start = start_of(launch.launch_facts(plain, target, SD_PROBE, host=host))
         return SdProbe(measured=rules.measured_host(start), iomp=None)
     measured = rules.measured_host(start_of(facts))
     try:
@@ -512,7 +512,7 @@ def preload_section(preload: Sequence[PreloadEntry]) -> list[dict[str, str]]:
 
 
 def build_report(values: dict[str, object], environ: Mapping[str, str]) -> dict[str, Any]:
-    options = {key: values[key] for key in (*cli.SETTING_KEYS, "config") if key in values}
+    options = {key: values[key] for key in (*launch.SETTING_KEYS, "config") if key in values}
     errors: list[str] = []  # a broken layer is left out; the others still apply
     settings = load_settings(options, environ, errors)
     target: Target | None = None
@@ -521,7 +521,7 @@ def build_report(values: dict[str, object], environ: Mapping[str, str]) -> dict[
         target = resolve_vllm(settings.vllm, environ, sys.executable)
     except LaunchError as error:
         target_error = error
-    host = cli.current_host()
+    host = launch.current_host()
     trusted, unsafe = gather.target_trust(target, host.euid) if target else (frozenset[int](), [])
     release = gather.target_release(target)  # the release the plan follows, read once
     here = Scope(vllm=release, cpus=host.cpus or None)
@@ -670,10 +670,10 @@ def doctor_as_text(report: dict[str, Any]) -> str:
 def main(values: dict[str, object], args: list[str]) -> int:
     if "--measure" in args:
         raise LaunchError(EXIT_USAGE, MEASURE_MOVED)
-    more, rest = cli.parse_options(args, {}, cli.FLAG_OPTIONS, verb="doctor")
+    more, rest = launch.parse_options(args, {}, launch.FLAG_OPTIONS, verb="doctor")
     merged = {**values, **more}
     if merged.get("help"):
-        cli.write_stdout(USAGE.rstrip())
+        launch.write_stdout(USAGE.rstrip())
         return 0
     if rest:
         raise LaunchError(EXIT_USAGE, f"doctor takes no arguments, got {rest[0]!r}")
@@ -682,7 +682,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
             raise LaunchError(EXIT_USAGE, f"doctor only reports; {option} does not apply")
     report = build_report(merged, os.environ)
     if merged.get("json"):
-        cli.write_stdout(json.dumps(report, indent=2))
+        launch.write_stdout(json.dumps(report, indent=2))
     else:
-        cli.write_stdout(doctor_as_text(report))
+        launch.write_stdout(doctor_as_text(report))
     return 0

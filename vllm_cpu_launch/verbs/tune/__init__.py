@@ -12,15 +12,15 @@ import signal
 import tempfile
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.cli import (
+from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
+from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.launch import (
     FLAG_OPTIONS,
     VALUED_OPTIONS,
     parse_options,
     plan_from_options,
     write_stdout,
 )
-from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
-from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.command import (

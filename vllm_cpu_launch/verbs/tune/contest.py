@@ -19,11 +19,11 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from vllm_cpu_launch.cli import plan_from_options, provide_metadata
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit, record
 from vllm_cpu_launch.gather import PYTHONPATH
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.inside import remove_readings_of
+from vllm_cpu_launch.launch import plan_from_options, provide_metadata
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.settings import Mode
 from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
