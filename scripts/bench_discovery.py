@@ -3,7 +3,7 @@
 
 The launcher stats known places and never lists large directories. This benchmark
 plans `vllm-cpu-launch --dry-run --json --vllm T/bin/vllm serve M --speculative-config ...`
-(`cli.plan_from_options`, timed in-process in a fresh interpreter of the base Python,
+(`launch.plan_from_options`, timed in-process in a fresh interpreter of the base Python,
 whose own environment holds no libiomp5) with libiomp5.so only in the *last*
 `LD_LIBRARY_PATH` entry, so every earlier place is visited:
 
@@ -68,12 +68,14 @@ SCRUBBED = (
 WORKER = f"""\
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.launch import plan_from_options
 carried = os.environ.pop("{LIBRARY_PATH_CARRIER}", None)
 if carried is not None:
     os.environ["LD_LIBRARY_PATH"] = carried
 started = time.perf_counter()
-result = plan_from_options({{"vllm": sys.argv[2]}}, sys.argv[3:]) if sys.argv[2] else None
+command = read_command(sys.argv[3:])
+result = plan_from_options({{"vllm": sys.argv[2]}}, command) if sys.argv[2] else None
 elapsed = time.perf_counter() - started
 chosen = [c for c in result.candidates if c.verdict == "chosen"] if result else []
 print(json.dumps({{"seconds": elapsed, "origin": chosen[0].origin if chosen else None,

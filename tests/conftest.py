@@ -403,6 +403,33 @@ def run_launcher(
     )
 
 
+# The launcher's main() in a child that counts, with an audit hook, its opens of each file
+# named (a JSON list before the launcher's arguments): `opens: {file: count}` on stderr, last.
+COUNTING_OPENS = (
+    "import json, sys\n"
+    "watched, opens = json.loads(sys.argv.pop(1)), []\n"
+    "sys.addaudithook(lambda event, args: opens.append(args[0]) if event == 'open' else None)\n"
+    "from vllm_cpu_launch.cli import main\n"
+    "try:\n"
+    "    code = main(sys.argv[1:])\n"
+    "finally:\n"
+    "    counts = {path: sum(str(o) == path for o in opens) for path in watched}\n"
+    "    print('opens:', json.dumps(counts), file=sys.stderr)\n"
+    "raise SystemExit(code)\n"
+)
+
+
+def launcher_opens(
+    files: Sequence[Path], args: Sequence[str], environ: Mapping[str, str]
+) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
+    """The launcher run with `args`, and how many times it opened each of `files`."""
+    watched = json.dumps([str(path) for path in files])
+    result = run_launcher(args, environ, [sys.executable, "-c", COUNTING_OPENS, watched])
+    head, _, counts = result.stderr.rstrip("\n").rpartition("\n")[-1].partition("opens: ")
+    assert not head, result.stderr
+    return result, json.loads(counts)
+
+
 def read_record(path: Path) -> dict[str, object]:
     data: dict[str, object] = json.loads(path.read_text())
     data["argv"] = [os.fsdecode(bytes.fromhex(a)) for a in data["argv"]]  # type: ignore[attr-defined]

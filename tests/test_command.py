@@ -14,17 +14,10 @@ from typing import Any
 
 import pytest
 
-from vllm_cpu_launch.command import (
-    REFUSALS,
-    SPECULATIVE_SOURCE,
-    detect,
-    listen_address,
-    model_of,
-    single_worker,
-)
+from vllm_cpu_launch.command import REFUSALS, SPECULATIVE_SOURCE, read_command
 from vllm_cpu_launch.rules import BOUND_WORKERS_SOURCE
 
-from .conftest import IMPORT_PATH, clean_environ, read_record, run_launcher
+from .conftest import IMPORT_PATH, clean_environ, launcher_opens, read_record, run_launcher
 
 # -------------------- Formerly tests/test_speculative.py --------------------
 # SD detection in every form vLLM accepts, both ways (requested and not).
@@ -78,7 +71,7 @@ NOT_REQUESTED = [
 
 @pytest.mark.parametrize(("argv", "source"), REQUESTED)
 def test_requested(argv: list[str], source: str | None) -> None:
-    result = detect(argv)
+    result = read_command(argv).speculative
     assert result.requested, argv
     assert result.note is None
     if source is not None:
@@ -87,13 +80,13 @@ def test_requested(argv: list[str], source: str | None) -> None:
 
 @pytest.mark.parametrize("argv", NOT_REQUESTED)
 def test_not_requested(argv: list[str]) -> None:
-    result = detect(argv)
+    result = read_command(argv).speculative
     assert not result.requested, (argv, result)
     assert result.note is None
 
 
 def test_a_missing_value_counts_as_requested_with_a_note() -> None:
-    result = detect(["serve", "m", "--speculative-config"])
+    result = read_command(["serve", "m", "--speculative-config"]).speculative
     assert result.requested
     assert result.note is not None and "vLLM will report it" in result.note
 
@@ -129,7 +122,7 @@ def write(tmp_path: Path, text: str | bytes, name: str = "vllm.yaml") -> str:
 @pytest.mark.parametrize("text", YAML_REQUESTED)
 def test_config_file_requested(tmp_path: Path, text: str) -> None:
     path = write(tmp_path, text)
-    result = detect(["serve", "m", "--config", path])
+    result = read_command(["serve", "m", "--config", path]).speculative
     assert result.requested
     assert result.source is not None and result.source.endswith(f" in {path}")
     assert result.note is None
@@ -137,7 +130,7 @@ def test_config_file_requested(tmp_path: Path, text: str) -> None:
 
 @pytest.mark.parametrize("text", YAML_NOT_REQUESTED)
 def test_config_file_not_requested(tmp_path: Path, text: str) -> None:
-    result = detect(["serve", "m", "--config", write(tmp_path, text)])
+    result = read_command(["serve", "m", "--config", write(tmp_path, text)]).speculative
     assert not result.requested
     assert result.note is None
 
@@ -147,28 +140,47 @@ def test_listen_address_is_read_from_the_config_file_then_the_command_line(
 ) -> None:
     """Where `vllm serve` listens, as verify asks it: the file first, the last wins."""
     path = write(tmp_path, "port: 8123\nhost: 0.0.0.0\nuds: /run/vllm.sock\n")
-    assert listen_address(["serve", "m", "--config", path]) == {
+    assert read_command(["serve", "m", "--config", path]).listen == {
         "--port": "8123",
         "--host": "0.0.0.0",
         "--uds": "/run/vllm.sock",
     }
     argv = ["serve", "m", "--config", path, "--port=9000", "--uds", "vllm.sock"]
-    assert listen_address(argv) == {"--port": "9000", "--host": "0.0.0.0", "--uds": "vllm.sock"}
-    assert listen_address(["serve", "m", "--portal", "1", "--", "--port", "2"]) == {}
+    assert read_command(argv).listen == {
+        "--port": "9000",
+        "--host": "0.0.0.0",
+        "--uds": "vllm.sock",
+    }
+    assert read_command(["serve", "m", "--portal", "1", "--", "--port", "2"]).listen == {}
+
+
+def test_a_launch_opens_its_vllm_config_file_once(tmp_path: Path, vllm_env: Path) -> None:
+    """The SD request, the model, the workers and the address come from one reading of the
+    --config file (issue 47: a launch opened it twice), which the plan shows it read."""
+    path = Path(write(tmp_path, f"speculative_config: {NGRAM}\nmodel: m\nport: 8001\n"))
+    vllm = str(vllm_env / "bin" / "vllm")
+    args = ["--vllm", vllm, "--dry-run", "--json", "serve", "--config", str(path), "-tp", "1"]
+    result, opens = launcher_opens([path], args, clean_environ(tmp_path))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["speculative"]["source"] == f"--speculative-config in {path}"
+    assert plan["preload"] and opens == {str(path): 1}
 
 
 def test_command_line_wins_over_config_file(tmp_path: Path) -> None:
     path = write(tmp_path, "speculative_config:\n  method: ngram\n")
-    assert not detect(["serve", "m", "--config", path, "--speculative-config", "null"]).requested
+    assert not read_command(
+        ["serve", "m", "--config", path, "--speculative-config", "null"]
+    ).speculative.requested
     path = write(tmp_path, "speculative_config: null\n", "off.yaml")
-    result = detect(["serve", "m", "--config", path, "-sc", NGRAM])
+    result = read_command(["serve", "m", "--config", path, "-sc", NGRAM]).speculative
     assert result.requested and result.source == "-sc"
 
 
 def test_config_file_only_in_vllms_form(tmp_path: Path) -> None:
     """vLLM reads `--config FILE` (separate token, .yaml/.yml) and nothing else."""
     path = write(tmp_path, "speculative_config:\n  method: ngram\n", "vllm.json")
-    assert not detect(["serve", "m", "--config", path]).requested
+    assert not read_command(["serve", "m", "--config", path]).speculative.requested
 
 
 @pytest.mark.parametrize(
@@ -183,20 +195,22 @@ def test_unreadable_config_file_counts_as_requested_with_a_note(
     tmp_path: Path, content: str | bytes | None, problem: str
 ) -> None:
     path = str(tmp_path / "missing.yaml") if content is None else write(tmp_path, content)
-    result = detect(["serve", "m", "--config", path])
+    result = read_command(["serve", "m", "--config", path]).speculative
     assert result.requested
     assert result.note is not None and problem in result.note and path in result.note
 
 
 def test_non_utf8_arguments_do_not_break_detection() -> None:
     odd = os.fsdecode(b"--chat-template=\xff\xfe")
-    assert not detect(["serve", "m", odd]).requested
-    assert detect(["serve", "m", odd, "-sc", NGRAM]).requested
+    assert not read_command(["serve", "m", odd]).speculative.requested
+    assert read_command(["serve", "m", odd, "-sc", NGRAM]).speculative.requested
 
 
 def test_config_file_true_flag_counts_with_a_note(tmp_path: Path) -> None:
     """`speculative-config: true` becomes a bare option, which vLLM rejects."""
-    result = detect(["serve", "m", "--config", write(tmp_path, "speculative-config: true\n")])
+    result = read_command(
+        ["serve", "m", "--config", write(tmp_path, "speculative-config: true\n")]
+    ).speculative
     assert result.requested and result.note is not None and "has no value" in result.note
 
 
@@ -220,17 +234,17 @@ def test_a_speculators_checkpoint_requests_sd_by_itself(tmp_path: Path, form: st
         "--model=": ["bench", "latency", f"--model={model}"],
         "--config": ["serve", "--config", write(tmp_path, f"model: {model}\nport: 8001\n")],
     }[form]
-    result = detect(argv)
+    result = read_command(argv).speculative
     assert result.requested
     assert result.source == f"{model}/config.json (speculators_config)"
     # Whatever the command line says: vLLM builds the SD config from the checkpoint.
-    assert detect([*argv, "--speculative-config", "null"]).requested
+    assert read_command([*argv, "--speculative-config", "null"]).speculative.requested
 
 
 def test_an_ordinary_model_directory_or_hub_name_is_no_request(tmp_path: Path) -> None:
     model = str(speculators_model(tmp_path / "plain", False))
-    assert not detect(["serve", model]).requested
-    assert not detect(["serve", "meta-llama/Llama-3.1-8B"]).requested
+    assert not read_command(["serve", model]).speculative.requested
+    assert not read_command(["serve", "meta-llama/Llama-3.1-8B"]).speculative.requested
 
 
 def test_the_command_lines_model_wins_over_the_config_files(tmp_path: Path) -> None:
@@ -239,10 +253,10 @@ def test_the_command_lines_model_wins_over_the_config_files(tmp_path: Path) -> N
     eagle = str(speculators_model(tmp_path / "eagle", True))
     plain = str(speculators_model(tmp_path / "plain", False))
     config = write(tmp_path, f"model: {eagle}\n")
-    assert not detect(["serve", "--config", config, "--model", plain]).requested
-    assert not detect(["serve", plain, "--config", config]).requested
+    assert not read_command(["serve", "--config", config, "--model", plain]).speculative.requested
+    assert not read_command(["serve", plain, "--config", config]).speculative.requested
     config = write(tmp_path, f"model: {plain}\n", "plain.yaml")
-    assert detect(["serve", "--config", config, "--model", eagle]).requested
+    assert read_command(["serve", "--config", config, "--model", eagle]).speculative.requested
 
 
 @pytest.mark.parametrize(
@@ -290,7 +304,7 @@ def test_the_command_lines_model_wins_over_the_config_files(tmp_path: Path) -> N
 def test_the_method_and_token_count_are_read(
     argv: list[str], method: str | None, tokens: int | None
 ) -> None:
-    request = detect(argv)
+    request = read_command(argv).speculative
     assert request.requested and (request.method, request.tokens) == (method, tokens)
 
 
@@ -321,9 +335,9 @@ def test_a_model_without_a_method_is_what_vllm_infers(
         os.mkdir(draft)
         if config is not None:
             Path(draft, "config.json").write_text(json.dumps(config))
-    request = detect(
+    request = read_command(
         ["serve", "m", "-sc", json.dumps({"model": draft, "num_speculative_tokens": 3})]
-    )
+    ).speculative
     assert request.requested and request.method == method
 
 
@@ -333,9 +347,9 @@ def test_the_method_and_token_count_in_a_config_file(tmp_path: Path) -> None:
         "speculative_config:\n  method: draft_model\n  model: /d\n  num_speculative_tokens: 7\n"
         "  nested: {deep: [1, 2]}\n"
     )
-    request = detect(["serve", "m", "--config", str(config)])
+    request = read_command(["serve", "m", "--config", str(config)]).speculative
     assert (request.requested, request.method, request.tokens) == (True, "draft_model", 7)
-    assert detect(["serve", "m"]).method is None
+    assert read_command(["serve", "m"]).speculative.method is None
 
 
 # Python versions whose C JSON scanner needs `json.decoder` imported for its error path:
@@ -425,14 +439,14 @@ def test_a_model_named_after_options_is_found(tmp_path: Path, options: list[str]
     `model_tag`, nargs="?"): `serve --port 8000 MODEL` serves MODEL (issue 29, defect 3)."""
     model = str(speculators_model(tmp_path / "spm", True))
     argv = ["serve", *options, model]
-    assert model_of(argv) == model
-    assert detect(argv).requested
-    assert detect(argv).source == f"{model}/config.json (speculators_config)"
+    assert read_command(argv).model == model
+    assert read_command(argv).speculative.requested
+    assert read_command(argv).speculative.source == f"{model}/config.json (speculators_config)"
 
 
 def test_an_options_value_is_not_taken_for_the_model() -> None:
-    assert model_of(["serve", "--port", "8000"]) is None
-    assert model_of(["serve", "--host", "h", "--port", "8000", "m", "--seed", "1"]) == "m"
+    assert read_command(["serve", "--port", "8000"]).model is None
+    assert read_command(["serve", "--host", "h", "--port", "8000", "m", "--seed", "1"]).model == "m"
 
 
 # -------------------- Formerly tests/test_vllm_cli.py --------------------
@@ -480,7 +494,7 @@ PARALLEL_YAML_CASES = [
 
 @pytest.mark.parametrize(("argv", "single"), PARALLEL_CASES)
 def test_one_worker_on_one_node_is_read_as_vllm_spells_it(argv: list[str], single: bool) -> None:
-    assert single_worker(argv) is single
+    assert read_command(argv).one_worker is single
 
 
 @pytest.mark.parametrize(("text", "after", "single"), PARALLEL_YAML_CASES)
@@ -489,18 +503,18 @@ def test_the_config_file_counts_and_the_command_line_wins(
 ) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(text)
-    assert single_worker(["serve", "m", "--config", str(config), *after]) is single
+    assert read_command(["serve", "m", "--config", str(config), *after]).one_worker is single
 
 
 def test_an_option_with_no_value_or_a_bad_file_counts_as_vllm_will_report_it(
     tmp_path: Path,
 ) -> None:
-    assert single_worker(["serve", "m", "-pp"]) is False  # vLLM refuses it anyway
+    assert read_command(["serve", "m", "-pp"]).one_worker is False  # vLLM refuses it anyway
     broken = tmp_path / "broken.yaml"
     broken.write_text("tensor-parallel-size: [2\n")
-    assert single_worker(["serve", "m", "--config", str(broken)]) is True
+    assert read_command(["serve", "m", "--config", str(broken)]).one_worker is True
     missing = tmp_path / "missing.yaml"
-    assert single_worker(["serve", "m", "--config", str(missing), "-tp", "2"]) is False
+    assert read_command(["serve", "m", "--config", str(missing), "-tp", "2"]).one_worker is False
 
 
 # -------------------- Formerly tests/test_vllm_checks.py --------------------

@@ -1425,7 +1425,7 @@ def arm_environment(tmp_path: Path, wheels: Path, platform: str | None = ARM_PLA
 
 
 def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
-    from vllm_cpu_launch.command import detect
+    from vllm_cpu_launch.command import read_command
     from vllm_cpu_launch.gather import gather
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import plan_as_json, plan_of
@@ -1439,11 +1439,7 @@ def arm_plan(tmp_path: Path, root: Path, iomp: str = "auto") -> Any:
     python = str(root / "bin" / "python")
     target = Target(str(root / "bin" / "vllm"), "--vllm", python, str(root))
     settings = Settings(iomp=Mode(iomp))
-    return plan_as_json(
-        plan_of(
-            gather(settings, NGRAM_SERVE, detect(NGRAM_SERVE), target, host, True, one_worker=True)
-        )
-    )
+    return plan_as_json(plan_of(gather(settings, read_command(NGRAM_SERVE), target, host, True)))
 
 
 def test_on_aarch64_llvm_libomp_is_opt_in_and_its_own_build_is_the_one_taken(

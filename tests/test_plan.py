@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from vllm_cpu_launch import libraries
 from vllm_cpu_launch import rules as evidence
-from vllm_cpu_launch.command import SpeculativeRequest, detect
+from vllm_cpu_launch.command import SpeculativeRequest, VllmCommand, read_command
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.gather import Facts, gather, support
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library, Planner
@@ -94,7 +94,7 @@ STARTED = {PLANNED_VARIABLE: "launcher:started"}
 
 def plan_sd(target: Target, host: Host, settings: Settings = DEFAULTS) -> Plan:
     """The plan for `vllm serve m` with ngram SD, one worker."""
-    return plan_of(gather(settings, SD, detect(SD), target, host, True, one_worker=True))
+    return plan_of(gather(settings, read_command(SD), target, host, True))
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_the_facts_carry_the_callers_ld_preload_read_once_each_entry_classified(
     value = f" {real_iomp}: /x/libjemalloc.so.2 "
     host = make_host(tmp_path, LD_PRELOAD=value)
     target = make_target(tmp_path, real_iomp)
-    facts = gather(DEFAULTS, SD, detect(SD), target, host, True, one_worker=True)
+    facts = gather(DEFAULTS, read_command(SD), target, host, True)
     assert facts.host.preload == (
         PreloadEntry(str(real_iomp), Library.INTEL),
         PreloadEntry("/x/libjemalloc.so.2", Library.MALLOC),
@@ -193,12 +193,9 @@ def plan_for(
 ) -> dict[str, object]:
     target = make_target(tmp_path, real_iomp)
     host = make_host(tmp_path, **env)
+    command = read_command(argv)
     return plan_as_json(
-        plan_of(
-            gather(
-                settings, argv, detect(argv), target, host, detect(argv).requested, one_worker=True
-            )
-        )
+        plan_of(gather(settings, command, target, host, command.speculative.requested))
     )
 
 
@@ -778,10 +775,11 @@ def test_any_argv_reaches_the_target_unchanged(
 
 
 def detected(argv: list[str]) -> SpeculativeRequest | None:
-    """detect(argv), or None where it refused a value that is no JSON, as vLLM does: the one
-    exception it may raise is a usage error (exit 2) naming the value and the fix."""
+    """What read_command(argv) finds of SD, or None where it refused a value that is no
+    JSON, as vLLM does: the one exception it may raise is a usage error (exit 2) naming the
+    value and the fix."""
     try:
-        return detect(argv)
+        return read_command(argv).speculative
     except LaunchError as error:
         assert error.code == EXIT_USAGE
         assert "is not valid JSON" in error.message and "Fix:" in error.message
@@ -899,9 +897,10 @@ def test_detect_survives_a_yaml_alias_bomb(tmp_path: Path) -> None:
             "import resource, sys\n"
             "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
             "from vllm_cpu_launch.errors import LaunchError\n"
-            "from vllm_cpu_launch.command import detect\n"
+            "from vllm_cpu_launch.command import read_command\n"
             "try:\n"
-            "    print(detect(['serve', 'm', '--config', sys.argv[1]]).requested)\n"
+            "    argv = ['serve', 'm', '--config', sys.argv[1]]\n"
+            "    print(read_command(argv).speculative.requested)\n"
             "except LaunchError as error:\n"
             "    print('refused', error.code)\n"
         )
@@ -1063,12 +1062,10 @@ def test_planning_from_the_planned_environment_changes_nothing(
     second = plan_of(
         gather(
             chosen_settings,
-            arguments,
-            speculative,
+            VllmCommand(arguments, speculative, "m"),
             target,
             planning_host(planned, empty),
             speculative.requested,
-            one_worker=True,
         )
     )
     assert second.env == ()
@@ -1088,12 +1085,10 @@ def plan_or_conflict(
         return plan_of(
             gather(
                 chosen,
-                ("serve", "m"),
-                speculative,
+                VllmCommand(("serve", "m"), speculative, "m"),
                 target,
                 planning_host(environ, empty),
                 speculative.requested,
-                one_worker=True,
             )
         )
     except LaunchError as error:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from vllm_cpu_launch.command import detect
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import LaunchError
 from vllm_cpu_launch.inside import DIRECTORY_PREFIX
 from vllm_cpu_launch.plan import why
@@ -275,7 +275,7 @@ def test_of_several_matching_records_the_one_that_recorded_more_wins() -> None:
 
 
 def test_the_reason_says_it_came_from_a_tune() -> None:
-    sd = detect(["serve", "m", "-sc", NGRAM])
+    sd = read_command(["serve", "m", "-sc", NGRAM]).speculative
     tuned = Tuned(**TUNED)  # type: ignore[arg-type]
     assert why(Mode.NEVER, sd, True, tuned) == (
         "--iomp never (from tune 2026-12-01T10:02Z: libgomp 1.12x faster than libiomp5, "

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import AS_NOBODY, LAUNCHER, clean_environ, run_launcher
+from tests.conftest import AS_NOBODY, LAUNCHER, clean_environ, launcher_opens, run_launcher
 
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
 SD = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -54,7 +54,7 @@ for spec in json.loads(os.environ.get("CHILDREN", "[]")):
     if spec.get("rename"):
         env["RENAME"] = spec["rename"]
     # A title takes argv[0]'s place in /proc/PID/cmdline, as vLLM's setproctitle does.
-    command = [spec.get("title", sys.executable), "-c", CHILD]
+    command = [spec.get("title", sys.executable), "-c", CHILD, *spec.get("args", [])]
     child = subprocess.Popen(
         command, executable=sys.executable, env=env, stdout=subprocess.PIPE, text=True
     )
@@ -268,6 +268,34 @@ def test_vllm_config_file_is_read_from_the_process_directory(
     code, report = verify_json(tmp_path, pids[0])  # run from the test's directory
     assert report["speculative"]["requested"] is False, report["speculative"]
     assert code == 0
+
+
+def test_each_vllm_config_file_of_a_tree_is_opened_once(
+    tmp_path: Path, start_tree: Callable[..., list[int]]
+) -> None:
+    """Processes that share a --config file share its one reading (issue 47: verify read it
+    again for each process); a child with a file of its own gets that file read once."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    shared, own = workdir / "serve.yaml", workdir / "other.yaml"
+    shared.write_text("max_model_len: 512\nport: 8123\n")
+    own.write_text(f"speculative_config: {SD}\n")
+    command = ["serve", "m", "--config", shared.name]
+    children = [
+        {"args": command},
+        {"args": command},
+        {"args": ["serve", "m", "--config", own.name]},
+    ]
+    pids = start_tree(command, children, cwd=workdir)
+    result, opens = launcher_opens(
+        [shared, own], ["verify", "--json", str(pids[0])], clean_environ(tmp_path)
+    )
+    assert result.returncode in (0, 1), result.stderr
+    report = json.loads(result.stdout)
+    assert report["speculative"]["requested"] is False
+    assert [by_pid(report)[pid]["speculative"] for pid in pids] == [False, False, False, True]
+    assert report["inside"]["url"] == "http://127.0.0.1:8123/metrics"  # the shared file's port
+    assert opens == {str(shared): 1, str(own): 1}
 
 
 # ---------------------------------------------------------------- errors

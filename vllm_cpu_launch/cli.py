@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__, errors, launch
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, emit
 from vllm_cpu_launch.gather import FIRST, LAST
 from vllm_cpu_launch.plan import plan_as_json, plan_as_text
@@ -32,7 +33,8 @@ The launcher's options (see vllm-cpu-launch --help) go before `--`.
 def run_plan(values: dict[str, object], arguments: Sequence[str], program: str | None) -> int:
     if values.get("json") and not values.get("dry_run"):
         raise LaunchError(EXIT_USAGE, "--json goes with --dry-run (or use: env --format json)")
-    plan = launch.plan_from_options(values, arguments, program)
+    command = read_command(arguments, vllm=program is None)  # its --config read here, once
+    plan = launch.plan_from_options(values, command, program)
     if values.get("dry_run"):
         text = json.dumps(plan_as_json(plan), indent=2) if values.get("json") else None
         launch.write_stdout(text or plan_as_text(plan))

@@ -1,5 +1,6 @@
-"""The vLLM command, read as vLLM reads it, without importing vLLM: is speculative decoding
-requested, by what, and how many workers run. It follows vLLM's `FlexibleArgumentParser`
+"""The vLLM command, read once as vLLM reads it, without importing vLLM: is speculative
+decoding requested, by what, which model, where it listens and how many workers run
+(`VllmCommand`, `read_command`). It follows vLLM's `FlexibleArgumentParser`
 (vllm/utils/argparse_utils.py: `_` as `-`, dotted keys merged into one JSON, `--config
 FILE.yaml` before the command line) and argparse (short aliases, abbreviations);
 tests/e2e/test_vllm_parser_agreement.py checks it against vLLM's parser on each release.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, record
@@ -95,16 +97,44 @@ def config_file_path(argv: Sequence[str]) -> str | None:
     return None
 
 
-def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
+@record
+class ConfigFile:
+    """vLLM's `--config FILE`, read once: its top-level items, or why it cannot be read
+    (vLLM reports that itself)."""
+
+    path: str
+    items: tuple[tuple[object, object], ...] = ()
+    problem: str | None = None
+
+
+def read_config(path: str) -> ConfigFile:
+    """The YAML file as vLLM's load_config_file reads it; one not to be trusted is a usage
+    error, as a launcher config's."""
+    import yaml  # lazy: only when the command line names a config file
+
+    try:
+        content = yaml.safe_load(read_trusted(path).decode("utf-8"))
+    except Untrusted as refusal:
+        raise LaunchError(EXIT_USAGE, f"vLLM config file {path} {refusal.problem}", path) from None
+    except FileProblem as error:
+        return ConfigFile(path, problem=error.problem)
+    except (OSError, UnicodeDecodeError) as error:
+        return ConfigFile(path, problem=f"cannot be read ({error.__class__.__name__})")
+    except RecursionError:
+        return ConfigFile(path, problem="nests its YAML deeper than the reader can take")
+    except Exception as error:  # yaml.YAMLError, or a constructor's (a bad date: ValueError)
+        first = (str(error).splitlines() or [repr(error)])[0]
+        return ConfigFile(path, problem=f"is not valid YAML ({first})")
+    return ConfigFile(path, tuple(content.items()) if isinstance(content, dict) else ())
+
+
+def in_config_file(config: ConfigFile, options: Sequence[Option]) -> list[Occurrence]:
     """As vLLM's load_config_file: a false flag and an empty list dropped, `true` a bare
     flag, a list its first item, a mapping its JSON (of its scalars alone: YAML aliases can
     nest one too big for memory)."""
-    import yaml  # lazy: only when the command line names a config file
-
-    content = yaml.safe_load(read_trusted(path).decode("utf-8"))
     scalars = (str, int, float, bool, type(None))
     found = []
-    for key, value in content.items() if isinstance(content, dict) else ():
+    for key, value in config.items:
         name, dotted, _ = split_option(f"--{key}")
         option = canonical_option(name, options)
         if option is None or value is False or value == []:
@@ -113,31 +143,17 @@ def in_config_file(path: str, options: Sequence[Option]) -> list[Occurrence]:
             text = json.dumps({str(k): v for k, v in value.items() if isinstance(v, scalars)})
         else:
             text = str(value[0]) if isinstance(value, list) else str(value)
-        found.append(Occurrence(option, dotted, None if value is True else text, f" in {path}"))
+        origin = f" in {config.path}"
+        found.append(Occurrence(option, dotted, None if value is True else text, origin))
     return found
 
 
 def occurrences(
-    argv: Sequence[str], options: Sequence[Option]
-) -> tuple[list[Occurrence], str | None]:
-    """`options` in the --config file then on the command line (the last wins), and why
-    the file cannot be read (None if it can): vLLM reports that itself."""
-    path = config_file_path(argv)
-    in_file: list[Occurrence] = []
-    problem = None
-    try:
-        in_file = in_config_file(path, options) if path else []
-    except Untrusted as refusal:  # a usage error, as a launcher config's
-        raise LaunchError(EXIT_USAGE, f"vLLM config file {path} {refusal.problem}", path) from None
-    except FileProblem as error:
-        problem = error.problem
-    except (OSError, UnicodeDecodeError) as error:
-        problem = f"cannot be read ({error.__class__.__name__})"
-    except RecursionError:
-        problem = "nests its YAML deeper than the reader can take"
-    except Exception as error:  # yaml.YAMLError, without importing yaml up front
-        problem = f"is not valid YAML ({(str(error).splitlines() or [repr(error)])[0]})"
-    return in_file + list(on_command_line(argv, options)), problem
+    argv: Sequence[str], options: Sequence[Option], config: ConfigFile | None
+) -> list[Occurrence]:
+    """`options` in the --config file then on the command line (the last wins)."""
+    in_file = in_config_file(config, options) if config else []
+    return in_file + list(on_command_line(argv, options))
 
 
 # What makes more than one worker or node (vLLM 0.32's names; the map measured one of each).
@@ -150,9 +166,9 @@ PARALLEL_SIZES = (
 HEADLESS = Option("--headless", "--hea")
 
 
-def single_worker(argv: Sequence[str]) -> bool:
+def single_worker(found: Sequence[Occurrence]) -> bool:
     """No last parallel size other than 1, no `--headless` (an unreadable --config: none)."""
-    given = {item.option: item.value for item in occurrences(argv, (*PARALLEL_SIZES, HEADLESS))[0]}
+    given = {item.option: item.value for item in found}
     return HEADLESS.name not in given and all((v or "").strip() == "1" for v in given.values())
 
 
@@ -365,25 +381,24 @@ def json_value(item: Occurrence) -> object:
     )
 
 
-def model_of(argv: Sequence[str]) -> str | None:
-    """`serve MODEL`, else the last `--model` (the command line's over its --config file's)."""
-    # serve's positional `model_tag`: the first token that is no option and no option's value,
-    # a bare option taking its next token (`--port 8000`); a flag then hides a model after it
-    # (`--enforce-eager MODEL`): `--model` or the model first.
-    index = 1 if argv and argv[0] == "serve" else len(argv)
-    while index < len(argv):
-        token = argv[index]
+def served_model(argv: Sequence[str]) -> str | None:
+    """serve's positional `model_tag`: the first token that is no option and no option's
+    value, a bare option taking its next token (`--port 8000`); a flag then hides a model
+    after it (`--enforce-eager MODEL`): `--model` or the model first."""
+    words = list(argv[1:]) if argv[:1] == ["serve"] else []
+    while words:
+        token = words.pop(0)
         if token == "--":  # what follows is positional to argparse
-            if index + 1 < len(argv):
-                return argv[index + 1]
-            break
+            return next(iter(words), None)
         if not token.startswith("-"):
             return token
-        takes_next = "=" not in token and index + 1 < len(argv)
-        index += 2 if takes_next and not argv[index + 1].startswith("-") else 1
-    # `--model` prefixes other options: only itself stands for it.
-    models = [item.value for item in occurrences(argv, (Option("--model", "--model"),))[0]]
-    return next((model for model in reversed(models) if model), None)
+        if "=" not in token and words and not words[0].startswith("-"):
+            words.pop(0)
+    return None
+
+
+# `--model` prefixes other options: only itself stands for it.
+MODEL = Option("--model", "--model")
 
 
 # Where `vllm serve` listens (vllm/entrypoints/openai/cli_args.py): `--uds PATH` over
@@ -391,42 +406,68 @@ def model_of(argv: Sequence[str]) -> str | None:
 LISTEN_OPTIONS = tuple(Option(name, name) for name in ("--host", "--port", "--uds"))
 
 
-def listen_address(argv: Sequence[str]) -> dict[str, str]:
-    """`--host`, `--port`, `--uds` as vLLM reads them, its --config file first (the last wins)."""
-    return {item.option: item.value for item in occurrences(argv, LISTEN_OPTIONS)[0] if item.value}
-
-
-def detect(argv: Sequence[str]) -> SpeculativeRequest:
+def detect(
+    argv: Sequence[str], found: Sequence[Occurrence], config: ConfigFile | None, model: str | None
+) -> SpeculativeRequest:
     """SD requested by the command line (subcommand first), its --config, or the model?"""
-    found, problem = occurrences(argv, SD_OPTIONS)
     request = speculative_from(found)
-    if problem is not None and request.source is None:
-        path = config_file_path(argv)
+    if config and config.problem and request.source is None:
         note = (
-            f"vLLM config file {path} {problem}; assuming it requests speculative decoding; "
-            "vLLM will report the problem"
+            f"vLLM config file {config.path} {config.problem}; assuming it requests "
+            "speculative decoding; vLLM will report the problem"
         )
-        return SpeculativeRequest(True, f"--config {path}", note)
-    if request.requested:
-        return request
+        return SpeculativeRequest(True, f"--config {config.path}", note)
     # vLLM turns SD on by itself for a model whose config.json holds `speculators_config`
     # (maybe_override_with_speculators), whatever the command line says.
-    model = model_of(argv)
-    if model and "speculators_config" in model_config(model):
-        return SpeculativeRequest(
-            True, f"{os.path.join(model, 'config.json')} (speculators_config)"
-        )
-    # A typo of an SD option (`--speculative-confg`) is no "no SD requested": vLLM refuses it.
-    # 0.8: no option of vLLM 0.32's is that close to an SD one (--compilation-config is 0.7).
+    if not request.requested and model and "speculators_config" in model_config(model):
+        source = f"{os.path.join(model, 'config.json')} (speculators_config)"
+        return SpeculativeRequest(True, source)
+    miss = None if request.requested else near_miss(argv)
+    if miss is None:
+        return request
+    note = f"{miss[0]} is no option of vLLM's (vLLM will refuse it): did you mean {miss[1]}?"
+    return SpeculativeRequest(False, request.source, note, near_miss=miss)
+
+
+def near_miss(argv: Sequence[str]) -> tuple[str, str] | None:
+    """A typo of an SD option (`--speculative-confg`), which is no "no SD requested": vLLM
+    refuses it. 0.8: no option of vLLM 0.32's is that close to an SD one (--compilation-config
+    is 0.7)."""
     names = [option.name for option in SD_OPTIONS if option.name.startswith("--")]
-    for token in argv:
-        if token == "--":
-            break
+    for token in argv[: argv.index("--") if "--" in argv else len(argv)]:
         word = split_option(token)[0]
         if not token.startswith("--") or canonical_option(word, SD_OPTIONS):
             continue  # no long option, or an SD one (or an abbreviation argparse expands)
         meant = did_you_mean("--" + word[2:].replace("_", "-"), names, cutoff=0.8)
         if meant:
-            note = f"{word} is no option of vLLM's (vLLM will refuse it): did you mean {meant}?"
-            return SpeculativeRequest(False, request.source, note, near_miss=(word, meant))
-    return request
+            return word, meant
+    return None
+
+
+@record
+class VllmCommand:
+    """The vLLM command (or an exec'd program's), read once with its --config file: what the
+    plan, the plugin and verify ask of it. `listen`: `--host`, `--port`, `--uds` as vLLM
+    reads them; `one_worker`: one worker on one node, what the map measured."""
+
+    arguments: tuple[str, ...]
+    speculative: SpeculativeRequest
+    model: str | None = None
+    listen: Mapping[str, str] = MappingProxyType({})
+    one_worker: bool = True
+
+
+def read_command(
+    argv: Sequence[str], configs: Callable[[str], ConfigFile] = read_config, vllm: bool = True
+) -> VllmCommand:
+    """ARGV as vLLM reads it, its --config file read once through `configs` (verify shares
+    one reading among a tree's processes); `vllm` False: a program's, which requests no SD."""
+    path = config_file_path(argv)
+    config = configs(path) if path else None
+    models = [item.value for item in occurrences(argv, (MODEL,), config) if item.value]
+    model = served_model(argv) or next(reversed(models), None)
+    found = occurrences(argv, SD_OPTIONS, config)
+    speculative = detect(argv, found, config, model) if vllm else SpeculativeRequest(False)
+    listen = {o.option: o.value for o in occurrences(argv, LISTEN_OPTIONS, config) if o.value}
+    workers = occurrences(argv, (*PARALLEL_SIZES, HEADLESS), config)
+    return VllmCommand(tuple(argv), speculative, model, listen, single_worker(workers))

@@ -11,7 +11,6 @@ from itertools import takewhile
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.command import model_of
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
 from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES, Library, Planner
 from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, Finding, examine_entry, find_library
@@ -20,9 +19,9 @@ from vllm_cpu_launch.target import site_packages
 from vllm_cpu_launch.trust import insecure_reason, owners
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Mapping
 
-    from vllm_cpu_launch.command import SpeculativeRequest
+    from vllm_cpu_launch.command import SpeculativeRequest, VllmCommand
     from vllm_cpu_launch.libraries import Host, Search
     from vllm_cpu_launch.settings import Scope, Settings, Tuned
     from vllm_cpu_launch.target import Target
@@ -297,15 +296,12 @@ def searches(facts: Facts) -> tuple[Search | None, Search | None]:
 
 def gather(
     settings: Settings,
-    arguments: Sequence[str],
-    speculative: SpeculativeRequest,
+    command: VllmCommand,
     target: Target,
     host: Host,
     auto_iomp: bool,
     *,
-    one_worker: bool,
     planner: Planner = Planner.LAUNCHER,
-    model: str | None = None,
     supply_metadata: bool = False,
 ) -> Facts:
     """The facts of what the plan is asked, every file it reads read here, once."""
@@ -314,7 +310,7 @@ def gather(
     named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
     explicit = {k: validated_explicit(k, p, host, trusted) for k, p in named.items() if p}
     release = support(target_release(target))
-    scope = launch_scope(model or model_of(arguments), speculative, release.release, host.cpus)
+    scope = launch_scope(command.model, command.speculative, release.release, host.cpus)
     tuned, tune_notes = choose(settings, scope) if settings.tuned else (None, [])
     alias = alias_for(target, host.environ) if supply_metadata else None
     # The caller's LD_PRELOAD, examined where the loader finds it ($ORIGIN: the program's).
@@ -322,12 +318,12 @@ def gather(
     entries = tuple((p, examine_entry(p, None, host, trusted)) for p in preload)
     facts = Facts(
         settings,
-        tuple(arguments),
-        speculative,
+        command.arguments,
+        command.speculative,
         target,
         host,
         auto_iomp,
-        one_worker,
+        command.one_worker,
         planner,
         trusted,
         tuple(problems),

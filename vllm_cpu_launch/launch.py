@@ -11,9 +11,10 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import errors
-from vllm_cpu_launch.command import SpeculativeRequest, detect, single_worker
+from vllm_cpu_launch.command import VllmCommand
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, emit
 from vllm_cpu_launch.gather import Facts, gather, write_alias
+from vllm_cpu_launch.handoff import Planner
 from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_of, summary_line
 from vllm_cpu_launch.settings import Settings, load_settings
@@ -111,42 +112,42 @@ def launch_settings(values: dict[str, object]) -> Settings:
 def launch_facts(
     settings: Settings,
     target: Target,
-    arguments: Sequence[str],
+    command: VllmCommand,
     program: str | None = None,
     host: Host | None = None,
+    planner: Planner = Planner.LAUNCHER,
 ) -> Facts:
-    """`vllm ARGUMENTS` as vLLM reads them, or `exec -- PROGRAM ARGUMENTS` (Intel OpenMP by
-    default); `rules serve` and doctor's advice gather the same (plan.start_of)."""
-    speculative = detect(arguments) if program is None else SpeculativeRequest(False)
+    """The facts of `vllm COMMAND`, or of `exec -- PROGRAM COMMAND` (Intel OpenMP by
+    default): for the launcher, every verb and the plugin (planner), which supplies no
+    `vllm` metadata (its vLLM has started)."""
     return gather(
         settings,
-        arguments,
-        speculative,
+        command,
         target,
         host or current_host(),
-        speculative.requested or program is not None,
-        one_worker=single_worker(arguments),
-        supply_metadata=program is None,
+        command.speculative.requested or program is not None,
+        planner=planner,
+        supply_metadata=program is None and planner == Planner.LAUNCHER,
     )
 
 
 def prepare_launch(
-    values: dict[str, object], arguments: Sequence[str], program: str | None = None
+    values: dict[str, object], command: VllmCommand, program: str | None = None
 ) -> tuple[Settings, Target, Plan]:
     settings = launch_settings(values)
     if program is None:
         target = resolve_vllm(settings.vllm, os.environ, sys.executable)
     else:
         target = resolve_program(program, os.environ)
-    return settings, target, plan_of(launch_facts(settings, target, arguments, program))
+    return settings, target, plan_of(launch_facts(settings, target, command, program))
 
 
 def plan_from_options(
-    values: dict[str, object], arguments: Sequence[str], program: str | None = None
+    values: dict[str, object], command: VllmCommand, program: str | None = None
 ) -> Plan:
     """The plan to exec or print. A refused plan is fatal (126); with --strict, so are an
     unsafe target (126) and a wanted library missing (3): one error line, other warnings."""
-    settings, _, plan = prepare_launch(values, arguments, program)
+    settings, _, plan = prepare_launch(values, command, program)
     if plan.refused:  # never two OpenMP runtimes, nor a library others can change
         raise LaunchError(errors.EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
     if not settings.strict or not (plan.unsafe or plan.missing):

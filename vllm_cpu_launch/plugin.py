@@ -152,9 +152,9 @@ def remember() -> None:
 
 def plan_and_apply(vllm_config: Any) -> None:
     """The plan for this configuration's engine into os.environ, which its processes inherit."""
+    from vllm_cpu_launch.command import VllmCommand  # lazy: front end only
     from vllm_cpu_launch.errors import LaunchError  # lazy: front end only
-    from vllm_cpu_launch.gather import gather  # lazy: front end only
-    from vllm_cpu_launch.launch import current_host  # lazy: front end only
+    from vllm_cpu_launch.launch import launch_facts  # lazy: front end only
     from vllm_cpu_launch.plan import plan_of  # lazy: front end only
     from vllm_cpu_launch.settings import load_settings  # lazy: front end only
     from vllm_cpu_launch.target import Target  # lazy: front end only
@@ -177,17 +177,8 @@ def plan_and_apply(vllm_config: Any) -> None:
     )
     model = getattr(getattr(vllm_config, "model_config", None), "model", None)
     one = one_worker(vllm_config) and not in_process
-    facts = gather(
-        settings,
-        (),
-        speculative,
-        target,
-        current_host(),
-        speculative.requested,
-        one_worker=one,
-        planner=handoff.Planner.PLUGIN,
-        model=model,
-    )
+    command = VllmCommand((), speculative, model, one_worker=one)
+    facts = launch_facts(settings, target, command, planner=handoff.Planner.PLUGIN)
     plan = plan_of(facts)
     if plan.refused:  # the launcher refuses to start; a plugin cannot: it changes nothing
         logger.error("%s%s (vLLM starts unchanged)", PREFIX, plan.refused[0])
@@ -226,10 +217,10 @@ def engine_in_this_process(environ: Mapping[str, str]) -> bool:
 def speculative_request(vllm_config: Any) -> SpeculativeRequest:
     """SD as vLLM resolved it; without the field (a vLLM that moved it), as the launcher
     reads this process's command line."""
-    from vllm_cpu_launch.command import SpeculativeRequest, detect  # lazy: front end only
+    from vllm_cpu_launch.command import SpeculativeRequest, read_command  # lazy: front end only
 
     if not hasattr(vllm_config, "speculative_config"):
-        return detect(sys.argv[1:])
+        return read_command(sys.argv[1:]).speculative
     config = vllm_config.speculative_config
     if config is None:
         return SpeculativeRequest(False)

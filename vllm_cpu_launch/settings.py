@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.command import detect, model_of
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace, shown
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.trust import FileProblem, read_trusted
@@ -485,8 +485,9 @@ def record_scope(tuned: Tuned) -> Scope:
     except ValueError:
         argv = []
     arguments = argv[1:] if argv[:1] == ["vllm"] else argv
-    request = detect(arguments)
-    return Scope(normal_model(model_of(arguments)), request.method, request.tokens)
+    command = read_command(arguments)
+    request = command.speculative
+    return Scope(normal_model(command.model), request.method, request.tokens)
 
 
 def differences(recorded: Scope, launch: Scope) -> list[str]:

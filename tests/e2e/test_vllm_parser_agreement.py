@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_launch.command import detect, single_worker
+from vllm_cpu_launch.command import read_command
 
 from ..test_command import (
     MALFORMED,
@@ -91,7 +91,7 @@ def test_detection_agrees_with_vllms_parser(
             # vLLM rejects it (e.g. the options removed in 0.8, or a YAML file that is
             # not a mapping); the launcher's view of those is tested on its own.
             continue
-        assert detect(argv).requested == verdict["sd"], argv
+        assert read_command(argv).speculative.requested == verdict["sd"], argv
         compared += 1
     # Rejected here: the 0.8-era options, `--`, unknown or ambiguous look-alikes (--spec,
     # --speculate) and YAML that is not a mapping. Most cases must have been compared.
@@ -112,7 +112,7 @@ def test_one_worker_reading_agrees_with_vllms_parser(
     rejected = [argv for argv, verdict in zip(cases, verdicts, strict=True) if verdict is None]
     assert rejected == [], rejected  # every case is one vLLM accepts
     for argv, verdict in zip(cases, verdicts, strict=True):
-        assert verdict is not None and single_worker(argv) == verdict["single"], argv
+        assert verdict is not None and read_command(argv).one_worker == verdict["single"], argv
 
 
 def test_what_the_launcher_refuses_or_advises_vllm_rejects_or_accepts(

@@ -12,6 +12,7 @@ import shlex
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import launch
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.plan import plan_as_json
 from vllm_cpu_launch.systemd_syntax import check_utf8, environment_file_line, printable
@@ -121,7 +122,7 @@ def main(values: dict[str, object], args: list[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "env needs the vLLM command line: vllm-cpu-launch env serve MODEL ..."
         )
-    plan = launch.plan_from_options(merged, command)
+    plan = launch.plan_from_options(merged, read_command(command))
     text = render(plan, output_format)
     launch.report(plan, merged, unchanged="nothing to set")  # env starts nothing
     launch.provide_metadata(plan)  # the PYTHONPATH printed names it: it must exist

@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from vllm_cpu_launch import launch, rules
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
@@ -116,7 +117,7 @@ def command_start(
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
     except LaunchError:
         target = None
-    facts = launch.launch_facts(settings, target or Target("", "none"), command)
+    facts = launch.launch_facts(settings, target or Target("", "none"), read_command(command))
     start = start_of(facts)
     if target is None:
         return replace(start, vllm_found=False), NO_VLLM, facts.speculative

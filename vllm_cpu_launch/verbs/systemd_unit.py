@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING, cast
 
 from vllm_cpu_launch import __version__, launch, systemd_syntax
-from vllm_cpu_launch.command import model_of
+from vllm_cpu_launch.command import VllmCommand, read_command
 from vllm_cpu_launch.errors import (
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
@@ -183,12 +183,12 @@ def render_unit(
 
 
 def check_plan(
-    values: dict[str, object], given: set[str], arguments: Sequence[str], program: str | None
+    values: dict[str, object], given: set[str], command: VllmCommand, program: str | None
 ) -> tuple[Target | None, list[str]]:
     """Plan now, to warn early about what the service will meet (`given`: the --env names):
     the target (None without one) and the files it will need (programs, environment, libraries)."""
     try:
-        settings, target, plan = launch.prepare_launch(values, arguments, program)
+        settings, target, plan = launch.prepare_launch(values, command, program)
     except LaunchError as error:
         if error.code not in (EXIT_NOT_FOUND, EXIT_NOT_EXECUTABLE):
             raise
@@ -300,14 +300,16 @@ def main(values: dict[str, object], args: list[str]) -> int:
         if not program_argv:
             raise LaunchError(EXIT_USAGE, "systemd-unit ... exec needs a program: exec -- PROGRAM")
         merged.update(exec_options)
-        target, needed = check_plan(merged, given, program_argv[1:], program_argv[0])
+        exec_command = read_command(program_argv[1:], vllm=False)
+        target, needed = check_plan(merged, given, exec_command, program_argv[0])
         program = target.executable if target is not None else program_argv[0]
         description = f"{os.path.basename(program)} with Intel OpenMP (vllm-cpu-launch exec)"
         # `exec` takes the launcher's options after it, and then the program.
         command, arguments = ["exec", *baked_options(merged, None)], [program, *program_argv[1:]]
     else:
-        target, needed = check_plan(merged, given, rest, None)
-        model = model_of(rest)
+        vllm_command = read_command(rest)
+        target, needed = check_plan(merged, given, vllm_command, None)
+        model = vllm_command.model
         if model is not None and not os.path.isabs(model) and os.path.exists(model):
             emit(
                 "warning",

@@ -7,6 +7,7 @@ It reads PID's tree from /proc (maps, environ, the link map) and the plugin's re
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from vllm_cpu_launch import handoff, settings
-from vllm_cpu_launch.command import SpeculativeRequest, detect, listen_address
+from vllm_cpu_launch.command import SpeculativeRequest, read_command, read_config
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
 from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, vllm_reads
 from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
@@ -28,8 +29,13 @@ from vllm_cpu_launch.plan import described_request, schema
 from vllm_cpu_launch.trust import identify
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
     from typing import Any
+
+    from vllm_cpu_launch.command import ConfigFile, VllmCommand
+
+    # Reads a --config file; in one verify, each file once (functools.cache of read_config).
+    Configs = Callable[[str], ConfigFile]
 
 Runtime = tuple[Library, str]
 
@@ -100,8 +106,9 @@ def cwd_of(pid: int) -> str:
         return ""
 
 
-def vllm_arguments(cmdline: Sequence[str], pid: int) -> list[str]:
-    """The vLLM part of a command line, `--config FILE` made relative to its cwd."""
+def vllm_command(cmdline: Sequence[str], pid: int, configs: Configs) -> VllmCommand:
+    """The vLLM part of a process's command line, `--config FILE` made relative to its cwd
+    and read through `configs`."""
     arguments = list(cmdline[1:])
     for index, word in enumerate(arguments):
         if os.path.basename(word) in ("vllm", "vllm-cpu-launch"):
@@ -110,7 +117,7 @@ def vllm_arguments(cmdline: Sequence[str], pid: int) -> list[str]:
     for index, word in enumerate(arguments[:-1]):
         if word == "--config":
             arguments[index + 1] = os.path.join(cwd_of(pid), arguments[index + 1])
-    return arguments
+    return read_command(arguments, configs)
 
 
 def load_order(
@@ -293,7 +300,7 @@ class Seen:
 
 
 def seen_of(
-    process: psutil.Process, root: int, request: SpeculativeRequest
+    process: psutil.Process, root: int, request: SpeculativeRequest, configs: Configs
 ) -> tuple[Seen, dict[str, str]] | None:
     """What verify reads of one process, and its whole environ; None if it is gone. A
     descendant closed to verify is said so; PID closed is an error."""
@@ -313,7 +320,8 @@ def seen_of(
         return None
     while cmdline and not cmdline[-1]:  # a process title padded with NULs (VLLM::Worker)
         cmdline.pop()
-    wanted = request.requested or (pid != root and detect(vllm_arguments(cmdline, pid)).requested)
+    command = None if request.requested or pid == root else vllm_command(cmdline, pid, configs)
+    wanted = request.requested or bool(command and command.speculative.requested)
     renamed = vllm_title(cmdline) is not None and not unreadable
     inherited = inherited_by(process) if renamed else None
     shown = {name: environment[name] for name in VARIABLES if name in environment}
@@ -427,13 +435,13 @@ def fetched(connection: socket.socket, deadline: float) -> str:
     return body.decode("utf-8", "replace")
 
 
-def inside_of(seen: Sequence[Seen]) -> Inside:
+def inside_of(seen: Sequence[Seen], configs: Configs) -> Inside:
     """The plugin's series from the API server's /metrics: at its `--uds`, or its `--port`
     (command line and --config), read only from a socket the tree holds, in 5 s in all."""
     servers = [one for one in seen if one.role == "api-server"]
     if not servers:
         return NO_API_SERVER
-    given = listen_address(vllm_arguments(servers[0].cmdline, servers[0].pid))
+    given = vllm_command(servers[0].cmdline, servers[0].pid, configs).listen
     pids = {one.pid for one in seen if not one.unreadable}
     deadline = time.monotonic() + METRICS_SECONDS
     uds = os.path.join(cwd_of(servers[0].pid), given["--uds"]) if "--uds" in given else None
@@ -489,8 +497,9 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
             "give vLLM's PID (systemctl show -p MainPID --value UNIT)",
         )
     given = SpeculativeRequest(True, "--speculative, given to verify")
-    request = given if speculative else detect(vllm_arguments(cmdline, pid))
-    read = seen_of(root, pid, request)
+    configs = functools.cache(read_config)  # each --config file of the tree read once
+    request = given if speculative else vllm_command(cmdline, pid, configs).speculative
+    read = seen_of(root, pid, request, configs)
     if read is None:
         raise LaunchError(EXIT_USAGE, f"verify: process {pid} exited")
     # libgomp is the user's choice where `iomp: never` is in the settings as the plan read
@@ -502,9 +511,9 @@ def inspect(pid: int, speculative: bool = False) -> dict[str, Any]:
     loaded = settings.load_settings({}, environ, errors=[])  # what is broken is left out
     never = loaded.iomp == settings.Mode.NEVER
     users = Choice("the user", settings.said_setting(loaded, "iomp")) if never else None
-    children = (seen_of(process, pid, request) for process in descendants)
+    children = (seen_of(process, pid, request, configs) for process in descendants)
     seen = [read[0], *(child[0] for child in children if child is not None)]
-    return assemble(pid, request, seen, users, inside_of(seen))
+    return assemble(pid, request, seen, users, inside_of(seen, configs))
 
 
 def assemble(

@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__, gather, launch, rules
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.handoff import (
@@ -83,7 +84,7 @@ TARGET_FIELDS = ("prefix", "user_base", "evidence", "disagreement")  # as vllm_s
 CANDIDATE_KEYS = ("path", "origin", "verdict", "reason", "flavor", "fix")
 # The SD command doctor plans for: its advice follows what the launcher does with it here.
 NGRAM = '{"method":"ngram","num_speculative_tokens":3}'
-SD_PROBE = ["serve", "MODEL", "--speculative-config", NGRAM]
+SD_PROBE = read_command(["serve", "MODEL", "--speculative-config", NGRAM])
 RULES_LINE = (
     "rules      which measured rule a command gets here: vllm-cpu-launch rules serve MODEL ..."
 )

@@ -12,6 +12,7 @@ import signal
 import tempfile
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.launch import (
@@ -132,7 +133,8 @@ def contender_plans(
     values: dict[str, object], arguments: Sequence[str]
 ) -> tuple[dict[Contender, Plan], Plan]:
     """Each contender's plan (the --dry-run code path), and what --iomp auto plans."""
-    plans = {c: plan_from_options({**values, "iomp": c.iomp}, arguments) for c in CONTENDERS}
+    command = read_command(arguments)
+    plans = {c: plan_from_options({**values, "iomp": c.iomp}, command) for c in CONTENDERS}
     if not any(p.kind == "iomp" for p in plans[IOMP].preload):
         for warning in plans[IOMP].warnings:
             emit("warning", warning)
@@ -146,7 +148,7 @@ def contender_plans(
             f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
             "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
         )
-    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, arguments)
+    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, command)
 
 
 def inherited(plan: Plan) -> str:

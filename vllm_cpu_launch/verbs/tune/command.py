@@ -15,7 +15,7 @@ import os
 from typing import TYPE_CHECKING
 
 import vllm_cpu_launch
-from vllm_cpu_launch.command import model_of
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
@@ -81,7 +81,7 @@ def check_serve(serve: Sequence[str]) -> None:
     """A `serve MODEL ARGS...` command, else a usage error."""
     if not serve or serve[0] != "serve":
         raise LaunchError(EXIT_USAGE, "tune measures a `serve` command: tune [--] serve MODEL ...")
-    if model_of(serve) is None:
+    if read_command(serve).model is None:
         raise LaunchError(EXIT_USAGE, "tune needs the model: tune [--] serve MODEL [ARGS...]")
 
 
@@ -174,7 +174,7 @@ def client_command(
         "--backend": "openai" if load.completions else "openai-chat",
         "--endpoint": "/v1/completions" if load.completions else "/v1/chat/completions",
         "--base-url": url,
-        "--model": model_of(serve),
+        "--model": read_command(serve).model,
         "--dataset-name": "sharegpt",
         "--dataset-path": dataset,
         "--sharegpt-output-len": load.output_len,

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit, record
 from vllm_cpu_launch.gather import PYTHONPATH
 from vllm_cpu_launch.handoff import LD_PRELOAD
@@ -343,7 +344,7 @@ def serve_once(
         probe.bind((LOOPBACK, 0))
         port = int(probe.getsockname()[1])
     arguments, _ = server_arguments(serve, port)
-    plan = plan_from_options({**values, "iomp": contender.iomp}, arguments)
+    plan = plan_from_options({**values, "iomp": contender.iomp}, read_command(arguments))
     program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
     url, logs = f"http://{LOOPBACK}:{port}", os.path.join(workdir, name)
     with started(plan.command, f"{logs}-serve.log", plan) as server:
