@@ -148,14 +148,6 @@ def in_config_file(config: ConfigFile, options: Sequence[Option]) -> list[Occurr
     return found
 
 
-def occurrences(
-    argv: Sequence[str], options: Sequence[Option], config: ConfigFile | None
-) -> list[Occurrence]:
-    """`options` in the --config file then on the command line (the last wins)."""
-    in_file = in_config_file(config, options) if config else []
-    return in_file + list(on_command_line(argv, options))
-
-
 # What makes more than one worker or node (vLLM 0.32's names; the map measured one of each).
 PARALLEL_SIZES = (
     Option("--tensor-parallel-size", "--te", ("-tp",)),
@@ -164,12 +156,6 @@ PARALLEL_SIZES = (
     Option("--nnodes", "--nn", ("-n",)),
 )
 HEADLESS = Option("--headless", "--hea")
-
-
-def single_worker(found: Sequence[Occurrence]) -> bool:
-    """No last parallel size other than 1, no `--headless` (an unreadable --config: none)."""
-    given = {item.option: item.value for item in found}
-    return HEADLESS.name not in given and all((v or "").strip() == "1" for v in given.values())
 
 
 # Options whose value is the speculative config (JSON): `-sc` stays its own name in messages.
@@ -464,10 +450,18 @@ def read_command(
     one reading among a tree's processes); `vllm` False: a program's, which requests no SD."""
     path = config_file_path(argv)
     config = configs(path) if path else None
-    models = [item.value for item in occurrences(argv, (MODEL,), config) if item.value]
+
+    def occurrences(options: Sequence[Option]) -> list[Occurrence]:
+        """`options` in the --config file, then on the command line (the last wins)."""
+        in_file = in_config_file(config, options) if config else []
+        return [*in_file, *on_command_line(argv, options)]
+
+    models = [item.value for item in occurrences((MODEL,)) if item.value]
     model = served_model(argv) or next(reversed(models), None)
-    found = occurrences(argv, SD_OPTIONS, config)
+    found = occurrences(SD_OPTIONS)
     speculative = detect(argv, found, config, model) if vllm else SpeculativeRequest(False)
-    listen = {o.option: o.value for o in occurrences(argv, LISTEN_OPTIONS, config) if o.value}
-    workers = occurrences(argv, (*PARALLEL_SIZES, HEADLESS), config)
-    return VllmCommand(tuple(argv), speculative, model, listen, single_worker(workers))
+    listen = {item.option: item.value for item in occurrences(LISTEN_OPTIONS) if item.value}
+    # One worker: no last parallel size other than 1, no `--headless`.
+    workers = {item.option: item.value for item in occurrences((*PARALLEL_SIZES, HEADLESS))}
+    one = HEADLESS.name not in workers and all((v or "").strip() == "1" for v in workers.values())
+    return VllmCommand(tuple(argv), speculative, model, listen, one)
