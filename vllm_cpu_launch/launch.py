@@ -18,6 +18,7 @@ from vllm_cpu_launch.handoff import Planner
 from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_of, summary_line
 from vllm_cpu_launch.settings import Settings, load_settings
+from vllm_cpu_launch.shape import read_shape
 from vllm_cpu_launch.target import Target, resolve_program, resolve_vllm
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def parse_options(
 
 
 def current_host() -> Host:
+    cpus = os.sched_getaffinity(0)
     return Host(
         environ=os.environ,
         machine=os.uname().machine,
@@ -98,7 +100,8 @@ def current_host() -> Host:
         launcher_prefix=sys.prefix,
         search_path=tuple(sys.path),
         root=system_root(os.environ),
-        cpus=len(os.sched_getaffinity(0)),
+        cpus=len(cpus),
+        shape=read_shape(cpus),
     )
 
 

@@ -23,6 +23,7 @@ from vllm_cpu_launch.trust import (
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
 
+    from vllm_cpu_launch.shape import Shape
     from vllm_cpu_launch.target import Target
 
     Places = Iterator[tuple["Origin", list[str]]]  # each place's origin and the files it proposes
@@ -82,6 +83,7 @@ class Host:
     search_path: tuple[str, ...] = ()  # sys.path, for installed distributions
     root: str = "/"  # where the system places are: see SYSTEM_ROOT_VARIABLE
     cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
+    shape: Shape | None = None  # those CPUs' quota and nodes (shape.py); None: not read
     # The caller's LD_PRELOAD, read once: every stage and verb reads these, never the variable.
     preload: tuple[PreloadEntry, ...] = field(init=False)
 

@@ -14,6 +14,7 @@ from vllm_cpu_launch.gather import (
     effective_tune,
     mode_of,
     pythonpath_with,
+    version_key,
 )
 from vllm_cpu_launch.handoff import (
     IOMP_MACHINES,
@@ -41,6 +42,7 @@ from vllm_cpu_launch.rules import (
     setting_rule,
 )
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
+from vllm_cpu_launch.shape import VISIBLE_NODES, shape_json, visible_nodes, visible_nodes_problem
 from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.libraries import Candidate, Finding, PreloadEntry, Search
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Tuned
+    from vllm_cpu_launch.shape import Shape
 
 
 # The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
@@ -323,6 +326,14 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
     return replace(decision, env=tuple(env.items()), mark=mark)
 
 
+def nodes_stage(facts: Facts, decision: Decision) -> Decision:
+    """CPU_VISIBLE_MEMORY_NODES, where vLLM would bind a worker to a node without the
+    CPUs this process may run on (vLLM #43240; shape.visible_nodes)."""
+    shape, release = facts.host.shape, version_key(facts.release.release or "")
+    nodes = shape and visible_nodes(shape, facts.host.environ, release)
+    return replace(decision, env=(*decision.env, (VISIBLE_NODES, nodes))) if nodes else decision
+
+
 STAGES: tuple[Callable[[Facts, Decision], Decision], ...] = (
     mode_stage,
     release_gate,
@@ -333,6 +344,7 @@ STAGES: tuple[Callable[[Facts, Decision], Decision], ...] = (
     allocator_stage,
     refuse_stage,
     env_stage,
+    nodes_stage,
     mark_stage,
 )
 
@@ -396,6 +408,7 @@ class Plan:
     fatal: tuple[str, ...] = ()  # --strict's not-found messages (exit 3), in warnings too
     metadata: Alias | None = None  # the `vllm` metadata supplied to a vllm-cpu install
     overridden: tuple[Override, ...] = ()  # with SD: vLLM's in bound workers
+    shape: Shape | None = None  # the CPUs this launch gets (shape.py)
 
 
 def missing_message(search: Search, install: str, consequence: str, llvm: bool = False) -> str:
@@ -555,6 +568,8 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
             f"not supplying vLLM's missing `vllm` metadata{where}: {problem}, so `vllm` may "
             f"fail with PackageNotFoundError{fix}"
         )
+    shape = facts.host.shape
+    said += filter(None, [visible_nodes_problem(shape, facts.host.environ) if shape else None])
     refuses = facts.settings.strict and facts.planner == Planner.LAUNCHER
     return said, unsafe, missing if refuses else []
 
@@ -605,6 +620,11 @@ def notes_of(facts: Facts, decision: Decision) -> list[str]:
         said.append("tcmalloc not found; optional (install libtcmalloc-minimal4)")
     if applied and decision.chosen:
         said.append(applied.note)
+    if nodes := dict(decision.env).get(VISIBLE_NODES):
+        said.append(
+            f"{VISIBLE_NODES}={nodes}: the NUMA nodes of the CPUs this process may run on, "
+            "where vLLM would bind its worker to the first memory node allowed (vLLM #43240)"
+        )
     return said
 
 
@@ -668,6 +688,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         fatal=tuple(fatal),
         metadata=facts.alias if facts.alias and not facts.alias_problem else None,
         overridden=overridden,
+        shape=facts.host.shape,
     )
 
 
@@ -703,6 +724,7 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
         "relies_on": dict(plan.relies_on),
         **{key: list(getattr(plan, key)) for key in ("warnings", "notes", "missing", "unsafe")},
         "refused": list(plan.refused),
+        "shape": shape_json(plan.shape),
         "candidates": [{key: getattr(c, key) for key in candidate} for c in plan.candidates],
     }
 
@@ -768,6 +790,7 @@ def plan_as_text(plan: Plan) -> str:
     fields = {
         "command": [shlex.join(record["command"])],
         "speculative": [sd],
+        "shape": [record["shape"]["line"]] if record["shape"] else [],
         "reason": [record["reason"]],
         "rule": [rule_words(record["rule"])] if record["rule"] else [],
         "runtime": [rule_words(record["runtime"])] if record["runtime"] else [],

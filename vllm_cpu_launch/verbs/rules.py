@@ -17,10 +17,12 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, replace
 from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
 from vllm_cpu_launch.plan import start_of
 from vllm_cpu_launch.rules import LOAD_JSON, REAL_JSON, REAL_MODEL, RULES
+from vllm_cpu_launch.shape import shape_json, shape_line
 from vllm_cpu_launch.target import Target, resolve_vllm
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.command import SpeculativeRequest
+    from vllm_cpu_launch.libraries import Host
 
 USAGE = """\
 usage: vllm-cpu-launch rules [--json]
@@ -108,7 +110,7 @@ def table_lines() -> list[str]:
 
 
 def command_start(
-    values: dict[str, object], command: list[str]
+    values: dict[str, object], command: list[str], host: Host
 ) -> tuple[rules.Start, str, SpeculativeRequest]:
     """The start the rules read for `command` (as a launch plans it), where its vLLM was
     found, and its SD request; without a vLLM, the host's and the caller's facts alone."""
@@ -117,7 +119,9 @@ def command_start(
         target: Target | None = resolve_vllm(settings.vllm, os.environ, sys.executable)
     except LaunchError:
         target = None
-    facts = launch.launch_facts(settings, target or Target("", "none"), read_command(command))
+    facts = launch.launch_facts(
+        settings, target or Target("", "none"), read_command(command), host=host
+    )
     start = start_of(facts)
     if target is None:
         return replace(start, vllm_found=False), NO_VLLM, facts.speculative
@@ -201,7 +205,8 @@ def main(values: dict[str, object], args: list[str]) -> int:
     record: dict[str, Any] = {"schema": SCHEMA, "rules": [rule_json(r) for r in RULES]}
     lines = table_lines()
     if command:
-        start, found, speculative = command_start(merged, command)
+        host = launch.current_host()
+        start, found, speculative = command_start(merged, command, host)
         matched = matching(start, speculative.requested)
         said = vllm_words(start, speculative, matched["rule"])
         record["start"] = {
@@ -213,8 +218,10 @@ def main(values: dict[str, object], args: list[str]) -> int:
             "method": start.method,
             "tokens": start.tokens,
         }
+        record["shape"] = shape_json(host.shape)
         record.update(**matched, vllm=said)
         lines = command_lines(start, found, speculative.requested, matched)
+        lines[2:2] = [f"shape:    {shape_line(host.shape)}"] if host.shape else []
         lines += [f"vLLM:     {w}" for w in said]
     launch.write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0

@@ -39,6 +39,7 @@ from vllm_cpu_launch.settings import (
     record_fields,
     record_scope,
 )
+from vllm_cpu_launch.shape import shape_json
 from vllm_cpu_launch.target import resolve_vllm
 
 if TYPE_CHECKING:
@@ -543,6 +544,7 @@ def build_report(values: dict[str, object], environ: Mapping[str, str]) -> dict[
         "settings": settings_section(settings, "; ".join(errors) or None, here),
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
+    report["shape"] = shape_json(host.shape)
     report["recommendations"] = recommend(report, target, sd_probe(settings, target, host))
     return report
 
@@ -589,6 +591,7 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
         f"  flags    {flags}",
         f"cores      {cores['physical']} physical, {cores['logical']} logical, "
         f"{cores['usable']} usable by this process",
+        f"shape      {report['shape']['line']}",
     ]
     nodes = report["numa"]
     if nodes:

@@ -1,0 +1,237 @@
+"""The CPUs a launch really gets, read once (docs/design.md, "The shape"): the CPUs it may
+run on, the cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`/`cpu.cfs_period_us`, the
+tightest along the process's cgroup path, as vLLM's `_cgroup_cpu_limit` reads it, under the
+mount points /proc/self/mountinfo names), the NUMA nodes of those CPUs and the memory nodes
+allowed. `root` is where /proc and /sys lie (a test's tree; "/" for a launch).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from vllm_cpu_launch.errors import record
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
+    from typing import Any, TypeVar
+
+    _T = TypeVar("_T")
+
+CGROUP, MOUNTINFO, STATUS = "proc/self/cgroup", "proc/self/mountinfo", "proc/self/status"
+NODES = "sys/devices/system/node"
+# vLLM's own way to say which memory nodes its workers bind to (cpu_resource_utils.py).
+VISIBLE_NODES = "CPU_VISIBLE_MEMORY_NODES"
+# The first release read whose get_visible_memory_node() takes Mems_allowed_list without
+# the allowed CPUs (vLLM #43240): 0.27.0 and 0.32.0 read, 0.34 unchanged; before, unread.
+MEMS_READER = (0, 27)
+
+
+class Unreadable(Exception):
+    """A file of the shape that cannot be read or makes no sense: its message says which."""
+
+
+@record
+class Shape:
+    cpus: tuple[int, ...]  # sched_getaffinity
+    quota: float | None = None  # CPUs' worth of time the cgroup quota allows; None: no limit
+    quota_unknown: str | None = None  # why the quota could not be read
+    nodes: tuple[int, ...] = ()  # the NUMA nodes of `cpus`
+    memory_nodes: tuple[int, ...] = ()  # Mems_allowed_list
+    nodes_unknown: str | None = None  # why the nodes could not be read
+
+
+def read_text(root: str, path: str, missing: str | None = "") -> str | None:
+    """The file's text; `missing` where it does not exist (Unreadable if that is "")."""
+    where = os.path.join(root, path.lstrip("/"))
+    try:
+        with open(where, encoding="utf-8") as stream:
+            return stream.read().strip()
+    except FileNotFoundError:
+        if missing == "":
+            raise Unreadable(f"{where}: missing") from None
+        return missing
+    except (OSError, UnicodeDecodeError) as error:
+        raise Unreadable(f"{where}: {getattr(error, 'strerror', None) or error}") from None
+
+
+def id_list(text: str, where: str) -> tuple[int, ...]:
+    """(0, 1, 2, 4) for the kernel's "0-2,4"."""
+    ids: set[int] = set()
+    try:
+        for part in filter(None, text.split(",")):
+            first, _, last = part.partition("-")
+            ids.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise Unreadable(f"{where}: {text!r} is no list of numbers") from None
+    return tuple(sorted(ids))
+
+
+def id_words(ids: Iterable[int]) -> str:
+    """The kernel's "0-2,4" for (0, 1, 2, 4)."""
+    runs: list[list[int]] = []
+    for n in sorted(ids):
+        if runs and runs[-1][-1] == n - 1:
+            runs[-1][1:] = [n]
+        else:
+            runs.append([n])
+    return ",".join("-".join(map(str, run)) for run in runs)
+
+
+def cgroup_mounts(mountinfo: str) -> dict[str, tuple[str, str]]:
+    """{"2": (root in the hierarchy, mount point)} of cgroup v2, "1" of v1's cpu controller."""
+    mounts: dict[str, tuple[str, str]] = {}
+    for fields in (line.split() for line in mountinfo.splitlines()):
+        rest = fields[fields.index("-") + 1 :] if "-" in fields else []
+        if len(fields) > 4 and len(rest) > 2:
+            v1 = rest[0] == "cgroup" and "cpu" in rest[2].split(",")
+            version = "2" if rest[0] == "cgroup2" else "1" if v1 else None
+            if version:
+                mounts.setdefault(version, (fields[3], fields[4]))
+    return mounts
+
+
+def quota_v2(root: str, directory: str) -> float | None:
+    path = os.path.join(directory, "cpu.max")
+    text = read_text(root, path, None)
+    fields = (text or "").split()
+    if text is None or fields[:1] == ["max"]:
+        return None
+    return ratio(fields[0] if len(fields) == 2 else "", fields[-1], path)
+
+
+def quota_v1(root: str, directory: str) -> float | None:
+    path = os.path.join(directory, "cpu.cfs_quota_us")
+    quota = read_text(root, path, None)
+    if quota is None or (quota.lstrip("-").isdigit() and int(quota) <= 0):  # -1: no limit
+        return None
+    period = os.path.join(directory, "cpu.cfs_period_us")
+    return ratio(quota, read_text(root, period) or "", path)
+
+
+def ratio(quota: str, period: str, where: str) -> float:
+    if not (quota.isdigit() and period.isdigit() and int(period) > 0):
+        raise Unreadable(f"{where}: quota {quota!r} over period {period!r} is no CPU limit")
+    return int(quota) / int(period)
+
+
+def cgroup_quota(root: str) -> float | None:
+    """The tightest quota along the process's cgroup path, each hierarchy's up to its root."""
+    mounts = cgroup_mounts(read_text(root, MOUNTINFO) or "")
+    if not mounts:
+        raise Unreadable(f"no cgroup file system with the cpu controller in /{MOUNTINFO}")
+    limits: list[float] = []
+    for line in (read_text(root, CGROUP) or "").splitlines():
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        version = "2" if controllers == "" else "1" if "cpu" in controllers.split(",") else ""
+        if version in mounts:
+            within, point = mounts[version]
+            parts = os.path.relpath(path, within).split("/") if path.startswith(within) else []
+            parts = [part for part in parts if part not in ("", ".")]
+            read = quota_v2 if version == "2" else quota_v1
+            found = (read(root, os.path.join(point, *parts[:n])) for n in range(len(parts) + 1))
+            limits += [limit for limit in found if limit is not None]
+    return min(limits, default=None)
+
+
+def cpu_nodes(root: str, cpus: tuple[int, ...]) -> tuple[int, ...]:
+    """The NUMA nodes that hold any of `cpus` (none where the kernel lists no nodes)."""
+    try:
+        names = os.listdir(os.path.join(root, NODES))
+    except FileNotFoundError:
+        return ()
+    except OSError as error:
+        raise Unreadable(f"{os.path.join(root, NODES)}: {error.strerror}") from None
+    nodes = sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+    path = f"{NODES}/node{{}}/cpulist"
+    listed = {n: id_list(read_text(root, path.format(n)) or "", path.format(n)) for n in nodes}
+    return tuple(n for n in nodes if set(listed[n]) & set(cpus))
+
+
+def memory_nodes(root: str) -> tuple[int, ...]:
+    lines = (read_text(root, STATUS) or "").splitlines()
+    found = [line[18:].strip() for line in lines if line.startswith("Mems_allowed_list:")]
+    if not found:
+        raise Unreadable(f"/{STATUS}: no Mems_allowed_list")
+    return id_list(found[0], f"/{STATUS} Mems_allowed_list")
+
+
+def attempt(read: Callable[[], _T], empty: _T) -> tuple[_T, str | None]:
+    try:
+        return read(), None
+    except Unreadable as error:
+        return empty, str(error)
+
+
+def read_shape(cpus: Iterable[int], root: str = "/") -> Shape:
+    """The shape of the CPUs `cpus` (the process's sched_getaffinity, read by its caller)."""
+    allowed = tuple(sorted(cpus))
+    quota, quota_unknown = attempt(lambda: cgroup_quota(root), None)
+    none: tuple[int, ...] = ()
+    nodes, cpus_unknown = attempt(lambda: cpu_nodes(root, allowed), none)
+    memory, memory_unknown = attempt(lambda: memory_nodes(root), none)
+    unknown = "; ".join(filter(None, (cpus_unknown, memory_unknown))) or None
+    return Shape(allowed, quota, quota_unknown, nodes, memory, unknown)
+
+
+def shape_line(shape: Shape) -> str:
+    """ "2 CPUs (0-1), limited to 1.0 by the cgroup quota, NUMA node 0": doctor, --dry-run."""
+    count, nodes = len(shape.cpus), shape.nodes
+    parts = [f"{count} CPU{'s' * (count != 1)} ({id_words(shape.cpus)})"]
+    if shape.quota_unknown:
+        parts.append(f"quota unknown ({shape.quota_unknown})")
+    else:
+        limit = shape.quota
+        parts.append(
+            "no cgroup quota"
+            if limit is None
+            else f"limited to {round(limit, 2)} by the cgroup quota"
+        )
+    if shape.nodes_unknown:
+        parts.append(f"NUMA nodes unknown ({shape.nodes_unknown})")
+    else:
+        parts.append(
+            f"NUMA node{'s' * (len(nodes) != 1)} {id_words(nodes)}"
+            if nodes
+            else "no NUMA nodes listed"
+        )
+    if shape.memory_nodes and shape.memory_nodes != nodes:
+        parts.append(f"memory nodes {id_words(shape.memory_nodes)} allowed")
+    return ", ".join(parts)
+
+
+def shape_json(shape: Shape | None) -> dict[str, Any] | None:
+    if shape is None:
+        return None
+    keys = ("cpus", "quota", "quota_unknown", "nodes", "memory_nodes", "nodes_unknown")
+    said = {key: getattr(shape, key) for key in keys}
+    lists = {key: list(said[key]) for key in ("cpus", "nodes", "memory_nodes")}
+    return {**said, **lists, "line": shape_line(shape)}
+
+
+def visible_nodes(shape: Shape, environ: Mapping[str, str], release: tuple[int, ...]) -> str | None:
+    """CPU_VISIBLE_MEMORY_NODES for vLLM (#43240): the allowed CPUs' nodes, where they differ
+    from the memory nodes allowed, the caller set none and the release reads the latter."""
+    wanted = tuple(n for n in shape.nodes if n in shape.memory_nodes)
+    if environ.get(VISIBLE_NODES) or release < MEMS_READER or shape.nodes_unknown:
+        return None
+    return ",".join(map(str, wanted)) if wanted and wanted != shape.memory_nodes else None
+
+
+def visible_nodes_problem(shape: Shape, environ: Mapping[str, str]) -> str | None:
+    """The caller's CPU_VISIBLE_MEMORY_NODES (kept) where vLLM would bind to no CPU by it."""
+    value = environ.get(VISIBLE_NODES)
+    if not value or shape.nodes_unknown:
+        return None
+    try:
+        named = [int(node) for node in value.split(",")]  # as vLLM reads it
+    except ValueError:
+        return f"{VISIBLE_NODES}={value} (yours, kept): vLLM reads a comma list of node numbers"
+    empty = [n for n in named if n in shape.memory_nodes and n not in shape.nodes]
+    if not empty:
+        return None
+    return (
+        f"{VISIBLE_NODES}={value} (yours, kept): node {id_words(empty)} holds none of the "
+        f"CPUs this process may run on ({id_words(shape.cpus)}): a vLLM worker bound there "
+        f"gets no CPU; set it to {','.join(map(str, shape.nodes)) or 'their nodes'} or unset it"
+    )
