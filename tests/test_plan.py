@@ -229,6 +229,7 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
         "missing": [],
         "unsafe": [],
         "refused": [],
+        "shape": None,  # make_host reads none
         "candidates": [
             {
                 "kind": "iomp",

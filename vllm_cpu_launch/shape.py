@@ -97,7 +97,7 @@ def quota_v2(root: str, directory: str) -> float | None:
     fields = (text or "").split()
     if text is None or fields[:1] == ["max"]:
         return None
-    return ratio(fields[0] if len(fields) == 2 else "", fields[-1], path)
+    return ratio(fields[0], fields[1] if len(fields) == 2 else "", path)
 
 
 def quota_v1(root: str, directory: str) -> float | None:
@@ -195,7 +195,7 @@ def shape_line(shape: Shape) -> str:
             if nodes
             else "no NUMA nodes listed"
         )
-    if shape.memory_nodes and shape.memory_nodes != nodes:
+    if nodes and shape.memory_nodes and shape.memory_nodes != nodes:
         parts.append(f"memory nodes {id_words(shape.memory_nodes)} allowed")
     return ", ".join(parts)
 
