@@ -709,7 +709,7 @@ EXEC_PATH = [
     *("vllm_cpu_launch.gather", "vllm_cpu_launch.handoff", "vllm_cpu_launch.launch"),
     "vllm_cpu_launch.libraries",
     *("vllm_cpu_launch.plan", "vllm_cpu_launch.rules", "vllm_cpu_launch.settings"),
-    *("vllm_cpu_launch.target", "vllm_cpu_launch.trust"),
+    *("vllm_cpu_launch.shape", "vllm_cpu_launch.target", "vllm_cpu_launch.trust"),
 ]
 
 

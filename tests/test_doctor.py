@@ -36,6 +36,7 @@ KEYS = {
     "cpu",
     "cores",
     "numa",
+    "shape",
     "memory",
     "vllm",
     "libraries",

@@ -176,28 +176,19 @@ def read_shape(cpus: Iterable[int], root: str = "/") -> Shape:
 
 def shape_line(shape: Shape) -> str:
     """ "2 CPUs (0-1), limited to 1.0 by the cgroup quota, NUMA node 0": doctor, --dry-run."""
-    count, nodes = len(shape.cpus), shape.nodes
-    parts = [f"{count} CPU{'s' * (count != 1)} ({id_words(shape.cpus)})"]
+    count, nodes, quota = len(shape.cpus), shape.nodes, shape.quota
+    said = [
+        f"{count} CPU{'s' * (count != 1)} ({id_words(shape.cpus)})",
+        f"limited to {round(quota, 2)} by the cgroup quota" if quota else "no cgroup quota",
+        f"NUMA node{'s' * (len(nodes) > 1)} {id_words(nodes)}" if nodes else "no NUMA nodes listed",
+    ]
     if shape.quota_unknown:
-        parts.append(f"quota unknown ({shape.quota_unknown})")
-    else:
-        limit = shape.quota
-        parts.append(
-            "no cgroup quota"
-            if limit is None
-            else f"limited to {round(limit, 2)} by the cgroup quota"
-        )
+        said[1] = f"quota unknown ({shape.quota_unknown})"
     if shape.nodes_unknown:
-        parts.append(f"NUMA nodes unknown ({shape.nodes_unknown})")
-    else:
-        parts.append(
-            f"NUMA node{'s' * (len(nodes) != 1)} {id_words(nodes)}"
-            if nodes
-            else "no NUMA nodes listed"
-        )
+        said[2] = f"NUMA nodes unknown ({shape.nodes_unknown})"
     if nodes and shape.memory_nodes and shape.memory_nodes != nodes:
-        parts.append(f"memory nodes {id_words(shape.memory_nodes)} allowed")
-    return ", ".join(parts)
+        said.append(f"memory nodes {id_words(shape.memory_nodes)} allowed")
+    return ", ".join(said)
 
 
 def shape_json(shape: Shape | None) -> dict[str, Any] | None:
@@ -205,8 +196,11 @@ def shape_json(shape: Shape | None) -> dict[str, Any] | None:
         return None
     keys = ("cpus", "quota", "quota_unknown", "nodes", "memory_nodes", "nodes_unknown")
     said = {key: getattr(shape, key) for key in keys}
-    lists = {key: list(said[key]) for key in ("cpus", "nodes", "memory_nodes")}
-    return {**said, **lists, "line": shape_line(shape)}
+    return {
+        **said,
+        **{k: list(v) for k, v in said.items() if isinstance(v, tuple)},
+        "line": shape_line(shape),
+    }
 
 
 def visible_nodes(shape: Shape, environ: Mapping[str, str], release: tuple[int, ...]) -> str | None:
