@@ -16,17 +16,14 @@ from vllm_cpu_launch.gather import (
     pythonpath_with,
 )
 from vllm_cpu_launch.handoff import (
-    IOMP_MACHINES,
     LD_PRELOAD,
-    LLVM_OPT_IN_MACHINES,
     NOT_FOUND_MARK,
     PLANNED_VARIABLE,
     STARTED_MARK,
     Library,
     Planner,
-    vllm_reads,
 )
-from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, CandidateVerdict, Origin
+from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, Origin
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
@@ -39,6 +36,14 @@ from vllm_cpu_launch.rules import (
     llvm_runtime,
     override_words,
     setting_rule,
+)
+from vllm_cpu_launch.runtimes import (
+    by_word,
+    opt_in_on,
+    preloaded_on,
+    vllm_reads,
+    vllm_reads_gnu,
+    wanted_on,
 )
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
 from vllm_cpu_launch.trust import library_of
@@ -127,9 +132,9 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
 def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP one built."""
     machine, wants = facts.host.machine, decision.wants_iomp
-    if wants and machine in LLVM_OPT_IN_MACHINES and decision.mode == Mode.ALWAYS:
+    if wants and opt_in_on(machine) and decision.mode == Mode.ALWAYS:
         return replace(decision, machine_gate=MachineGate.OPT_IN)
-    if wants and machine not in IOMP_MACHINES:
+    if wants and not preloaded_on(machine):
         return replace(decision, machine_gate=MachineGate.OFF, wants_iomp=False)
     return decision
 
@@ -147,7 +152,7 @@ def callers_stage(facts: Facts, decision: Decision) -> Decision:
 def x86_sd(facts: Facts, decision: Decision) -> bool:
     """SD on x86-64 with no runtime of the caller's: where the measured rules may apply."""
     machine = facts.host.machine
-    return facts.speculative.requested and machine in IOMP_MACHINES and not decision.yours
+    return facts.speculative.requested and preloaded_on(machine) and not decision.yours
 
 
 def start_of(facts: Facts) -> Start:
@@ -217,7 +222,8 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     if not decision.wants_iomp or search is None:
         return decision
     found, runtime = search.chosen, None
-    llvm = found is not None and found.flavor == LLVM and found.origin != Origin.EXPLICIT
+    family = by_word(found.flavor) if found and found.origin != Origin.EXPLICIT else None
+    llvm = family is not None and family.stand_in
     if llvm and x86_sd(facts, decision):
         runtime = llvm_runtime(start_of(facts))
         if runtime.rule is None and decision.mode == Mode.AUTO:
@@ -273,7 +279,7 @@ def compose_ld_preload(
     entries = [e.path for e in current]
     added = [path for path in additions if path not in entries]
     has_iomp = any(e.kind.kmp for e in current) or any(library_of(a).kmp for a in added)
-    dropped = tuple(e for e in entries if has_iomp and Library.GNU in vllm_reads(e))
+    dropped = tuple(e for e in entries if has_iomp and vllm_reads_gnu(e))
     return ":".join(e for e in added + entries if e not in dropped), dropped
 
 
@@ -345,7 +351,7 @@ def decide(facts: Facts) -> Decision:
     return decision
 
 
-LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
+LIBRARY_TITLES: dict[str, str] = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
 STRICT_REFUSAL = "--strict: not starting"
 # The caller's variables a plan reads and never changes: the decision record's `inputs`.
 CALLER_VARIABLES = (
@@ -497,14 +503,15 @@ def entry_words(entry: str, found: Finding) -> str:
 def missing_words(facts: Facts, decision: Decision) -> list[str]:
     """A wanted library not found: where it looked, and the fix (--strict: fatal)."""
     refuses = facts.settings.strict and facts.planner == Planner.LAUNCHER
-    llvm = facts.host.machine in LLVM_OPT_IN_MACHINES
+    family = wanted_on(facts.host.machine)
+    llvm = opt_in_on(facts.host.machine)
     said = []
     if decision.iomp_missing and not decision.broken and decision.iomp_search:
         consequence = "the program will use GNU libgomp"
         if facts.speculative.requested and not llvm:
             consequence = "speculative decoding on CPU runs about 2x slower with GNU libgomp"
         consequence = STRICT_REFUSAL if refuses else consequence
-        install = facts.install_fixes[LLVM if llvm else IOMP]
+        install = facts.install_fixes[family.value]
         said.append(missing_message(decision.iomp_search, install, consequence, llvm))
     if decision.tcmalloc_missing and decision.tcmalloc_search:
         consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
@@ -561,7 +568,7 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
 
 def machine_words(machine: str) -> str:
     message = f"not preloading Intel OpenMP: this host is {machine}, not x86-64"
-    if machine in LLVM_OPT_IN_MACHINES:
+    if opt_in_on(machine):
         message += "; LLVM's libomp is opt-in here until measured: --iomp always"
     return message
 
