@@ -84,6 +84,7 @@ class Decision:
     allocators: tuple[str, ...] = ()  # the caller's malloc entries (tcmalloc or other)
     other_malloc: tuple[str, ...] = ()  # those that are no tcmalloc
     setting: Setting = Setting(None, "")  # the setting rule, or why none applies
+    start: Start | None = None  # what the rules matched (rules_stage), for SD on x86-64
     runtime: Setting | None = None  # LLVM's libomp standing in: its rule, or why not
     iomp_search: Search | None = None  # the runtime search, as the plan reports it
     iomp: Candidate | None = None  # the runtime the plan preloads
@@ -181,69 +182,60 @@ def rules_stage(facts: Facts, decision: Decision) -> Decision:
     """The setting rule that applies here (rules.setting_rule), for SD on x86-64."""
     if not (x86_sd(facts, decision) and decision.wants_iomp):
         return decision
-    return replace(decision, setting=setting_rule(start_of(facts)))
-
-
-def declined(search: Search, why: str) -> Search:
-    """The search with its LLVM runtimes turned down for SD, each saying how to take it."""
-    candidates = tuple(
-        replace(
-            c,
-            verdict=CandidateVerdict.REJECTED,
-            reason=f"LLVM's libomp, {why}: not preloaded in Intel OpenMP's place; "
-            f"--iomp-path {c.path} or --iomp always preloads it anyway",
-        )
-        if c.verdict in (CandidateVerdict.CHOSEN, CandidateVerdict.USABLE)
-        else c
-        for c in search.candidates
-    )
-    return replace(search, chosen=None, candidates=candidates)
-
-
-def set_aside(search: Search, entry: str) -> Search:
-    """The search with its choice set aside for the caller's own runtime `entry`."""
-    candidates = tuple(
-        replace(
-            c,
-            verdict=CandidateVerdict.USABLE,
-            reason=f"not preloaded: your LD_PRELOAD entry {entry} is named as an OpenMP "
-            "runtime, kept as set, and none goes beside it",
-        )
-        if c.verdict == CandidateVerdict.CHOSEN and c.origin != Origin.LD_PRELOAD
-        else c
-        for c in search.candidates
-    )
-    return replace(search, candidates=candidates)
+    start = start_of(facts)
+    return replace(decision, start=start, setting=setting_rule(start))
 
 
 def runtime_stage(facts: Facts, decision: Decision) -> Decision:
-    """The OpenMP runtime to preload: LLVM's only where a runtimes rule lets it stand in."""
+    """The OpenMP runtime to preload: the search's choice, but a stand-in (LLVM's) for SD
+    under --iomp auto only where a runtimes rule lets it, and none beside a runtime of the
+    caller's own (`foreign`: theirs, broken or not; --iomp-path too is a usage error)."""
     search = facts.iomp
     if not decision.wants_iomp or search is None:
         return decision
     found, runtime = search.chosen, None
     family = by_word(found.flavor) if found and found.origin != Origin.EXPLICIT else None
-    llvm = family is not None and family.stand_in
-    if llvm and x86_sd(facts, decision):
-        runtime = llvm_runtime(start_of(facts))
-        if runtime.rule is None and decision.mode == Mode.AUTO:
-            search = declined(search, runtime.note)
-    iomp = search.chosen
-    foreign = [e for e in decision.yours if iomp is None or e != iomp.path]
+    if family and family.stand_in and decision.start and x86_sd(facts, decision):
+        runtime = llvm_runtime(decision.start)
+    declined = None  # why the stand-in is turned down, where it is
+    if runtime is not None and runtime.rule is None and decision.mode == Mode.AUTO:
+        declined = runtime.note
+    iomp = found if declined is None else None
+    foreign = next((e for e in decision.yours if iomp is None or e != iomp.path), None)
     if foreign and IOMP in facts.explicit:
         raise LaunchError(
             EXIT_USAGE,
             f"--iomp-path {facts.settings.iomp_path} and your LD_PRELOAD entry "
-            f"{foreign[0]} would put two OpenMP runtimes in one process: give one of them",
+            f"{foreign} would put two OpenMP runtimes in one process: give one of them",
         )
-    if foreign:
-        search = set_aside(search, foreign[0])
-    rejected = {c.path: c for c in search.candidates if c.origin == Origin.LD_PRELOAD}
-    broken = tuple(rejected[e] for e in decision.yours if e in rejected)
-    broken = tuple(c for c in broken if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
+    candidates = tuple(runtime_verdict(c, declined, foreign) for c in search.candidates)
+    theirs = [c for c in candidates if c.origin == Origin.LD_PRELOAD and c.path in decision.yours]
+    broken = tuple(c for c in theirs if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
+    search = replace(search, chosen=iomp, candidates=candidates)
     missing = bool(broken) if foreign else iomp is None
     decision = replace(decision, runtime=runtime, iomp_search=search, broken=broken)
     return replace(decision, iomp=None if foreign else iomp, iomp_missing=missing)
+
+
+def runtime_verdict(candidate: Candidate, declined: str | None, foreign: str | None) -> Candidate:
+    """A candidate as runtime_stage leaves it: turned down where the stand-in was declined
+    (for the reason `declined`; saying how to take it anyway), or set aside for the caller's
+    `foreign` runtime."""
+    usable = (CandidateVerdict.CHOSEN, CandidateVerdict.USABLE)
+    if declined is not None and candidate.verdict in usable:
+        reason = (
+            f"LLVM's libomp, {declined}: not preloaded in Intel OpenMP's place; "
+            f"--iomp-path {candidate.path} or --iomp always preloads it anyway"
+        )
+        return replace(candidate, verdict=CandidateVerdict.REJECTED, reason=reason)
+    chosen = candidate.verdict == CandidateVerdict.CHOSEN
+    if foreign and chosen and candidate.origin != Origin.LD_PRELOAD:
+        reason = (
+            f"not preloaded: your LD_PRELOAD entry {foreign} is named as an OpenMP "
+            "runtime, kept as set, and none goes beside it"
+        )
+        return replace(candidate, verdict=CandidateVerdict.USABLE, reason=reason)
+    return candidate
 
 
 def allocator_stage(facts: Facts, decision: Decision) -> Decision:
