@@ -146,7 +146,7 @@ def runtime_flavor(path: str) -> str | None:
             flavor, _ = openmp_runtime(stream.fileno(), stream.read(64))
     except (OSError, ValueError):
         return None
-    return flavor
+    return flavor.word if flavor else None
 
 
 def worker_libraries(server: Server) -> str:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_cpu_launch.errors import record
-from vllm_cpu_launch.handoff import LD_PRELOAD, Library
+from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.runtimes import GNU
 from vllm_cpu_launch.trust import library_of
 
 WORKLOAD = Path(__file__).with_name("omp_workload.py")
@@ -143,7 +144,7 @@ def _run_child(
             "threads": int(data["threads"]),
             "torch": str(data["torch"]),
             "runtime_path": str(data["runtime_path"]),
-            "openmp_libs": tuple(str(p) for p in data["openmp_libs"]),
+            "openmp_libs": tuple(str(p) for p in data["libraries"] if library_of(str(p)).runtime),
         }
     except (ValueError, KeyError, TypeError) as exc:
         raise OmpMeasureError(f"{config.label}: unreadable workload output: {out[:200]}") from exc
@@ -152,7 +153,7 @@ def _run_child(
 def _runtime_ok(config: OmpConfig, runtime_path: str) -> bool:
     """gomp must bind to a libgomp; iomp must bind to the preloaded file itself."""
     if config.preload is None:
-        return library_of(runtime_path) is Library.GNU
+        return library_of(runtime_path) is GNU
     return bool(runtime_path) and os.path.realpath(runtime_path) == os.path.realpath(config.preload)
 
 

@@ -82,9 +82,10 @@ class Decoder:
         self.history = self.history[accepted + 1 :] + verified[: accepted + 1]
 
 
-def openmp_libraries() -> tuple[list[str], str]:
-    """OpenMP libraries mapped here, and the one serving GOMP_parallel: torch's libgomp stays
-    mapped under a preloaded libiomp5; what counts is where its parallel regions bind."""
+def shared_libraries() -> tuple[list[str], str]:
+    """The shared libraries mapped here (the parent tells the OpenMP runtimes among them by
+    what their files say, trust.library_of), and the one serving GOMP_parallel: torch's
+    libgomp stays mapped under a preloaded libiomp5; what counts is where its regions bind."""
     ranges: list[tuple[int, int, str]] = []
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -92,8 +93,7 @@ def openmp_libraries() -> tuple[list[str], str]:
             if len(fields) == 6 and fields[5].startswith("/"):
                 low, high = (int(a, 16) for a in fields[0].split("-"))
                 ranges.append((low, high, fields[5].strip()))
-    names = ("libgomp", "libiomp", "libomp")
-    mapped = sorted({p for _, _, p in ranges if os.path.basename(p).startswith(names)})
+    mapped = sorted({p for _, _, p in ranges if ".so" in os.path.basename(p)})
     try:
         address = ctypes.cast(ctypes.CDLL(None).GOMP_parallel, ctypes.c_void_p).value or 0
     except AttributeError:  # no GOMP_parallel in the global scope: no OpenMP to bind to
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(json.dumps({"error": "no-torch", "detail": f"{type(exc).__name__}: {exc}"}))
         return NO_TORCH_EXIT
-    mapped, serving = openmp_libraries()
+    mapped, serving = shared_libraries()
     with torch.inference_mode():
         decoder = Decoder(torch)
         for _ in range(args.warmup):
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             decoder.step()
             step_ms.append((time.perf_counter_ns() - start) / 1e6)
     threads = int(torch.get_num_threads())
-    facts = {"openmp_libs": mapped, "runtime_path": serving, "step_ms": step_ms}
+    facts = {"libraries": mapped, "runtime_path": serving, "step_ms": step_ms}
     print(json.dumps({"torch": str(torch.__version__), "threads": threads, **facts}))
     return 0
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from vllm_cpu_launch.handoff import Library
+from vllm_cpu_launch.handoff import kind_of
 from vllm_cpu_launch.verbs.doctor import size
 from vllm_cpu_launch.verbs.verify import shortened
 
@@ -75,7 +75,7 @@ DOCTOR_EXEMPT: dict[Path, str] = {
 SHOWN: dict[Path, Render] = {
     ("memory", ANY): size,
     ("numa", ANY, "memory_total"): size,
-    ("preload", ANY, "kind"): lambda kind: Library(kind).title,
+    ("preload", ANY, "kind"): lambda kind: kind_of(kind).title,
 }
 
 
@@ -112,7 +112,7 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
     found = facts({key: value for key, value in report.items() if key not in exempt})
     for process in processes:
         found.append(shortened(shlex.join(process["cmdline"])))
-        found += [Library(r["kind"]).title for r in process["runtimes"]]
+        found += [kind_of(r["kind"]).title for r in process["runtimes"]]
         inherited = (process["environment"].get("inherited") or {}).get("env", {})
         for environment in (process["env"], inherited):
             found += [f"{name}={shlex.quote(value)}" for name, value in environment.items()]
@@ -125,7 +125,7 @@ def verify_facts(report: dict[str, Any]) -> list[str]:
             ("environment", "inherited", "env", ANY): "as NAME=VALUE, above",
         }
         found += facts(rest, shown_elsewhere)
-        found += [Library(r["kind"]).title for r in process["load_order"]]
+        found += [kind_of(r["kind"]).title for r in process["load_order"]]
     return found
 
 

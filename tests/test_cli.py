@@ -707,9 +707,11 @@ EXEC_PATH = [
     "vllm_cpu_launch",
     *("vllm_cpu_launch.cli", "vllm_cpu_launch.command", "vllm_cpu_launch.errors"),
     *("vllm_cpu_launch.gather", "vllm_cpu_launch.handoff", "vllm_cpu_launch.launch"),
-    "vllm_cpu_launch.libraries",
-    *("vllm_cpu_launch.plan", "vllm_cpu_launch.rules", "vllm_cpu_launch.settings"),
-    *("vllm_cpu_launch.shape", "vllm_cpu_launch.target", "vllm_cpu_launch.trust"),
+    *("vllm_cpu_launch.libraries", "vllm_cpu_launch.plan", "vllm_cpu_launch.rules"),
+    *("vllm_cpu_launch.runtimes", "vllm_cpu_launch.runtimes.gnu"),
+    *("vllm_cpu_launch.runtimes.intel", "vllm_cpu_launch.runtimes.llvm"),
+    *("vllm_cpu_launch.settings", "vllm_cpu_launch.shape", "vllm_cpu_launch.target"),
+    "vllm_cpu_launch.trust",
 ]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from vllm_cpu_launch import rules as evidence
-from vllm_cpu_launch.fixes import LLVM_PACKAGE
+from vllm_cpu_launch import runtimes
 from vllm_cpu_launch.handoff import Library
 from vllm_cpu_launch.libraries import (
     IOMP,
@@ -131,9 +131,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("libompl.so", (Library.OTHER, False)),
         ("libompd.so", (Library.OTHER, False)),
         ("libompwork.so", (Library.OTHER, False)),  # it calls GOMP_parallel: no definition
-        ("libgomp-0123abcd.so.1.0.0", (Library.GNU, True)),  # a wheel's renamed libgomp
-        ("libgnu-hash.so", (Library.GNU, True)),  # no SONAME: it defines GOMP_parallel
-        ("libsysv-hash.so", (Library.GNU, True)),  # found through DT_HASH alone too
+        ("libgomp-0123abcd.so.1.0.0", (runtimes.GNU, True)),  # a wheel's renamed libgomp
+        ("libgnu-hash.so", (runtimes.GNU, True)),  # no SONAME: it defines GOMP_parallel
+        ("libsysv-hash.so", (runtimes.GNU, True)),  # found through DT_HASH alone too
     ],
 )
 def test_a_library_is_what_its_elf_file_says_not_its_name(
@@ -148,11 +148,11 @@ def test_a_library_is_what_its_elf_file_says_not_its_name(
 @pytest.mark.parametrize(
     ("runtime", "kind"),
     [
-        ("real_iomp", Library.INTEL),
-        ("llvm-14/lib/libomp.so.5", Library.LLVM),
-        ("llvm-14/lib/libiomp5.so", Library.LLVM),  # Debian's alias: SONAME libomp.so.5
-        ("llvm-14/lib/libgomp.so", Library.LLVM),
-        ("/usr/lib/x86_64-linux-gnu/libgomp.so.1", Library.GNU),
+        ("real_iomp", runtimes.INTEL),
+        ("llvm-14/lib/libomp.so.5", runtimes.LLVM),
+        ("llvm-14/lib/libiomp5.so", runtimes.LLVM),  # Debian's alias: SONAME libomp.so.5
+        ("llvm-14/lib/libgomp.so", runtimes.LLVM),
+        ("/usr/lib/x86_64-linux-gnu/libgomp.so.1", runtimes.GNU),
     ],
 )
 @pytest.mark.parametrize("renamed", [None, "libfoo.so", "libompwork.so"])
@@ -180,7 +180,7 @@ def test_a_real_runtime_is_itself_under_any_name(
 def test_intels_stub_and_debugger_library_are_intels_but_serve_nothing(real_iomp: Path) -> None:
     """By their SONAMEs Intel's (the plan refuses them by name, below); no GOMP_parallel."""
     for name in ("libiompstubs5.so", "libiomp5_db.so"):
-        assert identify(str(real_iomp.parent / name)) == (Library.INTEL, False)
+        assert identify(str(real_iomp.parent / name)) == (runtimes.INTEL, False)
 
 
 def test_a_file_is_named_only_where_none_can_be_read(
@@ -190,13 +190,13 @@ def test_a_file_is_named_only_where_none_can_be_read(
     file) and a file no ELF shared object by their names (examine says why they are none)."""
     monkeypatch.chdir(tmp_path)
     shutil.copy2(built / "libompl.so", tmp_path / "libiomp5.so")
-    assert identify("libiomp5.so") == (Library.INTEL, True)
+    assert identify("libiomp5.so") == (runtimes.INTEL, True)
     assert library_of(str(tmp_path / "libiomp5.so")) is Library.OTHER
-    assert identify(str(tmp_path / "gone" / "libgomp.so.1")) == (Library.GNU, True)
-    assert library_of(str(tmp_path / "gone" / "libompwork.so")) is Library.LLVM
+    assert identify(str(tmp_path / "gone" / "libgomp.so.1")) == (runtimes.GNU, True)
+    assert library_of(str(tmp_path / "gone" / "libompwork.so")) is runtimes.LLVM
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "libiomp5.so").write_text("INPUT(libiomp5.so.1)\n")
-    assert identify(str(tmp_path / "text" / "libiomp5.so")) == (Library.INTEL, True)
+    assert identify(str(tmp_path / "text" / "libiomp5.so")) == (runtimes.INTEL, True)
     assert identify(str(tmp_path / "text")) == (Library.OTHER, False)
 
 
@@ -1107,7 +1107,7 @@ def dry_run(tmp_path: Path, vllm: Path, args: list[str], **env: str) -> Any:
 def banner(path: str) -> str | None:
     with open(path, "rb") as stream:
         flavor, _ = openmp_runtime(stream.fileno(), stream.read(64))
-    return flavor
+    return flavor.word if flavor else None
 
 
 @pytest.fixture
@@ -1121,7 +1121,7 @@ def test_the_llvm_openmp_extra_brings_the_wheel_whose_place_the_launcher_searche
     setup = configparser.ConfigParser()
     setup.read(REPO / "setup.cfg", encoding="utf-8")
     extra = setup["options.extras_require"]["llvm-openmp"].split()
-    assert extra == [LLVM_PACKAGE] and CMEEL_WHEELS[0].partition("==")[0] == LLVM_PACKAGE
+    assert extra == [runtimes.LLVM.wheel] and CMEEL_WHEELS[0].partition("==")[0] == extra[0]
 
 
 def test_cmeel_libomp_stands_in_for_intel_openmp_where_the_runtimes_map_measured_it(

@@ -63,6 +63,7 @@ from vllm_cpu_launch.plan import (
     schema,
 )
 from vllm_cpu_launch.rules import rule
+from vllm_cpu_launch.runtimes import INTEL as INTEL_FAMILY
 from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned, blocktime_milliseconds
 from vllm_cpu_launch.target import Target
 
@@ -159,7 +160,7 @@ def test_the_facts_carry_the_callers_ld_preload_read_once_each_entry_classified(
     target = make_target(tmp_path, real_iomp)
     facts = gather(DEFAULTS, read_command(SD), target, host, True)
     assert facts.host.preload == (
-        PreloadEntry(str(real_iomp), Library.INTEL),
+        PreloadEntry(str(real_iomp), INTEL_FAMILY),
         PreloadEntry("/x/libjemalloc.so.2", Library.MALLOC),
     )
     assert [entry for entry, _ in facts.entries] == [str(real_iomp), "/x/libjemalloc.so.2"]

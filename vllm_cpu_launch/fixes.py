@@ -10,13 +10,13 @@ import shutil
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.libraries import TCMALLOC
+from vllm_cpu_launch.runtimes import INTEL
 from vllm_cpu_launch.target import python_libraries
 
 if TYPE_CHECKING:
     from vllm_cpu_launch.target import Target
 
-PACKAGE = "intel-openmp"
-LLVM_PACKAGE = "cmeel-libomp"  # LLVM's libomp, x86-64 and aarch64 wheels (libraries.cmeel_libomp)
+PACKAGE = INTEL.wheel  # each runtime family's wheel: runtimes.Family.wheel
 
 
 def in_libraries(prefix: str, name: str) -> bool:

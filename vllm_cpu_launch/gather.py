@@ -12,8 +12,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
-from vllm_cpu_launch.handoff import IOMP_MACHINES, LLVM_OPT_IN_MACHINES, Library, Planner
-from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, Finding, examine_entry, find_library
+from vllm_cpu_launch.handoff import Library, Planner
+from vllm_cpu_launch.libraries import IOMP, TCMALLOC, Finding, examine_entry, find_library
+from vllm_cpu_launch.runtimes import INTEL, opt_in_on, preloadable, preloaded_on
 from vllm_cpu_launch.settings import Mode, choose, launch_scope
 from vllm_cpu_launch.target import site_packages
 from vllm_cpu_launch.trust import insecure_reason, owners
@@ -279,8 +280,9 @@ def searches(facts: Facts) -> tuple[Search | None, Search | None]:
         and facts.release.status == ReleaseStatus.OLDER
         and mode == Mode.AUTO
     )
-    runtime = (mode == Mode.ALWAYS and host.machine in (*IOMP_MACHINES, *LLVM_OPT_IN_MACHINES)) or (
-        mode == Mode.AUTO and facts.auto_iomp and host.machine in IOMP_MACHINES and not older
+    machine = host.machine
+    runtime = (mode == Mode.ALWAYS and (preloaded_on(machine) or opt_in_on(machine))) or (
+        mode == Mode.AUTO and facts.auto_iomp and preloaded_on(machine) and not older
     )
     theirs = any(e.kind is Library.MALLOC for e in host.preload)
     tcmalloc = not theirs and (
@@ -307,7 +309,7 @@ def gather(
     """The facts of what the plan is asked, every file it reads read here, once."""
     trusted, problems = target_trust(target, host.euid)
     # A bad path given is an error even when that library turns out not to be wanted.
-    named = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
+    named: dict[str, str | None] = {IOMP: settings.iomp_path, TCMALLOC: settings.tcmalloc_path}
     explicit = {k: validated_explicit(k, p, host, trusted) for k, p in named.items() if p}
     release = support(target_release(target))
     scope = launch_scope(command.model, command.speculative, release.release, host.cpus)
@@ -344,14 +346,14 @@ def gather(
 def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) -> Mapping[str, str]:
     """The install command of each library a search found none of, by package."""
     # An LLVM runtime found may still be missing to the plan (no runtimes rule for it).
-    runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != "intel")
+    runtime = iomp is not None and (iomp.chosen is None or iomp.chosen.flavor != INTEL.word)
     always = facts.settings.tcmalloc == Mode.ALWAYS
     allocator = always and tcmalloc is not None and tcmalloc.chosen is None
     if not (runtime or allocator):
         return MappingProxyType({})
-    from vllm_cpu_launch.fixes import LLVM_PACKAGE, PACKAGE, fix_hint  # lazy: only when missing
+    from vllm_cpu_launch.fixes import fix_hint  # lazy: only when missing
 
-    rows = [(IOMP, IOMP, PACKAGE), (LLVM, IOMP, LLVM_PACKAGE)] if runtime else []
+    rows = [(f.value, IOMP, f.wheel) for f in preloadable() if f.wheel] if runtime else []
     rows += [(TCMALLOC, TCMALLOC, TCMALLOC)] if allocator else []
     path = facts.host.environ.get("PATH")
     return MappingProxyType({key: fix_hint(facts.target, k, p, path) for key, k, p in rows})

@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.runtimes import Family, by_kind, preloaded_on, vllm_reads
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -14,54 +16,42 @@ LD_PRELOAD = "LD_PRELOAD"  # the loader's variable, which vLLM reads too
 
 
 class Library(enum.Enum):
-    """What a library is (trust.library_of); the value is its kind in verify's JSON."""
+    """What a library is that is no OpenMP runtime (those are runtimes.Family's); the value
+    is its kind in verify's and doctor's JSON."""
 
-    INTEL = "iomp"  # Intel's OpenMP runtime, libiomp5 (its stub and debugger libraries too)
-    LLVM = "llvm"  # LLVM's libomp: the same KMP_* interface as Intel's
-    GNU = "gomp"  # GNU libgomp (torch's, sentencepiece's renamed copy)
     TCMALLOC = "tcmalloc"  # gperftools' tcmalloc (libtcmalloc, libtcmalloc_minimal)
     MALLOC = "malloc"  # another malloc: jemalloc, mimalloc
     OTHER = "other"
 
     @property
     def runtime(self) -> bool:
-        return self in (Library.INTEL, Library.LLVM, Library.GNU)
+        return False
 
-    @property
-    def kmp(self) -> bool:
-        """Intel's interface (KMP_* variables): what vLLM takes for Intel OpenMP."""
-        return self in (Library.INTEL, Library.LLVM)
+    kmp = runtime
 
     @property
     def allocator(self) -> bool:
-        return self in (Library.TCMALLOC, Library.MALLOC)
+        return self is not Library.OTHER
 
     @property
     def title(self) -> str:
-        return TITLES[self]
+        titles = {"tcmalloc": "tcmalloc", "malloc": "another malloc"}
+        return titles.get(self.value, "another library")
 
 
-TITLES = {
-    Library.INTEL: "Intel OpenMP",
-    Library.LLVM: "LLVM OpenMP",
-    Library.GNU: "GNU libgomp",
-    Library.TCMALLOC: "tcmalloc",
-    Library.MALLOC: "another malloc",
-    Library.OTHER: "another library",
-}
-# Each runtime's word in the plugin's /metrics series; NONE where no OpenMP runtime serves.
-METRIC_WORDS = {Library.INTEL: "intel", Library.LLVM: "llvm", Library.GNU: "gnu"}
+Kind = Family | Library  # what a library is (trust.library_of)
+
+
+def kind_of(value: str) -> Kind:
+    """A library's kind from its word in the JSON (a runtime family's, or a Library's)."""
+    return by_kind(value) or Library(value)
+
+
+# The word in the plugin's /metrics series where no OpenMP runtime serves (a family's word
+# where one does).
 NONE = "none"
 METRIC = "vllm_cpu_launch_openmp"
 INFO_METRIC = f"{METRIC}_info"  # prometheus_client appends `_info` to an info family's name
-
-
-def vllm_reads(ld_preload: str) -> frozenset[Library]:
-    """The OpenMP runtimes vLLM finds in an LD_PRELOAD text, by substrings as vLLM tests them
-    (vllm/utils/ompmultiprocessing.py, use_iomp and use_gomp): a directory's name counts,
-    and libomptarget is Intel's to vLLM, though no runtime."""
-    tests = {Library.INTEL: ("libiomp", "libomp"), Library.GNU: ("libgomp",)}
-    return frozenset(kind for kind, names in tests.items() if any(n in ld_preload for n in names))
 
 
 # The plan's mark: tells vLLM's plugin a process was started with a plan already, and
@@ -85,8 +75,6 @@ STARTED_MARK = ":started"
 PLUGIN_VARIABLE = "VLLMCPULAUNCH_PLUGIN"  # the plugin's off switch (also the config key)
 DEPRECATED_PLUGIN_VARIABLE = "VLLM_CPU_LAUNCH_PLUGIN"  # its name before, still obeyed
 PLUGIN_NAME = "vllm_cpu_launch"  # the entry point (setup.cfg) vLLM's VLLM_PLUGINS names
-IOMP_MACHINES = ("x86_64",)  # vLLM looks for libiomp in LD_PRELOAD on x86 only
-LLVM_OPT_IN_MACHINES = ("aarch64",)  # LLVM's libomp is the one KMP runtime built there
 TRUE_WORDS = ("1", "true", "yes", "on")  # a yes/no setting's words, in any case
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -114,6 +102,6 @@ def stands_down(environ: Mapping[str, str], machine: str, spawned: bool) -> str 
         return planned
     if spawned and vllm_reads(environ.get(LD_PRELOAD, "")):
         return "a process vLLM started: LD_PRELOAD names the runtime its front end chose"
-    if machine not in IOMP_MACHINES:
+    if not preloaded_on(machine):
         return f"this host is {machine}, not x86-64"
     return None

@@ -44,7 +44,8 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import record
-from vllm_cpu_launch.handoff import METRIC, METRIC_WORDS, NONE
+from vllm_cpu_launch.handoff import METRIC, NONE
+from vllm_cpu_launch.runtimes import Family
 from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def read_openmp(role: Role) -> Reading:
     name = info[0] if address and scope.dladdr(ctypes.c_void_p(address), info) else None
     library = os.fsdecode(name) if name else ""
     kind = library_of(library)
-    runtime = METRIC_WORDS.get(kind, NONE)
+    runtime = kind.word if isinstance(kind, Family) else NONE
     blocktime = threads = ""
     if kind.runtime:
         threads = str(scope.omp_get_max_threads())

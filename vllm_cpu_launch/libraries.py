@@ -9,7 +9,17 @@ import sys
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
-from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
+from vllm_cpu_launch.handoff import LD_PRELOAD, Kind, Library
+from vllm_cpu_launch.runtimes import (
+    INTEL,
+    LLVM,
+    by_soname,
+    by_word,
+    preloadable,
+    rank,
+    vllm_reads_gnu,
+    vllm_reads_kmp,
+)
 from vllm_cpu_launch.target import python_user_base, site_packages
 from vllm_cpu_launch.trust import (
     elf_problem,
@@ -18,6 +28,7 @@ from vllm_cpu_launch.trust import (
     library_of,
     openmp_runtime,
     quoted,
+    soname_of,
 )
 
 if TYPE_CHECKING:
@@ -28,15 +39,32 @@ if TYPE_CHECKING:
 
     Places = Iterator[tuple["Origin", list[str]]]  # each place's origin and the files it proposes
 
-IOMP = "iomp"
-TCMALLOC = "tcmalloc"
+
+class Sought(StrEnum):
+    """What a search looks for: an OpenMP runtime vLLM takes for Intel's (a KMP family's:
+    runtimes.preloadable), or tcmalloc."""
+
+    IOMP = "iomp"
+    TCMALLOC = "tcmalloc"
+
+
+IOMP, TCMALLOC = Sought.IOMP, Sought.TCMALLOC
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so")
-NAMES = {IOMP: ("libiomp5.so",), TCMALLOC: (*TCMALLOC_NAMES, "libtcmalloc.so")}
-# vLLM recognises a preloaded library only by these substrings of LD_PRELOAD.
-MARKER = {IOMP: "libiomp", TCMALLOC: "libtcmalloc"}
-# The caller's entries a search proposes, by what their files are (trust.library_of).
-PROPOSED = {IOMP: (Library.INTEL, Library.LLVM), TCMALLOC: (Library.TCMALLOC,)}
-LLVM = Library.LLVM.value  # also the flavor of LLVM's libomp (its banner, trust.py)
+TCMALLOC_MARKER = "libtcmalloc"  # vLLM recognises tcmalloc by this substring of LD_PRELOAD
+
+
+def names(kind: str) -> tuple[str, ...]:
+    """The file names a search looks for: the runtime families' (runtimes.Family.files)."""
+    if kind == TCMALLOC:
+        return (*TCMALLOC_NAMES, "libtcmalloc.so")
+    return tuple(dict.fromkeys(name for f in preloadable() for name in f.files))
+
+
+def proposed(kind: str, entry: Kind) -> bool:
+    """Whether a search proposes the caller's entry, by what its file is (trust.library_of)."""
+    return entry is Library.TCMALLOC if kind == TCMALLOC else entry in preloadable()
+
+
 MULTIARCH = {m: f"{m}-linux-gnu" for m in ("x86_64", "aarch64", "s390x", "riscv64")}
 MULTIARCH["ppc64le"] = "powerpc64le-linux-gnu"
 LOADER_CACHE = "etc/ld.so.cache"
@@ -64,7 +92,7 @@ class PreloadEntry:
     """One entry of the caller's LD_PRELOAD, and what its file is (trust.library_of)."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
-    kind: Library
+    kind: Kind
 
 
 def read_preload(value: str) -> tuple[PreloadEntry, ...]:
@@ -94,7 +122,7 @@ class Host:
     def taken_for_intel(self) -> tuple[str, ...]:
         """The entries whose file's name vLLM takes for Intel OpenMP (`libiomp`, `libomp`)."""
         names = (e.path for e in self.preload)
-        return tuple(p for p in names if Library.INTEL in vllm_reads(os.path.basename(p)))
+        return tuple(p for p in names if vllm_reads_kmp(os.path.basename(p)))
 
 
 class Origin(StrEnum):
@@ -201,27 +229,27 @@ def cmeel_libomp(target: Target | None, host: Host) -> list[str]:
     prefixes = (target.user_base, target.prefix) if target else ()
     user_base = python_user_base(host.environ)  # where `pip install --user` puts it
     sites = [site for prefix in (*prefixes, user_base) for site in site_packages(prefix)]
-    return distribution_files("cmeel-libomp", [*sites, *host.search_path], NAMES[IOMP][0])
+    return distribution_files(LLVM.wheel, [*sites, *host.search_path], LLVM.files[0])
 
 
 def search_places(kind: str, host: Host, target: Target | None) -> Places:
     """The places of docs/design.md's order and what each proposes, each computed when reached."""
-    names, environ, search = NAMES[kind], host.environ, host.search_path
+    files, environ, search = names(kind), host.environ, host.search_path
     target_prefix = target.prefix if target else None
     target_lib = [lib_directory(target.user_base if target else None), lib_directory(target_prefix)]
     user_lib = [lib_directory(python_user_base(environ))]
     # An entry vLLM takes for Intel OpenMP by its file's name is examined as one: vLLM acts on it.
     named = host.taken_for_intel if kind == IOMP else ()
-    proposed = [e.path for e in host.preload if e.kind in PROPOSED[kind] or e.path in named]
-    yield Origin.LD_PRELOAD, proposed
-    yield Origin.VLLM_ENVIRONMENT, files_named(target_lib, names)
-    yield Origin.LAUNCHER_ENVIRONMENT, files_named([lib_directory(host.launcher_prefix)], names)
-    yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], names)
-    yield Origin.VIRTUALENV, files_named([lib_directory(environ.get("VIRTUAL_ENV"))], names)
+    preloaded = [e.path for e in host.preload if proposed(kind, e.kind) or e.path in named]
+    yield Origin.LD_PRELOAD, preloaded
+    yield Origin.VLLM_ENVIRONMENT, files_named(target_lib, files)
+    yield Origin.LAUNCHER_ENVIRONMENT, files_named([lib_directory(host.launcher_prefix)], files)
+    yield Origin.CONDA, files_named([lib_directory(environ.get("CONDA_PREFIX"))], files)
+    yield Origin.VIRTUALENV, files_named([lib_directory(environ.get("VIRTUAL_ENV"))], files)
     if kind == IOMP:
-        yield Origin.INTEL_OPENMP_PACKAGE, distribution_files("intel-openmp", search, names[0])
+        yield Origin.INTEL_OPENMP_PACKAGE, distribution_files(INTEL.wheel, search, INTEL.files[0])
         yield Origin.CMEEL_LIBOMP_PACKAGE, cmeel_libomp(target, host)
-        yield Origin.USER_BASE, files_named(user_lib, names)
+        yield Origin.USER_BASE, files_named(user_lib, files)
         # Intel oneAPI keeps libiomp5 in 2024+ `compiler/X/lib`, older `intel64_lin`.
         compiler_root = system_path(host, os.path.join(ONEAPI_ROOT, "compiler"))
         versions = [n for n in listing(compiler_root) if version_key(n)]
@@ -234,14 +262,14 @@ def search_places(kind: str, host: Host, target: Target | None) -> Places:
         ]
         libs = (["lib"], ["linux", "compiler", "lib", "intel64_lin"])
         oneapi_lib = [os.path.join(root, *lib) for root in roots if root for lib in libs]
-        yield Origin.ONEAPI, files_named(oneapi_lib, names)
+        yield Origin.ONEAPI, files_named(oneapi_lib, files)
     else:
         # Newer vLLM wheels bundle tcmalloc in `lib/python3.N/site-packages/vllm/libs/`.
         bundles = [os.path.join(site, "vllm", "libs") for site in site_packages(target_prefix)]
-        found = [os.path.join(d, n) for d in bundles for n in listing(d) if "libtcmalloc" in n]
+        found = [os.path.join(d, n) for d in bundles for n in listing(d) if TCMALLOC_MARKER in n]
         yield Origin.VLLM_BUNDLED, found
-        yield Origin.USER_BASE, files_named(user_lib, names)
-    yield from loader_places(names, host)
+        yield Origin.USER_BASE, files_named(user_lib, files)
+    yield from loader_places(files, host)
 
 
 def loader_places(names: tuple[str, ...], host: Host) -> Places:
@@ -268,7 +296,6 @@ def loader_places(names: tuple[str, ...], host: Host) -> Places:
     yield Origin.SYSTEM, files_named(system, names)
 
 
-FLAVOR_RANK = {"intel": 0, LLVM: 1, None: 2}
 UNSAFE = "unsafe to preload: "  # how a candidate the trust rule refuses is rejected
 
 
@@ -285,7 +312,7 @@ class Candidate:
     origin: Origin
     verdict: CandidateVerdict
     reason: str
-    flavor: str | None = None
+    flavor: str | None = None  # a runtime family's word (runtimes.Family.word)
     fix: str = ""  # for a library refused as unsafe: the command that makes it trusted
     unsafe: bool = False  # refused by the trust rule (reason says why, fix how)
 
@@ -313,9 +340,11 @@ def form_problem(path: str, kind: str) -> str | None:
             "its path holds a space or colon, which split LD_PRELOAD: the loader would "
             "not preload it (link it from a path without them)"
         )
-    if MARKER[kind] not in os.path.basename(path):
-        return f"its name lacks '{MARKER[kind]}', the text vLLM looks for in LD_PRELOAD"
-    if Library.GNU in vllm_reads(path):
+    name = os.path.basename(path)
+    if not (vllm_reads_kmp(name) if kind == IOMP else TCMALLOC_MARKER in name):
+        texts = "' or '".join(f for f in INTEL.vllm_names) if kind == IOMP else TCMALLOC_MARKER
+        return f"its name lacks '{texts}', the texts vLLM looks for in LD_PRELOAD"
+    if vllm_reads_gnu(path):
         # vLLM tests LD_PRELOAD for the substring: it would see GNU OpenMP next to Intel's
         # and refuse to start (vllm/utils/ompmultiprocessing.py).
         return "its path contains 'libgomp', which vLLM would take for GNU OpenMP"
@@ -366,18 +395,20 @@ def examine(
             return Finding(None)
         # The banners are looked for only once it is known to be a fitting ELF file.
         flavor, library_type = openmp_runtime(descriptor, header)
+        # What the file says of itself first: a family's SONAME, else its banner's.
+        family = by_soname(soname_of(descriptor, header)) if flavor else None
     if flavor is None:  # the intel-openmp wheel ships two such `libiomp*` beside libiomp5.so
         return Finding(
             "not an OpenMP runtime: it has no Intel or LLVM 'OMP version' banner (like "
             "libiomp5_db.so, Intel's debugger support library)"
         )
     if library_type == "stub":
-        owner = "Intel" if flavor == "intel" else "LLVM"
+        owner = flavor.title.partition(" ")[0]
         return Finding(
             f"{owner}'s serial stub library (OMP library type: stub): every parallel "
             "region would run on one thread; use libiomp5.so"
         )
-    return Finding(None, flavor)
+    return Finding(None, (family or flavor).word)
 
 
 # Why a caller's bare-named LD_PRELOAD entry is rejected where the loader finds no file.
@@ -459,7 +490,7 @@ def find_library(
     candidates: list[Candidate] = []
     searched: list[Origin] = []
     chosen: Candidate | None = None
-    llvm: Candidate | None = None  # the first LLVM runtime, taken if no Intel one is found
+    llvm: Candidate | None = None  # the first stand-in (LLVM's), taken if no other is found
     for origin, paths in search_places(kind, host, target):
         searched.append(origin)
         for path in paths:
@@ -469,9 +500,10 @@ def find_library(
                 candidates.append(candidate_of(kind, path, origin, host, trusted))
         here = (c for c in candidates if c.origin == origin)
         usable = (c for c in here if c.verdict == CandidateVerdict.USABLE)
-        best = min(usable, key=lambda c: FLAVOR_RANK.get(c.flavor, 2), default=None)
+        best = min(usable, key=lambda c: rank(by_word(c.flavor)), default=None)
         # The caller's own preloaded runtime is final, whatever its flavor (it is theirs).
-        if best is not None and best.flavor == LLVM and origin != Origin.LD_PRELOAD:
+        family = by_word(best.flavor) if best is not None else None
+        if family is not None and family.stand_in and origin != Origin.LD_PRELOAD:
             llvm = llvm or best
         elif best is not None and chosen is None:
             chosen = best

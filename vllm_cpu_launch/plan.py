@@ -17,17 +17,14 @@ from vllm_cpu_launch.gather import (
     version_key,
 )
 from vllm_cpu_launch.handoff import (
-    IOMP_MACHINES,
     LD_PRELOAD,
-    LLVM_OPT_IN_MACHINES,
     NOT_FOUND_MARK,
     PLANNED_VARIABLE,
     STARTED_MARK,
     Library,
     Planner,
-    vllm_reads,
 )
-from vllm_cpu_launch.libraries import IOMP, LLVM, TCMALLOC, CandidateVerdict, Origin
+from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, Origin
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
@@ -40,6 +37,14 @@ from vllm_cpu_launch.rules import (
     llvm_runtime,
     override_words,
     setting_rule,
+)
+from vllm_cpu_launch.runtimes import (
+    by_word,
+    opt_in_on,
+    preloaded_on,
+    vllm_reads,
+    vllm_reads_gnu,
+    wanted_on,
 )
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
 from vllm_cpu_launch.shape import VISIBLE_NODES, shape_json, visible_nodes, visible_nodes_problem
@@ -82,6 +87,7 @@ class Decision:
     allocators: tuple[str, ...] = ()  # the caller's malloc entries (tcmalloc or other)
     other_malloc: tuple[str, ...] = ()  # those that are no tcmalloc
     setting: Setting = Setting(None, "")  # the setting rule, or why none applies
+    start: Start | None = None  # what the rules matched (rules_stage), for SD on x86-64
     runtime: Setting | None = None  # LLVM's libomp standing in: its rule, or why not
     iomp_search: Search | None = None  # the runtime search, as the plan reports it
     iomp: Candidate | None = None  # the runtime the plan preloads
@@ -130,9 +136,9 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
 def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP one built."""
     machine, wants = facts.host.machine, decision.wants_iomp
-    if wants and machine in LLVM_OPT_IN_MACHINES and decision.mode == Mode.ALWAYS:
+    if wants and opt_in_on(machine) and decision.mode == Mode.ALWAYS:
         return replace(decision, machine_gate=MachineGate.OPT_IN)
-    if wants and machine not in IOMP_MACHINES:
+    if wants and not preloaded_on(machine):
         return replace(decision, machine_gate=MachineGate.OFF, wants_iomp=False)
     return decision
 
@@ -150,7 +156,7 @@ def callers_stage(facts: Facts, decision: Decision) -> Decision:
 def x86_sd(facts: Facts, decision: Decision) -> bool:
     """SD on x86-64 with no runtime of the caller's: where the measured rules may apply."""
     machine = facts.host.machine
-    return facts.speculative.requested and machine in IOMP_MACHINES and not decision.yours
+    return facts.speculative.requested and preloaded_on(machine) and not decision.yours
 
 
 def start_of(facts: Facts) -> Start:
@@ -179,68 +185,60 @@ def rules_stage(facts: Facts, decision: Decision) -> Decision:
     """The setting rule that applies here (rules.setting_rule), for SD on x86-64."""
     if not (x86_sd(facts, decision) and decision.wants_iomp):
         return decision
-    return replace(decision, setting=setting_rule(start_of(facts)))
-
-
-def declined(search: Search, why: str) -> Search:
-    """The search with its LLVM runtimes turned down for SD, each saying how to take it."""
-    candidates = tuple(
-        replace(
-            c,
-            verdict=CandidateVerdict.REJECTED,
-            reason=f"LLVM's libomp, {why}: not preloaded in Intel OpenMP's place; "
-            f"--iomp-path {c.path} or --iomp always preloads it anyway",
-        )
-        if c.verdict in (CandidateVerdict.CHOSEN, CandidateVerdict.USABLE)
-        else c
-        for c in search.candidates
-    )
-    return replace(search, chosen=None, candidates=candidates)
-
-
-def set_aside(search: Search, entry: str) -> Search:
-    """The search with its choice set aside for the caller's own runtime `entry`."""
-    candidates = tuple(
-        replace(
-            c,
-            verdict=CandidateVerdict.USABLE,
-            reason=f"not preloaded: your LD_PRELOAD entry {entry} is named as an OpenMP "
-            "runtime, kept as set, and none goes beside it",
-        )
-        if c.verdict == CandidateVerdict.CHOSEN and c.origin != Origin.LD_PRELOAD
-        else c
-        for c in search.candidates
-    )
-    return replace(search, candidates=candidates)
+    start = start_of(facts)
+    return replace(decision, start=start, setting=setting_rule(start))
 
 
 def runtime_stage(facts: Facts, decision: Decision) -> Decision:
-    """The OpenMP runtime to preload: LLVM's only where a runtimes rule lets it stand in."""
+    """The OpenMP runtime to preload: the search's choice, but a stand-in (LLVM's) for SD
+    under --iomp auto only where a runtimes rule lets it, and none beside a runtime of the
+    caller's own (`foreign`: theirs, broken or not; --iomp-path too is a usage error)."""
     search = facts.iomp
     if not decision.wants_iomp or search is None:
         return decision
     found, runtime = search.chosen, None
-    llvm = found is not None and found.flavor == LLVM and found.origin != Origin.EXPLICIT
-    if llvm and x86_sd(facts, decision):
-        runtime = llvm_runtime(start_of(facts))
-        if runtime.rule is None and decision.mode == Mode.AUTO:
-            search = declined(search, runtime.note)
-    iomp = search.chosen
-    foreign = [e for e in decision.yours if iomp is None or e != iomp.path]
+    family = by_word(found.flavor) if found and found.origin != Origin.EXPLICIT else None
+    if family and family.stand_in and decision.start and x86_sd(facts, decision):
+        runtime = llvm_runtime(decision.start)
+    declined = None  # why the stand-in is turned down, where it is
+    if runtime is not None and runtime.rule is None and decision.mode == Mode.AUTO:
+        declined = runtime.note
+    iomp = found if declined is None else None
+    foreign = next((e for e in decision.yours if iomp is None or e != iomp.path), None)
     if foreign and IOMP in facts.explicit:
         raise LaunchError(
             EXIT_USAGE,
             f"--iomp-path {facts.settings.iomp_path} and your LD_PRELOAD entry "
-            f"{foreign[0]} would put two OpenMP runtimes in one process: give one of them",
+            f"{foreign} would put two OpenMP runtimes in one process: give one of them",
         )
-    if foreign:
-        search = set_aside(search, foreign[0])
-    rejected = {c.path: c for c in search.candidates if c.origin == Origin.LD_PRELOAD}
-    broken = tuple(rejected[e] for e in decision.yours if e in rejected)
-    broken = tuple(c for c in broken if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
+    candidates = tuple(runtime_verdict(c, declined, foreign) for c in search.candidates)
+    theirs = [c for c in candidates if c.origin == Origin.LD_PRELOAD and c.path in decision.yours]
+    broken = tuple(c for c in theirs if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
+    search = replace(search, chosen=iomp, candidates=candidates)
     missing = bool(broken) if foreign else iomp is None
     decision = replace(decision, runtime=runtime, iomp_search=search, broken=broken)
     return replace(decision, iomp=None if foreign else iomp, iomp_missing=missing)
+
+
+def runtime_verdict(candidate: Candidate, declined: str | None, foreign: str | None) -> Candidate:
+    """A candidate as runtime_stage leaves it: turned down where the stand-in was declined
+    (for the reason `declined`; saying how to take it anyway), or set aside for the caller's
+    `foreign` runtime."""
+    usable = (CandidateVerdict.CHOSEN, CandidateVerdict.USABLE)
+    if declined is not None and candidate.verdict in usable:
+        reason = (
+            f"LLVM's libomp, {declined}: not preloaded in Intel OpenMP's place; "
+            f"--iomp-path {candidate.path} or --iomp always preloads it anyway"
+        )
+        return replace(candidate, verdict=CandidateVerdict.REJECTED, reason=reason)
+    chosen = candidate.verdict == CandidateVerdict.CHOSEN
+    if foreign and chosen and candidate.origin != Origin.LD_PRELOAD:
+        reason = (
+            f"not preloaded: your LD_PRELOAD entry {foreign} is named as an OpenMP "
+            "runtime, kept as set, and none goes beside it"
+        )
+        return replace(candidate, verdict=CandidateVerdict.USABLE, reason=reason)
+    return candidate
 
 
 def allocator_stage(facts: Facts, decision: Decision) -> Decision:
@@ -276,7 +274,7 @@ def compose_ld_preload(
     entries = [e.path for e in current]
     added = [path for path in additions if path not in entries]
     has_iomp = any(e.kind.kmp for e in current) or any(library_of(a).kmp for a in added)
-    dropped = tuple(e for e in entries if has_iomp and Library.GNU in vllm_reads(e))
+    dropped = tuple(e for e in entries if has_iomp and vllm_reads_gnu(e))
     return ":".join(e for e in added + entries if e not in dropped), dropped
 
 
@@ -357,7 +355,7 @@ def decide(facts: Facts) -> Decision:
     return decision
 
 
-LIBRARY_TITLES = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
+LIBRARY_TITLES: dict[str, str] = {IOMP: "Intel OpenMP (libiomp5.so)", TCMALLOC: "tcmalloc"}
 STRICT_REFUSAL = "--strict: not starting"
 # The caller's variables a plan reads and never changes: the decision record's `inputs`.
 CALLER_VARIABLES = (
@@ -510,14 +508,15 @@ def entry_words(entry: str, found: Finding) -> str:
 def missing_words(facts: Facts, decision: Decision) -> list[str]:
     """A wanted library not found: where it looked, and the fix (--strict: fatal)."""
     refuses = facts.settings.strict and facts.planner == Planner.LAUNCHER
-    llvm = facts.host.machine in LLVM_OPT_IN_MACHINES
+    family = wanted_on(facts.host.machine)
+    llvm = opt_in_on(facts.host.machine)
     said = []
     if decision.iomp_missing and not decision.broken and decision.iomp_search:
         consequence = "the program will use GNU libgomp"
         if facts.speculative.requested and not llvm:
             consequence = "speculative decoding on CPU runs about 2x slower with GNU libgomp"
         consequence = STRICT_REFUSAL if refuses else consequence
-        install = facts.install_fixes[LLVM if llvm else IOMP]
+        install = facts.install_fixes[family.value]
         said.append(missing_message(decision.iomp_search, install, consequence, llvm))
     if decision.tcmalloc_missing and decision.tcmalloc_search:
         consequence = STRICT_REFUSAL if refuses else "vLLM will use glibc's malloc"
@@ -576,7 +575,7 @@ def warnings_of(facts: Facts, decision: Decision) -> tuple[list[str], list[str],
 
 def machine_words(machine: str) -> str:
     message = f"not preloading Intel OpenMP: this host is {machine}, not x86-64"
-    if machine in LLVM_OPT_IN_MACHINES:
+    if opt_in_on(machine):
         message += "; LLVM's libomp is opt-in here until measured: --iomp always"
     return message
 

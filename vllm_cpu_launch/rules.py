@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import StrEnum, record
-from vllm_cpu_launch.handoff import LD_PRELOAD, Library, vllm_reads
+from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.runtimes import vllm_reads_kmp
 from vllm_cpu_launch.settings import Mode
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ def bound_worker_overrides(environ: Mapping[str, str]) -> tuple[Override, ...]:
     if environ.get(BIND_VARIABLE) == "nobind":
         return ()
     blocktime, threads = environ.get(BLOCKTIME_VARIABLE), environ.get(THREADS_VARIABLE)
-    kmp = Library.INTEL in vllm_reads(environ.get(LD_PRELOAD, ""))  # vLLM's own test
+    kmp = vllm_reads_kmp(environ.get(LD_PRELOAD, ""))  # vLLM's own test
     said = []
     if kmp and blocktime is not None and blocktime != BOUND_WORKER_BLOCKTIME:
         said.append(Override(BLOCKTIME_VARIABLE, blocktime, BOUND_WORKER_BLOCKTIME))

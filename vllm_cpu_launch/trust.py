@@ -12,7 +12,8 @@ import os
 import stat
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.handoff import Library
+from vllm_cpu_launch.handoff import Kind, Library
+from vllm_cpu_launch.runtimes import FAMILIES, GNU, Family, by_name, by_soname
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -90,7 +91,6 @@ def is_null_device(status: os.stat_result) -> bool:
 
 # What a library file is: its ELF headers
 
-FLAVOR_MARKERS = ((b"Intel(R) OMP version", "intel"), (b"LLVM OMP version", "llvm"))
 # The banner that follows it: `performance` (the runtime), `profile`, or `stub` (serial).
 LIBRARY_TYPE = b" OMP library type: "
 FLAVOR_SCAN_LIMIT = 64 << 20
@@ -187,8 +187,8 @@ def section_range(header: bytes, descriptor: int, name: bytes) -> tuple[int, int
     return found[0] if found else None
 
 
-def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | None]:
-    """(flavour, library type) of an OpenMP runtime, from the banners it embeds; (None,
+def openmp_runtime(descriptor: int, header: bytes) -> tuple[Family | None, str | None]:
+    """(family, library type) of an OpenMP runtime, from the banners it embeds; (None,
     None): no runtime. Searched in a read-only mapping, first in `.rodata`, where the
     banners are constants (0.1 ms instead of 0.6 for libiomp5.so, whose banner lies 2 MB
     in), then the file up to FLAVOR_SCAN_LIMIT (the runtimes are 1-3 MB)."""
@@ -197,11 +197,12 @@ def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | No
     rodata = section_range(header, descriptor, b".rodata")
     with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
         for start, end in ([rodata] if rodata else []) + [(0, FLAVOR_SCAN_LIMIT)]:
-            found = [(mapped.find(marker, start, end), flavor) for marker, flavor in FLAVOR_MARKERS]
+            banners = [f for f in FAMILIES if f.banner]
+            found = [(mapped.find(f.banner, start, end), rank) for rank, f in enumerate(banners)]
             found = [pair for pair in found if pair[0] >= 0]
             if not found:
                 continue
-            flavor = min(found)[1]  # the first banner's
+            flavor = banners[min(found)[1]]  # the first banner's
             position = mapped.find(LIBRARY_TYPE, start, end)
             if position < 0:
                 return flavor, None
@@ -215,21 +216,16 @@ def openmp_runtime(descriptor: int, header: bytes) -> tuple[str | None, str | No
 DT_HASH, DT_STRTAB, DT_SYMTAB, DT_SONAME, DT_GNU_HASH = 4, 5, 6, 14, 0x6FFFFEF5
 SERVES = b"GOMP_parallel"  # what every OpenMP runtime defines: the first in scope serves
 MAX_CHAIN = 1 << 16  # a hash chain longer than any library's: a corrupt file's, ended
-# A runtime's DT_SONAME, less `.so...` and a wheel's `-HASH` (torch's libgomp-HASH.so.1):
-# Intel's stub and debugger libraries are no runtime to preload, but Intel's (libraries.py).
-RUNTIME_SONAMES = dict(libiomp5=Library.INTEL, libiompstubs5=Library.INTEL, libomp=Library.LLVM)
-RUNTIME_SONAMES.update(libiomp5_db=Library.INTEL, libgomp=Library.GNU)
-FLAVORS = dict(intel=Library.INTEL, llvm=Library.LLVM)  # by openmp_runtime's banners
 
 
-def library_of(path: str) -> Library:
+def library_of(path: str) -> Kind:
     return identify(path)[0]
 
 
-def identify(path: str) -> tuple[Library, bool]:
+def identify(path: str) -> tuple[Kind, bool]:
     """(What the library at `path` is, whether it defines GOMP_parallel), from its ELF header
-    and dynamic section: its DT_SONAME (RUNTIME_SONAMES; LLVM's copies named libiomp5.so or
-    libgomp.so.1 keep libomp.so; libtcmalloc, libjemalloc, libmimalloc), else a runtime if it
+    and dynamic section: its DT_SONAME (runtimes.by_soname; LLVM's copies named libiomp5.so
+    or libgomp.so.1 keep libomp.so; libtcmalloc, libjemalloc, libmimalloc), else a runtime if it
     defines GOMP_parallel, Intel's or LLVM's by its banner, else GNU's. A `-fopenmp` library
     only needs libgomp: another library. By the file's name (a directory's says nothing) only
     where no library of this host can be read: a bare name (the loader's to find), a missing,
@@ -249,27 +245,30 @@ def identify(path: str) -> tuple[Library, bool]:
             return named, named.runtime
         try:
             tags = dynamic_tags(descriptor, header)
-            soname = ""
-            if DT_SONAME in tags and DT_STRTAB in tags:
-                soname = c_string(descriptor, tags[DT_STRTAB] + tags[DT_SONAME], 256)
+            soname = soname_of(descriptor, header, tags)
             serves = defines(descriptor, header, tags, SERVES)
-            kind = RUNTIME_SONAMES.get(soname.partition(".so")[0].partition("-")[0])
+            kind = by_soname(soname)
             if kind is not None or not serves:
                 return kind or kind_named(soname, runtimes=False), serves
             flavor, _ = openmp_runtime(descriptor, header)
         except (OSError, ValueError, OverflowError):  # a corrupt file: no dynamic section read
             return named, named.runtime
-    return FLAVORS.get(flavor or "", Library.GNU), serves
+    return flavor or GNU, serves
 
 
-def kind_named(name: str, runtimes: bool = True) -> Library:
-    """A library by a name: a runtime's (`runtimes`), an allocator's, or another's."""
-    if runtimes and "libiomp" in name:
-        return Library.INTEL
-    if runtimes and "libgomp" in name:
-        return Library.GNU
-    if runtimes and name.startswith("libomp") and not name.startswith("libomptarget"):
-        return Library.LLVM
+def soname_of(descriptor: int, header: bytes, tags: dict[int, int] | None = None) -> str:
+    """The library's DT_SONAME ("" where it has none)."""
+    tags = dynamic_tags(descriptor, header) if tags is None else tags
+    if DT_SONAME not in tags or DT_STRTAB not in tags:
+        return ""
+    return c_string(descriptor, tags[DT_STRTAB] + tags[DT_SONAME], 256)
+
+
+def kind_named(name: str, runtimes: bool = True) -> Kind:
+    """A library by a name: a runtime family's (`runtimes`), an allocator's, or another's."""
+    family = by_name(name) if runtimes else None
+    if family is not None:
+        return family
     if "libtcmalloc" in name:
         return Library.TCMALLOC
     return Library.MALLOC if "libjemalloc" in name or "libmimalloc" in name else Library.OTHER

@@ -45,7 +45,7 @@ from vllm_server import (
     served_name,
 )
 
-from vllm_cpu_launch.handoff import METRIC_WORDS
+from vllm_cpu_launch.runtimes import Family
 from vllm_cpu_launch.trust import library_of
 
 from .conftest import (
@@ -248,12 +248,12 @@ def expected_reading(plan: dict[str, Any], role: str) -> dict[str, str]:
     which vLLM gives its own; the binding it sets ("" where none)."""
     (iomp,) = [entry for entry in plan["preload"] if entry["kind"] == "iomp"]
     kind = library_of(iomp["path"])
-    assert kind in METRIC_WORDS, iomp
+    assert isinstance(kind, Family), iomp
     bind = plan["env"].get("VLLM_CPU_OMP_THREADS_BIND", "")
     planned = plan["env"].get("KMP_BLOCKTIME", INTEL_DEFAULT_BLOCKTIME)
     bound = role == "worker" and bind != "nobind"
     return {
-        "runtime": METRIC_WORDS[kind],
+        "runtime": kind.word,
         "library": iomp["path"],
         "blocktime_ms": BOUND_WORKER_BLOCKTIME if bound else planned,
         "bind": bind,

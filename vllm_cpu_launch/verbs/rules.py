@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from vllm_cpu_launch import launch, rules
 from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, replace
-from vllm_cpu_launch.handoff import LD_PRELOAD, vllm_reads
+from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.plan import start_of
 from vllm_cpu_launch.rules import LOAD_JSON, REAL_JSON, REAL_MODEL, RULES
+from vllm_cpu_launch.runtimes import INTEL, vllm_reads
 from vllm_cpu_launch.shape import shape_json, shape_line
 from vllm_cpu_launch.target import Target, resolve_vllm
 
@@ -188,7 +189,7 @@ def vllm_words(start: rules.Start, speculative: SpeculativeRequest, rule: str | 
     added = next((r.variables for r in RULES if r.id == rule), ())
     environ = {**dict(added), **environ}  # a rule adds only what is unset
     if not vllm_reads(environ.get(LD_PRELOAD, "")):
-        environ[LD_PRELOAD] = "libiomp5.so"
+        environ[LD_PRELOAD] = INTEL.files[0]
     overrides = rules.bound_worker_overrides(environ)
     return said + ([rules.override_words(overrides)] if overrides else [])
 

