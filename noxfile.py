@@ -19,6 +19,7 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 # The launcher's command line, its exec and its plan, each test a fresh launcher process.
 CLI_AND_PLAN = [
     "tests/test_cli.py",
+    "tests/test_launch.py",
     "tests/test_plan.py",
     "tests/test_command.py",
     "tests/test_target.py",

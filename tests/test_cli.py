@@ -1,7 +1,7 @@
 """The launcher's command line (vllm_cpu_launch/cli.py) as a fresh process: every exit code
 with its message, settings precedence, the exec of a recording stand-in for `vllm` (the
 launcher becomes the target), and many launches at once. One section per subject; the
-sections name the files they were.
+sections name the files they were. The launch core below it (launch.py): tests/test_launch.py.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from .hardening import (
     public_directory,
     record_argv,
     run,
-    single_error,
     text,
 )
 from .hardening import read_record as read_plain_record
@@ -121,30 +120,6 @@ def test_usage_errors_exit_2(
     assert_one_error(result, 2, *parts)
 
 
-@pytest.mark.parametrize(
-    ("verb", "after"),
-    [
-        ("doctor", []),
-        ("env", ["serve", "m"]),
-        ("verify", ["1"]),
-        ("systemd-unit", ["serve", "m"]),
-        ("exec", ["--", "true"]),
-        ("tune", ["serve", "m"]),
-    ],
-)
-def test_a_typo_in_a_verbs_options_names_the_verb_and_its_help(
-    tmp_path: Path, vllm_env: Path, verb: str, after: list[str]
-) -> None:
-    """`doctor --mesure` is no vLLM option put too early: it is unknown to doctor."""
-    vllm = str(vllm_env / "bin" / "vllm")
-    result = launcher(tmp_path, [verb, "--mesure", *after], VLLMCPULAUNCH_VLLM=vllm)
-    help_line = f"; see vllm-cpu-launch {verb} --help"
-    assert_one_error(result, 2, f"unknown option '--mesure' for {verb}", help_line)
-    assert "vLLM's options" not in result.stderr
-    helped = launcher(tmp_path, [verb, "--help"])
-    assert helped.returncode == 0 and f"usage: vllm-cpu-launch {verb}" in helped.stdout
-
-
 def test_bad_environment_variable_exits_2(tmp_path: Path, vllm_env: Path) -> None:
     result = launcher(
         tmp_path,
@@ -207,32 +182,6 @@ def test_explicit_library_is_used(
     ]
 
 
-def bare_python(tmp_path: Path) -> Path:
-    """A Python whose environment holds no libiomp5 (unlike the test venv)."""
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")],
-        check=True,
-        timeout=120,
-    )
-    return tmp_path / "bare" / "bin" / "python"
-
-
-def test_strict_with_missing_library_exits_3(tmp_path: Path) -> None:
-    environment = make_environment(tmp_path / "env")
-    vllm = install_recorder(environment)
-    args = ["--strict", "--vllm", str(vllm), "serve", "m", "-sc", NGRAM]
-    result = run_launcher(
-        args,
-        clean_environ(tmp_path),
-        launcher=[str(bare_python(tmp_path)), "-m", "vllm_cpu_launch"],
-    )
-    assert result.returncode == 3, result.stderr
-    assert "Traceback" not in result.stderr
-    assert "Intel OpenMP (libiomp5.so) not found" in result.stderr
-    assert "--strict: not starting. Fix: " in result.stderr
-    assert f"{environment / 'bin' / 'python'} -m pip install intel-openmp" in result.stderr
-
-
 def tcmalloc_fix(tmp_path: Path, vllm: Path, strict: bool) -> str:
     """The Fix of the launcher's one message about a missing tcmalloc (`--tcmalloc always`)."""
     args = ["--strict"] * strict + ["--tcmalloc", "always", "--vllm", str(vllm), "serve", "m"]
@@ -281,20 +230,6 @@ def test_missing_tcmalloc_in_a_conda_environment_names_condas_package(tmp_path: 
     (environment / "conda-meta").mkdir()
     fix = tcmalloc_fix(tmp_path, install_recorder(environment), True)
     assert fix == f"conda install --prefix {environment} --channel conda-forge gperftools"
-
-
-def test_missing_library_warns_once_and_still_starts(tmp_path: Path, record_file: Path) -> None:
-    environment = make_environment(tmp_path / "env")
-    vllm = install_recorder(environment)
-    result = run_launcher(
-        ["--vllm", str(vllm), "serve", "m", "-sc", NGRAM],
-        clean_environ(tmp_path, RECORD_TO=str(record_file)),
-        launcher=[str(bare_python(tmp_path)), "-m", "vllm_cpu_launch"],
-    )
-    assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if "warning:" in line]
-    assert len(warnings) == 1 and "not found (searched ld-preload" in warnings[0]
-    assert json.loads(record_file.read_text())["LD_PRELOAD"] is None
 
 
 def test_target_not_found_exits_127(tmp_path: Path) -> None:
@@ -886,14 +821,6 @@ def test_without_sd_nothing_is_preloaded(launch: Launch, vllm_env: Path) -> None
     assert "no speculative decoding requested" in result.stderr
 
 
-def test_quiet_prints_nothing(launch: Launch, vllm_env: Path) -> None:
-    result, record = launch(
-        ["-q", "--vllm", str(vllm_env / "bin" / "vllm"), "serve", "m", "-sc", NGRAM]
-    )
-    assert (result.returncode, result.stderr, result.stdout) == (0, "", "")
-    assert record["LD_PRELOAD"]
-
-
 def test_vllm_beside_the_launchers_python_is_found(tmp_path: Path, record_file: Path) -> None:
     """Default target: `vllm` in the launcher's own bin/ (same venv), before PATH."""
     environment = make_environment(tmp_path / "env")
@@ -1273,15 +1200,3 @@ def test_closed_stderr_keeps_the_exit_code_of_an_error(tmp_path: Path) -> None:
     )
     assert result.returncode == 127
     assert result.stdout == b""
-
-
-def test_closed_stdout_with_dry_run_is_a_clear_error(tmp_path: Path, vllm: Path) -> None:
-    command = ["sh", "-c", 'exec 1>&- "$@"', "sh", *LAUNCHER, "--vllm", str(vllm), "--dry-run"]
-    result = subprocess.run(
-        [*command, "serve", "m"],
-        env=base_environ(tmp_path / "home"),
-        capture_output=True,
-        timeout=GUARD,
-        check=False,
-    )
-    assert "standard output: it is closed" in single_error(result, 2)

@@ -51,7 +51,7 @@ from .render_facts import (
     says_why,
     verify_facts,
 )
-from .test_systemd import systemd_words
+from .test_systemd_unit import systemd_words
 
 pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 intel-openmp")
 

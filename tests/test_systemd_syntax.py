@@ -3,7 +3,7 @@
 By the real systemd where this host has it: `systemd --test` (the unit loaded in test mode,
 its settings dumped), `systemd-analyze verify`, and the environment.d generator for
 EnvironmentFile= lines; by faithful parsers of systemd.service(5) and systemd.exec(5)
-(tests/test_systemd.py, tests/test_env.py) for generated inputs.
+(tests/test_systemd_unit.py, tests/test_env.py) for generated inputs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_env import GENERATOR, parse_environment_file, systemd_reads
-from tests.test_systemd import (
+from tests.test_systemd_unit import (
     TRICKY_ARGUMENTS,
     substitute_dollars,
     systemd_dump,
