@@ -18,9 +18,8 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.runtimes import GNU
 from vllm_cpu_launch.trust import library_of
@@ -43,8 +42,7 @@ class OmpMeasureError(Exception):
     """The measurement could not run; str() is one line that says why."""
 
 
-@record
-class OmpConfig:
+class OmpConfig(NamedTuple):
     """No preload (torch's libgomp), or libiomp5 with a KMP_BLOCKTIME."""
 
     label: str
@@ -52,8 +50,7 @@ class OmpConfig:
     kmp_blocktime: str | None
 
 
-@record
-class ConfigResult:
+class ConfigResult(NamedTuple):
     """`round_ms` each round's median ms/step; `speedup` gomp's ms/step over this one's,
     paired within each round (2.0: twice as fast); min/max their spread over the rounds."""
 
@@ -71,8 +68,7 @@ class ConfigResult:
     runtime_ok: bool
 
 
-@record
-class OmpMeasurement:
+class OmpMeasurement(NamedTuple):
     """`load_before`: the 1-minute load average before the run (busy cores make spinning
     threads wait); `problems` is empty when every child ran as configured."""
 
@@ -249,8 +245,10 @@ def measure_openmp(
 
 def to_json(measurement: OmpMeasurement) -> dict[str, Any]:
     """A JSON-ready dict, for `bench_omp.py --json`."""
-    results = [{**vars(result), "config": vars(result.config)} for result in measurement.results]
-    return {**vars(measurement), "results": results}
+    results = [
+        {**result._asdict(), "config": result.config._asdict()} for result in measurement.results
+    ]
+    return {**measurement._asdict(), "results": results}
 
 
 def render_table(measurement: OmpMeasurement) -> str:

@@ -30,12 +30,11 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from script_cli import ScriptError, exit_code, narrator
 
 from vllm_cpu_launch.command import HEADLESS, PARALLEL_SIZES, SD_OPTIONS, Option
-from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.gather import version_key, vllm_release
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,8 +76,7 @@ OUR_VLLM_VARIABLES = (
 LAUNCHER_OPTIONS: tuple[Option, ...] = (*SD_OPTIONS, *PARALLEL_SIZES, HEADLESS)
 
 
-@record
-class Line:
+class Line(NamedTuple):
     """One line of evidence: where, and its text as written (indentation kept)."""
 
     file: str  # the path in the wheel, or METADATA
@@ -89,8 +87,7 @@ class Line:
         return {"file": self.file, "line": self.line, "text": self.text}
 
 
-@record
-class Release:
+class Release(NamedTuple):
     """The files of one release: `files` maps a path in the wheel ('vllm/envs.py', and
     'METADATA' for its dist-info's) to its text."""
 

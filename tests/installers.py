@@ -22,12 +22,10 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from checkout import checkout_copy
-
-from vllm_cpu_launch.errors import record
 
 from .conftest import RECORDER, REPO, clean_environ, run_launcher
 
@@ -126,8 +124,7 @@ def offline(environ: Mapping[str, str], wheelhouse: Path) -> dict[str, str]:
     }
 
 
-@record
-class Installed:
+class Installed(NamedTuple):
     """A stand-in vLLM as an installer left it."""
 
     vllm: Path  # the console script as a user runs it

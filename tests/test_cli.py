@@ -652,8 +652,8 @@ EXEC_PATH = [
 
 def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:
     """psutil, cpuinfo, yaml, torch and vLLM stay out of a real launch, and dataclasses
-    too (with inspect, about half of the launcher's start-up: errors.record makes the
-    records instead); of the package only EXEC_PATH. The rest of the standard library is
+    too (with inspect, about half of the launcher's start-up: the records are
+    NamedTuples instead); of the package only EXEC_PATH. The rest of the standard library is
     welcome (json, re, signal).
 
     The modules are read at the moment of the exec, which the probe intercepts: what the

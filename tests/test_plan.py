@@ -23,11 +23,11 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vllm_cpu_launch import libraries
+from vllm_cpu_launch import handoff, libraries, trust
 from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.command import SpeculativeRequest, VllmCommand, read_command
-from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_USAGE, LaunchError, replace
-from vllm_cpu_launch.gather import Facts, gather, support
+from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_USAGE, LaunchError
+from vllm_cpu_launch.gather import Facts, ReleaseStatus, gather, support
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library, Planner
 from vllm_cpu_launch.libraries import (
     Candidate,
@@ -148,13 +148,13 @@ def test_the_facts_carry_the_callers_ld_preload_read_once_each_entry_classified(
     loader splits it (colons and spaces), each entry classified once by its file's name;
     the facts carry those entries, and every stage and word after reads them."""
     reads: list[str] = []
-    read_once = libraries.read_preload
+    classify = trust.library_of
 
-    def counted(value: str) -> tuple[PreloadEntry, ...]:
-        reads.append(value)
-        return read_once(value)
+    def counted(path: str) -> handoff.Kind:
+        reads.append(path)
+        return classify(path)
 
-    monkeypatch.setattr(libraries, "read_preload", counted)
+    monkeypatch.setattr(libraries, "library_of", counted)
     value = f" {real_iomp}: /x/libjemalloc.so.2 "
     host = make_host(tmp_path, LD_PRELOAD=value)
     target = make_target(tmp_path, real_iomp)
@@ -172,7 +172,7 @@ def test_the_facts_carry_the_callers_ld_preload_read_once_each_entry_classified(
         ("iomp", str(real_iomp), "ld-preload")
     ]
     assert facts.tcmalloc is None  # their malloc: no tcmalloc searched for beside it
-    assert reads == [value]
+    assert reads == [str(real_iomp), "/x/libjemalloc.so.2"]
 
 
 def make_host(tmp_path: Path, machine: str = "x86_64", **environ: str) -> Host:
@@ -548,7 +548,7 @@ NGRAM = SpeculativeRequest(True, "--speculative-config", None, "ngram", 3)
 IOMP = Candidate(
     "iomp", "/v/lib/libiomp5.so", Origin.VLLM_ENVIRONMENT, CHOSEN, "first usable", "intel"
 )
-LLVM = replace(IOMP, path="/v/cmeel.prefix/lib/libiomp5.so", flavor="llvm")
+LLVM = IOMP._replace(path="/v/cmeel.prefix/lib/libiomp5.so", flavor="llvm")
 TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", Origin.SYSTEM, CHOSEN, "ok")
 
 
@@ -586,7 +586,7 @@ def facts(
         None,
         iomp=found(IOMP),
     )
-    return replace(base, **changes)
+    return base._replace(**changes)
 
 
 def run(stages: int, given: Facts) -> Decision:
@@ -606,8 +606,8 @@ def test_mode_a_tune_that_kept_libgomp_is_not_applied_to_sd() -> None:
 
 def test_release_gate_an_older_vllm_starts_unchanged_unless_always() -> None:
     old = facts(release="0.19.1")
-    assert release_gate(old, run(1, old)) == replace(
-        run(1, old), release_gate="older", wants_iomp=False
+    assert release_gate(old, run(1, old)) == run(1, old)._replace(
+        release_gate=ReleaseStatus.OLDER, wants_iomp=False
     )
     forced = facts(release="0.19.1", settings=Settings(iomp=Mode.ALWAYS))
     assert release_gate(forced, run(1, forced)).wants_iomp
@@ -632,7 +632,7 @@ def test_callers_stage_reads_their_runtime_and_malloc_by_file_name() -> None:
 def test_rules_stage_applies_the_tables_rule_where_measured() -> None:
     here = facts()
     assert rules_stage(here, run(4, here)).setting.rule == rule("map-1")
-    elsewhere = replace(here, one_worker=False)
+    elsewhere = here._replace(one_worker=False)
     assert rules_stage(elsewhere, run(4, elsewhere)).setting.rule is None
 
 
@@ -647,10 +647,10 @@ def test_runtime_stage_declines_llvm_where_its_setting_is_not_met() -> None:
 
 def test_allocator_stage_puts_nothing_beside_a_callers_malloc() -> None:
     theirs = facts({"LD_PRELOAD": "/x/libjemalloc.so.2"}, tcmalloc=found(TCMALLOC))
-    one_cpu = replace(theirs, one_worker=False)
+    one_cpu = theirs._replace(one_worker=False)
     assert allocator_stage(one_cpu, run(6, one_cpu)).tcmalloc is None
     mine = facts(tcmalloc=found(TCMALLOC))
-    mine = replace(mine, one_worker=False)
+    mine = mine._replace(one_worker=False)
     assert allocator_stage(mine, run(6, mine)).tcmalloc == TCMALLOC
 
 
@@ -670,7 +670,7 @@ def test_env_stage_adds_what_the_rule_adds_and_the_default_block_time() -> None:
         "KMP_BLOCKTIME": "200",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
-    one = replace(here, one_worker=False)
+    one = here._replace(one_worker=False)
     assert dict(env_stage(one, run(8, one)).env)["KMP_BLOCKTIME"] == "5"
 
 

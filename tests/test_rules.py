@@ -6,6 +6,7 @@ sections name the files they were. The `rules` verb: tests/test_rules_verb.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -18,7 +19,6 @@ from typing import Any
 import pytest
 
 from vllm_cpu_launch import rules as evidence
-from vllm_cpu_launch.errors import replace
 from vllm_cpu_launch.gather import vllm_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.rules import Start, llvm_runtime, misses, setting_rule
@@ -75,10 +75,10 @@ def map_ratios(
     def plain(config: Any) -> Any:
         if baseline is None:
             return records.baseline_of(config)
-        same_threads = replace(config, setting=baseline)
+        same_threads = dataclasses.replace(config, setting=baseline)
         if same_threads in by_config:
             return same_threads
-        return replace(config, threads="default", setting=baseline)
+        return dataclasses.replace(config, threads="default", setting=baseline)
 
     def measured(config: Any) -> tuple[str, int]:
         sd = records.METHODS[config.method]

@@ -9,9 +9,9 @@ import os
 from contextlib import suppress
 from itertools import takewhile
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum
 from vllm_cpu_launch.handoff import Library, Planner
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, Finding, examine_entry, find_library
 from vllm_cpu_launch.runtimes import INTEL, opt_in_on, preloadable, preloaded_on
@@ -42,8 +42,7 @@ class ReleaseStatus(StrEnum):
     UNKNOWN = "unknown"  # no dist-info names one
 
 
-@record
-class Support:
+class Support(NamedTuple):
     release: str | None  # as installed ("0.32.0"), None when no dist-info names one
     status: ReleaseStatus
     note: str
@@ -112,8 +111,7 @@ PYTHONPATH = "PYTHONPATH"
 CACHE_NAME = "vllm-metadata"
 
 
-@record
-class Alias:
+class Alias(NamedTuple):
     version: str  # "0.32.0+cpu"
     directory: str  # goes first on PYTHONPATH
     metadata: str  # directory/vllm-VERSION.dist-info/METADATA
@@ -196,8 +194,7 @@ def site_fix(site_packages: str, release: str) -> str:
     return f"mkdir -p {dist_info} && printf {text} > {dist_info}/METADATA"
 
 
-@record
-class Facts:
+class Facts(NamedTuple):
     """What the plan decides from: what it is asked, and what was gathered for that, once."""
 
     settings: Settings
@@ -340,7 +337,7 @@ def gather(
     )
     iomp, tcmalloc = searches(facts)
     fixes = install_fixes(facts, iomp, tcmalloc)
-    return replace(facts, iomp=iomp, tcmalloc=tcmalloc, install_fixes=fixes)
+    return facts._replace(iomp=iomp, tcmalloc=tcmalloc, install_fixes=fixes)
 
 
 def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) -> Mapping[str, str]:

@@ -41,9 +41,8 @@ import shutil
 import stat
 import sys
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import record
 from vllm_cpu_launch.handoff import METRIC, NONE
 from vllm_cpu_launch.runtimes import Family
 from vllm_cpu_launch.trust import library_of
@@ -71,8 +70,7 @@ class Role(enum.Enum):
     WORKER = "worker"
 
 
-@record
-class Reading:
+class Reading(NamedTuple):
     """One process's OpenMP, as its series' labels hold it ("" where there is none)."""
 
     role: str
@@ -156,7 +154,7 @@ def publish_reading(role: Role, directory: str) -> None:
         reading = read_openmp(role)
         descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            json.dump(vars(reading), stream)
+            json.dump(reading._asdict(), stream)
         os.replace(temporary, os.path.join(directory, f"{reading.pid}{SUFFIX}"))
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
@@ -268,7 +266,7 @@ class ReadingsCollector:
 
 
 def labels(reading: Reading) -> dict[str, str]:
-    return {key: str(value) for key, value in vars(reading).items()}
+    return {key: str(value) for key, value in reading._asdict().items()}
 
 
 def read_reading(directory: int, name: str) -> Reading:
@@ -280,7 +278,7 @@ def read_reading(directory: int, name: str) -> Reading:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             raise ValueError("not a regular file of this user")
         data = json.loads(stream.read(READING_BYTES + 1))
-    fields = Reading.__match_args__
+    fields = Reading._fields
     if not isinstance(data, dict) or sorted(data) != sorted(fields):
         raise ValueError(f"not a mapping of {', '.join(fields)}")
     pid = data["pid"]

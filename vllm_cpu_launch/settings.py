@@ -6,10 +6,10 @@ it came from; and the `tune --write` records that apply to this launch.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, record, replace, shown
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, shown
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
@@ -51,8 +51,7 @@ TUNED_OPTIONAL = ("scope", "concurrency")
 LABELS = dict(model="model", method="SD method", tokens="draft tokens", vllm="vLLM", cpus="CPUs")
 
 
-@record
-class Scope:
+class Scope(NamedTuple):
     """What a tune measured, so that it applies only there. None: not recorded (any)."""
 
     model: str | None = None
@@ -62,8 +61,7 @@ class Scope:
     cpus: int | None = None
 
 
-@record
-class Tuned:
+class Tuned(NamedTuple):
     """What `tune --write` measured: it chose `iomp` at `when`; `result` says by what margin."""
 
     when: str  # ISO 8601 UTC time, e.g. 2026-12-01T10:02Z
@@ -77,8 +75,7 @@ class Tuned:
     concurrency: tuple[tuple[int, Mode], ...] = ()
 
 
-@record
-class Settings:
+class Settings(NamedTuple):
     """What the user asked of the launcher, after precedence and validation."""
 
     iomp: Mode = Mode.AUTO
@@ -455,7 +452,7 @@ def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
             if item.iomp != content["iomp"]:
                 continue  # edited since: the value is the user's own
             del content["iomp"]
-        kept.append(replace(item, origin=path))
+        kept.append(item._replace(origin=path))
     return kept
 
 
@@ -528,9 +525,7 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
             matching.append((tuned, scope))
     if not matching:
         return None, notes
-    chosen, scope = max(
-        matching, key=lambda pair: sum(v is not None for v in vars(pair[1]).values())
-    )
+    chosen, scope = max(matching, key=lambda pair: sum(v is not None for v in pair[1]))
     notes.append(f"{tune_named(chosen, scope)} applied")
     notes += [
         f"{tune_named(t, s)} matches too, but the applied one recorded more or comes first"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchError, record
+from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -26,8 +26,7 @@ SUBSTITUTIONS: dict[str, Callable[[str], str]] = {
 }
 
 
-@record
-class Wrapper:
+class Wrapper(NamedTuple):
     """What a script's first lines say about the interpreter that runs it."""
 
     form: str  # "direct", "env", "sh-trampoline", "not-a-script", "unreadable", "unknown"
@@ -152,8 +151,7 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
 ENVIRONMENT_MARKERS = ("pyvenv.cfg", "conda-meta")  # venv/virtualenv/uv/pipx; conda
 
 
-@record
-class Target:
+class Target(NamedTuple):
     """The program to exec and its Python environment, from what installers leave on disk."""
 
     executable: str  # absolute path

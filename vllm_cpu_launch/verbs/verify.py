@@ -15,13 +15,13 @@ import shlex
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import psutil
 
 from vllm_cpu_launch import handoff, settings
 from vllm_cpu_launch.command import SpeculativeRequest, read_command, read_config
-from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum, record
+from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum
 from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Kind, kind_of
 from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
@@ -41,8 +41,7 @@ if TYPE_CHECKING:
 Runtime = tuple[Kind, str]
 
 
-@record
-class Choice:
+class Choice(NamedTuple):
     """Why Intel OpenMP was left out: `by` "the plan" (its mark) or "the user"."""
 
     by: str
@@ -286,8 +285,7 @@ def inherited_by(process: psutil.Process) -> dict[str, Any] | None:
     return None
 
 
-@record
-class Seen:
+class Seen(NamedTuple):
     """What inspect read of one process (environment: those of VARIABLES that show)."""
 
     pid: int

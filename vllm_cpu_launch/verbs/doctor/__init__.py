@@ -13,11 +13,11 @@ import json
 import os
 import shlex
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_cpu_launch import __version__, gather, launch, rules
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record, replace
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.handoff import (
     LD_PRELOAD,
@@ -247,8 +247,7 @@ def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
     }
 
 
-@record
-class SdProbe:
+class SdProbe(NamedTuple):
     """What the launcher does for an ngram `serve` here (SD_PROBE), as doctor's advice reads
     it: whether a map rule's host is this one, and the plan (`iomp` None: no plan)."""
 
@@ -266,7 +265,7 @@ def sd_probe(settings: Settings, target: Target | None, host: Host) -> SdProbe:
     try:
         facts = launch.launch_facts(settings, target, SD_PROBE, host=host)
     except LaunchError:
-        plain = replace(settings, iomp_path=None, tcmalloc_path=None)
+        plain = settings._replace(iomp_path=None, tcmalloc_path=None)
         start = start_of(launch.launch_facts(plain, target, SD_PROBE, host=host))
         return SdProbe(measured=rules.measured_host(start), iomp=None)
     measured = rules.measured_host(start_of(facts))

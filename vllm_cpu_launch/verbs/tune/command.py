@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import vllm_cpu_launch
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, record
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
@@ -85,8 +85,7 @@ def check_serve(serve: Sequence[str]) -> None:
         raise LaunchError(EXIT_USAGE, "tune needs the model: tune [--] serve MODEL [ARGS...]")
 
 
-@record
-class Load:
+class Load(NamedTuple):
     """What the client sends at each concurrency."""
 
     concurrencies: tuple[int, ...]

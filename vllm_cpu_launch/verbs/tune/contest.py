@@ -17,10 +17,10 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit, record
+from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit
 from vllm_cpu_launch.gather import PYTHONPATH
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.inside import remove_readings_of
@@ -54,8 +54,7 @@ RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-@record
-class Contender:
+class Contender(NamedTuple):
     """One --iomp value tune measures (a candidate, to the user), by its runtime's name."""
 
     name: str
@@ -66,8 +65,7 @@ CONTENDERS = (Contender("libgomp", Mode.NEVER), Contender("libiomp5", Mode.ALWAY
 GOMP, IOMP = CONTENDERS
 
 
-@record
-class Summary:
+class Summary(NamedTuple):
     """One contender's runs in order: times per output token (or seconds): lower wins."""
 
     contender: Contender
@@ -84,8 +82,7 @@ class Summary:
         return max(self.runs) - min(self.runs)
 
 
-@record
-class Outcome:
+class Outcome(NamedTuple):
     """The winner (None: no clear one), what --write stores (auto for the default), why."""
 
     winner: Contender | None
@@ -93,8 +90,7 @@ class Outcome:
     result: str
 
 
-@record
-class Reading:
+class Reading(NamedTuple):
     """One concurrency of one server start, as `vllm bench serve` saved it."""
 
     concurrency: int
