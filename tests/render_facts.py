@@ -67,9 +67,13 @@ def facts(
 
 # ---------------------------------------------------------------- doctor
 
+# The shape's readings, which doctor and --dry-run say in its one line (shape.shape_line).
+SHAPE_KEYS = ("cpus", "quota", "quota_unknown", "nodes", "memory_nodes", "nodes_unknown")
+
 DOCTOR_EXEMPT: dict[Path, str] = {
     ("schema",): "the JSON form's own version, for programs",
     ("recommendations", ANY, "id"): "a stable name for programs; the text gives the sentence",
+    **{("shape", key): "said in the shape's line" for key in SHAPE_KEYS},
 }
 # Values the text gives in its own form: sizes in GiB, a library's kind by its title.
 SHOWN: dict[Path, Render] = {
@@ -91,9 +95,10 @@ def doctor_facts(report: dict[str, Any], volatile: tuple[Path, ...] = ()) -> lis
 def plan_facts(plan: dict[str, Any]) -> list[str]:
     """The command as one shell line, each variable as NAME=VALUE quoted for a shell."""
     quoted = ("env", "relies_on")  # as NAME=VALUE, the value quoted for a shell
-    exempt = ("command", "schema", "inputs")  # schema: for programs; inputs: below
+    exempt = ("command", "schema", "inputs", "shape")  # schema: for programs; inputs, shape: below
     rest = {key: value for key, value in plan.items() if key not in exempt + quoted}
     found = [shlex.join(plan["command"]), *facts(rest)]
+    found += [plan["shape"]["line"]] if plan["shape"] else []
     pairs = [pair for key in quoted for pair in plan[key].items()]
     found += [f"{name}={shlex.quote(value)}" for name, value in pairs]
     # The caller's variables read: set ones as NAME=VALUE, unset ones by name.

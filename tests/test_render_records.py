@@ -48,6 +48,7 @@ from vllm_cpu_launch.linkmap import LinkMap
 from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, plan_as_text, summary_line
 from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
+from vllm_cpu_launch.shape import Shape, shape_json, shape_line
 from vllm_cpu_launch.target import Target
 from vllm_cpu_launch.verbs import doctor, verify
 from vllm_cpu_launch.verbs.doctor import (
@@ -193,6 +194,7 @@ SHOWN = (
     "inputs",
     "refused",
     "metadata",
+    "shape",
 )
 
 
@@ -222,6 +224,7 @@ def shown_facts(plan: Plan) -> list[str]:
     found += [f"{name}={shlex.quote(value)}" for name, value in (*plan.env, *plan.relies_on)]
     if plan.metadata is not None:
         found += [plan.metadata.version, plan.metadata.directory]
+    found += [shape_line(plan.shape)] if plan.shape is not None else []
     found += [*plan.refused, *plan.warnings, *plan.unsafe, *plan.missing, *plan.notes]
     for candidate in plan.candidates:
         found += [candidate.kind, candidate.verdict, candidate.path, candidate.origin]
@@ -396,6 +399,7 @@ def doctor_reports(draw: st.DrawFn, prefixes: list[str]) -> tuple[dict[str, Any]
     cpus = draw(st.sampled_from([MAP_CPUS, 1, 64]))
     root = os.environ[SYSTEM_ROOT_VARIABLE]  # the test's host (tests/conftest.py), not this one
     host = Host(environ, "x86_64", os.geteuid(), sys.prefix, (), root, cpus)
+    report["shape"] = shape_json(draw(records(Shape)))
     report["environment"] = caller_variables(environ)
     report["preload"] = doctor.preload_section(host.preload)
     report["settings"] = settings_section(launcher_settings, draw(MAYBE_TEXT), draw(records(Scope)))

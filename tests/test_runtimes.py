@@ -28,7 +28,7 @@ import sys
 from vllm_cpu_launch import runtimes
 from vllm_cpu_launch.cli import main
 
-class Four(runtimes.Family):
+class Four(runtimes.family.Family):
     value, word, title = "four", "four", "Four OpenMP"
     sonames = prefixes = ("libfour",)
     kmp = True

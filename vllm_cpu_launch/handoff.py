@@ -7,7 +7,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.runtimes import Family, by_kind, preloaded_on, vllm_reads
+from vllm_cpu_launch.runtimes import by_kind, preloaded_on, vllm_reads
+from vllm_cpu_launch.runtimes.family import Family
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -16,7 +17,7 @@ LD_PRELOAD = "LD_PRELOAD"  # the loader's variable, which vLLM reads too
 
 
 class Library(enum.Enum):
-    """What a library is that is no OpenMP runtime (those are runtimes.Family's); the value
+    """What a library is that is no OpenMP runtime (those are runtimes.family.Family's); the value
     is its kind in verify's and doctor's JSON."""
 
     TCMALLOC = "tcmalloc"  # gperftools' tcmalloc (libtcmalloc, libtcmalloc_minimal)

@@ -44,7 +44,7 @@ import tempfile
 from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_cpu_launch.handoff import METRIC, NONE
-from vllm_cpu_launch.runtimes import Family
+from vllm_cpu_launch.runtimes.family import Family
 from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:

@@ -55,7 +55,7 @@ TCMALLOC_MARKER = "libtcmalloc"  # vLLM recognises tcmalloc by this substring of
 
 
 def names(kind: str) -> tuple[str, ...]:
-    """The file names a search looks for: the runtime families' (runtimes.Family.files)."""
+    """The file names a search looks for: the runtime families' (runtimes.family.Family.files)."""
     if kind == TCMALLOC:
         return (*TCMALLOC_NAMES, "libtcmalloc.so")
     return tuple(dict.fromkeys(name for f in preloadable() for name in f.files))
@@ -312,7 +312,7 @@ class Candidate(NamedTuple):
     origin: Origin
     verdict: CandidateVerdict
     reason: str
-    flavor: str | None = None  # a runtime family's word (runtimes.Family.word)
+    flavor: str | None = None  # a runtime family's word (runtimes.family.Family.word)
     fix: str = ""  # for a library refused as unsafe: the command that makes it trusted
     unsafe: bool = False  # refused by the trust rule (reason says why, fix how)
 

@@ -13,7 +13,8 @@ import stat
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.handoff import Kind, Library
-from vllm_cpu_launch.runtimes import FAMILIES, GNU, Family, by_name, by_soname
+from vllm_cpu_launch.runtimes import FAMILIES, GNU, by_name, by_soname
+from vllm_cpu_launch.runtimes.family import Family
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

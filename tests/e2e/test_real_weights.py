@@ -45,7 +45,7 @@ from vllm_server import (
     served_name,
 )
 
-from vllm_cpu_launch.runtimes import Family
+from vllm_cpu_launch.runtimes.family import Family
 from vllm_cpu_launch.trust import library_of
 
 from .conftest import (

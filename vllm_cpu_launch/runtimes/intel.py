@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_cpu_launch.runtimes import Family
+from vllm_cpu_launch.runtimes.family import Family
 
 
 class Intel(Family):

@@ -3,7 +3,7 @@ wheel's libiomp5.so alias (its SONAME libomp.so), Debian's libomp.so.5."""
 
 from __future__ import annotations
 
-from vllm_cpu_launch.runtimes import Family
+from vllm_cpu_launch.runtimes.family import Family
 
 
 class LLVM(Family):
