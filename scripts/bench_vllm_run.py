@@ -60,7 +60,7 @@ from vllm_server import (
     wait_until_healthy,
 )
 
-from vllm_cpu_launch.trust import openmp_runtime
+from vllm_cpu_launch.elf import openmp_runtime
 
 STARTUP_LIMIT_S = 420
 # A start that fills a compile cache compiles the target and its draft: on 2 CPUs that other

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from vllm_cpu_launch.elf import library_of
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.runtimes import GNU
-from vllm_cpu_launch.trust import library_of
 
 WORKLOAD = Path(__file__).with_name("omp_workload.py")
 DEFAULT_BLOCKTIMES = ("0", "5", "200")

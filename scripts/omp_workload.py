@@ -84,7 +84,7 @@ class Decoder:
 
 def shared_libraries() -> tuple[list[str], str]:
     """The shared libraries mapped here (the parent tells the OpenMP runtimes among them by
-    what their files say, trust.library_of), and the one serving GOMP_parallel: torch's
+    what their files say, elf.library_of), and the one serving GOMP_parallel: torch's
     libgomp stays mapped under a preloaded libiomp5; what counts is where its regions bind."""
     ranges: list[tuple[int, int, str]] = []
     with open("/proc/self/maps") as maps:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from vllm_cpu_launch.handoff import kind_of
+from vllm_cpu_launch.elf import kind_of
 from vllm_cpu_launch.verbs.doctor import size
 from vllm_cpu_launch.verbs.verify import shortened
 

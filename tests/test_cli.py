@@ -637,13 +637,15 @@ def test_dev_null_is_an_empty_config_file(tmp_path: Path, vllm_env: Path) -> Non
 
 
 # The package's modules a launch imports (issue 35: at most 12, the package included;
-# issue 47: 13, the launch core a module of its own below the command line).
+# issue 47: the launch core, each runtime family, the ELF reader and the messages each a
+# module of its own; issue 46: the shape).
 EXEC_PATH = [
     "vllm_cpu_launch",
-    *("vllm_cpu_launch.cli", "vllm_cpu_launch.command", "vllm_cpu_launch.errors"),
-    *("vllm_cpu_launch.gather", "vllm_cpu_launch.handoff", "vllm_cpu_launch.launch"),
-    *("vllm_cpu_launch.libraries", "vllm_cpu_launch.plan", "vllm_cpu_launch.rules"),
-    *("vllm_cpu_launch.runtimes", "vllm_cpu_launch.runtimes.gnu"),
+    *("vllm_cpu_launch.cli", "vllm_cpu_launch.command", "vllm_cpu_launch.elf"),
+    *("vllm_cpu_launch.errors", "vllm_cpu_launch.gather", "vllm_cpu_launch.handoff"),
+    *("vllm_cpu_launch.launch", "vllm_cpu_launch.libraries", "vllm_cpu_launch.messages"),
+    *("vllm_cpu_launch.plan", "vllm_cpu_launch.rules", "vllm_cpu_launch.runtimes"),
+    *("vllm_cpu_launch.runtimes.family", "vllm_cpu_launch.runtimes.gnu"),
     *("vllm_cpu_launch.runtimes.intel", "vllm_cpu_launch.runtimes.llvm"),
     *("vllm_cpu_launch.settings", "vllm_cpu_launch.shape", "vllm_cpu_launch.target"),
     "vllm_cpu_launch.trust",

@@ -22,7 +22,7 @@ import pytest
 
 from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch import runtimes
-from vllm_cpu_launch.handoff import Library
+from vllm_cpu_launch.elf import Library, identify, library_of, openmp_runtime
 from vllm_cpu_launch.libraries import (
     IOMP,
     NOT_FOUND_BY_LOADER,
@@ -34,7 +34,6 @@ from vllm_cpu_launch.libraries import (
     loader_cache_entries,
 )
 from vllm_cpu_launch.target import Target
-from vllm_cpu_launch.trust import identify, library_of, openmp_runtime
 
 from . import test_plan as contract
 from .conftest import AS_NOBODY, NOBODY, REPO, SystemHost, clean_environ, install_recorder
@@ -94,7 +93,7 @@ def place_library(source: Path, destination: Path) -> Path:
     return destination
 
 
-# ------------------------------------------------- what a library is (trust.identify)
+# ------------------------------------------------- what a library is (elf.identify)
 
 # A library calling the GNU OpenMP API (built -fopenmp: it needs libgomp.so.1), and one
 # defining GOMP_parallel itself, as a runtime does.

@@ -23,12 +23,13 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vllm_cpu_launch import handoff, libraries, trust
+from vllm_cpu_launch import elf, libraries
 from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.command import SpeculativeRequest, VllmCommand, read_command
+from vllm_cpu_launch.elf import Library
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.gather import Facts, ReleaseStatus, gather, support
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Library, Planner
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE, Planner
 from vllm_cpu_launch.libraries import (
     Candidate,
     CandidateVerdict,
@@ -148,9 +149,9 @@ def test_the_facts_carry_the_callers_ld_preload_read_once_each_entry_classified(
     loader splits it (colons and spaces), each entry classified once by its file's name;
     the facts carry those entries, and every stage and word after reads them."""
     reads: list[str] = []
-    classify = trust.library_of
+    classify = elf.library_of
 
-    def counted(path: str) -> handoff.Kind:
+    def counted(path: str) -> elf.Kind:
         reads.append(path)
         return classify(path)
 

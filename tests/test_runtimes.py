@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import clean_environ, run_launcher
 from tests.test_verify import SERVE_SD, by_pid, start_tree
 from vllm_cpu_launch import runtimes
-from vllm_cpu_launch.trust import DT_SONAME, DT_STRTAB, dynamic_tags, identify
+from vllm_cpu_launch.elf import DT_SONAME, DT_STRTAB, dynamic_tags, identify
 
 __all__ = ["start_tree"]  # the fixture, for pytest
 

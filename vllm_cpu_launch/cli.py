@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__, errors, launch
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, emit
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.gather import FIRST, LAST
+from vllm_cpu_launch.messages import did_you_mean, emit
 from vllm_cpu_launch.plan import plan_as_json, plan_as_text
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.messages import did_you_mean
 from vllm_cpu_launch.trust import FileProblem, Untrusted, read_trusted
 
 if TYPE_CHECKING:

@@ -11,9 +11,11 @@ from itertools import takewhile
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum
-from vllm_cpu_launch.handoff import Library, Planner
+from vllm_cpu_launch.elf import Library
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.handoff import Planner
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, Finding, examine_entry, find_library
+from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.runtimes import INTEL, opt_in_on, preloadable, preloaded_on
 from vllm_cpu_launch.settings import Mode, choose, launch_scope
 from vllm_cpu_launch.target import site_packages

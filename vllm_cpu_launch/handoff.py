@@ -1,5 +1,5 @@
-"""What the launcher and the plugin share: the kinds of library (trust.library_of), and
-the mark that tells the plugin to leave a process alone. The plugin runs in every vLLM process and
+"""What the launcher and the plugin share: the mark that tells the plugin to leave a process
+alone, its switch and its /metrics names. The plugin runs in every vLLM process and
 must stop at once in all but the front end, with nothing imported (stands_down)."""
 
 from __future__ import annotations
@@ -7,45 +7,12 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from vllm_cpu_launch.runtimes import by_kind, preloaded_on, vllm_reads
-from vllm_cpu_launch.runtimes.family import Family
+from vllm_cpu_launch.runtimes import preloaded_on, vllm_reads
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
 LD_PRELOAD = "LD_PRELOAD"  # the loader's variable, which vLLM reads too
-
-
-class Library(enum.Enum):
-    """What a library is that is no OpenMP runtime (those are runtimes.family.Family's); the value
-    is its kind in verify's and doctor's JSON."""
-
-    TCMALLOC = "tcmalloc"  # gperftools' tcmalloc (libtcmalloc, libtcmalloc_minimal)
-    MALLOC = "malloc"  # another malloc: jemalloc, mimalloc
-    OTHER = "other"
-
-    @property
-    def runtime(self) -> bool:
-        return False
-
-    kmp = runtime
-
-    @property
-    def allocator(self) -> bool:
-        return self is not Library.OTHER
-
-    @property
-    def title(self) -> str:
-        titles = {"tcmalloc": "tcmalloc", "malloc": "another malloc"}
-        return titles.get(self.value, "another library")
-
-
-Kind = Family | Library  # what a library is (trust.library_of)
-
-
-def kind_of(value: str) -> Kind:
-    """A library's kind from its word in the JSON (a runtime family's, or a Library's)."""
-    return by_kind(value) or Library(value)
 
 
 # The word in the plugin's /metrics series where no OpenMP runtime serves (a family's word

@@ -43,9 +43,9 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, NamedTuple
 
+from vllm_cpu_launch.elf import library_of
 from vllm_cpu_launch.handoff import METRIC, NONE
 from vllm_cpu_launch.runtimes.family import Family
-from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import errors
 from vllm_cpu_launch.command import VllmCommand
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, did_you_mean, emit
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.gather import Facts, gather, write_alias
 from vllm_cpu_launch.handoff import Planner
 from vllm_cpu_launch.libraries import Host, system_root
+from vllm_cpu_launch.messages import did_you_mean, emit
 from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_of, summary_line
 from vllm_cpu_launch.settings import Settings, load_settings
 from vllm_cpu_launch.shape import read_shape

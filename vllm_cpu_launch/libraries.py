@@ -9,8 +9,18 @@ import stat
 import sys
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum
-from vllm_cpu_launch.handoff import LD_PRELOAD, Kind, Library
+from vllm_cpu_launch.elf import (
+    Kind,
+    Library,
+    elf_problem,
+    elf_truncation,
+    library_of,
+    openmp_runtime,
+    soname_of,
+)
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.runtimes import (
     INTEL,
     LLVM,
@@ -22,15 +32,7 @@ from vllm_cpu_launch.runtimes import (
     vllm_reads_kmp,
 )
 from vllm_cpu_launch.target import python_user_base, site_packages
-from vllm_cpu_launch.trust import (
-    elf_problem,
-    elf_truncation,
-    insecure_reason,
-    library_of,
-    openmp_runtime,
-    quoted,
-    soname_of,
-)
+from vllm_cpu_launch.trust import insecure_reason, quoted
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
@@ -62,7 +64,7 @@ def names(kind: str) -> tuple[str, ...]:
 
 
 def proposed(kind: str, entry: Kind) -> bool:
-    """Whether a search proposes the caller's entry, by what its file is (trust.library_of)."""
+    """Whether a search proposes the caller's entry, by what its file is (elf.library_of)."""
     return entry is Library.TCMALLOC if kind == TCMALLOC else entry in preloadable()
 
 
@@ -89,7 +91,7 @@ def system_root(environ: Mapping[str, str]) -> str:
 
 
 class PreloadEntry(NamedTuple):
-    """One entry of the caller's LD_PRELOAD, and what its file is (trust.library_of)."""
+    """One entry of the caller's LD_PRELOAD, and what its file is (elf.library_of)."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
     kind: Kind

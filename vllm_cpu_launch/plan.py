@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum
+from vllm_cpu_launch.elf import Library, library_of
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.gather import (
     PYTHONPATH,
     Alias,
@@ -21,10 +22,10 @@ from vllm_cpu_launch.handoff import (
     NOT_FOUND_MARK,
     PLANNED_VARIABLE,
     STARTED_MARK,
-    Library,
     Planner,
 )
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, Origin
+from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
@@ -48,7 +49,6 @@ from vllm_cpu_launch.runtimes import (
 )
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
 from vllm_cpu_launch.shape import VISIBLE_NODES, shape_json, visible_nodes, visible_nodes_problem
-from vllm_cpu_launch.trust import library_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

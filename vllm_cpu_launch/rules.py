@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from vllm_cpu_launch.errors import StrEnum
 from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.runtimes import vllm_reads_kmp
 from vllm_cpu_launch.settings import Mode
 

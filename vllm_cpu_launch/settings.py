@@ -9,8 +9,9 @@ import os
 from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError, StrEnum, shown
+from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
+from vllm_cpu_launch.messages import StrEnum, shown
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:

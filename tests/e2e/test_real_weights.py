@@ -45,8 +45,8 @@ from vllm_server import (
     served_name,
 )
 
+from vllm_cpu_launch.elf import library_of
 from vllm_cpu_launch.runtimes.family import Family
-from vllm_cpu_launch.trust import library_of
 
 from .conftest import (
     MAX_TOKENS,

@@ -121,7 +121,7 @@ def test_what_the_launcher_refuses_or_advises_vllm_rejects_or_accepts(
     """A --speculative-config the launcher refuses as no JSON (exit 2, tests/
     test_command.py) is one vLLM's parser rejects too, on the command line and in a
     --config file; the KV cache size doctor advises (`--kv-cache-memory-bytes NG`,
-    tests/test_errors.py) is one it accepts, in GiB."""
+    tests/test_messages.py) is one it accepts, in GiB."""
     config = tmp_path / "config.yaml"
     config.write_text(f"speculative_config: {json.dumps(MALFORMED[0])}\n")
     refused = [["serve", "m", "-sc", value] for value in MALFORMED]

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 
 class Family:
-    """An OpenMP runtime family: a library's kind where it is one (trust.identify)."""
+    """An OpenMP runtime family: a library's kind where it is one (elf.identify)."""
 
     value: ClassVar[str]  # the library's kind in the JSON of verify and doctor (Library's too)
     word: ClassVar[str]  # its flavour: the plan's and doctor's word, and /metrics' (inside.py)

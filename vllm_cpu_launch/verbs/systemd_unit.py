@@ -9,15 +9,10 @@ from typing import TYPE_CHECKING, cast
 
 from vllm_cpu_launch import __version__, launch, systemd_syntax
 from vllm_cpu_launch.command import VllmCommand, read_command
-from vllm_cpu_launch.errors import (
-    EXIT_NOT_EXECUTABLE,
-    EXIT_NOT_FOUND,
-    EXIT_USAGE,
-    LaunchError,
-    emit,
-)
+from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
+from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.settings import DEPRECATED_PREFIX, SYSTEM_CONFIG, VARIABLE_PREFIX
 
 if TYPE_CHECKING:

@@ -21,13 +21,14 @@ import psutil
 
 from vllm_cpu_launch import handoff, settings
 from vllm_cpu_launch.command import SpeculativeRequest, read_command, read_config
-from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError, StrEnum
-from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE, Kind, kind_of
+from vllm_cpu_launch.elf import Kind, identify, kind_of
+from vllm_cpu_launch.errors import EXIT_PROBLEM, EXIT_USAGE, LaunchError
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLANNED_VARIABLE
 from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
+from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.plan import described_request, schema
 from vllm_cpu_launch.runtimes import vllm_reads_gnu, vllm_reads_kmp
-from vllm_cpu_launch.trust import identify
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -83,7 +84,7 @@ mark VLLMCPULAUNCH_PLANNED, or iomp: never in PID's environment or config files)
 
 
 def runtimes_in(paths: Iterable[str]) -> tuple[list[Runtime], Runtime | None]:
-    """The OpenMP runtimes among `paths` (trust.identify), and the first that defines
+    """The OpenMP runtimes among `paths` (elf.identify), and the first that defines
     GOMP_parallel: a library named like one, or needing one, is none."""
     found = {path: identify(path) for path in dict.fromkeys(paths)}
     runtimes = [(kind, path) for path, (kind, _) in found.items() if kind.runtime]

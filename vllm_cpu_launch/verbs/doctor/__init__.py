@@ -17,15 +17,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_cpu_launch import __version__, gather, launch, rules
 from vllm_cpu_launch.command import read_command
+from vllm_cpu_launch.elf import kind_of
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.fixes import install_command, tcmalloc_command
-from vllm_cpu_launch.handoff import (
-    LD_PRELOAD,
-    PLUGIN_NAME,
-    PLUGIN_VARIABLE,
-    kind_of,
-    stands_down,
-)
+from vllm_cpu_launch.handoff import LD_PRELOAD, PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, find_library
 from vllm_cpu_launch.plan import plan_of, start_of
 from vllm_cpu_launch.runtimes import LLVM, opt_in_on, preloaded_on, vllm_reads_gnu, vllm_reads_kmp

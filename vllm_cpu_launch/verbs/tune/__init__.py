@@ -13,7 +13,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError, emit
+from vllm_cpu_launch.errors import EXIT_LIBRARY_MISSING, EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.launch import (
     FLAG_OPTIONS,
@@ -23,6 +23,7 @@ from vllm_cpu_launch.launch import (
     write_stdout,
 )
 from vllm_cpu_launch.libraries import read_preload
+from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.command import (
     SHIPPED_PROMPTS,

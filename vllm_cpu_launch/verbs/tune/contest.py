@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from vllm_cpu_launch.command import read_command
-from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError, emit
+from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError
 from vllm_cpu_launch.gather import PYTHONPATH
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.inside import remove_readings_of
 from vllm_cpu_launch.launch import plan_from_options, provide_metadata
 from vllm_cpu_launch.libraries import read_preload
+from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.settings import Mode
 from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
 
