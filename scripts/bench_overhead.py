@@ -19,8 +19,9 @@ and, to show where the time goes: the floor plus `import re`, plus `import json`
 launcher as `python -m vllm_cpu_launch`; as `python -c` without pip's wrapper; and as
 `python -c` with dotted SD options (`--speculative-config.method ngram`), whose values
 the launcher does not decode as JSON (it imports `json` and `re` all the same); and the
-target alone. The exec path makes its records as `typing.NamedTuple`s, not `dataclasses`,
-whose import and generated methods were about half of (a) (issue 35; docs/design.md).
+target alone. The exec path makes its records with records.record, not `dataclasses`,
+whose import and generated methods were about half of (a) (issue 35), nor NamedTuple
+(8 ms more, issue 47; docs/design.md, "Records").
 
 Configurations are interleaved within each round (order rotated per round) and
 summarised by medians; ratios compare configurations of the same run. Nothing is

@@ -18,10 +18,11 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from vllm_cpu_launch.elf import library_of
 from vllm_cpu_launch.handoff import LD_PRELOAD
+from vllm_cpu_launch.records import record
 from vllm_cpu_launch.runtimes import GNU
 
 WORKLOAD = Path(__file__).with_name("omp_workload.py")
@@ -42,7 +43,8 @@ class OmpMeasureError(Exception):
     """The measurement could not run; str() is one line that says why."""
 
 
-class OmpConfig(NamedTuple):
+@record
+class OmpConfig:
     """No preload (torch's libgomp), or libiomp5 with a KMP_BLOCKTIME."""
 
     label: str
@@ -50,7 +52,8 @@ class OmpConfig(NamedTuple):
     kmp_blocktime: str | None
 
 
-class ConfigResult(NamedTuple):
+@record
+class ConfigResult:
     """`round_ms` each round's median ms/step; `speedup` gomp's ms/step over this one's,
     paired within each round (2.0: twice as fast); min/max their spread over the rounds."""
 
@@ -68,7 +71,8 @@ class ConfigResult(NamedTuple):
     runtime_ok: bool
 
 
-class OmpMeasurement(NamedTuple):
+@record
+class OmpMeasurement:
     """`load_before`: the 1-minute load average before the run (busy cores make spinning
     threads wait); `problems` is empty when every child ran as configured."""
 
@@ -245,10 +249,8 @@ def measure_openmp(
 
 def to_json(measurement: OmpMeasurement) -> dict[str, Any]:
     """A JSON-ready dict, for `bench_omp.py --json`."""
-    results = [
-        {**result._asdict(), "config": result.config._asdict()} for result in measurement.results
-    ]
-    return {**measurement._asdict(), "results": results}
+    results = [{**vars(result), "config": vars(result.config)} for result in measurement.results]
+    return {**vars(measurement), "results": results}
 
 
 def render_table(measurement: OmpMeasurement) -> str:

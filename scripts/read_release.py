@@ -30,12 +30,13 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from script_cli import ScriptError, exit_code, narrator
 
 from vllm_cpu_launch.command import HEADLESS, PARALLEL_SIZES, SD_OPTIONS, Option
 from vllm_cpu_launch.gather import version_key, vllm_release
+from vllm_cpu_launch.records import record
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD = REPO / "docs" / "releases.json"
@@ -76,7 +77,8 @@ OUR_VLLM_VARIABLES = (
 LAUNCHER_OPTIONS: tuple[Option, ...] = (*SD_OPTIONS, *PARALLEL_SIZES, HEADLESS)
 
 
-class Line(NamedTuple):
+@record
+class Line:
     """One line of evidence: where, and its text as written (indentation kept)."""
 
     file: str  # the path in the wheel, or METADATA
@@ -87,7 +89,8 @@ class Line(NamedTuple):
         return {"file": self.file, "line": self.line, "text": self.text}
 
 
-class Release(NamedTuple):
+@record
+class Release:
     """The files of one release: `files` maps a path in the wheel ('vllm/envs.py', and
     'METADATA' for its dist-info's) to its text."""
 

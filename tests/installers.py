@@ -22,10 +22,12 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 from checkout import checkout_copy
+
+from vllm_cpu_launch.records import record
 
 from .conftest import RECORDER, REPO, clean_environ, run_launcher
 
@@ -124,7 +126,8 @@ def offline(environ: Mapping[str, str], wheelhouse: Path) -> dict[str, str]:
     }
 
 
-class Installed(NamedTuple):
+@record
+class Installed:
     """A stand-in vLLM as an installer left it."""
 
     vllm: Path  # the console script as a user runs it

@@ -644,7 +644,8 @@ EXEC_PATH = [
     *("vllm_cpu_launch.cli", "vllm_cpu_launch.command", "vllm_cpu_launch.elf"),
     *("vllm_cpu_launch.errors", "vllm_cpu_launch.gather", "vllm_cpu_launch.handoff"),
     *("vllm_cpu_launch.launch", "vllm_cpu_launch.libraries", "vllm_cpu_launch.messages"),
-    *("vllm_cpu_launch.plan", "vllm_cpu_launch.rules", "vllm_cpu_launch.runtimes"),
+    *("vllm_cpu_launch.plan", "vllm_cpu_launch.records", "vllm_cpu_launch.rules"),
+    "vllm_cpu_launch.runtimes",
     *("vllm_cpu_launch.runtimes.family", "vllm_cpu_launch.runtimes.gnu"),
     *("vllm_cpu_launch.runtimes.intel", "vllm_cpu_launch.runtimes.llvm"),
     *("vllm_cpu_launch.settings", "vllm_cpu_launch.shape", "vllm_cpu_launch.target"),
@@ -654,8 +655,8 @@ EXEC_PATH = [
 
 def test_exec_path_imports_no_heavy_module(tmp_path: Path, vllm_env: Path) -> None:
     """psutil, cpuinfo, yaml, torch and vLLM stay out of a real launch, and dataclasses
-    too (with inspect, about half of the launcher's start-up: the records are
-    NamedTuples instead); of the package only EXEC_PATH. The rest of the standard library is
+    too (with inspect, about half of the launcher's start-up: records.record makes
+    the records instead); of the package only EXEC_PATH. The rest of the standard library is
     welcome (json, re, signal).
 
     The modules are read at the moment of the exec, which the probe intercepts: what the

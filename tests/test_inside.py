@@ -28,7 +28,7 @@ from vllm_cpu_launch.inside import READINGS_VARIABLE
 READ = """\
 import json
 from vllm_cpu_launch.inside import Role, read_openmp
-print(json.dumps(read_openmp(Role.WORKER)._asdict()))
+print(json.dumps(vars(read_openmp(Role.WORKER))))
 """
 # vLLM's worker module as far as the plugin touches it: init_device, which sets the
 # worker's threads up (here: a variable the reading then shows).

@@ -63,6 +63,7 @@ from vllm_cpu_launch.plan import (
     said,
     schema,
 )
+from vllm_cpu_launch.records import replace
 from vllm_cpu_launch.rules import rule
 from vllm_cpu_launch.runtimes import INTEL as INTEL_FAMILY
 from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned, blocktime_milliseconds
@@ -549,7 +550,7 @@ NGRAM = SpeculativeRequest(True, "--speculative-config", None, "ngram", 3)
 IOMP = Candidate(
     "iomp", "/v/lib/libiomp5.so", Origin.VLLM_ENVIRONMENT, CHOSEN, "first usable", "intel"
 )
-LLVM = IOMP._replace(path="/v/cmeel.prefix/lib/libiomp5.so", flavor="llvm")
+LLVM = replace(IOMP, path="/v/cmeel.prefix/lib/libiomp5.so", flavor="llvm")
 TCMALLOC = Candidate("tcmalloc", "/usr/lib/libtcmalloc_minimal.so.4", Origin.SYSTEM, CHOSEN, "ok")
 
 
@@ -587,7 +588,7 @@ def facts(
         None,
         iomp=found(IOMP),
     )
-    return base._replace(**changes)
+    return replace(base, **changes)
 
 
 def run(stages: int, given: Facts) -> Decision:
@@ -607,8 +608,8 @@ def test_mode_a_tune_that_kept_libgomp_is_not_applied_to_sd() -> None:
 
 def test_release_gate_an_older_vllm_starts_unchanged_unless_always() -> None:
     old = facts(release="0.19.1")
-    assert release_gate(old, run(1, old)) == run(1, old)._replace(
-        release_gate=ReleaseStatus.OLDER, wants_iomp=False
+    assert release_gate(old, run(1, old)) == replace(
+        run(1, old), release_gate=ReleaseStatus.OLDER, wants_iomp=False
     )
     forced = facts(release="0.19.1", settings=Settings(iomp=Mode.ALWAYS))
     assert release_gate(forced, run(1, forced)).wants_iomp
@@ -633,7 +634,7 @@ def test_callers_stage_reads_their_runtime_and_malloc_by_file_name() -> None:
 def test_rules_stage_applies_the_tables_rule_where_measured() -> None:
     here = facts()
     assert rules_stage(here, run(4, here)).setting.rule == rule("map-1")
-    elsewhere = here._replace(one_worker=False)
+    elsewhere = replace(here, one_worker=False)
     assert rules_stage(elsewhere, run(4, elsewhere)).setting.rule is None
 
 
@@ -648,10 +649,10 @@ def test_runtime_stage_declines_llvm_where_its_setting_is_not_met() -> None:
 
 def test_allocator_stage_puts_nothing_beside_a_callers_malloc() -> None:
     theirs = facts({"LD_PRELOAD": "/x/libjemalloc.so.2"}, tcmalloc=found(TCMALLOC))
-    one_cpu = theirs._replace(one_worker=False)
+    one_cpu = replace(theirs, one_worker=False)
     assert allocator_stage(one_cpu, run(6, one_cpu)).tcmalloc is None
     mine = facts(tcmalloc=found(TCMALLOC))
-    mine = mine._replace(one_worker=False)
+    mine = replace(mine, one_worker=False)
     assert allocator_stage(mine, run(6, mine)).tcmalloc == TCMALLOC
 
 
@@ -671,7 +672,7 @@ def test_env_stage_adds_what_the_rule_adds_and_the_default_block_time() -> None:
         "KMP_BLOCKTIME": "200",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
-    one = here._replace(one_worker=False)
+    one = replace(here, one_worker=False)
     assert dict(env_stage(one, run(8, one)).env)["KMP_BLOCKTIME"] == "5"
 
 

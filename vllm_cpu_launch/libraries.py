@@ -7,7 +7,7 @@ import functools
 import os
 import stat
 import sys
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_launch.elf import (
     Kind,
@@ -21,6 +21,7 @@ from vllm_cpu_launch.elf import (
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.messages import StrEnum
+from vllm_cpu_launch.records import record, replace
 from vllm_cpu_launch.runtimes import (
     INTEL,
     LLVM,
@@ -90,7 +91,8 @@ def system_root(environ: Mapping[str, str]) -> str:
     return value or "/"
 
 
-class PreloadEntry(NamedTuple):
+@record
+class PreloadEntry:
     """One entry of the caller's LD_PRELOAD, and what its file is (elf.library_of)."""
 
     path: str  # as written: a path, a bare name, `$LIB` unexpanded
@@ -105,7 +107,8 @@ def read_preload(value: str) -> tuple[PreloadEntry, ...]:
     return tuple(PreloadEntry(entry, library_of(entry)) for entry in entries)
 
 
-class Host(NamedTuple):
+@record
+class Host:
     environ: Mapping[str, str]
     machine: str  # os.uname().machine
     euid: int
@@ -308,7 +311,8 @@ class CandidateVerdict(StrEnum):
     REJECTED = "rejected"  # its reason says why
 
 
-class Candidate(NamedTuple):
+@record
+class Candidate:
     kind: str
     path: str
     origin: Origin
@@ -319,7 +323,8 @@ class Candidate(NamedTuple):
     unsafe: bool = False  # refused by the trust rule (reason says why, fix how)
 
 
-class Finding(NamedTuple):
+@record
+class Finding:
     """What examining one file found: the reason to reject it (None: usable)."""
 
     reason: str | None
@@ -463,7 +468,8 @@ def candidate_of(
     return Candidate(kind, path, origin, verdict, reason, found.flavor, found.fix, found.unsafe)
 
 
-class Search(NamedTuple):
+@record
+class Search:
     kind: str
     chosen: Candidate | None
     candidates: tuple[Candidate, ...]
@@ -483,7 +489,7 @@ def find_library(
     if explicit is not None:
         given = candidate_of(kind, explicit, Origin.EXPLICIT, host, trusted)
         if given.verdict == CandidateVerdict.USABLE:
-            given = given._replace(verdict=CandidateVerdict.CHOSEN, reason="given")
+            given = replace(given, verdict=CandidateVerdict.CHOSEN, reason="given")
         taken = given if given.verdict == CandidateVerdict.CHOSEN else None
         return Search(kind, taken, (given,), (Origin.EXPLICIT,))
     seen: set[str] = set()
@@ -512,6 +518,6 @@ def find_library(
     winner = chosen or llvm
     if winner is not None:
         why = "first usable" if chosen else "first usable; no Intel OpenMP found, LLVM's"
-        chosen = winner._replace(verdict=CandidateVerdict.CHOSEN, reason=why)
+        chosen = replace(winner, verdict=CandidateVerdict.CHOSEN, reason=why)
         candidates = [chosen if c is winner else c for c in candidates]
     return Search(kind, chosen, tuple(candidates), tuple(searched))

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import NamedTuple
+
+from vllm_cpu_launch.records import record
 
 AT_PHDR, AT_PHNUM, AT_ENTRY = 3, 5, 9  # auxv: the program headers, how many, the entry
 PT_DYNAMIC = 2
@@ -32,7 +33,8 @@ PTRACE_HINT = (
 )
 
 
-class LinkMap(NamedTuple):
+@record
+class LinkMap:
     """The link map of one process: (l_addr, l_name) in load order (the executable's name
     is ""), or why it could not be read. l_addr is where a library's first mapping starts
     (its load bias), which names its file in /proc/PID/maps."""

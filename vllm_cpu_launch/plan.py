@@ -4,7 +4,7 @@ then said: its warnings, notes and reason derive from the decision's fields."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.elf import Library, library_of
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
@@ -26,6 +26,7 @@ from vllm_cpu_launch.handoff import (
 )
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, Origin
 from vllm_cpu_launch.messages import StrEnum
+from vllm_cpu_launch.records import record, replace
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
@@ -73,7 +74,8 @@ class MachineGate(StrEnum):
     OFF = "off"  # no Intel OpenMP for this architecture
 
 
-class Decision(NamedTuple):
+@record
+class Decision:
     """What the stages decided so far; each stage returns a new one."""
 
     mode: Mode = Mode.AUTO  # --iomp as it applies (a tune's, else the settings')
@@ -118,7 +120,7 @@ def mode_stage(facts: Facts, decision: Decision) -> Decision:
     mode, tuned = mode_of(facts), effective_tune(facts)
     wants = mode == Mode.ALWAYS or (mode == Mode.AUTO and facts.auto_iomp)
     dropped = facts.tuned is not None and tuned is None
-    return decision._replace(mode=mode, tuned=tuned, tune_dropped=dropped, wants_iomp=wants)
+    return replace(decision, mode=mode, tuned=tuned, tune_dropped=dropped, wants_iomp=wants)
 
 
 def release_gate(facts: Facts, decision: Decision) -> Decision:
@@ -129,16 +131,16 @@ def release_gate(facts: Facts, decision: Decision) -> Decision:
     if status == ReleaseStatus.OLDER and decision.mode != Mode.AUTO:
         return decision
     wants = decision.wants_iomp and status != ReleaseStatus.OLDER
-    return decision._replace(release_gate=status, wants_iomp=wants)
+    return replace(decision, release_gate=status, wants_iomp=wants)
 
 
 def architecture_gate(facts: Facts, decision: Decision) -> Decision:
     """Intel OpenMP on x86-64 only; LLVM's libomp opt-in where it is the one KMP one built."""
     machine, wants = facts.host.machine, decision.wants_iomp
     if wants and opt_in_on(machine) and decision.mode == Mode.ALWAYS:
-        return decision._replace(machine_gate=MachineGate.OPT_IN)
+        return replace(decision, machine_gate=MachineGate.OPT_IN)
     if wants and not preloaded_on(machine):
-        return decision._replace(machine_gate=MachineGate.OFF, wants_iomp=False)
+        return replace(decision, machine_gate=MachineGate.OFF, wants_iomp=False)
     return decision
 
 
@@ -149,7 +151,7 @@ def callers_stage(facts: Facts, decision: Decision) -> Decision:
     yours = tuple(e.path for e in entries if e.kind.kmp or e.path in facts.host.taken_for_intel)
     allocators = tuple(e.path for e in entries if e.kind.allocator)
     other = tuple(e.path for e in entries if e.kind is Library.MALLOC)
-    return decision._replace(yours=yours, allocators=allocators, other_malloc=other)
+    return replace(decision, yours=yours, allocators=allocators, other_malloc=other)
 
 
 def x86_sd(facts: Facts, decision: Decision) -> bool:
@@ -185,7 +187,7 @@ def rules_stage(facts: Facts, decision: Decision) -> Decision:
     if not (x86_sd(facts, decision) and decision.wants_iomp):
         return decision
     start = start_of(facts)
-    return decision._replace(start=start, setting=setting_rule(start))
+    return replace(decision, start=start, setting=setting_rule(start))
 
 
 def runtime_stage(facts: Facts, decision: Decision) -> Decision:
@@ -213,10 +215,10 @@ def runtime_stage(facts: Facts, decision: Decision) -> Decision:
     candidates = tuple(runtime_verdict(c, declined, foreign) for c in search.candidates)
     theirs = [c for c in candidates if c.origin == Origin.LD_PRELOAD and c.path in decision.yours]
     broken = tuple(c for c in theirs if c.verdict == CandidateVerdict.REJECTED) if foreign else ()
-    search = search._replace(chosen=iomp, candidates=candidates)
+    search = replace(search, chosen=iomp, candidates=candidates)
     missing = bool(broken) if foreign else iomp is None
-    decision = decision._replace(runtime=runtime, iomp_search=search, broken=broken)
-    return decision._replace(iomp=None if foreign else iomp, iomp_missing=missing)
+    decision = replace(decision, runtime=runtime, iomp_search=search, broken=broken)
+    return replace(decision, iomp=None if foreign else iomp, iomp_missing=missing)
 
 
 def runtime_verdict(candidate: Candidate, declined: str | None, foreign: str | None) -> Candidate:
@@ -229,14 +231,14 @@ def runtime_verdict(candidate: Candidate, declined: str | None, foreign: str | N
             f"LLVM's libomp, {declined}: not preloaded in Intel OpenMP's place; "
             f"--iomp-path {candidate.path} or --iomp always preloads it anyway"
         )
-        return candidate._replace(verdict=CandidateVerdict.REJECTED, reason=reason)
+        return replace(candidate, verdict=CandidateVerdict.REJECTED, reason=reason)
     chosen = candidate.verdict == CandidateVerdict.CHOSEN
     if foreign and chosen and candidate.origin != Origin.LD_PRELOAD:
         reason = (
             f"not preloaded: your LD_PRELOAD entry {foreign} is named as an OpenMP "
             "runtime, kept as set, and none goes beside it"
         )
-        return candidate._replace(verdict=CandidateVerdict.USABLE, reason=reason)
+        return replace(candidate, verdict=CandidateVerdict.USABLE, reason=reason)
     return candidate
 
 
@@ -253,7 +255,7 @@ def allocator_stage(facts: Facts, decision: Decision) -> Decision:
     if decision.allocators and (chosen is None or chosen.origin != Origin.LD_PRELOAD):
         chosen = None  # theirs, unusable: its warning says so; nothing goes beside it
     missing = chosen is None and not decision.allocators and tcmalloc_setting == Mode.ALWAYS
-    return decision._replace(tcmalloc_search=search, tcmalloc=chosen, tcmalloc_missing=missing)
+    return replace(decision, tcmalloc_search=search, tcmalloc=chosen, tcmalloc_missing=missing)
 
 
 def refuse_stage(facts: Facts, decision: Decision) -> Decision:
@@ -261,7 +263,7 @@ def refuse_stage(facts: Facts, decision: Decision) -> Decision:
     callers = [c for s in decision.searches for c in s.candidates if c.origin == Origin.LD_PRELOAD]
     refused = tuple(c for c in callers if c.unsafe)
     chosen = tuple(c for c in (decision.tcmalloc, decision.iomp) if c is not None)
-    return decision._replace(refused=refused, chosen=() if refused else chosen)
+    return replace(decision, refused=refused, chosen=() if refused else chosen)
 
 
 def compose_ld_preload(
@@ -300,7 +302,7 @@ def env_stage(facts: Facts, decision: Decision) -> Decision:
         env[BLOCKTIME_VARIABLE] = chosen
     if applied and decision.chosen:
         env.update((k, v) for k, v in applied.variables if k != BLOCKTIME_VARIABLE)
-    return decision._replace(env=tuple(env.items()), dropped=dropped, blocktime_problem=problem)
+    return replace(decision, env=tuple(env.items()), dropped=dropped, blocktime_problem=problem)
 
 
 def mark_stage(facts: Facts, decision: Decision) -> Decision:
@@ -320,7 +322,7 @@ def mark_stage(facts: Facts, decision: Decision) -> Decision:
         env[PLANNED_VARIABLE] = mark
     if facts.alias and not facts.alias_problem:
         env[PYTHONPATH] = pythonpath_with(facts.alias, environ)
-    return decision._replace(env=tuple(env.items()), mark=mark)
+    return replace(decision, env=tuple(env.items()), mark=mark)
 
 
 def nodes_stage(facts: Facts, decision: Decision) -> Decision:
@@ -328,7 +330,7 @@ def nodes_stage(facts: Facts, decision: Decision) -> Decision:
     CPUs this process may run on (vLLM #43240; shape.visible_nodes)."""
     shape, release = facts.host.shape, version_key(facts.release.release or "")
     nodes = shape and visible_nodes(shape, facts.host.environ, release)
-    return decision._replace(env=(*decision.env, (VISIBLE_NODES, nodes))) if nodes else decision
+    return replace(decision, env=(*decision.env, (VISIBLE_NODES, nodes))) if nodes else decision
 
 
 STAGES: tuple[Callable[[Facts, Decision], Decision], ...] = (
@@ -373,14 +375,16 @@ def schema(output: str) -> str:
     return f"vllm-cpu-launch/{output}/{SCHEMA_VERSION}"
 
 
-class Preload(NamedTuple):
+@record
+class Preload:
     kind: str
     path: str
     flavor: str | None
     origin: Origin
 
 
-class Plan(NamedTuple):
+@record
+class Plan:
     """Everything the launcher will do, so it can be printed, tested and compared."""
 
     command: tuple[str, ...]

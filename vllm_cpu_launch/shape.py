@@ -8,7 +8,9 @@ allowed. `root` is where /proc and /sys lie (a test's tree; "/" for a launch).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
+
+from vllm_cpu_launch.records import record
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
@@ -29,7 +31,8 @@ class Unreadable(Exception):
     """A file of the shape that cannot be read or makes no sense: its message says which."""
 
 
-class Shape(NamedTuple):
+@record
+class Shape:
     cpus: tuple[int, ...]  # sched_getaffinity
     quota: float | None = None  # CPUs' worth of time the cgroup quota allows; None: no limit
     quota_unknown: str | None = None  # why the quota could not be read

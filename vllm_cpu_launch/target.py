@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, LaunchError
+from vllm_cpu_launch.records import record
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -26,7 +27,8 @@ SUBSTITUTIONS: dict[str, Callable[[str], str]] = {
 }
 
 
-class Wrapper(NamedTuple):
+@record
+class Wrapper:
     """What a script's first lines say about the interpreter that runs it."""
 
     form: str  # "direct", "env", "sh-trampoline", "not-a-script", "unreadable", "unknown"
@@ -151,7 +153,8 @@ def read_wrapper(script: str, path_variable: str | None) -> Wrapper:
 ENVIRONMENT_MARKERS = ("pyvenv.cfg", "conda-meta")  # venv/virtualenv/uv/pipx; conda
 
 
-class Target(NamedTuple):
+@record
+class Target:
     """The program to exec and its Python environment, from what installers leave on disk."""
 
     executable: str  # absolute path

@@ -16,6 +16,7 @@ from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.plan import start_of
+from vllm_cpu_launch.records import replace
 from vllm_cpu_launch.rules import LOAD_JSON, REAL_JSON, REAL_MODEL, RULES
 from vllm_cpu_launch.runtimes import INTEL, vllm_reads
 from vllm_cpu_launch.shape import shape_json, shape_line
@@ -62,7 +63,7 @@ def rule_json(rule: rules.Rule) -> dict[str, Any]:
     adds = {"words": rule.adds, "variables": dict(rule.variables)}
     return {
         "id": rule.id,
-        "measured": rule.measured._asdict(),  # Measured's fields, in their order
+        "measured": vars(rule.measured),  # Measured's fields, in their order
         "adds": {**adds, "allocator": rule.allocator, "runtime": rule.runtime},
         "figures": rule.figures,
         "versus": rule.versus,
@@ -72,10 +73,10 @@ def rule_json(rule: rules.Rule) -> dict[str, Any]:
         "why": rule.why or None,
         "real": None
         if real is None
-        else {"model": REAL_MODEL, **real._asdict(), "evidence": REAL_JSON},
+        else {"model": REAL_MODEL, **vars(real), "evidence": REAL_JSON},
         "load": None
         if not load
-        else {"model": REAL_MODEL, "levels": [at._asdict() for at in load], "evidence": LOAD_JSON},
+        else {"model": REAL_MODEL, "levels": [vars(at) for at in load], "evidence": LOAD_JSON},
     }
 
 
@@ -125,7 +126,7 @@ def command_start(
     )
     start = start_of(facts)
     if target is None:
-        return start._replace(vllm_found=False), NO_VLLM, facts.speculative
+        return replace(start, vllm_found=False), NO_VLLM, facts.speculative
     return start, f"vLLM: {target.executable}", facts.speculative
 
 
@@ -134,7 +135,7 @@ def matching(start: rules.Start, requested: bool) -> dict[str, Any]:
     for SD), and every rule's conditions that fail here (the first one decides)."""
     setting = rules.setting_rule(start) if start.method else None
     if setting and not setting.note:
-        setting = setting._replace(note=f"{NOT_MEASURED_HERE}; libiomp5 at vLLM's settings")
+        setting = replace(setting, note=f"{NOT_MEASURED_HERE}; libiomp5 at vLLM's settings")
     runtime = rules.llvm_runtime(start) if start.method else None
     return {
         "rule": setting.rule.id if setting and setting.rule else None,

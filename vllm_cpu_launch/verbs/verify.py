@@ -15,7 +15,7 @@ import shlex
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -28,6 +28,7 @@ from vllm_cpu_launch.launch import FLAG_OPTIONS, parse_options, write_stdout
 from vllm_cpu_launch.linkmap import LinkMap, read_link_map
 from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.plan import described_request, schema
+from vllm_cpu_launch.records import record
 from vllm_cpu_launch.runtimes import vllm_reads_gnu, vllm_reads_kmp
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
 Runtime = tuple[Kind, str]
 
 
-class Choice(NamedTuple):
+@record
+class Choice:
     """Why Intel OpenMP was left out: `by` "the plan" (its mark) or "the user"."""
 
     by: str
@@ -286,7 +288,8 @@ def inherited_by(process: psutil.Process) -> dict[str, Any] | None:
     return None
 
 
-class Seen(NamedTuple):
+@record
+class Seen:
     """What inspect read of one process (environment: those of VARIABLES that show)."""
 
     pid: int

@@ -13,7 +13,7 @@ import json
 import os
 import shlex
 import sys
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import __version__, gather, launch, rules
 from vllm_cpu_launch.command import read_command
@@ -23,6 +23,7 @@ from vllm_cpu_launch.fixes import install_command, tcmalloc_command
 from vllm_cpu_launch.handoff import LD_PRELOAD, PLUGIN_NAME, PLUGIN_VARIABLE, stands_down
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, find_library
 from vllm_cpu_launch.plan import plan_of, start_of
+from vllm_cpu_launch.records import record, replace
 from vllm_cpu_launch.runtimes import LLVM, opt_in_on, preloaded_on, vllm_reads_gnu, vllm_reads_kmp
 from vllm_cpu_launch.settings import (
     Mode,
@@ -242,7 +243,8 @@ def tune_record(tuned: Tuned, here: Scope) -> dict[str, Any]:
     }
 
 
-class SdProbe(NamedTuple):
+@record
+class SdProbe:
     """What the launcher does for an ngram `serve` here (SD_PROBE), as doctor's advice reads
     it: whether a map rule's host is this one, and the plan (`iomp` None: no plan)."""
 
@@ -260,7 +262,7 @@ def sd_probe(settings: Settings, target: Target | None, host: Host) -> SdProbe:
     try:
         facts = launch.launch_facts(settings, target, SD_PROBE, host=host)
     except LaunchError:
-        plain = settings._replace(iomp_path=None, tcmalloc_path=None)
+        plain = replace(settings, iomp_path=None, tcmalloc_path=None)
         start = start_of(launch.launch_facts(plain, target, SD_PROBE, host=host))
         return SdProbe(measured=rules.measured_host(start), iomp=None)
     measured = rules.measured_host(start_of(facts))

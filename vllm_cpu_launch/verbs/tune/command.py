@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import vllm_cpu_launch
 from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
+from vllm_cpu_launch.records import record
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ def check_serve(serve: Sequence[str]) -> None:
         raise LaunchError(EXIT_USAGE, "tune needs the model: tune [--] serve MODEL [ARGS...]")
 
 
-class Load(NamedTuple):
+@record
+class Load:
     """What the client sends at each concurrency."""
 
     concurrencies: tuple[int, ...]

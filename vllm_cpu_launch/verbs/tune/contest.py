@@ -17,7 +17,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from vllm_cpu_launch.command import read_command
 from vllm_cpu_launch.errors import EXIT_PROBLEM, LaunchError
@@ -27,6 +27,7 @@ from vllm_cpu_launch.inside import remove_readings_of
 from vllm_cpu_launch.launch import plan_from_options, provide_metadata
 from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.messages import emit
+from vllm_cpu_launch.records import record
 from vllm_cpu_launch.settings import Mode
 from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
 
@@ -55,7 +56,8 @@ RUNTIME_VARIABLES = ("KMP_BLOCKTIME", "VLLMCPULAUNCH_PLANNED")
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class Contender(NamedTuple):
+@record
+class Contender:
     """One --iomp value tune measures (a candidate, to the user), by its runtime's name."""
 
     name: str
@@ -66,7 +68,8 @@ CONTENDERS = (Contender("libgomp", Mode.NEVER), Contender("libiomp5", Mode.ALWAY
 GOMP, IOMP = CONTENDERS
 
 
-class Summary(NamedTuple):
+@record
+class Summary:
     """One contender's runs in order: times per output token (or seconds): lower wins."""
 
     contender: Contender
@@ -83,7 +86,8 @@ class Summary(NamedTuple):
         return max(self.runs) - min(self.runs)
 
 
-class Outcome(NamedTuple):
+@record
+class Outcome:
     """The winner (None: no clear one), what --write stores (auto for the default), why."""
 
     winner: Contender | None
@@ -91,7 +95,8 @@ class Outcome(NamedTuple):
     result: str
 
 
-class Reading(NamedTuple):
+@record
+class Reading:
     """One concurrency of one server start, as `vllm bench serve` saved it."""
 
     concurrency: int
