@@ -88,6 +88,41 @@ def real_iomp() -> Path:
     return path
 
 
+def place_library(source: Path, destination: Path) -> Path:
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source, destination)
+    return destination
+
+
+# A library calling the GNU OpenMP API (built -fopenmp: it needs libgomp.so.1), and one
+# defining GOMP_parallel itself, as a runtime does.
+CALLS_OPENMP = "int threads(void) { int n = 0;\n#pragma omp parallel\n n = 1; return n; }\n"
+DEFINES_GOMP = "void GOMP_parallel(void (*f)(void *), void *d, unsigned n, unsigned g) { f(d); }\n"
+# name: (source, gcc flags): libompl.so (OMPL's) and libompd.so (LLVM's debugging library)
+# are real names starting `libomp`; libompwork.so is a -fopenmp library named like a runtime.
+BUILT = {
+    "libompl.so": ("int ompl(void) { return 1; }\n", ["-Wl,-soname,libompl.so"]),
+    "libompd.so": ("int ompd(void) { return 1; }\n", ["-Wl,-soname,libompd.so"]),
+    "libompwork.so": (CALLS_OPENMP, ["-fopenmp"]),
+    "libgomp-0123abcd.so.1.0.0": (DEFINES_GOMP, ["-Wl,-soname,libgomp-0123abcd.so.1.0.0"]),
+    "libgnu-hash.so": (DEFINES_GOMP, ["-Wl,--hash-style=gnu"]),
+    "libsysv-hash.so": (DEFINES_GOMP, ["-Wl,--hash-style=sysv"]),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """BUILT, each compiled by gcc into one directory."""
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the test libraries")
+    directory = tmp_path_factory.mktemp("built")
+    for name, (code, flags) in BUILT.items():
+        (directory / "source.c").write_text(code)
+        command = ["gcc", "-shared", "-fPIC", *flags, "-o", str(directory / name)]
+        subprocess.run([*command, str(directory / "source.c")], check=True, timeout=120)
+    return directory
+
+
 def apt_get(arguments: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["apt-get", *arguments],

@@ -22,16 +22,13 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_launch import settings as settings_module
-from vllm_cpu_launch.libraries import TCMALLOC, Host, find_library
 from vllm_cpu_launch.settings import blocktime_milliseconds, load_settings
 
 from .conftest import (
     AS_NOBODY,
-    DEB_CACHE,
     LAUNCHER,
     NOBODY,
     SystemHost,
-    bare_system,
     clean_environ,
     install_recorder,
     make_environment,
@@ -180,56 +177,6 @@ def test_explicit_library_is_used(
         *system_host.preloaded(),
         {"kind": "iomp", "path": str(real_iomp), "flavor": "intel", "origin": "explicit"},
     ]
-
-
-def tcmalloc_fix(tmp_path: Path, vllm: Path, strict: bool) -> str:
-    """The Fix of the launcher's one message about a missing tcmalloc (`--tcmalloc always`)."""
-    args = ["--strict"] * strict + ["--tcmalloc", "always", "--vllm", str(vllm), "serve", "m"]
-    record = str(tmp_path / "record.json")
-    # A host without a system tcmalloc: the message this test reads is that host's.
-    result = launcher(tmp_path, [*args, "-sc", NGRAM], RECORD_TO=record, **bare_system(tmp_path))
-    assert result.returncode == (3 if strict else 0), result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if "tcmalloc not found" in line]
-    assert "intel-openmp" not in line, line
-    return line.split(" Fix: ", 1)[1].split("  (", 1)[0]
-
-
-@pytest.mark.parametrize("strict", [True, False])
-def test_missing_tcmalloc_prints_a_fix_that_installs_tcmalloc(
-    tmp_path: Path, vllm_env: Path, debian_root: Path, strict: bool
-) -> None:
-    """The printed Fix, simulated by apt-get as root, installs the package whose files,
-    unpacked as they would be installed, the launcher's search then finds."""
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.skip("the Debian/Ubuntu fix: needs apt-get, run as root")
-    fix = tcmalloc_fix(tmp_path, vllm_env / "bin" / "vllm", strict)
-    assert fix == "apt-get install libtcmalloc-minimal4"
-    simulated = subprocess.run(
-        # --reinstall: on a machine that has it installed, apt simulates installing it too
-        [*shlex.split(fix), "--simulate", "--reinstall"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    package = fix.split()[-1]
-    assert simulated.returncode == 0, simulated.stderr
-    assert f"Inst {package} " in simulated.stdout, simulated.stdout
-    (deb,) = DEB_CACHE.glob(f"{package}_*.deb")  # the package debian_root downloaded
-    installed = tmp_path / "installed"
-    subprocess.run(["dpkg-deb", "-x", str(deb), str(installed)], check=True, timeout=120)
-    host = Host({}, "x86_64", os.geteuid(), str(tmp_path / "no-launcher"), root=str(installed))
-    search = find_library(TCMALLOC, host, None)
-    assert search.chosen is not None and search.chosen.origin == "system", search.candidates
-    assert search.chosen.path.startswith(str(installed / "usr" / "lib"))
-
-
-def test_missing_tcmalloc_in_a_conda_environment_names_condas_package(tmp_path: Path) -> None:
-    """conda-forge's gperftools goes into the environment's lib/, which is searched
-    (conda itself cannot be fetched here to run it)."""
-    environment = make_environment(tmp_path / "conda-env")
-    (environment / "conda-meta").mkdir()
-    fix = tcmalloc_fix(tmp_path, install_recorder(environment), True)
-    assert fix == f"conda install --prefix {environment} --channel conda-forge gperftools"
 
 
 def test_target_not_found_exits_127(tmp_path: Path) -> None:

@@ -3,8 +3,8 @@
 For every layout in tests/installers.py (pip, virtualenv, uv plain and relocatable,
 uv tool, pipx, pip --user with and without PYTHONUSERBASE, conda-style prefixes; short
 and long paths): the plan chooses that environment's own libiomp5.so, and a real exec
-maps it in the stand-in vLLM. Without intel-openmp, the "Fix:" the pipx_launcher prints and
-doctor's recommendation are run as printed, and the next plan finds the library.
+maps it in the stand-in vLLM. Without intel-openmp, the "Fix:" the pipx_launcher prints is
+run as printed in tests/test_fixes.py.
 """
 
 from __future__ import annotations
@@ -28,17 +28,12 @@ from .installers import (
     Installed,
     chosen_iomp,
     dry_run,
-    externally_managed_user,
     newcomer_shell,
     newest_iomp_wheels,
     pip_venv,
-    pip_venv_without_pip,
-    printed_fix,
     readme_install_blocks,
     run_block,
-    run_fix,
     run_tool,
-    uv_venv,
 )
 
 DEFAULT_PYTHON_MINOR = 11  # the Python the e2e environment is made with (3.11 here)
@@ -125,52 +120,6 @@ def test_the_newest_intel_openmp_is_found_checked_and_preloaded(
     result = run_launcher(["-q", "--iomp", "always", *program], offline_environ)
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
     assert result.stdout.split() == [str(library)]
-
-
-# Layouts whose Fix is checked: each kind of advice fixes.py gives, once.
-FIX_LAYOUTS = {
-    "pip-venv": pip_venv,
-    "venv-without-pip": pip_venv_without_pip,
-    "uv-venv": lambda r, e, i: uv_venv(r, e, i),
-    "externally-managed": externally_managed_user,
-}
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [
-        "pip-venv",
-        "venv-without-pip",
-        "uv-venv",
-        "uv-tool",
-        "pipx",
-        "pip-user",
-        "pip-user-custom-base",
-        "externally-managed",
-        "conda-prefix",
-        "conda-long-prefix-env-shebang",
-    ],
-)
-def test_the_printed_fix_installs_the_library_where_the_next_plan_finds_it(
-    layout: str, tmp_path: Path, offline_environ: dict[str, str], pipx_launcher: list[str]
-) -> None:
-    if layout == "externally-managed" and not Path("/usr/lib/python3/dist-packages/pip").is_dir():
-        pytest.skip("needs Debian's python3 with pip (python3-pip), externally managed")
-    installer = FIX_LAYOUTS.get(layout) or LAYOUTS[layout][1]
-    installed = installer(tmp_path / layout, offline_environ, False)
-    offline_environ.update(installed.environ)
-    offline_environ["PATH"] = f"{installed.vllm.parent}:{offline_environ['PATH']}"
-    plan = dry_run(pipx_launcher, offline_environ)
-    assert plan["preload"] == []
-    fix = printed_fix(plan, "not found")
-
-    report = json.loads(run_launcher(["doctor", "--json"], offline_environ, pipx_launcher).stdout)
-    advice = {r["id"]: r for r in report["recommendations"]}
-    assert advice["install-intel-openmp"]["command"] == fix  # one source for both
-
-    run_fix(fix, offline_environ)
-    iomp = chosen_iomp(dry_run(pipx_launcher, offline_environ))
-    assert iomp["path"] == str(installed.library)
 
 
 def test_a_moved_venv_names_its_missing_interpreter(

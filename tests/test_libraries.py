@@ -22,7 +22,7 @@ import pytest
 
 from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch import runtimes
-from vllm_cpu_launch.elf import Library, identify, library_of, openmp_runtime
+from vllm_cpu_launch.elf import Library, openmp_runtime
 from vllm_cpu_launch.libraries import (
     IOMP,
     NOT_FOUND_BY_LOADER,
@@ -36,7 +36,15 @@ from vllm_cpu_launch.libraries import (
 from vllm_cpu_launch.target import Target
 
 from . import test_plan as contract
-from .conftest import AS_NOBODY, NOBODY, REPO, SystemHost, clean_environ, install_recorder
+from .conftest import (
+    AS_NOBODY,
+    NOBODY,
+    REPO,
+    SystemHost,
+    clean_environ,
+    install_recorder,
+    place_library,
+)
 from .hardening import (
     GUARD,
     LAUNCHER,
@@ -85,118 +93,6 @@ def in_environment(prefix: Path) -> Target:
     """The target of a vLLM installed in the environment at `prefix`."""
     python = str(prefix / "bin" / "python")
     return Target(str(prefix / "bin" / "vllm"), "--vllm", python, str(prefix))
-
-
-def place_library(source: Path, destination: Path) -> Path:
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(source, destination)
-    return destination
-
-
-# ------------------------------------------------- what a library is (elf.identify)
-
-# A library calling the GNU OpenMP API (built -fopenmp: it needs libgomp.so.1), and one
-# defining GOMP_parallel itself, as a runtime does.
-CALLS_OPENMP = "int threads(void) { int n = 0;\n#pragma omp parallel\n n = 1; return n; }\n"
-DEFINES_GOMP = "void GOMP_parallel(void (*f)(void *), void *d, unsigned n, unsigned g) { f(d); }\n"
-# name: (source, gcc flags): libompl.so (OMPL's) and libompd.so (LLVM's debugging library)
-# are real names starting `libomp`; libompwork.so is a -fopenmp library named like a runtime.
-BUILT = {
-    "libompl.so": ("int ompl(void) { return 1; }\n", ["-Wl,-soname,libompl.so"]),
-    "libompd.so": ("int ompd(void) { return 1; }\n", ["-Wl,-soname,libompd.so"]),
-    "libompwork.so": (CALLS_OPENMP, ["-fopenmp"]),
-    "libgomp-0123abcd.so.1.0.0": (DEFINES_GOMP, ["-Wl,-soname,libgomp-0123abcd.so.1.0.0"]),
-    "libgnu-hash.so": (DEFINES_GOMP, ["-Wl,--hash-style=gnu"]),
-    "libsysv-hash.so": (DEFINES_GOMP, ["-Wl,--hash-style=sysv"]),
-}
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """BUILT, each compiled by gcc into one directory."""
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc to build the test libraries")
-    directory = tmp_path_factory.mktemp("built")
-    for name, (code, flags) in BUILT.items():
-        (directory / "source.c").write_text(code)
-        command = ["gcc", "-shared", "-fPIC", *flags, "-o", str(directory / name)]
-        subprocess.run([*command, str(directory / "source.c")], check=True, timeout=120)
-    return directory
-
-
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [
-        ("libompl.so", (Library.OTHER, False)),
-        ("libompd.so", (Library.OTHER, False)),
-        ("libompwork.so", (Library.OTHER, False)),  # it calls GOMP_parallel: no definition
-        ("libgomp-0123abcd.so.1.0.0", (runtimes.GNU, True)),  # a wheel's renamed libgomp
-        ("libgnu-hash.so", (runtimes.GNU, True)),  # no SONAME: it defines GOMP_parallel
-        ("libsysv-hash.so", (runtimes.GNU, True)),  # found through DT_HASH alone too
-    ],
-)
-def test_a_library_is_what_its_elf_file_says_not_its_name(
-    built: Path, name: str, expected: tuple[Library, bool]
-) -> None:
-    """Issue 45: a name starting `libomp` made LLVM OpenMP of libompwork.so (gcc -fopenmp,
-    needing libgomp), OMPL's libompl.so and LLVM's libompd.so, none a runtime."""
-    assert identify(str(built / name)) == expected
-    assert library_of(str(built / name)) is expected[0]
-
-
-@pytest.mark.parametrize(
-    ("runtime", "kind"),
-    [
-        ("real_iomp", runtimes.INTEL),
-        ("llvm-14/lib/libomp.so.5", runtimes.LLVM),
-        ("llvm-14/lib/libiomp5.so", runtimes.LLVM),  # Debian's alias: SONAME libomp.so.5
-        ("llvm-14/lib/libgomp.so", runtimes.LLVM),
-        ("/usr/lib/x86_64-linux-gnu/libgomp.so.1", runtimes.GNU),
-    ],
-)
-@pytest.mark.parametrize("renamed", [None, "libfoo.so", "libompwork.so"])
-def test_a_real_runtime_is_itself_under_any_name(
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-    debian_root: Path,
-    runtime: str,
-    kind: Library,
-    renamed: str | None,
-) -> None:
-    """Each real runtime, and a copy named libfoo.so or like another runtime: its DT_SONAME
-    and the GOMP_parallel it defines say what it is."""
-    if runtime == "real_iomp":
-        path = request.getfixturevalue(runtime)
-    else:
-        path = Path(runtime) if runtime.startswith("/") else debian_root / "usr/lib" / runtime
-    if not path.is_file():
-        pytest.fail(f"{path} missing: apt-get install libgomp1")
-    if renamed is not None:
-        path = place_library(path, tmp_path / renamed)
-    assert identify(str(path)) == (kind, True)
-
-
-def test_intels_stub_and_debugger_library_are_intels_but_serve_nothing(real_iomp: Path) -> None:
-    """By their SONAMEs Intel's (the plan refuses them by name, below); no GOMP_parallel."""
-    for name in ("libiompstubs5.so", "libiomp5_db.so"):
-        assert identify(str(real_iomp.parent / name)) == (runtimes.INTEL, False)
-
-
-def test_a_file_is_named_only_where_none_can_be_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built: Path
-) -> None:
-    """A missing file, a bare name (the loader's to find, never the working directory's
-    file) and a file no ELF shared object by their names (examine says why they are none)."""
-    monkeypatch.chdir(tmp_path)
-    shutil.copy2(built / "libompl.so", tmp_path / "libiomp5.so")
-    assert identify("libiomp5.so") == (runtimes.INTEL, True)
-    assert library_of(str(tmp_path / "libiomp5.so")) is Library.OTHER
-    assert identify(str(tmp_path / "gone" / "libgomp.so.1")) == (runtimes.GNU, True)
-    assert library_of(str(tmp_path / "gone" / "libompwork.so")) is runtimes.LLVM
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "libiomp5.so").write_text("INPUT(libiomp5.so.1)\n")
-    assert identify(str(tmp_path / "text" / "libiomp5.so")) == (runtimes.INTEL, True)
-    assert identify(str(tmp_path / "text")) == (Library.OTHER, False)
 
 
 def test_a_renamed_runtime_the_caller_preloads_is_theirs_a_fopenmp_library_is_not(
@@ -1460,28 +1356,6 @@ def test_on_aarch64_llvm_libomp_is_opt_in_and_its_own_build_is_the_one_taken(
     assert forced["runtime"] is None and forced["rule"] is None
     assert "VLLM_CPU_OMP_THREADS_BIND" not in forced["env"]
     assert any("never measured on such a host" in n for n in forced["notes"])
-
-
-def test_on_aarch64_the_printed_fix_installs_cmeel_libomp_where_the_plan_looks(
-    tmp_path: Path, cmeel_wheels: Path
-) -> None:
-    """Nothing installed: the warning's fix is cmeel-libomp by uv (no pip in a uv venv).
-    Run as printed on this x86-64 machine, it installs the x86-64 wheel, which the plan
-    then finds in its place and turns down for its ELF machine: the stand-in's one limit."""
-    root = arm_environment(tmp_path, cmeel_wheels, platform=None)
-    forced = arm_plan(tmp_path, root, "always")
-    assert forced["preload"] == [] and forced["missing"] == ["iomp"]
-    (warning,) = forced["warnings"]
-    assert warning.startswith("LLVM's libomp (a libiomp5.so) not found")
-    fix = warning.rpartition("Fix: ")[2].partition("  (")[0]
-    assert fix == f"uv pip install --python {root / 'bin' / 'python'} cmeel-libomp"
-    environ = offline(clean_environ(tmp_path), cmeel_wheels)
-    subprocess.run(["sh", "-c", fix], env=environ, check=True, timeout=300, capture_output=True)
-    after = arm_plan(tmp_path, root, "always")
-    (found,) = after["candidates"]
-    assert found["origin"] == "cmeel-libomp-package"
-    assert found["path"] == str(site_packages(root) / CMEEL_ALIAS)
-    assert found["reason"] == "built for x86_64; this host is aarch64"
 
 
 def test_doctor_on_aarch64_names_the_opt_in_and_elsewhere_not() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import SystemHost, clean_environ
-from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_VARIABLE, stands_down
+from vllm_cpu_launch.handoff import PLANNED_VARIABLE, PLUGIN_VARIABLE
 from vllm_cpu_launch.plugin import in_process_message, one_worker
 
 PLATFORMS = """\
@@ -379,36 +379,6 @@ def test_in_process_message_quotes_the_command() -> None:
     assert message.endswith(
         "start it with: vllm-cpu-launch exec -- /venv/bin/python /venv/bin/vllm serve 'a b'"
     )
-
-
-@pytest.mark.parametrize(
-    ("environ", "machine", "spawned", "reason"),
-    [
-        ({}, "x86_64", False, None),
-        ({"LD_PRELOAD": "/x/libtcmalloc.so.4"}, "x86_64", True, None),  # no OpenMP runtime named
-        ({PLUGIN_VARIABLE: "1"}, "x86_64", False, None),
-        ({}, "aarch64", False, "this host is aarch64, not x86-64"),
-        ({}, "ppc64le", False, "this host is ppc64le, not x86-64"),
-        ({"LD_PRELOAD": "/l/libomp.so.5"}, "x86_64", True, "LD_PRELOAD names the runtime"),
-        ({"LD_PRELOAD": "/l/libomp.so.5"}, "x86_64", False, None),  # a front end: the plan keeps it
-        ({PLANNED_VARIABLE: "launcher:started"}, "x86_64", False, "started with a plan already"),
-        ({PLUGIN_VARIABLE: "no"}, "x86_64", False, f"switched off by {PLUGIN_VARIABLE}=no"),
-        # The name before our variables left vLLM's namespace still switches it off ...
-        (
-            {"VLLM_CPU_LAUNCH_PLUGIN": "0"},
-            "x86_64",
-            False,
-            "switched off by VLLM_CPU_LAUNCH_PLUGIN=0",
-        ),
-        # ... unless the current name says otherwise.
-        ({PLUGIN_VARIABLE: "1", "VLLM_CPU_LAUNCH_PLUGIN": "0"}, "x86_64", False, None),
-    ],
-)
-def test_standing_down(
-    environ: dict[str, str], machine: str, spawned: bool, reason: str | None
-) -> None:
-    found = stands_down(environ, machine, spawned)
-    assert found == reason if reason is None else found is not None and reason in found
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The package's shape: no function over 60 lines (issue 29), plan_of at most 40, and
 each stage of the decision at most 50: what one reader holds in mind at once; and the
 package's weight, which issue 35 cut from 11,503 lines to 8,782; no import cycle among
-the package's modules (issue 47)."""
+the package's modules, and a test file for each of them (issue 47)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,38 @@ def test_the_package_imports_in_no_circle() -> None:
     graph = import_graph()
     assert "vllm_cpu_launch.verbs.env" in graph["vllm_cpu_launch.cli"]  # the lazy dispatch
     assert cycle_in(graph) == []
+
+
+# Modules without a test file of their own, and why (issue 47: a test file per module).
+UNTESTED_ALONE = {
+    "__init__.py": "no code: the package's docstring and __version__ (tests/test_cli.py)",
+    "verbs/__init__.py": "no code: the verbs' docstring",
+    "__main__.py": "every CLI test runs `python -m vllm_cpu_launch` (tests/conftest.py LAUNCHER)",
+    "runtimes/family.py": "the registry's interface, tested through tests/test_runtimes.py",
+    "runtimes/gnu.py": "the registry's data, tested through tests/test_runtimes.py",
+    "runtimes/intel.py": "the registry's data, tested through tests/test_runtimes.py",
+    "runtimes/llvm.py": "the registry's data, tested through tests/test_runtimes.py",
+}
+# Test files not named by the rule: the top-level rules.py has tests/test_rules.py.
+RENAMED = {"verbs/rules.py": "test_rules_verb.py"}
+
+
+def its_test_file(module: Path) -> str:
+    """vllm_cpu_launch/X.py -> test_X.py; verbs/X.py, verbs/X/__init__.py -> test_X.py;
+    verbs/tune/X.py -> test_tune_X.py; runtimes/__init__.py -> test_runtimes.py."""
+    parts = list(module.with_suffix("").parts)
+    parts = parts[1:] if parts[0] == "verbs" else parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return RENAMED.get(module.as_posix(), f"test_{'_'.join(parts)}.py")
+
+
+def test_every_package_module_has_its_test_file() -> None:
+    tests = Path(__file__).parent
+    modules = [path.relative_to(PACKAGE) for path in sorted(PACKAGE.rglob("*.py"))]
+    assert set(UNTESTED_ALONE) <= {module.as_posix() for module in modules}
+    missing = {
+        module.as_posix(): its_test_file(module)
+        for module in modules
+        if module.as_posix() not in UNTESTED_ALONE and not (tests / its_test_file(module)).is_file()
+    }
+    assert missing == {}
