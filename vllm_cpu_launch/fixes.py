@@ -1,5 +1,5 @@
 """The command that installs Intel OpenMP (or tcmalloc) where the started vLLM will find it,
-as each installer's environment needs it (tests/test_installers.py runs each one).
+as each installer's environment needs it (tests/test_fixes.py runs each one).
 """
 
 from __future__ import annotations
