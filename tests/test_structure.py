@@ -39,7 +39,10 @@ def test_the_package_keeps_the_weight_issue_35_cut() -> None:
     """A ratchet, not a target: a change that needs more lines raises it in its own diff."""
     files = sorted(PACKAGE.rglob("*.py"))
     total = sum(len(path.read_text(encoding="utf-8").splitlines()) for path in files)
-    assert total <= 8_819  # issue 45's additions paid for by doctor --measure's move (47)
+    # Issue 47's structure (runtimes/, launch, records, elf, messages, the command record,
+    # enums: +412) and issue 46's shape (+273) less tune's latency mode (-181): the
+    # weight reached, module by module in issue 47's closing note.
+    assert total <= 9_275
 
 
 def module_name(path: Path) -> str:
