@@ -90,7 +90,7 @@ MEASURE_MOVED = (
 )
 
 
-def host_sections() -> dict[str, Any]:
+def host_sections(host: Host) -> dict[str, Any]:
     import cpuinfo  # lazy: heavy (docs/design.md)
     import psutil  # lazy: heavy (docs/design.md)
 
@@ -107,7 +107,7 @@ def host_sections() -> dict[str, Any]:
         "cores": {
             "physical": psutil.cpu_count(logical=False),
             "logical": psutil.cpu_count(logical=True),
-            "usable": len(os.sched_getaffinity(0)),
+            "usable": host.cpus,  # read once, with the shape (launch.current_host)
         },
         "numa": sorted(
             (numa_node(path) for path in glob.glob(os.path.join(NODE_ROOT, "node[0-9]*"))),
@@ -525,7 +525,7 @@ def build_report(values: dict[str, object], environ: Mapping[str, str]) -> dict[
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "launcher": {"version": __version__, "python": sys.executable, "prefix": sys.prefix},
-        **host_sections(),
+        **host_sections(host),
         "vllm": vllm_section(target, target_error, environ, release),
         "plugin": plugin_section(target, environ, settings, host.machine),
         "libraries": {
