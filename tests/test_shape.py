@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -308,6 +309,15 @@ def limited() -> Iterator[tuple[list[Path], int]]:
             made[0].mkdir()
             (made[0] / "cpu.max").write_text("50000 100000")
             (made[0] / "cpuset.cpus").write_text(str(cpu))
+        # A process must be able to join them (a v2 host may refuse: EBUSY, EOPNOTSUPP): one
+        # that does nothing joins first, so that a refusal is a skip, not the launcher's failure.
+        probe = subprocess.Popen(["sleep", "60"])
+        try:
+            for directory in made:
+                (directory / "cgroup.procs").write_text(str(probe.pid))
+        finally:
+            probe.kill()
+            probe.wait()
     except OSError as error:
         for directory in reversed(made):
             if directory.exists():
