@@ -90,6 +90,7 @@ from bench_vllm_records import (
     runs_from_json,
 )
 from bench_vllm_report import MARKERS, markdown, update_markdown
+from bench_vllm_shape import SHAPES, shaped
 from bench_vllm_run import (
     COMPILING_LIMIT_S,
     POLL_INTERVAL_S,
@@ -255,6 +256,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         type=Path,
         help="a prompt set in vLLM's custom dataset JSONL, sent as chat (the package ships "
         "vllm_cpu_launch/serving_prompts.jsonl); default: one completion prompt per model",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        default="idle",
+        help="the host shape every server runs in (bench_vllm_shape): a CFS quota of 1.0 or "
+        "1.5 CPUs (a cgroup of its own; root), a cpuset of 1 CPU, or 1 or 2 busy loops of "
+        "another process beside it (default idle: the whole host)",
     )
     parser.add_argument("--phase-seconds", type=float, default=8.0, help="load per level")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
@@ -428,7 +437,10 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
     active: list[Server] = []
     started = time.time()
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-vllm-") as temporary:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-vllm-") as temporary,
+            shaped(SHAPES[args.shape]) as args.shape_prefix,
+        ):
             scratch = Path(temporary)
             paths = prepare(args, scratch, active)
             configs: list[Config] = args.configs
@@ -456,6 +468,7 @@ def measure(args: argparse.Namespace, command: str) -> tuple[list[Run], dict[str
     meta = {
         "command": command,
         "machine": describe_machine(),
+        "shape": f"{args.shape}: {SHAPES[args.shape].words()}",
         "versions": versions(paths["env"]),
         "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),

@@ -81,6 +81,16 @@ SETTINGS = {
         Setting("libgomp-nobind", GOMP, nobind=True),
         Setting("libiomp5-nobind-bt0", IOMP, blocktime="0", nobind=True),
         Setting("libiomp5-nobind-bt200", IOMP, blocktime="200", nobind=True),
+        # Issue 46: the block times between, and the team sized to a quota of 1 CPU.
+        Setting("libiomp5-nobind-bt1", IOMP, blocktime="1", nobind=True),
+        Setting("libiomp5-nobind-bt5", IOMP, blocktime="5", nobind=True),
+        Setting(
+            "libiomp5-nobind-bt200-t1",
+            IOMP,
+            blocktime="200",
+            nobind=True,
+            variables=(("OMP_NUM_THREADS", "1"),),
+        ),
         Setting(
             "libiomp5-nobind-bt200+tcmalloc", IOMP, tcmalloc=True, blocktime="200", nobind=True
         ),

@@ -301,6 +301,7 @@ def markdown(runs: Sequence[Run], meta: dict[str, Any], redrawn: bool = False) -
         "",
         f"- Machine: {machine['cpu']}, {machine['cpus']} CPUs, {machine['memory']}, "
         f"{machine['kernel']}; CPU flags: {machine['flags']}",
+        f"- Host shape of every server: {meta.get('shape', 'idle: the whole host, idle')}",
         f"- Software: {meta['versions']}; Python {meta['python']}",
         f"- Command: `{meta['command']}`",
         f"- Ran {meta['started']}, {meta['minutes']:.0f} min, {len(runs)} vLLM starts; "

@@ -128,7 +128,7 @@ def launch(
     speculative = method.speculative_config(draft)
     extra = REAL_SERVE_OPTIONS if config.model == REAL else ()
     return start_server(
-        prefix,
+        [*args.shape_prefix, *prefix],
         model,
         scratch,
         environment,
