@@ -90,7 +90,6 @@ from bench_vllm_records import (
     runs_from_json,
 )
 from bench_vllm_report import MARKERS, markdown, update_markdown
-from bench_vllm_shape import SHAPES, shaped
 from bench_vllm_run import (
     COMPILING_LIMIT_S,
     POLL_INTERVAL_S,
@@ -100,6 +99,7 @@ from bench_vllm_run import (
     measure_one,
     warmed_up,
 )
+from bench_vllm_shape import SHAPES, shaped
 from script_cli import ScriptError, exit_code, last_line, narrator
 from vllm_server import (
     ENV_SETUP_LIMIT_S,

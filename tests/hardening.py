@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE
 
-from .conftest import IMPORT_PATH
+from .conftest import HOST_CPUS_VARIABLE, IMPORT_PATH
 
 PYTHON = sys.executable
 LAUNCHER: tuple[str, ...] = (PYTHON, "-m", "vllm_cpu_launch")
@@ -116,6 +116,7 @@ def base_environ(home: Path, **extra: str) -> dict[str, str]:
     environ["PYTHONPATH"] = IMPORT_PATH
     (home / "bare-system").mkdir(exist_ok=True)
     environ[SYSTEM_ROOT_VARIABLE] = str(home / "bare-system")
+    environ[HOST_CPUS_VARIABLE] = os.environ[HOST_CPUS_VARIABLE]  # conftest's: own
     environ.update(extra)
     return environ
 

@@ -67,6 +67,7 @@ from vllm_cpu_launch.records import replace
 from vllm_cpu_launch.rules import rule
 from vllm_cpu_launch.runtimes import INTEL as INTEL_FAMILY
 from vllm_cpu_launch.settings import Mode, Scope, Settings, Tuned, blocktime_milliseconds
+from vllm_cpu_launch.shape import HostUse, Use
 from vllm_cpu_launch.target import Target
 
 from .conftest import (
@@ -233,6 +234,7 @@ def test_plan_json_has_exactly_the_keys_of_the_design(tmp_path: Path, real_iomp:
         "unsafe": [],
         "refused": [],
         "shape": None,  # make_host reads none
+        "host_use": None,  # nor whose its CPUs are
         "candidates": [
             {
                 "kind": "iomp",
@@ -565,7 +567,8 @@ def facts(
     release: str | None = "0.32.0",
     **changes: Any,
 ) -> Facts:
-    host = Host(environ or {}, changes.pop("machine", "x86_64"), 1000, "/l", (), "/", 2)
+    own = Use(HostUse.OWN, "--host-cpus own")  # the maps' host: idle, vLLM's own
+    host = Host(environ or {}, changes.pop("machine", "x86_64"), 1000, "/l", (), "/", 2, use=own)
     target = Target("/v/bin/vllm", "--vllm", None, "/v")
     base = Facts(
         settings,

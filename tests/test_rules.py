@@ -22,6 +22,7 @@ from vllm_cpu_launch import rules as evidence
 from vllm_cpu_launch.gather import vllm_release
 from vllm_cpu_launch.handoff import PLANNED_VARIABLE
 from vllm_cpu_launch.rules import Start, llvm_runtime, misses, setting_rule
+from vllm_cpu_launch.shape import HostUse
 
 from .conftest import REPO, SystemHost, clean_environ, run_launcher
 from .installers import BASE_PYTHON, SD, offline, run_tool, standin_wheel
@@ -155,7 +156,7 @@ def test_bound_with_none_reserved_no_runtime_measured_faster_than_libgomp() -> N
     assert len(ratios) == 2 * 2 and verdicts(ratios) == {"="}
     assert median_range(ratios) == (0.95, 1.05)
     reserved = {evidence.RESERVED_VARIABLE: "0"}
-    start = Start("x86_64", 2, "0.32.0", True, "ngram", None, reserved)
+    start = Start("x86_64", 2, "0.32.0", True, "ngram", None, reserved, host=HostUse.OWN)
     assert "with none reserved 0.95-1.05x" in setting_rule(start).note
 
 
@@ -848,6 +849,7 @@ def start(**changes: Any) -> Start:
         "method": "ngram",
         "tokens": 3,
         "environ": {},
+        "host": HostUse.OWN,  # the maps' host: idle, vLLM's own
     }
     return Start(**{**facts, **changes})
 
@@ -866,6 +868,8 @@ def test_the_matcher_reads_only_the_table() -> None:
         ({"environ": {"OMP_NUM_THREADS": "2"}}, "OMP_NUM_THREADS"),
         ({"tcmalloc": "always"}, "allocator"),
         ({"callers_allocator": "other"}, "allocator"),
+        ({"host": HostUse.SHARED}, "hosts"),
+        ({"host": HostUse.UNKNOWN}, "hosts"),
     ]
     for change, condition in changes:
         assert [m.condition for m in misses(rule, start(**change))] == [condition], change

@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +19,19 @@ from hypothesis import strategies as st
 from vllm_cpu_launch.plan import plan_as_json, plan_as_text, plan_of
 from vllm_cpu_launch.records import replace
 from vllm_cpu_launch.shape import (
+    STAT,
     VISIBLE_NODES,
+    HostCpus,
+    HostUse,
+    Others,
     Shape,
+    Use,
     cgroup_mounts,
+    host_use,
     id_list,
     id_words,
+    others_line,
+    read_others,
     read_shape,
     shape_line,
 )
@@ -342,3 +351,115 @@ def test_dry_run_in_a_real_cgroup(
     shape = json.loads(result.stdout)["shape"]
     assert (shape["cpus"], shape["quota"], shape["quota_unknown"]) == ([cpu], 0.5, None)
     assert shape["line"].startswith(f"1 CPU ({cpu}), limited to 0.5 by the cgroup quota, ")
+    # With SD, whose the CPUs are: the quota's share, seen without watching the host.
+    sd = [*arguments[:-2], "--host-cpus", "auto", *SD_COMMAND]
+    result = run_launcher(sd, clean_environ(tmp_path), launcher=wrapper)
+    assert result.returncode == 0, result.stderr
+    use = json.loads(result.stdout)["host_use"]
+    assert use == {"kind": "quota", "why": "a cgroup quota of 0.5 of 1 CPUs"}
+
+
+SD_COMMAND = ("serve", "m", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}')
+
+
+def stat_tree(root: Path, busy: int) -> Path:
+    """A /proc/stat of 2 CPUs whose counters stand still: an idle host for the watch."""
+    lines = ["cpu  10 0 10 500 0 0 0 0 0 0"]
+    lines += [f"cpu{n} {busy} 0 5 250 3 0 0 0 0 0" for n in (0, 1)]
+    return tree(root, {STAT: "\n".join(lines) + "\nintr 1 2 3\n"})
+
+
+def test_the_watch_sees_a_busy_loop_on_the_cpus(tmp_path: Path) -> None:
+    """A real busy loop beside the watch, on this process's CPUs: other work, never idle."""
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        others = read_others(cpus)
+    finally:
+        loop.kill()
+        loop.wait()
+    assert others.cpus is not None and others.cpus >= 0.5 and not others.idle
+    assert others_line(others).endswith(" at start: shared")
+
+
+def test_counters_that_stand_still_are_an_idle_host(tmp_path: Path) -> None:
+    """Faked: a host idle while the tests run cannot be had; the counters of one can."""
+    others = read_others((0, 1), str(stat_tree(tmp_path, 7)), watch_s=0.01)
+    assert others == Others(0.0, 0.01) and others.idle
+    assert others_line(others) == "other work used 0.00 CPUs over 0.01 s at start: idle"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (None, "proc/stat: missing"),
+        ("cpu0 1 2 x 4 5 6 7 8\n", "is no line of counters"),
+    ],
+)
+def test_an_unreadable_proc_stat_leaves_the_use_unknown(
+    tmp_path: Path, text: str | None, said: str
+) -> None:
+    root = tree(tmp_path, {} if text is None else {STAT: text})
+    others = read_others((0,), str(root), watch_s=0.0)
+    assert others.cpus is None and not others.idle and said in (others.unknown or "")
+    use = host_use(Shape((0,)), HostCpus.AUTO, "--host-cpus auto", 1, lambda: others)
+    assert use.kind == HostUse.UNKNOWN and "other work at start unknown" in use.why
+
+
+QUOTA_OF_2 = "a cgroup quota of 1.5 of 2 CPUs"
+
+
+def never_watched() -> Others:
+    raise AssertionError("watched where what was told or seen decides")
+
+
+@pytest.mark.parametrize(
+    ("shape", "said", "online", "expected"),
+    [
+        (Shape((0, 1), 1.0), HostCpus.SHARED, 2, Use(HostUse.SHARED, "told")),
+        (
+            Shape((0, 1), 1.5),
+            HostCpus.AUTO,
+            2,
+            Use(HostUse.QUOTA, "a cgroup quota of 1.5 of 2 CPUs"),
+        ),
+        (
+            Shape((0, 1), 1.5),
+            HostCpus.OWN,
+            2,
+            Use(HostUse.QUOTA, "a cgroup quota of 1.5 of 2 CPUs"),
+        ),
+        (Shape((3,)), HostCpus.AUTO, 4, Use(HostUse.OWN, "a cpuset of 1 of the host's 4 CPUs")),
+        (Shape((0, 1), 2.0), HostCpus.OWN, 2, Use(HostUse.OWN, "told")),
+    ],
+)
+def test_what_was_told_or_seen_decides_before_the_watch(
+    shape: Shape, said: HostCpus, online: int, expected: Use
+) -> None:
+    assert host_use(shape, said, "told", online, never_watched) == expected
+
+
+def test_the_watch_decides_the_rest() -> None:
+    busy, idle = Others(1.02), Others(0.03)
+    assert host_use(Shape((0, 1)), HostCpus.AUTO, "", 2, lambda: busy).kind == HostUse.SHARED
+    assert host_use(Shape((0, 1)), HostCpus.AUTO, "", 2, lambda: idle).kind == HostUse.OWN
+
+
+def test_the_launcher_watches_a_busy_host_and_says_so(tmp_path: Path, vllm_env: Path) -> None:
+    """A fresh launcher left to watch (--host-cpus auto), busy loops on every CPU it may use:
+    its plan says the CPUs are shared, and no rule measured on vLLM's own CPUs applies."""
+    loops = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in os.sched_getaffinity(0)
+    ]
+    try:
+        arguments = ["--vllm", str(vllm_env / "bin" / "vllm"), "--host-cpus", "auto", "--dry-run"]
+        result = run_launcher([*arguments, "--json", *SD_COMMAND], clean_environ(tmp_path))
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["host_use"]["kind"] == "shared", plan["host_use"]
+    assert plan["host_use"]["why"].startswith("other work used ")

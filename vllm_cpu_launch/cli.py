@@ -100,6 +100,9 @@ options (before the vLLM subcommand; each has a VLLMCPULAUNCH_* variable):
   --tcmalloc-path FILE       use this tcmalloc library
   --kmp-blocktime VALUE      set KMP_BLOCKTIME (default: keep yours, else 5; 200 under
                              VLLM_CPU_OMP_THREADS_BIND=nobind on the map's host)
+  --host-cpus auto|own|shared
+                             whose the CPUs are (the maps ran on vLLM's own): auto =
+                             a quota or cpuset says, else a 0.3 s watch of the host
   --vllm EXECUTABLE          the vllm to start (default: beside this Python, else PATH)
   --strict                   a wanted library that is missing is an error (exit 3)
   --dry-run [--json]         print the plan, exec nothing

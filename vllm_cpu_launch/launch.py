@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from typing import TYPE_CHECKING
 
 from vllm_cpu_launch import errors
@@ -18,8 +19,9 @@ from vllm_cpu_launch.handoff import Planner
 from vllm_cpu_launch.libraries import Host, system_root
 from vllm_cpu_launch.messages import did_you_mean, emit
 from vllm_cpu_launch.plan import STRICT_REFUSAL, plan_of, summary_line
-from vllm_cpu_launch.settings import Settings, load_settings
-from vllm_cpu_launch.shape import read_shape
+from vllm_cpu_launch.records import replace
+from vllm_cpu_launch.settings import Settings, load_settings, said_setting
+from vllm_cpu_launch.shape import host_use, read_others, read_shape
 from vllm_cpu_launch.target import Target, resolve_program, resolve_vllm
 
 if TYPE_CHECKING:
@@ -28,7 +30,15 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.plan import Plan
 
 
-SETTING_KEYS = ("iomp", "iomp_path", "tcmalloc", "tcmalloc_path", "kmp_blocktime", "vllm")
+SETTING_KEYS = (
+    "iomp",
+    "iomp_path",
+    "tcmalloc",
+    "tcmalloc_path",
+    "kmp_blocktime",
+    "host_cpus",
+    "vllm",
+)
 # Launcher options that take a value -> the key they fill: --iomp-path fills iomp_path.
 VALUED_OPTIONS = {f"--{key.replace('_', '-')}": key for key in SETTING_KEYS}
 VALUED_OPTIONS["--launcher-config"] = "config"
@@ -124,12 +134,20 @@ def launch_facts(
     """The facts of `vllm COMMAND`, or of `exec -- PROGRAM COMMAND` (Intel OpenMP by
     default): for the launcher, every verb and the plugin (planner), which supplies no
     `vllm` metadata (its vLLM has started)."""
+    host = host or current_host()
+    sd = command.speculative.requested or program is not None
+    if sd and host.shape and host.use is None and host.machine == "x86_64":
+        shape = host.shape
+        watch = partial(read_others, shape.cpus)
+        told = said_setting(settings, "host_cpus")
+        use = host_use(shape, settings.host_cpus, told, os.cpu_count(), watch)
+        host = replace(host, use=use)
     return gather(
         settings,
         command,
         target,
-        host or current_host(),
-        command.speculative.requested or program is not None,
+        host,
+        sd,
         planner=planner,
         supply_metadata=program is None and planner == Planner.LAUNCHER,
     )

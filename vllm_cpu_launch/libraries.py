@@ -38,7 +38,7 @@ from vllm_cpu_launch.trust import insecure_reason, quoted
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Mapping
 
-    from vllm_cpu_launch.shape import Shape
+    from vllm_cpu_launch.shape import Shape, Use
     from vllm_cpu_launch.target import Target
 
     Places = Iterator[tuple["Origin", list[str]]]  # each place's origin and the files it proposes
@@ -117,6 +117,7 @@ class Host:
     root: str = "/"  # where the system places are: see SYSTEM_ROOT_VARIABLE
     cpus: int = 0  # CPUs this process may run on (sched_getaffinity); 0: not known
     shape: Shape | None = None  # those CPUs' quota and nodes (shape.py); None: not read
+    use: Use | None = None  # whose those CPUs are at start (shape.host_use); None: not asked
 
     @property
     def preload(self) -> tuple[PreloadEntry, ...]:

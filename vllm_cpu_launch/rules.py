@@ -12,6 +12,7 @@ from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.runtimes import vllm_reads_kmp
 from vllm_cpu_launch.settings import Mode
+from vllm_cpu_launch.shape import HostUse
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -55,6 +56,8 @@ class Measured:
     unset: tuple[str, ...] = (RESERVED_VARIABLE, THREADS_VARIABLE, BLOCKTIME_VARIABLE)
     allocator: Allocator = Allocator.NONE  # measured with tcmalloc preloaded, or without
     within: tuple[str, ...] = ()  # a runtimes rule's: measured where one of these applies
+    # Whose the CPUs were (shape.HostUse): the maps ran on an idle host, vLLM's own.
+    hosts: tuple[HostUse, ...] = (HostUse.OWN,)
 
 
 @record
@@ -95,6 +98,12 @@ class Rule:
     versus: str = PLAIN  # what the figures compare with
 
 
+HOST_WORDS = {
+    HostUse.OWN: "CPUs of vLLM's own",
+    HostUse.QUOTA: "a cgroup CPU quota",
+    HostUse.SHARED: "CPUs other work shares",
+    HostUse.UNKNOWN: "CPUs whose use is unknown",
+}
 LOAD_LEVELS = (1, 4, 8)  # the concurrencies of the map at load
 
 
@@ -334,6 +343,8 @@ class Start:
     callers_allocator: Allocator | None = None  # TCMALLOC or OTHER: one in their LD_PRELOAD
     vllm_found: bool = True  # False: no vLLM found (release None); True with None: unknown
     callers_runtime: str | None = None  # their LD_PRELOAD's OpenMP runtime: kept, alone
+    host: HostUse = HostUse.UNKNOWN  # whose the CPUs are at start (shape.host_use)
+    host_why: str = "not watched"  # what showed it
 
 
 @record
@@ -364,6 +375,9 @@ def host_misses(where: Measured, start: Start) -> list[Miss]:
     if start.cpus != where.cpus:
         cpus = f"{start.cpus or 'unknown'} usable CPUs"
         said.append(Miss("cpus", cpus, f"measured on {where.cpus}"))
+    if start.host not in where.hosts:
+        measured = f"measured on {' or '.join(HOST_WORDS[h] for h in where.hosts)}"
+        said.append(Miss("hosts", f"{HOST_WORDS[start.host]}: {start.host_why}", measured))
     if ".".join((start.release or "").split(".")[:2]) != where.vllm:
         said.append(Miss("vllm", release_words(start), f"measured with vLLM {where.vllm}"))
     if not start.one_worker:
@@ -459,11 +473,17 @@ def setting_rule(start: Start) -> Setting:
     table = [r for r in RULES if r.runtime is None]
     here = [r for r in table if not host_misses(r.measured, start)]
     near = [r for r in here if not command_misses(r.measured, start)]
-    where = f"{sd_words(start)} on {start.cpus} CPUs with vLLM {start.release}"
+    cpus = f"{start.cpus} CPUs" + (
+        "" if start.host == HostUse.OWN else f", {HOST_WORDS[start.host]} ({start.host_why}),"
+    )
+    where = f"{sd_words(start)} on {cpus} with vLLM {start.release}"
     if not near:
         sources = ", ".join(dict.fromkeys(r.source for r in table))
         note = f"{where}: not measured ({sources}): no rule; libiomp5 as vLLM advises"
-        return Setting(None, note if here and start.method else "")
+        hosted = [
+            r for r in table if [m.condition for m in host_misses(r.measured, start)] == ["hosts"]
+        ]
+        return Setting(None, note if (here or hosted) and start.method else "")
     rule = min(near, key=lambda r: len(misses(r, start)))
     stopped = misses(rule, start)
     if rule.why:

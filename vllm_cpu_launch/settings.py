@@ -13,6 +13,7 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import FALSE_WORDS, PLUGIN_VARIABLE, TRUE_WORDS
 from vllm_cpu_launch.messages import StrEnum, shown
 from vllm_cpu_launch.records import record, replace
+from vllm_cpu_launch.shape import HostCpus
 from vllm_cpu_launch.trust import FileProblem, read_trusted
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class Settings:
     tcmalloc: Mode = Mode.AUTO
     tcmalloc_path: str | None = None
     kmp_blocktime: str | None = None
+    host_cpus: HostCpus = HostCpus.AUTO
     vllm: str | None = None
     strict: bool = False
     plugin: bool = True  # vLLM's plugin applies the plan (docs/design.md, "The plugin")
@@ -126,6 +128,12 @@ def parse_mode(value: object, where: str) -> Mode:
     hint = " (YAML reads off/no/on/yes as true or false: write never or always)"
     said = hint if isinstance(value, bool) else ""
     raise fail(where, f"{shown(value)} is not one of {', '.join(Mode)}{said}")
+
+
+def parse_host_cpus(value: object, where: str) -> HostCpus:
+    if isinstance(value, str) and value.lower() in tuple(HostCpus):
+        return HostCpus(value.lower())
+    raise fail(where, f"{shown(value)} is not one of {', '.join(HostCpus)}")
 
 
 def parse_library_path(value: object, where: str) -> str:
@@ -260,6 +268,7 @@ KEYS: dict[str, tuple[str, str, Callable[[object, str], object]]] = {
     "tcmalloc": ("--tcmalloc", "VLLMCPULAUNCH_TCMALLOC", parse_mode),
     "tcmalloc_path": ("--tcmalloc-path", "VLLMCPULAUNCH_TCMALLOC_PATH", parse_library_path),
     "kmp_blocktime": ("--kmp-blocktime", "VLLMCPULAUNCH_KMP_BLOCKTIME", parse_blocktime),
+    "host_cpus": ("--host-cpus", "VLLMCPULAUNCH_HOST_CPUS", parse_host_cpus),
     "vllm": ("--vllm", "VLLMCPULAUNCH_VLLM", parse_text),
     "strict": ("--strict", "VLLMCPULAUNCH_STRICT", parse_bool),
     "plugin": ("", PLUGIN_VARIABLE, parse_bool),  # read by vLLM's plugin only

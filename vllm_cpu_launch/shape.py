@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.records import record
 
 if TYPE_CHECKING:
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
     _T = TypeVar("_T")
 
 CGROUP, MOUNTINFO, STATUS = "proc/self/cgroup", "proc/self/mountinfo", "proc/self/status"
+STAT = "proc/stat"
+# How long other work is watched at start: 30 ticks of a CPU at the kernel's 100 Hz, so one
+# busy loop (30) stands clear of an idle CPU (0-2), and a start waits no more than that.
+WATCH_S = 0.3
+# Other work's CPUs' worth of time at start under which the host counts as idle: the map's
+# idle host read 0.0-0.1, one tenant's busy loop 1.0 (docs/benchmarks.md, the shapes map).
+IDLE_BELOW = 0.25
 NODES = "sys/devices/system/node"
 # vLLM's own way to say which memory nodes its workers bind to (cpu_resource_utils.py).
 VISIBLE_NODES = "CPU_VISIBLE_MEMORY_NODES"
@@ -39,6 +47,47 @@ class Shape:
     nodes: tuple[int, ...] = ()  # the NUMA nodes of `cpus`
     memory_nodes: tuple[int, ...] = ()  # Mems_allowed_list
     nodes_unknown: str | None = None  # why the nodes could not be read
+
+
+class HostCpus(StrEnum):
+    """What --host-cpus says of the CPUs vLLM gets: read at start, or told (a dedicated host
+    whose start the plan must not judge by a passing job; a host other work shares)."""
+
+    AUTO = "auto"
+    OWN = "own"
+    SHARED = "shared"
+
+
+class HostUse(StrEnum):
+    """Whose the CPUs are at start, the condition the rules were measured under: vLLM's own
+    (idle at start, a cpuset smaller than the host, or said), its share under a cgroup
+    quota, shared with other work, or unknown (the watch could not be read)."""
+
+    OWN = "own"
+    QUOTA = "quota"
+    SHARED = "shared"
+    UNKNOWN = "unknown"
+
+
+@record
+class Use:
+    kind: HostUse
+    why: str  # what showed it: the quota, the cpuset, the watch, or the setting
+
+
+@record
+class Others:
+    """Other work's CPU time on the CPUs a launch may run on, watched at its start (every
+    process but this one; steal, a hypervisor's other guests, counts): whether vLLM's
+    threads will spin on CPUs someone else needs."""
+
+    cpus: float | None  # CPUs' worth of time over the watch; None: unknown
+    watch_s: float = WATCH_S
+    unknown: str | None = None  # why it could not be read
+
+    @property
+    def idle(self) -> bool:
+        return self.cpus is not None and self.cpus < IDLE_BELOW
 
 
 def read_text(root: str, path: str, missing: str | None = "") -> str | None:
@@ -229,3 +278,67 @@ def visible_nodes_problem(shape: Shape, environ: Mapping[str, str]) -> str | Non
         f"CPUs this process may run on ({id_words(shape.cpus)}): a vLLM worker bound there "
         f"gets no CPU; set it to {','.join(map(str, shape.nodes)) or 'their nodes'} or unset it"
     )
+
+
+def busy_seconds(cpus: tuple[int, ...], root: str = "/") -> float:
+    """Seconds the CPUs `cpus` spent busy since boot (/proc/stat: all but idle and iowait,
+    steal included: a hypervisor's other guests are other work too)."""
+    total = 0
+    for line in (read_text(root, STAT) or "").splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            try:
+                ticks = [int(field) for field in fields[:8]]  # user .. steal
+            except ValueError:
+                raise Unreadable(f"/{STAT}: {line!r} is no line of counters") from None
+            total += sum(ticks) - sum(ticks[3:5])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def others_over(busy_s: float, known_s: float, wall_s: float) -> float:
+    """Other work's CPUs' worth of time: the busy seconds less those of known processes."""
+    return round(max(0.0, (busy_s - known_s) / wall_s), 2) if wall_s > 0 else 0.0
+
+
+def read_others(cpus: tuple[int, ...], root: str = "/", watch_s: float = WATCH_S) -> Others:
+    """Other work on `cpus` over `watch_s` seconds, less this process's own CPU time."""
+    import time  # lazy: only a speculative start watches the host
+
+    try:
+        wall, own, busy = time.monotonic(), time.process_time(), busy_seconds(cpus, root)
+        time.sleep(watch_s)
+        busy = busy_seconds(cpus, root) - busy
+        own, wall = time.process_time() - own, time.monotonic() - wall
+    except Unreadable as error:
+        return Others(None, watch_s, str(error))
+    return Others(others_over(busy, own, wall), watch_s)
+
+
+def others_line(others: Others) -> str:
+    """ "other work used 1.02 CPUs over 0.3 s at start": --dry-run, doctor."""
+    if others.cpus is None:
+        return f"other work at start unknown ({others.unknown})"
+    state = "idle" if others.idle else "shared"
+    return f"other work used {others.cpus:.2f} CPUs over {others.watch_s:g} s at start: {state}"
+
+
+def host_use(
+    shape: Shape, said: HostCpus, told: str, online: int | None, watch: Callable[[], Others]
+) -> Use:
+    """Whose the CPUs are (HostUse), from what the start shows: what you said (`told`, in
+    words) first, then a
+    quota below the CPUs, a cpuset below the host's `online` CPUs, else other work watched
+    for a moment (`watch`, only then: it takes WATCH_S)."""
+    count, quota = len(shape.cpus), shape.quota
+    if said == HostCpus.SHARED:
+        return Use(HostUse.SHARED, told)
+    if quota is not None and quota < count:
+        return Use(HostUse.QUOTA, f"a cgroup quota of {round(quota, 2)} of {count} CPUs")
+    if online and count < online:
+        return Use(HostUse.OWN, f"a cpuset of {count} of the host's {online} CPUs")
+    if said == HostCpus.OWN:
+        return Use(HostUse.OWN, told)
+    others = watch()
+    if others.cpus is None:
+        return Use(HostUse.UNKNOWN, others_line(others))
+    return Use(HostUse.OWN if others.idle else HostUse.SHARED, others_line(others))

@@ -57,6 +57,7 @@ from vllm_server import (  # noqa: E402
     wait_until_healthy,
 )
 
+from tests.conftest import HOST_CPUS_VARIABLE  # noqa: E402
 from vllm_cpu_launch.libraries import SYSTEM_ROOT_VARIABLE  # noqa: E402
 
 MAX_TOKENS = 32
@@ -93,11 +94,13 @@ def isolated_environment(
 ) -> dict[str, str]:
     """scripts/vllm_server.py's isolated_environment on the tests' host: whatever it drops
     (`VLLMCPULAUNCH_` among the prefixes), the system root tests/conftest.py laid out
-    (SYSTEM_ROOT_VARIABLE) stays, so that every launcher and plugin an e2e test starts plans
+    (SYSTEM_ROOT_VARIABLE) and the CPUs' use every plan is told (HOST_CPUS_VARIABLE) stay,
+    so that every launcher and plugin an e2e test starts plans
     on that host, never on this machine's own libraries (docs/testing.md, "The host the
     tests see")."""
     env = vllm_server.isolated_environment(scratch, dropped, dropped_prefixes, compile_cache)
     env[SYSTEM_ROOT_VARIABLE] = os.environ[SYSTEM_ROOT_VARIABLE]
+    env[HOST_CPUS_VARIABLE] = os.environ[HOST_CPUS_VARIABLE]  # tests/conftest.py's: own
     return env
 
 
