@@ -780,6 +780,30 @@ def test_a_serving_tune_won_at_every_concurrency_is_a_winner_the_plan_follows(
     assert "did not hold" not in plan.stdout and f"tune of {record.when}" in plan.stdout
 
 
+def test_a_tune_beside_another_tenants_work_says_the_host_was_busy(
+    tmp_path: Path, bench_env: Path
+) -> None:
+    """Busy loops of another process on every CPU tune may use, for the whole run: its report
+    says the host was busy, by the CPU time that was neither tune's, its clients' nor the
+    server's (real /proc/stat and /proc/PID/stat; the server and client are the stand-in)."""
+    loops = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in os.sched_getaffinity(0)
+    ]
+    try:
+        result = tune(tmp_path, bench_env, "gomp-faster", "--rounds", "1", *SERVE)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("host:"))
+    assert line.startswith("host:     busy: other work used "), line
+    low = float(line.split("used ")[1].split("-")[0])
+    assert low >= 0.5, line  # a loop on each CPU, however the scheduler shares them
+    assert "; other work " in result.stderr  # each start's progress line says its own
+
+
 def test_a_server_that_dies_before_it_is_ready_ends_the_tune_with_its_code_and_log(
     tmp_path: Path, bench_env: Path
 ) -> None:

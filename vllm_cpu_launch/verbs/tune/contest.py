@@ -29,6 +29,7 @@ from vllm_cpu_launch.libraries import read_preload
 from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.settings import Mode
+from vllm_cpu_launch.shape import IDLE_BELOW, Unreadable, busy_seconds, others_over
 from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_arguments
 
 if TYPE_CHECKING:
@@ -105,6 +106,15 @@ class Reading:
     completed: int
     drafted: int  # draft tokens proposed (vLLM's /metrics, read by the client)
     accepted: int
+
+
+@record
+class Served:
+    """One server start: its readings, and other work's CPUs' worth of time beside it (the
+    host's busy time less tune's, its clients' and the server's; None: unreadable)."""
+
+    readings: tuple[Reading, ...]
+    others: float | None
 
 
 def rotated(items: Sequence[Contender], rounds: int) -> Iterator[tuple[int, Contender]]:
@@ -256,14 +266,60 @@ def end_group(process: subprocess.Popen[bytes], number: int, wait_s: float) -> N
         time.sleep(STOP_POLL_S)
 
 
-def group_alive(group: int) -> bool:
-    """Whether a process of the group is alive (a zombie is not: it waits for its reaper)."""
+def group_members(group: int) -> Iterator[list[str]]:
+    """The /proc/PID/stat fields after the name of each process of the group (state, ppid,
+    pgrp, ..., utime and stime at 11-12, cutime and cstime at 13-14)."""
     for entry in os.scandir("/proc"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = Path(entry.path, "stat").read_text().rpartition(")")[2].split()
-            if fields[0] != "Z" and int(fields[2]) == group:  # state, ppid, pgrp
-                return True
-    return False
+            if int(fields[2]) == group:
+                yield fields
+
+
+def group_alive(group: int) -> bool:
+    """Whether a process of the group is alive (a zombie is not: it waits for its reaper)."""
+    return any(fields[0] != "Z" for fields in group_members(group))
+
+
+def group_cpu_s(group: int) -> float:
+    """The CPU seconds of the group's processes, with what they reaped (vLLM's children)."""
+    ticks = sum(sum(int(n) for n in fields[11:15]) for fields in group_members(group))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@record
+class Watch:
+    """The busy seconds of tune's CPUs, and tune's own and its reaped clients', at a start's
+    beginning: what other work used beside the start is the rest (shape.others_over)."""
+
+    cpus: tuple[int, ...]
+    busy_s: float
+    known_s: float
+    wall: float
+
+
+def known_cpu_s() -> float:
+    """tune's own CPU seconds and those of the children it reaped (the clients)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def watched() -> Watch | None:
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    with contextlib.suppress(Unreadable):
+        return Watch(cpus, busy_seconds(cpus), known_cpu_s(), time.monotonic())
+    return None
+
+
+def others_since(watch: Watch | None, server_s: float) -> float | None:
+    """Other work's CPUs' worth of time since `watch`, beside the server's group."""
+    if watch is None:
+        return None
+    with contextlib.suppress(Unreadable):
+        busy = busy_seconds(watch.cpus) - watch.busy_s
+        known = known_cpu_s() - watch.known_s + server_s
+        return others_over(busy, known, time.monotonic() - watch.wall)
+    return None
 
 
 def run_child(
@@ -339,9 +395,10 @@ def serve_once(
     name: str,
     contender: Contender,
     deadline: float,
-) -> tuple[list[Reading], str] | None:
+) -> tuple[Served, str] | None:
     """One start of the server on a free loopback port, measured at each concurrency in
-    turn, and its progress line; None when the deadline came first."""
+    turn, with the CPU other work used meanwhile, and its progress line; None when the
+    deadline came first."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         port = int(probe.getsockname()[1])
@@ -349,6 +406,7 @@ def serve_once(
     plan = plan_from_options({**values, "iomp": contender.iomp}, read_command(arguments))
     program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
     url, logs = f"http://{LOOPBACK}:{port}", os.path.join(workdir, name)
+    watch = watched()
     with started(plan.command, f"{logs}-serve.log", plan) as server:
         while not healthy(server, url, f"{logs}-serve.log"):
             if time.monotonic() >= deadline:
@@ -365,10 +423,13 @@ def serve_once(
             if not run_child(what, client, log_path, result, deadline, plan, (PYTHONPATH,)):
                 return None
             readings.append(reading_of(concurrency, result, log_path))
-    return readings, ", ".join(
+        others = others_since(watch, group_cpu_s(server.pid))
+    line = ", ".join(
         f"at {r.concurrency}: {r.tpot_ms:.2f} ms/token, {r.output_tps:.1f} tokens/s"
         for r in readings
     )
+    busy = "unknown" if others is None else f"{others:.2f} CPUs"
+    return Served(tuple(readings), others), f"{line}; other work {busy}"
 
 
 def healthy(server: subprocess.Popen[bytes], url: str, log: str) -> bool:
@@ -403,13 +464,29 @@ def serving_contest(
     lines: list[str] = []
     at: dict[int, Outcome] = {}
     for index, concurrency in enumerate(load.concurrencies):
-        runs = {c: [readings[index] for readings in starts[c]] for c in CONTENDERS}
+        runs = {c: [served.readings[index] for served in starts[c]] for c in CONTENDERS}
         summaries = [Summary(c, tuple(r.tpot_ms for r in runs[c]), "ms/token") for c in CONTENDERS]
         at[concurrency] = outcome_of(summaries, default)
         lines += table_at(concurrency, runs, load)
         lines.append(f"  result at {concurrency}: {at[concurrency].result}")
     done = min(len(s) for s in starts.values())
+    lines.append(host_line([served.others for runs in starts.values() for served in runs]))
     return overall(at, default), lines, done, {c: o.iomp for c, o in at.items()}
+
+
+def host_line(others: Sequence[float | None]) -> str:
+    """Whose the CPUs were while tune measured: a result from a busy host holds for one."""
+    known = [value for value in others if value is not None]
+    if not known:
+        return "host:     other work during the starts unknown (/proc/stat unreadable)"
+    low, high = min(known), max(known)
+    said = f"other work used {low:.2f}-{high:.2f} CPUs during the starts"
+    if high < IDLE_BELOW:
+        return f"host:     idle: {said}"
+    return (
+        f"host:     busy: {said} (another tenant's): the result holds for a host this busy, "
+        "not for an idle one (docs/benchmarks.md, the shapes map)"
+    )
 
 
 def overall(at: Mapping[int, Outcome], default: Contender) -> Outcome:
