@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,13 @@ import yaml
 from vllm_cpu_launch import launch
 from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.records import replace
-from vllm_cpu_launch.shape import id_list, read_shape
+from vllm_cpu_launch.shape import SERVER_CPUS, id_list, id_words, read_shape
 from vllm_cpu_launch.verbs.servers import KV_VARIABLE, PORT_VARIABLE, plan_servers
 
 from .conftest import clean_environ, run_launcher
 from .test_shape import numa_host, tree
 from .test_systemd_unit import effective, systemd_dump, verify_unit
+from .test_verify import MODEL_CHILDREN, start_tree, verify, verify_json  # noqa: F401 (a fixture)
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 # Two nodes of two cores each, SMT siblings numbered as Intel's are (cpuK and cpuK+4).
@@ -54,7 +56,7 @@ def faked(tmp_path: Path, vllm_env: Path, count: int, **environ: str) -> list[di
         {
             "cpus": s.cpus,
             "memory": s.memory_nodes,
-            "env": dict(s.env),
+            "env": {k: v for k, v in s.env if k != SERVER_CPUS or v != id_words(s.cpus)},
             "port": s.port,
             "plan cpus": s.plan.shape and s.plan.shape.cpus,
             "command": s.plan.command[1:],
@@ -256,3 +258,27 @@ def test_systemd_template_and_drop_ins_pass_verify(
         assert environment["HOME"] == f"/var/lib/vq@{server['index']}"
     execstart = (unit_dir / "vq@.service").read_text()
     assert f"-- serve /models/m --port ${{{PORT_VARIABLE}}}\n" in execstart
+
+
+def test_verify_checks_each_process_keeps_to_its_servers_cpus(
+    tmp_path: Path, request: pytest.FixtureRequest, two_here: None
+) -> None:
+    """A tree whose environment names the CPUs `servers` gave it: verify reads each
+    process's Cpus_allowed_list, and one that may run elsewhere is a problem (exit 1)."""
+    start: Callable[..., list[int]] = request.getfixturevalue("start_tree")
+    cpu, everywhere = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
+    pids = start(["serve", "m"], MODEL_CHILDREN, **{SERVER_CPUS: str(cpu)})
+    for pid in pids:
+        os.sched_setaffinity(pid, {cpu})
+    code, report = verify_json(tmp_path, pids[0])
+    assert (code, report["cpus"]) == (0, {"planned": str(cpu), "outside": {}, "why": None})
+    assert "CPUs: every process within" in verify(tmp_path, str(pids[0])).stdout
+    os.sched_setaffinity(pids[-1], everywhere)  # the worker, let loose
+    code, report = verify_json(tmp_path, pids[0])
+    assert (code, report["cpus"]["outside"]) == (1, {str(pids[-1]): id_words(everywhere)})
+    result = verify(tmp_path, str(pids[0]))
+    assert result.returncode == 1
+    assert (
+        f"PROBLEM: PID {pids[-1]} may run on CPUs {id_words(everywhere)}, outside the CPUs {cpu}"
+        in result.stdout
+    )

@@ -22,6 +22,8 @@ CGROUP, MOUNTINFO, STATUS = "proc/self/cgroup", "proc/self/mountinfo", "proc/sel
 NODES = "sys/devices/system/node"
 # vLLM's own way to say which memory nodes its workers bind to (cpu_resource_utils.py).
 VISIBLE_NODES = "CPU_VISIBLE_MEMORY_NODES"
+# The CPUs `servers` gave a server, in its environment: verify checks its processes keep to them.
+SERVER_CPUS = "VLLMCPULAUNCH_SERVER_CPUS"
 # The first release read whose get_visible_memory_node() takes Mems_allowed_list without
 # the allowed CPUs (vLLM #43240): 0.27.0 and 0.32.0 read, 0.34 unchanged; before, unread.
 MEMS_READER = (0, 27)

@@ -20,6 +20,7 @@ from vllm_cpu_launch.plan import plan_as_json, summary_line
 from vllm_cpu_launch.records import record, replace
 from vllm_cpu_launch.rules import BIND_VARIABLE
 from vllm_cpu_launch.shape import (
+    SERVER_CPUS,
     VISIBLE_NODES,
     Shape,
     Unreadable,
@@ -84,7 +85,7 @@ class Server:
     cores: tuple[tuple[int, ...], ...]  # its CPUs, a core's SMT siblings together
     nodes: tuple[int, ...]  # the NUMA nodes of its CPUs
     memory_nodes: tuple[int, ...]  # where its memory comes from (NUMAMask=)
-    env: tuple[tuple[str, str], ...]  # what servers sets for it: binding, KV share
+    env: tuple[tuple[str, str], ...]  # what servers sets for it: its CPUs, binding, KV share
     kv: str  # its KV cache, said
     plan: Plan  # the launcher's plan on its CPUs, with its port
 
@@ -100,9 +101,11 @@ def split(items: Sequence[_T], parts: int) -> list[list[_T]]:
     return [list(items[starts[i] : starts[i + 1]]) for i in range(parts)]
 
 
-def core_groups(shape: Shape, root: str) -> list[list[tuple[int, ...]]]:
+def core_groups(
+    shape: Shape, listed: dict[int, tuple[int, ...]], root: str
+) -> list[list[tuple[int, ...]]]:
     """The allowed CPUs as cores (SMT siblings together, as the kernel lists them), grouped
-    by NUMA node in node order; one group where no node is listed."""
+    by the NUMA nodes `listed` in node order; one group where no node is listed."""
     allowed, cores = set(shape.cpus), {}
     for cpu in shape.cpus:
         path = SIBLINGS.format(cpu)
@@ -110,7 +113,6 @@ def core_groups(shape: Shape, root: str) -> list[list[tuple[int, ...]]]:
         siblings = id_list(text, path) if text is not None else (cpu,)
         cores[cpu] = tuple(c for c in siblings if c in allowed) or (cpu,)
     unique = list(dict.fromkeys(cores.values()))
-    listed = {} if shape.nodes_unknown else node_cpus(root)
     groups = [[c for c in unique if c[0] in listed[n]] for n in shape.nodes if n in listed]
     placed = {core for group in groups for core in group}
     rest = [core for core in unique if core not in placed]  # no node lists them
@@ -150,14 +152,13 @@ def binding(cores: Sequence[tuple[int, ...]]) -> str:
 
 
 def kv_shares(
-    sets: list[list[tuple[int, ...]]], shape: Shape, root: str, environ: dict[str, str]
+    first: list[int | None], root: str, environ: dict[str, str]
 ) -> list[tuple[tuple[tuple[str, str], ...], str]]:
-    """Each server's KV-cache setting and why. vLLM sizes an unset one from its worker's
-    memory node (v1/worker/cpu_worker.py: 92% of the node's total, less its own size), so
-    servers sharing a node would each claim most of it: each gets half its part of the
-    node, explicitly; yours is kept, refused only where the servers cannot all have it."""
-    listed = {} if shape.nodes_unknown else node_cpus(root)
-    first = [next((n for n in listed if s[0][0] in listed[n]), None) for s in sets]
+    """Each server's KV-cache setting and why, by its first node (None: none listed). vLLM
+    sizes an unset one from its worker's memory node (v1/worker/cpu_worker.py: 92% of the
+    node's total, less its own size), so servers sharing a node would each claim most of
+    it: each gets half its part of the node, explicitly; yours is kept, refused only where
+    the servers cannot all have it."""
     said: list[tuple[tuple[tuple[str, str], ...], str]] = []
     for node in first:
         sharing, where = first.count(node), "the host" if node is None else f"node {node}"
@@ -246,7 +247,8 @@ def plan_servers(
             EXIT_USAGE, f"--port {port}: give the first of {count} ports, up to {65536 - count}"
         )
     try:
-        groups = core_groups(shape, root)
+        listed = {} if shape.nodes_unknown else node_cpus(root)
+        groups = core_groups(shape, listed, root)
         cores = sum(len(group) for group in groups)
         if count > cores:
             raise LaunchError(
@@ -256,35 +258,26 @@ def plan_servers(
                 f"server each at most: plan at most {cores}",
             )
         sets = cpu_sets(groups, count)
-        kv = kv_shares(sets, shape, root, environ)
-        listed = {} if shape.nodes_unknown else node_cpus(root)
+        nodes = [
+            [n for n in listed if {c for core in s for c in core} & set(listed[n])] for s in sets
+        ]
+        kv = kv_shares([n[0] if n else None for n in nodes], root, environ)
     except Unreadable as error:
         raise LaunchError(EXIT_USAGE, f"servers: {error}") from None
-    nodes = [[n for n in listed if {c for core in s for c in core} & set(listed[n])] for s in sets]
     check_visible_nodes(environ, nodes)
     servers = []
     for index, (cores_of, nodes_of, (kv_env, kv_said)) in enumerate(
         zip(sets, nodes, kv, strict=True)
     ):
-        cpus = tuple(sorted(c for core in cores_of for c in core))
+        cpus, at = tuple(sorted(c for core in cores_of for c in core)), int(port) + index
+        # Its memory: its CPUs' nodes where allowed, else those allowed (said in the text).
         memory = tuple(n for n in nodes_of if n in shape.memory_nodes) or shape.memory_nodes
-        own = ((BIND_VARIABLE, binding(cores_of)), *kv_env)
-        own_shape = replace(shape, cpus=cpus, nodes=tuple(nodes_of))
-        own_host = replace(host, environ={**environ, **dict(own)}, cpus=len(cpus), shape=own_shape)
-        vllm = read_command([*arguments, "--port", str(int(port) + index)])
-        plan = launch.plan_from_options(values, vllm, host=own_host)
-        servers.append(
-            Server(
-                index,
-                int(port) + index,
-                tuple(cores_of),
-                tuple(nodes_of),
-                memory,
-                own,
-                kv_said,
-                plan,
-            )
-        )
+        own = ((SERVER_CPUS, id_words(cpus)), (BIND_VARIABLE, binding(cores_of)), *kv_env)
+        on = replace(shape, cpus=cpus, nodes=tuple(nodes_of))
+        on_host = replace(host, environ={**environ, **dict(own)}, cpus=len(cpus), shape=on)
+        vllm = read_command([*arguments, "--port", str(at)])
+        plan = launch.plan_from_options(values, vllm, host=on_host)
+        servers.append(Server(index, at, tuple(cores_of), on.nodes, memory, own, kv_said, plan))
     return servers
 
 
@@ -306,10 +299,12 @@ def as_text(values: dict[str, object], shape: Shape, servers: list[Server]) -> s
     lines = [f"{len(servers)} servers on {shape_line(shape)}"]
     for s in servers:
         cpus, cores = id_words(s.cpus), len(s.cores)
+        away = s.nodes and not set(s.nodes) & set(s.memory_nodes)
+        elsewhere = f" (its CPUs' {nodes_words(s.nodes)}: not allowed for memory)" if away else ""
         lines += [
             f"server {s.index}: port {s.port}",
             f"  CPUs          {cpus} ({cores} core{'s' * (cores > 1)}, {nodes_words(s.nodes)})",
-            f"  memory        {nodes_words(s.memory_nodes)}",
+            f"  memory        {nodes_words(s.memory_nodes)}{elsewhere}",
             f"  binding       {BIND_VARIABLE}={dict(s.env)[BIND_VARIABLE]}",
             f"  KV cache      {s.kv}",
             f"  plan          {summary_line(s.plan)}",
@@ -439,8 +434,9 @@ def main(values: dict[str, object], args: list[str]) -> int:
     systemd_unit.check_names(merged)
     host = launch.current_host()
     servers, shape = plan_servers(merged, count, arguments, host), host_shape(host)
-    for warning in dict.fromkeys(w for s in servers for w in s.plan.warnings):
-        emit("warning", warning)
+    if output_format != "systemd":  # else systemd-unit's warnings, for the service
+        for warning in dict.fromkeys(w for s in servers for w in s.plan.warnings):
+            emit("warning", warning)
     launch.provide_metadata(servers[0].plan)
     if output_format == "systemd":
         text = write_units(merged, arguments, servers, str(directory))
