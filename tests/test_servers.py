@@ -205,6 +205,13 @@ def test_bad_input_is_one_line(
     assert line.startswith("vllm-cpu-launch: error: ") and said in line, line
 
 
+def test_help_and_a_typo(tmp_path: Path, vllm_env: Path) -> None:
+    code, out, _ = servers_here(tmp_path, vllm_env, "--help")
+    assert code == 0 and out.startswith("usage: vllm-cpu-launch servers N [--format")
+    code, _, err = servers_here(tmp_path, vllm_env, "2", "--formt", "json", "serve", "m")
+    assert code == EXIT_USAGE and "did you mean --format?" in err
+
+
 def test_more_servers_than_cpus_here(tmp_path: Path, vllm_env: Path) -> None:
     count = str(len(os.sched_getaffinity(0)) + 1)
     code, _, err = servers_here(tmp_path, vllm_env, count, "serve", "m")
@@ -244,10 +251,10 @@ def test_systemd_template_and_drop_ins_pass_verify(
         checked = verify_unit(unit)
         assert (checked.returncode, checked.stderr) == (0, ""), checked.stderr
         dump = systemd_dump(unit)
-        cpus = " ".join(map(str, server["cpus"]))
-        assert effective(dump, "CPUAffinity") == cpus
+        # systemd prints a CPU or node set as its ranges, a space between them.
+        assert effective(dump, "CPUAffinity") == id_words(server["cpus"]).replace(",", " ")
         assert effective(dump, "NUMAPolicy") == "bind"
-        assert effective(dump, "NUMAMask") == ",".join(map(str, server["memory_nodes"]))
+        assert effective(dump, "NUMAMask") == id_words(server["memory_nodes"]).replace(",", " ")
         environment = dict(
             line.split(": ", 1)[1].split("=", 1)
             for line in dump.splitlines()

@@ -51,6 +51,7 @@ DEFAULT_PORT = 8000  # vLLM's --port default
 SIBLINGS = "sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
 MEMINFO = "sys/devices/system/node/node{}/meminfo"
 GIB_KB = 2**20
+OPTIONS = {"--env": "unit_env", "--format": "format", "--directory": "directory"}
 
 USAGE = """\
 usage: vllm-cpu-launch servers N [--format text|json|shell|docker|kubernetes|systemd]
@@ -60,7 +61,8 @@ Plan N servers of one model on the CPUs this process may run on, each on its own
 whole NUMA nodes first (N up to the nodes), then cores, a core's SMT siblings together.
 Each server gets its CPUs and their memory nodes, a port (yours from --port, else 8000;
 then one more each), VLLM_CPU_OMP_THREADS_BIND (one CPU per core, the last core's left
-to vLLM's engine core, as vLLM's auto binding picks them), a KV-cache share
+to vLLM's engine core, as vLLM's auto binding picks them), VLLMCPULAUNCH_SERVER_CPUS
+(its CPUs: `verify PID` checks its processes keep to them), a KV-cache share
 (VLLM_CPU_KVCACHE_SPACE) where servers share a memory node, and the launcher's plan for
 its CPUs. Your VLLM_CPU_OMP_THREADS_BIND, CPU_VISIBLE_MEMORY_NODES or --uds would put
 every server on the same CPUs, nodes or socket: an error. Your KV cache size is kept.
@@ -401,18 +403,15 @@ def read_count(word: str | None) -> int:
 
 
 def main(values: dict[str, object], args: list[str]) -> int:
-    valued = {
-        **launch.VALUED_OPTIONS,
-        **systemd_unit.UNIT_OPTIONS,
-        **{"--env": "unit_env", "--format": "format", "--directory": "directory"},
-    }
-    parse = {"valued": valued, "repeatable": ("unit_env",), "verb": "servers"}
-    more, rest = launch.parse_options(args, **parse)  # type: ignore[arg-type]
-    if more.get("help") or values.get("help"):
+    valued = {**launch.VALUED_OPTIONS, **systemd_unit.UNIT_OPTIONS, **OPTIONS}
+    more, rest = launch.parse_options(args, valued, repeatable=("unit_env",), verb="servers")
+    if more.get("help"):
         launch.write_stdout(USAGE.rstrip())
         return 0
-    count = read_count(rest[0] if rest else None)
-    later, arguments = launch.parse_options(rest[1:], **parse)  # type: ignore[arg-type]
+    count = read_count(rest[0] if rest else None)  # N, after any options or before them
+    later, arguments = launch.parse_options(
+        rest[1:], valued, repeatable=("unit_env",), verb="servers"
+    )
     merged = {**values, **more, **later}
     output_format = str(merged.get("format", "json" if merged.get("json") else "text"))
     directory = merged.get("directory")
