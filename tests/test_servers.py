@@ -188,6 +188,7 @@ def test_text_and_env_formats_here(tmp_path: Path, vllm_env: Path, two_here: Non
         (["2", "--format", "yaml", "serve", "m"], {}, "--format 'yaml': use one of"),
         (["2", "bench", "m"], {}, "servers needs vLLM's serve command"),
         (["2", "serve", "m"], {KV_VARIABLE: "100000"}, f"{KV_VARIABLE}=100000 (yours, kept)"),
+        (["2", "serve", "m"], {KV_VARIABLE: "4.5"}, "vLLM reads whole GiB"),
         (["2", "serve", "m"], {"CPU_VISIBLE_MEMORY_NODES": "7"}, "holds no node of server 0"),
     ],
 )

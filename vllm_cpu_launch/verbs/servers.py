@@ -164,18 +164,23 @@ def kv_shares(
     said: list[tuple[tuple[tuple[str, str], ...], str]] = []
     for node in first:
         sharing, where = first.count(node), "the host" if node is None else f"node {node}"
+        if sharing == 1 and not environ.get(KV_VARIABLE):
+            said.append(((), f"vLLM's own sizing: the only server on {where}"))
+            continue
         total = memory_kb(root, node) // GIB_KB
         if environ.get(KV_VARIABLE):
             yours = environ[KV_VARIABLE]
-            if yours.isdigit() and int(yours) * sharing > total:
+            if not (yours.isascii() and yours.isdigit()):
+                raise LaunchError(
+                    EXIT_USAGE, f"{KV_VARIABLE}={yours} (yours): vLLM reads whole GiB (int)"
+                )
+            if int(yours) * sharing > total:
                 raise LaunchError(
                     EXIT_USAGE,
                     f"{KV_VARIABLE}={yours} (yours, kept): {sharing} servers on {where} "
                     f"({total} GiB) would take {int(yours) * sharing} GiB; lower it or unset it",
                 )
             said.append(((), f"{KV_VARIABLE}={yours} GiB (yours, kept)"))
-        elif sharing == 1:
-            said.append(((), f"vLLM's own sizing: the only server on {where}"))
         elif total // (2 * sharing) < 1:
             raise LaunchError(
                 EXIT_USAGE,
