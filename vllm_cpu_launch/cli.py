@@ -60,7 +60,7 @@ def run_plan(values: dict[str, object], arguments: Sequence[str], program: str |
 
 # The first word: a verb or vLLM
 
-VERBS = ("doctor", "env", "verify", "systemd-unit", "exec", "tune", "rules")
+VERBS = ("doctor", "env", "verify", "systemd-unit", "servers", "exec", "tune", "rules")
 # vLLM's own subcommands (vllm/entrypoints/cli/main.py, CMD_MODULES, the same in vLLM 0.32,
 # 0.33 and 0.34): always passed on, never taken for a mistyped verb.
 VLLM_SUBCOMMANDS = (
@@ -76,6 +76,7 @@ usage: vllm-cpu-launch [OPTIONS] [--] VLLM_SUBCOMMAND [VLLM ARGS...]
                            [--] VLLM_SUBCOMMAND ...
        vllm-cpu-launch verify [--json] [--speculative] PID
        vllm-cpu-launch systemd-unit [UNIT OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
+       vllm-cpu-launch servers N [--format FORMAT] [--directory DIR] [OPTIONS] [--] serve MODEL ...
        vllm-cpu-launch tune [--write] [TUNE OPTIONS] [OPTIONS] [--] serve MODEL [ARGS...]
        vllm-cpu-launch rules [--json] [[OPTIONS] [--] VLLM_SUBCOMMAND ...]
 """
@@ -136,6 +137,8 @@ def run_verb(verb: str, values: dict[str, object], rest: list[str]) -> int:
         from vllm_cpu_launch.verbs.tune import main as verb_main
     elif verb == "rules":
         from vllm_cpu_launch.verbs.rules import main as verb_main
+    elif verb == "servers":
+        from vllm_cpu_launch.verbs.servers import main as verb_main
     else:
         from vllm_cpu_launch.verbs.systemd_unit import main as verb_main
     return verb_main(values, rest)

@@ -154,22 +154,29 @@ def launch_facts(
 
 
 def prepare_launch(
-    values: dict[str, object], command: VllmCommand, program: str | None = None
+    values: dict[str, object],
+    command: VllmCommand,
+    program: str | None = None,
+    host: Host | None = None,
 ) -> tuple[Settings, Target, Plan]:
     settings = launch_settings(values)
     if program is None:
         target = resolve_vllm(settings.vllm, os.environ, sys.executable)
     else:
         target = resolve_program(program, os.environ)
-    return settings, target, plan_of(launch_facts(settings, target, command, program))
+    return settings, target, plan_of(launch_facts(settings, target, command, program, host))
 
 
 def plan_from_options(
-    values: dict[str, object], command: VllmCommand, program: str | None = None
+    values: dict[str, object],
+    command: VllmCommand,
+    program: str | None = None,
+    host: Host | None = None,
 ) -> Plan:
-    """The plan to exec or print. A refused plan is fatal (126); with --strict, so are an
-    unsafe target (126) and a wanted library missing (3): one error line, other warnings."""
-    settings, _, plan = prepare_launch(values, command, program)
+    """The plan to exec or print (on `host`, else this one's). A refused plan is fatal (126);
+    with --strict, so are an unsafe target (126) and a wanted library missing (3): one error
+    line, other warnings."""
+    settings, _, plan = prepare_launch(values, command, program, host)
     if plan.refused:  # never two OpenMP runtimes, nor a library others can change
         raise LaunchError(errors.EXIT_NOT_EXECUTABLE, f"not starting: {plan.refused[0]}")
     if not settings.strict or not (plan.unsafe or plan.missing):

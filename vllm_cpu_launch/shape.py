@@ -30,6 +30,8 @@ IDLE_BELOW = 0.25
 NODES = "sys/devices/system/node"
 # vLLM's own way to say which memory nodes its workers bind to (cpu_resource_utils.py).
 VISIBLE_NODES = "CPU_VISIBLE_MEMORY_NODES"
+# The CPUs `servers` gave a server, in its environment: verify checks its processes keep to them.
+SERVER_CPUS = "VLLMCPULAUNCH_SERVER_CPUS"
 # The first release read whose get_visible_memory_node() takes Mems_allowed_list without
 # the allowed CPUs (vLLM #43240): 0.27.0 and 0.32.0 read, 0.34 unchanged; before, unread.
 MEMS_READER = (0, 27)
@@ -183,18 +185,22 @@ def cgroup_quota(root: str) -> float | None:
     return min(limits, default=None)
 
 
-def cpu_nodes(root: str, cpus: tuple[int, ...]) -> tuple[int, ...]:
-    """The NUMA nodes that hold any of `cpus` (none where the kernel lists no nodes)."""
+def node_cpus(root: str) -> dict[int, tuple[int, ...]]:
+    """{node: its CPUs} as the kernel lists them (empty where it lists no nodes)."""
     try:
         names = os.listdir(os.path.join(root, NODES))
     except FileNotFoundError:
-        return ()
+        return {}
     except OSError as error:
         raise Unreadable(f"{os.path.join(root, NODES)}: {error.strerror}") from None
     nodes = sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
     path = f"{NODES}/node{{}}/cpulist"
-    listed = {n: id_list(read_text(root, path.format(n)) or "", path.format(n)) for n in nodes}
-    return tuple(n for n in nodes if set(listed[n]) & set(cpus))
+    return {n: id_list(read_text(root, path.format(n)) or "", path.format(n)) for n in nodes}
+
+
+def cpu_nodes(root: str, cpus: tuple[int, ...]) -> tuple[int, ...]:
+    """The NUMA nodes that hold any of `cpus` (none where the kernel lists no nodes)."""
+    return tuple(n for n, listed in node_cpus(root).items() if set(listed) & set(cpus))
 
 
 def memory_nodes(root: str) -> tuple[int, ...]:

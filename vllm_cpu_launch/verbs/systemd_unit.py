@@ -157,8 +157,10 @@ def render_unit(
     arguments: list[str],
     about: str,
     needed: list[str],
+    tail: str = "",
 ) -> str:
-    """The unit for `launcher command... -- arguments...`: PrivateTmp only if none of the
+    """The unit for `launcher command... -- arguments...` and `tail`, ExecStart's end as
+    systemd reads it (servers' `--port ${VARIABLE}`): PrivateTmp only if none of the
     `needed` files is under /tmp."""
     private_tmp = tmp_ok(needed, values)
     user, group = values.get("unit_user"), values.get("unit_group")
@@ -169,7 +171,8 @@ def render_unit(
         name=values.get("unit_name") or DEFAULT_NAME,
         version=__version__,
         description=systemd_syntax.plain_text(about),
-        exec_start=systemd_syntax.exec_line([*launcher_command(), *command, "--", *arguments]),
+        exec_start=systemd_syntax.exec_line([*launcher_command(), *command, "--", *arguments])
+        + tail,
         identity="\n".join(identity),
         environment="".join(lines),
         stop_timeout=stop_timeout(arguments),
@@ -278,6 +281,13 @@ def main(values: dict[str, object], args: list[str]) -> int:
         raise LaunchError(
             EXIT_USAGE, "systemd-unit needs the vLLM command: systemd-unit -- serve MODEL [ARGS...]"
         )
+    launch.write_stdout(unit_text(merged, rest))
+    return 0
+
+
+def unit_text(merged: dict[str, object], rest: list[str], tail: str = "") -> str:
+    """The unit for the launcher's options `merged` and the command `rest` (render_unit's
+    `tail` ends ExecStart), with a warning for what the service will not see."""
     environment = user_environment(merged)  # every --env checked before anything else
     given = {name for name, _ in environment}
     # The caller's settings do not reach the service (the system root is a test host's).
@@ -314,5 +324,4 @@ def main(values: dict[str, object], args: list[str]) -> int:
         description = f"vLLM on CPU: {model or rest[0]} (vllm-cpu-launch)"
         needed += [model] if model and os.path.isabs(model) else []
         command, arguments = baked_options(merged, target), rest
-    launch.write_stdout(render_unit(merged, environment, command, arguments, description, needed))
-    return 0
+    return render_unit(merged, environment, command, arguments, description, needed, tail)

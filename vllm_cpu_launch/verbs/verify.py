@@ -30,6 +30,7 @@ from vllm_cpu_launch.messages import StrEnum
 from vllm_cpu_launch.plan import described_request, schema
 from vllm_cpu_launch.records import record
 from vllm_cpu_launch.runtimes import vllm_reads_gnu, vllm_reads_kmp
+from vllm_cpu_launch.shape import SERVER_CPUS, Unreadable, id_list, id_words, read_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -62,7 +63,10 @@ class Judgement(StrEnum):
 
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
-VARIABLES = (LD_PRELOAD, "KMP_BLOCKTIME", "KMP_AFFINITY", "OMP_NUM_THREADS", BIND, PLANNED_VARIABLE)
+VARIABLES = (
+    *(LD_PRELOAD, "KMP_BLOCKTIME", "KMP_AFFINITY", "OMP_NUM_THREADS", BIND, PLANNED_VARIABLE),
+    SERVER_CPUS,
+)
 # What vLLM calls its processes (setproctitle "VLLM::NAME", vllm/utils/system_utils.py):
 # the engine core and the workers run the model; the API server and DP coordinator do not.
 MODEL_ROLES = {"EngineCore": "engine-core", "Worker": "worker"}
@@ -564,13 +568,40 @@ def assemble(
                 "reason": reason,
             }
         )
+    cpus = server_cpus(seen)
     return {
         "pid": pid,
         "speculative": {"requested": root_request.requested, "source": root_request.source},
-        "ok": all(process["verdict"] != Judgement.PROBLEM for process in processes),
+        "ok": all(process["verdict"] != Judgement.PROBLEM for process in processes)
+        and not (cpus or {}).get("outside"),
         "inside": {"url": url, "read": readings is not None, "why": why},
         "processes": processes,
+        "cpus": cpus,
     }
+
+
+def server_cpus(seen: Sequence[Seen]) -> dict[str, Any] | None:
+    """A server `servers` planned (its SERVER_CPUS in the tree's environments): the processes
+    whose Cpus_allowed_list (/proc/PID/status) goes outside the CPUs it was given."""
+    inherited = (({} if one.inherited is None else one.inherited["env"]) for one in seen)
+    marks = [*(one.environment for one in seen), *inherited]
+    planned = next((mark[SERVER_CPUS] for mark in marks if mark.get(SERVER_CPUS)), None)
+    if planned is None:
+        return None
+    outside: dict[int, str] = {}
+    try:
+        given = set(id_list(planned, SERVER_CPUS))
+        for one in seen:
+            lines = (read_text("/", f"proc/{one.pid}/status", None) or "").splitlines()
+            listed = [line.split(":", 1)[1] for line in lines if line.startswith("Cpus_allowed_l")]
+            allowed = (
+                set(id_list(listed[0].strip(), f"/proc/{one.pid}/status")) if listed else given
+            )
+            if allowed - given:
+                outside[one.pid] = id_words(allowed)
+    except Unreadable as error:
+        return {"planned": planned, "outside": outside, "why": str(error)}
+    return {"planned": planned, "outside": outside, "why": None}
 
 
 # What vLLM writes into a worker's environment at spawn when it binds its threads
@@ -646,6 +677,16 @@ def verify_as_text(report: dict[str, Any]) -> str:
         lines.append("no inside reading (no API server in this tree to ask its /metrics)")
     else:
         lines.append(f"no inside reading from {inside['url']} ({inside['why']})")
+    cpus = report["cpus"]
+    if cpus and cpus["outside"]:
+        away = ", ".join(f"PID {pid} may run on CPUs {c}" for pid, c in cpus["outside"].items())
+        lines.append(
+            f"PROBLEM: {away}, outside the CPUs {cpus['planned']} its server was given "
+            f"({SERVER_CPUS}); start it as `servers` renders it (its unit's drop-in, or taskset -c)"
+        )
+    elif cpus:
+        said = f"not all checked ({cpus['why']})" if cpus["why"] else "every process within"
+        lines.append(f"CPUs: {said} {cpus['planned']}, its server's ({SERVER_CPUS})")
     verdicts = [process["verdict"] for process in report["processes"]]
     problems, unread = verdicts.count(Judgement.PROBLEM), verdicts.count(Judgement.UNREADABLE)
     judged = len(verdicts) - verdicts.count(Judgement.REPORTED) - unread
