@@ -814,9 +814,11 @@ def design_table() -> str:
     def values(field: str) -> str:
         return " or ".join(sorted({str(getattr(rule.measured, field)) for rule in evidence.RULES}))
 
+    hosts = {h for rule in evidence.RULES for h in rule.measured.hosts}
     rows = [
-        f"All on {values('machine')}, {values('cpus')} CPUs, vLLM {values('vllm')}, "
-        f"{values('workers')} worker:",
+        f"All on {values('machine')}, {values('cpus')} CPUs "
+        f"({' or '.join(sorted(evidence.HOST_WORDS[h] for h in hosts))}), "
+        f"vLLM {values('vllm')}, {values('workers')} worker:",
         "",
         "| rule | measured under | adds | TPOT | real weights |",
         "| --- | --- | --- | --- | --- |",

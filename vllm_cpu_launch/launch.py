@@ -116,6 +116,16 @@ def current_host() -> Host:
     )
 
 
+def with_use(host: Host, settings: Settings) -> Host:
+    """`host` with whose its CPUs are (shape.host_use), where not read yet: only the rules of
+    SD on x86-64 ask, and the watch takes shape.WATCH_S. tune reads it once for all starts."""
+    if host.use is not None or host.shape is None or host.machine != "x86_64":
+        return host
+    watch = partial(read_others, host.shape.cpus)
+    told = said_setting(settings, "host_cpus")
+    return replace(host, use=host_use(host.shape, settings.host_cpus, told, os.cpu_count(), watch))
+
+
 def launch_settings(values: dict[str, object]) -> Settings:
     options = {key: values[key] for key in (*SETTING_KEYS, "config") if key in values}
     if values.get("strict"):
@@ -136,12 +146,8 @@ def launch_facts(
     `vllm` metadata (its vLLM has started)."""
     host = host or current_host()
     sd = command.speculative.requested or program is not None
-    if sd and host.shape and host.use is None and host.machine == "x86_64":
-        shape = host.shape
-        watch = partial(read_others, shape.cpus)
-        told = said_setting(settings, "host_cpus")
-        use = host_use(shape, settings.host_cpus, told, os.cpu_count(), watch)
-        host = replace(host, use=use)
+    if sd:
+        host = with_use(host, settings)
     return gather(
         settings,
         command,

@@ -18,11 +18,14 @@ from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.launch import (
     FLAG_OPTIONS,
     VALUED_OPTIONS,
+    current_host,
+    launch_settings,
     parse_options,
     plan_from_options,
+    with_use,
     write_stdout,
 )
-from vllm_cpu_launch.libraries import read_preload
+from vllm_cpu_launch.libraries import Host, read_preload
 from vllm_cpu_launch.messages import emit
 from vllm_cpu_launch.settings import CONFIG_VARIABLE, Mode, Scope, describe, user_config_path
 from vllm_cpu_launch.verbs.tune.command import (
@@ -131,11 +134,13 @@ def positive(value: object, option: str, whole: bool) -> float:
 
 
 def contender_plans(
-    values: dict[str, object], arguments: Sequence[str]
+    values: dict[str, object], arguments: Sequence[str], host: Host
 ) -> tuple[dict[Contender, Plan], Plan]:
     """Each contender's plan (the --dry-run code path), and what --iomp auto plans."""
     command = read_command(arguments)
-    plans = {c: plan_from_options({**values, "iomp": c.iomp}, command) for c in CONTENDERS}
+    plans = {
+        c: plan_from_options({**values, "iomp": c.iomp}, command, host=host) for c in CONTENDERS
+    }
     if not any(p.kind == "iomp" for p in plans[IOMP].preload):
         for warning in plans[IOMP].warnings:
             emit("warning", warning)
@@ -149,7 +154,7 @@ def contender_plans(
             f"your LD_PRELOAD ({gomp_preload}) already holds an Intel/LLVM OpenMP, so the "
             "libgomp candidate cannot run without it; unset LD_PRELOAD to tune",
         )
-    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, command)
+    return plans, plan_from_options({**values, "iomp": Mode.AUTO}, command, host=host)
 
 
 def inherited(plan: Plan) -> str:
@@ -233,7 +238,9 @@ def measure(
     shown = shlex.join(["vllm", *arguments[:-1], "PORT"])
     each = ",".join(str(c) for c in load.concurrencies)
     sent = "as text to /v1/completions" if load.completions else "as chat requests"
-    plans, auto = contender_plans(merged, arguments)
+    # Whose the CPUs are, read once before any start: every start's plan is made on it.
+    host = with_use(current_host(), launch_settings(merged))
+    plans, auto = contender_plans(merged, arguments, host)
     default = IOMP if any(p.kind == "iomp" for p in auto.preload) else GOMP
     say = announce(plans, bool(merged.get("quiet")))
     if dropped:
@@ -242,7 +249,7 @@ def measure(
         f"measuring {len(plans)} candidates x {rounds} rounds, each start at concurrency "
         f"{each}: {shown} (logs in {workdir})"
     )
-    contest = serving_contest(merged, serve, load, default, rounds, limit_s, workdir, say)
+    contest = serving_contest(merged, host, serve, load, default, rounds, limit_s, workdir, say)
     outcome, tables, done, at_load = contest
     envs = {c.name: dict(plans[c].env) for c in CONTENDERS}
     lines = [

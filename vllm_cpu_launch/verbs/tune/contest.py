@@ -35,6 +35,7 @@ from vllm_cpu_launch.verbs.tune.command import LOOPBACK, client_command, server_
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
+    from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import Plan
     from vllm_cpu_launch.verbs.tune.command import Load
 
@@ -389,6 +390,7 @@ def reading_of(concurrency: int, result: str, log_path: str) -> Reading:
 
 def serve_once(
     values: Mapping[str, object],
+    host: Host,
     serve: Sequence[str],
     load: Load,
     workdir: str,
@@ -403,7 +405,8 @@ def serve_once(
         probe.bind((LOOPBACK, 0))
         port = int(probe.getsockname()[1])
     arguments, _ = server_arguments(serve, port)
-    plan = plan_from_options({**values, "iomp": contender.iomp}, read_command(arguments))
+    iomp = {**values, "iomp": contender.iomp}
+    plan = plan_from_options(iomp, read_command(arguments), host=host)
     program = plan.command[: len(plan.command) - len(arguments)]  # vLLM, as the plan runs it
     url, logs = f"http://{LOOPBACK}:{port}", os.path.join(workdir, name)
     watch = watched()
@@ -446,6 +449,7 @@ def healthy(server: subprocess.Popen[bytes], url: str, log: str) -> bool:
 
 def serving_contest(
     values: Mapping[str, object],
+    host: Host,
     serve: Sequence[str],
     load: Load,
     default: Contender,
@@ -459,7 +463,7 @@ def serving_contest(
         # `sharegpt`, whose answer is empty: the length is tune's --output-len
         turns = [[{"from": "human", "value": t}, {"from": "gpt", "value": ""}] for t in load.texts]
         json.dump([{"conversations": turn} for turn in turns], stream)
-    attempt = functools.partial(serve_once, values, serve, load, workdir)
+    attempt = functools.partial(serve_once, values, host, serve, load, workdir)
     starts = run_rounds(rounds, limit_s, ("start", "started"), attempt, say)
     lines: list[str] = []
     at: dict[int, Outcome] = {}
