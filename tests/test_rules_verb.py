@@ -181,7 +181,9 @@ def test_without_vllm_it_says_so_and_still_answers(tmp_path: Path) -> None:
     assert all(
         failed[0] == "no vLLM found (measured with vLLM 0.32)"
         for key, failed in record["misses"].items()
-        if failed and not failed[0].endswith("usable CPUs (measured on 2)")
+        if failed
+        and not failed[0].endswith("usable CPUs (measured on 2)")
+        and not failed[0].startswith("CPUs of vLLM's own: ")  # shapes-none's shared host
     )
 
 

@@ -17,7 +17,7 @@ from vllm_cpu_launch.errors import EXIT_USAGE, LaunchError
 from vllm_cpu_launch.handoff import LD_PRELOAD
 from vllm_cpu_launch.plan import start_of
 from vllm_cpu_launch.records import replace
-from vllm_cpu_launch.rules import LOAD_JSON, REAL_JSON, REAL_MODEL, RULES
+from vllm_cpu_launch.rules import HOST_WORDS, LOAD_JSON, REAL_JSON, REAL_MODEL, RULES
 from vllm_cpu_launch.runtimes import INTEL, vllm_reads
 from vllm_cpu_launch.shape import shape_json, shape_line
 from vllm_cpu_launch.target import Target, resolve_vllm
@@ -219,11 +219,13 @@ def main(values: dict[str, object], args: list[str]) -> int:
             "one_worker": start.one_worker,
             "method": start.method,
             "tokens": start.tokens,
+            "host_use": {"kind": str(start.host), "why": start.host_why},
         }
         record["shape"] = shape_json(host.shape)
         record.update(**matched, vllm=said)
         lines = command_lines(start, found, speculative.requested, matched)
-        lines[2:2] = [f"shape:    {shape_line(host.shape)}"] if host.shape else []
+        cpus = f"cpus:     {HOST_WORDS[start.host]} ({start.host_why})"
+        lines[2:2] = [f"shape:    {shape_line(host.shape)}", cpus] if host.shape else [cpus]
         lines += [f"vLLM:     {w}" for w in said]
     launch.write_stdout(json.dumps(record, indent=2) if merged.get("json") else "\n".join(lines))
     return 0
