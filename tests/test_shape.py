@@ -36,8 +36,9 @@ from vllm_cpu_launch.shape import (
     shape_line,
 )
 
+from . import test_plan as contract
 from .conftest import LAUNCHER, clean_environ, run_launcher
-from .test_plan import facts
+from .test_plan import PINNED, facts
 
 V1 = "32 23 0:29 {within} /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
 V2 = "41 23 0:38 / /sys/fs/cgroup{at} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
@@ -359,6 +360,8 @@ def test_dry_run_in_a_real_cgroup(
     assert use == {"kind": "quota", "why": "a cgroup quota of 0.5 of 1 CPUs"}
 
 
+map_vllm = contract.map_vllm  # the fixture: vLLM 0.32's dist-info, the real libiomp5
+PINNED_CPUS = PINNED[2].split(",")  # taskset -c 0,1: the map's host
 SD_COMMAND = ("serve", "m", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}')
 
 
@@ -463,3 +466,21 @@ def test_the_launcher_watches_a_busy_host_and_says_so(tmp_path: Path, vllm_env: 
     plan = json.loads(result.stdout)
     assert plan["host_use"]["kind"] == "shared", plan["host_use"]
     assert plan["host_use"]["why"].startswith("other work used ")
+
+
+@pytest.mark.parametrize("said", ["own", "shared"])
+def test_what_you_say_of_the_cpus_is_what_the_plan_takes(
+    tmp_path: Path, map_vllm: Path, said: str
+) -> None:
+    """docs/operating.md's two commands (as --dry-run), on the map's host: told, the launch
+    does not watch, and map-1 applies on CPUs of vLLM's own only."""
+    arguments = ["--vllm", str(map_vllm), "--host-cpus", said, "--dry-run", "--json"]
+    result = run_launcher([*arguments, *SD_COMMAND], clean_environ(tmp_path), PINNED)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    # Pinned to 2 CPUs of a larger host, the cpuset says "own" before you do.
+    cpuset = len(os.sched_getaffinity(0)) > len(PINNED_CPUS)
+    told = f"--host-cpus {said}"
+    why = "a cpuset of 2 of the host's" if cpuset and said == "own" else told
+    assert plan["host_use"]["kind"] == said and plan["host_use"]["why"].startswith(why)
+    assert (plan["rule"] is not None) == (said == "own"), plan["notes"]
