@@ -331,10 +331,9 @@ def others_line(others: Others) -> str:
 def host_use(
     shape: Shape, said: HostCpus, told: str, online: int | None, watch: Callable[[], Others]
 ) -> Use:
-    """Whose the CPUs are (HostUse), from what the start shows: what you said (`told`, in
-    words) first, then a
-    quota below the CPUs, a cpuset below the host's `online` CPUs, else other work watched
-    for a moment (`watch`, only then: it takes WATCH_S)."""
+    """Whose the CPUs are (HostUse): `--host-cpus shared` (`told`: the setting in words)
+    first, then a quota below the CPUs, a cpuset below the host's `online` CPUs, `--host-cpus
+    own`, else other work watched for a moment (`watch`, only then: it takes WATCH_S)."""
     count, quota = len(shape.cpus), shape.quota
     if said == HostCpus.SHARED:
         return Use(HostUse.SHARED, told)
