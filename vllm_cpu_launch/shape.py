@@ -291,7 +291,7 @@ def busy_seconds(cpus: tuple[int, ...], root: str = "/") -> float:
     steal included: a hypervisor's other guests are other work too)."""
     total = 0
     for line in (read_text(root, STAT) or "").splitlines():
-        name, *fields = line.split()
+        name, *fields = line.split() or [""]
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
             try:
                 ticks = [int(field) for field in fields[:8]]  # user .. steal
