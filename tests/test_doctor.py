@@ -37,6 +37,7 @@ KEYS = {
     "cores",
     "numa",
     "shape",
+    "host_use",  # the tests tell every plan "own" (conftest)
     "memory",
     "vllm",
     "libraries",
@@ -86,6 +87,9 @@ def test_report_of_a_vllm_environment(tmp_path: Path, vllm_with_metadata: Path) 
     vllm = vllm_with_metadata / "bin" / "vllm"
     _, report = doctor(tmp_path, "--vllm", str(vllm))
     assert set(report) == KEYS and report["schema"] == "vllm-cpu-launch/doctor/3"
+    if os.uname().machine == "x86_64":  # whose the CPUs are: asked of SD on x86-64 alone
+        told = {"kind": "own", "why": "VLLMCPULAUNCH_HOST_CPUS=own"}
+        assert report["host_use"] == told
     assert report["vllm"]["found"] is True
     assert report["vllm"]["executable"] == str(vllm)
     assert report["vllm"]["python"] == str(vllm_with_metadata / "bin" / "python")

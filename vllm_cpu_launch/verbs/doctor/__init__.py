@@ -24,6 +24,7 @@ from vllm_cpu_launch.handoff import LD_PRELOAD, PLUGIN_NAME, PLUGIN_VARIABLE, st
 from vllm_cpu_launch.libraries import IOMP, TCMALLOC, CandidateVerdict, find_library
 from vllm_cpu_launch.plan import plan_of, start_of
 from vllm_cpu_launch.records import record, replace
+from vllm_cpu_launch.rules import HOST_WORDS
 from vllm_cpu_launch.runtimes import LLVM, opt_in_on, preloaded_on, vllm_reads_gnu, vllm_reads_kmp
 from vllm_cpu_launch.settings import (
     Mode,
@@ -34,7 +35,7 @@ from vllm_cpu_launch.settings import (
     record_fields,
     record_scope,
 )
-from vllm_cpu_launch.shape import shape_json
+from vllm_cpu_launch.shape import HostUse, shape_json
 from vllm_cpu_launch.target import resolve_vllm
 
 if TYPE_CHECKING:
@@ -518,7 +519,7 @@ def build_report(values: dict[str, object], environ: Mapping[str, str]) -> dict[
         target = resolve_vllm(settings.vllm, environ, sys.executable)
     except LaunchError as error:
         target_error = error
-    host = launch.current_host()
+    host = launch.with_use(launch.current_host(), settings)  # whose the CPUs are, once
     trusted, unsafe = gather.target_trust(target, host.euid) if target else (frozenset[int](), [])
     release = gather.target_release(target)  # the release the plan follows, read once
     here = Scope(vllm=release, cpus=host.cpus or None)
@@ -540,6 +541,8 @@ def build_report(values: dict[str, object], environ: Mapping[str, str]) -> dict[
     }
     report["vllm"]["unsafe"] = [list(problem) for problem in unsafe]
     report["shape"] = shape_json(host.shape)
+    use = host.use
+    report["host_use"] = use and {"kind": str(use.kind), "why": use.why}
     report["recommendations"] = recommend(report, target, sd_probe(settings, target, host))
     return report
 
@@ -588,6 +591,9 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
         f"{cores['usable']} usable by this process",
         f"shape      {report['shape']['line']}",
     ]
+    use = report["host_use"]
+    if use:
+        lines.append(f"CPUs' use  {HOST_WORDS[HostUse(use['kind'])]} ({use['why']})")
     nodes = report["numa"]
     if nodes:
         lines.append(f"NUMA       {len(nodes)} node{'s' if len(nodes) != 1 else ''}")
