@@ -226,6 +226,18 @@ RULES = (
         "lost least",
     ),
     Rule(
+        "shapes-none-quota",
+        "nothing",
+        (0.82, 0.99),
+        SHAPES_MAP,
+        Measured("ngram", 3, hosts=(HostUse.QUOTA,)),
+        "docs/bench_vllm_shapes/screen-quota-1.0.json",
+        why="under a cgroup quota of 1.0 of 2 CPUs, map-1's setting ran at 0.82x of plain "
+        f"vLLM's speed on {REAL_MODEL}'s real weights at 1 request (0.99x at 4), and every "
+        "unbound block time, its team sized to the quota too, lost at 1 request "
+        "(0.50-0.92x); libiomp5 bound as vLLM binds ran at 0.97-1.04x",
+    ),
+    Rule(
         "runtimes-none",
         "nothing",
         (0.98, 1.01),
