@@ -17,7 +17,14 @@ import pytest
 from vllm_cpu_launch.command import REFUSALS, SPECULATIVE_SOURCE, read_command
 from vllm_cpu_launch.rules import BOUND_WORKERS_SOURCE
 
-from .conftest import IMPORT_PATH, clean_environ, launcher_opens, read_record, run_launcher
+from .conftest import (
+    HOST_CPUS_VARIABLE,
+    IMPORT_PATH,
+    clean_environ,
+    launcher_opens,
+    read_record,
+    run_launcher,
+)
 
 # -------------------- Formerly tests/test_speculative.py --------------------
 # SD detection in every form vLLM accepts, both ways (requested and not).
@@ -405,7 +412,10 @@ def test_malformed_json_is_one_line_with_the_fix_under_every_python(
             (["env"], ["-sc", "null", "-sc", value]),  # each value is read, not the last
             (["systemd-unit"], ["-sc", value]),
         ):
-            result = run_launcher([*head, "--vllm", vllm, "serve", "m", *sd], environ, launcher)
+            # systemd-unit warns of the CPUs' use told here (conftest): its service won't see it
+            told = {k: v for k, v in environ.items() if k != HOST_CPUS_VARIABLE}
+            here = told if head == ["systemd-unit"] else environ
+            result = run_launcher([*head, "--vllm", vllm, "serve", "m", *sd], here, launcher)
             assert result.returncode == 2, (python, head, sd, result.stderr)
             lines = result.stderr.splitlines()
             assert len(lines) == 1, (python, head, sd, lines)

@@ -1171,15 +1171,16 @@ def test_rules_serve_says_llvm_libomp_stands_in_and_by_which_rule(
     from vllm_cpu_launch.libraries import Host
     from vllm_cpu_launch.plan import start_of
     from vllm_cpu_launch.settings import Settings
+    from vllm_cpu_launch.shape import HostUse, Use
     from vllm_cpu_launch.target import Target
     from vllm_cpu_launch.verbs.doctor import SD_PROBE, SdProbe, sd_probe
     from vllm_cpu_launch.verbs.rules import matching
 
     root = cmeel_env_vllm.parent.parent
     (tmp_path / "empty-root").mkdir()
-    host = Host(
-        {}, "x86_64", os.geteuid(), str(tmp_path / "none"), (), str(tmp_path / "empty-root"), cpus=2
-    )
+    own = Use(HostUse.OWN, "--host-cpus own")  # the map's host: CPUs of vLLM's own
+    empty = str(tmp_path / "empty-root")
+    host = Host({}, "x86_64", os.geteuid(), str(tmp_path / "none"), (), empty, cpus=2, use=own)
     target = Target(str(cmeel_env_vllm), "--vllm", str(root / "bin" / "python"), str(root))
     matched = matching(start_of(launch_facts(Settings(), target, SD_PROBE, host=host)), True)
     assert matched["rule"] == evidence.NGRAM_UNBOUND.id

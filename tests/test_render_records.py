@@ -48,7 +48,7 @@ from vllm_cpu_launch.linkmap import LinkMap
 from vllm_cpu_launch.plan import Plan, Preload, plan_as_json, plan_as_text, summary_line
 from vllm_cpu_launch.rules import BIND_VARIABLE, MAP_CPUS, RESERVED_VARIABLE
 from vllm_cpu_launch.settings import Scope, Settings, Tuned
-from vllm_cpu_launch.shape import Shape, shape_json, shape_line
+from vllm_cpu_launch.shape import Shape, Use, shape_json, shape_line
 from vllm_cpu_launch.target import Target
 from vllm_cpu_launch.verbs import doctor, verify
 from vllm_cpu_launch.verbs.doctor import (
@@ -195,6 +195,7 @@ SHOWN = (
     "refused",
     "metadata",
     "shape",
+    "use",
 )
 
 
@@ -225,6 +226,7 @@ def shown_facts(plan: Plan) -> list[str]:
     if plan.metadata is not None:
         found += [plan.metadata.version, plan.metadata.directory]
     found += [shape_line(plan.shape)] if plan.shape is not None else []
+    found += [str(plan.use.kind), plan.use.why] if plan.use is not None else []
     found += [*plan.refused, *plan.warnings, *plan.unsafe, *plan.missing, *plan.notes]
     for candidate in plan.candidates:
         found += [candidate.kind, candidate.verdict, candidate.path, candidate.origin]
@@ -398,8 +400,11 @@ def doctor_reports(draw: st.DrawFn, prefixes: list[str]) -> tuple[dict[str, Any]
     report["libraries"] = {kind: library_section(draw(searches(kind))) for kind in (IOMP, TCMALLOC)}
     cpus = draw(st.sampled_from([MAP_CPUS, 1, 64]))
     root = os.environ[SYSTEM_ROOT_VARIABLE]  # the test's host (tests/conftest.py), not this one
-    host = Host(environ, "x86_64", os.geteuid(), sys.prefix, (), root, cpus)
+    use = draw(st.none() | records(Use))
+    # Told or read: drawn, so that no example waits for a watch of this host.
+    host = Host(environ, "x86_64", os.geteuid(), sys.prefix, (), root, cpus, use=use)
     report["shape"] = shape_json(draw(records(Shape)))
+    report["host_use"] = use and {"kind": str(use.kind), "why": use.why}
     report["environment"] = caller_variables(environ)
     report["preload"] = doctor.preload_section(host.preload)
     report["settings"] = settings_section(launcher_settings, draw(MAYBE_TEXT), draw(records(Scope)))

@@ -102,7 +102,7 @@ class Rule:
 HOST_WORDS = {
     HostUse.OWN: "CPUs of vLLM's own",
     HostUse.QUOTA: "a cgroup CPU quota",
-    HostUse.SHARED: "CPUs other work shares",
+    HostUse.SHARED: "CPUs shared with other work",
     HostUse.UNKNOWN: "CPUs whose use is unknown",
 }
 LOAD_LEVELS = (1, 4, 8)  # the concurrencies of the map at load
