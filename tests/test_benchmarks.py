@@ -472,3 +472,16 @@ def test_every_kept_record_and_plot_is_reachable_from_the_front_page() -> None:
         assert record.name in text, record.name
     for plot in plots:
         assert plot.name in text or plot.with_suffix(".json").name in text, plot.name
+
+
+def test_the_shapes_table_is_the_one_its_script_prints_from_the_kept_runs() -> None:
+    """docs/benchmarks-details.md's shapes table, as `scripts/bench_vllm_shapes.py
+    docs/bench_vllm_shapes` prints it (a fresh process) from the records kept there."""
+    text = (REPO / "docs" / "benchmarks-details.md").read_text(encoding="utf-8")
+    begin, end = "<!-- bench_vllm shapes: begin -->\n", "<!-- bench_vllm shapes: end -->"
+    shown = text.split(begin, 1)[1].split(end, 1)[0]
+    script = [sys.executable, str(SCRIPTS / "bench_vllm_shapes.py"), "docs/bench_vllm_shapes"]
+    printed = subprocess.run(script, cwd=REPO, capture_output=True, text=True, check=True)
+    assert shown == printed.stdout
+    rows = [line for line in shown.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) >= 16 and all(line.count(" | ") == 4 for line in rows)
