@@ -485,3 +485,29 @@ def test_the_shapes_table_is_the_one_its_script_prints_from_the_kept_runs() -> N
     assert shown == printed.stdout
     rows = [line for line in shown.splitlines() if line.startswith("| ")][1:]
     assert len(rows) >= 16 and all(line.count(" | ") == 4 for line in rows)
+
+
+def test_the_servers_bench_pairs_its_layouts_by_round(tmp_path: Path) -> None:
+    """scripts/bench_servers.py --from-json (a fresh process): per concurrency, the servers'
+    total tokens/s over one server's and one server's TPOT over theirs, paired by round,
+    a `gain` only where all 4 rounds agree; without a kept run it needs what it measures."""
+    runs = []
+    for number in range(4):
+        one = {"4": {"tokens_per_s": 100.0, "tpot_ms": 30.0}}
+        many = {"4": {"tokens_per_s": 150.0 + number, "tpot_ms": 25.0 + number}}
+        runs += [
+            {"layout": "one", "round": number, "startup_s": 40.0, "phases": one},
+            {"layout": "servers", "round": number, "startup_s": 60.0, "phases": many},
+        ]
+    meta = {"command": "python scripts/bench_servers.py", "servers": 2, "concurrency": [4]}
+    kept = tmp_path / "kept.json"
+    kept.write_text(json.dumps({"meta": meta, "runs": runs}), encoding="utf-8")
+    script = [sys.executable, str(SCRIPTS / "bench_servers.py")]
+    done = subprocess.run([*script, "--from-json", str(kept)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 4 |"))
+    assert row == (
+        "| 4 | 100.0 | 151.5 | 1.52 (1.50-1.53) gain | 30.00 | 26.50 | 1.13 (1.07-1.20) gain |"
+    )
+    refused = subprocess.run(script, capture_output=True, text=True)
+    assert refused.returncode == 2 and "needs --real-model" in refused.stderr
