@@ -70,6 +70,8 @@ def planned_servers(args: argparse.Namespace, env: dict[str, str]) -> list[dict[
         "json",
         "serve",
         str(args.real_model),
+        "--speculative-config",
+        SPECULATIVE_CONFIG,
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
