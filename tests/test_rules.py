@@ -195,8 +195,8 @@ def test_on_a_shared_host_no_unbound_setting_was_a_gain() -> None:
 
 def test_under_a_quota_no_unbound_setting_held_at_one_request() -> None:
     """shapes-none-quota: under a CFS quota of 1.0 CPU, map-1's setting and every unbound
-    block time (with OMP_NUM_THREADS=1 too) ran slower than plain vLLM at 1 request; vLLM's
-    binding, the plan's setting there, within a few per cent either way."""
+    block time (with OMP_NUM_THREADS=1 too) ran slower than plain vLLM at 1 request in the
+    screen; vLLM's binding, the plan's setting there, slower in no round of 4 at 1 request."""
     quota = evidence.rule("shapes-none-quota")
     meta = json.loads((SHAPES / "screen-quota-1.0.json").read_text(encoding="utf-8"))["meta"]
     assert meta["shape"].startswith("quota-1.0: a CFS quota of 1 CPUs")
@@ -211,7 +211,8 @@ def test_under_a_quota_no_unbound_setting_held_at_one_request() -> None:
         levels=(1,),
     )
     assert len(at_one) == 5 and median_range(at_one) == (0.50, 0.92)
-    assert median_range(shape_ratios(("libiomp5",), "quota-1.0")) == (0.97, 1.04)
+    bound = shape_ratios(("libiomp5",), "quota-1.0", "confirm")
+    assert [(round(r.median, 2), r.low >= 1) for r in bound] == [(1.03, True), (0.97, False)]
     start_here = start(host=HostUse.QUOTA, host_why="a cgroup quota of 1.0 of 2 CPUs")
     assert setting_rule(start_here).rule is None
     assert "under a cgroup quota of 1.0 of 2 CPUs" in setting_rule(start_here).note
