@@ -229,7 +229,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.from_json is None and None in needed:
         parser.error("measuring needs --real-model, --vllm-env and --compile-cache")
     args.concurrency_levels = sorted({int(c) for c in args.concurrency.split(",")})
-    args.prompt_set = load_prompts(args.prompts)
+    args.prompt_set = (
+        None if args.from_json else load_prompts(args.prompts)
+    )  # a kept run asks nothing
     return args
 
 
