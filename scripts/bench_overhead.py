@@ -15,6 +15,10 @@ timed end to end, from spawn to the target's exit:
   a_uv, w_uv  the same two, installed by uv (whose wrapper imports nothing)
   a_base `--baseline CHECKOUT`'s launcher (another checkout, the main branch's before a
        change), installed by pip like (a): the before and after of a change in one run
+  a_watch (a) as an SD start nothing tells whose its CPUs are: it watches them for
+       shape.WATCH_S (docs/design.md, "Whose the CPUs are"); every other launcher
+       configuration runs with VLLMCPULAUNCH_HOST_CPUS=own, so it measures the launcher's
+       own work, as on a host that says so or has a cpuset or quota of its own
 and, to show where the time goes: the floor plus `import re`, plus `import json`; the
 launcher as `python -m vllm_cpu_launch`; as `python -c` without pip's wrapper; and as
 `python -c` with dotted SD options (`--speculative-config.method ngram`), whose values
@@ -221,12 +225,18 @@ def make_target(workdir: Path, venv: Path) -> Path:
     return program
 
 
+HOST_CPUS_VARIABLE = "VLLMCPULAUNCH_HOST_CPUS"
+
+
 def clean_environment(workdir: Path) -> dict[str, str]:
+    """The caller's environment less what changes the launcher's choices, with the CPUs told
+    `own` (no watch at start: a_watch alone leaves that out)."""
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
     env = {k: v for k, v in env.items() if not k.startswith("VLLMCPULAUNCH_")}
     xdg = workdir / "xdg-config"  # no user config file: the default exec path
     xdg.mkdir(exist_ok=True)
     env["XDG_CONFIG_HOME"] = str(xdg)
+    env[HOST_CPUS_VARIABLE] = "own"
     return env
 
 
@@ -425,6 +435,13 @@ def print_ratios(
                 medians["a_base"] / medians["w_pip"],
             )
         )
+    watch = medians["a_watch"] - a
+    print(
+        ratio_line(
+            "a_watch/a", "an SD start that watches its CPUs / one told own", medians["a_watch"] / a
+        )
+    )
+    print(f"  the watch at start adds {watch * 1e3:.0f} ms (shape.WATCH_S by design)")
     for key, what in (
         ("a_c", "launcher without pip's wrapper"),
         ("a_dot", "launcher with dotted SD options"),
@@ -475,6 +492,12 @@ def build_configs(
             "vllm-cpu-launch console script (pip wrapper: import re)",
             [script, *launcher_args],
             env,
+        ),
+        (
+            "a_watch",
+            "as a, whose CPUs not told: it watches them at start",
+            [script, *launcher_args],
+            {k: v for k, v in env.items() if k != HOST_CPUS_VARIABLE},
         ),
         ("b", "python -c exec of the target, same env changes (floor)", [python, "-c", floor], env),
         (

@@ -67,6 +67,8 @@ def test_bench_overhead_prints_its_ratios() -> None:
     assert "ratio a/a_base (this launcher / --baseline's (both behind pip)):" in output
     assert "ratio c/a (torch run_cpu / launcher): skipped:" in output
     assert "ratio a_c/b" in output and "ratio a_dot/b" in output
+    assert "ratio a_watch/a (an SD start that watches its CPUs / one told own):" in output
+    assert "the watch at start adds " in output
     assert "imported on the exec path: psutil " in output
     assert "rerun: " in output
 
