@@ -94,6 +94,8 @@ SETTINGS = {
         # The shared host (issue 46): vLLM's binding sets the worker's block time (5), so the
         # launcher's reaches only the API server and engine core: none at all, and one thread.
         Setting("libiomp5-bt0", IOMP, blocktime="0"),
+        # Plain vLLM once more, paired with plain: how far plain moves against itself.
+        Setting("libgomp-again", GOMP),
         Setting("libiomp5-bt0-t1", IOMP, blocktime="0", variables=(("OMP_NUM_THREADS", "1"),)),
         Setting(
             "libiomp5-nobind-bt200+tcmalloc", IOMP, tcmalloc=True, blocktime="200", nobind=True
