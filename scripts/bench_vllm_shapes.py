@@ -3,10 +3,12 @@
 
 Reads the runs `scripts/bench_vllm.py --shape SHAPE --json` kept under a directory
 (docs/bench_vllm_shapes/: `screen-SHAPE.json`, one round of every setting, and
-`confirm-SHAPE.json`, 4 rounds of plain vLLM, the plan's setting and the screen's best) and
-prints one Markdown table: per shape and setting, the TPOT of plain vLLM over the
-setting's, paired by round, at each concurrency (`median (min-max)`, `gain`/`loss` where
-4 or more rounds agree), from the confirmation where one ran, else the screen.
+`confirm-SHAPE.json`, 4 rounds of plain vLLM, the plan's setting and the screen's best;
+`confirm2-SHAPE.json`, 4 more of plain vLLM and vLLM's binding with the launcher's block
+time at 5 and 0 ms, which reaches only the API server and engine core) and prints one
+Markdown table: per shape, run and setting, the TPOT of plain vLLM over the setting's,
+paired by round, at each concurrency (`median (min-max)`, `gain`/`loss` where 4 or more
+rounds agree): every confirmation's settings, then the screen's that none confirmed.
 `--markdown FILE` puts it between `<!-- bench_vllm shapes: begin/end -->` in FILE.
 
     python scripts/bench_vllm_shapes.py docs/bench_vllm_shapes --markdown docs/benchmarks.md
@@ -25,7 +27,8 @@ from bench_vllm_report import speedup, update_markdown
 
 MARKERS = "bench_vllm shapes"
 PLAIN = "libgomp"  # plain vLLM as installed: its worker bound by vLLM
-KINDS = ("confirm", "screen")  # a confirmation's rounds stand for its settings
+CONFIRMATIONS = ("confirm", "confirm2")  # their rounds stand for their settings
+SCREEN = "screen"
 
 
 def by_setting(path: Path) -> tuple[dict[str, list[Run]], list[int], str]:
@@ -40,20 +43,20 @@ def rows(directory: Path) -> list[str]:
     """The table's rows: each shape (in the order below, where kept), each setting."""
     lines: list[str] = []
     for shape in ("tenants-1", "tenants-2", "quota-1.0", "quota-1.5", "cpuset-1"):
-        kept = {kind: directory / f"{kind}-{shape}.json" for kind in KINDS}
+        kept = {kind: directory / f"{kind}-{shape}.json" for kind in (*CONFIRMATIONS, SCREEN)}
         found = {kind: by_setting(path) for kind, path in kept.items() if path.is_file()}
         if not found:
             continue
-        settings: dict[str, tuple[str, list[Run], list[Run], list[int]]] = {}
-        for kind in reversed(KINDS):  # the screen first, the confirmation over it
-            if kind in found:
-                runs, levels, said = found[kind]
-                for key, group in runs.items():
-                    settings[key] = (kind, group, runs[PLAIN], levels)
+        confirmed = {key for kind in CONFIRMATIONS if kind in found for key in found[kind][0]}
+        shown = [
+            (kind, key, group, runs[PLAIN], levels)
+            for kind, (runs, levels, said) in found.items()
+            for key, group in runs.items()
+            if key != PLAIN and (kind != SCREEN or key not in confirmed)
+        ]
+        said = next(iter(found.values()))[2]
         first = True
-        for key, (kind, group, plain, levels) in settings.items():
-            if key == PLAIN:
-                continue
+        for kind, key, group, plain, levels in shown:
             cells = [str(speedup(group, plain, level, "tpot")) for level in levels]
             where = f"**{shape}**: {said.split(': ', 1)[1]}" if first else ""
             lines.append(f"| {where} | `{key}` | {kind}, {len(group)} | {' | '.join(cells)} |")

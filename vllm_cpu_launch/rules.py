@@ -224,7 +224,7 @@ RULES = (
         f"vLLM's speed on {REAL_MODEL}'s real weights at 1 and 4 requests, slower in every "
         "round, and every other unbound block time (0, 1, 5 ms) at 0.38-0.59x; bound as "
         "vLLM binds, libiomp5 lost least, 0.93x at 1 request (slower in every round) and "
-        "0.92x at 4, where --iomp never (libgomp) is faster",
+        "0.92x at 4, and in a second run 1.00x and 0.97x, no verdict either way",
     ),
     Rule(
         "shapes-none-quota",
@@ -237,7 +237,7 @@ RULES = (
         f"vLLM's speed on {REAL_MODEL}'s real weights at 1 request (0.99x at 4), and every "
         "unbound block time, its team sized to the quota too, lost at 1 request "
         "(0.50-0.92x); libiomp5 bound as vLLM binds ran at 1.03x at 1 request, slower in no "
-        "round of 4, and 0.97x at 4",
+        "round of 4, and 0.97x at 4, and in a second run 0.99x and 0.92x, no verdict",
     ),
     Rule(
         "runtimes-none",
