@@ -5,7 +5,8 @@ Reads the runs `scripts/bench_vllm.py --shape SHAPE --json` kept under a directo
 (docs/bench_vllm_shapes/: `screen-SHAPE.json`, one round of every setting, and
 `confirm-SHAPE.json`, 4 rounds of plain vLLM, the plan's setting and the screen's best;
 `confirm2-SHAPE.json`, 4 more of plain vLLM and vLLM's binding with the launcher's block
-time at 5 and 0 ms, which reaches only the API server and engine core) and prints one
+time at 5 and 0 ms, which reaches only the API server and engine core; `confirm3-SHAPE.json`,
+those again beside plain vLLM paired with itself, `libgomp-again`) and prints one
 Markdown table: per shape, run and setting, the TPOT of plain vLLM over the setting's,
 paired by round, at each concurrency (`median (min-max)`, `gain`/`loss` where 4 or more
 rounds agree): every confirmation's settings, then the screen's that none confirmed.
@@ -27,7 +28,7 @@ from bench_vllm_report import speedup, update_markdown
 
 MARKERS = "bench_vllm shapes"
 PLAIN = "libgomp"  # plain vLLM as installed: its worker bound by vLLM
-CONFIRMATIONS = ("confirm", "confirm2")  # their rounds stand for their settings
+CONFIRMATIONS = ("confirm", "confirm2", "confirm3")  # their rounds stand for their settings
 SCREEN = "screen"
 
 

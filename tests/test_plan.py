@@ -1276,6 +1276,7 @@ def test_where_the_caller_set_nothing_a_measured_rule_adds_what_it_measured(
         "figures": [1.19, 1.42],
         "versus": "plain vLLM (libgomp as installed)",
         "source": "docs/benchmarks.md, the map",
+        "paired": None,
     }
     result, record = launched(tmp_path, map_vllm, ["-v", *NGRAM_SERVE])
     assert record["KMP_BLOCKTIME"] == "200"

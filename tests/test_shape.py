@@ -477,7 +477,8 @@ def test_what_you_say_of_the_cpus_is_what_the_plan_takes(
     tmp_path: Path, map_vllm: Path, said: str
 ) -> None:
     """docs/operating.md's two commands (as --dry-run), on the map's host: told, the launch
-    does not watch, and map-1 applies on CPUs of vLLM's own only."""
+    does not watch; map-1 applies on CPUs of vLLM's own, shapes-1 (vLLM's binding, the block
+    time 0 in its front end) on CPUs shared with other work."""
     arguments = ["--vllm", str(map_vllm), "--host-cpus", said, "--dry-run", "--json"]
     result = run_launcher([*arguments, *SD_COMMAND], clean_environ(tmp_path), PINNED)
     assert result.returncode == 0, result.stderr
@@ -487,4 +488,6 @@ def test_what_you_say_of_the_cpus_is_what_the_plan_takes(
     told = f"--host-cpus {said}"
     why = "a cpuset of 2 of the host's" if cpuset and said == "own" else told
     assert plan["host_use"]["kind"] == said and plan["host_use"]["why"].startswith(why)
-    assert (plan["rule"] is not None) == (said == "own"), plan["notes"]
+    rule, blocktime = {"own": ("map-1", "200"), "shared": ("shapes-1", "0")}[said]
+    assert plan["rule"]["id"] == rule and plan["env"]["KMP_BLOCKTIME"] == blocktime
+    assert ("VLLM_CPU_OMP_THREADS_BIND" in plan["env"]) == (said == "own"), plan["env"]

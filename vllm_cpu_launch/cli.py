@@ -100,7 +100,8 @@ options (before the vLLM subcommand; each has a VLLMCPULAUNCH_* variable):
                              preload tcmalloc: auto = when found, if iomp is preloaded
   --tcmalloc-path FILE       use this tcmalloc library
   --kmp-blocktime VALUE      set KMP_BLOCKTIME (default: keep yours, else 5; 200 under
-                             VLLM_CPU_OMP_THREADS_BIND=nobind on the map's host)
+                             VLLM_CPU_OMP_THREADS_BIND=nobind on the map's host, 0
+                             on CPUs shared with other work)
   --host-cpus auto|own|shared
                              whose the CPUs are (the maps ran on vLLM's own): auto =
                              a quota or cpuset says, else a 0.3 s watch of the host

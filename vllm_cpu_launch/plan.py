@@ -676,6 +676,9 @@ def said(facts: Facts, decision: Decision) -> Plan:
     applied = decision.applied
     environ = {**facts.host.environ, **dict(decision.env)}  # what vLLM starts with
     overridden = bound_worker_overrides(environ) if facts.speculative.requested else ()
+    # A rule's own value needs no such note: the rule says where it reaches (shapes-1).
+    ours = applied.variables if applied else ()
+    overridden = tuple(o for o in overridden if (o.name, o.value) not in ours)
     overridden_note = (override_words(overridden),) if overridden else ()
     return Plan(
         command=(facts.target.executable, *facts.arguments),
@@ -713,7 +716,8 @@ def rule_json(rule: Rule | None) -> dict[str, Any] | None:
     if rule is None:
         return None
     said = {key: getattr(rule, key) for key in ("id", "adds", "figures", "versus", "source")}
-    return {**said, "figures": list(rule.figures)}
+    paired = list(rule.paired) if rule.paired else None  # None: a gain in every round
+    return {**said, "figures": list(rule.figures), "paired": paired}
 
 
 def plan_as_json(plan: Plan) -> dict[str, Any]:
@@ -776,9 +780,11 @@ def described_request(requested: bool, source: str | None) -> str:
 def rule_words(rule: dict[str, Any]) -> str:
     """A measured rule of the decision record, with its figures, as --dry-run and doctor say."""
     low, high = rule["figures"]
+    paired = rule["paired"]  # None: every round a gain
+    rounds = f", faster in {paired[0]} of {paired[1]} paired rounds" if paired else ""
     return (
-        f"{rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of {rule['versus']}'s speed "
-        f"({rule['source']})"
+        f"{rule['id']} adds {rule['adds']}: TPOT {low}-{high}x of {rule['versus']}'s speed"
+        f"{rounds} ({rule['source']})"
     )
 
 

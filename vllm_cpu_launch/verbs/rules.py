@@ -67,6 +67,7 @@ def rule_json(rule: rules.Rule) -> dict[str, Any]:
         "adds": {**adds, "allocator": rule.allocator, "runtime": rule.runtime},
         "figures": rule.figures,
         "versus": rule.versus,
+        "paired": rule.paired,
         "source": rule.source,
         "evidence": rule.evidence,
         "rule": not rule.why,
@@ -103,7 +104,8 @@ def table_lines() -> list[str]:
         lines += [
             f"{rule.id:<14} {adds}",
             f"{INDENT}measured under: {'; '.join(measured)}",
-            f"{INDENT}figures: TPOT {rules.figures(rule.figures)} of {rule.versus} ({rule.source})",
+            f"{INDENT}figures: TPOT {rules.figures(rule.figures)} of {rule.versus}, "
+            f"{rules.rounds_words(rule)} ({rule.source})",
             f"{INDENT}real weights: {rules.real_words(rule)}{real}",
             f"{INDENT}at load: {rules.load_words(rule)}{load}",
             f"{INDENT}evidence: {rule.evidence}",
