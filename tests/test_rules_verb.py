@@ -38,7 +38,12 @@ def test_the_table_lists_every_rule_with_where_it_was_measured(tmp_path: Path) -
         assert f"evidence: {rule.evidence}" in result.stdout
         assert f"real weights: {evidence.real_words(rule)}" in result.stdout
         assert f"at load: {evidence.load_words(rule)}" in result.stdout
+        # A rule says how its rounds went (every one, or shapes-1's count); a non-rule not.
+        rounds = f", {evidence.rounds_words(rule)}" if not rule.why else ""
+        figures = f"figures: TPOT {evidence.figures(rule.figures)} of {rule.versus}{rounds} ("
+        assert figures in result.stdout
     assert "measured under: ngram SD; x86_64, 2 CPUs, vLLM 0.32, 1 worker" in result.stdout
+    assert "faster in 20 of 24 paired rounds (docs/benchmarks.md, the shapes map)" in result.stdout
 
 
 def test_the_json_is_the_table_versioned_and_every_evidence_file_is_kept(

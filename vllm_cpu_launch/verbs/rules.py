@@ -101,11 +101,12 @@ def table_lines() -> list[str]:
         real = f" ({REAL_MODEL}, {REAL_JSON})" if rule.real else ""
         load = f" ({LOAD_JSON})" if rule.load else ""
         adds = f"adds {rule.adds}" if not rule.why else f"no rule: {rule.why}"
+        rounds = f", {rules.rounds_words(rule)}" if not rule.why else ""
         lines += [
             f"{rule.id:<14} {adds}",
             f"{INDENT}measured under: {'; '.join(measured)}",
-            f"{INDENT}figures: TPOT {rules.figures(rule.figures)} of {rule.versus}, "
-            f"{rules.rounds_words(rule)} ({rule.source})",
+            f"{INDENT}figures: TPOT {rules.figures(rule.figures)} of {rule.versus}{rounds} "
+            f"({rule.source})",
             f"{INDENT}real weights: {rules.real_words(rule)}{real}",
             f"{INDENT}at load: {rules.load_words(rule)}{load}",
             f"{INDENT}evidence: {rule.evidence}",
